@@ -5,5 +5,3 @@ coordinator, which applies an outer optimizer to fp32 master weights. See docs/a
 """
 
 __version__ = "0.1.0"
-
-TensorDict = dict  # name -> torch.Tensor; an alias so signatures say what they carry
