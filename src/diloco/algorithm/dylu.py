@@ -1,0 +1,57 @@
+"""DyLU, dynamic local updates (Liu et al. 2024): slower workers get fewer local steps.
+
+In async DiLoCo every worker should finish its local steps in about the same wall time, so a
+worker at speed v_w runs H_w = max(1, floor(v_w / max(v) * H)) steps and nobody idles.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import overload
+
+from diloco.algorithm._checks import require_int_at_least
+
+# v / max(v) * H can land a hair below an integer (0.29 * 100 = 28.999999999999996).
+_FLOOR_SLACK = 1e-9
+
+
+def _check_speed(label: str, speed: float) -> float:
+    ok = isinstance(speed, numbers.Real) and not isinstance(speed, bool)
+    if not ok or not math.isfinite(speed) or speed <= 0:
+        raise ValueError(f"speed of {label} must be finite and > 0, got {speed!r}")
+    return float(speed)
+
+
+def _steps(speed: float, fastest: float, sync_every: int) -> int:
+    return max(1, math.floor(speed / fastest * sync_every + _FLOOR_SLACK))
+
+
+@overload
+def dylu_local_steps(speeds: Mapping[str, float], sync_every: int) -> dict[str, int]: ...
+
+
+@overload
+def dylu_local_steps(speeds: Sequence[float], sync_every: int) -> list[int]: ...
+
+
+def dylu_local_steps(
+    speeds: Mapping[str, float] | Sequence[float], sync_every: int
+) -> dict[str, int] | list[int]:
+    """Local steps per worker, keyed like `speeds` (a dict by worker, or a list by index).
+
+    Speeds are any consistent rate (steps/s, tokens/s); only their ratios matter.
+    """
+    require_int_at_least("sync_every H", sync_every, 1)
+    if isinstance(speeds, Mapping):
+        checked = {worker: _check_speed(f"worker {worker!r}", v) for worker, v in speeds.items()}
+        if not checked:
+            return {}
+        fastest = max(checked.values())
+        return {worker: _steps(v, fastest, sync_every) for worker, v in checked.items()}
+    values = [_check_speed(f"worker index {index}", v) for index, v in enumerate(speeds)]
+    if not values:
+        return []
+    fastest = max(values)
+    return [_steps(v, fastest, sync_every) for v in values]

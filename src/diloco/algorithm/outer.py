@@ -1,0 +1,192 @@
+"""One outer round: pseudo-gradients in, new global (master) weights out.
+
+`outer_step` is the single function both the server and the simulator call for a round, so a
+real multi-process run and the simulator apply exactly the same update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from diloco.algorithm._checks import require_choice
+from diloco.algorithm.contributions import (
+    WEIGHTINGS,
+    Contribution,
+    average_contributions,
+    check_weighting,
+    contribution_weight,
+    is_finite_contribution,
+)
+from diloco.algorithm.fragments import alpha_merge
+from diloco.algorithm.outer_optimizer import OUTER_KINDS, OuterOptimizer
+from diloco.algorithm.tensors import TensorDict, TensorKind
+
+__all__ = [
+    "APPLY_POLICIES",
+    "OUTER_KINDS",
+    "WEIGHTINGS",
+    "Contribution",
+    "OuterOptimizer",
+    "OuterStepResult",
+    "UpdateRule",
+    "alpha_merge",
+    "average_contributions",
+    "is_finite_contribution",
+    "outer_step",
+    "pseudo_gradient",
+]
+
+APPLY_POLICIES = ("default", "all_floating")
+
+# Bool buffers: True when the mean is >= 0.5; the slack absorbs float32 noise in weighted means.
+_BOOL_THRESHOLD = 0.5 - 1e-6
+
+
+class UpdateRule(Protocol):
+    """What `outer_step` needs from an optimizer (OuterOptimizer, DelayedNesterov)."""
+
+    def step(self, params: TensorDict, grads: Mapping[str, torch.Tensor], /) -> None: ...
+
+
+def _difference_fp32(name: str, anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if tuple(anchor.shape) != tuple(local.shape):
+        raise ValueError(
+            f"tensor {name!r} has shape {tuple(anchor.shape)} in the anchor "
+            f"and {tuple(local.shape)} locally"
+        )
+    anchor = anchor.detach().to("cpu")
+    local = local.detach().to("cpu")
+    if anchor.is_floating_point() or local.is_floating_point():
+        return anchor.to(torch.float32) - local.to(torch.float32)
+    # Integers and bools: subtract exactly in int64, then convert the (small) difference.
+    return (anchor.to(torch.int64) - local.to(torch.int64)).to(torch.float32)
+
+
+def pseudo_gradient(
+    anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
+) -> TensorDict:
+    """anchor - local for every name, float32 on CPU.
+
+    The sign makes outer SGD with lr 1 a plain average of the local models (FedAvg). Integer
+    and bool tensors are subtracted exactly in int64 before the conversion to float32.
+    """
+    missing = [name for name in anchor if name not in local]
+    extra = [name for name in local if name not in anchor]
+    if missing or extra:
+        raise ValueError(
+            f"anchor and local tensors differ: missing locally {missing}, not in anchor {extra}"
+        )
+    return {name: _difference_fp32(name, anchor[name], local[name]) for name in anchor}
+
+
+@dataclass
+class OuterStepResult:
+    """What a round did: how many contributions were used, which names changed, who was skipped."""
+
+    contributors: int
+    updated: list[str] = field(default_factory=list)
+    skipped_workers: list[str] = field(default_factory=list)
+
+
+def _uses_optimizer(kind: TensorKind, policy: str) -> bool:
+    if kind is TensorKind.TRAINABLE:
+        return True
+    if kind in (TensorKind.FROZEN, TensorKind.FLOAT_BUFFER):
+        return policy == "all_floating"
+    return False
+
+
+def _label(contribution: Contribution, index: int) -> str:
+    return contribution.worker or f"#{index}"
+
+
+def _check_contribution(
+    contribution: Contribution,
+    label: str,
+    masters: Mapping[str, torch.Tensor],
+    kinds: Mapping[str, TensorKind],
+    policy: str,
+) -> None:
+    for name, tensor in contribution.pseudo_gradient.items():
+        master = masters.get(name)
+        if master is None:
+            raise ValueError(f"contribution {label}: tensor {name!r} is not in the global model")
+        if tuple(tensor.shape) != tuple(master.shape):
+            raise ValueError(
+                f"contribution {label}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the global model has {tuple(master.shape)}"
+            )
+        kind = kinds.get(name)
+        if kind is None:
+            raise ValueError(f"tensor {name!r} has no kind (see classify_tensors)")
+        if _uses_optimizer(TensorKind(kind), policy) and not master.is_floating_point():
+            raise ValueError(
+                f"tensor {name!r} is {TensorKind(kind).value} but its master has dtype "
+                f"{master.dtype}, not floating"
+            )
+
+
+def _assign_mean(master: torch.Tensor, mean_gradient: torch.Tensor, kind: TensorKind) -> None:
+    """Set `master` to the mean local value, master - mean(anchor - local)."""
+    if kind is TensorKind.INT_BUFFER or kind is TensorKind.BOOL_BUFFER:
+        local_mean = master.to(torch.float64) - mean_gradient.to(torch.float64)
+        if kind is TensorKind.BOOL_BUFFER:
+            master.copy_(local_mean >= _BOOL_THRESHOLD)
+        else:
+            master.copy_(torch.round(local_mean))  # round half to even
+        return
+    master.sub_(mean_gradient.to(master.dtype))
+
+
+def outer_step(
+    masters: TensorDict,
+    contributions: Sequence[Contribution],
+    optimizer: UpdateRule,
+    kinds: Mapping[str, TensorKind],
+    *,
+    weighting: str = "uniform",
+    policy: str = "default",
+) -> OuterStepResult:
+    """Apply one round's contributions to `masters` in place.
+
+    Contributions holding NaN/Inf are skipped (listed by worker, or "#index" when unnamed).
+    Policy "default": trainable tensors get the optimizer; frozen parameters and float buffers
+    become the mean local value; int buffers the mean rounded half to even; bool buffers True
+    when the mean is >= 0.5. Policy "all_floating" sends every floating tensor through the
+    optimizer. Names no used contribution carries keep their weights and momentum; a round with
+    no used contribution changes nothing. Every contribution is checked before anything is
+    written, so a ValueError leaves `masters` and the optimizer as they were.
+    """
+    require_choice("apply policy", policy, APPLY_POLICIES)
+    check_weighting(weighting)
+    labels = [_label(c, index) for index, c in enumerate(contributions)]
+    for contribution, label in zip(contributions, labels, strict=True):
+        _check_contribution(contribution, label, masters, kinds, policy)
+
+    used: list[Contribution] = []
+    skipped: list[str] = []
+    for contribution, label in zip(contributions, labels, strict=True):
+        if not is_finite_contribution(contribution):
+            skipped.append(label)
+        elif contribution_weight(contribution, weighting) > 0:
+            used.append(contribution)
+
+    mean = average_contributions(used, weighting)
+    if not mean:
+        return OuterStepResult(contributors=len(used), updated=[], skipped_workers=skipped)
+
+    through_optimizer = {
+        name: gradient
+        for name, gradient in mean.items()
+        if _uses_optimizer(TensorKind(kinds[name]), policy)
+    }
+    optimizer.step(masters, through_optimizer)
+    for name, gradient in mean.items():
+        if name not in through_optimizer:
+            _assign_mean(masters[name], gradient, TensorKind(kinds[name]))
+    updated = [name for name in masters if name in mean]
+    return OuterStepResult(contributors=len(used), updated=updated, skipped_workers=skipped)

@@ -1,0 +1,110 @@
+"""The outer optimizer: SGD, momentum SGD or Nesterov on the fp32 master weights.
+
+Semantics are exactly torch.optim.SGD with dampening 0 and no weight decay, so results can be
+checked against PyTorch and compared with the DiLoCo papers. Momentum buffers are keyed by
+tensor name: a round that carries only some names (one streaming fragment) leaves every other
+name's weights and momentum alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from diloco.algorithm._checks import (
+    require_choice,
+    require_fraction,
+    require_positive,
+)
+from diloco.algorithm.tensors import TensorDict
+
+OUTER_KINDS = ("sgd", "momentum", "nesterov")
+DEFAULT_MOMENTUM = 0.9
+
+
+def check_step_inputs(
+    params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], who: str
+) -> None:
+    """Raise ValueError, naming the tensor, if any grad cannot be applied to `params`.
+
+    Called before the first in-place write, so a bad input leaves every weight as it was.
+    """
+    for name, grad in grads.items():
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"{who}: tensor {name!r} is not in the parameters")
+        if not param.is_floating_point():
+            raise ValueError(f"{who}: tensor {name!r} has dtype {param.dtype}, not floating")
+        if tuple(grad.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{who}: tensor {name!r} has shape {tuple(grad.shape)}, "
+                f"parameter has {tuple(param.shape)}"
+            )
+        if grad.is_floating_point() and not bool(torch.isfinite(grad).all()):
+            raise ValueError(f"{who}: tensor {name!r} has NaN or Inf values")
+
+
+class OuterOptimizer:
+    """SGD ("sgd"), heavy-ball ("momentum") or Nesterov ("nesterov") over name->tensor dicts.
+
+    `momentum` defaults to 0.9 for "momentum"/"nesterov" and to 0 for "sgd"; an explicit
+    non-zero momentum with "sgd" is an error rather than being silently ignored.
+    """
+
+    def __init__(
+        self, kind: str = "nesterov", lr: float = 0.7, momentum: float | None = None
+    ) -> None:
+        self.kind = require_choice("outer optimizer kind", kind, OUTER_KINDS)
+        self.lr = require_positive("outer lr", lr)
+        if kind == "sgd":
+            if momentum not in (None, 0):
+                raise ValueError(f"outer momentum must be 0 for kind 'sgd', got {momentum!r}")
+            self.momentum = 0.0
+        else:
+            chosen = DEFAULT_MOMENTUM if momentum is None else momentum
+            self.momentum = require_fraction("outer momentum", chosen, include_one=False)
+        self._buffers: TensorDict = {}
+
+    def describe(self) -> dict[str, str | float]:
+        """The settings, for reports such as the server's /v1/info."""
+        return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum}
+
+    def step(self, params: TensorDict, grads: Mapping[str, torch.Tensor]) -> None:
+        """Update `params` in place for the names in `grads`; other names are untouched."""
+        check_step_inputs(params, grads, "outer step")
+        for name, grad in grads.items():
+            self._step_one(name, params[name], grad)
+
+    def _step_one(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> None:
+        g = grad.detach().to(device=param.device, dtype=param.dtype)
+        if self.kind == "sgd":
+            param.add_(g, alpha=-self.lr)
+            return
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != param.shape or buf.dtype != param.dtype:
+            buf = g.clone()
+        else:
+            buf = buf.to(param.device)
+            buf.mul_(self.momentum).add_(g)
+        self._buffers[name] = buf
+        update = g.add(buf, alpha=self.momentum) if self.kind == "nesterov" else buf
+        param.add_(update, alpha=-self.lr)
+
+    def state_dict(self) -> TensorDict:
+        """Momentum buffer per name (copies); empty for "sgd"."""
+        return {name: buf.clone() for name, buf in self._buffers.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace all momentum buffers; "sgd" has none and ignores them."""
+        if self.kind == "sgd":
+            self._buffers = {}
+            return
+        self._buffers = {name: buf.detach().to("cpu").clone() for name, buf in state.items()}
+
+    def reset(self, name: str | None = None) -> None:
+        """Drop the momentum of `name` (of every name when None); it restarts as buf = g."""
+        if name is None:
+            self._buffers.clear()
+        else:
+            self._buffers.pop(name, None)

@@ -1,0 +1,69 @@
+"""What kind each model tensor is, and the fp32 master copies the outer step works on.
+
+The outer step treats tensors by kind: trainable parameters get the outer optimizer, frozen
+parameters and buffers are averaged. Classifying once, from the model, keeps that decision out of
+the server, which only ever sees names and tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+
+import torch
+
+TensorDict = dict[str, torch.Tensor]
+
+
+class TensorKind(str, Enum):
+    """How the outer step updates one state_dict entry."""
+
+    TRAINABLE = "trainable"
+    FROZEN = "frozen"
+    FLOAT_BUFFER = "float_buffer"
+    INT_BUFFER = "int_buffer"
+    BOOL_BUFFER = "bool_buffer"
+
+
+def _kind_of(name: str, tensor: torch.Tensor) -> TensorKind:
+    if tensor.dtype == torch.bool:
+        return TensorKind.BOOL_BUFFER
+    if tensor.is_complex():
+        raise ValueError(f"tensor {name!r} is complex ({tensor.dtype}); not supported")
+    if not tensor.is_floating_point():
+        return TensorKind.INT_BUFFER
+    if isinstance(tensor, torch.nn.Parameter):
+        return TensorKind.TRAINABLE if tensor.requires_grad else TensorKind.FROZEN
+    return TensorKind.FLOAT_BUFFER
+
+
+def classify_tensors(model: torch.nn.Module) -> dict[str, TensorKind]:
+    """Kind of every tensor in `model.state_dict()` (parameters and persistent buffers).
+
+    A non-float parameter counts as an int or bool buffer by its dtype; it has no gradient to
+    give to an optimizer. Non-tensor entries (a module's extra state) are left out.
+    """
+    state = model.state_dict(keep_vars=True)
+    return {
+        name: _kind_of(name, value)
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def to_fp32_masters(state: Mapping[str, torch.Tensor]) -> TensorDict:
+    """Detached, contiguous CPU copies to serve as master weights.
+
+    Floating tensors become float32 whatever their training dtype, so repeated outer steps do
+    not accumulate bf16/fp16 rounding. Integer and bool tensors keep their own dtype: they are
+    averaged and rounded, never optimised. Non-tensor entries are left out.
+    """
+    masters: TensorDict = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        dtype = torch.float32 if value.is_floating_point() else value.dtype
+        copy = torch.empty(value.shape, dtype=dtype)
+        copy.copy_(value.detach())
+        masters[name] = copy
+    return masters

@@ -1,0 +1,73 @@
+"""Shared terminal helpers: progress bars, summary tables and one-line errors for the CLI."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+# Piped output (CI logs, tests) gets a wide console so that summary tables are not squeezed.
+out = Console(width=None if sys.stdout.isatty() else 140)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+
+
+def fail(message: str) -> typer.Exit:
+    """Print one clear line on stderr; the caller raises the result (exit code 2, no trace)."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=2)
+
+
+def check_output_path(path: Path | None, option: str) -> None:
+    """A results file must be writable before hours of work go into it."""
+    if path is not None and not path.parent.exists():
+        raise fail(f"{option} directory does not exist: {path.parent}")
+    if path is not None and path.is_dir():
+        raise fail(f"{option} is a directory, expected a file path: {path}")
+
+
+def write_json(path: Path, document: dict | list) -> None:
+    path.write_text(json.dumps(document, indent=2) + "\n")
+
+
+@contextmanager
+def progress_bar(description: str, total: int) -> Iterator:
+    """A rich progress bar on stderr; yields `advance(n)`."""
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+    )
+    with progress:
+        task = progress.add_task(description, total=total)
+        yield lambda n=1: progress.advance(task, n)
+
+
+def summary_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    return table
+
+
+def megabytes(value: float) -> str:
+    return f"{value / 1e6:,.2f}"

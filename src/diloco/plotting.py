@@ -1,0 +1,52 @@
+"""Loss curves against inner steps and against bytes communicated (matplotlib is optional)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def require_matplotlib() -> None:
+    """Fail early, before a long run, when plotting was asked for but cannot be done."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError("--plot needs matplotlib: pip install 'diloco[plot]'") from exc
+
+
+def _label(run: dict) -> str:
+    if run["mode"] in ("ddp", "single"):
+        return f"{run['mode']} (K={run['workers']})"
+    return f"{run['mode']} H={run['sync_every']} (K={run['workers']})"
+
+
+def plot_runs(runs: Sequence[dict], path: str | Path, title: str = "") -> None:
+    """Two panels: eval loss vs inner steps per worker, and vs bytes sent per worker (log)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in runs:
+        steps = [point[0] for point in run["eval_curve"]]
+        losses = [point[1] for point in run["eval_curve"]]
+        by_step.plot(steps, losses, label=_label(run))
+        # Bytes accrue at a steady rate per inner step (per round for DiLoCo), so scale by step.
+        total = run["bytes_sent_per_worker"]
+        sent = [max(total * s / run["steps"], 1.0) for s in steps]
+        by_bytes.plot(sent[1:], losses[1:], label=_label(run), marker=".")
+    by_step.set_xlabel("inner steps per worker")
+    by_step.set_ylabel("eval loss (nats/byte)")
+    by_bytes.set_xlabel("bytes sent per worker (log)")
+    by_bytes.set_xscale("log")
+    by_bytes.set_ylabel("eval loss (nats/byte)")
+    for axis in (by_step, by_bytes):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

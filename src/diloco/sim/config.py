@@ -1,0 +1,92 @@
+"""Settings of one simulated run, validated up front so a bad value fails before any training."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from diloco.models import GPTConfig
+
+MODES = ("single", "ddp", "diloco", "streaming", "async")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What `diloco simulate` runs. Steps are inner optimizer steps per worker (equal tokens)."""
+
+    mode: str = "diloco"
+    workers: int = 4
+    sync_every: int = 50
+    steps: int = 500
+    outer_optimizer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float | None = None  # None: 0.9 for momentum/nesterov, 0 for sgd
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
+    lr: float = 3e-3
+    warmup: int = 50
+    weight_decay: float = 0.1
+    batch_size: int = 16
+    seq_len: int = 64
+    model: GPTConfig = field(default_factory=lambda: GPTConfig(context=64, width=64, depth=4))
+    corpus: str | None = None
+    seed: int = 0
+    eval_every: int = 0
+    eval_batches: int = 8
+    speeds: tuple[float, ...] = ()
+    dylu: bool = False
+    async_delay: int = 0
+    async_c: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        for name in ("workers", "sync_every", "steps", "batch_size", "seq_len", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("warmup", "eval_every", "async_delay", "delay"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.seq_len > self.model.context:
+            raise ValueError(
+                f"seq_len ({self.seq_len}) must be <= the model context ({self.model.context})"
+            )
+        if self.speeds:
+            if self.mode != "async":
+                raise ValueError("speeds apply to --mode async only")
+            if len(self.speeds) != self.workers:
+                raise ValueError(
+                    f"speeds must give one value per worker ({self.workers}), "
+                    f"got {len(self.speeds)}"
+                )
+            if any(not s > 0 for s in self.speeds):
+                raise ValueError(f"speeds must all be > 0, got {list(self.speeds)}")
+        if self.dylu and self.mode != "async":
+            raise ValueError("dylu applies to --mode async only")
+
+    @property
+    def effective_workers(self) -> int:
+        """`single` trains one replica whatever --workers says."""
+        return 1 if self.mode == "single" else self.workers
+
+    @property
+    def worker_speeds(self) -> tuple[float, ...]:
+        return self.speeds or (1.0,) * self.effective_workers
+
+    @property
+    def eval_interval(self) -> int:
+        """Inner steps between evaluations: an outer round for DiLoCo, else about 20 points."""
+        if self.eval_every:
+            return self.eval_every
+        if self.mode in ("diloco", "streaming", "async"):
+            return self.sync_every
+        return max(1, self.steps // 20)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["speeds"] = list(self.worker_speeds)
+        return data

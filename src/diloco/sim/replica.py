@@ -1,0 +1,80 @@
+"""One simulated worker: its own model replica, inner AdamW, data stream and step counter."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from diloco.data import BatchSampler
+from diloco.models import GPT, GPTConfig
+
+
+def inner_lr(step: int, base_lr: float, warmup: int, total: int) -> float:
+    """Linear warm-up then cosine decay to 10% of the base rate (as in the DiLoCo paper)."""
+    if warmup and step < warmup:
+        return base_lr * (step + 1) / warmup
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return base_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def make_inner_optimizer(model: torch.nn.Module, lr: float, weight_decay: float):
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay
+    )
+
+
+class Replica:
+    """A worker's private training state; the simulator never shares tensors between replicas."""
+
+    def __init__(
+        self,
+        model_config: GPTConfig,
+        initial_state: Mapping[str, torch.Tensor],
+        sampler: BatchSampler,
+        lr: float,
+        warmup: int,
+        total_steps: int,
+        weight_decay: float,
+    ) -> None:
+        self.model = GPT(model_config)
+        self.model.load_state_dict(initial_state)
+        self.optimizer = make_inner_optimizer(self.model, lr, weight_decay)
+        self.sampler = sampler
+        self.base_lr, self.warmup, self.total_steps = lr, warmup, total_steps
+        self.steps_done = 0
+        self.last_loss = float("nan")
+
+    def train_step(self) -> float:
+        """One inner optimizer step on the replica's own next batch."""
+        x, y = self.sampler.next_batch()
+        loss = self.loss_and_backward(x, y)
+        self.apply_gradients()
+        return loss
+
+    def loss_and_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> float:
+        self.model.train()
+        _, loss = self.model(x, y)
+        (loss * scale).backward()
+        return loss.item()
+
+    def apply_gradients(self) -> None:
+        lr = inner_lr(self.steps_done, self.base_lr, self.warmup, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite some or all tensors in place (new global weights or a merged fragment)."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, value in tensors.items():
+                own[name].copy_(value)

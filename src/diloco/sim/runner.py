@@ -1,0 +1,423 @@
+"""K workers in one process, through the same `diloco.algorithm` code the server runs.
+
+Each mode is a function over shared set-up (`SimSetup`); they differ only in when replicas
+exchange what. Byte counts are what the real system would move over the network.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.algorithm import (
+    Contribution,
+    DelayedNesterov,
+    OuterOptimizer,
+    StreamingSchedule,
+    alpha_merge,
+    classify_tensors,
+    dylu_local_steps,
+    outer_step,
+    plan_fragments,
+    pseudo_gradient,
+    to_fp32_masters,
+)
+from diloco.data import BatchSampler, load_named_corpus, split_train_val, worker_shard
+from diloco.models import GPT, block_prefixes
+from diloco.sim.config import SimConfig
+from diloco.sim.evaluation import Evaluator
+from diloco.sim.replica import Replica
+
+FP32_BYTES = 4
+Progress = Callable[[int], None]
+
+
+@dataclass
+class SimResult:
+    """Figures of one run; `to_json` is the `--json` document."""
+
+    config: SimConfig
+    parameters: int
+    final_eval_loss: float
+    eval_curve: list[tuple[int, float]]
+    outer_steps: int
+    bytes_sent_per_worker: float
+    bytes_received_per_worker: float
+    peak_sync_bytes: int
+    wall_seconds: float
+    local_steps_per_worker: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        c = self.config
+        return {
+            "mode": c.mode,
+            "workers": c.effective_workers,
+            "sync_every": c.sync_every,
+            "steps": c.steps,
+            "final_eval_loss": self.final_eval_loss,
+            "eval_curve": [[step, loss] for step, loss in self.eval_curve],
+            "outer_steps": self.outer_steps,
+            "bytes_sent_per_worker": self.bytes_sent_per_worker,
+            "bytes_received_per_worker": self.bytes_received_per_worker,
+            "peak_sync_bytes": self.peak_sync_bytes,
+            "parameters": self.parameters,
+            "tokens_per_worker": c.steps * c.batch_size * c.seq_len,
+            "local_steps_per_worker": self.local_steps_per_worker,
+            "wall_seconds": self.wall_seconds,
+            "config": c.to_dict(),
+        }
+
+
+class SimSetup:
+    """Everything the modes share: initial weights, data shards, evaluator, byte sizes."""
+
+    def __init__(self, config: SimConfig, corpus: bytes) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        template = GPT(config.model)
+        self.initial = {k: v.detach().clone() for k, v in template.state_dict().items()}
+        self.kinds = classify_tensors(template)
+        self.blocks = block_prefixes(template)
+        self.parameters = template.num_parameters()
+        self.tensor_bytes = {
+            k: v.numel() * FP32_BYTES for k, v in self.initial.items() if v.is_floating_point()
+        }
+        self.model_bytes = sum(self.tensor_bytes.values())
+        split = split_train_val(corpus)
+        workers = config.effective_workers
+        self.samplers = [
+            BatchSampler(
+                worker_shard(split.train, w, workers),
+                config.batch_size,
+                config.seq_len,
+                seed=config.seed * 1000 + w + 1,
+            )
+            for w in range(workers)
+        ]
+        self.evaluator = Evaluator(
+            config.model, split.val, config.batch_size, config.seq_len, config.eval_batches
+        )
+
+    def replica(self, worker: int, total_steps: int | None = None) -> Replica:
+        c = self.config
+        return Replica(
+            c.model,
+            self.initial,
+            self.samplers[worker],
+            c.lr,
+            c.warmup,
+            total_steps or c.steps,
+            c.weight_decay,
+        )
+
+    def outer_optimizer(self) -> OuterOptimizer:
+        c = self.config
+        return OuterOptimizer(c.outer_optimizer, lr=c.outer_lr, momentum=c.outer_momentum)
+
+
+@dataclass
+class ModeOutcome:
+    final_state: dict[str, torch.Tensor]
+    eval_curve: list[tuple[int, float]]
+    outer_steps: int = 0
+    bytes_sent: float = 0.0
+    bytes_received: float = 0.0
+    peak_sync_bytes: int = 0
+    local_steps: list[int] = field(default_factory=list)
+
+
+def _eval_due(step: int, interval: int, total: int) -> bool:
+    return step % interval == 0 or step == total
+
+
+def run_single(setup: SimSetup, progress: Progress) -> ModeOutcome:
+    """One worker, no communication: the lower bound on what DiLoCo should beat."""
+    c = setup.config
+    replica = setup.replica(0)
+    curve = [(0, setup.evaluator.loss(setup.initial))]
+    for step in range(1, c.steps + 1):
+        replica.train_step()
+        progress(1)
+        if _eval_due(step, c.eval_interval, c.steps):
+            curve.append((step, setup.evaluator.loss(replica.state())))
+    return ModeOutcome(replica.state(), curve, local_steps=[c.steps])
+
+
+def run_ddp(setup: SimSetup, progress: Progress) -> ModeOutcome:
+    """Data parallel: each step uses the mean gradient of all K workers' batches (K x batch).
+
+    The K equal-size batches go through one forward pass; the mean loss over the concatenation
+    is the mean of the per-worker losses, so the gradient is the all-reduced mean.
+    """
+    c = setup.config
+    k = c.effective_workers
+    replica = setup.replica(0)
+    curve = [(0, setup.evaluator.loss(setup.initial))]
+    for step in range(1, c.steps + 1):
+        batches = [sampler.next_batch() for sampler in setup.samplers]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        replica.loss_and_backward(x, y)
+        replica.apply_gradients()
+        progress(k)
+        if _eval_due(step, c.eval_interval, c.steps):
+            curve.append((step, setup.evaluator.loss(replica.state())))
+    # Ring all-reduce: each worker sends and receives 2 (K - 1) / K of the fp32 gradient.
+    per_step = 2 * (k - 1) / k * setup.model_bytes
+    return ModeOutcome(
+        replica.state(),
+        curve,
+        bytes_sent=per_step * c.steps,
+        bytes_received=per_step * c.steps,
+        peak_sync_bytes=int(per_step),
+        local_steps=[c.steps] * k,
+    )
+
+
+def _round_ends(steps: int, sync_every: int) -> list[int]:
+    """Inner steps at which DiLoCo syncs; a last partial round syncs too, so no work is lost."""
+    ends = list(range(sync_every, steps + 1, sync_every))
+    if not ends or ends[-1] != steps:
+        ends.append(steps)
+    return ends
+
+
+def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
+    """Synchronous DiLoCo: H inner steps, then one outer step on the mean pseudo-gradient."""
+    c = setup.config
+    replicas = [setup.replica(w) for w in range(c.effective_workers)]
+    optimizer = setup.outer_optimizer()
+    masters = to_fp32_masters(setup.initial)
+    curve = [(0, setup.evaluator.loss(masters))]
+    done = 0
+    rounds = 0
+    for end in _round_ends(c.steps, c.sync_every):
+        contributions = []
+        for w, replica in enumerate(replicas):
+            for _ in range(end - done):
+                replica.train_step()
+                progress(1)
+            contributions.append(
+                Contribution(
+                    pseudo_gradient(masters, replica.state()),
+                    tokens=(end - done) * c.batch_size * c.seq_len,
+                    worker=str(w),
+                )
+            )
+        outer_step(masters, contributions, optimizer, setup.kinds)
+        for replica in replicas:
+            replica.load(masters)
+        done = end
+        rounds += 1
+        if _eval_due(end, c.eval_interval, c.steps):
+            curve.append((end, setup.evaluator.loss(masters)))
+    sent = rounds * setup.model_bytes
+    return ModeOutcome(
+        masters,
+        curve,
+        outer_steps=rounds,
+        bytes_sent=sent,
+        bytes_received=sent,
+        peak_sync_bytes=setup.model_bytes,
+        local_steps=[c.steps] * len(replicas),
+    )
+
+
+def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
+    """Streaming DiLoCo: fragment f is sent at step S - tau of its window and merged at S.
+
+    The outer step for a fragment runs when it is sent (all replicas are in lockstep); its result
+    G' is held back and mixed into each replica tau steps later: theta = (1 - a) G' + a L.
+    """
+    c = setup.config
+    schedule = StreamingSchedule(c.sync_every, c.fragments, c.delay)
+    if not 0.0 <= c.alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {c.alpha}")
+    sizes = [(name, t.numel()) for name, t in setup.initial.items()]
+    fragments = plan_fragments(sizes, c.fragments, setup.blocks)
+    replicas = [setup.replica(w) for w in range(c.effective_workers)]
+    optimizer = setup.outer_optimizer()
+    masters = to_fp32_masters(setup.initial)
+    curve = [(0, setup.evaluator.loss(masters))]
+    pending: dict[int, list[dict[str, torch.Tensor]]] = {}
+    syncs = 0
+    sent = 0
+    peak = 0
+    for step in range(1, c.steps + 1):
+        for replica in replicas:
+            replica.train_step()
+            progress(1)
+        for f in schedule.fragments_sent_at(step):
+            names = fragments[f]
+            contributions = []
+            for w, replica in enumerate(replicas):
+                local = replica.state()
+                contributions.append(
+                    Contribution(
+                        pseudo_gradient(
+                            {n: masters[n] for n in names}, {n: local[n] for n in names}
+                        ),
+                        worker=str(w),
+                    )
+                )
+            outer_step(masters, contributions, optimizer, setup.kinds)
+            fragment_bytes = sum(setup.tensor_bytes.get(n, 0) for n in names)
+            sent += fragment_bytes
+            peak = max(peak, fragment_bytes)
+            syncs += 1
+            snapshot = {n: masters[n].clone() for n in names}
+            pending.setdefault(step + c.delay, []).append(snapshot)
+        for snapshot in pending.pop(step, []):
+            for replica in replicas:
+                local = replica.state()
+                replica.load(alpha_merge(snapshot, {n: local[n] for n in snapshot}, c.alpha))
+        if _eval_due(step, c.eval_interval, c.steps):
+            curve.append((step, setup.evaluator.loss(masters)))
+    return ModeOutcome(
+        masters,
+        curve,
+        outer_steps=syncs,
+        bytes_sent=sent,
+        bytes_received=sent,
+        peak_sync_bytes=peak,
+        local_steps=[c.steps] * len(replicas),
+    )
+
+
+def _delayed_nesterov(config: SimConfig) -> DelayedNesterov:
+    momentum = 0.9 if config.outer_momentum is None else config.outer_momentum
+    return DelayedNesterov(
+        lr=config.outer_lr,
+        momentum=momentum,
+        delay=config.async_delay or config.effective_workers,
+        c=config.async_c,
+    )
+
+
+def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
+    """Asynchronous DiLoCo in simulated time: each arrival is applied at once (Delayed Nesterov).
+
+    Worker w runs at `speeds[w]` steps per time unit for a budget of steps * v_w / max(v) steps,
+    so every worker stops at the time the fastest one has done `steps`. With DyLU, slow workers
+    get H_w = floor(v_w / max(v) * H) local steps per round so that rounds take equal time.
+    """
+    c = setup.config
+    speeds = c.worker_speeds
+    fastest = max(speeds)
+    k = c.effective_workers
+    local_h = dylu_local_steps(list(speeds), c.sync_every) if c.dylu else [c.sync_every] * k
+    budgets = [max(1, int(c.steps * v / fastest + 1e-9)) for v in speeds]
+    optimizer = _delayed_nesterov(c)
+    masters = to_fp32_masters(setup.initial)
+    replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(k)]
+    anchors = [{n: t.clone() for n, t in masters.items()} for _ in range(k)]
+    curve = [(0, setup.evaluator.loss(masters))]
+    events: list[tuple[float, int, int]] = []
+
+    def schedule(w: int, now: float) -> None:
+        n = min(local_h[w], budgets[w] - replicas[w].steps_done)
+        if n > 0:
+            heapq.heappush(events, (now + n / speeds[w], w, n))
+
+    for w in range(k):
+        schedule(w, 0.0)
+    next_eval = c.eval_interval
+    arrivals = 0
+    while events:
+        when, w, n = heapq.heappop(events)
+        while next_eval < min(when * fastest, c.steps):
+            curve.append((next_eval, setup.evaluator.loss(masters)))
+            next_eval += c.eval_interval
+        replica = replicas[w]
+        for _ in range(n):
+            replica.train_step()
+            progress(1)
+        # One arrival is a round of one: the same outer_step, with Delayed Nesterov as the rule.
+        arrival = Contribution(pseudo_gradient(anchors[w], replica.state()), worker=str(w))
+        outer_step(masters, [arrival], optimizer, setup.kinds)
+        arrivals += 1
+        replica.load(masters)
+        anchors[w] = {name: t.clone() for name, t in masters.items()}
+        schedule(w, when)
+    while next_eval < c.steps:
+        curve.append((next_eval, setup.evaluator.loss(masters)))
+        next_eval += c.eval_interval
+    curve.append((c.steps, setup.evaluator.loss(masters)))
+    per_worker = arrivals * setup.model_bytes / k
+    return ModeOutcome(
+        masters,
+        curve,
+        outer_steps=arrivals,
+        bytes_sent=per_worker,
+        bytes_received=per_worker,
+        peak_sync_bytes=setup.model_bytes,
+        local_steps=[r.steps_done for r in replicas],
+    )
+
+
+MODE_RUNNERS: dict[str, Callable[[SimSetup, Progress], ModeOutcome]] = {
+    "single": run_single,
+    "ddp": run_ddp,
+    "diloco": run_diloco,
+    "streaming": run_streaming,
+    "async": run_async,
+}
+
+
+def total_inner_steps(config: SimConfig) -> int:
+    """Progress total: inner steps summed over replicas (async: over every worker's budget)."""
+    if config.mode == "async":
+        fastest = max(config.worker_speeds)
+        return sum(max(1, int(config.steps * v / fastest + 1e-9)) for v in config.worker_speeds)
+    return config.steps * config.effective_workers
+
+
+def validate_algorithm_settings(config: SimConfig) -> None:
+    """Build the algorithm objects once so that a bad outer setting fails before training."""
+    if config.mode in ("diloco", "streaming"):
+        OuterOptimizer(config.outer_optimizer, lr=config.outer_lr, momentum=config.outer_momentum)
+    if config.mode == "streaming":
+        StreamingSchedule(config.sync_every, config.fragments, config.delay)
+        if not 0.0 <= config.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {config.alpha}")
+    if config.mode == "async":
+        _delayed_nesterov(config)
+
+
+def prepare(config: SimConfig, corpus: bytes | None = None) -> SimSetup:
+    """Check every setting and load the data, so that bad input fails before any training.
+
+    `corpus` defaults to `config.corpus` (Shakespeare if that is None).
+    """
+    validate_algorithm_settings(config)
+    data = corpus if corpus is not None else load_named_corpus(config.corpus)
+    return SimSetup(config, data)
+
+
+def run(setup: SimSetup, progress: Progress | None = None) -> SimResult:
+    """Train the prepared run; `progress(n)` is called after every n inner steps."""
+    started = time.perf_counter()
+    outcome = MODE_RUNNERS[setup.config.mode](setup, progress or (lambda _n: None))
+    return SimResult(
+        config=setup.config,
+        parameters=setup.parameters,
+        final_eval_loss=outcome.eval_curve[-1][1],
+        eval_curve=outcome.eval_curve,
+        outer_steps=outcome.outer_steps,
+        bytes_sent_per_worker=outcome.bytes_sent,
+        bytes_received_per_worker=outcome.bytes_received,
+        peak_sync_bytes=outcome.peak_sync_bytes,
+        wall_seconds=time.perf_counter() - started,
+        local_steps_per_worker=outcome.local_steps,
+    )
+
+
+def simulate(
+    config: SimConfig, corpus: bytes | None = None, progress: Progress | None = None
+) -> SimResult:
+    """Prepare and run one simulated training."""
+    return run(prepare(config, corpus), progress)

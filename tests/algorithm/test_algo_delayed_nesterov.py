@@ -1,0 +1,141 @@
+"""Delayed Nesterov (Liu et al. 2024, Algorithm 3): reference vectors, state, validation."""
+
+import pytest
+import torch
+
+from diloco.algorithm import (
+    ARRIVALS_KEY,
+    Contribution,
+    DelayedNesterov,
+    TensorKind,
+    outer_step,
+)
+
+
+def _run(optimizer: DelayedNesterov, theta0: float, grads: list[float]) -> list[float]:
+    params = {"w": torch.tensor(theta0)}
+    trajectory = []
+    for g in grads:
+        optimizer.step(params, {"w": torch.tensor(g)})
+        trajectory.append(float(params["w"]))
+    return trajectory
+
+
+def test_reference_n2_c0() -> None:
+    trajectory = _run(DelayedNesterov(lr=0.7, momentum=0.9, delay=2), 1.0, [0.2, 0.4, 0.2, 0.4])
+    assert trajectory == pytest.approx([0.93, 0.601, 0.531, 0.0319], abs=1e-6)
+
+
+def test_reference_n2_c01() -> None:
+    optimizer = DelayedNesterov(lr=0.7, momentum=0.9, delay=2, c=0.1)
+    trajectory = _run(optimizer, 1.0, [0.2, 0.4, 0.2, 0.4])
+    assert trajectory == pytest.approx([0.93, 0.6199, 0.531, 0.06781], abs=1e-6)
+
+
+def test_reference_n3_unit_gradients() -> None:
+    trajectory = _run(DelayedNesterov(lr=1.0, momentum=0.9, delay=3), 0.0, [1.0, 1.0, 1.0])
+    assert trajectory == pytest.approx([-1 / 3, -2 / 3, -1.9], abs=1e-6)
+
+
+def test_n1_c0_is_plain_nesterov_like_pytorch() -> None:
+    generator = torch.Generator().manual_seed(1)
+    params = {"a": torch.randn(3, 2, generator=generator), "b": torch.randn(4, generator=generator)}
+    reference = {n: torch.nn.Parameter(t.clone()) for n, t in params.items()}
+    torch_sgd = torch.optim.SGD(list(reference.values()), lr=0.7, momentum=0.9, nesterov=True)
+    optimizer = DelayedNesterov(lr=0.7, momentum=0.9, delay=1, c=0.0)
+    for _ in range(5):
+        grads = {n: torch.randn(t.shape, generator=generator) for n, t in params.items()}
+        for name, param in reference.items():
+            param.grad = grads[name].clone()
+        torch_sgd.step()
+        optimizer.step(params, grads)
+    for name, param in reference.items():
+        torch.testing.assert_close(params[name], param.detach(), atol=1e-6, rtol=0)
+
+
+def test_state_dict_round_trip_mid_cycle() -> None:
+    first = DelayedNesterov(lr=0.7, momentum=0.9, delay=2, c=0.1)
+    params = {"w": torch.tensor(1.0)}
+    for g in (0.2, 0.4, 0.2):
+        first.step(params, {"w": torch.tensor(g)})
+    state = first.state_dict()
+    assert state[ARRIVALS_KEY].dtype == torch.int64
+    assert state[ARRIVALS_KEY].dim() == 0
+    assert int(state[ARRIVALS_KEY]) == 3
+    assert set(state) == {ARRIVALS_KEY, "momentum/w", "accumulated/w", "arrivals/w"}
+    second = DelayedNesterov(lr=0.7, momentum=0.9, delay=2, c=0.1)
+    second.load_state_dict(state)
+    assert second.arrivals == 3
+    copy = {"w": params["w"].clone()}
+    first.step(params, {"w": torch.tensor(0.4)})
+    second.step(copy, {"w": torch.tensor(0.4)})
+    assert torch.equal(params["w"], copy["w"])
+    assert float(copy["w"]) == pytest.approx(0.06781, abs=1e-6)
+
+
+def test_load_state_dict_rejects_unknown_keys() -> None:
+    with pytest.raises(ValueError, match="'bogus'"):
+        DelayedNesterov().load_state_dict({"bogus": torch.zeros(1)})
+
+
+def test_names_cycle_on_their_own_arrivals() -> None:
+    optimizer = DelayedNesterov(lr=1.0, momentum=0.9, delay=2)
+    params = {"a": torch.tensor(0.0), "b": torch.tensor(0.0)}
+    optimizer.step(params, {"a": torch.tensor(1.0)})
+    optimizer.step(params, {"b": torch.tensor(1.0)})
+    assert float(params["a"]) == pytest.approx(-0.5)
+    assert float(params["b"]) == pytest.approx(-0.5)
+    assert float(optimizer.state_dict()["momentum/a"]) == 0.0
+    assert optimizer.arrivals == 2
+
+
+def test_works_as_the_update_rule_of_outer_step() -> None:
+    optimizer = DelayedNesterov(lr=0.7, momentum=0.9, delay=2)
+    masters = {"w": torch.tensor(1.0)}
+    for g in (0.2, 0.4):
+        outer_step(
+            masters, [Contribution({"w": torch.tensor(g)})], optimizer, {"w": TensorKind.TRAINABLE}
+        )
+    assert float(masters["w"]) == pytest.approx(0.601, abs=1e-6)
+
+
+def test_non_finite_gradient_is_rejected_before_any_change() -> None:
+    optimizer = DelayedNesterov(lr=0.7, momentum=0.9, delay=2)
+    params = {"a": torch.tensor(1.0), "b": torch.tensor(1.0)}
+    optimizer.step(params, {"a": torch.tensor(0.2), "b": torch.tensor(0.2)})
+    before_params = {n: t.clone() for n, t in params.items()}
+    before_state = optimizer.state_dict()
+    with pytest.raises(ValueError, match="'b'"):
+        optimizer.step(params, {"a": torch.tensor(0.4), "b": torch.tensor(float("nan"))})
+    assert all(torch.equal(params[n], before_params[n]) for n in params)
+    after_state = optimizer.state_dict()
+    assert after_state.keys() == before_state.keys()
+    assert all(torch.equal(after_state[k], before_state[k]) for k in before_state)
+
+
+def test_describe() -> None:
+    assert DelayedNesterov(delay=4, c=0.1).describe() == {
+        "kind": "delayed_nesterov",
+        "lr": 0.7,
+        "momentum": 0.9,
+        "delay": 4,
+        "c": 0.1,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": 0.0}, r"lr must be > 0, got 0\.0"),
+        ({"lr": -1.0}, r"lr must be > 0"),
+        ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1\.0"),
+        ({"momentum": -0.5}, r"momentum must be in \[0, 1\)"),
+        ({"delay": 0}, r"delay must be an integer >= 1, got 0"),
+        ({"delay": 1.5}, r"delay must be an integer >= 1"),
+        ({"c": 1.5}, r"c must be in \[0, 1\], got 1\.5"),
+        ({"c": -0.1}, r"c must be in \[0, 1\]"),
+    ],
+)
+def test_invalid_settings_name_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DelayedNesterov(**kwargs)

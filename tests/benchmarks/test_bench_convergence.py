@@ -1,0 +1,67 @@
+"""The convergence benchmark script stays runnable: a seconds-long variant of the real command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "convergence.py"
+
+
+def test_reduced_convergence_benchmark_writes_table_json_and_plot(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--steps",
+            "12",
+            "--sync-every",
+            "3,6",
+            "--width",
+            "32",
+            "--depth",
+            "2",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--corpus",
+            str(corpus_file),
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    document = json.loads((tmp_path / "convergence.json").read_text())
+    runs = document["runs"]
+    assert [(r["mode"], r["sync_every"]) for r in runs][1:] == [("diloco", 3), ("diloco", 6)]
+    assert runs[0]["mode"] == "ddp"
+    assert all(r["steps"] == 12 for r in runs)
+    ddp_bytes = runs[0]["bytes_sent_per_worker"]
+    # K = 4: ddp moves 1.5 models per step, DiLoCo one model per H steps.
+    assert ddp_bytes / runs[1]["bytes_sent_per_worker"] == 1.5 * 3
+    assert ddp_bytes / runs[2]["bytes_sent_per_worker"] == 1.5 * 6
+    table = (tmp_path / "convergence.md").read_text()
+    assert table.count("\n| diloco |") == 2 and "\n| ddp |" in table
+    assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_missing_output_directory_is_one_clear_error(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out-dir", str(tmp_path / "absent")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "--out-dir directory does not exist" in result.stderr

@@ -1,0 +1,133 @@
+"""`diloco simulate` as a user runs it: a real process, JSON on disk, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = [
+    "--width",
+    "32",
+    "--depth",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "2",
+]
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "diloco.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_ddp_against_diloco_h50_moves_at_least_40x_fewer_bytes(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    documents = {}
+    for mode in ("ddp", "diloco"):
+        path = tmp_path / f"{mode}.json"
+        result = run_cli(
+            "simulate",
+            "--mode",
+            mode,
+            "--workers",
+            "4",
+            "--sync-every",
+            "50",
+            "--steps",
+            "50",
+            "--corpus",
+            str(corpus_file),
+            "--seed",
+            "1",
+            "--json",
+            str(path),
+            *TINY,
+        )
+        assert result.returncode == 0, result.stderr
+        assert "final" in result.stdout or "eval loss" in result.stdout
+        documents[mode] = json.loads(path.read_text())
+    ddp, diloco = documents["ddp"], documents["diloco"]
+    assert ddp["steps"] == diloco["steps"] == 50
+    assert diloco["outer_steps"] == 1
+    ratio = ddp["bytes_sent_per_worker"] / diloco["bytes_sent_per_worker"]
+    assert ratio >= 40
+    assert ratio == pytest.approx(2 * 3 / 4 * 50)  # ring all-reduce every step vs one round
+    assert len(diloco["eval_curve"]) == 2 and diloco["eval_curve"][-1][0] == 50
+
+
+def test_plot_is_written(tmp_path: Path, corpus_file: Path) -> None:
+    png = tmp_path / "curve.png"
+    result = run_cli(
+        "simulate",
+        "--mode",
+        "diloco",
+        "--workers",
+        "2",
+        "--sync-every",
+        "2",
+        "--steps",
+        "4",
+        "--corpus",
+        str(corpus_file),
+        "--plot",
+        str(png),
+        *TINY,
+    )
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+BAD_INPUTS = [
+    (["--mode", "bogus"], "unknown mode"),
+    (["--workers", "0"], "workers must be a positive integer"),
+    (["--steps", "0"], "steps must be a positive integer"),
+    (["--sync-every", "0"], "sync_every must be a positive integer"),
+    (["--corpus", "{tmp}/missing.txt"], "does not exist"),
+    (["--corpus", "{tmp}/empty.txt"], "empty"),
+    (["--corpus", "{tmp}/tiny.txt"], "fewer than one training sequence"),
+    (["--json", "{tmp}/no/such/dir.json"], "--json directory does not exist"),
+    (["--plot", "{tmp}/no/such/dir.png"], "--plot directory does not exist"),
+    (["--mode", "streaming", "--fragments", "3", "--sync-every", "10"], "fragments"),
+    (["--mode", "streaming", "--fragments", "2", "--sync-every", "10", "--delay", "5"], "tau"),
+    (["--outer-lr", "-1"], "lr must be > 0"),
+    (["--outer-momentum", "1"], "momentum"),
+    (["--mode", "async", "--speeds", "1,x"], "--speeds"),
+    (["--mode", "async", "--workers", "2", "--speeds", "1"], "one value per worker"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), BAD_INPUTS, ids=lambda v: str(v)[:40])
+def test_bad_input_gives_one_line_and_exit_2(
+    args: list[str], needle: str, tmp_path: Path, corpus_file: Path
+) -> None:
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "tiny.txt").write_bytes(b"too short")
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--corpus" not in args:
+        args += ["--corpus", str(corpus_file)]
+    if "--steps" not in args:
+        args += ["--steps", "2"]
+    result = run_cli("simulate", *args, *TINY)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error:"), lines
+    assert needle in lines[0]
+    assert not (tmp_path / "no").exists()

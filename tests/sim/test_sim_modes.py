@@ -1,0 +1,162 @@
+"""The simulator end to end on a tiny model: modes agree where the math says they must."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from diloco.models import GPTConfig
+from diloco.sim import SimConfig, simulate
+
+TINY_MODEL = GPTConfig(context=32, width=32, depth=2, heads=2)
+
+
+def tiny(**overrides) -> SimConfig:
+    base = dict(
+        workers=2,
+        sync_every=4,
+        steps=8,
+        batch_size=4,
+        seq_len=32,
+        model=TINY_MODEL,
+        warmup=2,
+        eval_batches=2,
+        seed=3,
+    )
+    base.update(overrides)
+    return SimConfig(**base)
+
+
+def test_diloco_k1_h1_outer_sgd_lr1_equals_plain_training(small_corpus: bytes) -> None:
+    plain = simulate(tiny(mode="single", workers=1, steps=6), corpus=small_corpus)
+    diloco = simulate(
+        tiny(
+            mode="diloco",
+            workers=1,
+            sync_every=1,
+            steps=6,
+            outer_optimizer="sgd",
+            outer_lr=1.0,
+            outer_momentum=0.0,
+        ),
+        corpus=small_corpus,
+    )
+    assert diloco.outer_steps == 6
+    assert diloco.final_eval_loss == pytest.approx(plain.final_eval_loss, abs=1e-5)
+
+
+def test_streaming_with_one_fragment_and_no_delay_equals_diloco(small_corpus: bytes) -> None:
+    sync = simulate(tiny(mode="diloco"), corpus=small_corpus)
+    streaming = simulate(
+        tiny(mode="streaming", fragments=1, delay=0, alpha=0.0), corpus=small_corpus
+    )
+    assert [s for s, _ in streaming.eval_curve] == [s for s, _ in sync.eval_curve]
+    for (_, a), (_, b) in zip(streaming.eval_curve, sync.eval_curve, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_diloco_bytes_are_one_model_per_round_each_way(small_corpus: bytes) -> None:
+    result = simulate(tiny(mode="diloco", steps=10, sync_every=4), corpus=small_corpus)
+    model_bytes = result.parameters * 4
+    assert result.outer_steps == 3  # rounds end at 4, 8 and the partial round at 10
+    assert result.bytes_sent_per_worker == 3 * model_bytes
+    assert result.bytes_received_per_worker == 3 * model_bytes
+    assert [s for s, _ in result.eval_curve] == [0, 4, 8, 10]
+
+
+def test_ddp_bytes_are_a_ring_all_reduce_every_step(small_corpus: bytes) -> None:
+    result = simulate(tiny(mode="ddp", workers=4, steps=5), corpus=small_corpus)
+    model_bytes = result.parameters * 4
+    assert result.bytes_sent_per_worker == pytest.approx(5 * 2 * 3 / 4 * model_bytes)
+    assert result.outer_steps == 0
+
+
+def test_streaming_peak_traffic_drops_with_fragments(small_corpus: bytes) -> None:
+    whole = simulate(
+        tiny(mode="streaming", fragments=1, sync_every=4, steps=8), corpus=small_corpus
+    )
+    split = simulate(
+        tiny(mode="streaming", fragments=2, sync_every=4, delay=1, alpha=0.5, steps=8),
+        corpus=small_corpus,
+    )
+    assert split.outer_steps == 4  # two fragments, each synced twice in 8 steps
+    assert split.bytes_sent_per_worker == pytest.approx(whole.bytes_sent_per_worker)
+    assert split.peak_sync_bytes < 0.75 * whole.peak_sync_bytes
+    assert math.isfinite(split.final_eval_loss)
+
+
+def test_async_dylu_gives_slow_workers_fewer_local_steps(small_corpus: bytes) -> None:
+    result = simulate(
+        tiny(mode="async", workers=3, sync_every=4, steps=8, speeds=(1.0, 0.5, 0.25), dylu=True),
+        corpus=small_corpus,
+    )
+    # Budgets are steps * v / max(v): 8, 4, 2 local steps; rounds of 4, 2, 1 steps.
+    assert result.local_steps_per_worker == [8, 4, 2]
+    assert result.outer_steps == 2 + 2 + 2
+    assert result.eval_curve[-1][0] == 8
+    assert math.isfinite(result.final_eval_loss)
+
+
+def test_training_lowers_the_eval_loss(small_corpus: bytes) -> None:
+    result = simulate(
+        tiny(mode="diloco", steps=60, sync_every=10, batch_size=8, lr=1e-2, warmup=5),
+        corpus=small_corpus,
+    )
+    initial = result.eval_curve[0][1]
+    assert initial == pytest.approx(math.log(256), abs=0.1)
+    assert result.final_eval_loss < initial - 1.0
+
+
+def test_same_seed_same_result_and_json_fields(small_corpus: bytes) -> None:
+    first = simulate(tiny(mode="diloco"), corpus=small_corpus).to_json()
+    second = simulate(tiny(mode="diloco"), corpus=small_corpus).to_json()
+    for key in (
+        "mode",
+        "workers",
+        "sync_every",
+        "steps",
+        "final_eval_loss",
+        "eval_curve",
+        "outer_steps",
+        "bytes_sent_per_worker",
+        "bytes_received_per_worker",
+        "wall_seconds",
+    ):
+        assert key in first
+    assert first["eval_curve"] == second["eval_curve"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(mode="bogus"), "unknown mode"),
+        (dict(workers=0), "workers must be a positive integer"),
+        (dict(steps=0), "steps must be a positive integer"),
+        (dict(sync_every=-1), "sync_every must be a positive integer"),
+        (dict(seq_len=64), "seq_len"),
+        (dict(mode="diloco", speeds=(1.0, 1.0)), "async"),
+        (dict(mode="async", speeds=(1.0,)), "one value per worker"),
+        (dict(mode="async", speeds=(1.0, 0.0)), "speeds must all be > 0"),
+    ],
+)
+def test_bad_settings_raise_value_error_naming_the_field(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(mode="diloco", outer_lr=0.0), "lr"),
+        (dict(mode="diloco", outer_momentum=1.0), "momentum"),
+        (dict(mode="streaming", fragments=3, sync_every=4), "fragments|divisible"),
+        (dict(mode="streaming", fragments=2, sync_every=4, delay=2), "delay|tau"),
+        (dict(mode="streaming", fragments=1, alpha=1.5), "alpha"),
+    ],
+)
+def test_bad_algorithm_settings_fail_before_training(
+    overrides: dict, message: str, small_corpus: bytes
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        simulate(tiny(**overrides), corpus=small_corpus)
