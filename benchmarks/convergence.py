@@ -1,7 +1,8 @@
 """Convergence benchmark: data-parallel against DiLoCo (K = 4, H in {10, 50, 200}), equal tokens.
 
-Every run trains from the same initial weights on the same per-worker shards (fixed seeds) for
-the same number of inner steps per worker, so the runs differ only in how often they talk.
+A single worker with the same steps shows what the K - 1 extra workers buy. Every run trains
+from the same initial weights on the same per-worker shards (fixed seeds) for the same number
+of inner steps per worker, so the runs differ only in how often they talk.
 Writes <out>/convergence.md, .json and .png.
 
     python benchmarks/convergence.py                  # full run (Shakespeare, < 15 min, 2 cores)
@@ -65,7 +66,7 @@ def main(
             corpus=corpus,
             seed=seed,
         )
-        configs = [SimConfig(mode="ddp", **base)]
+        configs = [SimConfig(mode="ddp", **base), SimConfig(mode="single", **base)]
         configs += [SimConfig(mode="diloco", sync_every=h, **base) for h in h_values]
     except (ValueError, CorpusError) as exc:
         raise fail(str(exc)) from None
@@ -73,7 +74,7 @@ def main(
     started = time.perf_counter()
     runs = []
     for config in configs:
-        label = config.mode if config.mode == "ddp" else f"diloco H={config.sync_every}"
+        label = config.mode if config.mode != "diloco" else f"diloco H={config.sync_every}"
         with progress_bar(label, total_inner_steps(config)) as advance:
             runs.append(simulate(config, corpus=data, progress=advance).to_json())
     total_seconds = time.perf_counter() - started
@@ -81,14 +82,15 @@ def main(
     ddp = runs[0]
     rows = []
     for run in runs:
+        sent = run["bytes_sent_per_worker"]
         rows.append(
             [
-                run["mode"],
-                "-" if run["mode"] == "ddp" else run["sync_every"],
+                f"{run['mode']} (K={run['workers']})",
+                run["sync_every"] if run["mode"] == "diloco" else "-",
                 f"{run['final_eval_loss']:.4f}",
                 f"{run['final_eval_loss'] / ddp['final_eval_loss']:.3f}",
-                f"{run['bytes_sent_per_worker'] / 1e6:,.2f}",
-                f"{ddp['bytes_sent_per_worker'] / max(run['bytes_sent_per_worker'], 1):,.1f}x",
+                f"{sent / 1e6:,.2f}",
+                f"{ddp['bytes_sent_per_worker'] / sent:,.1f}x" if sent else "no traffic",
                 run["outer_steps"],
                 f"{run['wall_seconds']:.0f}",
             ]

@@ -42,15 +42,17 @@ def test_reduced_convergence_benchmark_writes_table_json_and_plot(
     assert result.returncode == 0, result.stderr
     document = json.loads((tmp_path / "convergence.json").read_text())
     runs = document["runs"]
-    assert [(r["mode"], r["sync_every"]) for r in runs][1:] == [("diloco", 3), ("diloco", 6)]
-    assert runs[0]["mode"] == "ddp"
+    assert [r["mode"] for r in runs] == ["ddp", "single", "diloco", "diloco"]
+    assert [r["sync_every"] for r in runs[2:]] == [3, 6]
     assert all(r["steps"] == 12 for r in runs)
+    assert runs[1]["workers"] == 1 and runs[1]["bytes_sent_per_worker"] == 0
     ddp_bytes = runs[0]["bytes_sent_per_worker"]
     # K = 4: ddp moves 1.5 models per step, DiLoCo one model per H steps.
-    assert ddp_bytes / runs[1]["bytes_sent_per_worker"] == 1.5 * 3
-    assert ddp_bytes / runs[2]["bytes_sent_per_worker"] == 1.5 * 6
+    assert ddp_bytes / runs[2]["bytes_sent_per_worker"] == 1.5 * 3
+    assert ddp_bytes / runs[3]["bytes_sent_per_worker"] == 1.5 * 6
     table = (tmp_path / "convergence.md").read_text()
-    assert table.count("\n| diloco |") == 2 and "\n| ddp |" in table
+    assert table.count("\n| diloco (K=4) |") == 2 and "\n| ddp (K=4) |" in table
+    assert "\n| single (K=1) |" in table and "no traffic" in table
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -131,3 +131,20 @@ def test_bad_input_gives_one_line_and_exit_2(
     assert lines[0].startswith("error:"), lines
     assert needle in lines[0]
     assert not (tmp_path / "no").exists()
+
+
+def test_demo_compares_ddp_and_diloco(tmp_path: Path, corpus_file: Path) -> None:
+    path = tmp_path / "demo.json"
+    result = run_cli("demo", "--steps", "6", "--corpus", str(corpus_file), "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "less traffic" in result.stdout
+    ddp, diloco = json.loads(path.read_text())
+    assert (ddp["mode"], diloco["mode"]) == ("ddp", "diloco")
+    assert diloco["outer_steps"] == 1  # 6 steps < H = 50: the last partial round syncs
+
+
+def test_demo_bad_corpus_is_one_line(tmp_path: Path) -> None:
+    result = run_cli("demo", "--corpus", str(tmp_path / "nothing"))
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error:")
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr
