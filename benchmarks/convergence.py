@@ -11,6 +11,7 @@ Writes <out>/convergence.md, .json and .png.
 
 from __future__ import annotations
 
+import json
 import platform
 import time
 from pathlib import Path
@@ -47,8 +48,18 @@ def main(
     corpus: str = typer.Option("shakespeare", help="shakespeare, generated[:SEED] or a path."),
     seed: int = typer.Option(0, help="Seed shared by every run."),
     out_dir: Path = typer.Option(RESULTS, help="Where convergence.md/.json/.png go."),
+    from_json: Path = typer.Option(
+        None, help="Re-render the table and plot from an earlier convergence.json; no training."
+    ),
 ) -> None:
     check_output_path(out_dir / "convergence.json", "--out-dir")
+    if from_json is not None:
+        try:
+            document = json.loads(from_json.read_text())
+        except (OSError, ValueError) as exc:
+            raise fail(f"--from-json {from_json} is not a readable results file ({exc})") from None
+        write_results(document, out_dir)
+        return
     try:
         h_values = [int(h) for h in sync_every.split(",")]
     except ValueError:
@@ -79,6 +90,28 @@ def main(
             runs.append(simulate(config, corpus=data, progress=advance).to_json())
     total_seconds = time.perf_counter() - started
 
+    setup = {
+        "workers": workers,
+        "steps_per_worker": steps,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "model": model.to_dict(),
+        "parameters": runs[0]["parameters"],
+        "tokens_per_worker": runs[0]["tokens_per_worker"],
+        "corpus": corpus,
+        "seed": seed,
+        "inner_lr": lr,
+        "outer": "nesterov lr 0.7 momentum 0.9",
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "total_seconds": round(total_seconds, 1),
+    }
+    write_results({"setup": setup, "runs": runs}, out_dir)
+
+
+def write_results(document: dict, out_dir: Path) -> None:
+    """Print the table and write convergence.json, .md and .png from one results document."""
+    runs, setup = document["runs"], document["setup"]
     ddp = runs[0]
     rows = []
     for run in runs:
@@ -106,34 +139,38 @@ def main(
         "seconds",
     ]
     out.print(summary_table("convergence", columns, rows))
-
-    setup = {
-        "workers": workers,
-        "steps_per_worker": steps,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "model": model.to_dict(),
-        "parameters": runs[0]["parameters"],
-        "tokens_per_worker": runs[0]["tokens_per_worker"],
-        "corpus": corpus,
-        "seed": seed,
-        "inner_lr": lr,
-        "outer": "nesterov lr 0.7 momentum 0.9",
-        "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
-        "total_seconds": round(total_seconds, 1),
-    }
-    write_json(out_dir / "convergence.json", {"setup": setup, "runs": runs})
+    write_json(out_dir / "convergence.json", document)
     plot_runs(
         runs,
         out_dir / "convergence.png",
-        title=f"K={workers}, {steps} inner steps per worker, {corpus}",
+        title=f"K={setup['workers']}, {setup['steps_per_worker']} inner steps per worker, "
+        f"{setup['corpus']}",
     )
-    (out_dir / "convergence.md").write_text(_markdown(setup, columns, rows))
-    err.print(f"wrote {out_dir}/convergence.md, .json, .png in {total_seconds:.0f} s")
+    (out_dir / "convergence.md").write_text(_markdown(setup, columns, rows, _reading(runs)))
+    err.print(f"wrote {out_dir}/convergence.md, .json, .png")
 
 
-def _markdown(setup: dict, columns: list[str], rows: list[list[object]]) -> str:
+def _reading(runs: list[dict]) -> list[str]:
+    """One line per DiLoCo run placing it between the single worker and data-parallel."""
+    ddp = next(r for r in runs if r["mode"] == "ddp")
+    single = next(r for r in runs if r["mode"] == "single")
+    lines = []
+    for run in runs:
+        if run["mode"] != "diloco":
+            continue
+        gain = single["final_eval_loss"] - run["final_eval_loss"]
+        gap = run["final_eval_loss"] - ddp["final_eval_loss"]
+        verdict = "better" if gain > 0 else "worse"
+        lines.append(
+            f"- H={run['sync_every']}: {abs(gain):.3f} nats {verdict} than one worker alone, "
+            f"{gap:+.3f} nats from data-parallel, with "
+            f"{ddp['bytes_sent_per_worker'] / run['bytes_sent_per_worker']:,.0f}x less traffic "
+            f"({run['outer_steps']} outer steps)."
+        )
+    return lines
+
+
+def _markdown(setup: dict, columns: list[str], rows: list[list[object]], reading: list[str]) -> str:
     lines = [
         "# Convergence: data-parallel vs DiLoCo at equal tokens",
         "",
@@ -158,6 +195,7 @@ def _markdown(setup: dict, columns: list[str], rows: list[list[object]]) -> str:
         "|" + "---|" * len(columns),
     ]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += ["", "Reading (generated from the numbers above):", "", *reading]
     lines += ["", "![eval loss against steps and bytes](convergence.png)", ""]
     return "\n".join(lines)
 

@@ -423,3 +423,58 @@ def test_unknown_policy_and_weighting_name_the_allowed_values() -> None:
         outer_step(masters, [], _sgd(), TRAINABLE, policy="everything")
     with pytest.raises(ValueError, match=r"weighting must be one of 'uniform', 'tokens'"):
         outer_step(masters, [], _sgd(), TRAINABLE, weighting="loss")
+
+
+def test_running_mean_folded_one_by_one_equals_outer_step_on_the_list() -> None:
+    """The server folds submissions in as they arrive; the result must be the simulator's."""
+    from diloco.algorithm import RunningMean, apply_mean
+
+    generator = torch.Generator().manual_seed(5)
+    start = {"w": torch.randn(4, 3, generator=generator), "b": torch.randn(3, generator=generator)}
+    kinds = dict.fromkeys(start, "trainable")
+    contributions = [
+        Contribution(
+            {n: torch.randn(t.shape, generator=generator) for n, t in start.items()},
+            tokens=tokens,
+            worker=str(i),
+        )
+        for i, tokens in enumerate([1, 3, 2])
+    ]
+    listed = {n: t.clone() for n, t in start.items()}
+    outer_step(
+        listed,
+        contributions,
+        OuterOptimizer("nesterov", lr=0.7, momentum=0.9),
+        kinds,
+        weighting="tokens",
+    )
+    folded = {n: t.clone() for n, t in start.items()}
+    running = RunningMean("tokens")
+    for contribution in contributions:
+        assert running.add(contribution)
+    assert running.count == 3
+    updated = apply_mean(
+        folded, running.mean(), OuterOptimizer("nesterov", lr=0.7, momentum=0.9), kinds
+    )
+    assert updated == ["w", "b"]
+    for name in start:
+        torch.testing.assert_close(folded[name], listed[name], rtol=1e-6, atol=1e-7)
+
+
+def test_running_mean_rejects_a_shape_change_without_folding_anything() -> None:
+    from diloco.algorithm import RunningMean
+
+    running = RunningMean()
+    running.add(Contribution({"w": torch.ones(2), "v": torch.ones(1)}))
+    with pytest.raises(ValueError, match="'w' has shape"):
+        running.add(Contribution({"v": torch.ones(1), "w": torch.ones(3)}))
+    assert running.count == 1
+    torch.testing.assert_close(running.mean()["v"], torch.ones(1))
+
+
+def test_running_mean_ignores_zero_token_contributions_under_token_weighting() -> None:
+    from diloco.algorithm import RunningMean
+
+    running = RunningMean("tokens")
+    assert not running.add(Contribution({"w": torch.ones(2)}, tokens=0))
+    assert running.count == 0 and running.mean() == {}

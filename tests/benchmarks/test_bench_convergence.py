@@ -54,6 +54,26 @@ def test_reduced_convergence_benchmark_writes_table_json_and_plot(
     assert table.count("\n| diloco (K=4) |") == 2 and "\n| ddp (K=4) |" in table
     assert "\n| single (K=1) |" in table and "no traffic" in table
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Reading (generated from the numbers above)" in table
+
+    rerendered = tmp_path / "again"
+    rerendered.mkdir()
+    again = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--from-json",
+            str(tmp_path / "convergence.json"),
+            "--out-dir",
+            str(rerendered),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr
+    assert (rerendered / "convergence.md").read_text() == table
 
 
 def test_missing_output_directory_is_one_clear_error(tmp_path: Path) -> None:

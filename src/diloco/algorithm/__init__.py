@@ -6,6 +6,7 @@ The server and the simulator both call `outer_step` for a round, so they apply t
 from diloco.algorithm.contributions import (
     WEIGHTINGS,
     Contribution,
+    RunningMean,
     average_contributions,
     is_finite_contribution,
 )
@@ -16,6 +17,7 @@ from diloco.algorithm.outer import (
     APPLY_POLICIES,
     OuterStepResult,
     UpdateRule,
+    apply_mean,
     outer_step,
     pseudo_gradient,
 )
@@ -31,11 +33,13 @@ __all__ = [
     "DelayedNesterov",
     "OuterOptimizer",
     "OuterStepResult",
+    "RunningMean",
     "StreamingSchedule",
     "TensorDict",
     "TensorKind",
     "UpdateRule",
     "alpha_merge",
+    "apply_mean",
     "average_contributions",
     "classify_tensors",
     "dylu_local_steps",

@@ -47,6 +47,48 @@ def is_finite_contribution(contribution: Contribution) -> bool:
     )
 
 
+class RunningMean:
+    """Per-name weighted sum of pseudo-gradients, folded in one contribution at a time.
+
+    A server keeps one of these per round instead of every worker's tensors, so its memory does
+    not grow with the number of workers (one fp32 copy of the model, whatever K is).
+    """
+
+    def __init__(self, weighting: str = "uniform") -> None:
+        self.weighting = check_weighting(weighting)
+        self.sums: TensorDict = {}
+        self.totals: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, contribution: Contribution) -> bool:
+        """Fold `contribution` in; False (and nothing changes) when its weight is zero."""
+        weight = contribution_weight(contribution, self.weighting)
+        if weight <= 0:
+            return False
+        for name, tensor in contribution.pseudo_gradient.items():
+            total = self.sums.get(name)
+            if total is not None and total.shape != tensor.shape:
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)} in one contribution "
+                    f"and {tuple(total.shape)} in another"
+                )
+        for name, tensor in contribution.pseudo_gradient.items():
+            value = tensor.detach().to(device="cpu", dtype=torch.float32)
+            total = self.sums.get(name)
+            if total is None:
+                self.sums[name] = value * weight
+                self.totals[name] = weight
+            else:
+                total.add_(value, alpha=weight)
+                self.totals[name] += weight
+        self.count += 1
+        return True
+
+    def mean(self) -> TensorDict:
+        """The per-name mean; a name no weighted contribution carried is absent."""
+        return {name: total / self.totals[name] for name, total in self.sums.items()}
+
+
 def average_contributions(
     contributions: Sequence[Contribution], weighting: str = "uniform"
 ) -> TensorDict:
@@ -55,25 +97,7 @@ def average_contributions(
     "uniform" weighs every contribution 1; "tokens" weighs by token count and leaves out
     contributions with tokens <= 0. A name no weighted contribution carries is absent.
     """
-    check_weighting(weighting)
-    sums: TensorDict = {}
-    totals: dict[str, float] = {}
+    running = RunningMean(weighting)
     for contribution in contributions:
-        weight = contribution_weight(contribution, weighting)
-        if weight <= 0:
-            continue
-        for name, tensor in contribution.pseudo_gradient.items():
-            value = tensor.detach().to(device="cpu", dtype=torch.float32)
-            total = sums.get(name)
-            if total is None:
-                sums[name] = value * weight
-                totals[name] = weight
-                continue
-            if total.shape != value.shape:
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(value.shape)} in one contribution "
-                    f"and {tuple(total.shape)} in another"
-                )
-            total.add_(value, alpha=weight)
-            totals[name] += weight
-    return {name: total.div_(totals[name]) for name, total in sums.items()}
+        running.add(contribution)
+    return running.mean()

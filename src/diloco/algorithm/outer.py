@@ -34,6 +34,7 @@ __all__ = [
     "OuterStepResult",
     "UpdateRule",
     "alpha_merge",
+    "apply_mean",
     "average_contributions",
     "is_finite_contribution",
     "outer_step",
@@ -176,9 +177,27 @@ def outer_step(
             used.append(contribution)
 
     mean = average_contributions(used, weighting)
-    if not mean:
-        return OuterStepResult(contributors=len(used), updated=[], skipped_workers=skipped)
+    updated = apply_mean(masters, mean, optimizer, kinds, policy=policy)
+    return OuterStepResult(contributors=len(used), updated=updated, skipped_workers=skipped)
 
+
+def apply_mean(
+    masters: TensorDict,
+    mean: Mapping[str, torch.Tensor],
+    optimizer: UpdateRule,
+    kinds: Mapping[str, TensorKind],
+    *,
+    policy: str = "default",
+) -> list[str]:
+    """Apply a round's mean pseudo-gradient to `masters` in place; returns the updated names.
+
+    The second half of `outer_step`, for callers that fold contributions in as they arrive
+    (`RunningMean`). An empty mean changes nothing. Names, shapes and kinds are checked first.
+    """
+    require_choice("apply policy", policy, APPLY_POLICIES)
+    if not mean:
+        return []
+    _check_contribution(Contribution(mean, worker="mean"), "mean", masters, kinds, policy)
     through_optimizer = {
         name: gradient
         for name, gradient in mean.items()
@@ -188,5 +207,4 @@ def outer_step(
     for name, gradient in mean.items():
         if name not in through_optimizer:
             _assign_mean(masters[name], gradient, TensorKind(kinds[name]))
-    updated = [name for name in masters if name in mean]
-    return OuterStepResult(contributors=len(used), updated=updated, skipped_workers=skipped)
+    return [name for name in masters if name in mean]
