@@ -1,24 +1,14 @@
-"""The `diloco` command: simulate and demo (server and worker come with their modules)."""
+"""The `diloco` command: server, worker, status, demo, simulate."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from diloco.console import (
-    check_output_path,
-    err,
-    fail,
-    megabytes,
-    out,
-    progress_bar,
-    summary_table,
-    write_json,
-)
-from diloco.data import CorpusError, load_named_corpus
-from diloco.models import GPTConfig
-from diloco.sim import MODES, SimConfig, SimResult, prepare, run, total_inner_steps
+from diloco.commands.demo import demo_command
+from diloco.commands.serve import server_command
+from diloco.commands.simulate import simulate_command
+from diloco.commands.status import status_command
+from diloco.commands.work import worker_command
 
 app = typer.Typer(
     help="DiLoCo: train one PyTorch model across machines that talk rarely.",
@@ -26,170 +16,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-
-CORPUS_HELP = "'shakespeare' (default, fetched once into a cache), 'generated[:SEED]', or a path"
-
-
-def _parse_speeds(text: str | None) -> tuple[float, ...]:
-    if not text:
-        return ()
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise fail(f"--speeds must be comma-separated numbers, got {text!r}") from None
-
-
-def _run(config: SimConfig, corpus: bytes, label: str) -> SimResult:
-    """Prepare (which raises on bad input), then train under a progress bar."""
-    setup = prepare(config, corpus)
-    with progress_bar(label, total_inner_steps(config)) as advance:
-        return run(setup, progress=advance)
-
-
-def _result_row(result: SimResult, baseline: SimResult | None = None) -> list[object]:
-    c = result.config
-    row: list[object] = [
-        c.mode,
-        c.effective_workers,
-        c.sync_every if c.mode not in ("single", "ddp") else "-",
-        c.steps,
-        f"{result.final_eval_loss:.4f}",
-        result.outer_steps,
-        megabytes(result.bytes_sent_per_worker),
-        megabytes(result.bytes_received_per_worker),
-        f"{result.wall_seconds:.1f}",
-    ]
-    if baseline is not None:
-        ratio = baseline.bytes_sent_per_worker / max(result.bytes_sent_per_worker, 1.0)
-        row.insert(5, f"{ratio:,.0f}x" if result is not baseline else "1x")
-    return row
-
-
-ROW_COLUMNS = [
-    "mode",
-    "workers",
-    "H",
-    "steps",
-    "eval loss",
-    "outer steps",
-    "MB sent/worker",
-    "MB recv/worker",
-    "seconds",
-]
-
-
-def _load_corpus_or_fail(spec: str | None) -> bytes:
-    try:
-        return load_named_corpus(spec)
-    except CorpusError as exc:
-        raise fail(str(exc)) from None
-
-
-@app.command("simulate")
-def simulate_command(
-    mode: str = typer.Option("diloco", help=f"One of: {', '.join(MODES)}."),
-    workers: int = typer.Option(4, help="Number of simulated workers K."),
-    sync_every: int = typer.Option(50, help="H: inner optimizer steps between syncs."),
-    steps: int = typer.Option(500, help="Inner optimizer steps per worker."),
-    outer_optimizer: str = typer.Option("nesterov", help="sgd, momentum or nesterov."),
-    outer_lr: float = typer.Option(0.7, help="Outer learning rate."),
-    outer_momentum: float = typer.Option(
-        None, help="Outer momentum (default 0.9 for momentum and nesterov, 0 for sgd)."
-    ),
-    fragments: int = typer.Option(1, help="Streaming: number of fragments P."),
-    delay: int = typer.Option(0, help="Streaming: overlap tau in inner steps (< H / P)."),
-    alpha: float = typer.Option(0.0, help="Streaming: merge weight of the local model."),
-    speeds: str = typer.Option("", help="Async: comma-separated relative worker speeds."),
-    dylu: bool = typer.Option(False, help="Async: dynamic local updates (fewer steps if slow)."),
-    async_delay: int = typer.Option(0, help="Async: Delayed Nesterov N (0 = workers)."),
-    lr: float = typer.Option(3e-3, help="Inner AdamW peak learning rate."),
-    warmup: int = typer.Option(50, help="Inner learning-rate warm-up steps."),
-    batch_size: int = typer.Option(16, help="Sequences per inner step per worker."),
-    seq_len: int = typer.Option(64, help="Bytes per sequence."),
-    width: int = typer.Option(64, help="Model width."),
-    depth: int = typer.Option(4, help="Transformer blocks."),
-    heads: int = typer.Option(4, help="Attention heads."),
-    corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
-    seed: int = typer.Option(0, help="Seed for weights, shards and batches."),
-    eval_every: int = typer.Option(0, help="Inner steps between evals (0 = every round)."),
-    json_path: Path = typer.Option(None, "--json", help="Write the results as JSON here."),
-    plot: Path = typer.Option(None, help="Draw eval loss vs steps and vs bytes to this PNG."),
-) -> None:
-    """Train K replicas in one process and report loss and bytes moved."""
-    check_output_path(json_path, "--json")
-    check_output_path(plot, "--plot")
-    try:
-        if plot is not None:
-            from diloco.plotting import require_matplotlib
-
-            require_matplotlib()
-        config = SimConfig(
-            mode=mode,
-            workers=workers,
-            sync_every=sync_every,
-            steps=steps,
-            outer_optimizer=outer_optimizer,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            fragments=fragments,
-            delay=delay,
-            alpha=alpha,
-            speeds=_parse_speeds(speeds),
-            dylu=dylu,
-            async_delay=async_delay,
-            lr=lr,
-            warmup=warmup,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            model=GPTConfig(context=seq_len, width=width, depth=depth, heads=heads),
-            corpus=corpus,
-            seed=seed,
-            eval_every=eval_every,
-        )
-        data = _load_corpus_or_fail(corpus)
-        result = _run(config, data, f"{mode} K={config.effective_workers}")
-    except ValueError as exc:  # CorpusError is a ValueError too
-        raise fail(str(exc)) from None
-    out.print(summary_table("diloco simulate", ROW_COLUMNS, [_result_row(result)]))
-    if json_path is not None:
-        write_json(json_path, result.to_json())
-        err.print(f"wrote {json_path}")
-    if plot is not None:
-        from diloco.plotting import plot_runs
-
-        plot_runs([result.to_json()], plot)
-        err.print(f"wrote {plot}")
-
-
-@app.command("demo")
-def demo_command(
-    steps: int = typer.Option(300, help="Inner steps per worker."),
-    corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
-    json_path: Path = typer.Option(None, "--json", help="Write both runs as JSON here."),
-) -> None:
-    """Data-parallel against DiLoCo (K = 4, H = 50) on the same data: loss and bytes."""
-    check_output_path(json_path, "--json")
-    if steps < 1:
-        raise fail(f"steps must be a positive integer, got {steps}")
-    data = _load_corpus_or_fail(corpus)
-    results = []
-    try:
-        for mode in ("ddp", "diloco"):
-            config = SimConfig(mode=mode, workers=4, sync_every=50, steps=steps, corpus=corpus)
-            results.append(_run(config, data, mode))
-    except ValueError as exc:  # CorpusError is a ValueError too
-        raise fail(str(exc)) from None
-    ddp = results[0]
-    out.print(
-        summary_table(
-            "DiLoCo vs data-parallel, same tokens per worker",
-            [*ROW_COLUMNS[:5], "less traffic", *ROW_COLUMNS[5:]],
-            [_result_row(r, ddp) for r in results],
-        )
-    )
-    if json_path is not None:
-        write_json(json_path, [r.to_json() for r in results])
-        err.print(f"wrote {json_path}")
+app.command("server")(server_command)
+app.command("worker")(worker_command)
+app.command("status")(status_command)
+app.command("demo")(demo_command)
+app.command("simulate")(simulate_command)
 
 
 def main() -> None:

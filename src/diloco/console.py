@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -25,10 +26,14 @@ out = Console(width=None if sys.stdout.isatty() else 140)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
 
 
-def fail(message: str) -> typer.Exit:
-    """Print one clear line on stderr; the caller raises the result (exit code 2, no trace)."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print one clear line on stderr; the caller raises the result (no traceback).
+
+    Exit code 2 is bad input (a usage error); 1 is a failure at run time (a refused request,
+    an unreachable server).
+    """
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=code)
 
 
 def check_output_path(path: Path | None, option: str) -> None:
@@ -44,7 +49,7 @@ def write_json(path: Path, document: dict | list) -> None:
 
 
 @contextmanager
-def progress_bar(description: str, total: int) -> Iterator:
+def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator:
     """A rich progress bar on stderr; yields `advance(n)`."""
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -54,6 +59,7 @@ def progress_bar(description: str, total: int) -> Iterator:
         TimeRemainingColumn(),
         console=err,
         transient=False,
+        disable=not enabled,
     )
     with progress:
         task = progress.add_task(description, total=total)

@@ -27,10 +27,10 @@ from diloco.algorithm import (
     to_fp32_masters,
 )
 from diloco.data import BatchSampler, load_named_corpus, split_train_val, worker_shard
+from diloco.evaluation import Evaluator
 from diloco.models import GPT, block_prefixes
 from diloco.sim.config import SimConfig
-from diloco.sim.evaluation import Evaluator
-from diloco.sim.replica import Replica
+from diloco.training import Replica
 
 FP32_BYTES = 4
 Progress = Callable[[int], None]

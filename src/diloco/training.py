@@ -1,4 +1,8 @@
-"""One simulated worker: its own model replica, inner AdamW, data stream and step counter."""
+"""The bundled training recipe: the small GPT with AdamW, warm-up + cosine, clipping.
+
+The simulator runs K of these `Replica`s in one process and `diloco worker` runs one per
+process, so a real run and a simulated run train each replica identically.
+"""
 
 from __future__ import annotations
 

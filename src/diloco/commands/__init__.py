@@ -1,0 +1,1 @@
+"""The `diloco` subcommands, one module each; `diloco.cli` assembles them."""

@@ -1,0 +1,67 @@
+"""`diloco server`: the coordinator over HTTP."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from diloco.commands.options import TokenFileOption, TokenOption, read_token
+from diloco.console import err, fail
+from diloco.server.runner import serve
+from diloco.server.settings import ServerSettings
+from diloco.wire import parse_wire_dtype
+
+
+def server_command(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8470, help="Port (0 picks a free one; see --port-file)."),
+    port_file: Path = typer.Option(None, help="Write the bound port here once listening."),
+    init: Path = typer.Option(None, help="Initial global weights (.safetensors)."),
+    mode: str = typer.Option("sync", help="Training mode: sync."),
+    sync_every: int = typer.Option(50, help="H: inner optimizer steps per round."),
+    outer_optimizer: str = typer.Option("nesterov", help="sgd, momentum or nesterov."),
+    outer_lr: float = typer.Option(0.7, help="Outer learning rate."),
+    outer_momentum: float = typer.Option(None, help="Outer momentum (default 0.9; sgd: 0)."),
+    weighting: str = typer.Option("uniform", help="uniform or tokens."),
+    upload_dtype: str = typer.Option("fp32", help="Pseudo-gradient dtype: fp32 or bf16."),
+    download_dtype: str = typer.Option("fp32", help="Global weights dtype: fp32 or bf16."),
+    heartbeat_interval: float = typer.Option(5.0, help="Seconds between worker heartbeats."),
+    heartbeat_timeout: float = typer.Option(30.0, help="Evict a worker silent this long."),
+    barrier_timeout: float = typer.Option(600.0, help="A round open this long answers 504."),
+    min_workers: int = typer.Option(1, help="Contributions a round needs to commit."),
+    max_body_mb: float = typer.Option(4096.0, help="Largest tensor body accepted (MB)."),
+    token: str = TokenOption,
+    token_file: Path = TokenFileOption,
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Run the coordinator: workers register, send pseudo-gradients, get global weights."""
+    secret = read_token(token, token_file)
+    if port_file is not None and not port_file.parent.exists():
+        raise fail(f"--port-file directory does not exist: {port_file.parent}")
+    if not 0 <= port <= 65535:
+        raise fail(f"--port must be in [0, 65535], got {port}")
+    if not max_body_mb > 0:
+        raise fail(f"--max-body-mb must be > 0, got {max_body_mb}")
+    try:
+        settings = ServerSettings(
+            mode=mode,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            weighting=weighting,
+            upload_dtype=parse_wire_dtype(upload_dtype),
+            download_dtype=parse_wire_dtype(download_dtype),
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            barrier_timeout=barrier_timeout,
+            min_workers=min_workers,
+            max_body_bytes=int(max_body_mb * 1024 * 1024),
+        )
+        serve(
+            settings, host, port, init=init, token=secret, log_level=log_level, port_file=port_file
+        )
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    err.print("server stopped")

@@ -1,0 +1,149 @@
+"""`diloco simulate`: K replicas in one process through the server's own algorithm code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from diloco.commands.options import CORPUS_HELP
+from diloco.console import (
+    check_output_path,
+    err,
+    fail,
+    megabytes,
+    out,
+    progress_bar,
+    summary_table,
+    write_json,
+)
+from diloco.data import CorpusError, load_named_corpus
+from diloco.models import GPTConfig
+from diloco.sim import MODES, SimConfig, SimResult, prepare, run, total_inner_steps
+
+
+def _parse_speeds(text: str | None) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise fail(f"--speeds must be comma-separated numbers, got {text!r}") from None
+
+
+def _run(config: SimConfig, corpus: bytes, label: str) -> SimResult:
+    """Prepare (which raises on bad input), then train under a progress bar."""
+    setup = prepare(config, corpus)
+    with progress_bar(label, total_inner_steps(config)) as advance:
+        return run(setup, progress=advance)
+
+
+def _result_row(result: SimResult) -> list[object]:
+    c = result.config
+    row: list[object] = [
+        c.mode,
+        c.effective_workers,
+        c.sync_every if c.mode not in ("single", "ddp") else "-",
+        c.steps,
+        f"{result.final_eval_loss:.4f}",
+        result.outer_steps,
+        megabytes(result.bytes_sent_per_worker),
+        megabytes(result.bytes_received_per_worker),
+        f"{result.wall_seconds:.1f}",
+    ]
+    return row
+
+
+ROW_COLUMNS = [
+    "mode",
+    "workers",
+    "H",
+    "steps",
+    "eval loss",
+    "outer steps",
+    "MB sent/worker",
+    "MB recv/worker",
+    "seconds",
+]
+
+
+def _load_corpus_or_fail(spec: str | None) -> bytes:
+    try:
+        return load_named_corpus(spec)
+    except CorpusError as exc:
+        raise fail(str(exc)) from None
+
+
+def simulate_command(
+    mode: str = typer.Option("diloco", help=f"One of: {', '.join(MODES)}."),
+    workers: int = typer.Option(4, help="Number of simulated workers K."),
+    sync_every: int = typer.Option(50, help="H: inner optimizer steps between syncs."),
+    steps: int = typer.Option(500, help="Inner optimizer steps per worker."),
+    outer_optimizer: str = typer.Option("nesterov", help="sgd, momentum or nesterov."),
+    outer_lr: float = typer.Option(0.7, help="Outer learning rate."),
+    outer_momentum: float = typer.Option(
+        None, help="Outer momentum (default 0.9 for momentum and nesterov, 0 for sgd)."
+    ),
+    fragments: int = typer.Option(1, help="Streaming: number of fragments P."),
+    delay: int = typer.Option(0, help="Streaming: overlap tau in inner steps (< H / P)."),
+    alpha: float = typer.Option(0.0, help="Streaming: merge weight of the local model."),
+    speeds: str = typer.Option("", help="Async: comma-separated relative worker speeds."),
+    dylu: bool = typer.Option(False, help="Async: dynamic local updates (fewer steps if slow)."),
+    async_delay: int = typer.Option(0, help="Async: Delayed Nesterov N (0 = workers)."),
+    lr: float = typer.Option(3e-3, help="Inner AdamW peak learning rate."),
+    warmup: int = typer.Option(50, help="Inner learning-rate warm-up steps."),
+    batch_size: int = typer.Option(16, help="Sequences per inner step per worker."),
+    seq_len: int = typer.Option(64, help="Bytes per sequence."),
+    width: int = typer.Option(64, help="Model width."),
+    depth: int = typer.Option(4, help="Transformer blocks."),
+    heads: int = typer.Option(4, help="Attention heads."),
+    corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
+    seed: int = typer.Option(0, help="Seed for weights, shards and batches."),
+    eval_every: int = typer.Option(0, help="Inner steps between evals (0 = every round)."),
+    json_path: Path = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot: Path = typer.Option(None, help="Draw eval loss vs steps and vs bytes to this PNG."),
+) -> None:
+    """Train K replicas in one process and report loss and bytes moved."""
+    check_output_path(json_path, "--json")
+    check_output_path(plot, "--plot")
+    try:
+        if plot is not None:
+            from diloco.plotting import require_matplotlib
+
+            require_matplotlib()
+        config = SimConfig(
+            mode=mode,
+            workers=workers,
+            sync_every=sync_every,
+            steps=steps,
+            outer_optimizer=outer_optimizer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            fragments=fragments,
+            delay=delay,
+            alpha=alpha,
+            speeds=_parse_speeds(speeds),
+            dylu=dylu,
+            async_delay=async_delay,
+            lr=lr,
+            warmup=warmup,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            model=GPTConfig(context=seq_len, width=width, depth=depth, heads=heads),
+            corpus=corpus,
+            seed=seed,
+            eval_every=eval_every,
+        )
+        data = _load_corpus_or_fail(corpus)
+        result = _run(config, data, f"{mode} K={config.effective_workers}")
+    except ValueError as exc:  # CorpusError is a ValueError too
+        raise fail(str(exc)) from None
+    out.print(summary_table("diloco simulate", ROW_COLUMNS, [_result_row(result)]))
+    if json_path is not None:
+        write_json(json_path, result.to_json())
+        err.print(f"wrote {json_path}")
+    if plot is not None:
+        from diloco.plotting import plot_runs
+
+        plot_runs([result.to_json()], plot)
+        err.print(f"wrote {plot}")

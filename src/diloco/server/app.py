@@ -1,0 +1,208 @@
+"""FastAPI adapter: HTTP in, coordinator calls, JSON or safetensors out. Nothing else.
+
+Tensor bodies are read into one preallocated buffer (refused with 413 from Content-Length
+before a byte is read), parsed without copies, and handed to the coordinator in a worker
+thread so the event loop keeps serving heartbeats while a big submission is folded in.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from diloco import __version__
+from diloco.server.coordinator import Coordinator, RoundResult
+from diloco.server.errors import Rejection
+from diloco.wire import (
+    HeartbeatRequest,
+    RegisterRequest,
+    WireError,
+    decode_tensors,
+    parse_content_length,
+    parse_request,
+    read_body,
+)
+
+TENSORS = "application/octet-stream"
+MAX_JSON_BYTES = 16 * 1024 * 1024  # a registration lists every tensor; 16 MiB is ~100k of them
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def _json_schema(model: type[BaseModel]) -> dict:
+    """Document a body the route parses itself (so the protocol's error order holds)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+def _error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def _request_validation_message(exc: RequestValidationError) -> tuple[str, dict]:
+    first = exc.errors()[0] if exc.errors() else {}
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
+    field = ".".join(location) or "body"
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({message})", {"field": "body"}
+    return f"field {field!r}: {message}", {"field": field, "type": first.get("type")}
+
+
+def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
+    """The HTTP face of one coordinator; `token` enables bearer auth on every route but /healthz."""
+    app = FastAPI(title="diloco coordinator", version=__version__)
+    metrics = coordinator.metrics
+
+    def reject(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+        metrics.rejected.labels(kind=body["kind"]).inc()
+        return _error_response(status, body, headers)
+
+    @app.exception_handler(Rejection)
+    async def on_rejection(_request: Request, exc: Rejection) -> JSONResponse:
+        return reject(exc.status, exc.to_body())
+
+    @app.exception_handler(WireError)
+    async def on_wire_error(_request: Request, exc: WireError) -> JSONResponse:
+        return reject(exc.status, exc.to_body())
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        error, detail = _request_validation_message(exc)
+        return reject(422, {"error": error, "kind": "invalid_request", "detail": detail})
+
+    async def require_token(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            given.strip().encode(), token.encode()
+        ):
+            raise Rejection(401, "unauthorized", "missing or wrong bearer token")
+
+    @app.middleware("http")
+    async def www_authenticate(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        response = await call_next(request)
+        if response.status_code == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="diloco"'
+        return response
+
+    authed = [Depends(require_token)]
+
+    async def tensors_from(request: Request) -> tuple[dict, int]:
+        length = parse_content_length(request.headers.get("content-length"))
+        body = await read_body(request.stream(), length, coordinator.settings.max_body_bytes)
+        return decode_tensors(body), len(body)
+
+    def tensor_response(result: RoundResult) -> Response:
+        return Response(
+            content=result.body,
+            media_type=TENSORS,
+            headers={"X-Diloco-Round": str(result.round)},
+        )
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/v1/info", dependencies=authed)
+    async def info() -> dict:
+        return coordinator.info()
+
+    async def json_body(request: Request, model: type[Model]) -> Model:
+        length = parse_content_length(request.headers.get("content-length"))
+        return parse_request(model, await read_body(request.stream(), length, MAX_JSON_BYTES))
+
+    @app.post("/v1/workers", dependencies=authed, openapi_extra=_json_schema(RegisterRequest))
+    async def register(request: Request) -> dict:
+        message = await json_body(request, RegisterRequest)
+        return await run_in_threadpool(
+            coordinator.register,
+            message.worker_id,
+            message.specs(),
+            message.protocol_version,
+            message.session,
+        )
+
+    @app.delete("/v1/workers/{worker_id}", dependencies=authed)
+    async def deregister(worker_id: str) -> dict:
+        coordinator.deregister(worker_id)
+        return {"worker_id": worker_id, "removed": True}
+
+    @app.post(
+        "/v1/workers/{worker_id}/heartbeat",
+        dependencies=authed,
+        openapi_extra=_json_schema(HeartbeatRequest),
+    )
+    async def heartbeat(worker_id: str, request: Request) -> dict:
+        beat = await json_body(request, HeartbeatRequest)
+        return coordinator.heartbeat(
+            worker_id, beat.step, beat.steps_per_second, beat.loss, beat.tokens
+        )
+
+    @app.put("/v1/weights/initial", dependencies=authed)
+    async def upload_initial(request: Request, worker_id: str = Query(...)) -> dict:
+        tensors, _ = await tensors_from(request)
+        round_number = await run_in_threadpool(coordinator.upload_initial, worker_id, tensors)
+        return {"status": "stored", "round": round_number}
+
+    @app.get("/v1/weights", dependencies=authed)
+    async def weights() -> Response:
+        return tensor_response(await run_in_threadpool(coordinator.weights))
+
+    @app.post("/v1/rounds/{round_number}/submissions", dependencies=authed)
+    async def submit(
+        request: Request,
+        round_number: int,
+        worker_id: str = Query(...),
+        fragment: int = Query(0, ge=0),
+        tokens: int = Query(0, ge=0),
+    ) -> dict:
+        tensors, _ = await tensors_from(request)
+        return await run_in_threadpool(
+            lambda: coordinator.submit(
+                worker_id, round_number, tensors, fragment=fragment, tokens=tokens
+            )
+        )
+
+    @app.get("/v1/rounds/{round_number}/result", dependencies=authed)
+    async def result(
+        round_number: int,
+        worker_id: str | None = Query(None),
+        wait: float = Query(30.0, ge=0.0, le=120.0),
+    ) -> Response:
+        outcome = await run_in_threadpool(coordinator.wait_result, round_number, worker_id, wait)
+        if isinstance(outcome, RoundResult):
+            return tensor_response(outcome)
+        return JSONResponse(
+            status_code=202,
+            content={
+                "status": "waiting",
+                "round": outcome.round,
+                "waiting_for": outcome.waiting_for,
+            },
+        )
+
+    @app.get("/v1/status", dependencies=authed)
+    async def status() -> dict:
+        return coordinator.status()
+
+    @app.get("/metrics", dependencies=authed)
+    async def prometheus() -> Response:
+        metrics.live_workers.set(len(coordinator.membership.live_ids()))
+        return Response(content=metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,444 @@
+"""The authority of a DiLoCo run: membership, rounds and barriers, the global weights.
+
+No HTTP here: the app translates requests into these calls and `Rejection`s into responses, and
+tests drive the coordinator by calling its methods. Every method takes the one lock; a method
+that refuses raises `Rejection` before it changes anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diloco.algorithm import Contribution, TensorKind, apply_mean, to_fp32_masters
+from diloco.server.errors import Rejection
+from diloco.server.membership import Membership
+from diloco.server.metrics import ServerMetrics
+from diloco.server.rounds import Round
+from diloco.server.settings import ServerSettings
+from diloco.wire import (
+    PROTOCOL_VERSION,
+    WORKER_ID_PATTERN,
+    TensorSpec,
+    WireError,
+    check_tensors,
+    encode_tensors,
+    fingerprint,
+    first_difference,
+    is_worker_id,
+)
+
+MAX_WAIT_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A committed round's new global weights, encoded once for every worker of the round."""
+
+    round: int
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A long-poll that ended before the round committed."""
+
+    round: int
+    waiting_for: list[str]
+
+
+def _rejection(error: WireError) -> Rejection:
+    return Rejection(error.status, error.kind, error.error, **error.detail)
+
+
+class Coordinator:
+    """Synchronous DiLoCo: a barrier per round over the workers live when it started."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        initial: Mapping[str, torch.Tensor] | None = None,
+        *,
+        metrics: ServerMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or ServerMetrics()
+        self.clock = clock
+        self.started_at = clock()
+        self._lock = threading.Condition()
+        self.optimizer = settings.make_outer_optimizer()
+        self.membership = Membership()
+        self.masters: dict[str, torch.Tensor] | None = None
+        self.specs: dict[str, TensorSpec] | None = None
+        self.kinds_known = False
+        self.round: Round | None = None
+        self.result: RoundResult | None = None
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.rounds_committed = 0
+        if initial is not None:
+            self._adopt_weights(initial, kinds=None)
+
+    # ----------------------------------------------------------------- read-only views
+
+    @property
+    def round_number(self) -> int:
+        return 0 if self.round is None else self.round.number
+
+    @property
+    def model_fingerprint(self) -> str | None:
+        return None if self.specs is None else fingerprint(list(self.specs.values()))
+
+    def info(self) -> dict:
+        with self._lock:
+            return {
+                "protocol_version": PROTOCOL_VERSION,
+                "mode": self.settings.mode,
+                "round": self.round_number,
+                "model_fingerprint": self.model_fingerprint if self.masters is not None else None,
+                "settings": self.settings.to_wire(),
+            }
+
+    def status(self) -> dict:
+        with self._lock:
+            now = self.clock()
+            uptime = max(1e-9, now - self.started_at)
+            return {
+                "round": self.round_number,
+                "mode": self.settings.mode,
+                "workers": [w.to_status(now) for w in self.membership.workers.values()],
+                "waiting_for": [] if self.round is None else self.round.waiting_for(),
+                "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+                "rounds_per_hour": self.rounds_committed / uptime * 3600.0,
+                "uptime_seconds": uptime,
+            }
+
+    # ----------------------------------------------------------------- membership
+
+    def register(
+        self,
+        worker_id: str | None,
+        specs: Sequence[TensorSpec],
+        protocol_version: int,
+        session: str | None = None,
+    ) -> dict:
+        """Admit a worker; checks the protocol, then the model, then the id (in that order).
+
+        A live id is refused (409) unless the request carries the session that registered it:
+        that is the same worker retrying a registration whose answer it never received.
+        """
+        if protocol_version != PROTOCOL_VERSION:
+            raise Rejection(
+                400,
+                "protocol_version",
+                f"protocol_version must be {PROTOCOL_VERSION}, got {protocol_version}",
+                expected=PROTOCOL_VERSION,
+                got=protocol_version,
+            )
+        if worker_id is not None and not is_worker_id(worker_id):
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'worker_id' must match {WORKER_ID_PATTERN}",
+                field="worker_id",
+                got=worker_id,
+            )
+        with self._lock:
+            now = self.clock()
+            if self.specs is not None:
+                difference = first_difference(list(self.specs.values()), list(specs))
+                if difference is not None:
+                    raise Rejection(
+                        422,
+                        "fingerprint_mismatch",
+                        f"the model differs: {difference}",
+                        expected=self.model_fingerprint,
+                        got=fingerprint(list(specs)),
+                    )
+            worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
+            holder = self.membership.get_live(worker_id)
+            if holder is not None and session is not None and holder.session == session:
+                holder.last_seen = now
+                return self._registration(worker_id)
+            if holder is not None:
+                raise Rejection(
+                    409,
+                    "worker_id_taken",
+                    f"worker id {worker_id!r} is held by a live worker",
+                    worker_id=worker_id,
+                )
+            if self.specs is None or not self.kinds_known:
+                self.specs = {s.name: s for s in specs}
+                self.kinds_known = True
+            self.membership.admit(worker_id, now, self.round_number, session)
+            if self.round is not None and self.round.first_submission_at is None:
+                # Nobody waits on this round yet, so the newcomer can join its barrier now.
+                self.round.members.add(worker_id)
+            self.metrics.live_workers.set(len(self.membership.live_ids()))
+            return self._registration(worker_id)
+
+    def _registration(self, worker_id: str) -> dict:
+        return {
+            "worker_id": worker_id,
+            "round": self.round_number,
+            "needs_initial_weights": self.masters is None,
+            "model_fingerprint": self.model_fingerprint,
+            "settings": self.settings.to_wire(),
+        }
+
+    def deregister(self, worker_id: str) -> None:
+        with self._lock:
+            self._require_live(worker_id)
+            self._remove(worker_id)
+
+    def heartbeat(
+        self, worker_id: str, step: int, steps_per_second: float, loss: float | None, tokens: int
+    ) -> dict:
+        with self._lock:
+            record = self._require_live(worker_id)
+            record.last_seen = self.clock()
+            record.step, record.steps_per_second = step, steps_per_second
+            record.loss, record.tokens = loss, tokens
+            return {"round": self.round_number, "recommended_sync_every": None, "command": None}
+
+    def evict_stale(self) -> list[str]:
+        """Evict workers silent past the heartbeat timeout; the barrier re-checks at once."""
+        with self._lock:
+            stale = self.membership.stale(self.clock(), self.settings.heartbeat_timeout)
+            for worker_id in stale:
+                self._remove(worker_id)
+                self.metrics.evictions.inc()
+            return stale
+
+    def _require_live(self, worker_id: str):
+        record = self.membership.get_live(worker_id)
+        if record is None:
+            raise Rejection(
+                404,
+                "unknown_worker",
+                f"worker {worker_id!r} is not registered (evicted or never registered); "
+                "register again",
+                worker_id=worker_id,
+            )
+        return record
+
+    def _remove(self, worker_id: str) -> None:
+        self.membership.workers[worker_id].live = False
+        if self.round is not None:
+            self.round.leave(worker_id)
+        self.metrics.live_workers.set(len(self.membership.live_ids()))
+        self._try_commit(self.clock())
+
+    # ----------------------------------------------------------------- weights
+
+    def _adopt_weights(
+        self, tensors: Mapping[str, torch.Tensor], kinds: Mapping[str, str] | None
+    ) -> None:
+        specs = {
+            name: TensorSpec(
+                name,
+                tuple(t.shape),
+                t.dtype,
+                (kinds or {}).get(name)
+                or (
+                    TensorKind.TRAINABLE.value
+                    if t.is_floating_point()
+                    else TensorKind.BOOL_BUFFER.value
+                    if t.dtype == torch.bool
+                    else TensorKind.INT_BUFFER.value
+                ),
+            )
+            for name, t in tensors.items()
+        }
+        self.masters = to_fp32_masters(tensors)
+        if self.specs is None:
+            self.specs = specs
+            self.kinds_known = kinds is not None
+        self.round = Round(0, self.membership.live_ids(), self.settings.weighting, self.clock())
+        self.result = None
+
+    def upload_initial(self, worker_id: str, tensors: Mapping[str, torch.Tensor]) -> int:
+        """The first registered worker's state becomes the global weights (first upload wins)."""
+        with self._lock:
+            self._require_live(worker_id)
+            if self.masters is not None:
+                raise Rejection(
+                    409,
+                    "weights_exist",
+                    "the global weights already exist; fetch /v1/weights",
+                    current_round=self.round_number,
+                )
+            assert self.specs is not None  # a live worker registered its specs
+            try:
+                check_tensors(tensors, self.specs, float_dtype=None)
+            except WireError as error:
+                raise _rejection(error) from None
+            self._adopt_weights(tensors, {n: s.kind for n, s in self.specs.items()})
+            self.bytes_in += sum(t.numel() * t.element_size() for t in tensors.values())
+            return self.round_number
+
+    def weights(self) -> RoundResult:
+        """The current global weights, encoded once per round in the download dtype."""
+        with self._lock:
+            if self.masters is None:
+                raise Rejection(
+                    404,
+                    "no_weights",
+                    "the global weights do not exist yet; "
+                    "the first worker to register uploads them",
+                )
+            if self.result is None or self.result.round != self.round_number:
+                self.result = RoundResult(self.round_number, self._encode_masters())
+            self._count_out(len(self.result.body))
+            return self.result
+
+    def _encode_masters(self) -> bytes:
+        assert self.masters is not None and self.specs is not None
+        out = {}
+        for name, master in self.masters.items():
+            spec_dtype = self.specs[name].dtype
+            out[name] = (
+                master
+                if master.is_floating_point() or spec_dtype.is_floating_point
+                else master.to(spec_dtype)
+            )
+        return encode_tensors(out, float_dtype=self.settings.download_dtype)
+
+    def _count_out(self, n: int) -> None:
+        self.bytes_out += n
+        self.metrics.bytes_out.inc(n)
+
+    # ----------------------------------------------------------------- rounds
+
+    def submit(
+        self,
+        worker_id: str,
+        round_number: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        fragment: int = 0,
+        tokens: int = 0,
+    ) -> dict:
+        """Fold one pseudo-gradient into its round; idempotent on (worker, round, fragment)."""
+        with self._lock:
+            now = self.clock()
+            record = self._require_live(worker_id)
+            current = self.round_number
+            if self.masters is None or self.round is None:
+                raise Rejection(409, "no_weights", "no global weights yet; nothing to submit to")
+            if round_number > current:
+                raise Rejection(
+                    409,
+                    "future_round",
+                    f"round {round_number} has not started; the current round is {current}",
+                    current_round=current,
+                )
+            record.last_seen = now
+            if round_number < current:
+                return self._submit_answer("committed", round_number)
+            if fragment != 0:
+                raise Rejection(
+                    422,
+                    "invalid_request",
+                    "field 'fragment' must be 0 in sync mode",
+                    field="fragment",
+                    got=fragment,
+                )
+            if self.round.has(worker_id, fragment):
+                return self._submit_answer("duplicate", round_number)
+            assert self.specs is not None
+            try:
+                check_tensors(tensors, self.specs, float_dtype=self.settings.upload_dtype)
+            except WireError as error:
+                raise _rejection(error) from None
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.round.add(worker_id, fragment, Contribution(tensors, tokens, worker_id), now)
+            record.rounds_contributed += 1
+            self.bytes_in += size
+            self.metrics.bytes_in.inc(size)
+            self._try_commit(now)
+            return self._submit_answer("accepted", round_number)
+
+    def _submit_answer(self, status: str, round_number: int) -> dict:
+        return {
+            "status": status,
+            "round": round_number,
+            "current_round": self.round_number,
+            "waiting_for": [] if self.round is None else self.round.waiting_for(),
+        }
+
+    def _try_commit(self, now: float) -> None:
+        """Commit the round if its barrier is satisfied (lock held)."""
+        current = self.round
+        if self.masters is None or current is None or not current.ready(self.settings.min_workers):
+            return
+        started = time.perf_counter()
+        assert current.running is not None and self.specs is not None
+        kinds = {name: spec.kind for name, spec in self.specs.items()}
+        apply_mean(
+            self.masters, current.running.mean(), self.optimizer, kinds, policy=self.settings.policy
+        )
+        current.running = None  # free the sums before encoding the result
+        self.result = None
+        self.result = RoundResult(current.number + 1, self._encode_masters())
+        for when in current.submitted.values():
+            self.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
+        self.round = Round(
+            current.number + 1, self.membership.live_ids(), self.settings.weighting, now
+        )
+        self.rounds_committed += 1
+        self.metrics.rounds.inc()
+        self.metrics.round.set(self.round.number)
+        self.metrics.outer_step_seconds.observe(time.perf_counter() - started)
+        self._lock.notify_all()
+
+    def wait_result(
+        self, round_number: int, worker_id: str | None, wait: float
+    ) -> RoundResult | Waiting:
+        """Long-poll for round `round_number`'s result: the new weights, or Waiting."""
+        wait = min(max(0.0, wait), MAX_WAIT_SECONDS)
+        with self._lock:
+            if worker_id is not None:
+                self._require_live(worker_id)
+            deadline = self.clock() + wait
+            while True:
+                if self.round is None or round_number > self.round_number:
+                    raise Rejection(
+                        409,
+                        "future_round",
+                        f"round {round_number} has not started; the current round is "
+                        f"{self.round_number}",
+                        current_round=self.round_number,
+                    )
+                if round_number < self.round_number:
+                    if self.result is None or self.result.round != round_number + 1:
+                        raise Rejection(
+                            410,
+                            "result_expired",
+                            f"the result of round {round_number} is no longer kept; "
+                            "fetch /v1/weights",
+                            current_round=self.round_number,
+                        )
+                    self._count_out(len(self.result.body))
+                    return self.result
+                now = self.clock()
+                if self.round.barrier_expired(now, self.settings.barrier_timeout):
+                    raise Rejection(
+                        504,
+                        "barrier_timeout",
+                        f"round {round_number} has waited more than "
+                        f"{self.settings.barrier_timeout:g} s for {self.round.waiting_for()}",
+                        waiting_for=self.round.waiting_for(),
+                        round=round_number,
+                    )
+                remaining = deadline - now
+                if remaining <= 0:
+                    return Waiting(round_number, self.round.waiting_for())
+                self._lock.wait(timeout=min(remaining, 1.0))

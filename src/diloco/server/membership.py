@@ -1,0 +1,71 @@
+"""Who is training: registered workers, their last sign of life and what they reported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerRecord:
+    """One worker as the coordinator knows it; `live` turns False on eviction or departure."""
+
+    worker_id: str
+    registered_at: float
+    last_seen: float
+    live: bool = True
+    step: int = 0
+    steps_per_second: float = 0.0
+    loss: float | None = None
+    tokens: int = 0
+    rounds_contributed: int = 0
+    joined_round: int = 0
+    session: str | None = None
+
+    def to_status(self, now: float) -> dict:
+        return {
+            "worker_id": self.worker_id,
+            "live": self.live,
+            "step": self.step,
+            "steps_per_second": self.steps_per_second,
+            "loss": self.loss,
+            "tokens": self.tokens,
+            "last_seen_seconds_ago": round(max(0.0, now - self.last_seen), 3),
+            "rounds_contributed": self.rounds_contributed,
+        }
+
+
+class Membership:
+    """The registry of workers; not thread-safe on its own (the coordinator holds the lock)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerRecord] = {}
+
+    def live_ids(self) -> set[str]:
+        return {w.worker_id for w in self.workers.values() if w.live}
+
+    def get_live(self, worker_id: str) -> WorkerRecord | None:
+        record = self.workers.get(worker_id)
+        return record if record is not None and record.live else None
+
+    def is_live(self, worker_id: str) -> bool:
+        return self.get_live(worker_id) is not None
+
+    def admit(
+        self, worker_id: str, now: float, current_round: int, session: str | None = None
+    ) -> WorkerRecord:
+        """Register or re-register (after eviction) under `worker_id`; keeps the counters."""
+        record = self.workers.get(worker_id)
+        if record is None:
+            record = WorkerRecord(worker_id, registered_at=now, last_seen=now)
+            self.workers[worker_id] = record
+        record.live = True
+        record.last_seen = now
+        record.joined_round = current_round
+        record.session = session
+        return record
+
+    def stale(self, now: float, timeout: float) -> list[str]:
+        """Live workers silent for longer than `timeout` seconds."""
+        return [
+            w.worker_id for w in self.workers.values() if w.live and now - w.last_seen > timeout
+        ]

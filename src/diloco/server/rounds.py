@@ -1,0 +1,59 @@
+"""One synchronous round: its barrier set, the submissions folded in so far, and its timing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco.algorithm import Contribution, RunningMean
+
+
+@dataclass
+class Round:
+    """Round `number` collects pseudo-gradients until every member has submitted or left.
+
+    `members` is the barrier set: the workers live when the round started. Submissions are
+    folded into a running mean at once, so the server holds one fp32 model of sums, not K.
+    """
+
+    number: int
+    members: set[str]
+    weighting: str
+    opened_at: float
+    first_submission_at: float | None = None
+    submitted: dict[tuple[str, int], float] = field(default_factory=dict)  # key -> when
+    tokens: int = 0
+    running: RunningMean | None = None
+
+    def has(self, worker_id: str, fragment: int) -> bool:
+        return (worker_id, fragment) in self.submitted
+
+    def add(self, worker_id: str, fragment: int, contribution: Contribution, now: float) -> None:
+        if self.running is None:
+            self.running = RunningMean(self.weighting)
+        self.running.add(contribution)
+        self.submitted[(worker_id, fragment)] = now
+        self.tokens += max(0, contribution.tokens)
+        if self.first_submission_at is None:
+            self.first_submission_at = now
+
+    @property
+    def contributions(self) -> int:
+        return 0 if self.running is None else self.running.count
+
+    @property
+    def submitters(self) -> set[str]:
+        return {worker for worker, _ in self.submitted}
+
+    def waiting_for(self) -> list[str]:
+        return sorted(self.members - self.submitters)
+
+    def leave(self, worker_id: str) -> None:
+        """An evicted or departed member no longer holds the barrier."""
+        self.members.discard(worker_id)
+
+    def ready(self, min_workers: int) -> bool:
+        """Every member is in, and enough contributions to make an outer step."""
+        return not self.waiting_for() and self.contributions >= max(1, min_workers)
+
+    def barrier_expired(self, now: float, timeout: float) -> bool:
+        return self.first_submission_at is not None and now - self.first_submission_at > timeout

@@ -1,0 +1,115 @@
+"""Run a coordinator behind uvicorn, with the eviction ticker, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import anyio.to_thread
+import torch
+import uvicorn
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from diloco.server.app import create_app
+from diloco.server.coordinator import Coordinator
+from diloco.server.settings import ServerSettings
+
+# Long-polls hold a thread each while they wait for a barrier; allow many workers.
+THREAD_LIMIT = 512
+
+
+def load_initial_weights(path: Path) -> dict[str, torch.Tensor]:
+    """`--init FILE.safetensors`: the global weights before any worker arrives."""
+    if not path.is_file():
+        raise ValueError(f"--init file does not exist: {path}")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"--init {path} is not a readable safetensors file ({exc})") from None
+    if not tensors:
+        raise ValueError(f"--init {path} holds no tensors")
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"--init {path}: tensor {name!r} holds NaN or Inf")
+    return tensors
+
+
+class EvictionTicker:
+    """Evicts silent workers a few times per heartbeat interval, so barriers never hang."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.stopped = threading.Event()
+        self.period = min(1.0, coordinator.settings.heartbeat_interval / 2)
+        self.thread = threading.Thread(target=self._run, name="diloco-evictor", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.period):
+            self.coordinator.evict_stale()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=5)
+
+
+class CoordinatorServer(uvicorn.Server):
+    """uvicorn plus what a coordinator needs around it: the ticker and the bound port."""
+
+    def __init__(self, config: uvicorn.Config, ticker: EvictionTicker, port_file: Path | None):
+        super().__init__(config)
+        self.ticker = ticker
+        self.port_file = port_file
+        self.bound_port: int | None = None
+
+    async def startup(self, sockets=None) -> None:  # type: ignore[override]
+        anyio.to_thread.current_default_thread_limiter().total_tokens = THREAD_LIMIT
+        await super().startup(sockets)
+        if self.servers and self.servers[0].sockets:
+            self.bound_port = self.servers[0].sockets[0].getsockname()[1]
+        if self.port_file is not None and self.bound_port is not None:
+            temporary = self.port_file.with_name(self.port_file.name + ".tmp")
+            temporary.write_text(f"{self.bound_port}\n")
+            temporary.replace(self.port_file)  # readers never see a half-written port
+        self.ticker.start()
+
+    async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
+        self.ticker.stop()
+        await super().shutdown(sockets)
+
+
+def build_server(
+    coordinator: Coordinator,
+    host: str,
+    port: int,
+    token: str | None,
+    log_level: str = "info",
+    port_file: Path | None = None,
+) -> CoordinatorServer:
+    config = uvicorn.Config(
+        create_app(coordinator, token),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_keep_alive=75,
+    )
+    return CoordinatorServer(config, EvictionTicker(coordinator), port_file)
+
+
+def serve(
+    settings: ServerSettings,
+    host: str,
+    port: int,
+    init: Path | None = None,
+    token: str | None = None,
+    log_level: str = "info",
+    port_file: Path | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests)."""
+    initial = load_initial_weights(init) if init is not None else None
+    coordinator = Coordinator(settings, initial)
+    build_server(coordinator, host, port, token, log_level, port_file).run()

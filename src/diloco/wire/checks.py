@@ -1,0 +1,115 @@
+"""Checks that a decoded tensor body is what the model expects, before anything uses it.
+
+A submission is folded into the round's running mean only after it passes, so one bad worker
+(wrong architecture, a diverged run with NaNs) is refused with a sentence naming the tensor and
+never corrupts the global model. The checks only read: nothing is cast or copied in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from diloco.wire.dtypes import dtype_name
+from diloco.wire.errors import WireError
+from diloco.wire.specs import TensorSpec
+
+# Elements scanned per isfinite call: bounds the temporary bool mask at 16 MiB.
+_FINITE_CHUNK = 16 * 1024 * 1024
+
+
+def check_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    expected: Mapping[str, TensorSpec],
+    *,
+    float_dtype: torch.dtype | None,
+    require_all: bool = True,
+) -> None:
+    """Raise WireError(422) unless `tensors` match `expected` by name, shape, dtype and finiteness.
+
+    Floating tensors must have exactly `float_dtype` when it is given (the wire dtype), else any
+    floating dtype (an initial upload, stored as fp32 masters). Int and bool tensors must have
+    their spec's dtype, except that with `float_dtype` given they may also come as that float
+    dtype: a pseudo-gradient is fp32 for every tensor (`algorithm.pseudo_gradient` subtracts int
+    and bool buffers in int64, then converts), and is cast to the wire dtype like the rest.
+    Names, shapes and dtypes are all checked before any value is scanned for NaN or Inf.
+    """
+    for name in tensors:
+        if name not in expected:
+            raise WireError(
+                422, "unknown_tensor", f"tensor {name!r} is not in the model", tensor=name
+            )
+    if require_all:
+        for name in expected:
+            if name not in tensors:
+                raise WireError(
+                    422, "missing_tensor", f"tensor {name!r} is missing from the body", tensor=name
+                )
+    for name, tensor in tensors.items():
+        spec = expected[name]
+        _check_shape(name, tensor, spec)
+        _check_dtype(name, tensor, spec, float_dtype)
+    for name, tensor in tensors.items():
+        _check_finite(name, tensor)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, spec: TensorSpec) -> None:
+    got = list(tensor.shape)
+    if got != list(spec.shape):
+        raise WireError(
+            422,
+            "wrong_shape",
+            f"tensor {name!r} has shape {got}, the model expects {list(spec.shape)}",
+            tensor=name,
+            expected=list(spec.shape),
+            got=got,
+        )
+
+
+def _check_dtype(
+    name: str, tensor: torch.Tensor, spec: TensorSpec, float_dtype: torch.dtype | None
+) -> None:
+    got = tensor.dtype
+    if spec.dtype.is_floating_point:
+        ok = got == float_dtype if float_dtype is not None else got.is_floating_point
+        wanted = _name(float_dtype) if float_dtype is not None else "a floating dtype"
+    elif float_dtype is not None:
+        ok = got in (spec.dtype, float_dtype)
+        wanted = f"{_name(spec.dtype)} or {_name(float_dtype)}"
+    else:
+        ok = got == spec.dtype
+        wanted = _name(spec.dtype)
+    if not ok:
+        raise WireError(
+            422,
+            "wrong_dtype",
+            f"tensor {name!r} has dtype {_name(got)}, expected {wanted}",
+            tensor=name,
+            expected=wanted,
+            got=_name(got),
+        )
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _FINITE_CHUNK):
+        if not bool(torch.isfinite(flat[start : start + _FINITE_CHUNK]).all()):
+            bad = int((~torch.isfinite(flat)).sum())
+            raise WireError(
+                422,
+                "non_finite",
+                f"tensor {name!r} holds {bad} NaN or Inf values of {flat.numel()}",
+                tensor=name,
+                count=bad,
+                numel=flat.numel(),
+            )
+
+
+def _name(dtype: torch.dtype) -> str:
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        return str(dtype).removeprefix("torch.")

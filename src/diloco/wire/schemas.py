@@ -1,0 +1,246 @@
+"""Pydantic models of every JSON message in docs/protocol.md.
+
+Requests forbid unknown fields and use strict types, so a typo or a string where a number
+belongs is a 422 naming the field, not a silent default. Responses ignore unknown fields, so an
+older client keeps working against a newer server that adds some.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
+
+from diloco.wire.dtypes import torch_dtype
+from diloco.wire.specs import TensorSpec
+from diloco.wire.validation import PROTOCOL_VERSION, validation_error_to_wire
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "WORKER_ID_PATTERN",
+    "DeregisterResponse",
+    "ErrorBody",
+    "HealthResponse",
+    "HeartbeatRequest",
+    "HeartbeatResponse",
+    "InfoResponse",
+    "OuterOptimizerSummary",
+    "RegisterRequest",
+    "RegisterResponse",
+    "Settings",
+    "StatusResponse",
+    "SubmitResponse",
+    "TensorSpecModel",
+    "WaitingResponse",
+    "WorkerStatus",
+    "is_worker_id",
+    "validation_error_to_wire",
+]
+
+WORKER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_WORKER_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+DtypeName = Literal[
+    "float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
+]
+WireFloatName = Literal["float32", "bfloat16"]
+KindName = Literal["trainable", "frozen", "float_buffer", "int_buffer", "bool_buffer"]
+WorkerId = Annotated[StrictStr, Field(pattern=WORKER_ID_PATTERN)]
+Count = Annotated[StrictInt, Field(ge=0)]
+FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
+Finite = Annotated[float, Field(allow_inf_nan=False, strict=True)]
+
+
+def is_worker_id(text: str) -> bool:
+    """Whether `text` is a valid worker id (for ids that arrive in a URL path or query)."""
+    return isinstance(text, str) and _WORKER_ID_RE.fullmatch(text) is not None
+
+
+class _Request(BaseModel):
+    """A message a client sends: unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    """A message the server sends: unknown fields are ignored, for forward compatibility."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class TensorSpecModel(_Request):
+    """One tensor of a registration: `{"name", "shape", "dtype", "kind"}`."""
+
+    name: Annotated[StrictStr, Field(min_length=1)]
+    shape: list[Count]
+    dtype: DtypeName
+    kind: KindName
+
+    def to_spec(self) -> TensorSpec:
+        return TensorSpec(
+            name=self.name, shape=tuple(self.shape), dtype=torch_dtype(self.dtype), kind=self.kind
+        )
+
+    @classmethod
+    def from_spec(cls, spec: TensorSpec) -> TensorSpecModel:
+        return cls.model_validate(spec.to_json())
+
+
+class RegisterRequest(_Request):
+    """`POST /v1/workers`: a null `worker_id` asks the server to generate one."""
+
+    protocol_version: StrictInt
+    worker_id: WorkerId | None
+    tensors: Annotated[list[TensorSpecModel], Field(min_length=1)]
+    # A random value a worker process picks once: a retried registration (its answer lost)
+    # carries the same session, so the server answers it again instead of 409.
+    session: Annotated[StrictStr, Field(min_length=8, max_length=64)] | None = None
+
+    @field_validator("tensors")
+    @classmethod
+    def _unique_names(cls, tensors: list[TensorSpecModel]) -> list[TensorSpecModel]:
+        seen: set[str] = set()
+        for spec in tensors:
+            if spec.name in seen:
+                raise ValueError(f"tensor {spec.name!r} is listed twice")
+            seen.add(spec.name)
+        return tensors
+
+    def specs(self) -> list[TensorSpec]:
+        return [tensor.to_spec() for tensor in self.tensors]
+
+
+class OuterOptimizerSummary(_Response):
+    """The server's outer optimizer, for a worker to log and to check against its config."""
+
+    kind: str
+    lr: float
+    momentum: float
+
+
+class Settings(_Response):
+    """Settings every worker adopts verbatim from the server; all are required."""
+
+    sync_every: int
+    upload_dtype: WireFloatName
+    download_dtype: WireFloatName
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    barrier_timeout: float
+    fragments: int
+    delay: int
+    alpha: float
+    dylu: bool
+    weighting: str
+    min_workers: int
+    max_body_bytes: int
+    outer_optimizer: OuterOptimizerSummary
+
+
+class InfoResponse(_Response):
+    """`GET /v1/info`; `model_fingerprint` is null before the global weights exist."""
+
+    protocol_version: int
+    mode: str
+    round: int
+    model_fingerprint: str | None
+    settings: Settings
+
+
+class RegisterResponse(_Response):
+    """`POST /v1/workers` 200."""
+
+    worker_id: str
+    round: int
+    needs_initial_weights: bool
+    model_fingerprint: str | None
+    settings: Settings
+
+
+class SubmitResponse(_Response):
+    """`POST /v1/rounds/{round}/submissions` 200."""
+
+    status: Literal["accepted", "duplicate", "committed"]
+    round: int
+    current_round: int
+    waiting_for: list[str]
+
+
+class WaitingResponse(_Response):
+    """`GET /v1/rounds/{round}/result` 202: the wait elapsed first; poll again."""
+
+    status: Literal["waiting"]
+    round: int
+    waiting_for: list[str]
+
+
+class HeartbeatRequest(_Request):
+    """`POST /v1/workers/{id}/heartbeat`."""
+
+    step: Count
+    steps_per_second: FiniteNonNegative
+    loss: Finite | None
+    tokens: Count
+
+
+class HeartbeatResponse(_Response):
+    """Heartbeat 200: the current round, an optional new H (DyLU) and an optional command."""
+
+    round: int
+    recommended_sync_every: int | None
+    command: str | None
+
+
+class DeregisterResponse(_Response):
+    """`DELETE /v1/workers/{id}` 200."""
+
+    worker_id: str
+    removed: bool
+
+
+class HealthResponse(_Response):
+    """`GET /healthz`."""
+
+    ok: bool
+
+
+class WorkerStatus(_Response):
+    """One worker in `GET /v1/status`."""
+
+    worker_id: str
+    live: bool
+    step: int
+    steps_per_second: float
+    loss: float | None
+    tokens: int
+    last_seen_seconds_ago: float
+    rounds_contributed: int
+
+
+class StatusResponse(_Response):
+    """`GET /v1/status`."""
+
+    round: int
+    mode: str
+    workers: list[WorkerStatus]
+    waiting_for: list[str]
+    bytes_in: int
+    bytes_out: int
+    rounds_per_hour: float
+    uptime_seconds: float
+
+
+class ErrorBody(_Response):
+    """Every rejection: one sentence, a stable kind, and the facts as fields."""
+
+    error: str
+    kind: str
+    detail: dict[str, Any]

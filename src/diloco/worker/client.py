@@ -1,0 +1,524 @@
+"""The worker's HTTP client for the coordinator's wire protocol (docs/protocol.md, version 1).
+
+It speaks bytes for tensor bodies (the caller encodes and decodes safetensors) and plain dicts
+for JSON, so it knows nothing of torch or of the wire schemas. Transport failures, 429, 502,
+503 and 504 (the server's own `barrier_timeout` included) are retried under a RetryPolicy,
+re-sending the very same body: the server deduplicates by (worker, round, fragment), so a
+resubmission is safe and a worker never loses its progress to a dropped connection.
+
+urllib3 is used because it uploads a bytes body and streams a download at loopback speed
+(docs: DESIGN.md); bodies go out as one buffer and come back into one preallocated buffer.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote, urlencode, urlsplit
+
+import urllib3
+from urllib3.exceptions import ProtocolError, ProxyError
+from urllib3.exceptions import TimeoutError as Urllib3Timeout
+
+from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
+from diloco.worker.retry import RetryPolicy
+
+Body = bytes | bytearray | memoryview
+OnRetry = Callable[[str, BaseException | int, float], None]
+
+PROTOCOL_VERSION = 1
+RETRIED_STATUSES = frozenset({429, 502, 503, 504})
+# Failures of the connection itself; anything else (a TLS certificate error, a bad URL) will
+# not heal by waiting, so it ends the call at once.
+_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    ProtocolError,
+    Urllib3Timeout,
+    ProxyError,
+    http.client.HTTPException,
+    ConnectionError,
+    TimeoutError,
+)
+_READ_CHUNK = 4 * 1024 * 1024
+_MAX_WAIT = 120.0  # the server's cap on `wait` for a result long-poll
+
+
+@dataclass(frozen=True)
+class ClientStats:
+    """A snapshot of the client's counters, for the worker's --json report.
+
+    Bytes count request and response bodies (JSON included, headers not) of every attempt
+    that got an answer. `blocked_seconds` is wall time inside client calls, retries and
+    backoff sleeps included, from every thread; `blocked_by_operation` splits it per method
+    so a worker can leave out the background heartbeat.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    blocked_seconds: float = 0.0
+    retries: int = 0
+    blocked_by_operation: dict[str, float] = field(default_factory=dict)
+
+
+class _Counters:
+    """Counters shared by the training thread and the heartbeat thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = ClientStats()
+
+    def add(
+        self,
+        *,
+        sent: int = 0,
+        received: int = 0,
+        retries: int = 0,
+        operation: str | None = None,
+        blocked: float = 0.0,
+    ) -> None:
+        with self._lock:
+            s = self._stats
+            by_operation = s.blocked_by_operation
+            if operation is not None:
+                by_operation = dict(by_operation)
+                by_operation[operation] = by_operation.get(operation, 0.0) + blocked
+            self._stats = ClientStats(
+                bytes_sent=s.bytes_sent + sent,
+                bytes_received=s.bytes_received + received,
+                blocked_seconds=s.blocked_seconds + blocked,
+                retries=s.retries + retries,
+                blocked_by_operation=by_operation,
+            )
+
+    def snapshot(self) -> ClientStats:
+        with self._lock:
+            return self._stats
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """One complete HTTP answer: its body is already read in full."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytearray
+    url: str
+
+
+def _split_base_url(base_url: str) -> tuple[str, str]:
+    """Return (origin, path prefix) of an http(s) base URL, or raise ValueError."""
+    if not isinstance(base_url, str):
+        raise ValueError(f"base_url must be a string, got {base_url!r}")
+    parts = urlsplit(base_url.strip())
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    if not parts.hostname:
+        raise ValueError(f"base_url has no host: {base_url!r}")
+    if parts.username or parts.password:
+        raise ValueError(f"base_url must not carry credentials; pass token= instead: {base_url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"base_url must not have a query or fragment: {base_url!r}")
+    try:
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise ValueError(f"base_url has a bad port: {base_url!r}") from exc
+    return f"{parts.scheme.lower()}://{parts.netloc}", parts.path.rstrip("/")
+
+
+def _read_body(response: urllib3.BaseHTTPResponse) -> bytearray:
+    """Read a streamed body into one buffer, preallocated when Content-Length is known."""
+    length = response.headers.get("Content-Length")
+    if length is None:
+        buffer = bytearray()
+        for chunk in response.stream(_READ_CHUNK):
+            buffer += chunk
+        return buffer
+    size = int(length)
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        got = response.readinto(view[done : done + _READ_CHUNK])
+        if got == 0:
+            raise ProtocolError(f"connection closed after {done} of {size} body bytes")
+        done += got
+    return buffer
+
+
+def _server_error(reply: _Reply) -> ServerError:
+    """Build the protocol's error from a rejection, tolerating bodies that are not JSON."""
+    try:
+        payload = json.loads(reply.body)
+    except ValueError:
+        payload = None
+    error_class = AuthError if reply.status == 401 else ServerError
+    if isinstance(payload, dict) and isinstance(payload.get("kind"), str):
+        return error_class(
+            reply.status,
+            payload["kind"],
+            str(payload.get("error", "")),
+            payload.get("detail"),
+            url=reply.url,
+        )
+    text = bytes(reply.body[:200]).decode("utf-8", "replace").strip()
+    reason = http.client.responses.get(reply.status, "")
+    return error_class(reply.status, f"http_{reply.status}", text or reason, None, url=reply.url)
+
+
+def _json_dict(reply: _Reply) -> dict[str, Any]:
+    """The JSON object of a success answer; an empty body reads as {}."""
+    if not reply.body:
+        return {}
+    try:
+        payload = json.loads(reply.body)
+    except ValueError:
+        payload = None
+    if not isinstance(payload, dict):
+        raise ServerError(
+            reply.status, "invalid_response", "the answer is not a JSON object", url=reply.url
+        )
+    return payload
+
+
+def _round_header(reply: _Reply) -> int:
+    value = reply.headers.get("X-Diloco-Round")
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ServerError(
+            reply.status,
+            "invalid_response",
+            f"tensor answer without a valid X-Diloco-Round header (got {value!r})",
+            url=reply.url,
+        ) from None
+
+
+def _retry_after(reply: _Reply) -> float | None:
+    """Seconds from a numeric Retry-After header, if the server sent one."""
+    try:
+        seconds = float(reply.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+class DiLoCoClient:
+    """Calls of the coordinator's routes, with retries, timeouts, auth and byte counters.
+
+    Safe to share between threads (the training loop and the heartbeat). `close()`, from any
+    thread, also wakes a call that is sleeping between retries; it then raises ClientClosed.
+    `sleep`, `clock` and `rng` are for tests.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 300.0,
+        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 -- frozen, so sharing it is safe
+        on_retry: OnRetry | None = None,
+        sleep: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._origin, self._prefix = _split_base_url(base_url)
+        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+        if token is not None and (not token or any(c in token for c in "\r\n")):
+            raise ValueError("token must be a non-empty single line")
+        self.base_url = self._origin + self._prefix
+        self.retry = retry
+        self._connect_timeout = float(connect_timeout)
+        self._read_timeout = float(read_timeout)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._on_retry = on_retry
+        self._closed = threading.Event()
+        self._sleep = sleep if sleep is not None else self._closed.wait
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._rng_lock = threading.Lock()
+        self._counters = _Counters()
+        # Two threads use the client at once; a few spare connections cost nothing.
+        self._pool = urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False)
+
+    # -- counters -----------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> ClientStats:
+        """A consistent snapshot of every counter at once."""
+        return self._counters.snapshot()
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.stats.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.stats.bytes_received
+
+    @property
+    def blocked_seconds(self) -> float:
+        return self.stats.blocked_seconds
+
+    @property
+    def retries(self) -> int:
+        return self.stats.retries
+
+    # -- routes -------------------------------------------------------------------------------
+
+    def healthz(self) -> dict[str, Any]:
+        return self._json_call("healthz", "GET", "/healthz")
+
+    def info(self) -> dict[str, Any]:
+        return self._json_call("info", "GET", "/v1/info")
+
+    def register(
+        self,
+        worker_id: str | None,
+        tensors: list[dict[str, Any]],
+        protocol_version: int = PROTOCOL_VERSION,
+        *,
+        session: str | None = None,
+    ) -> dict[str, Any]:
+        """Register; with a `session`, a retry whose first answer was lost is answered again."""
+        payload: dict[str, Any] = {
+            "protocol_version": protocol_version,
+            "worker_id": worker_id,
+            "tensors": tensors,
+        }
+        if session is not None:
+            payload["session"] = session
+        return self._json_call("register", "POST", "/v1/workers", payload=payload)
+
+    def upload_initial(self, worker_id: str, body: Body) -> dict[str, Any]:
+        """Offer the first global weights; {"status": "exists"} when another worker won."""
+        reply = self._call(
+            "upload_initial",
+            "PUT",
+            "/v1/weights/initial",
+            query={"worker_id": worker_id},
+            body=body,
+            content_type="application/octet-stream",
+        )
+        if reply.status == 409:
+            error = _server_error(reply)
+            if error.kind == "weights_exist":
+                return {"status": "exists"}
+            raise error
+        return _json_dict(self._success(reply))
+
+    def get_weights(self) -> tuple[bytearray, int]:
+        """The current global weights (safetensors bytes) and the round they start."""
+        reply = self._success(self._call("get_weights", "GET", "/v1/weights"))
+        return reply.body, _round_header(reply)
+
+    def submit(
+        self, round: int, worker_id: str, body: Body, *, fragment: int = 0, tokens: int = 0
+    ) -> dict[str, Any]:
+        """Send one pseudo-gradient; a retry of the same (worker, round, fragment) counts once."""
+        query = {"worker_id": worker_id, "fragment": fragment, "tokens": tokens}
+        reply = self._call(
+            "submit",
+            "POST",
+            f"/v1/rounds/{int(round)}/submissions",
+            query=query,
+            body=body,
+            content_type="application/octet-stream",
+        )
+        return _json_dict(self._success(reply))
+
+    def wait_result(
+        self, round: int, worker_id: str, wait: float = 30.0
+    ) -> tuple[bytearray, int] | None:
+        """Long-poll round `round`'s result: (weights, next round), or None while it is open."""
+        if not (math.isfinite(wait) and 0 <= wait <= _MAX_WAIT):
+            raise ValueError(f"wait must be in [0, {_MAX_WAIT:g}] seconds, got {wait!r}")
+        reply = self._call(
+            "wait_result",
+            "GET",
+            f"/v1/rounds/{int(round)}/result",
+            query={"worker_id": worker_id, "wait": f"{wait:g}"},
+            # The server holds the answer for `wait`, and may then still be committing the
+            # round (a durable checkpoint), so the usual read timeout comes on top.
+            read_timeout=wait + self._read_timeout,
+        )
+        if reply.status == 202:
+            return None
+        reply = self._success(reply)
+        return reply.body, _round_header(reply)
+
+    def heartbeat(
+        self, worker_id: str, step: int, steps_per_second: float, loss: float | None, tokens: int
+    ) -> dict[str, Any]:
+        # JSON has no NaN: a diverged loss is reported as unknown rather than failing the beat.
+        if loss is not None and not math.isfinite(loss):
+            loss = None
+        payload = {
+            "step": step,
+            "steps_per_second": steps_per_second,
+            "loss": loss,
+            "tokens": tokens,
+        }
+        path = f"/v1/workers/{quote(worker_id, safe='')}/heartbeat"
+        return self._json_call("heartbeat", "POST", path, payload=payload)
+
+    def deregister(self, worker_id: str) -> dict[str, Any]:
+        return self._json_call("deregister", "DELETE", f"/v1/workers/{quote(worker_id, safe='')}")
+
+    def status(self) -> dict[str, Any]:
+        return self._json_call("status", "GET", "/v1/status")
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connections; a call sleeping between retries wakes and raises."""
+        self._closed.set()
+        self._pool.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def __enter__(self) -> DiLoCoClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- machinery ----------------------------------------------------------------------------
+
+    def _json_call(
+        self, operation: str, method: str, path: str, *, payload: Any = None
+    ) -> dict[str, Any]:
+        body = None
+        if payload is not None:
+            body = json.dumps(payload, allow_nan=False, separators=(",", ":")).encode()
+        content_type = "application/json" if body is not None else None
+        reply = self._call(operation, method, path, body=body, content_type=content_type)
+        return _json_dict(self._success(reply))
+
+    @staticmethod
+    def _success(reply: _Reply) -> _Reply:
+        if 200 <= reply.status < 300:
+            return reply
+        raise _server_error(reply)
+
+    def _url(self, path: str, query: Mapping[str, Any] | None) -> str:
+        url = self._origin + self._prefix + path
+        return f"{url}?{urlencode(query)}" if query else url
+
+    def _call(
+        self,
+        operation: str,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Body | None = None,
+        content_type: str | None = None,
+        read_timeout: float | None = None,
+    ) -> _Reply:
+        """Send one request until it gets an answer that retrying cannot change.
+
+        Returns any answer but 401 (AuthError) and the retried statuses; raises
+        ServerUnavailable once the RetryPolicy is spent, ClientClosed after close().
+        """
+        self._check_open()
+        url = self._url(path, query)
+        headers = dict(self._headers)
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        timeout = urllib3.Timeout(
+            connect=self._connect_timeout,
+            read=self._read_timeout if read_timeout is None else read_timeout,
+        )
+        with self._rng_lock:
+            rng = random.Random(self._rng.getrandbits(64))
+        delays = self.retry.delays(rng)
+        started = self._clock()
+        attempts = 0
+        try:
+            while True:
+                attempts += 1
+                retry_after = None
+                try:
+                    reply = self._attempt(method, url, body, headers, timeout)
+                except _TRANSIENT_ERRORS as exc:
+                    cause: BaseException = exc
+                    signal: BaseException | int = exc
+                except urllib3.exceptions.HTTPError as exc:
+                    raise ServerUnavailable(url, exc, attempts=attempts, reason="fatal") from exc
+                else:
+                    if reply.status == 401:
+                        raise _server_error(reply)
+                    if reply.status not in RETRIED_STATUSES:
+                        return reply
+                    cause, signal = _server_error(reply), reply.status
+                    retry_after = _retry_after(reply)
+                delay = next(delays, None)
+                if delay is None:
+                    raise ServerUnavailable(
+                        url, cause, attempts=attempts, reason="retries exhausted"
+                    ) from cause
+                if retry_after is not None:
+                    delay = max(delay, min(retry_after, self.retry.max_delay))
+                deadline = self.retry.deadline
+                if deadline is not None and self._clock() - started + delay > deadline:
+                    raise ServerUnavailable(
+                        url, cause, attempts=attempts, reason=f"deadline of {deadline:g} s"
+                    ) from cause
+                self._counters.add(retries=1)
+                if self._on_retry is not None:
+                    self._on_retry(operation, signal, delay)
+                self._sleep(delay)
+                self._check_open()
+        finally:
+            self._counters.add(operation=operation, blocked=self._clock() - started)
+
+    def _attempt(
+        self,
+        method: str,
+        url: str,
+        body: Body | None,
+        headers: Mapping[str, str],
+        timeout: urllib3.Timeout,
+    ) -> _Reply:
+        response = self._pool.urlopen(
+            method,
+            url,
+            body=body,
+            headers=headers,
+            timeout=timeout,
+            retries=False,
+            redirect=False,
+            preload_content=False,
+        )
+        try:
+            received = _read_body(response)
+        except BaseException:
+            response.close()  # a half-read connection must not go back to the pool
+            raise
+        finally:
+            response.release_conn()
+        sent = 0 if body is None else memoryview(body).nbytes
+        self._counters.add(sent=sent, received=len(received))
+        return _Reply(response.status, response.headers, received, url)
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise ClientClosed(f"the client for {self.base_url} is closed")

@@ -1,0 +1,111 @@
+"""A torch.distributed group acting as one DiLoCo worker: rank 0 talks, the others follow.
+
+Rank 0 broadcasts a status word before every payload, so an error on rank 0 (a server that
+refused, a network that never came back) reaches every rank as an exception instead of leaving
+them blocked in a collective. JSON travels as UTF-8 bytes in a uint8 tensor: no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+_OK, _FAILED = 0, 1
+
+
+class LeaderFailed(RuntimeError):
+    """Raised on follower ranks when rank 0 failed; carries rank 0's message."""
+
+
+def group_size() -> int:
+    """World size when torch.distributed is initialized, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def rank() -> int:
+    return dist.get_rank() if group_size() > 1 else 0
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_bytes(payload: bytes | None) -> bytes:
+    device = _device()
+    size = torch.tensor(
+        [len(payload) if payload is not None else 0], dtype=torch.int64, device=device
+    )
+    dist.broadcast(size, src=0)
+    buffer = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        if payload
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
+    if int(size.item()):
+        dist.broadcast(buffer, src=0)
+    return bytes(buffer.cpu().numpy().tobytes()) if int(size.item()) else b""
+
+
+def lead(action: Callable[[], T], share: Callable[[T | None], Any]) -> Any:
+    """Run `action` on rank 0 and `share` its result on every rank, propagating failure.
+
+    Without a group this is just `share(action())`. With one, rank 0 runs `action`; a status
+    word and, on failure, rank 0's message are broadcast; every rank then calls `share` with
+    rank 0's result (None on followers), which must broadcast whatever the followers need.
+    """
+    if group_size() == 1:
+        return share(action())
+    result: T | None = None
+    message = b""
+    if rank() == 0:
+        try:
+            result = action()
+        except BaseException as exc:
+            message = f"{type(exc).__name__}: {exc}".encode()
+            _broadcast_status(_FAILED, message)
+            raise
+        _broadcast_status(_OK, b"")
+    else:
+        status, message = _receive_status()
+        if status != _OK:
+            raise LeaderFailed(f"rank 0 of the DiLoCo worker failed: {message.decode()}")
+    return share(result)
+
+
+def _broadcast_status(status: int, message: bytes) -> None:
+    word = torch.tensor([status], dtype=torch.int64, device=_device())
+    dist.broadcast(word, src=0)
+    if status != _OK:
+        _broadcast_bytes(message)
+
+
+def _receive_status() -> tuple[int, bytes]:
+    word = torch.tensor([0], dtype=torch.int64, device=_device())
+    dist.broadcast(word, src=0)
+    status = int(word.item())
+    return status, (_broadcast_bytes(None) if status != _OK else b"")
+
+
+def broadcast_json(value: Any) -> Any:
+    """Rank 0's JSON-serialisable value on every rank."""
+    if group_size() == 1:
+        return value
+    payload = json.dumps(value).encode() if rank() == 0 else None
+    return json.loads(_broadcast_bytes(payload).decode())
+
+
+def broadcast_tensors_(tensors: dict[str, torch.Tensor]) -> None:
+    """Overwrite every rank's tensors in place with rank 0's (names in the same order)."""
+    if group_size() == 1:
+        return
+    for name in sorted(tensors):
+        dist.broadcast(tensors[name], src=0)

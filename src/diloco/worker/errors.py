@@ -1,0 +1,52 @@
+"""What the worker's client raises, so the worker can tell "fix something" from "wait longer"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ServerError(Exception):
+    """The server answered with a rejection that retrying the same request will not fix.
+
+    Fields come from the protocol's error body `{"error", "kind", "detail"}`; a body that is
+    not that JSON (a proxy's HTML page, say) gives kind `http_<status>`.
+    """
+
+    def __init__(
+        self, status: int, kind: str, error: str, detail: Any = None, *, url: str = ""
+    ) -> None:
+        self.status = status
+        self.kind = kind
+        self.error = error
+        self.detail = detail
+        self.url = url
+        where = f" ({url})" if url else ""
+        super().__init__(f"{status} {kind}: {error}{where}")
+
+
+class AuthError(ServerError):
+    """401: the bearer token is missing or wrong. Never retried: waiting will not fix it."""
+
+
+class ServerUnavailable(Exception):
+    """The server could not be reached, or kept answering "try later", until retries ran out.
+
+    `cause` is the last failure: a transport exception, or a ServerError for the last 429, 502,
+    503 or 504 answer (kind `barrier_timeout` when the round's barrier timed out).
+    """
+
+    def __init__(
+        self, url: str, cause: BaseException | None, *, attempts: int, reason: str
+    ) -> None:
+        self.url = url
+        self.cause = cause
+        self.attempts = attempts
+        self.reason = reason
+        super().__init__(
+            f"server unavailable at {url} after {attempts} attempt(s) ({reason}); "
+            f"last cause: {cause!r}"
+        )
+
+
+class ClientClosed(RuntimeError):
+    """The client was closed, possibly from another thread while a call was backing off."""

@@ -1,0 +1,89 @@
+"""The server's settings as a worker adopts them: verbatim, and every required one present."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diloco.wire import torch_dtype
+
+REQUIRED = (
+    "sync_every",
+    "upload_dtype",
+    "download_dtype",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "fragments",
+    "delay",
+    "alpha",
+    "dylu",
+    "outer_optimizer",
+)
+
+
+class ServerSettingsError(RuntimeError):
+    """The server did not state a setting the worker must adopt: a fatal misconfiguration."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    sync_every: int
+    upload_dtype: torch.dtype
+    download_dtype: torch.dtype
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    fragments: int
+    delay: int
+    alpha: float
+    dylu: bool
+    outer_optimizer: dict
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ValueError(
+                f"heartbeat_interval ({self.heartbeat_interval}) must be below "
+                f"heartbeat_timeout ({self.heartbeat_timeout})"
+            )
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any], server: str) -> WorkerSettings:
+        """Read /v1/info's settings; a missing or ill-typed one stops the worker with its name."""
+        settings = info.get("settings")
+        if not isinstance(settings, dict):
+            raise ServerSettingsError(f"the server at {server} states no settings in /v1/info")
+        missing = [name for name in REQUIRED if name not in settings]
+        if missing:
+            raise ServerSettingsError(
+                f"the server at {server} does not state the required setting(s) "
+                f"{', '.join(missing)}; a worker cannot choose them itself"
+            )
+        try:
+            return cls(
+                sync_every=int(settings["sync_every"]),
+                upload_dtype=torch_dtype(settings["upload_dtype"]),
+                download_dtype=torch_dtype(settings["download_dtype"]),
+                heartbeat_interval=float(settings["heartbeat_interval"]),
+                heartbeat_timeout=float(settings["heartbeat_timeout"]),
+                fragments=int(settings["fragments"]),
+                delay=int(settings["delay"]),
+                alpha=float(settings["alpha"]),
+                dylu=bool(settings["dylu"]),
+                outer_optimizer=dict(settings["outer_optimizer"]),
+            )
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ValueError) and "heartbeat_interval" in str(exc):
+                raise
+            raise ServerSettingsError(
+                f"the server at {server} states a bad setting: {exc}"
+            ) from None
+
+    def check_supported(self) -> None:
+        """Settings of features this worker does not implement yet are refused, not ignored."""
+        if self.fragments != 1:
+            raise ServerSettingsError(
+                f"the server asks for {self.fragments} streaming fragments; this worker supports 1"
+            )
