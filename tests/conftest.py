@@ -1,12 +1,23 @@
-"""Fixtures shared by the suites: a small generated corpus that trains in seconds."""
+"""Shared fixtures: a small generated corpus, and real servers (in a thread or a process)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from diloco.data import generated_corpus
+from diloco.server.coordinator import Coordinator
+from diloco.server.runner import CoordinatorServer, build_server
+from diloco.server.settings import ServerSettings
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +30,96 @@ def corpus_file(tmp_path_factory: pytest.TempPathFactory, small_corpus: bytes) -
     path = tmp_path_factory.mktemp("corpus") / "generated.txt"
     path.write_bytes(small_corpus)
     return path
+
+
+@dataclass
+class RunningServer:
+    """A real coordinator behind real uvicorn on 127.0.0.1, in a thread of the test process."""
+
+    url: str
+    coordinator: Coordinator
+    server: CoordinatorServer
+
+
+@contextmanager
+def serve_in_thread(
+    settings: ServerSettings | None = None,
+    initial: dict[str, torch.Tensor] | None = None,
+    token: str | None = None,
+) -> Iterator[RunningServer]:
+    coordinator = Coordinator(settings or ServerSettings(), initial)
+    server = build_server(coordinator, "127.0.0.1", 0, token, log_level="warning")
+    thread = threading.Thread(target=server.run, name="test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.bound_port is None:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.01)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{server.bound_port}", coordinator, server)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+@pytest.fixture
+def live_server() -> Iterator[Callable[..., AbstractContextManager[RunningServer]]]:
+    """`with live_server(settings, initial, token) as s:` starts a server; it stops on exit."""
+    yield serve_in_thread
+
+
+@dataclass
+class ServerProcess:
+    """`diloco server` as a user runs it: a separate process, stopped by the fixture."""
+
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+
+@pytest.fixture
+def server_process(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        port_file = tmp_path / f"port-{len(started)}"
+        log = tmp_path / f"server-{len(started)}.log"
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "diloco.cli",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--log-level",
+                "warning",
+                *args,
+            ],
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"server did not start: {log.read_text()}")
+            time.sleep(0.05)
+        running = ServerProcess(process, f"http://127.0.0.1:{port_file.read_text().strip()}", log)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        if running.process.poll() is None:
+            running.process.terminate()
+            try:
+                running.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                running.process.kill()
+                running.process.wait(timeout=5)
