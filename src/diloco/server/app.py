@@ -51,7 +51,10 @@ def _error_response(status: int, body: dict, headers: dict | None = None) -> JSO
 
 def _request_validation_message(exc: RequestValidationError) -> tuple[str, dict]:
     first = exc.errors()[0] if exc.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
+    loc = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+        loc = loc[1:]  # where FastAPI found it, not part of the field's name
+    location = [str(part) for part in loc]
     field = ".".join(location) or "body"
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":

@@ -82,6 +82,7 @@ class Coordinator:
         self.bytes_in = 0
         self.bytes_out = 0
         self.rounds_committed = 0
+        self.closing = False
         if initial is not None:
             self._adopt_weights(initial, kinds=None)
 
@@ -340,8 +341,8 @@ class Coordinator:
                     f"round {round_number} has not started; the current round is {current}",
                     current_round=current,
                 )
-            record.last_seen = now
             if round_number < current:
+                record.last_seen = now
                 return self._submit_answer("committed", round_number)
             if fragment != 0:
                 raise Rejection(
@@ -352,12 +353,14 @@ class Coordinator:
                     got=fragment,
                 )
             if self.round.has(worker_id, fragment):
+                record.last_seen = now
                 return self._submit_answer("duplicate", round_number)
             assert self.specs is not None
             try:
                 check_tensors(tensors, self.specs, float_dtype=self.settings.upload_dtype)
             except WireError as error:
                 raise _rejection(error) from None
+            record.last_seen = now  # only now: a rejection leaves the state as it was
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             self.round.add(worker_id, fragment, Contribution(tensors, tokens, worker_id), now)
             record.rounds_contributed += 1
@@ -399,6 +402,12 @@ class Coordinator:
         self.metrics.outer_step_seconds.observe(time.perf_counter() - started)
         self._lock.notify_all()
 
+    def close(self) -> None:
+        """Release every long-poll at once (they answer "waiting"), so shutdown is prompt."""
+        with self._lock:
+            self.closing = True
+            self._lock.notify_all()
+
     def wait_result(
         self, round_number: int, worker_id: str | None, wait: float
     ) -> RoundResult | Waiting:
@@ -439,6 +448,6 @@ class Coordinator:
                         round=round_number,
                     )
                 remaining = deadline - now
-                if remaining <= 0:
+                if remaining <= 0 or self.closing:
                     return Waiting(round_number, self.round.waiting_for())
                 self._lock.wait(timeout=min(remaining, 1.0))

@@ -52,8 +52,13 @@ class Round:
         self.members.discard(worker_id)
 
     def ready(self, min_workers: int) -> bool:
-        """Every member is in, and enough contributions to make an outer step."""
-        return not self.waiting_for() and self.contributions >= max(1, min_workers)
+        """Every member is in, and enough submissions to make an outer step.
+
+        Counts accepted submissions, not weighted contributions: under "tokens" weighting a
+        submission with tokens <= 0 carries no weight, and a round whose every submission is
+        weightless must still commit (changing nothing) instead of waiting forever.
+        """
+        return not self.waiting_for() and len(self.submitted) >= max(1, min_workers)
 
     def barrier_expired(self, now: float, timeout: float) -> bool:
         return self.first_submission_at is not None and now - self.first_submission_at > timeout

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio.to_thread
@@ -78,7 +81,26 @@ class CoordinatorServer(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
         self.ticker.stop()
+        self.ticker.coordinator.close()  # long-polls answer "waiting" now; workers poll again
         await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM stop the server gracefully, and the process then exits normally (0).
+
+        uvicorn's own version re-raises the captured signal after the graceful shutdown, so
+        `kill PID` would end `diloco server` by the signal (exit -15) and skip its last line.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def build_server(
@@ -96,6 +118,7 @@ def build_server(
         log_level=log_level,
         access_log=False,
         timeout_keep_alive=75,
+        timeout_graceful_shutdown=10,
     )
     return CoordinatorServer(config, EvictionTicker(coordinator), port_file)
 

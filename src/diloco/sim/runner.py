@@ -50,6 +50,7 @@ class SimResult:
     peak_sync_bytes: int
     wall_seconds: float
     local_steps_per_worker: list[int] = field(default_factory=list)
+    final_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict:
         c = self.config
@@ -413,6 +414,7 @@ def run(setup: SimSetup, progress: Progress | None = None) -> SimResult:
         peak_sync_bytes=outcome.peak_sync_bytes,
         wall_seconds=time.perf_counter() - started,
         local_steps_per_worker=outcome.local_steps,
+        final_state=outcome.final_state,
     )
 
 

@@ -1,0 +1,158 @@
+"""Synchronous DiLoCo as a user runs it: `diloco server` and `diloco worker` processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.models import GPTConfig
+from diloco.sim import SimConfig, simulate
+from diloco.wire import decode_tensors
+from diloco.worker import DiLoCoClient, RetryPolicy
+
+TINY = [
+    "--width",
+    "32",
+    "--depth",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "2",
+]
+TINY_MODEL = GPTConfig(context=32, width=32, depth=2, heads=2)
+
+
+def start_worker(
+    url: str,
+    worker_id: str,
+    shard: int,
+    shards: int,
+    steps: int,
+    corpus: Path,
+    out: Path,
+    seed: int = 5,
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "worker",
+            "--server",
+            url,
+            "--worker-id",
+            worker_id,
+            "--steps",
+            str(steps),
+            "--seed",
+            str(seed),
+            "--shard",
+            str(shard),
+            "--num-shards",
+            str(shards),
+            "--corpus",
+            str(corpus),
+            "--no-progress",
+            "--json",
+            str(out / f"{worker_id}.json"),
+            *TINY,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(out / f"{worker_id}.log").open("wb"),
+    )
+
+
+def wait_all(processes: list[subprocess.Popen], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+
+
+def global_weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
+    with DiLoCoClient(url, retry=RetryPolicy(attempts=3), read_timeout=30) as client:
+        body, round_number = client.get_weights()
+    return decode_tensors(body), round_number
+
+
+def test_real_server_and_two_workers_match_the_simulator(
+    server_process, corpus_file: Path, small_corpus: bytes, tmp_path: Path
+) -> None:
+    """The guarantee that research done in the simulator carries over to the real system."""
+    server = server_process("--sync-every", "4", "--min-workers", "2")
+    workers = [start_worker(server.url, f"w{i}", i, 2, 10, corpus_file, tmp_path) for i in range(2)]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    real, round_number = global_weights(server.url)
+    assert round_number == 3  # rounds end at steps 4, 8 and the partial round at 10
+
+    simulated = simulate(
+        SimConfig(
+            mode="diloco",
+            workers=2,
+            sync_every=4,
+            steps=10,
+            batch_size=4,
+            seq_len=32,
+            model=TINY_MODEL,
+            warmup=2,
+            seed=5,
+        ),
+        corpus=small_corpus,
+    )
+    assert simulated.outer_steps == 3
+    assert real.keys() == simulated.final_state.keys()
+    for name, tensor in simulated.final_state.items():
+        torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+    assert [r["rounds"] for r in reports] == [3, 3]
+    assert reports[0]["final_eval_loss"] == pytest.approx(simulated.final_eval_loss, rel=1e-5)
+    for report in reports:
+        assert report["bytes_sent"] > 0 and report["bytes_received"] > 0
+        assert report["blocked_seconds"] >= 0
+
+
+def test_survivor_continues_after_a_worker_is_killed(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    server = server_process(
+        "--sync-every",
+        "4",
+        "--min-workers",
+        "1",
+        "--heartbeat-interval",
+        "0.5",
+        "--heartbeat-timeout",
+        "3",
+    )
+    survivor = start_worker(server.url, "keeper", 0, 2, 40, corpus_file, tmp_path)
+    victim = start_worker(server.url, "victim", 1, 2, 4000, corpus_file, tmp_path)
+    client = DiLoCoClient(server.url, retry=RetryPolicy(attempts=3), read_timeout=10)
+    deadline = time.monotonic() + 120
+    while client.status()["round"] < 2:  # both have trained together for two rounds
+        assert time.monotonic() < deadline, "no progress"
+        assert survivor.poll() is None and victim.poll() is None
+        time.sleep(0.1)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    survivor.wait(timeout=120)
+    assert survivor.returncode == 0, (tmp_path / "keeper.log").read_text()
+    report = json.loads((tmp_path / "keeper.json").read_text())
+    assert report["rounds"] == 10  # 40 steps / H = 4: no round was lost to the dead peer
+    status = client.status()
+    live = {w["worker_id"]: w["live"] for w in status["workers"]}
+    assert live == {"keeper": False, "victim": False}  # keeper left cleanly, victim evicted
+    assert status["round"] >= 10
+    client.close()

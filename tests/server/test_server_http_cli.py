@@ -1,0 +1,125 @@
+"""`diloco server` as a user runs it: --init weights over HTTP, bad options, SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import torch
+import urllib3
+from safetensors.torch import save_file
+
+from diloco.wire import TensorSpec, decode_tensors, fingerprint
+
+TIMEOUT = urllib3.Timeout(connect=5.0, read=20.0)
+
+
+def pool_for(url: str) -> urllib3.HTTPConnectionPool:
+    parts = urlsplit(url)
+    assert parts.hostname == "127.0.0.1"
+    return urllib3.HTTPConnectionPool("127.0.0.1", parts.port, timeout=TIMEOUT, retries=False)
+
+
+def initial_tensors() -> dict[str, torch.Tensor]:
+    return {
+        "embed.weight": torch.linspace(-1, 1, 10).reshape(5, 2).to(torch.bfloat16),
+        "layer.bias": torch.tensor([0.5, -1.25, 3.0]),
+        "step": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def test_init_file_is_served_as_round_0_weights(server_process, tmp_path: Path):
+    tensors = initial_tensors()
+    init = tmp_path / "init.safetensors"
+    save_file(tensors, str(init))
+    server = server_process("--init", str(init))
+    pool = pool_for(server.url)
+
+    weights = pool.request("GET", "/v1/weights")
+    assert weights.status == 200, weights.data[:300]
+    assert weights.headers["X-Diloco-Round"] == "0"
+    served = decode_tensors(weights.data)
+    assert set(served) == set(tensors)
+    for name, tensor in tensors.items():
+        expected = tensor.float() if tensor.is_floating_point() else tensor
+        assert served[name].dtype == expected.dtype, name  # floats served in fp32 (default)
+        assert torch.equal(served[name], expected), name
+
+    specs = [TensorSpec(name, tuple(t.shape), t.dtype, "trainable") for name, t in tensors.items()]
+    info = pool.request("GET", "/v1/info").json()
+    assert info["protocol_version"] == 1 and info["round"] == 0
+    assert info["model_fingerprint"] == fingerprint(specs)
+    assert server.process.poll() is None
+
+
+def test_sigterm_stops_the_server_with_exit_code_0(server_process):
+    server = server_process()
+    assert pool_for(server.url).request("GET", "/healthz").json() == {"ok": True}
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(timeout=15)
+    assert code == 0, server.log.read_text()
+    assert time.monotonic() - started < 5.0
+    log = server.log.read_text()
+    assert "server stopped" in log
+    assert "Traceback" not in log
+
+
+def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
+    """Each fails before listening: exit code 2, one `error:` line on stderr, no traceback."""
+    not_safetensors = tmp_path / "weights.safetensors"
+    not_safetensors.write_bytes(b"this is a text file, not a safetensors file\n")
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    cases = {
+        "missing --init": (["--init", str(tmp_path / "missing.safetensors")], "--init"),
+        "non-safetensors --init": (["--init", str(not_safetensors)], "safetensors"),
+        "interval >= timeout": (
+            ["--heartbeat-interval", "30", "--heartbeat-timeout", "30"],
+            "heartbeat_interval",
+        ),
+        "outer lr 0": (["--outer-lr", "0"], "lr"),
+        "fp16 upload": (["--upload-dtype", "fp16"], "fp16"),
+        "token and token file": (["--token", "abc", "--token-file", str(token_file)], "--token"),
+    }
+    # All at once: each pays the interpreter's start-up, none waits for another.
+    processes = {
+        label: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "diloco.cli",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",  # should one start after all, it binds nothing fixed
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for label, (args, _) in cases.items()
+    }
+    outcomes = {}
+    try:
+        for label, process in processes.items():
+            stdout, stderr = process.communicate(timeout=60)
+            outcomes[label] = (process.returncode, stdout, stderr)
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+    for label, (code, stdout, stderr) in outcomes.items():
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert code == 2, (label, code, stderr)
+        assert "Traceback" not in stderr and "Traceback" not in stdout, (label, stderr)
+        assert len(lines) == 1, (label, stderr)
+        assert lines[0].startswith("error: "), (label, stderr)
+        assert cases[label][1] in lines[0], (label, lines[0])

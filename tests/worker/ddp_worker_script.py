@@ -1,0 +1,36 @@
+"""Run under torchrun by test_worker_distributed.py: a DDP process group as one DiLoCo worker."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from diloco.worker import DiLoCoWorker
+
+
+def main(url: str, token: str, steps: int) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    worker = DiLoCoWorker(ddp, optimizer, url, worker_id="group", token=token or None)
+    generator = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=generator)
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    worker.close()
+    state = {name: t.tolist() for name, t in model.state_dict().items()}
+    print(json.dumps({"rank": rank, "rounds": worker.rounds, "state": state}), flush=True)
+    dist.barrier()  # both ranks leave together; gloo may abort a rank that is torn down early
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,303 @@
+"""DiLoCoWorker against a real server on 127.0.0.1: hooks, H, dtypes, settings, re-joining."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from diloco.algorithm import OuterOptimizer
+from diloco.server.settings import ServerSettings
+from diloco.wire import decode_tensors
+from diloco.worker import DiLoCoClient, DiLoCoWorker, ServerSettingsError, WorkerSettings
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    accumulation: int = 1,
+    seed: int = 1,
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for _ in range(accumulation):
+            x = torch.randn(8, 4, generator=generator)
+            (model(x).pow(2).mean() / accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def server_weights(url: str) -> dict[str, torch.Tensor]:
+    with DiLoCoClient(url) as client:
+        body, _ = client.get_weights()
+    return decode_tensors(body)
+
+
+def test_h_counts_optimizer_steps_not_batches(live_server) -> None:
+    with live_server(ServerSettings(sync_every=3)) as server:
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="acc")
+        train(model, optimizer, steps=9, accumulation=4)  # 36 backward passes, 9 steps
+        assert worker.local_step == 9
+        assert worker.rounds == 3
+        assert server.coordinator.round_number == 3
+        worker.close()
+
+
+def test_one_worker_with_outer_sgd_lr1_keeps_its_local_model(live_server) -> None:
+    """FedAvg of one worker is that worker: the sync must hand back exactly its weights."""
+    settings = ServerSettings(sync_every=5, outer_optimizer="sgd", outer_lr=1.0)
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url)
+        reference = make_model()
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        train(model, optimizer, steps=5)
+        train(reference, reference_optimizer, steps=5)
+        assert worker.rounds == 1
+        for name, tensor in reference.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=1e-7)
+            torch.testing.assert_close(worker.anchor[name], tensor, rtol=0, atol=1e-7)
+        worker.close(final_sync=False)
+
+
+def test_nesterov_round_gives_the_algorithm_s_weights(live_server) -> None:
+    with live_server(ServerSettings(sync_every=4)) as server:
+        model = make_model()
+        start = {n: t.clone() for n, t in model.state_dict().items()}
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        worker = DiLoCoWorker(model, optimizer, server.url)
+        local = make_model()
+        local_optimizer = torch.optim.SGD(local.parameters(), lr=0.05)
+        train(local, local_optimizer, steps=4)
+        train(model, optimizer, steps=4)
+        expected = {n: t.clone() for n, t in start.items()}
+        grads = {n: start[n] - local.state_dict()[n] for n in start}
+        OuterOptimizer("nesterov", lr=0.7, momentum=0.9).step(expected, grads)
+        for name, tensor in expected.items():
+            torch.testing.assert_close(model.state_dict()[name], tensor, rtol=1e-6, atol=1e-7)
+        worker.close(final_sync=False)
+
+
+def test_bf16_upload_and_download_are_adopted_from_the_server(live_server) -> None:
+    settings = ServerSettings(
+        sync_every=2, upload_dtype=torch.bfloat16, download_dtype=torch.bfloat16
+    )
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url)
+        assert worker.settings.upload_dtype == torch.bfloat16
+        train(model, optimizer, steps=2)  # an fp32 upload would be refused as wrong_dtype
+        assert worker.rounds == 1 and server.coordinator.round_number == 1
+        for _name, tensor in model.state_dict().items():  # weights came down as bf16 values
+            torch.testing.assert_close(tensor, tensor.to(torch.bfloat16).float(), rtol=0, atol=0)
+        masters = server.coordinator.masters
+        assert masters is not None and all(t.dtype == torch.float32 for t in masters.values())
+        worker.close(final_sync=False)
+
+
+def test_a_later_worker_starts_from_the_server_s_weights(live_server) -> None:
+    with live_server(ServerSettings(sync_every=100)) as server:
+        first = make_model(seed=1)
+        DiLoCoWorker(
+            first, torch.optim.SGD(first.parameters(), lr=0.1), server.url, heartbeat=False
+        )
+        second = make_model(seed=2)  # different initialisation, replaced on join
+        DiLoCoWorker(
+            second, torch.optim.SGD(second.parameters(), lr=0.1), server.url, heartbeat=False
+        )
+        for name, tensor in first.state_dict().items():
+            torch.testing.assert_close(second.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_an_evicted_worker_registers_again_and_its_progress_counts(live_server) -> None:
+    settings = ServerSettings(
+        sync_every=3,
+        outer_optimizer="sgd",
+        outer_lr=1.0,
+        heartbeat_interval=0.2,
+        heartbeat_timeout=0.6,
+    )
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="sleepy", heartbeat=False)
+        deadline = time.monotonic() + 10
+        while server.coordinator.membership.is_live("sleepy"):  # no heartbeats: evicted
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        train(model, optimizer, steps=3)  # the submit meets 404, re-registers, resubmits
+        assert worker.rounds == 1 and server.coordinator.round_number == 1
+        record = server.coordinator.membership.workers["sleepy"]
+        assert record.live and record.rounds_contributed == 1
+        weights = server_weights(server.url)
+        for name, tensor in model.state_dict().items():  # FedAvg of one: its own weights
+            torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-7)
+        worker.close(final_sync=False)
+
+
+def test_heartbeats_reach_the_server(live_server) -> None:
+    settings = ServerSettings(sync_every=50, heartbeat_interval=0.1, heartbeat_timeout=5)
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="beating")
+        train(model, optimizer, steps=3)
+        worker.report(loss=1.25, tokens=24)
+        deadline = time.monotonic() + 10
+        while True:
+            (status,) = server.coordinator.status()["workers"]
+            if status["step"] == 3 and status["loss"] == 1.25:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert status["tokens"] == 24
+        worker.close(final_sync=False)
+        assert not server.coordinator.membership.is_live("beating")  # close deregisters
+
+
+@contextmanager
+def info_server(settings: dict) -> Iterator[str]:
+    """A misconfigured server whose /v1/info states only `settings`."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(
+                {
+                    "protocol_version": 1,
+                    "mode": "sync",
+                    "round": 0,
+                    "model_fingerprint": None,
+                    "settings": settings,
+                }
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_server_that_omits_a_required_setting_is_fatal() -> None:
+    complete = ServerSettings().to_wire()
+    partial = {k: v for k, v in complete.items() if k != "sync_every"}
+    with info_server(partial) as url:
+        model = make_model()
+        with pytest.raises(ServerSettingsError, match="sync_every"):
+            DiLoCoWorker(model, torch.optim.SGD(model.parameters(), lr=0.1), url)
+
+
+def test_heartbeat_interval_at_or_above_timeout_is_a_value_error() -> None:
+    wire = ServerSettings().to_wire()
+    wire.update(heartbeat_interval=30.0, heartbeat_timeout=30.0)
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        WorkerSettings.from_info({"settings": wire}, "http://127.0.0.1:1")
+
+
+class FlakyProxy:
+    """A TCP proxy on 127.0.0.1 that cuts every other connection after 32 KiB upstream."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections = 0
+        self.cut = 0
+        self.stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stopped:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            limit = 32 * 1024 if self.connections % 2 == 1 else None
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30)
+            threading.Thread(target=self._pipe, args=(client, upstream, limit), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, None), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, limit: int | None) -> None:
+        moved = 0
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                if limit is not None and moved + len(data) > limit:
+                    self.cut += 1
+                    break
+                sink.sendall(data)
+                moved += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def close(self) -> None:
+        self.stopped = True
+        self.listener.close()
+
+
+def test_cut_connections_are_retried_and_each_round_counts_once(live_server) -> None:
+    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)
+    with live_server(settings) as server:
+        proxy = FlakyProxy(int(server.url.rsplit(":", 1)[1]))
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(64, 256)  # ~66 KB of fp32: every upload exceeds the cut
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            worker = DiLoCoWorker(
+                model,
+                optimizer,
+                f"http://127.0.0.1:{proxy.port}",
+                worker_id="flaky",
+                heartbeat=False,
+            )
+            generator = torch.Generator().manual_seed(3)
+            for _ in range(6):
+                model(torch.randn(4, 64, generator=generator)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert worker.rounds == 3
+            assert proxy.cut >= 1 and worker.stats()["retries"] >= 1
+            assert server.coordinator.membership.workers["flaky"].rounds_contributed == 3
+            assert server.coordinator.round_number == 3
+            weights = server_weights(server.url)
+            for name, tensor in model.state_dict().items():
+                torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-7)
+            worker.close(final_sync=False)
+        finally:
+            proxy.close()
