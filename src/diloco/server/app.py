@@ -58,13 +58,17 @@ def _request_validation_message(exc: RequestValidationError) -> tuple[str, dict]
     field = ".".join(location) or "body"
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON ({message})", {"field": "body"}
+        return f"the body is not valid JSON ({message})", {"field": "body", "type": "json_invalid"}
     return f"field {field!r}: {message}", {"field": field, "type": first.get("type")}
 
 
 def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     """The HTTP face of one coordinator; `token` enables bearer auth on every route but /healthz."""
-    app = FastAPI(title="diloco coordinator", version=__version__)
+    # The schema routes are added below behind the same token as everything else.
+    app = FastAPI(
+        title="diloco coordinator", version=__version__, openapi_url=None, docs_url=None,
+        redoc_url=None,
+    )
     metrics = coordinator.metrics
 
     def reject(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
@@ -116,6 +120,10 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
             media_type=TENSORS,
             headers={"X-Diloco-Round": str(result.round)},
         )
+
+    @app.get("/openapi.json", dependencies=authed, include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -190,7 +190,7 @@ class Coordinator:
             "worker_id": worker_id,
             "round": self.round_number,
             "needs_initial_weights": self.masters is None,
-            "model_fingerprint": self.model_fingerprint,
+            "model_fingerprint": self.model_fingerprint if self.masters is not None else None,
             "settings": self.settings.to_wire(),
         }
 
@@ -282,7 +282,9 @@ class Coordinator:
             except WireError as error:
                 raise _rejection(error) from None
             self._adopt_weights(tensors, {n: s.kind for n, s in self.specs.items()})
-            self.bytes_in += sum(t.numel() * t.element_size() for t in tensors.values())
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.bytes_in += size
+            self.metrics.bytes_in.inc(size)
             return self.round_number
 
     def weights(self) -> RoundResult:
@@ -370,11 +372,13 @@ class Coordinator:
             return self._submit_answer("accepted", round_number)
 
     def _submit_answer(self, status: str, round_number: int) -> dict:
+        """`waiting_for` is about the submitted round: empty once it has committed."""
+        open_round = self.round is not None and self.round.number == round_number
         return {
             "status": status,
             "round": round_number,
             "current_round": self.round_number,
-            "waiting_for": [] if self.round is None else self.round.waiting_for(),
+            "waiting_for": self.round.waiting_for() if open_round else [],
         }
 
     def _try_commit(self, now: float) -> None:

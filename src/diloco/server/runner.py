@@ -133,6 +133,6 @@ def serve(
     port_file: Path | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests)."""
-    initial = load_initial_weights(init) if init is not None else None
-    coordinator = Coordinator(settings, initial)
+    # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
+    coordinator = Coordinator(settings, load_initial_weights(init) if init is not None else None)
     build_server(coordinator, host, port, token, log_level, port_file).run()

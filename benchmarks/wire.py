@@ -1,0 +1,382 @@
+"""Wire benchmark: a DiLoCo round through the real server against raw TCP and gloo all_reduce.
+
+For a 25M-parameter fp32 state (100 MB) and K = 1, 2, 4 concurrent workers it measures, in one
+run on 127.0.0.1:
+  (a) one round through `diloco server`: every worker pushes its pseudo-gradient and pulls the
+      new global weights (the worker's encode is done before the clock starts);
+  (b) a raw loopback TCP transfer of the same bytes: each of K clients sends 100 MB to one
+      server process and receives 100 MB back;
+  (c) torch.distributed gloo all_reduce of the same tensor between K processes;
+plus the server's peak resident memory per K (VmHWM) against the model's fp32 size, and the
+outer step (the coordinator's apply_mean with Nesterov) against one in-place pass over the same
+memory. Writes benchmarks/results/wire.md and .json.
+
+    python benchmarks/wire.py                      # full (about 2-4 minutes on 2 cores)
+    python benchmarks/wire.py --parameters 1000000 --workers 1,2 --rounds 2 --out-dir /tmp/w
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import typer
+from safetensors.torch import save_file
+
+from diloco.algorithm import OuterOptimizer, apply_mean
+from diloco.console import check_output_path, err, fail, out, summary_table, write_json
+from diloco.wire import encode_tensors, specs_of
+from diloco.worker import DiLoCoClient, RetryPolicy
+
+RESULTS = Path(__file__).parent / "results"
+TENSORS = 10
+CONTEXT = mp.get_context("fork")  # children inherit the tensors; nothing is pickled
+
+
+def make_state(parameters: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    per = parameters // TENSORS
+    return {f"layer{i}.weight": torch.randn(per, generator=generator) for i in range(TENSORS)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ (a) the real server
+
+
+def _server(init: Path | None, workers: int, scratch: Path) -> tuple[subprocess.Popen, str]:
+    port_file = scratch / f"port-{workers}-{init is not None}"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "server",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            *(["--init", str(init)] if init is not None else []),
+            "--min-workers",
+            str(workers),
+            "--sync-every",
+            "1",
+            "--heartbeat-interval",
+            "60",
+            "--heartbeat-timeout",
+            "600",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not port_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    return process, f"http://127.0.0.1:{port_file.read_text().strip()}"
+
+
+def _memory_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _round_worker(url, index, state, rounds, barrier, times) -> None:
+    torch.set_num_threads(1)
+    specs = [s.to_json() for s in specs_of(state, dict.fromkeys(state, "trainable"))]
+    gradient = {n: t * 1e-3 for n, t in state.items()}
+    body = encode_tensors(gradient)
+    with DiLoCoClient(url, retry=RetryPolicy(attempts=3), read_timeout=600) as client:
+        worker_id = client.register(f"bench{index}", specs)["worker_id"]
+        client.get_weights()
+        for r in range(rounds):
+            barrier.wait()
+            started = time.perf_counter()
+            client.submit(r, worker_id, body)
+            while client.wait_result(r, worker_id, wait=60) is None:
+                pass
+            times[r * 8 + index] = time.perf_counter() - started
+
+
+def runtime_baseline_mb(scratch: Path) -> float:
+    """RSS of a server with no model: the interpreter, torch and the web stack."""
+    process, _ = _server(None, 1, scratch)
+    try:
+        time.sleep(1.0)
+        return _memory_kb(process.pid, "VmRSS") / 1024
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def server_rounds(init: Path, state, workers: int, rounds: int, scratch: Path) -> dict:
+    process, url = _server(init, workers, scratch)
+    try:
+        idle_kb = _memory_kb(process.pid, "VmRSS")
+        barrier = CONTEXT.Barrier(workers)
+        times = CONTEXT.Array("d", rounds * 8)
+        children = [
+            CONTEXT.Process(target=_round_worker, args=(url, i, state, rounds, barrier, times))
+            for i in range(workers)
+        ]
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(timeout=900)
+            if child.exitcode != 0:
+                raise RuntimeError(f"a benchmark worker failed (exit {child.exitcode})")
+        peak_kb = _memory_kb(process.pid, "VmHWM")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    per_round = [max(times[r * 8 + i] for i in range(workers)) for r in range(rounds)]
+    return {
+        "round_seconds": per_round,
+        "median_round_seconds": statistics.median(per_round),
+        "server_idle_rss_mb": idle_kb / 1024,
+        "server_peak_rss_mb": peak_kb / 1024,
+    }
+
+
+# ------------------------------------------------------------------ (b) raw TCP
+
+
+def _receive_exactly(connection: socket.socket, buffer: bytearray) -> None:
+    view, got = memoryview(buffer), 0
+    while got < len(buffer):
+        n = connection.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"peer closed after {got} of {len(buffer)} bytes")
+        got += n
+
+
+def _tcp_echo_server(listener: socket.socket, workers: int, size: int, rounds: int) -> None:
+    buffer = bytearray(size)
+    for _ in range(rounds):
+        connections = [listener.accept()[0] for _ in range(workers)]
+        for connection in connections:  # receive every push, then answer every pull
+            _receive_exactly(connection, buffer)
+        for connection in connections:
+            connection.sendall(buffer)
+            connection.close()
+
+
+def _tcp_client(port, index, size, rounds, barrier, times) -> None:
+    payload = os.urandom(size)
+    inbox = bytearray(size)
+    for r in range(rounds):
+        barrier.wait()
+        started = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port), timeout=120) as connection:
+            connection.sendall(payload)
+            _receive_exactly(connection, inbox)
+        times[r * 8 + index] = time.perf_counter() - started
+
+
+def raw_tcp(size: int, workers: int, rounds: int) -> dict:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = CONTEXT.Process(target=_tcp_echo_server, args=(listener, workers, size, rounds))
+    server.start()
+    barrier = CONTEXT.Barrier(workers)
+    times = CONTEXT.Array("d", rounds * 8)
+    clients = [
+        CONTEXT.Process(target=_tcp_client, args=(port, i, size, rounds, barrier, times))
+        for i in range(workers)
+    ]
+    for process in clients:
+        process.start()
+    for process in [*clients, server]:
+        process.join(timeout=600)
+    listener.close()
+    per_round = [max(times[r * 8 + i] for i in range(workers)) for r in range(rounds)]
+    return {"round_seconds": per_round, "median_round_seconds": statistics.median(per_round)}
+
+
+# ------------------------------------------------------------------ (c) gloo all_reduce
+
+
+def _gloo_rank(port, rank, workers, numel, rounds, times) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=workers
+    )
+    tensor = torch.ones(numel)
+    dist.all_reduce(tensor)  # warm-up: connections and buffers
+    for r in range(rounds):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        times[r * 8 + rank] = time.perf_counter() - started
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def gloo_all_reduce(numel: int, workers: int, rounds: int) -> dict:
+    port = free_port()
+    times = CONTEXT.Array("d", rounds * 8)
+    ranks = [
+        CONTEXT.Process(target=_gloo_rank, args=(port, r, workers, numel, rounds, times))
+        for r in range(workers)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=600)
+    per_round = [max(times[r * 8 + i] for i in range(workers)) for r in range(rounds)]
+    return {"round_seconds": per_round, "median_round_seconds": statistics.median(per_round)}
+
+
+# ------------------------------------------------------------------ the outer step
+
+
+def outer_step_against_memory_pass(state: dict[str, torch.Tensor], repeats: int = 5) -> dict:
+    masters = {n: t.clone() for n, t in state.items()}
+    mean = {n: t * 1e-3 for n, t in state.items()}
+    kinds = dict.fromkeys(masters, "trainable")
+    optimizer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    apply_mean(masters, mean, optimizer, kinds)  # the first step creates the momentum
+    steps, passes = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        apply_mean(masters, mean, optimizer, kinds)
+        steps.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for name, tensor in masters.items():
+            tensor.add_(mean[name])  # one in-place pass: read two arrays, write one
+        passes.append(time.perf_counter() - started)
+    return {
+        "outer_step_seconds": statistics.median(steps),
+        "memory_pass_seconds": statistics.median(passes),
+    }
+
+
+# ------------------------------------------------------------------ driver
+
+
+def main(
+    parameters: int = typer.Option(25_000_000, help="Model size in fp32 parameters."),
+    workers: str = typer.Option("1,2,4", help="Comma-separated worker counts."),
+    rounds: int = typer.Option(3, help="Timed rounds per measurement (median reported)."),
+    out_dir: Path = typer.Option(RESULTS, help="Where wire.md and wire.json go."),
+) -> None:
+    check_output_path(out_dir / "wire.json", "--out-dir")
+    try:
+        counts = [int(k) for k in workers.split(",")]
+    except ValueError:
+        raise fail(f"--workers must be comma-separated integers, got {workers!r}") from None
+    if any(k < 1 or k > 8 for k in counts) or parameters < TENSORS or rounds < 1:
+        raise fail("--workers must be in [1, 8], --parameters >= 10 and --rounds >= 1")
+    state = make_state(parameters)
+    model_mb = sum(t.numel() * 4 for t in state.values()) / 1e6
+    size = sum(t.numel() * 4 for t in state.values())
+    rows, results = [], []
+    with tempfile.TemporaryDirectory(prefix="diloco-wire-") as scratch:
+        init = Path(scratch) / "init.safetensors"
+        save_file(state, str(init))
+        baseline_mb = runtime_baseline_mb(Path(scratch))
+        for k in counts:
+            err.print(f"K={k}: server round, raw TCP, gloo all_reduce")
+            real = server_rounds(init, state, k, rounds, Path(scratch))
+            tcp = raw_tcp(size, k, rounds)
+            gloo = gloo_all_reduce(size // 4, k, rounds) if k > 1 else None
+            result = {"workers": k, "server": real, "raw_tcp": tcp, "gloo": gloo}
+            results.append(result)
+            gloo_s = gloo["median_round_seconds"] if gloo else None
+            rows.append(
+                [
+                    k,
+                    f"{real['median_round_seconds']:.3f}",
+                    f"{tcp['median_round_seconds']:.3f}",
+                    f"{gloo_s:.3f}" if gloo_s else "-",
+                    f"{real['median_round_seconds'] / gloo_s:.2f}x" if gloo_s else "-",
+                    f"{real['median_round_seconds'] / tcp['median_round_seconds']:.2f}x",
+                    f"{real['server_peak_rss_mb']:.0f}",
+                    f"{(real['server_peak_rss_mb'] - baseline_mb) * 1.048576 / model_mb:.2f}x",
+                ]
+            )
+    outer = outer_step_against_memory_pass(state)
+    columns = [
+        "K",
+        "server round s",
+        "raw TCP s",
+        "gloo all_reduce s",
+        "round / gloo",
+        "round / TCP",
+        "server peak RSS MB",
+        "(peak - runtime) / model",
+    ]
+    out.print(
+        summary_table(f"wire: {parameters:,} fp32 parameters ({model_mb:.0f} MB)", columns, rows)
+    )
+    ratio = outer["outer_step_seconds"] / outer["memory_pass_seconds"]
+    out.print(
+        f"outer step {outer['outer_step_seconds']:.3f} s, one memory pass "
+        f"{outer['memory_pass_seconds']:.3f} s: {ratio:.2f}x"
+    )
+    document = {
+        "parameters": parameters,
+        "model_mb": model_mb,
+        "rounds": rounds,
+        "results": results,
+        "runtime_baseline_rss_mb": baseline_mb,
+        "outer_step": outer,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+    }
+    write_json(out_dir / "wire.json", document)
+    (out_dir / "wire.md").write_text(_markdown(document, columns, rows, ratio))
+    err.print(f"wrote {out_dir}/wire.md and wire.json")
+
+
+def _markdown(document: dict, columns: list[str], rows: list[list[object]], ratio: float) -> str:
+    outer = document["outer_step"]
+    lines = [
+        "# Wire: a round through the server against raw TCP and gloo all_reduce",
+        "",
+        f"Command: `python benchmarks/wire.py` ({document['parameters']:,} fp32 parameters, "
+        f"{document['model_mb']:.0f} MB; median of {document['rounds']} rounds; "
+        f"{document['machine']}, torch {document['torch']}; everything on 127.0.0.1).",
+        "",
+        "- server round: every worker pushes a 100 MB pseudo-gradient and pulls the new "
+        "weights through `diloco server` (barrier over all K, outer Nesterov step, result "
+        "encoded once);",
+        "- raw TCP: each of K clients sends the same bytes to one process and gets them back;",
+        "- gloo: `torch.distributed.all_reduce` of the same fp32 tensor between K processes;",
+        "- peak RSS: the server process's VmHWM over the whole run; the last column subtracts "
+        f"the RSS of a server with no model ({document['runtime_baseline_rss_mb']:.0f} MB: "
+        "Python, torch, the web stack) and divides by the fp32 model size.",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *["| " + " | ".join(str(c) for c in row) + " |" for row in rows],
+        "",
+        f"Outer step (apply_mean, Nesterov) {outer['outer_step_seconds']:.3f} s against one "
+        f"in-place pass over the same memory {outer['memory_pass_seconds']:.3f} s: "
+        f"{ratio:.2f}x.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    typer.run(main)
