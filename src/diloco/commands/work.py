@@ -29,7 +29,13 @@ from diloco.data import BatchSampler, CorpusError, load_named_corpus, split_trai
 from diloco.evaluation import Evaluator
 from diloco.models import GPT, GPTConfig
 from diloco.training import Replica
-from diloco.worker import AuthError, DiLoCoWorker, ServerError, ServerUnavailable
+from diloco.worker import (
+    AuthError,
+    DiLoCoWorker,
+    RetryPolicy,
+    ServerError,
+    ServerUnavailable,
+)
 from diloco.worker.distributed import LeaderFailed
 from diloco.worker.settings import ServerSettingsError
 
@@ -59,6 +65,9 @@ def worker_command(
     token_file: Path = TokenFileOption,
     json_path: Path = typer.Option(None, "--json", help="Write the worker's figures here."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
+    give_up_after: float = typer.Option(
+        900.0, help="Seconds one request keeps retrying an unreachable server (0: forever)."
+    ),
 ) -> None:
     """Join a server, train, sync every H steps (the server's H), report loss and traffic."""
     check_output_path(json_path, "--json")
@@ -82,8 +91,13 @@ def worker_command(
     torch.manual_seed(seed)
     initial = GPT(config).state_dict()
     replica = Replica(config, initial, sampler, lr, warmup, steps, weight_decay=0.1)
+    if give_up_after < 0:
+        raise fail(f"--give-up-after must be >= 0 seconds, got {give_up_after}")
+    retry = RetryPolicy(deadline=give_up_after or None)
     try:
-        worker = DiLoCoWorker(replica.model, replica.optimizer, server, worker_id, secret)
+        worker = DiLoCoWorker(
+            replica.model, replica.optimizer, server, worker_id, secret, retry=retry
+        )
     except ValueError as exc:
         raise fail(str(exc)) from None
     except (AuthError, ServerError, ServerUnavailable, ServerSettingsError, LeaderFailed) as exc:

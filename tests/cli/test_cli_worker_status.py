@@ -1,0 +1,108 @@
+"""`diloco worker` and `diloco status` as a user runs them: tables, JSON, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "diloco.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_error_line(result: subprocess.CompletedProcess, code: int, needle: str) -> None:
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert needle in lines[0]
+
+
+def test_status_shows_round_and_workers(server_process, tmp_path: Path) -> None:
+    server = server_process("--sync-every", "3", "--token", "tok")
+    out = tmp_path / "status.json"
+    result = run_cli("status", server.url, "--token", "tok", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "live workers" in result.stdout and "sync" in result.stdout
+    status = json.loads(out.read_text())
+    assert status["round"] == 0 and status["workers"] == []
+    denied = run_cli("status", server.url, "--token", "wrong")
+    one_error_line(denied, 1, "unauthorized")
+
+
+def test_status_of_an_unreachable_server_is_one_line() -> None:
+    result = run_cli("status", f"http://127.0.0.1:{closed_port()}")
+    one_error_line(result, 1, "cannot read the status")
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["--steps", "0"], 2, "steps must be a positive integer"),
+        (["--shard", "2", "--num-shards", "2"], 2, "shard must be in [0, 2)"),
+        (["--corpus", "/nonexistent/corpus.txt"], 2, "does not exist"),
+        (["--token-file", "/nonexistent/token"], 2, "--token-file"),
+        (["--json", "/nonexistent/dir/w.json"], 2, "--json directory does not exist"),
+        ([], 1, "could not join"),  # nobody listens on the port
+    ],
+    ids=["steps", "shard", "corpus", "token-file", "json", "unreachable"],
+)
+def test_worker_bad_input_is_one_line(
+    args: list[str], code: int, needle: str, corpus_file: Path
+) -> None:
+    base = [
+        "--server",
+        f"http://127.0.0.1:{closed_port()}",
+        "--corpus",
+        str(corpus_file),
+        "--steps",
+        "2",
+        "--no-progress",
+        "--give-up-after",
+        "1",
+    ]
+    result = run_cli("worker", *base, *args, timeout=180)
+    one_error_line(result, code, needle)
+
+
+def test_worker_with_a_mismatched_model_is_refused_by_name(
+    server_process, corpus_file: Path
+) -> None:
+    server = server_process("--sync-every", "2")
+    tiny = [
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--heads",
+        "2",
+        "--steps",
+        "2",
+        "--corpus",
+        str(corpus_file),
+        "--no-progress",
+        "--server",
+        server.url,
+    ]
+    first = run_cli("worker", *tiny, "--width", "32", "--depth", "2", "--worker-id", "a")
+    assert first.returncode == 0, first.stderr
+    second = run_cli("worker", *tiny, "--width", "32", "--depth", "3", "--worker-id", "b")
+    one_error_line(second, 1, "fingerprint_mismatch")
+    assert "blocks.2." in second.stderr  # the first tensor the server does not know
