@@ -98,12 +98,15 @@ def demo_command(
                 "--log-level",
                 "warning",
             ),
+            stdout=subprocess.DEVNULL,
+            stderr=(Path(scratch) / "server.log").open("wb"),
         )
         processes: list[subprocess.Popen] = []
         try:
             url = f"http://127.0.0.1:{_wait_for_port(port_file, server)}"
             err.print(f"server on {url}; starting {workers} workers")
             for w in range(workers):
+                log = (Path(scratch) / f"w{w}.log").open("wb")
                 processes.append(
                     subprocess.Popen(
                         _command(
@@ -127,12 +130,16 @@ def demo_command(
                             str(Path(scratch) / f"w{w}.json"),
                         ),
                         stdout=subprocess.DEVNULL,
+                        stderr=log,
                     )
                 )
             _follow(url, processes, steps * workers)
-            failed = [p.returncode for p in processes if p.returncode != 0]
+            failed = [w for w, p in enumerate(processes) if p.returncode != 0]
             if failed:
-                raise fail(f"{len(failed)} worker(s) failed (exit codes {failed})", code=1)
+                last = (Path(scratch) / f"w{failed[0]}.log").read_text().strip().splitlines()
+                raise fail(
+                    f"worker w{failed[0]} failed: {last[-1] if last else 'no output'}", code=1
+                )
             reports = [
                 json.loads((Path(scratch) / f"w{w}.json").read_text()) for w in range(workers)
             ]
