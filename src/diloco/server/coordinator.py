@@ -7,6 +7,7 @@ that refuses raises `Rejection` before it changes anything.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from diloco.wire import (
 )
 
 MAX_WAIT_SECONDS = 120.0
+log = logging.getLogger("diloco.server")
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ class Coordinator:
                 self.specs = {s.name: s for s in specs}
                 self.kinds_known = True
             self.membership.admit(worker_id, now, self.round_number, session)
+            log.info("worker %s registered at round %d", worker_id, self.round_number)
             if self.round is not None and self.round.first_submission_at is None:
                 # Nobody waits on this round yet, so the newcomer can join its barrier now.
                 self.round.members.add(worker_id)
@@ -197,6 +200,7 @@ class Coordinator:
     def deregister(self, worker_id: str) -> None:
         with self._lock:
             self._require_live(worker_id)
+            log.info("worker %s left at round %d", worker_id, self.round_number)
             self._remove(worker_id)
 
     def heartbeat(
@@ -214,6 +218,11 @@ class Coordinator:
         with self._lock:
             stale = self.membership.stale(self.clock(), self.settings.heartbeat_timeout)
             for worker_id in stale:
+                log.warning(
+                    "worker %s evicted: silent for more than %g s",
+                    worker_id,
+                    self.settings.heartbeat_timeout,
+                )
                 self._remove(worker_id)
                 self.metrics.evictions.inc()
             return stale
@@ -407,7 +416,15 @@ class Coordinator:
         self.rounds_committed += 1
         self.metrics.rounds.inc()
         self.metrics.round.set(self.round.number)
-        self.metrics.outer_step_seconds.observe(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.metrics.outer_step_seconds.observe(seconds)
+        log.info(
+            "round %d committed: %d contribution(s) from %s, outer step and encoding %.3f s",
+            current.number,
+            len(current.submitted),
+            ", ".join(sorted(current.submitters)),
+            seconds,
+        )
         self._lock.notify_all()
 
     def close(self) -> None:

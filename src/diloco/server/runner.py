@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -133,6 +134,9 @@ def serve(
     port_file: Path | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests)."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     coordinator = Coordinator(settings, load_initial_weights(init) if init is not None else None)
     build_server(coordinator, host, port, token, log_level, port_file).run()
