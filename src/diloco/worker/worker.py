@@ -30,6 +30,12 @@ from diloco.worker.settings import WorkerSettings
 log = logging.getLogger("diloco.worker")
 
 
+def _log_retry(operation: str, cause: BaseException | int, delay: float) -> None:
+    """A worker that waits on the server says why, so a stuck barrier is never silent."""
+    reason = getattr(cause, "error", None) or cause
+    log.warning("%s: %s; retrying in %.1f s", operation, reason, delay)
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """DDP / FSDP-style wrappers keep the real module in `.module`; its names are canonical."""
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
@@ -59,7 +65,7 @@ class DiLoCoWorker:
         self.kinds = classify_tensors(self.model)
         self.specs = specs_of(self.model.state_dict(), self.kinds)
         self.client = (
-            DiLoCoClient(server_url, token, retry=retry or RetryPolicy())
+            DiLoCoClient(server_url, token, retry=retry or RetryPolicy(), on_retry=_log_retry)
             if self.is_leader
             else None
         )
