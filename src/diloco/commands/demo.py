@@ -62,7 +62,7 @@ def _stop(process: subprocess.Popen) -> None:
 def demo_command(
     workers: int = typer.Option(2, help="Worker processes K."),
     steps: int = typer.Option(300, help="Inner steps per worker."),
-    sync_every: int = typer.Option(50, help="H: inner steps per round."),
+    sync_every: int = typer.Option(25, help="H: inner steps per round."),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     seed: int = typer.Option(0, help="Seed of weights and batches."),
     json_path: Path = typer.Option(None, "--json", help="Write the demo's figures here."),
