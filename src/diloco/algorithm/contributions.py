@@ -6,7 +6,7 @@ the contributions that carry it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +89,41 @@ class RunningMean:
             else:
                 total.add_(value, alpha=weight)
                 self.totals[name] += weight
+        self.count += 1
+        return True
+
+    def add_pieces(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        pieces: Iterable[tuple[str, int, torch.Tensor]],
+        tokens: int,
+    ) -> bool:
+        """Fold a contribution that arrives as (name, first element, 1-D piece) slices.
+
+        For a body read back from disk a piece at a time: memory stays one piece, whatever the
+        model size. `shapes` names every tensor the pieces cover; they are checked against the
+        running sums before anything is folded.
+        """
+        if self._consumed:
+            raise RuntimeError("this RunningMean was consumed by mean(); start a new one")
+        weight = contribution_weight(Contribution({}, tokens), self.weighting)
+        if weight <= 0:
+            return False
+        for name, shape in shapes.items():
+            total = self.sums.get(name)
+            if total is not None and tuple(total.shape) != tuple(shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(shape)} in one contribution "
+                    f"and {tuple(total.shape)} in another"
+                )
+        for name, shape in shapes.items():
+            if name not in self.sums:
+                self.sums[name] = torch.zeros(shape, dtype=torch.float32)
+                self.totals[name] = 0.0
+            self.totals[name] += weight
+        for name, first, piece in pieces:
+            flat = self.sums[name].view(-1)
+            flat[first : first + piece.numel()].add_(piece, alpha=weight)
         self.count += 1
         return True
 

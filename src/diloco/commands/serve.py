@@ -31,6 +31,10 @@ def server_command(
     barrier_timeout: float = typer.Option(600.0, help="A round open this long answers 504."),
     min_workers: int = typer.Option(1, help="Contributions a round needs to commit."),
     max_body_mb: float = typer.Option(4096.0, help="Largest tensor body accepted (MB)."),
+    memory_bodies: int = typer.Option(
+        1, help="Tensor bodies held in RAM at once; other concurrent uploads go to disk."
+    ),
+    spool_dir: Path = typer.Option(None, help="Where spooled uploads go (default: temp dir)."),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,
     log_level: str = typer.Option("info", help="uvicorn log level."),
@@ -41,6 +45,8 @@ def server_command(
         raise fail(f"--port-file directory does not exist: {port_file.parent}")
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
+    if spool_dir is not None and not spool_dir.is_dir():
+        raise fail(f"--spool-dir is not a directory: {spool_dir}")
     if not max_body_mb > 0:
         raise fail(f"--max-body-mb must be > 0, got {max_body_mb}")
     try:
@@ -58,6 +64,8 @@ def server_command(
             barrier_timeout=barrier_timeout,
             min_workers=min_workers,
             max_body_bytes=int(max_body_mb * 1024 * 1024),
+            memory_bodies=memory_bodies,
+            spool_dir=str(spool_dir) if spool_dir is not None else None,
         )
         serve(
             settings, host, port, init=init, token=secret, log_level=log_level, port_file=port_file

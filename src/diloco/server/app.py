@@ -8,7 +8,8 @@ thread so the event loop keeps serving heartbeats while a big submission is fold
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -23,11 +24,14 @@ from diloco.server.errors import Rejection
 from diloco.wire import (
     HeartbeatRequest,
     RegisterRequest,
+    SpooledTensors,
     WireError,
+    check_length,
     decode_tensors,
     parse_content_length,
     parse_request,
     read_body,
+    spool_body,
 )
 
 TENSORS = "application/octet-stream"
@@ -112,10 +116,35 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     authed = [Depends(require_token)]
 
-    async def tensors_from(request: Request) -> tuple[dict, int]:
+    settings = coordinator.settings
+    in_memory = {"bodies": 0}  # tensor bodies held in RAM right now (one event loop: no lock)
+
+    @asynccontextmanager
+    async def tensors_from(
+        request: Request, may_spool: bool = True
+    ) -> AsyncIterator[dict | SpooledTensors]:
+        """The request's tensors: in RAM while few bodies are, else spooled to a file.
+
+        The RAM slot is held until the handler is done with the tensors, so the number of
+        bodies in memory never exceeds --memory-bodies, however many workers upload at once.
+        """
         length = parse_content_length(request.headers.get("content-length"))
-        body = await read_body(request.stream(), length, coordinator.settings.max_body_bytes)
-        return decode_tensors(body), len(body)
+        check_length(length, settings.max_body_bytes)
+        if may_spool and in_memory["bodies"] >= settings.memory_bodies:
+            spooled = await spool_body(
+                request.stream(), length, settings.max_body_bytes, settings.spool_dir
+            )
+            try:
+                yield spooled
+            finally:
+                spooled.close()
+            return
+        in_memory["bodies"] += 1
+        try:
+            body = await read_body(request.stream(), length, settings.max_body_bytes)
+            yield decode_tensors(body)
+        finally:
+            in_memory["bodies"] -= 1
 
     def tensor_response(result: RoundResult) -> Response:
         return Response(
@@ -169,8 +198,8 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     @app.put("/v1/weights/initial", dependencies=authed)
     async def upload_initial(request: Request, worker_id: str = Query(...)) -> dict:
-        tensors, _ = await tensors_from(request)
-        round_number = await run_in_threadpool(coordinator.upload_initial, worker_id, tensors)
+        async with tensors_from(request, may_spool=False) as tensors:
+            round_number = await run_in_threadpool(coordinator.upload_initial, worker_id, tensors)
         return {"status": "stored", "round": round_number}
 
     @app.get("/v1/weights", dependencies=authed)
@@ -185,12 +214,12 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         fragment: int = Query(0, ge=0),
         tokens: int = Query(0, ge=0),
     ) -> dict:
-        tensors, _ = await tensors_from(request)
-        return await run_in_threadpool(
-            lambda: coordinator.submit(
-                worker_id, round_number, tensors, fragment=fragment, tokens=tokens
+        async with tensors_from(request) as tensors:
+            return await run_in_threadpool(
+                lambda: coordinator.submit(
+                    worker_id, round_number, tensors, fragment=fragment, tokens=tokens
+                )
             )
-        )
 
     @app.get("/v1/rounds/{round_number}/result", dependencies=authed)
     async def result(

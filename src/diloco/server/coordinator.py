@@ -25,6 +25,7 @@ from diloco.server.settings import ServerSettings
 from diloco.wire import (
     PROTOCOL_VERSION,
     WORKER_ID_PATTERN,
+    SpooledTensors,
     TensorSpec,
     WireError,
     check_tensors,
@@ -333,7 +334,7 @@ class Coordinator:
         self,
         worker_id: str,
         round_number: int,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
         *,
         fragment: int = 0,
         tokens: int = 0,
@@ -342,6 +343,7 @@ class Coordinator:
 
         The coordinator takes ownership of `tensors` (the app passes views of a private request
         buffer): the round's running sum may reuse their memory, so callers must not reuse them.
+        A body spooled to disk (`SpooledTensors`) is checked and folded a piece at a time.
         """
         with self._lock:
             now = self.clock()
@@ -371,13 +373,27 @@ class Coordinator:
                 record.last_seen = now
                 return self._submit_answer("duplicate", round_number)
             assert self.specs is not None
+            spooled = isinstance(tensors, SpooledTensors)
             try:
-                check_tensors(tensors, self.specs, float_dtype=self.settings.upload_dtype)
+                check_tensors(
+                    tensors.meta if spooled else tensors,
+                    self.specs,
+                    float_dtype=self.settings.upload_dtype,
+                    scan_values=not spooled,
+                )
+                if spooled:
+                    tensors.check_values()
             except WireError as error:
                 raise _rejection(error) from None
             record.last_seen = now  # only now: a rejection leaves the state as it was
-            size = sum(t.numel() * t.element_size() for t in tensors.values())
-            self.round.add(worker_id, fragment, Contribution(tensors, tokens, worker_id), now)
+            if spooled:
+                size = tensors.nbytes
+                shapes = {name: tuple(t.shape) for name, t in tensors.meta.items()}
+                self.round.add_pieces(worker_id, fragment, shapes, tensors.pieces(), tokens, now)
+            else:
+                size = sum(t.numel() * t.element_size() for t in tensors.values())
+                contribution = Contribution(tensors, tokens, worker_id)
+                self.round.add(worker_id, fragment, contribution, now)
             record.rounds_contributed += 1
             self.bytes_in += size
             self.metrics.bytes_in.inc(size)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import torch
 
 from diloco.algorithm import Contribution, RunningMean
 
@@ -28,11 +31,30 @@ class Round:
         return (worker_id, fragment) in self.submitted
 
     def add(self, worker_id: str, fragment: int, contribution: Contribution, now: float) -> None:
+        self._running().add(contribution, take_ownership=True)  # tensors view a private buffer
+        self._record(worker_id, fragment, contribution.tokens, now)
+
+    def add_pieces(
+        self,
+        worker_id: str,
+        fragment: int,
+        shapes: dict[str, tuple[int, ...]],
+        pieces: Iterable[tuple[str, int, torch.Tensor]],
+        tokens: int,
+        now: float,
+    ) -> None:
+        """A contribution read back from disk a piece at a time (see wire.spool)."""
+        self._running().add_pieces(shapes, pieces, tokens)
+        self._record(worker_id, fragment, tokens, now)
+
+    def _running(self) -> RunningMean:
         if self.running is None:
             self.running = RunningMean(self.weighting)
-        self.running.add(contribution, take_ownership=True)  # tensors view a private buffer
+        return self.running
+
+    def _record(self, worker_id: str, fragment: int, tokens: int, now: float) -> None:
         self.submitted[(worker_id, fragment)] = now
-        self.tokens += max(0, contribution.tokens)
+        self.tokens += max(0, tokens)
         if self.first_submission_at is None:
             self.first_submission_at = now
 

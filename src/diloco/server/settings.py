@@ -36,11 +36,15 @@ class ServerSettings:
     delay: int = 0
     alpha: float = 0.0
     dylu: bool = False
+    # Server-side only (not sent to workers): how many tensor bodies may sit in RAM at once;
+    # further concurrent uploads are written to `spool_dir` (the system temp dir if None).
+    memory_bodies: int = 1
+    spool_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in SERVER_MODES:
             raise ValueError(f"mode must be one of {', '.join(SERVER_MODES)}, got {self.mode!r}")
-        for name in ("sync_every", "min_workers", "max_body_bytes", "fragments"):
+        for name in ("sync_every", "min_workers", "max_body_bytes", "fragments", "memory_bodies"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -4,7 +4,7 @@ Server and worker exchange tensors and JSON only through these functions, so the
 docs/protocol.md is written down in one place.
 """
 
-from diloco.wire.body import parse_content_length, read_body
+from diloco.wire.body import check_length, parse_content_length, read_body
 from diloco.wire.checks import check_tensors
 from diloco.wire.dtypes import (
     DTYPE_NAMES,
@@ -46,6 +46,7 @@ from diloco.wire.specs import (
     same_dtype_class,
     specs_of,
 )
+from diloco.wire.spool import SpooledTensors, spool_body
 from diloco.wire.validation import (
     PROTOCOL_VERSION,
     check_protocol_version,
@@ -72,6 +73,7 @@ __all__ = [
     "RegisterRequest",
     "RegisterResponse",
     "Settings",
+    "SpooledTensors",
     "StatusResponse",
     "SubmitResponse",
     "TensorSpec",
@@ -79,6 +81,7 @@ __all__ = [
     "WaitingResponse",
     "WireError",
     "WorkerStatus",
+    "check_length",
     "check_protocol_version",
     "check_tensors",
     "decode_tensors",
@@ -95,6 +98,7 @@ __all__ = [
     "safetensors_code",
     "same_dtype_class",
     "specs_of",
+    "spool_body",
     "torch_dtype",
     "validation_error_to_wire",
 ]

@@ -31,14 +31,8 @@ def parse_content_length(header: str | None) -> int | None:
     return int(text)
 
 
-async def read_body(
-    chunks: AsyncIterator[bytes], content_length: int | None, max_bytes: int
-) -> bytearray:
-    """Read exactly `content_length` bytes from `chunks` into one preallocated bytearray.
-
-    No Content-Length is 411 and one over `max_bytes` is 413, both raised before the first
-    chunk is read. A body longer or shorter than declared is 422 invalid_request.
-    """
+def check_length(content_length: int | None, max_bytes: int) -> None:
+    """411 without a length, 413 over `max_bytes`: decided before a byte of the body is read."""
     if content_length is None:
         raise WireError(411, "length_required", "a tensor body needs a Content-Length header")
     if content_length < 0:
@@ -58,6 +52,18 @@ async def read_body(
             content_length=content_length,
             max_bytes=max_bytes,
         )
+
+
+async def read_body(
+    chunks: AsyncIterator[bytes], content_length: int | None, max_bytes: int
+) -> bytearray:
+    """Read exactly `content_length` bytes from `chunks` into one preallocated bytearray.
+
+    No Content-Length is 411 and one over `max_bytes` is 413, both raised before the first
+    chunk is read. A body longer or shorter than declared is 422 invalid_request.
+    """
+    check_length(content_length, max_bytes)
+    assert content_length is not None
     buffer = bytearray(content_length)
     target = memoryview(buffer)
     filled = 0

@@ -98,10 +98,19 @@ def decode_tensors(buffer: bytes | bytearray | memoryview) -> dict[str, torch.Te
         view = memoryview(bytearray(view))
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
-    total = len(view)
-    if total < 8:
+    data_start, entries = parse_frame_header(view, len(view))
+    return {name: _view_tensor(view, data_start, entry) for name, entry in entries.items()}
+
+
+def parse_frame_header(prefix: memoryview | bytes, total: int) -> tuple[int, dict[str, _Entry]]:
+    """Check a safetensors header against a file of `total` bytes; `prefix` starts the file.
+
+    Returns where the data section starts and the checked entries. `prefix` must hold at least
+    the 8-byte length and the header (the whole body, or its first bytes when it is on disk).
+    """
+    if total < 8 or len(prefix) < 8:
         raise _malformed(f"the body has {total} bytes, fewer than the 8-byte header length")
-    header_len = int.from_bytes(view[:8], "little")
+    header_len = int.from_bytes(prefix[:8], "little")
     if header_len == 0:
         raise _malformed("the header length is 0")
     if header_len > MAX_HEADER_BYTES:
@@ -112,10 +121,9 @@ def decode_tensors(buffer: bytes | bytearray | memoryview) -> dict[str, torch.Te
         raise _malformed(
             f"the header length {header_len} is more than the {total - 8} bytes after it"
         )
-    header = _parse_header(bytes(view[8 : 8 + header_len]))
+    header = _parse_header(bytes(prefix[8 : 8 + header_len]))
     data_start = 8 + header_len
-    entries = _check_entries(header, data_len=total - data_start)
-    return {name: _view_tensor(view, data_start, entry) for name, entry in entries.items()}
+    return data_start, _check_entries(header, data_len=total - data_start)
 
 
 @dataclass(frozen=True, slots=True)
