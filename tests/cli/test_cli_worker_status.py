@@ -31,8 +31,11 @@ def one_error_line(result: subprocess.CompletedProcess, code: int, needle: str) 
     assert result.returncode == code, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    assert needle in lines[0]
+    errors = [line for line in lines if line.startswith("error:")]
+    # Retry warnings may come first (a worker says why it waits); the error is one last line.
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    assert all(line.startswith("WARNING") for line in lines[:-1]), result.stderr
+    assert needle in errors[0]
 
 
 def test_status_shows_round_and_workers(server_process, tmp_path: Path) -> None:
