@@ -57,7 +57,9 @@ def free_port() -> int:
 # ------------------------------------------------------------------ (a) the real server
 
 
-def _server(init: Path | None, workers: int, scratch: Path) -> tuple[subprocess.Popen, str]:
+def _server(
+    init: Path | None, workers: int, scratch: Path, memory_bodies: int = 0
+) -> tuple[subprocess.Popen, str]:
     port_file = scratch / f"port-{workers}-{init is not None}"
     process = subprocess.Popen(
         [
@@ -72,6 +74,8 @@ def _server(init: Path | None, workers: int, scratch: Path) -> tuple[subprocess.
             *(["--init", str(init)] if init is not None else []),
             "--min-workers",
             str(workers),
+            "--memory-bodies",
+            str(memory_bodies),
             "--sync-every",
             "1",
             "--heartbeat-interval",
@@ -126,8 +130,10 @@ def runtime_baseline_mb(scratch: Path) -> float:
         process.wait(timeout=30)
 
 
-def server_rounds(init: Path, state, workers: int, rounds: int, scratch: Path) -> dict:
-    process, url = _server(init, workers, scratch)
+def server_rounds(
+    init: Path, state, workers: int, rounds: int, scratch: Path, memory_bodies: int
+) -> dict:
+    process, url = _server(init, workers, scratch, memory_bodies)
     try:
         idle_kb = _memory_kb(process.pid, "VmRSS")
         barrier = CONTEXT.Barrier(workers)
@@ -278,6 +284,9 @@ def main(
     workers: str = typer.Option("1,2,4", help="Comma-separated worker counts."),
     rounds: int = typer.Option(3, help="Timed rounds per measurement (median reported)."),
     out_dir: Path = typer.Option(RESULTS, help="Where wire.md and wire.json go."),
+    memory_bodies: int = typer.Option(
+        0, help="The server's --memory-bodies (0, its default: every upload is spooled)."
+    ),
 ) -> None:
     check_output_path(out_dir / "wire.json", "--out-dir")
     try:
@@ -296,7 +305,7 @@ def main(
         baseline_mb = runtime_baseline_mb(Path(scratch))
         for k in counts:
             err.print(f"K={k}: server round, raw TCP, gloo all_reduce")
-            real = server_rounds(init, state, k, rounds, Path(scratch))
+            real = server_rounds(init, state, k, rounds, Path(scratch), memory_bodies)
             tcp = raw_tcp(size, k, rounds)
             gloo = gloo_all_reduce(size // 4, k, rounds) if k > 1 else None
             result = {"workers": k, "server": real, "raw_tcp": tcp, "gloo": gloo}
@@ -339,6 +348,7 @@ def main(
         "rounds": rounds,
         "results": results,
         "runtime_baseline_rss_mb": baseline_mb,
+        "memory_bodies": memory_bodies,
         "outer_step": outer,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
@@ -353,7 +363,8 @@ def _markdown(document: dict, columns: list[str], rows: list[list[object]], rati
     lines = [
         "# Wire: a round through the server against raw TCP and gloo all_reduce",
         "",
-        f"Command: `python benchmarks/wire.py` ({document['parameters']:,} fp32 parameters, "
+        f"Command: `python benchmarks/wire.py --memory-bodies {document['memory_bodies']}` "
+        f"({document['parameters']:,} fp32 parameters, "
         f"{document['model_mb']:.0f} MB; median of {document['rounds']} rounds; "
         f"{document['machine']}, torch {document['torch']}; everything on 127.0.0.1).",
         "",

@@ -32,7 +32,9 @@ def test_a_second_upload_in_flight_is_spooled_and_the_round_is_exact(
         return spooled[-1]
 
     monkeypatch.setattr(app_module, "spool_body", counting_spool_body)
-    settings = ServerSettings(sync_every=1, outer_optimizer="sgd", outer_lr=1.0, min_workers=3)
+    settings = ServerSettings(
+        sync_every=1, outer_optimizer="sgd", outer_lr=1.0, min_workers=3, memory_bodies=1
+    )
     with live_server(settings, {"w": torch.full((64, 64), 10.0)}) as server:
         client = DiLoCoClient(server.url)
         for worker in ("slow", "fast", "nan"):

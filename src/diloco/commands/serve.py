@@ -32,7 +32,7 @@ def server_command(
     min_workers: int = typer.Option(1, help="Contributions a round needs to commit."),
     max_body_mb: float = typer.Option(4096.0, help="Largest tensor body accepted (MB)."),
     memory_bodies: int = typer.Option(
-        1, help="Tensor bodies held in RAM at once; other concurrent uploads go to disk."
+        0, help="Submissions held in RAM at once; the rest stream to disk (0: all do)."
     ),
     spool_dir: Path = typer.Option(None, help="Where spooled uploads go (default: temp dir)."),
     token: str = TokenOption,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import signal
 import threading
@@ -21,6 +22,7 @@ from diloco.server.settings import ServerSettings
 
 # Long-polls hold a thread each while they wait for a barrier; allow many workers.
 THREAD_LIMIT = 512
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def load_initial_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -37,6 +39,20 @@ def load_initial_weights(path: Path) -> dict[str, torch.Tensor]:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"--init {path}: tensor {name!r} holds NaN or Inf")
     return tensors
+
+
+def return_large_frees_to_the_os() -> None:
+    """Have glibc serve every allocation over 1 MiB by mmap, so freeing it returns the memory.
+
+    glibc raises its mmap threshold after the first large free (up to 32 MiB), after which the
+    per-tensor buffers of a round come from the heap and stay resident once freed; a server that
+    allocates and frees a model-sized sum every round would then hold on to it. No-op elsewhere.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 class EvictionTicker:
@@ -137,6 +153,7 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    return_large_frees_to_the_os()
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     coordinator = Coordinator(settings, load_initial_weights(init) if init is not None else None)
     build_server(coordinator, host, port, token, log_level, port_file).run()

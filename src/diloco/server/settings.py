@@ -37,14 +37,15 @@ class ServerSettings:
     alpha: float = 0.0
     dylu: bool = False
     # Server-side only (not sent to workers): how many tensor bodies may sit in RAM at once;
-    # further concurrent uploads are written to `spool_dir` (the system temp dir if None).
-    memory_bodies: int = 1
+    # other uploads are written to `spool_dir` (the system temp dir if None) as they arrive.
+    # 0 (the default) spools every submission: memory then stays ~4x the model for any K.
+    memory_bodies: int = 0
     spool_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in SERVER_MODES:
             raise ValueError(f"mode must be one of {', '.join(SERVER_MODES)}, got {self.mode!r}")
-        for name in ("sync_every", "min_workers", "max_body_bytes", "fragments", "memory_bodies"):
+        for name in ("sync_every", "min_workers", "max_body_bytes", "fragments"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -52,6 +53,11 @@ class ServerSettings:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.memory_bodies, int) or self.memory_bodies < 0:
+            raise ValueError(
+                f"memory_bodies must be an integer >= 0 (0: every upload goes to disk), "
+                f"got {self.memory_bodies!r}"
+            )
         if self.heartbeat_interval >= self.heartbeat_timeout:
             raise ValueError(
                 f"heartbeat_interval ({self.heartbeat_interval}) must be below "
