@@ -54,6 +54,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def timed_group(target, make_args, workers: int, rounds: int, others=()) -> dict:
+    """Run `workers` processes of `target`; each writes its round times into a shared array.
+
+    A round's time is the slowest process's (everyone must be done); the median is reported.
+    `others` are extra processes (a server) joined after the group.
+    """
+    times = CONTEXT.Array("d", rounds * 8)
+    group = [CONTEXT.Process(target=target, args=(*make_args(i), times)) for i in range(workers)]
+    for process in group:
+        process.start()
+    for process in [*group, *others]:
+        process.join(timeout=900)
+        if process.exitcode != 0:
+            raise RuntimeError(f"a benchmark process failed (exit {process.exitcode})")
+    per_round = [max(times[r * 8 + i] for i in range(workers)) for r in range(rounds)]
+    return {"round_seconds": per_round, "median_round_seconds": statistics.median(per_round)}
+
+
 # ------------------------------------------------------------------ (a) the real server
 
 
@@ -137,25 +155,15 @@ def server_rounds(
     try:
         idle_kb = _memory_kb(process.pid, "VmRSS")
         barrier = CONTEXT.Barrier(workers)
-        times = CONTEXT.Array("d", rounds * 8)
-        children = [
-            CONTEXT.Process(target=_round_worker, args=(url, i, state, rounds, barrier, times))
-            for i in range(workers)
-        ]
-        for child in children:
-            child.start()
-        for child in children:
-            child.join(timeout=900)
-            if child.exitcode != 0:
-                raise RuntimeError(f"a benchmark worker failed (exit {child.exitcode})")
+        timing = timed_group(
+            _round_worker, lambda i: (url, i, state, rounds, barrier), workers, rounds
+        )
         peak_kb = _memory_kb(process.pid, "VmHWM")
     finally:
         process.terminate()
         process.wait(timeout=30)
-    per_round = [max(times[r * 8 + i] for i in range(workers)) for r in range(rounds)]
     return {
-        "round_seconds": per_round,
-        "median_round_seconds": statistics.median(per_round),
+        **timing,
         "server_idle_rss_mb": idle_kb / 1024,
         "server_peak_rss_mb": peak_kb / 1024,
     }
@@ -202,18 +210,12 @@ def raw_tcp(size: int, workers: int, rounds: int) -> dict:
     server = CONTEXT.Process(target=_tcp_echo_server, args=(listener, workers, size, rounds))
     server.start()
     barrier = CONTEXT.Barrier(workers)
-    times = CONTEXT.Array("d", rounds * 8)
-    clients = [
-        CONTEXT.Process(target=_tcp_client, args=(port, i, size, rounds, barrier, times))
-        for i in range(workers)
-    ]
-    for process in clients:
-        process.start()
-    for process in [*clients, server]:
-        process.join(timeout=600)
-    listener.close()
-    per_round = [max(times[r * 8 + i] for i in range(workers)) for r in range(rounds)]
-    return {"round_seconds": per_round, "median_round_seconds": statistics.median(per_round)}
+    try:
+        return timed_group(
+            _tcp_client, lambda i: (port, i, size, rounds, barrier), workers, rounds, [server]
+        )
+    finally:
+        listener.close()
 
 
 # ------------------------------------------------------------------ (c) gloo all_reduce
@@ -239,17 +241,7 @@ def _gloo_rank(port, rank, workers, numel, rounds, times) -> None:
 
 def gloo_all_reduce(numel: int, workers: int, rounds: int) -> dict:
     port = free_port()
-    times = CONTEXT.Array("d", rounds * 8)
-    ranks = [
-        CONTEXT.Process(target=_gloo_rank, args=(port, r, workers, numel, rounds, times))
-        for r in range(workers)
-    ]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=600)
-    per_round = [max(times[r * 8 + i] for i in range(workers)) for r in range(rounds)]
-    return {"round_seconds": per_round, "median_round_seconds": statistics.median(per_round)}
+    return timed_group(_gloo_rank, lambda r: (port, r, workers, numel, rounds), workers, rounds)
 
 
 # ------------------------------------------------------------------ the outer step

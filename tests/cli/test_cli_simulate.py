@@ -9,20 +9,9 @@ from pathlib import Path
 
 import pytest
 
-TINY = [
-    "--width",
-    "32",
-    "--depth",
-    "2",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--warmup",
-    "2",
-]
+from tiny import TINY_CLI
+
+TINY = TINY_CLI
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

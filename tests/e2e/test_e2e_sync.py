@@ -12,26 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.models import GPTConfig
 from diloco.sim import SimConfig, simulate
 from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoClient, RetryPolicy
+from tiny import TINY_CLI, TINY_MODEL
 
-TINY = [
-    "--width",
-    "32",
-    "--depth",
-    "2",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "4",
-    "--warmup",
-    "2",
-]
-TINY_MODEL = GPTConfig(context=32, width=32, depth=2, heads=2)
+TINY = TINY_CLI
 
 
 def start_worker(

@@ -6,10 +6,8 @@ import math
 
 import pytest
 
-from diloco.models import GPTConfig
 from diloco.sim import SimConfig, simulate
-
-TINY_MODEL = GPTConfig(context=32, width=32, depth=2, heads=2)
+from tiny import TINY_MODEL
 
 
 def tiny(**overrides) -> SimConfig:

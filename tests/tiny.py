@@ -1,0 +1,12 @@
+"""The tiny model every end-to-end test trains, as a config and as CLI options (one place)."""
+
+from diloco.models import GPTConfig
+
+TINY_MODEL = GPTConfig(context=32, width=32, depth=2, heads=2)
+TINY_BATCH = 4
+TINY_WARMUP = 2
+TINY_CLI = [
+    "--width", str(TINY_MODEL.width), "--depth", str(TINY_MODEL.depth),
+    "--heads", str(TINY_MODEL.heads), "--seq-len", str(TINY_MODEL.context),
+    "--batch-size", str(TINY_BATCH), "--warmup", str(TINY_WARMUP),
+]  # fmt: skip
