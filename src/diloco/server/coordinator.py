@@ -181,7 +181,7 @@ class Coordinator:
             if self.specs is None or not self.kinds_known:
                 self.specs = {s.name: s for s in specs}
                 self.kinds_known = True
-            self.membership.admit(worker_id, now, self.round_number, session)
+            self.membership.admit(worker_id, now, session)
             log.info("worker %s registered at round %d", worker_id, self.round_number)
             if self.round is not None and self.round.first_submission_at is None:
                 # Nobody waits on this round yet, so the newcomer can join its barrier now.

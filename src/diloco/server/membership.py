@@ -18,7 +18,6 @@ class WorkerRecord:
     loss: float | None = None
     tokens: int = 0
     rounds_contributed: int = 0
-    joined_round: int = 0
     session: str | None = None
 
     def to_status(self, now: float) -> dict:
@@ -50,9 +49,7 @@ class Membership:
     def is_live(self, worker_id: str) -> bool:
         return self.get_live(worker_id) is not None
 
-    def admit(
-        self, worker_id: str, now: float, current_round: int, session: str | None = None
-    ) -> WorkerRecord:
+    def admit(self, worker_id: str, now: float, session: str | None = None) -> WorkerRecord:
         """Register or re-register (after eviction) under `worker_id`; keeps the counters."""
         record = self.workers.get(worker_id)
         if record is None:
@@ -60,7 +57,6 @@ class Membership:
             self.workers[worker_id] = record
         record.live = True
         record.last_seen = now
-        record.joined_round = current_round
         record.session = session
         return record
 
