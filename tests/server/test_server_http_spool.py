@@ -72,3 +72,33 @@ def test_a_second_upload_in_flight_is_spooled_and_the_round_is_exact(
         # FedAvg of 10 - (-2), 10 - (-8), 10 - (-5): 15 everywhere.
         assert torch.equal(decode_tensors(result)["w"], torch.full((64, 64), 15.0))
         client.close()
+
+
+def test_an_unwritable_spool_dir_is_503_and_changes_nothing(live_server, tmp_path) -> None:
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    settings = ServerSettings(
+        sync_every=1, outer_optimizer="sgd", outer_lr=1.0, spool_dir=str(spool_dir)
+    )
+    with live_server(settings, {"w": torch.full((64, 64), 10.0)}) as server:
+        client = DiLoCoClient(server.url)
+        client.register("a", SPECS)
+        spool_dir.rmdir()  # the disk went away
+        raw = urlsplit(server.url)
+        connection = http.client.HTTPConnection(raw.hostname, raw.port, timeout=30)
+        payload = body(-2.0)
+        connection.request(
+            "POST",
+            "/v1/rounds/0/submissions?worker_id=a",
+            body=payload,
+            headers={"Content-Length": str(len(payload))},
+        )
+        reply = connection.getresponse()
+        answer = json.loads(reply.read())
+        assert reply.status == 503 and answer["kind"] == "spool_unavailable"
+        assert server.coordinator.round_number == 0 and server.coordinator.round.submitted == {}
+        spool_dir.mkdir()  # back: the same submission now goes through
+        assert client.submit(0, "a", payload)["status"] == "accepted"
+        assert server.coordinator.round_number == 1
+        connection.close()
+        client.close()

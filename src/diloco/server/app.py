@@ -7,6 +7,7 @@ thread so the event loop keeps serving heartbeats while a big submission is fold
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ from diloco.wire import (
 )
 
 TENSORS = "application/octet-stream"
+log = logging.getLogger("diloco.server")
 MAX_JSON_BYTES = 16 * 1024 * 1024  # a registration lists every tensor; 16 MiB is ~100k of them
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -90,6 +92,18 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     async def on_wire_error(_request: Request, exc: WireError) -> JSONResponse:
         return reject(exc.status, exc.to_body())
 
+    @app.exception_handler(Exception)
+    async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return reject(
+            500,
+            {
+                "error": f"internal error: {type(exc).__name__}",
+                "kind": "internal_error",
+                "detail": {},
+            },
+        )
+
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         error, detail = _request_validation_message(exc)
@@ -131,9 +145,16 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         length = parse_content_length(request.headers.get("content-length"))
         check_length(length, settings.max_body_bytes)
         if may_spool and in_memory["bodies"] >= settings.memory_bodies:
-            spooled = await spool_body(
-                request.stream(), length, settings.max_body_bytes, settings.spool_dir
-            )
+            try:
+                spooled = await spool_body(
+                    request.stream(), length, settings.max_body_bytes, settings.spool_dir
+                )
+            except OSError as exc:  # a full or missing spool disk heals; the worker retries
+                raise Rejection(
+                    503,
+                    "spool_unavailable",
+                    f"the server could not write the upload to disk ({exc.strerror or exc})",
+                ) from None
             try:
                 yield spooled
             finally:
