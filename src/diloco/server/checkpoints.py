@@ -1,0 +1,280 @@
+"""Durable checkpoint generations of the coordinator's tensors (weights, outer optimizer state).
+
+One generation is a directory `gen-<generation:012d>` holding one safetensors file per tensor
+group and a `manifest.json` with each file's size and SHA-256. A generation is built in a
+temporary directory, every file written atomically (temp file, fsync, os.replace, directory
+fsync), the manifest last, and only then renamed to its final name: a crash at any point leaves
+the previous complete generations, or those plus the new one, never a half-written one under a
+final name. Loading verifies checksums before decoding and falls back to older generations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.wire import WireError, decode_tensors, encode_tensors
+
+__all__ = ["FORMAT_VERSION", "CheckpointStore", "LoadedCheckpoint"]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_SUFFIX = ".safetensors"
+_DEFAULT_FILE_MODE = 0o600
+_DEFAULT_DIR_MODE = 0o700
+_FINAL_DIR = re.compile(r"gen-(\d{12})")
+_TEMP_DIR = re.compile(r"gen-\d{12}\.tmp-[0-9a-f]+")
+_GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+logger = logging.getLogger("diloco.server")
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A verified generation: tensors by group then name, the metadata it was written with."""
+
+    generation: int
+    tensors: dict[str, dict[str, torch.Tensor]]
+    metadata: dict[str, Any]
+    path: Path
+
+
+class _Unusable(Exception):
+    """A generation on disk that cannot be loaded; the message says which file and why."""
+
+
+class CheckpointStore:
+    """Writes and reads checkpoint generations under one directory, keeping the newest `keep`.
+
+    Assumes a single writer (the coordinator); readers never see a generation before it is
+    complete because the final directory name appears only after its manifest is durable.
+    """
+
+    def __init__(self, directory: Path, keep: int = 3) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.directory.mkdir(mode=_DEFAULT_DIR_MODE, parents=True, exist_ok=True)
+
+    def generations(self) -> list[int]:
+        """Complete generations on disk (manifest parses, every file has its size), sorted."""
+        return sorted(g for g, path in self._final_dirs().items() if _is_complete(path))
+
+    def write(
+        self,
+        generation: int,
+        tensors: Mapping[str, Mapping[str, torch.Tensor]],
+        metadata: Mapping[str, object],
+    ) -> Path:
+        """Durably write `generation` and return its directory; then prune old generations."""
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+            raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
+        existing = self.generations()
+        if existing and generation <= existing[-1]:
+            raise ValueError(
+                f"generation {generation} is not newer than the newest on disk, {existing[-1]}"
+            )
+        for group in tensors:
+            if not isinstance(group, str) or not _GROUP_NAME.fullmatch(group):
+                raise ValueError(f"tensor group name {group!r} is not a safe file name")
+        # Serialise the metadata first so that a non-JSON value fails before touching the disk.
+        metadata_json = dict(metadata)
+        json.dumps(metadata_json, allow_nan=False)
+
+        previous = self.directory / _dir_name(existing[-1]) if existing else None
+        final = self.directory / _dir_name(generation)
+        temp = self.directory / f"{_dir_name(generation)}.tmp-{secrets.token_hex(8)}"
+        temp.mkdir(mode=_DEFAULT_DIR_MODE)
+        try:
+            os.chmod(temp, _mode_of(previous, _DEFAULT_DIR_MODE))
+            files: dict[str, dict[str, Any]] = {}
+            for group, group_tensors in tensors.items():
+                name = group + _SUFFIX
+                data = encode_tensors(group_tensors)
+                _write_atomic(temp / name, data, _file_mode(previous, name))
+                files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            manifest = {
+                "format": FORMAT_VERSION,
+                "generation": generation,
+                "metadata": metadata_json,
+                "files": files,
+            }
+            raw = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode()
+            _write_atomic(temp / MANIFEST_NAME, raw, _file_mode(previous, MANIFEST_NAME))
+            if final.exists():  # an incomplete leftover under the final name: it is garbage
+                shutil.rmtree(final)
+            os.rename(temp, final)
+            _fsync_dir(self.directory)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self._prune(keep_dir=final)
+        return final
+
+    def load_latest(self) -> LoadedCheckpoint | None:
+        """The newest generation that verifies, falling back past corrupt ones; None if none."""
+        for generation, path in sorted(self._final_dirs().items(), reverse=True):
+            try:
+                return _load(generation, path)
+            except _Unusable as error:
+                logger.warning(
+                    "checkpoint %s is unusable (%s); trying an older generation", path, error
+                )
+        return None
+
+    def _final_dirs(self) -> dict[int, Path]:
+        """Every directory with a final generation name, complete or not."""
+        found: dict[int, Path] = {}
+        for entry in self.directory.iterdir():
+            match = _FINAL_DIR.fullmatch(entry.name)
+            if match and entry.is_dir():
+                found[int(match.group(1))] = entry
+        return found
+
+    def _prune(self, keep_dir: Path) -> None:
+        """Drop all but the newest `keep` complete generations, incomplete ones and temp dirs."""
+        complete = [g for g, path in self._final_dirs().items() if _is_complete(path)]
+        kept = {self.directory / _dir_name(g) for g in sorted(complete)[-self.keep :]}
+        kept.add(keep_dir)
+        for entry in self.directory.iterdir():
+            stale_final = _FINAL_DIR.fullmatch(entry.name) and entry not in kept
+            if (stale_final or _TEMP_DIR.fullmatch(entry.name)) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+        _fsync_dir(self.directory)
+
+
+def _dir_name(generation: int) -> str:
+    return f"gen-{generation:012d}"
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed, shape-checked manifest of generation directory `path`, or _Unusable."""
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_bytes())
+    except FileNotFoundError:
+        raise _Unusable(f"{MANIFEST_NAME} is missing") from None
+    except (OSError, ValueError) as error:
+        raise _Unusable(f"{MANIFEST_NAME} does not parse: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        raise _Unusable(f"{MANIFEST_NAME} is not format {FORMAT_VERSION}")
+    if not isinstance(manifest.get("metadata"), dict):
+        raise _Unusable(f"{MANIFEST_NAME} has no metadata object")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise _Unusable(f"{MANIFEST_NAME} has no files object")
+    for name, entry in files.items():
+        valid_name = name.endswith(_SUFFIX) and _GROUP_NAME.fullmatch(name[: -len(_SUFFIX)])
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if (
+            not valid_name
+            or isinstance(size, bool)
+            or not isinstance(size, int)
+            or size < 0
+            or not isinstance(digest, str)
+            or not _SHA256.fullmatch(digest)
+        ):
+            raise _Unusable(f"{MANIFEST_NAME} has a malformed entry for {name!r}")
+    return manifest
+
+
+def _is_complete(path: Path) -> bool:
+    """A cheap check (no hashing): the manifest parses and every file it lists has its size."""
+    try:
+        manifest = _read_manifest(path)
+        return all(
+            (path / name).stat().st_size == entry["bytes"]
+            for name, entry in manifest["files"].items()
+        )
+    except (_Unusable, OSError):
+        return False
+
+
+def _load(generation: int, path: Path) -> LoadedCheckpoint:
+    """Verify every file's size and SHA-256, and only then decode its tensors."""
+    manifest = _read_manifest(path)
+    if manifest.get("generation") != generation:
+        raise _Unusable(f"{MANIFEST_NAME} names generation {manifest.get('generation')!r}")
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name, entry in manifest["files"].items():
+        data = _read_verified(path / name, entry["bytes"], entry["sha256"])
+        try:
+            tensors[name[: -len(_SUFFIX)]] = decode_tensors(data)
+        except WireError as error:
+            raise _Unusable(f"{name} does not decode: {error}") from None
+    return LoadedCheckpoint(generation, tensors, manifest["metadata"], path)
+
+
+def _read_verified(path: Path, size: int, digest: str) -> bytearray:
+    """The bytes of `path`, read into one buffer, if they have the expected size and hash."""
+    try:
+        with path.open("rb") as handle:
+            actual = os.fstat(handle.fileno()).st_size
+            if actual != size:
+                raise _Unusable(f"{path.name} has {actual} bytes, the manifest says {size}")
+            data = bytearray(size)
+            if handle.readinto(data) != size:
+                raise _Unusable(f"{path.name} was shorter than {size} bytes when read")
+    except OSError as error:
+        raise _Unusable(f"{path.name} cannot be read: {error}") from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise _Unusable(f"{path.name} fails its SHA-256 check")
+    return data
+
+
+def _mode_of(path: Path | None, default: int) -> int:
+    """The permission bits of `path`, so a new generation keeps what an operator set."""
+    if path is None:
+        return default
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        return default
+
+
+def _file_mode(previous: Path | None, name: str) -> int:
+    return _mode_of(previous / name if previous else None, _DEFAULT_FILE_MODE)
+
+
+def _write_atomic(path: Path, data: bytes | bytearray, mode: int) -> None:
+    """Write `data` to `path` via a synced temp file in the same directory, then os.replace."""
+    temp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)  # os.open's mode is filtered by the umask
+        with os.fdopen(fd, "wb") as handle:
+            fd = -1
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make renames and creations inside `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,198 @@
+"""CheckpointStore: atomic generations on real files, checksum fallback, pruning, permissions."""
+
+from __future__ import annotations
+
+import logging
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.server.checkpoints import MANIFEST_NAME, CheckpointStore
+
+
+def _tensors(seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "weights": {
+            "w": torch.randn(4, 3, generator=generator),
+            "b": torch.randn(5, generator=generator).to(torch.bfloat16),
+            "scalar": torch.tensor(float(seed)),
+        },
+        "outer_state": {
+            "step": torch.tensor(seed, dtype=torch.int64),
+            "counts": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+            "mask": torch.tensor([True, False, True]),
+        },
+    }
+
+
+def _assert_bitwise_equal(
+    actual: dict[str, dict[str, torch.Tensor]], expected: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    assert actual.keys() == expected.keys()
+    for group, tensors in expected.items():
+        assert actual[group].keys() == tensors.keys()
+        for name, tensor in tensors.items():
+            got = actual[group][name]
+            assert got.dtype == tensor.dtype
+            assert got.shape == tensor.shape
+            as_bytes = got.reshape(-1).view(torch.uint8)
+            assert torch.equal(as_bytes, tensor.reshape(-1).view(torch.uint8))
+
+
+def _gen_dir(root: Path, generation: int) -> Path:
+    return root / f"gen-{generation:012d}"
+
+
+def test_round_trip_is_bitwise_and_keeps_metadata(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    tensors = _tensors(1)
+    metadata = {"round": 7, "settings": {"H": 500, "mode": "sync"}, "lr": 0.7}
+    path = store.write(7, tensors, metadata)
+
+    assert path == _gen_dir(tmp_path / "ckpt", 7)
+    assert sorted(p.name for p in path.iterdir()) == [
+        MANIFEST_NAME,
+        "outer_state.safetensors",
+        "weights.safetensors",
+    ]
+    loaded = CheckpointStore(tmp_path / "ckpt").load_latest()
+    assert loaded is not None
+    assert loaded.generation == 7
+    assert loaded.path == path
+    assert loaded.metadata == metadata
+    _assert_bitwise_equal(loaded.tensors, tensors)
+    assert loaded.tensors["weights"]["scalar"].dim() == 0
+    assert loaded.tensors["outer_state"]["step"].item() == 1
+
+
+def test_empty_directory_loads_none(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "missing" / "ckpt")
+    assert (tmp_path / "missing" / "ckpt").is_dir()
+    assert store.load_latest() is None
+    assert store.generations() == []
+
+
+def test_keep_prunes_older_generations(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    for generation in (1, 2, 3, 5):
+        store.write(generation, _tensors(generation), {"round": generation})
+    assert store.generations() == [3, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gen-000000000003",
+        "gen-000000000005",
+    ]
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.metadata == {"round": 5}
+
+
+@pytest.mark.parametrize("keep", [0, -1])
+def test_keep_below_one_is_rejected(tmp_path: Path, keep: int) -> None:
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointStore(tmp_path, keep=keep)
+
+
+def test_non_monotonic_generation_is_rejected(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.write(4, _tensors(4), {})
+    for generation in (4, 3):
+        with pytest.raises(ValueError, match="not newer"):
+            store.write(generation, _tensors(generation), {})
+    assert store.generations() == [4]
+
+
+def test_flipped_byte_falls_back_with_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = CheckpointStore(tmp_path)
+    store.write(1, _tensors(1), {"round": 1})
+    newest = store.write(2, _tensors(2), {"round": 2})
+    target = newest / "weights.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0x01  # inside the tensor data: the header still parses, only the hash catches it
+    target.write_bytes(bytes(data))
+
+    with caplog.at_level(logging.WARNING, logger="diloco.server"):
+        loaded = store.load_latest()
+    assert loaded is not None
+    assert loaded.generation == 1
+    _assert_bitwise_equal(loaded.tensors, _tensors(1))
+    assert any("weights.safetensors" in r.getMessage() for r in caplog.records)
+    assert any("gen-000000000002" in r.getMessage() for r in caplog.records)
+
+
+def test_missing_manifest_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = CheckpointStore(tmp_path)
+    store.write(1, _tensors(1), {"round": 1})
+    newest = store.write(2, _tensors(2), {"round": 2})
+    (newest / MANIFEST_NAME).unlink()  # as if the crash came just before the manifest
+
+    assert store.generations() == [1]
+    with caplog.at_level(logging.WARNING, logger="diloco.server"):
+        loaded = store.load_latest()
+    assert loaded is not None and loaded.generation == 1
+    assert any(MANIFEST_NAME in r.getMessage() for r in caplog.records)
+
+
+def test_truncated_manifest_is_ignored(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.write(1, _tensors(1), {"round": 1})
+    newest = store.write(2, _tensors(2), {"round": 2})
+    manifest = newest / MANIFEST_NAME
+    manifest.write_bytes(manifest.read_bytes()[:20])
+
+    assert store.generations() == [1]
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.generation == 1
+
+
+def test_only_corrupt_generations_load_none(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    only = store.write(1, _tensors(1), {})
+    (only / "outer_state.safetensors").write_bytes(b"garbage")
+    assert store.load_latest() is None
+
+
+def test_leftover_temp_dir_is_ignored_and_cleaned(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.write(1, _tensors(1), {"round": 1})
+    leftover = tmp_path / "gen-000000000002.tmp-deadbeef"
+    leftover.mkdir()
+    (leftover / "weights.safetensors").write_bytes(b"half written")
+
+    assert store.generations() == [1]
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.generation == 1
+
+    store.write(2, _tensors(2), {"round": 2})
+    assert not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gen-000000000001",
+        "gen-000000000002",
+    ]
+
+
+def test_file_modes_default_and_survive(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    first = store.write(1, _tensors(1), {})
+    assert stat.S_IMODE((first / "weights.safetensors").stat().st_mode) == 0o600
+    assert stat.S_IMODE((first / MANIFEST_NAME).stat().st_mode) == 0o600
+
+    (first / "weights.safetensors").chmod(0o640)
+    second = store.write(2, _tensors(2), {})
+    assert stat.S_IMODE((second / "weights.safetensors").stat().st_mode) == 0o640
+    assert stat.S_IMODE((second / "outer_state.safetensors").stat().st_mode) == 0o600
+
+
+def test_failed_write_leaves_previous_generation(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    store.write(1, _tensors(1), {"round": 1})
+    bad = {"weights": {"w": torch.zeros(2, dtype=torch.complex64)}}
+    with pytest.raises(ValueError):
+        store.write(2, bad, {"round": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-000000000001"]
+    with pytest.raises(TypeError):
+        store.write(2, _tensors(2), {"not_json": object()})
+    assert store.generations() == [1]
