@@ -93,8 +93,14 @@ class OuterOptimizer:
         else:
             param.add_(buf, alpha=-self.lr)
 
-    def state_dict(self) -> TensorDict:
-        """Momentum buffer per name (copies); empty for "sgd"."""
+    def state_dict(self, copy: bool = True) -> TensorDict:
+        """Momentum buffer per name; empty for "sgd".
+
+        Copies by default; `copy=False` returns the live buffers, for a caller that only
+        serialises them at once (a checkpoint) and must not double the memory.
+        """
+        if not copy:
+            return dict(self._buffers)
         return {name: buf.clone() for name, buf in self._buffers.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -18,6 +18,13 @@ def server_command(
     port: int = typer.Option(8470, help="Port (0 picks a free one; see --port-file)."),
     port_file: Path = typer.Option(None, help="Write the bound port here once listening."),
     init: Path = typer.Option(None, help="Initial global weights (.safetensors)."),
+    state_dir: Path = typer.Option(
+        None, help="Make every round durable here; restarting on it resumes the run."
+    ),
+    keep_checkpoints: int = typer.Option(3, help="Checkpoint generations kept in --state-dir."),
+    override_settings: bool = typer.Option(
+        False, help="Resume a --state-dir even though its stored settings differ."
+    ),
     mode: str = typer.Option("sync", help="Training mode: sync."),
     sync_every: int = typer.Option(50, help="H: inner optimizer steps per round."),
     outer_optimizer: str = typer.Option("nesterov", help="sgd, momentum or nesterov."),
@@ -67,8 +74,19 @@ def server_command(
             memory_bodies=memory_bodies,
             spool_dir=str(spool_dir) if spool_dir is not None else None,
         )
+        if keep_checkpoints < 1:
+            raise ValueError(f"--keep-checkpoints must be >= 1, got {keep_checkpoints}")
         serve(
-            settings, host, port, init=init, token=secret, log_level=log_level, port_file=port_file
+            settings,
+            host,
+            port,
+            init=init,
+            token=secret,
+            log_level=log_level,
+            port_file=port_file,
+            state_dir=state_dir,
+            keep_checkpoints=keep_checkpoints,
+            override_settings=override_settings,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None

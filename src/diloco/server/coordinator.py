@@ -18,6 +18,7 @@ import torch
 
 from diloco.algorithm import Contribution, TensorKind, apply_mean, to_fp32_masters
 from diloco.server.errors import Rejection
+from diloco.server.journal import RoundJournal
 from diloco.server.membership import Membership
 from diloco.server.metrics import ServerMetrics
 from diloco.server.rounds import Round
@@ -69,6 +70,7 @@ class Coordinator:
         *,
         metrics: ServerMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        journal: RoundJournal | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
@@ -86,7 +88,19 @@ class Coordinator:
         self.bytes_out = 0
         self.rounds_committed = 0
         self.closing = False
-        if initial is not None:
+        self.journal = journal
+        self.broken: str | None = None
+        restored = journal.restore() if journal is not None else None
+        if restored is not None:
+            if initial is not None:
+                raise ValueError(
+                    f"the state dir already holds round {restored.round}; drop --init to resume"
+                )
+            self.masters = to_fp32_masters(restored.masters)
+            self.optimizer.load_state_dict(restored.optimizer_state)
+            self.specs, self.kinds_known = restored.specs, True
+            self.round = Round(restored.round, set(), settings.weighting, self.started_at)
+        elif initial is not None:
             self._adopt_weights(initial, kinds=None)
 
     # ----------------------------------------------------------------- read-only views
@@ -272,8 +286,27 @@ class Coordinator:
         if self.specs is None:
             self.specs = specs
             self.kinds_known = kinds is not None
+        self._persist(0)
         self.round = Round(0, self.membership.live_ids(), self.settings.weighting, self.clock())
         self.result = None
+
+    def _persist(self, round_number: int) -> None:
+        """Make the global state durable (lock held); a failure stops the server serving."""
+        if self.journal is None:
+            return
+        assert self.masters is not None and self.specs is not None
+        try:
+            self.journal.save(
+                round_number, self.masters, self.optimizer.state_dict(copy=False), self.specs
+            )
+        except Exception as exc:
+            self.broken = f"writing the checkpoint of round {round_number} failed: {exc}"
+            log.exception("checkpoint failed; refusing requests until restarted")
+            raise Rejection(503, "checkpoint_failed", self.broken) from None
+
+    def _require_healthy(self) -> None:
+        if self.broken is not None:
+            raise Rejection(503, "checkpoint_failed", self.broken)
 
     def upload_initial(self, worker_id: str, tensors: Mapping[str, torch.Tensor]) -> int:
         """The first registered worker's state becomes the global weights (first upload wins)."""
@@ -346,6 +379,7 @@ class Coordinator:
         A body spooled to disk (`SpooledTensors`) is checked and folded a piece at a time.
         """
         with self._lock:
+            self._require_healthy()
             now = self.clock()
             record = self._require_live(worker_id)
             current = self.round_number
@@ -418,10 +452,12 @@ class Coordinator:
         started = time.perf_counter()
         assert current.running is not None and self.specs is not None
         kinds = {name: spec.kind for name, spec in self.specs.items()}
+        self._require_healthy()
         apply_mean(
             self.masters, current.running.mean(), self.optimizer, kinds, policy=self.settings.policy
         )
         current.running = None  # free the sums before encoding the result
+        self._persist(current.number + 1)  # durable before any worker can see the result
         self.result = None
         self.result = RoundResult(current.number + 1, self._encode_masters())
         for when in current.submitted.values():
@@ -455,6 +491,7 @@ class Coordinator:
         """Long-poll for round `round_number`'s result: the new weights, or Waiting."""
         wait = min(max(0.0, wait), MAX_WAIT_SECONDS)
         with self._lock:
+            self._require_healthy()
             if worker_id is not None:
                 self._require_live(worker_id)
             deadline = self.clock() + wait

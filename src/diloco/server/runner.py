@@ -17,7 +17,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from diloco.server.app import create_app
+from diloco.server.checkpoints import CheckpointStore
 from diloco.server.coordinator import Coordinator
+from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
 
 # Long-polls hold a thread each while they wait for a barrier; allow many workers.
@@ -148,12 +150,25 @@ def serve(
     token: str | None = None,
     log_level: str = "info",
     port_file: Path | None = None,
+    state_dir: Path | None = None,
+    keep_checkpoints: int = 3,
+    override_settings: bool = False,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests)."""
+    """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests).
+
+    With `state_dir`, every round is durable before its result is published, and a restart on
+    the same directory resumes from the newest verified checkpoint.
+    """
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return_large_frees_to_the_os()
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
-    coordinator = Coordinator(settings, load_initial_weights(init) if init is not None else None)
+    journal = None
+    if state_dir is not None:
+        store = CheckpointStore(state_dir / "checkpoints", keep=keep_checkpoints)
+        journal = RoundJournal(store, settings, override_settings)
+    coordinator = Coordinator(
+        settings, load_initial_weights(init) if init is not None else None, journal=journal
+    )
     build_server(coordinator, host, port, token, log_level, port_file).run()

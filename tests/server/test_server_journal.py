@@ -1,0 +1,105 @@
+"""Durable rounds: a coordinator rebuilt from its state dir continues exactly where it stood."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.server.checkpoints import CheckpointStore
+from diloco.server.coordinator import Coordinator
+from diloco.server.errors import Rejection
+from diloco.server.journal import RoundJournal
+from diloco.server.settings import ServerSettings
+from diloco.wire import decode_tensors, specs_of
+
+SETTINGS = ServerSettings(sync_every=2, min_workers=2)
+START = {"w": torch.tensor([1.0, 2.0, 3.0]), "steps": torch.tensor(5)}
+SPECS = specs_of(START, {"w": "trainable", "steps": "int_buffer"})
+
+
+def coordinator(state: Path, settings: ServerSettings = SETTINGS, **kwargs) -> Coordinator:
+    journal = RoundJournal(CheckpointStore(state), settings, **kwargs)
+    return Coordinator(settings, journal=journal)
+
+
+def round_of(c: Coordinator, number: int, a: float, b: float) -> None:
+    for worker, value in (("a", a), ("b", b)):
+        if not c.membership.is_live(worker):
+            c.register(worker, SPECS, 1)
+        c.submit(worker, number, {"w": torch.full((3,), value), "steps": torch.tensor(-1.0)})
+
+
+def test_a_restarted_coordinator_resumes_round_weights_and_momentum(tmp_path: Path) -> None:
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)  # generation 0: the first worker's weights are durable
+    round_of(first, 0, 0.2, 0.4)
+    round_of(first, 1, 0.1, -0.3)
+    assert first.round_number == 2
+
+    second = coordinator(tmp_path)  # as after kill -9: nothing but the state dir survives
+    assert second.round_number == 2
+    assert second.membership.workers == {}
+    for name, tensor in first.masters.items():
+        assert torch.equal(second.masters[name], tensor), name
+    assert torch.equal(second.optimizer.state_dict()["w"], first.optimizer.state_dict()["w"])
+    assert second.specs == first.specs and second.model_fingerprint == first.model_fingerprint
+
+    round_of(first, 2, 0.3, 0.3)  # the same next round on both gives the same bytes
+    round_of(second, 2, 0.3, 0.3)
+    assert first.weights().body == second.weights().body
+    assert decode_tensors(second.weights().body)["steps"].dtype == torch.int64
+
+
+def test_a_submission_for_a_round_lost_in_the_crash_is_simply_accepted(tmp_path: Path) -> None:
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    first.register("b", SPECS, 1)
+    first.submit("a", 0, {"w": torch.full((3,), 0.2), "steps": torch.tensor(0.0)})
+    # Crash before b submitted: round 0 never committed, so it was never published either.
+    second = coordinator(tmp_path)
+    assert second.round_number == 0
+    round_of(second, 0, 0.2, 0.4)
+    assert second.round_number == 1
+
+
+def test_other_settings_are_refused_by_name_unless_overridden(tmp_path: Path) -> None:
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    changed = ServerSettings(sync_every=7, min_workers=2)
+    with pytest.raises(ValueError, match=r"sync_every: 2 in the state dir, 7 now"):
+        coordinator(tmp_path, changed)
+    assert coordinator(tmp_path, changed, override_settings=True).round_number == 0
+
+
+def test_init_weights_on_an_existing_state_dir_are_refused(tmp_path: Path) -> None:
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    journal = RoundJournal(CheckpointStore(tmp_path), SETTINGS)
+    with pytest.raises(ValueError, match="drop --init"):
+        Coordinator(SETTINGS, START, journal=journal)
+
+
+def test_a_failed_checkpoint_stops_the_server_serving(tmp_path: Path) -> None:
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    first.register("b", SPECS, 1)
+    first.submit("a", 0, {"w": torch.full((3,), 0.2), "steps": torch.tensor(0.0)})
+
+    def broken_write(*_args, **_kwargs):
+        raise OSError("No space left on device")
+
+    first.journal.store.write = broken_write
+    with pytest.raises(Rejection) as caught:
+        first.submit("b", 0, {"w": torch.full((3,), 0.4), "steps": torch.tensor(0.0)})
+    assert caught.value.status == 503 and caught.value.kind == "checkpoint_failed"
+    assert first.result is None or first.result.round == 0  # round 0's result never published
+    with pytest.raises(Rejection, match="No space left"):
+        first.wait_result(0, "a", 0)
+    assert coordinator(tmp_path).round_number == 0  # a restart resumes the last durable round
