@@ -73,6 +73,22 @@ def global_weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
     return decode_tensors(body), round_number
 
 
+def simulated_run(corpus: bytes, workers: int, steps: int):
+    """`diloco simulate` with the settings the worker processes of these tests use."""
+    config = SimConfig(
+        mode="diloco",
+        workers=workers,
+        sync_every=4,
+        steps=steps,
+        batch_size=4,
+        seq_len=32,
+        model=TINY_MODEL,
+        warmup=2,
+        seed=5,
+    )
+    return simulate(config, corpus=corpus)
+
+
 def test_real_server_and_two_workers_match_the_simulator(
     server_process, corpus_file: Path, small_corpus: bytes, tmp_path: Path
 ) -> None:
@@ -85,20 +101,7 @@ def test_real_server_and_two_workers_match_the_simulator(
     real, round_number = global_weights(server.url)
     assert round_number == 3  # rounds end at steps 4, 8 and the partial round at 10
 
-    simulated = simulate(
-        SimConfig(
-            mode="diloco",
-            workers=2,
-            sync_every=4,
-            steps=10,
-            batch_size=4,
-            seq_len=32,
-            model=TINY_MODEL,
-            warmup=2,
-            seed=5,
-        ),
-        corpus=small_corpus,
-    )
+    simulated = simulated_run(small_corpus, workers=2, steps=10)
     assert simulated.outer_steps == 3
     assert real.keys() == simulated.final_state.keys()
     for name, tensor in simulated.final_state.items():
@@ -170,20 +173,7 @@ def test_kill_9_of_the_server_loses_no_round(
     assert worker.returncode == 0, (tmp_path / "w0.log").read_text()
     real, round_number = global_weights(restarted.url)
     assert round_number == 10
-    simulated = simulate(
-        SimConfig(
-            mode="diloco",
-            workers=1,
-            sync_every=4,
-            steps=40,
-            batch_size=4,
-            seq_len=32,
-            model=TINY_MODEL,
-            warmup=2,
-            seed=5,
-        ),
-        corpus=small_corpus,
-    )
+    simulated = simulated_run(small_corpus, workers=1, steps=40)
     for name, tensor in simulated.final_state.items():
         torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     # The worker saw the outage (it retried) and rode through it without losing a round.
