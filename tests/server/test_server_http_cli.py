@@ -13,6 +13,10 @@ import torch
 import urllib3
 from safetensors.torch import save_file
 
+from diloco.server.checkpoints import CheckpointStore
+from diloco.server.coordinator import Coordinator
+from diloco.server.journal import RoundJournal
+from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec, decode_tensors, fingerprint
 
 TIMEOUT = urllib3.Timeout(connect=5.0, read=20.0)
@@ -75,6 +79,9 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
     not_safetensors.write_bytes(b"this is a text file, not a safetensors file\n")
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
+    written_state = tmp_path / "state"  # a run that was started with the default H = 50
+    journal = RoundJournal(CheckpointStore(written_state / "checkpoints"), ServerSettings())
+    Coordinator(ServerSettings(), {"w": torch.zeros(2)}, journal=journal)
     cases = {
         "missing --init": (["--init", str(tmp_path / "missing.safetensors")], "--init"),
         "non-safetensors --init": (["--init", str(not_safetensors)], "safetensors"),
@@ -85,6 +92,13 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
         "outer lr 0": (["--outer-lr", "0"], "lr"),
         "fp16 upload": (["--upload-dtype", "fp16"], "fp16"),
         "token and token file": (["--token", "abc", "--token-file", str(token_file)], "--token"),
+        "keep 0 checkpoints": (["--keep-checkpoints", "0"], "--keep-checkpoints"),
+        "negative memory bodies": (["--memory-bodies", "-1"], "memory_bodies"),
+        "missing spool dir": (["--spool-dir", str(tmp_path / "nowhere")], "--spool-dir"),
+        "state dir with other settings": (
+            ["--state-dir", str(written_state), "--sync-every", "9"],
+            "sync_every: 50 in the state dir, 9 now",
+        ),
     }
     # All at once: each pays the interpreter's start-up, none waits for another.
     processes = {
