@@ -23,7 +23,6 @@ import platform
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from safetensors.torch import save_file
 
 from diloco.algorithm import OuterOptimizer, apply_mean
 from diloco.console import check_output_path, err, fail, out, summary_table, write_json
+from diloco.server.launch import start_server, stop_process
 from diloco.wire import encode_tensors, specs_of
 from diloco.worker import DiLoCoClient, RetryPolicy
 
@@ -79,38 +79,20 @@ def _server(
     init: Path | None, workers: int, scratch: Path, memory_bodies: int = 0
 ) -> tuple[subprocess.Popen, str]:
     port_file = scratch / f"port-{workers}-{init is not None}"
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "server",
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-            *(["--init", str(init)] if init is not None else []),
-            "--min-workers",
-            str(workers),
-            "--memory-bodies",
-            str(memory_bodies),
-            "--sync-every",
-            "1",
-            "--heartbeat-interval",
-            "60",
-            "--heartbeat-timeout",
-            "600",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
+    return start_server(
+        port_file,
+        *(["--init", str(init)] if init is not None else []),
+        "--min-workers",
+        str(workers),
+        "--memory-bodies",
+        str(memory_bodies),
+        "--sync-every",
+        "1",
+        "--heartbeat-interval",
+        "60",
+        "--heartbeat-timeout",
+        "600",
     )
-    deadline = time.monotonic() + 120
-    while not port_file.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.05)
-    return process, f"http://127.0.0.1:{port_file.read_text().strip()}"
 
 
 def _memory_kb(pid: int, field: str) -> int:
@@ -144,8 +126,7 @@ def runtime_baseline_mb(scratch: Path) -> float:
         time.sleep(1.0)
         return _memory_kb(process.pid, "VmRSS") / 1024
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_process(process)
 
 
 def server_rounds(
@@ -160,8 +141,7 @@ def server_rounds(
         )
         peak_kb = _memory_kb(process.pid, "VmHWM")
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_process(process)
     return {
         **timing,
         "server_idle_rss_mb": idle_kb / 1024,

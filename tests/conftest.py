@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ import torch
 
 from diloco.data import generated_corpus
 from diloco.server.coordinator import Coordinator
+from diloco.server.launch import start_server, stop_process
 from diloco.server.runner import CoordinatorServer, build_server
 from diloco.server.settings import ServerSettings
 
@@ -85,41 +85,14 @@ def server_process(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     def start(*args: str) -> ServerProcess:
         port_file = tmp_path / f"port-{len(started)}"
         log = tmp_path / f"server-{len(started)}.log"
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "diloco.cli",
-                "server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--log-level",
-                "warning",
-                *args,
-            ],
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"server did not start: {log.read_text()}")
-            time.sleep(0.05)
-        running = ServerProcess(process, f"http://127.0.0.1:{port_file.read_text().strip()}", log)
+        try:
+            process, url = start_server(port_file, *args, output=log.open("wb"), timeout=60)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: {log.read_text()}") from None
+        running = ServerProcess(process, url, log)
         started.append(running)
         return running
 
     yield start
     for running in started:
-        if running.process.poll() is None:
-            running.process.terminate()
-            try:
-                running.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                running.process.kill()
-                running.process.wait(timeout=5)
+        stop_process(running.process)

@@ -148,6 +148,12 @@ def test_demo_runs_a_real_server_and_workers(tmp_path: Path, corpus_file: Path) 
     assert document["ddp_bytes_per_worker"] > document["bytes_sent_per_worker"] > 0
 
 
+def test_demo_with_no_workers_is_one_line() -> None:
+    result = run_cli("demo", "--workers", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "error: workers must be a positive integer, got 0"
+
+
 def test_demo_bad_corpus_is_one_line(tmp_path: Path) -> None:
     result = run_cli("demo", "--corpus", str(tmp_path / "nothing"))
     assert result.returncode == 2

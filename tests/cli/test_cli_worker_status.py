@@ -63,9 +63,10 @@ def test_status_of_an_unreachable_server_is_one_line() -> None:
         (["--corpus", "/nonexistent/corpus.txt"], 2, "does not exist"),
         (["--token-file", "/nonexistent/token"], 2, "--token-file"),
         (["--json", "/nonexistent/dir/w.json"], 2, "--json directory does not exist"),
+        (["--give-up-after", "-1"], 2, "--give-up-after must be >= 0"),
         ([], 1, "could not join"),  # nobody listens on the port
     ],
-    ids=["steps", "shard", "corpus", "token-file", "json", "unreachable"],
+    ids=["steps", "shard", "corpus", "token-file", "json", "give-up", "unreachable"],
 )
 def test_worker_bad_input_is_one_line(
     args: list[str], code: int, needle: str, corpus_file: Path

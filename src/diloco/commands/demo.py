@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,35 +27,11 @@ from diloco.console import (
     write_json,
 )
 from diloco.data import CorpusError, load_named_corpus
+from diloco.server.launch import diloco_command, start_server, stop_process
 from diloco.sim import SimConfig, simulate
 from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
 
 FP32_BYTES = 4
-
-
-def _command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "diloco.cli", *args]
-
-
-def _wait_for_port(port_file: Path, server: subprocess.Popen, timeout: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if port_file.exists():
-            return int(port_file.read_text())
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.returncode}")
-        time.sleep(0.05)
-    raise RuntimeError("the server did not start listening within 60 s")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
 
 
 def demo_command(
@@ -78,15 +53,10 @@ def demo_command(
         corpus_path = Path(scratch) / "corpus.txt"
         corpus_path.write_bytes(data)
         port_file = Path(scratch) / "port"
-        server = subprocess.Popen(
-            _command(
-                "server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
+        server_log = (Path(scratch) / "server.log").open("wb")
+        try:
+            server, url = start_server(
+                port_file,
                 "--sync-every",
                 str(sync_every),
                 "--min-workers",
@@ -95,21 +65,18 @@ def demo_command(
                 "2",
                 "--heartbeat-timeout",
                 "20",
-                "--log-level",
-                "warning",
-            ),
-            stdout=subprocess.DEVNULL,
-            stderr=(Path(scratch) / "server.log").open("wb"),
-        )
+                output=server_log,
+            )
+        except RuntimeError as exc:
+            raise fail(f"demo failed: {exc}", code=1) from None
         processes: list[subprocess.Popen] = []
         try:
-            url = f"http://127.0.0.1:{_wait_for_port(port_file, server)}"
             err.print(f"server on {url}; starting {workers} workers")
             for w in range(workers):
                 log = (Path(scratch) / f"w{w}.log").open("wb")
                 processes.append(
                     subprocess.Popen(
-                        _command(
+                        diloco_command(
                             "worker",
                             "--server",
                             url,
@@ -147,8 +114,8 @@ def demo_command(
             raise fail(f"demo failed: {exc}", code=1) from None
         finally:
             for process in processes:
-                _stop(process)
-            _stop(server)
+                stop_process(process)
+            stop_process(server)
     _report(reports, data, workers, steps, sync_every, corpus, seed, json_path)
 
 

@@ -1,0 +1,62 @@
+"""Start `diloco server` as a child process on 127.0.0.1 and stop it: for the demo, the
+benchmarks and the tests, which all need a real server process and its URL."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+
+def diloco_command(*args: str) -> list[str]:
+    """The `diloco` CLI of this interpreter (no reliance on the console script being on PATH)."""
+    return [sys.executable, "-m", "diloco.cli", *args]
+
+
+def start_server(
+    port_file: Path,
+    *args: str,
+    output: IO[bytes] | int | None = subprocess.DEVNULL,
+    timeout: float = 120.0,
+) -> tuple[subprocess.Popen, str]:
+    """Start a server on an ephemeral port (later `--port` in `args` wins) and return its URL.
+
+    The server writes the bound port to `port_file` once it listens; a server that exits or
+    stays silent past `timeout` is killed and reported as a RuntimeError.
+    """
+    process = subprocess.Popen(
+        diloco_command(
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            "warning",
+            *args,
+        ),
+        stdout=output,
+        stderr=subprocess.STDOUT if output not in (None, subprocess.DEVNULL) else output,
+    )
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_process(process)
+            raise RuntimeError(f"the server did not start (exit code {process.returncode})")
+        time.sleep(0.05)
+    return process, f"http://127.0.0.1:{port_file.read_text().strip()}"
+
+
+def stop_process(process: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after `grace` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
