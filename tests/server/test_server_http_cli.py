@@ -13,7 +13,7 @@ import torch
 import urllib3
 from safetensors.torch import save_file
 
-from diloco.server.checkpoints import CheckpointStore
+from diloco.checkpoints import CheckpointStore
 from diloco.server.coordinator import Coordinator
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.server.checkpoints import CheckpointStore
+from diloco.checkpoints import CheckpointStore
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.journal import RoundJournal

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.server.checkpoints import CheckpointStore
+from diloco.checkpoints import CheckpointStore
 from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.server.checkpoints import MANIFEST_NAME, CheckpointStore
+from diloco.checkpoints import MANIFEST_NAME, CheckpointStore
 
 
 def _tensors(seed: int) -> dict[str, dict[str, torch.Tensor]]:
