@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import typer
 
-from diloco.console import check_output_path, err, fail, out, summary_table, write_json
 from diloco.checkpoints import CheckpointStore
+from diloco.console import check_output_path, err, fail, out, summary_table, write_json
 from diloco.server.coordinator import Coordinator
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings

@@ -16,8 +16,8 @@ import uvicorn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco.server.app import create_app
 from diloco.checkpoints import CheckpointStore
+from diloco.server.app import create_app
 from diloco.server.coordinator import Coordinator
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
