@@ -1,0 +1,560 @@
+"""Work units: the server's record of which training samples are leased, trained and pending.
+
+A worker registers a dataset by (dataset_id, length, shuffle_seed, unit_size). Epoch e of the
+dataset is the order `Permutation(length, shuffle_seed, e)` (every epoch, 0 included, derives
+its own keys from the pair), cut into units of `unit_size` consecutive positions; the last unit
+may be shorter. A unit is leased to one worker at a time and counts as completed only when the
+round that trained it commits, so after any crash every sample of an epoch is trained once.
+
+Units are created lazily: an epoch is a cursor `next_unit` (units below it have a row) and a
+row per unit ever leased, so a dataset of 1e9 samples costs nothing until it is trained. A
+released unit keeps its row in state 'free' and its stable unit_id, and is leased again before
+any unit above the cursor (oldest epoch first, then lowest index).
+
+All state lives in `wu_*` tables of the SQLite connection given. The pool never begins or
+commits a transaction: `complete` runs inside the transaction that commits a round, so the
+round and its units are durable together. `immediate(conn)` is there for callers (and tests)
+that want a write transaction of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sqlite3
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from diloco.algorithm.permutation import Permutation
+from diloco.server.errors import Rejection
+
+log = logging.getLogger("diloco.server")
+
+DATASET_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+_DATASET_ID_RE = re.compile(DATASET_ID_PATTERN)
+MAX_LENGTH = 2**53
+MAX_SEED = 2**63 - 1
+MAX_UNIT_SIZE = 65_536
+MAX_LEASE_COUNT = 1024
+MAX_LEASE_SAMPLES = 65_536  # one lease answers at most this many indices (JSON size, CPU)
+MAX_REPORTED_UNITS = 65_536
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS wu_datasets (
+    dataset_id TEXT PRIMARY KEY,
+    length INTEGER NOT NULL,
+    unit_size INTEGER NOT NULL,
+    shuffle_seed INTEGER NOT NULL,
+    units_per_epoch INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS wu_epochs (
+    dataset_id TEXT NOT NULL REFERENCES wu_datasets(dataset_id),
+    epoch INTEGER NOT NULL,
+    next_unit INTEGER NOT NULL,
+    PRIMARY KEY (dataset_id, epoch)
+);
+CREATE TABLE IF NOT EXISTS wu_units (
+    unit_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    dataset_id TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    unit_index INTEGER NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('free', 'leased', 'completed')),
+    worker_id TEXT,
+    leased_at REAL,
+    completed_round INTEGER,
+    UNIQUE (dataset_id, epoch, unit_index),
+    FOREIGN KEY (dataset_id, epoch) REFERENCES wu_epochs(dataset_id, epoch)
+);
+CREATE TABLE IF NOT EXISTS wu_lease_requests (
+    worker_id TEXT NOT NULL,
+    lease_key TEXT NOT NULL,
+    dataset_id TEXT NOT NULL,
+    units TEXT NOT NULL,               -- JSON list of the unit ids this request leased
+    at REAL NOT NULL,
+    PRIMARY KEY (worker_id, lease_key)
+);
+CREATE INDEX IF NOT EXISTS wu_units_by_state
+    ON wu_units(dataset_id, epoch, state, unit_index);
+CREATE INDEX IF NOT EXISTS wu_units_by_worker ON wu_units(worker_id, state);
+CREATE INDEX IF NOT EXISTS wu_units_by_round
+    ON wu_units(completed_round) WHERE completed_round IS NOT NULL;
+"""
+
+_REMEMBERED_LEASES = 8
+
+_UNIT_COLUMNS = (
+    "unit_id, dataset_id, epoch, unit_index, state, worker_id, leased_at, completed_round"
+)
+
+
+@contextmanager
+def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A write transaction taken up front (BEGIN IMMEDIATE), committed or rolled back as one."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.rollback()
+        raise
+    conn.commit()
+
+
+def _invalid(field: str, message: str) -> Rejection:
+    return Rejection(422, "invalid_request", message, field=field)
+
+
+def _check_int(field: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _invalid(field, f"{field} must be an integer in {low}..{high}, got {value!r}")
+    return value
+
+
+def _check_dataset_id(dataset_id: object) -> str:
+    if not isinstance(dataset_id, str) or not _DATASET_ID_RE.fullmatch(dataset_id):
+        raise _invalid(
+            "dataset_id",
+            f"dataset_id must match {DATASET_ID_PATTERN}, got {dataset_id!r}",
+        )
+    return dataset_id
+
+
+def _check_worker_id(worker_id: object) -> str:
+    if not isinstance(worker_id, str) or not worker_id:
+        raise _invalid("worker_id", f"worker_id must be a non-empty string, got {worker_id!r}")
+    return worker_id
+
+
+class WorkPool:
+    """Leases, completions and progress of every registered dataset, on one SQLite connection."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self._permutations: dict[tuple[str, int], Permutation] = {}
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+
+    # ------------------------------------------------------------------ datasets
+
+    def register(self, dataset_id: str, length: int, shuffle_seed: int, unit_size: int) -> dict:
+        """Adds a dataset, or answers its state when it is already known with the same shape.
+
+        The shape must never change under a dataset_id: units already completed name positions
+        of the old order, so another length, unit size or seed would skip or repeat samples.
+        """
+        _check_dataset_id(dataset_id)
+        given = {
+            "length": _check_int("length", length, 1, MAX_LENGTH),
+            "unit_size": _check_int("unit_size", unit_size, 1, MAX_UNIT_SIZE),
+            "shuffle_seed": _check_int("shuffle_seed", shuffle_seed, 0, MAX_SEED),
+        }
+        stored = self._dataset_row(dataset_id)
+        if stored is None:
+            units = -(-length // unit_size)
+            self.conn.execute(
+                "INSERT INTO wu_datasets (dataset_id, length, unit_size, shuffle_seed,"
+                " units_per_epoch) VALUES (?, ?, ?, ?, ?)",
+                (dataset_id, length, unit_size, shuffle_seed, units),
+            )
+            self.conn.execute(
+                "INSERT INTO wu_epochs (dataset_id, epoch, next_unit) VALUES (?, 0, 0)",
+                (dataset_id,),
+            )
+            return self.dataset(dataset_id)
+        for field, value in given.items():
+            if stored[field] != value:
+                raise Rejection(
+                    409,
+                    "dataset_conflict",
+                    f"dataset {dataset_id!r} is registered with {field}={stored[field]},"
+                    f" not {value}",
+                    dataset_id=dataset_id,
+                    field=field,
+                    expected=stored[field],
+                    got=value,
+                )
+        return self.dataset(dataset_id)
+
+    def dataset(self, dataset_id: str) -> dict:
+        """A registered dataset's shape and its newest open epoch; 404 when unknown."""
+        row = self._require_dataset(dataset_id)
+        return {**row, "epoch": self._newest_epoch(dataset_id)}
+
+    def datasets(self) -> list[str]:
+        rows = self.conn.execute("SELECT dataset_id FROM wu_datasets ORDER BY dataset_id")
+        return [dataset_id for (dataset_id,) in rows]
+
+    # ------------------------------------------------------------------ leases
+
+    def lease(
+        self,
+        worker_id: str,
+        dataset_id: str,
+        count: int,
+        now: float,
+        open_next_epoch: bool = False,
+        lease_key: str | None = None,
+    ) -> dict:
+        """Leases up to `count` free units to a worker: released ones first, oldest epoch first.
+
+        `lease_key` makes a retried request idempotent: if the answer was lost (a crash right
+        after the commit, a dropped connection), the same key gets the same units back instead
+        of new ones, so no unit stays leased to a worker that never learnt of it.
+
+        When nothing is free the answer is 'exhausted', unless the worker asks to open the next
+        epoch. Units still leased to others are not free: they may come back, so an epoch is
+        only opened on request. One lease holds at most MAX_LEASE_SAMPLES indices.
+        """
+        _check_worker_id(worker_id)
+        _check_dataset_id(dataset_id)
+        _check_int("count", count, 1, MAX_LEASE_COUNT)
+        shape = self._require_dataset(dataset_id)
+        if lease_key is not None:
+            replay = self._replay(worker_id, lease_key, dataset_id, shape)
+            if replay is not None:
+                return replay
+        count = min(count, max(1, MAX_LEASE_SAMPLES // shape["unit_size"]))
+        picked: list[tuple[int, int, int]] = []  # (unit_id, epoch, index)
+        epochs = self.conn.execute(
+            "SELECT epoch, next_unit FROM wu_epochs WHERE dataset_id = ? ORDER BY epoch",
+            (dataset_id,),
+        ).fetchall()
+        holder = (worker_id, now)
+        for epoch, next_unit in epochs:
+            if len(picked) >= count:
+                break
+            picked += self._take_free(dataset_id, epoch, count - len(picked), holder)
+            picked += self._take_new(shape, epoch, next_unit, count - len(picked), holder)
+        if not picked and open_next_epoch:
+            epoch = epochs[-1][0] + 1
+            self.conn.execute(
+                "INSERT INTO wu_epochs (dataset_id, epoch, next_unit) VALUES (?, ?, 0)",
+                (dataset_id, epoch),
+            )
+            picked += self._take_new(shape, epoch, 0, count, holder)
+        if lease_key is not None:
+            self._remember(worker_id, lease_key, dataset_id, [unit[0] for unit in picked], now)
+        return {
+            "status": "leased" if picked else "exhausted",
+            "dataset_id": dataset_id,
+            "epoch": self._newest_epoch(dataset_id),
+            "units": [self._unit_body(shape, *unit) for unit in picked],
+        }
+
+    def _remember(
+        self, worker_id: str, lease_key: str, dataset_id: str, unit_ids: list[int], now: float
+    ) -> None:
+        self.conn.execute(
+            "INSERT INTO wu_lease_requests (worker_id, lease_key, dataset_id, units, at)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (worker_id, lease_key, dataset_id, json.dumps(unit_ids), now),
+        )
+        self.conn.execute(  # a retry only ever repeats one of the last few requests
+            "DELETE FROM wu_lease_requests WHERE worker_id = ? AND rowid NOT IN (SELECT rowid"
+            " FROM wu_lease_requests WHERE worker_id = ? ORDER BY at DESC LIMIT ?)",
+            (worker_id, worker_id, _REMEMBERED_LEASES),
+        )
+
+    def _replay(self, worker_id: str, lease_key: str, dataset_id: str, shape: dict) -> dict | None:
+        """The answer to an earlier request with this key: its units still leased to us."""
+        row = self.conn.execute(
+            "SELECT dataset_id, units FROM wu_lease_requests WHERE worker_id = ? AND lease_key = ?",
+            (worker_id, lease_key),
+        ).fetchone()
+        if row is None:
+            return None
+        if row[0] != dataset_id:
+            raise _invalid("lease_key", f"lease_key {lease_key!r} was used for {row[0]!r}")
+        units = []
+        for unit_id in json.loads(row[1]):
+            unit = self.unit(unit_id)
+            if unit is not None and unit["state"] == "leased" and unit["worker_id"] == worker_id:
+                units.append(self._unit_body(shape, unit_id, unit["epoch"], unit["index"]))
+        return {
+            "status": "leased" if units else "exhausted",
+            "dataset_id": dataset_id,
+            "epoch": self._newest_epoch(dataset_id),
+            "units": units,
+        }
+
+    def release_worker(self, worker_id: str, keep: Iterable[int] = ()) -> int:
+        """Returns a worker's unfinished units to the pool (eviction, deregistration).
+
+        `keep`: units the worker reported with a submission that stays in the open round; that
+        round trained them and completes them when it commits, so they are not leased again.
+        """
+        kept = sorted(set(keep))
+        marks = ",".join("?" * len(kept))
+        cursor = self.conn.execute(
+            "UPDATE wu_units SET state = 'free', worker_id = NULL, leased_at = NULL"
+            " WHERE worker_id = ? AND state = 'leased'"
+            + (f" AND unit_id NOT IN ({marks})" if kept else ""),
+            (worker_id, *kept),
+        )
+        return cursor.rowcount
+
+    def leases_of(self, worker_id: str, *, indices: bool = False) -> list[dict]:
+        """The units a worker holds now, oldest lease first; with their indices on request."""
+        rows = self.conn.execute(
+            f"SELECT {_UNIT_COLUMNS} FROM wu_units WHERE worker_id = ? AND state = 'leased'"
+            " ORDER BY unit_id",
+            (worker_id,),
+        ).fetchall()
+        leases = []
+        for row in rows:
+            unit = self._unit_dict(row)
+            if indices:
+                shape = self._require_dataset(unit["dataset_id"])
+                unit["indices"] = self.indices(shape, unit["epoch"], unit["index"])
+            leases.append(unit)
+        return leases
+
+    # ------------------------------------------------------------------ completion
+
+    def check_reported(self, worker_id: str, unit_ids: Sequence[int]) -> None:
+        """Refuses a submission that reports units the worker does not hold.
+
+        A unit this same worker already completed is accepted: a retried submission of a round
+        that committed reports it again, and `complete` will not count it twice.
+        """
+        _check_worker_id(worker_id)
+        ids = self._check_unit_ids(unit_ids)
+        rows = self._units_by_id(ids)
+        for unit_id in ids:
+            row = rows.get(unit_id)
+            if row is None:
+                raise Rejection(
+                    422, "unknown_unit", f"no work unit has id {unit_id}", unit_id=unit_id
+                )
+            if row["worker_id"] == worker_id and row["state"] in ("leased", "completed"):
+                continue
+            holder = row["worker_id"]
+            state = row["state"]
+            whom = "nobody" if holder is None else f"worker {holder!r}"
+            raise Rejection(
+                422,
+                "unit_not_leased",
+                f"work unit {unit_id} is not leased to worker {worker_id!r}:"
+                f" it is {state}, held by {whom}",
+                unit_id=unit_id,
+                worker_id=worker_id,
+                holder=holder,
+                state=state,
+            )
+
+    def complete(
+        self, unit_ids: Sequence[int], round_number: int, worker_id: str | None = None
+    ) -> int:
+        """Marks units completed by a committed round; returns how many were not completed yet.
+
+        Whatever the unit's lease state now (its worker may have been evicted after it
+        submitted), the round trained it, so it is completed. A unit completed earlier keeps
+        its first round. `worker_id`, when given, is recorded as who trained it.
+        """
+        if isinstance(round_number, bool) or not isinstance(round_number, int) or round_number < 0:
+            raise ValueError(f"round_number must be an integer >= 0, got {round_number!r}")
+        ids = list(dict.fromkeys(int(unit_id) for unit_id in unit_ids))
+        rows = self._units_by_id(ids)
+        missing = [unit_id for unit_id in ids if unit_id not in rows]
+        if missing:
+            log.warning("round %d completes unknown work units %s", round_number, missing[:10])
+        fresh = [unit_id for unit_id, row in rows.items() if row["state"] != "completed"]
+        self.conn.executemany(
+            "UPDATE wu_units SET state = 'completed', completed_round = ?,"
+            " worker_id = COALESCE(?, worker_id) WHERE unit_id = ?",
+            [(round_number, worker_id, unit_id) for unit_id in fresh],
+        )
+        return len(fresh)
+
+    def rollback_after(self, round_number: int) -> int:
+        """Frees units completed in rounds above `round_number`: a crash lost those rounds."""
+        cursor = self.conn.execute(
+            "UPDATE wu_units SET state = 'free', worker_id = NULL, leased_at = NULL,"
+            " completed_round = NULL WHERE state = 'completed' AND completed_round > ?",
+            (round_number,),
+        )
+        return cursor.rowcount
+
+    # ------------------------------------------------------------------ views
+
+    def progress(self, dataset_id: str | None = None) -> list[dict]:
+        """Per dataset and epoch: units in total, completed, leased and free."""
+        if dataset_id is not None:
+            self._require_dataset(dataset_id)
+        chosen = dataset_id is not None
+        where, args = ("WHERE e.dataset_id = ?", (dataset_id,)) if chosen else ("", ())
+        epochs = self.conn.execute(
+            "SELECT e.dataset_id, e.epoch, d.units_per_epoch FROM wu_epochs e"
+            f" JOIN wu_datasets d USING (dataset_id) {where} ORDER BY e.dataset_id, e.epoch",
+            args,
+        ).fetchall()
+        where = "WHERE dataset_id = ?" if chosen else ""
+        counts: dict[tuple[str, int, str], int] = {
+            (ds, epoch, state): n
+            for ds, epoch, state, n in self.conn.execute(
+                "SELECT dataset_id, epoch, state, COUNT(*) FROM wu_units"
+                f" {where} GROUP BY dataset_id, epoch, state",
+                args,
+            )
+        }
+        report = []
+        for ds, epoch, total in epochs:
+            completed = counts.get((ds, epoch, "completed"), 0)
+            leased = counts.get((ds, epoch, "leased"), 0)
+            report.append(
+                {
+                    "dataset_id": ds,
+                    "epoch": epoch,
+                    "total": total,
+                    "completed": completed,
+                    "leased": leased,
+                    "free": total - completed - leased,
+                }
+            )
+        return report
+
+    def completions(self, dataset_id: str | None = None) -> list[dict]:
+        """Every completed unit with its round, in (dataset, epoch, index) order: for audits."""
+        where, args = ("AND dataset_id = ?", (dataset_id,)) if dataset_id is not None else ("", ())
+        rows = self.conn.execute(
+            f"SELECT {_UNIT_COLUMNS} FROM wu_units WHERE state = 'completed' {where}"
+            " ORDER BY dataset_id, epoch, unit_index",
+            args,
+        ).fetchall()
+        return [self._unit_dict(row) for row in rows]
+
+    def unit(self, unit_id: int) -> dict | None:
+        """One unit's row (no indices), or None."""
+        row = self.conn.execute(
+            f"SELECT {_UNIT_COLUMNS} FROM wu_units WHERE unit_id = ?", (unit_id,)
+        ).fetchone()
+        return None if row is None else self._unit_dict(row)
+
+    def indices(self, shape: dict, epoch: int, index: int) -> list[int]:
+        """The sample indices of unit `index` of an epoch: unit_size permutation calls."""
+        dataset_id, length, unit_size = shape["dataset_id"], shape["length"], shape["unit_size"]
+        permutation = self._permutations.get((dataset_id, epoch))
+        if permutation is None:
+            permutation = Permutation(length, shape["shuffle_seed"], epoch)
+            if len(self._permutations) >= 64:
+                self._permutations.clear()
+            self._permutations[(dataset_id, epoch)] = permutation
+        start = index * unit_size
+        return permutation.indices(start, min(start + unit_size, length))
+
+    # ------------------------------------------------------------------ internals
+
+    def _dataset_row(self, dataset_id: str) -> dict | None:
+        row = self.conn.execute(
+            "SELECT dataset_id, length, unit_size, shuffle_seed, units_per_epoch"
+            " FROM wu_datasets WHERE dataset_id = ?",
+            (dataset_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        keys = ("dataset_id", "length", "unit_size", "shuffle_seed", "units_per_epoch")
+        return dict(zip(keys, row, strict=True))
+
+    def _require_dataset(self, dataset_id: str) -> dict:
+        row = self._dataset_row(dataset_id)
+        if row is None:
+            raise Rejection(
+                404,
+                "unknown_dataset",
+                f"no dataset {dataset_id!r} is registered",
+                dataset_id=dataset_id,
+            )
+        return row
+
+    def _newest_epoch(self, dataset_id: str) -> int:
+        (epoch,) = self.conn.execute(
+            "SELECT MAX(epoch) FROM wu_epochs WHERE dataset_id = ?", (dataset_id,)
+        ).fetchone()
+        return epoch
+
+    def _take_free(
+        self, dataset_id: str, epoch: int, count: int, holder: tuple[str, float]
+    ) -> list[tuple[int, int, int]]:
+        """Leases released units of an epoch, lowest index first (all lie below its cursor)."""
+        if count <= 0:
+            return []
+        rows = self.conn.execute(
+            "SELECT unit_id, unit_index FROM wu_units"
+            " WHERE dataset_id = ? AND epoch = ? AND state = 'free'"
+            " ORDER BY unit_index LIMIT ?",
+            (dataset_id, epoch, count),
+        ).fetchall()
+        self.conn.executemany(
+            "UPDATE wu_units SET state = 'leased', worker_id = ?, leased_at = ? WHERE unit_id = ?",
+            [(*holder, unit_id) for unit_id, _ in rows],
+        )
+        return [(unit_id, epoch, index) for unit_id, index in rows]
+
+    def _take_new(
+        self, shape: dict, epoch: int, next_unit: int, count: int, holder: tuple[str, float]
+    ) -> list[tuple[int, int, int]]:
+        """Leases the next `count` never-leased units of an epoch: new rows, cursor moved on."""
+        stop = min(shape["units_per_epoch"], next_unit + max(0, count))
+        if stop <= next_unit:
+            return []
+        dataset_id = shape["dataset_id"]
+        taken = []
+        for index in range(next_unit, stop):
+            cursor = self.conn.execute(
+                "INSERT INTO wu_units (dataset_id, epoch, unit_index, state, worker_id,"
+                " leased_at) VALUES (?, ?, ?, 'leased', ?, ?)",
+                (dataset_id, epoch, index, *holder),
+            )
+            taken.append((cursor.lastrowid, epoch, index))
+        self.conn.execute(
+            "UPDATE wu_epochs SET next_unit = ? WHERE dataset_id = ? AND epoch = ?",
+            (stop, dataset_id, epoch),
+        )
+        return taken
+
+    def _unit_body(self, shape: dict, unit_id: int, epoch: int, index: int) -> dict:
+        return {
+            "unit_id": unit_id,
+            "epoch": epoch,
+            "index": index,
+            "indices": self.indices(shape, epoch, index),
+        }
+
+    def _check_unit_ids(self, unit_ids: Sequence[int]) -> list[int]:
+        if isinstance(unit_ids, (str, bytes)) or not isinstance(unit_ids, Sequence):
+            raise _invalid("unit_ids", f"unit_ids must be a list of integers, got {unit_ids!r}")
+        if len(unit_ids) > MAX_REPORTED_UNITS:
+            raise _invalid("unit_ids", f"at most {MAX_REPORTED_UNITS} unit_ids per submission")
+        ids = [_check_int("unit_ids", unit_id, 1, 2**63 - 1) for unit_id in unit_ids]
+        if len(set(ids)) != len(ids):
+            twice = sorted(unit_id for unit_id, n in Counter(ids).items() if n > 1)
+            raise _invalid("unit_ids", f"unit_ids name units {twice} more than once")
+        return ids
+
+    def _units_by_id(self, unit_ids: list[int]) -> dict[int, dict]:
+        found: dict[int, dict] = {}
+        for start in range(0, len(unit_ids), 500):  # stays under SQLite's variable limit
+            chunk = unit_ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            rows = self.conn.execute(
+                f"SELECT {_UNIT_COLUMNS} FROM wu_units WHERE unit_id IN ({marks})", chunk
+            )
+            for row in rows:
+                found[row[0]] = self._unit_dict(row)
+        return found
+
+    @staticmethod
+    def _unit_dict(row: tuple) -> dict:
+        unit_id, dataset_id, epoch, index, state, worker_id, leased_at, completed_round = row
+        return {
+            "unit_id": unit_id,
+            "dataset_id": dataset_id,
+            "epoch": epoch,
+            "index": index,
+            "state": state,
+            "worker_id": worker_id,
+            "leased_at": leased_at,
+            "round": completed_round,
+        }
