@@ -82,11 +82,13 @@ class ServerProcess:
 def server_process(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
-    def start(*args: str) -> ServerProcess:
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
         port_file = tmp_path / f"port-{len(started)}"
         log = tmp_path / f"server-{len(started)}.log"
         try:
-            process, url = start_server(port_file, *args, output=log.open("wb"), timeout=60)
+            process, url = start_server(
+                port_file, *args, output=log.open("wb"), timeout=60, env=env
+            )
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}: {log.read_text()}") from None
         running = ServerProcess(process, url, log)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from diloco import faults
 from diloco.wire import WireError, decode_tensors, encode_tensors
 
 __all__ = ["FORMAT_VERSION", "CheckpointStore", "LoadedCheckpoint"]
@@ -107,6 +108,7 @@ class CheckpointStore:
                 data = encode_tensors(group_tensors)
                 _write_atomic(temp / name, data, _file_mode(previous, name))
                 files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                faults.crash_point("checkpoint_file")
             manifest = {
                 "format": FORMAT_VERSION,
                 "generation": generation,
@@ -115,6 +117,7 @@ class CheckpointStore:
             }
             raw = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode()
             _write_atomic(temp / MANIFEST_NAME, raw, _file_mode(previous, MANIFEST_NAME))
+            faults.crash_point("checkpoint_rename")
             if final.exists():  # an incomplete leftover under the final name: it is garbage
                 shutil.rmtree(final)
             os.rename(temp, final)

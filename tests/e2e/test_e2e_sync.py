@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,63 +12,9 @@ import pytest
 import torch
 
 from diloco.sim import SimConfig, simulate
-from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoClient, RetryPolicy
-from tiny import TINY_CLI, TINY_MODEL
-
-TINY = TINY_CLI
-
-
-def start_worker(
-    url: str,
-    worker_id: str,
-    shard: int,
-    shards: int,
-    steps: int,
-    corpus: Path,
-    out: Path,
-    seed: int = 5,
-) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "diloco.cli",
-            "worker",
-            "--server",
-            url,
-            "--worker-id",
-            worker_id,
-            "--steps",
-            str(steps),
-            "--seed",
-            str(seed),
-            "--shard",
-            str(shard),
-            "--num-shards",
-            str(shards),
-            "--corpus",
-            str(corpus),
-            "--no-progress",
-            "--json",
-            str(out / f"{worker_id}.json"),
-            *TINY,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(out / f"{worker_id}.log").open("wb"),
-    )
-
-
-def wait_all(processes: list[subprocess.Popen], timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    for process in processes:
-        process.wait(timeout=max(1.0, deadline - time.monotonic()))
-
-
-def global_weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
-    with DiLoCoClient(url, retry=RetryPolicy(attempts=3), read_timeout=30) as client:
-        body, round_number = client.get_weights()
-    return decode_tensors(body), round_number
+from processes import global_weights, start_worker, wait_all
+from tiny import TINY_MODEL
 
 
 def simulated_run(corpus: bytes, workers: int, steps: int):

@@ -674,7 +674,7 @@ def test_bf16_upload_dtype_wants_bf16_pseudo_gradients() -> None:
 def test_barrier_timeout_is_504_naming_the_missing_and_the_round_recovers() -> None:
     c, clock = make(workers=("a", "b", "c"), barrier_timeout=60.0, **SGD_FEDAVG)
     clock.advance(500)  # time before the first submission does not count
-    assert c.wait_result(0, "a", 0) == Waiting(0, ["a", "b", "c"])
+    assert c.wait_result(0, None, 0) == Waiting(0, ["a", "b", "c"])
     c.submit("a", 0, grad(-3.0))
     c.submit("b", 0, grad(-6.0))
     clock.advance(60)
@@ -689,7 +689,7 @@ def test_barrier_timeout_is_504_naming_the_missing_and_the_round_recovers() -> N
     assert c.round_number == 1
     assert result_w(c, 0, "a") == 16.0
     # Round 1 starts with a fresh clock for its barrier.
-    assert c.wait_result(1, "a", 0) == Waiting(1, ["a", "b", "c"])
+    assert c.wait_result(1, None, 0) == Waiting(1, ["a", "b", "c"])
 
 
 # ----------------------------------------------------------------------- 7. unknown workers

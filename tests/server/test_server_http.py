@@ -524,13 +524,16 @@ def test_long_poll_waits_then_expires_old_rounds(live_server):
         api = Api(server.url)
         api.register("w0")
         started = time.monotonic()
-        waiting = api.result("w0", wait=0.2)
+        waiting = api.result(None, wait=0.2)  # an observer (a dashboard) may wait on a round
         elapsed = time.monotonic() - started
         assert waiting.status == 202
         assert waiting.json() == {"status": "waiting", "round": 0, "waiting_for": ["w0"]}
         assert 0.2 <= elapsed < 3.0
-        # the same without a worker id (a dashboard or a fresh worker may ask)
-        assert api.result(None, wait=0).status == 202
+        # A member that waits without having submitted is told to submit (after a restart
+        # the server lost its submission, and the worker sends it again).
+        missing = api.result("w0", wait=0)
+        assert missing.status == 409 and missing.json()["kind"] == "not_submitted"
+        assert missing.json()["detail"] == {"round": 0, "worker_id": "w0"}
 
         for round_number, value in ((0, -2.0), (1, -4.0)):
             answer = api.ok(

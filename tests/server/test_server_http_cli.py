@@ -13,10 +13,10 @@ import torch
 import urllib3
 from safetensors.torch import save_file
 
-from diloco.checkpoints import CheckpointStore
 from diloco.server.coordinator import Coordinator
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
+from diloco.server.store import StateStore
 from diloco.wire import TensorSpec, decode_tensors, fingerprint
 
 TIMEOUT = urllib3.Timeout(connect=5.0, read=20.0)
@@ -80,8 +80,8 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     written_state = tmp_path / "state"  # a run that was started with the default H = 50
-    journal = RoundJournal(CheckpointStore(written_state / "checkpoints"), ServerSettings())
-    Coordinator(ServerSettings(), {"w": torch.zeros(2)}, journal=journal)
+    journal = RoundJournal(StateStore(written_state), ServerSettings())
+    Coordinator(ServerSettings(), {"w": torch.zeros(2)}, journal=journal).shutdown()
     cases = {
         "missing --init": (["--init", str(tmp_path / "missing.safetensors")], "--init"),
         "non-safetensors --init": (["--init", str(not_safetensors)], "safetensors"),

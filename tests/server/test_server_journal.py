@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from diloco.checkpoints import CheckpointStore
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
+from diloco.server.store import StateStore
 from diloco.wire import decode_tensors, specs_of
 
 SETTINGS = ServerSettings(sync_every=2, min_workers=2)
@@ -20,8 +21,17 @@ SPECS = specs_of(START, {"w": "trainable", "steps": "int_buffer"})
 
 
 def coordinator(state: Path, settings: ServerSettings = SETTINGS, **kwargs) -> Coordinator:
-    journal = RoundJournal(CheckpointStore(state), settings, **kwargs)
-    return Coordinator(settings, journal=journal)
+    journal = RoundJournal(StateStore(state), settings, **kwargs)
+    try:
+        return Coordinator(settings, journal=journal)
+    except BaseException:
+        journal.state.close()
+        raise
+
+
+def crash(c: Coordinator) -> None:
+    """What kill -9 leaves: the files as they are, and the state dir's lock released."""
+    c.journal.state.close()
 
 
 def round_of(c: Coordinator, number: int, a: float, b: float) -> None:
@@ -39,9 +49,14 @@ def test_a_restarted_coordinator_resumes_round_weights_and_momentum(tmp_path: Pa
     round_of(first, 1, 0.1, -0.3)
     assert first.round_number == 2
 
-    second = coordinator(tmp_path)  # as after kill -9: nothing but the state dir survives
+    # As after kill -9: nothing but the state dir survives. (A copy, so that `first` can go on
+    # writing its own and the two can be compared: a state dir has one writer.)
+    shutil.copytree(tmp_path, tmp_path.parent / "copy")
+    second = coordinator(tmp_path.parent / "copy")
     assert second.round_number == 2
-    assert second.membership.workers == {}
+    # The workers live at the crash are members again, and the open round waits for both.
+    assert second.membership.live_ids() == {"a", "b"}
+    assert second.round is not None and second.round.waiting_for() == ["a", "b"]
     for name, tensor in first.masters.items():
         assert torch.equal(second.masters[name], tensor), name
     assert torch.equal(second.optimizer.state_dict()["w"], first.optimizer.state_dict()["w"])
@@ -60,6 +75,7 @@ def test_a_submission_for_a_round_lost_in_the_crash_is_simply_accepted(tmp_path:
     first.register("b", SPECS, 1)
     first.submit("a", 0, {"w": torch.full((3,), 0.2), "steps": torch.tensor(0.0)})
     # Crash before b submitted: round 0 never committed, so it was never published either.
+    crash(first)
     second = coordinator(tmp_path)
     assert second.round_number == 0
     round_of(second, 0, 0.2, 0.4)
@@ -71,6 +87,7 @@ def test_other_settings_are_refused_by_name_unless_overridden(tmp_path: Path) ->
     first.register("a", SPECS, 1)
     first.upload_initial("a", START)
     changed = ServerSettings(sync_every=7, min_workers=2)
+    crash(first)
     with pytest.raises(ValueError, match=r"sync_every: 2 in the state dir, 7 now"):
         coordinator(tmp_path, changed)
     assert coordinator(tmp_path, changed, override_settings=True).round_number == 0
@@ -80,7 +97,8 @@ def test_init_weights_on_an_existing_state_dir_are_refused(tmp_path: Path) -> No
     first = coordinator(tmp_path)
     first.register("a", SPECS, 1)
     first.upload_initial("a", START)
-    journal = RoundJournal(CheckpointStore(tmp_path), SETTINGS)
+    crash(first)
+    journal = RoundJournal(StateStore(tmp_path), SETTINGS)
     with pytest.raises(ValueError, match="drop --init"):
         Coordinator(SETTINGS, START, journal=journal)
 
@@ -95,11 +113,12 @@ def test_a_failed_checkpoint_stops_the_server_serving(tmp_path: Path) -> None:
     def broken_write(*_args, **_kwargs):
         raise OSError("No space left on device")
 
-    first.journal.store.write = broken_write
+    first.journal.state.checkpoints.write = broken_write
     with pytest.raises(Rejection) as caught:
         first.submit("b", 0, {"w": torch.full((3,), 0.4), "steps": torch.tensor(0.0)})
     assert caught.value.status == 503 and caught.value.kind == "checkpoint_failed"
     assert first.result is None or first.result.round == 0  # round 0's result never published
     with pytest.raises(Rejection, match="No space left"):
         first.wait_result(0, "a", 0)
+    crash(first)
     assert coordinator(tmp_path).round_number == 0  # a restart resumes the last durable round

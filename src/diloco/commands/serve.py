@@ -25,6 +25,14 @@ def server_command(
     override_settings: bool = typer.Option(
         False, help="Resume a --state-dir even though its stored settings differ."
     ),
+    durability: str = typer.Option(
+        "round",
+        help="round: every round is on disk before its result is sent; interval: every "
+        "--checkpoint-every rounds (a crash then rolls back to the last checkpoint).",
+    ),
+    checkpoint_every: int = typer.Option(
+        None, help="With --durability interval: rounds between checkpoints (default 10)."
+    ),
     mode: str = typer.Option("sync", help="Training mode: sync."),
     sync_every: int = typer.Option(50, help="H: inner optimizer steps per round."),
     outer_optimizer: str = typer.Option("nesterov", help="sgd, momentum or nesterov."),
@@ -76,7 +84,15 @@ def server_command(
         )
         if keep_checkpoints < 1:
             raise ValueError(f"--keep-checkpoints must be >= 1, got {keep_checkpoints}")
-        serve(
+        if durability not in ("round", "interval"):
+            raise ValueError(f"--durability must be round or interval, got {durability!r}")
+        if checkpoint_every is not None and durability != "interval":
+            raise ValueError("--checkpoint-every needs --durability interval")
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
+        if durability == "interval" and state_dir is None:
+            raise ValueError("--durability interval needs --state-dir (nothing is written without)")
+        stopped = serve(
             settings,
             host,
             port,
@@ -87,7 +103,11 @@ def server_command(
             state_dir=state_dir,
             keep_checkpoints=keep_checkpoints,
             override_settings=override_settings,
+            durability=durability,
+            checkpoint_every=(checkpoint_every or 10) if durability == "interval" else 1,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None
-    err.print("server stopped")
+    where = f"; state in {state_dir}" if state_dir is not None else ""
+    flushed = " (checkpoint written at shutdown)" if stopped["flushed"] else ""
+    err.print(f"server stopped at round {stopped['round']}{where}{flushed}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -25,7 +26,14 @@ from diloco.console import (
     summary_table,
     write_json,
 )
-from diloco.data import BatchSampler, CorpusError, load_named_corpus, split_train_val, worker_shard
+from diloco.data import (
+    BatchSampler,
+    CorpusError,
+    TokenWindows,
+    load_named_corpus,
+    split_train_val,
+    worker_shard,
+)
 from diloco.evaluation import Evaluator
 from diloco.models import GPT, GPTConfig
 from diloco.training import Replica
@@ -36,8 +44,14 @@ from diloco.worker import (
     ServerError,
     ServerUnavailable,
 )
+from diloco.worker.data import LeasedBatches, LeasedSampler
 from diloco.worker.distributed import LeaderFailed
 from diloco.worker.settings import ServerSettingsError
+
+
+def _dataset_id(corpus: bytes, seq_len: int) -> str:
+    """Workers on the same bytes and window length share one dataset; any other is another."""
+    return f"corpus-{hashlib.sha256(corpus).hexdigest()[:16]}-w{seq_len}"
 
 
 def _sampler_seed(seed: int, shard: int) -> int:
@@ -50,8 +64,15 @@ def worker_command(
     worker_id: str = typer.Option(None, help="Stable id (re-used after a restart)."),
     steps: int = typer.Option(500, help="Inner optimizer steps to train."),
     seed: int = typer.Option(0, help="Seed of the initial weights and of this shard's batches."),
-    shard: int = typer.Option(0, help="Which shard of the training data this worker trains."),
-    num_shards: int = typer.Option(1, help="How many shards the training data is cut into."),
+    data_dispatch: str = typer.Option(
+        "server",
+        help="server: train the work units the server leases (no sample skipped or repeated "
+        "within an epoch, even across crashes); static: a fixed --shard of the data.",
+    ),
+    unit_size: int = typer.Option(64, help="Samples per work unit (--data-dispatch server)."),
+    data_seed: int = typer.Option(0, help="Shuffle seed of the work units (same on all workers)."),
+    shard: int = typer.Option(0, help="Which shard this worker trains (--data-dispatch static)."),
+    num_shards: int = typer.Option(1, help="Shards the data is cut into (--data-dispatch static)."),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     lr: float = typer.Option(3e-3, help="Inner AdamW peak learning rate."),
     warmup: int = typer.Option(50, help="Inner learning-rate warm-up steps."),
@@ -68,17 +89,36 @@ def worker_command(
     give_up_after: float = typer.Option(
         900.0, help="Seconds one request keeps retrying an unreachable server (0: forever)."
     ),
+    max_retry_delay: float = typer.Option(30.0, help="Longest wait between two retries (s)."),
+    checkpoint_dir: Path = typer.Option(
+        None,
+        help="Save this worker's state here after every round; starting again on it resumes "
+        "under the same id (optimizer, schedule, RNG, data position).",
+    ),
 ) -> None:
     """Join a server, train, sync every H steps (the server's H), report loss and traffic."""
     check_output_path(json_path, "--json")
-    require_positive(steps=steps, num_shards=num_shards, batch_size=batch_size, seq_len=seq_len)
+    require_positive(
+        steps=steps,
+        num_shards=num_shards,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        unit_size=unit_size,
+    )
+    if data_dispatch not in ("server", "static"):
+        raise fail(f"--data-dispatch must be server or static, got {data_dispatch!r}")
+    if data_dispatch == "server" and (shard, num_shards) != (0, 1):
+        raise fail("--shard and --num-shards are for --data-dispatch static")
     if not 0 <= shard < num_shards:
         raise fail(f"shard must be in [0, {num_shards}), got {shard}")
+    if not 0 <= data_seed < 2**63:
+        raise fail(f"--data-seed must be in [0, 2**63), got {data_seed}")
     secret = read_token(token, token_file)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = GPTConfig(context=seq_len, width=width, depth=depth, heads=heads)
-        split = split_train_val(load_named_corpus(corpus))
+        corpus_bytes = load_named_corpus(corpus)
+        split = split_train_val(corpus_bytes)
         sampler = BatchSampler(
             worker_shard(split.train, shard, num_shards),
             batch_size,
@@ -93,19 +133,51 @@ def worker_command(
     replica = Replica(config, initial, sampler, lr, warmup, steps, weight_decay=0.1)
     if give_up_after < 0:
         raise fail(f"--give-up-after must be >= 0 seconds, got {give_up_after}")
-    retry = RetryPolicy(deadline=give_up_after or None)
+    if not max_retry_delay > 0:
+        raise fail(f"--max-retry-delay must be > 0 seconds, got {max_retry_delay}")
+    retry = RetryPolicy(
+        deadline=give_up_after or None,
+        base_delay=min(0.5, max_retry_delay),
+        max_delay=max_retry_delay,
+    )
     try:
         worker = DiLoCoWorker(
-            replica.model, replica.optimizer, server, worker_id, secret, retry=retry
+            replica.model,
+            replica.optimizer,
+            server,
+            worker_id,
+            secret,
+            retry=retry,
+            checkpoint_dir=checkpoint_dir,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None
     except (AuthError, ServerError, ServerUnavailable, ServerSettingsError, LeaderFailed) as exc:
         raise fail(f"could not join {server}: {exc}", code=1) from None
+    if data_dispatch == "server":
+        windows = TokenWindows(split.train, seq_len)
+        try:
+            leased = LeasedSampler.for_worker(
+                worker,
+                _dataset_id(corpus_bytes, seq_len),
+                len(windows),
+                shuffle_seed=data_seed,
+                unit_size=unit_size,
+            )
+        except (ServerError, ServerUnavailable) as exc:
+            worker.close(final_sync=False)
+            raise fail(f"could not register the dataset with {server}: {exc}", code=1) from None
+        replica.sampler = LeasedBatches(windows, leased, batch_size)
+    done = worker.local_step  # > 0 when resuming from --checkpoint-dir
+    if done:
+        replica.steps_done = done  # the learning-rate schedule goes on where it was
+        if data_dispatch == "static":
+            sampler.skip(done)  # the same batches as a run that never stopped
     tokens_per_step = batch_size * seq_len
     try:
         with progress_bar(f"worker {worker.worker_id}", steps, enabled=progress) as advance:
-            for _ in range(steps):
+            advance(min(done, steps))
+            for _ in range(max(0, steps - done)):
                 loss = replica.train_step()
                 worker.report(loss=loss, tokens=tokens_per_step)
                 advance(1)
@@ -119,6 +191,8 @@ def worker_command(
         **stats,
         "server": server,
         "steps": steps,
+        "data_dispatch": data_dispatch,
+        "resumed_at_step": done,
         "shard": shard,
         "num_shards": num_shards,
         "seed": seed,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.data
 from torch import Tensor
 
 from diloco.data.errors import CorpusError
@@ -18,6 +19,7 @@ __all__ = [
     "VOCAB_SIZE",
     "BatchSampler",
     "CorpusSplit",
+    "TokenWindows",
     "encode",
     "eval_batches",
     "load_named_corpus",
@@ -120,9 +122,39 @@ class BatchSampler:
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
         """(x, y), both int64 [batch_size, seq_len], with y[:, i] == x[:, i + 1] shifted."""
+        return _windows(self.tokens, self._starts(), self.seq_len)
+
+    def skip(self, batches: int) -> None:
+        """Advance as if `batches` batches were drawn (a worker resuming mid-run)."""
+        for _ in range(batches):
+            self._starts()
+
+    def _starts(self) -> Tensor:
         high = len(self.tokens) - self.seq_len
-        starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
-        return _windows(self.tokens, starts, self.seq_len)
+        return torch.randint(0, high, (self.batch_size,), generator=self.generator)
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """A map-style dataset of consecutive, non-overlapping training windows of one token stream.
+
+    Sample i is (x, y) for the seq_len + 1 tokens starting at i * seq_len: what a server-side
+    permutation of sample indices (work units) addresses.
+    """
+
+    def __init__(self, tokens: Tensor, seq_len: int) -> None:
+        _check_shape(1, seq_len)
+        _check_length(tokens, seq_len, "corpus", "training")
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} is out of range [0, {len(self)})")
+        x, y = _windows(self.tokens, torch.tensor([index * self.seq_len]), self.seq_len)
+        return x[0], y[0]
 
 
 def eval_batches(

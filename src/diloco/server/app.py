@@ -19,11 +19,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from diloco import __version__
+from diloco import __version__, faults
 from diloco.server.coordinator import Coordinator, RoundResult
 from diloco.server.errors import Rejection
 from diloco.wire import (
+    DatasetRequest,
     HeartbeatRequest,
+    LeaseRequest,
     RegisterRequest,
     SpooledTensors,
     WireError,
@@ -31,6 +33,7 @@ from diloco.wire import (
     decode_tensors,
     parse_content_length,
     parse_request,
+    parse_unit_ids,
     read_body,
     spool_body,
 )
@@ -146,8 +149,11 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         check_length(length, settings.max_body_bytes)
         if may_spool and in_memory["bodies"] >= settings.memory_bodies:
             try:
+                chunks = request.stream()
+                if faults.ENABLED:
+                    chunks = faults.watch_chunks(chunks)
                 spooled = await spool_body(
-                    request.stream(), length, settings.max_body_bytes, settings.spool_dir
+                    chunks, length, settings.max_body_bytes, settings.spool_dir
                 )
             except OSError as exc:  # a full or missing spool disk heals; the worker retries
                 raise Rejection(
@@ -217,6 +223,38 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
             worker_id, beat.step, beat.steps_per_second, beat.loss, beat.tokens
         )
 
+    @app.post("/v1/datasets", dependencies=authed, openapi_extra=_json_schema(DatasetRequest))
+    async def register_dataset(request: Request) -> dict:
+        ask = await json_body(request, DatasetRequest)
+        return await run_in_threadpool(
+            coordinator.register_dataset,
+            ask.worker_id,
+            ask.dataset_id,
+            ask.length,
+            ask.shuffle_seed,
+            ask.unit_size,
+        )
+
+    @app.get("/v1/datasets", dependencies=authed)
+    async def datasets() -> dict:
+        return {"datasets": await run_in_threadpool(coordinator.data_progress)}
+
+    @app.post(
+        "/v1/datasets/{dataset_id}/leases",
+        dependencies=authed,
+        openapi_extra=_json_schema(LeaseRequest),
+    )
+    async def lease(dataset_id: str, request: Request) -> dict:
+        ask = await json_body(request, LeaseRequest)
+        return await run_in_threadpool(
+            coordinator.lease_units,
+            ask.worker_id,
+            dataset_id,
+            ask.count,
+            ask.next_epoch,
+            ask.lease_key,
+        )
+
     @app.put("/v1/weights/initial", dependencies=authed)
     async def upload_initial(request: Request, worker_id: str = Query(...)) -> dict:
         async with tensors_from(request, may_spool=False) as tensors:
@@ -234,11 +272,18 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         worker_id: str = Query(...),
         fragment: int = Query(0, ge=0),
         tokens: int = Query(0, ge=0),
+        units: str = Query("", description="Comma-separated ids of the work units finished."),
     ) -> dict:
+        unit_ids = parse_unit_ids(units)  # before the body is read: a bad list costs nothing
         async with tensors_from(request) as tensors:
             return await run_in_threadpool(
                 lambda: coordinator.submit(
-                    worker_id, round_number, tensors, fragment=fragment, tokens=tokens
+                    worker_id,
+                    round_number,
+                    tensors,
+                    fragment=fragment,
+                    tokens=tokens,
+                    units=unit_ids,
                 )
             )
 

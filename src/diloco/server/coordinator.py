@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco import faults
 from diloco.algorithm import Contribution, TensorKind, apply_mean, to_fp32_masters
 from diloco.server.errors import Rejection
-from diloco.server.journal import RoundJournal
+from diloco.server.journal import CommitRecord, RoundJournal
 from diloco.server.membership import Membership
 from diloco.server.metrics import ServerMetrics
 from diloco.server.rounds import Round
 from diloco.server.settings import ServerSettings
+from diloco.server.store import StateStore
 from diloco.wire import (
     PROTOCOL_VERSION,
     WORKER_ID_PATTERN,
@@ -88,9 +90,12 @@ class Coordinator:
         self.bytes_out = 0
         self.rounds_committed = 0
         self.closing = False
-        self.journal = journal
+        # Without a state dir the same journal keeps its tables in memory and writes no files.
+        self.journal = journal or RoundJournal(StateStore(None), settings)
+        self.pool = self.journal.pool
+        self.last_commit: CommitRecord | None = None
         self.broken: str | None = None
-        restored = journal.restore() if journal is not None else None
+        restored = self.journal.restore()
         if restored is not None:
             if initial is not None:
                 raise ValueError(
@@ -99,9 +104,26 @@ class Coordinator:
             self.masters = to_fp32_masters(restored.masters)
             self.optimizer.load_state_dict(restored.optimizer_state)
             self.specs, self.kinds_known = restored.specs, True
-            self.round = Round(restored.round, set(), settings.weighting, self.started_at)
+            # The workers live at the crash are members again: the restored round waits for
+            # them (a missing one is evicted after the heartbeat timeout, as always), so a
+            # lone early resubmission cannot commit a round that others were part of.
+            for worker_id, session in restored.live_workers:
+                self.membership.admit(worker_id, self.started_at, session)
+            self.round = Round(
+                restored.round, self.membership.live_ids(), settings.weighting, self.started_at
+            )
+            self.metrics.live_workers.set(len(self.membership.live_ids()))
+            self.metrics.round.set(restored.round)
         elif initial is not None:
             self._adopt_weights(initial, kinds=None)
+        else:
+            # A run that crashed before it had weights: its registered workers still hold
+            # their ids, and the first of them may be uploading the initial weights.
+            known = self.journal.registered_specs()
+            if known is not None:
+                self.specs, self.kinds_known = known, True
+                for worker_id, session in self.journal.state.live_workers():
+                    self.membership.admit(worker_id, self.started_at, session)
 
     # ----------------------------------------------------------------- read-only views
 
@@ -135,6 +157,7 @@ class Coordinator:
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
                 "rounds_per_hour": self.rounds_committed / uptime * 3600.0,
+                "datasets": self.pool.progress(),
                 "uptime_seconds": uptime,
             }
 
@@ -195,7 +218,10 @@ class Coordinator:
             if self.specs is None or not self.kinds_known:
                 self.specs = {s.name: s for s in specs}
                 self.kinds_known = True
+                self.journal.save_registered_specs(self.specs)
             self.membership.admit(worker_id, now, session)
+            self.journal.worker_joined(worker_id, session, self.round_number)
+            faults.crash_point("registered")
             log.info("worker %s registered at round %d", worker_id, self.round_number)
             if self.round is not None and self.round.first_submission_at is None:
                 # Nobody waits on this round yet, so the newcomer can join its barrier now.
@@ -216,7 +242,7 @@ class Coordinator:
         with self._lock:
             self._require_live(worker_id)
             log.info("worker %s left at round %d", worker_id, self.round_number)
-            self._remove(worker_id)
+            self._remove(worker_id, "deregistered")
 
     def heartbeat(
         self, worker_id: str, step: int, steps_per_second: float, loss: float | None, tokens: int
@@ -226,6 +252,7 @@ class Coordinator:
             record.last_seen = self.clock()
             record.step, record.steps_per_second = step, steps_per_second
             record.loss, record.tokens = loss, tokens
+            faults.crash_point("heartbeat")
             return {"round": self.round_number, "recommended_sync_every": None, "command": None}
 
     def evict_stale(self) -> list[str]:
@@ -238,7 +265,7 @@ class Coordinator:
                     worker_id,
                     self.settings.heartbeat_timeout,
                 )
-                self._remove(worker_id)
+                self._remove(worker_id, "evicted")
                 self.metrics.evictions.inc()
             return stale
 
@@ -254,12 +281,59 @@ class Coordinator:
             )
         return record
 
-    def _remove(self, worker_id: str) -> None:
+    def _remove(self, worker_id: str, reason: str) -> None:
         self.membership.workers[worker_id].live = False
+        keep = set() if self.round is None else self.round.units_of(worker_id)
+        self.journal.worker_left(worker_id, self.round_number, reason, keep_units=keep)
         if self.round is not None:
             self.round.leave(worker_id)
         self.metrics.live_workers.set(len(self.membership.live_ids()))
         self._try_commit(self.clock())
+
+    # ----------------------------------------------------------------- work units
+
+    def register_dataset(
+        self, worker_id: str, dataset_id: str, length: int, shuffle_seed: int, unit_size: int
+    ) -> dict:
+        """A worker states its dataset; the same id with another shape is a 409."""
+        with self._lock:
+            self._require_healthy()
+            self._require_live(worker_id).last_seen = self.clock()
+            with self.journal.state.transaction():
+                known = dataset_id in self.pool.datasets()
+                answer = self.pool.register(dataset_id, length, shuffle_seed, unit_size)
+                if not known:
+                    self.journal.state.audit(
+                        "dataset_registered",
+                        worker_id=worker_id,
+                        dataset_id=dataset_id,
+                        length=length,
+                        unit_size=unit_size,
+                    )
+            return answer
+
+    def lease_units(
+        self,
+        worker_id: str,
+        dataset_id: str,
+        count: int,
+        next_epoch: bool = False,
+        lease_key: str | None = None,
+    ) -> dict:
+        """Hand out work units; each belongs to `worker_id` until completed or released."""
+        with self._lock:
+            self._require_healthy()
+            self._require_live(worker_id).last_seen = self.clock()
+            with self.journal.state.transaction():
+                answer = self.pool.lease(
+                    worker_id, dataset_id, count, time.time(), next_epoch, lease_key
+                )
+            faults.crash_point("leased")
+            return answer
+
+    def data_progress(self) -> list[dict]:
+        with self._lock:
+            return self.pool.progress()
 
     # ----------------------------------------------------------------- weights
 
@@ -286,22 +360,25 @@ class Coordinator:
         if self.specs is None:
             self.specs = specs
             self.kinds_known = kinds is not None
-        self._persist(0)
+        self._durably("writing the initial weights", self._save_initial)
         self.round = Round(0, self.membership.live_ids(), self.settings.weighting, self.clock())
         self.result = None
 
-    def _persist(self, round_number: int) -> None:
-        """Make the global state durable (lock held); a failure stops the server serving."""
-        if self.journal is None:
-            return
+    def _save_initial(self) -> None:
         assert self.masters is not None and self.specs is not None
+        self.journal.save_initial(self.masters, self.optimizer.state_dict(copy=False), self.specs)
+
+    def _durably(self, what: str, write: Callable[[], None]) -> None:
+        """Run a state write (lock held); a failure stops the server serving until restarted.
+
+        After a failed write the memory and the disk may disagree, and answering from memory
+        could publish an outer step a restart would not have: refusing is the safe state.
+        """
         try:
-            self.journal.save(
-                round_number, self.masters, self.optimizer.state_dict(copy=False), self.specs
-            )
+            write()
         except Exception as exc:
-            self.broken = f"writing the checkpoint of round {round_number} failed: {exc}"
-            log.exception("checkpoint failed; refusing requests until restarted")
+            self.broken = f"{what} failed: {exc}"
+            log.exception("%s failed; refusing requests until restarted", what)
             raise Rejection(503, "checkpoint_failed", self.broken) from None
 
     def _require_healthy(self) -> None:
@@ -371,8 +448,12 @@ class Coordinator:
         *,
         fragment: int = 0,
         tokens: int = 0,
+        units: Sequence[int] = (),
     ) -> dict:
         """Fold one pseudo-gradient into its round; idempotent on (worker, round, fragment).
+
+        `units` are the work units the worker finished since its last submission; they are
+        completed in the same transaction as this round's commit (see journal.commit).
 
         The coordinator takes ownership of `tensors` (the app passes views of a private request
         buffer): the round's running sum may reuse their memory, so callers must not reuse them.
@@ -383,6 +464,13 @@ class Coordinator:
             now = self.clock()
             record = self._require_live(worker_id)
             current = self.round_number
+            if self.closing:
+                raise Rejection(
+                    503,
+                    "shutting_down",
+                    "the server is shutting down; submit again once it is back",
+                    current_round=current,
+                )
             if self.masters is None or self.round is None:
                 raise Rejection(409, "no_weights", "no global weights yet; nothing to submit to")
             if round_number > current:
@@ -408,6 +496,8 @@ class Coordinator:
                 return self._submit_answer("duplicate", round_number)
             assert self.specs is not None
             spooled = isinstance(tensors, SpooledTensors)
+            units = sorted(set(units))
+            self.pool.check_reported(worker_id, units)
             try:
                 check_tensors(
                     tensors.meta if spooled else tensors,
@@ -428,9 +518,11 @@ class Coordinator:
                 size = sum(t.numel() * t.element_size() for t in tensors.values())
                 contribution = Contribution(tensors, tokens, worker_id)
                 self.round.add(worker_id, fragment, contribution, now)
+            self.round.units[worker_id] = units
             record.rounds_contributed += 1
             self.bytes_in += size
             self.metrics.bytes_in.inc(size)
+            faults.crash_point("submission_folded")
             self._try_commit(now)
             return self._submit_answer("accepted", round_number)
 
@@ -457,7 +549,30 @@ class Coordinator:
             self.masters, current.running.mean(), self.optimizer, kinds, policy=self.settings.policy
         )
         current.running = None  # free the sums before encoding the result
-        self._persist(current.number + 1)  # durable before any worker can see the result
+        record = CommitRecord(
+            round=current.number,
+            contributors=sorted(current.submitters),
+            units=current.all_units(),
+            tokens=current.tokens,
+            seconds=time.perf_counter() - started,
+        )
+        live = len(self.membership.live_ids())
+        self._durably(  # durable before any worker can see the result
+            f"writing the checkpoint of round {current.number + 1}",
+            lambda: self.journal.commit(
+                record,
+                self.masters,
+                self.optimizer.state_dict(copy=False),
+                self.specs,
+                {
+                    "live_workers": live,
+                    "contributions": len(current.submitted),
+                    "bytes_in": self.bytes_in,
+                    "bytes_out": self.bytes_out,
+                },
+            ),
+        )
+        self.last_commit = record
         self.result = None
         self.result = RoundResult(current.number + 1, self._encode_masters())
         for when in current.submitted.values():
@@ -478,12 +593,38 @@ class Coordinator:
             seconds,
         )
         self._lock.notify_all()
+        faults.crash_point("result_published")
 
     def close(self) -> None:
-        """Release every long-poll at once (they answer "waiting"), so shutdown is prompt."""
+        """Stop taking submissions and release every long-poll at once (they answer "waiting").
+
+        The open round's barrier is abandoned: its contributions are not applied, and its
+        workers, told after the restart that their submission is missing, send it again.
+        """
         with self._lock:
             self.closing = True
             self._lock.notify_all()
+
+    def shutdown(self) -> bool:
+        """After the HTTP server has drained: flush what the disk lacks, then close the store.
+
+        Returns whether a checkpoint had to be written now (durability "interval").
+        """
+        with self._lock:
+            self.closing = True
+            flushed = False
+            try:
+                if self.masters is not None and self.specs is not None and self.broken is None:
+                    flushed = self.journal.flush(
+                        self.round_number,
+                        self.masters,
+                        self.optimizer.state_dict(copy=False),
+                        self.specs,
+                        self.last_commit,
+                    )
+            finally:
+                self.journal.close()
+            return flushed
 
     def wait_result(
         self, round_number: int, worker_id: str | None, wait: float
@@ -505,6 +646,9 @@ class Coordinator:
                         current_round=self.round_number,
                     )
                 if round_number < self.round_number:
+                    if self.result is None and round_number + 1 == self.round_number:
+                        # After a restart: the current weights are exactly that result.
+                        self.result = RoundResult(self.round_number, self._encode_masters())
                     if self.result is None or self.result.round != round_number + 1:
                         raise Rejection(
                             410,
@@ -524,6 +668,20 @@ class Coordinator:
                         f"{self.settings.barrier_timeout:g} s for {self.round.waiting_for()}",
                         waiting_for=self.round.waiting_for(),
                         round=round_number,
+                    )
+                if (
+                    worker_id is not None
+                    and worker_id in self.round.members
+                    and not self.round.has(worker_id, 0)
+                    and not self.closing
+                ):
+                    raise Rejection(
+                        409,
+                        "not_submitted",
+                        f"round {round_number} holds no submission from {worker_id!r} (the "
+                        "server restarted since, or it was never sent); submit it again",
+                        round=round_number,
+                        worker_id=worker_id,
                     )
                 remaining = deadline - now
                 if remaining <= 0 or self.closing:

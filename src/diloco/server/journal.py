@@ -1,25 +1,66 @@
-"""Durable rounds: the global state reaches the disk before any worker sees a round's result.
+"""Durable rounds: what the coordinator writes, when, and how a restart gets it back.
 
-Each save is one checkpoint generation (weights, outer optimizer state, and as metadata the
-round, the model's tensor specs and the settings), so a restarted server resumes exactly where
-the last result it published left off: no acknowledged outer step is ever lost or applied
-twice. A restart with different settings is refused unless told to override them, because
-workers adopted the old ones.
+A checkpoint generation is one consistent global snapshot at an outer-step boundary: the
+weights and outer optimizer state after round r's commit, the round number r + 1, the model's
+tensor specs, the settings, and the record of that commit (its contributors, tokens and the work
+units it completed). With `durability="round"` (the default) every commit is such a snapshot
+before any worker can see its result, so no acknowledged outer step is ever lost or applied
+twice. With `durability="interval"` only every `checkpoint_every`-th round (and the state at a
+graceful shutdown) is, and a crash rolls the run back to the last one: the SQLite rows of the
+lost rounds are dropped and their work units go back to the pool to be trained again.
+
+SQLite (the `StateStore`) holds the metadata written in the same critical section: the round
+row, the completed units, worker membership, audit and metrics history. A restart reconciles
+it with the checkpoint actually loaded (see `restore`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from diloco.checkpoints import CheckpointStore
+from diloco import faults
 from diloco.server.settings import ServerSettings
+from diloco.server.store import StateStore
+from diloco.server.workunits import WorkPool
 from diloco.wire import TensorSpec
 
 log = logging.getLogger("diloco.server")
+
+DURABILITY_MODES = ("round", "interval")
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What one outer step consumed: written with the checkpoint and with the SQLite row."""
+
+    round: int  # the round that committed; the weights it produced are round + 1
+    contributors: list[str]
+    units: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "round": self.round,
+            "contributors": sorted(self.contributors),
+            "units": list(self.units),
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> CommitRecord:
+        return cls(
+            round=int(data["round"]),
+            contributors=list(data["contributors"]),
+            units=[int(u) for u in data.get("units", [])],
+            tokens=int(data.get("tokens", 0)),
+            seconds=float(data.get("seconds", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -28,43 +69,220 @@ class RestoredState:
     masters: dict[str, torch.Tensor]
     optimizer_state: dict[str, torch.Tensor]
     specs: dict[str, TensorSpec]
+    live_workers: list[tuple[str, str | None]]  # (worker_id, session)
 
 
 class RoundJournal:
-    """Saves and restores the coordinator's global state through a CheckpointStore."""
+    """Saves and restores the coordinator's global state; owns the checkpoint policy."""
 
     def __init__(
-        self, store: CheckpointStore, settings: ServerSettings, override_settings: bool = False
+        self,
+        state: StateStore,
+        settings: ServerSettings,
+        override_settings: bool = False,
+        durability: str = "round",
+        checkpoint_every: int = 1,
     ) -> None:
-        self.store = store
+        if durability not in DURABILITY_MODES:
+            raise ValueError(
+                f"durability must be one of {', '.join(DURABILITY_MODES)}, got {durability!r}"
+            )
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+            raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every}")
+        if durability == "round" and checkpoint_every != 1:
+            raise ValueError(
+                "checkpoint_every applies to durability 'interval' only "
+                f"(got checkpoint_every={checkpoint_every} with durability 'round')"
+            )
+        self.state = state
         self.settings = settings
         self.override_settings = override_settings
+        self.durability = durability
+        self.checkpoint_every = checkpoint_every
+        self.pool = WorkPool(state.conn)
+        self.saved_round: int | None = None  # the round of the newest checkpoint on disk
 
-    def save(
+    @property
+    def durable(self) -> bool:
+        return self.state.durable
+
+    # ----------------------------------------------------------------- writing
+
+    def _write_checkpoint(
         self,
         round_number: int,
         masters: Mapping[str, torch.Tensor],
         optimizer_state: Mapping[str, torch.Tensor],
         specs: Mapping[str, TensorSpec],
+        commit: CommitRecord | None,
     ) -> None:
-        existing = self.store.generations()
+        store = self.state.checkpoints
+        assert store is not None
+        existing = store.generations()
         generation = existing[-1] + 1 if existing else 0
-        self.store.write(
+        store.write(
             generation,
             {"weights": masters, "outer_state": optimizer_state},
             {
                 "round": round_number,
                 "specs": [spec.to_json() for spec in specs.values()],
                 "settings": self.settings.to_wire(),
+                "commit": None if commit is None else commit.to_json(),
             },
         )
+        self.saved_round = round_number
+
+    def save_initial(
+        self,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+    ) -> None:
+        """Round 0's weights: from --init or the first worker; always durable at once."""
+        if self.durable:
+            self._write_checkpoint(0, masters, optimizer_state, specs, None)
+        with self.state.transaction():
+            self.state.set_meta("settings", self.settings.to_wire())
+            self.state.audit("initial_weights", round=0, tensors=len(specs))
+
+    def commit(
+        self,
+        record: CommitRecord,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+        metrics: dict[str, int | float],
+    ) -> None:
+        """Make round `record.round`'s commit durable as policy says, then record it in SQLite.
+
+        The checkpoint goes first: a crash between the two leaves a checkpoint whose commit
+        record `restore` replays into SQLite, never a SQLite row without its weights.
+        """
+        new_round = record.round + 1
+        if self.durable and (self.durability == "round" or new_round % self.checkpoint_every == 0):
+            faults.crash_point("before_checkpoint")
+            self._write_checkpoint(new_round, masters, optimizer_state, specs, record)
+            faults.crash_point("after_checkpoint")
+        with self.state.transaction():
+            self.state.record_commit(
+                record.round, record.contributors, record.units, record.tokens, record.seconds
+            )
+            self.pool.complete(record.units, record.round)
+            self.state.record_metrics(record.round, seconds=record.seconds, **metrics)
+        faults.crash_point("after_store_commit")
+
+    def flush(
+        self,
+        round_number: int,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+        last_commit: CommitRecord | None,
+    ) -> bool:
+        """At a graceful shutdown: checkpoint the current round if the disk is behind it."""
+        if self.durable and self.saved_round != round_number:
+            self._write_checkpoint(round_number, masters, optimizer_state, specs, last_commit)
+            log.info("checkpoint of round %d written at shutdown", round_number)
+            return True
+        return False
+
+    def save_registered_specs(self, specs: Mapping[str, TensorSpec]) -> None:
+        """The model of the first registration, before any weights exist (see restore)."""
+        with self.state.transaction():
+            self.state.set_meta("specs", [spec.to_json() for spec in specs.values()])
+
+    def registered_specs(self) -> dict[str, TensorSpec] | None:
+        stored = self.state.get_meta("specs")
+        if stored is None:
+            return None
+        specs = [TensorSpec.from_json(s) for s in stored]
+        return {spec.name: spec for spec in specs}
+
+    def worker_joined(self, worker_id: str, session: str | None, round_number: int) -> None:
+        with self.state.transaction():
+            self.state.save_worker(worker_id, session, live=True)
+            self.state.audit("registered", worker_id=worker_id, round=round_number)
+
+    def worker_left(
+        self, worker_id: str, round_number: int, reason: str, keep_units: set[int] = frozenset()
+    ) -> int:
+        """Membership ends: its unfinished work units go back to the pool.
+
+        `keep_units` were reported with a submission that stays in the open round: they
+        complete when it commits, so they are not leased again.
+        """
+        with self.state.transaction():
+            self.state.save_worker(worker_id, None, live=False)
+            released = self.pool.release_worker(worker_id, keep=keep_units)
+            self.state.audit(reason, worker_id=worker_id, round=round_number, released=released)
+        return released
+
+    def close(self, reason: str = "shutdown") -> None:
+        try:
+            with self.state.transaction():
+                self.state.audit(reason)
+        finally:
+            self.state.close()
+
+    # ----------------------------------------------------------------- restoring
 
     def restore(self) -> RestoredState | None:
-        """The newest verified state, or None for a new run; refuses conflicting settings."""
-        loaded = self.store.load_latest()
-        if loaded is None:
+        """The newest verified state, or None for a new run; refuses conflicting settings.
+
+        Reconciles SQLite with the checkpoint loaded: rounds the checkpoint does not include
+        (lost with an interval checkpoint or a corrupt newest generation) are forgotten and
+        their work units return to the pool; a commit the checkpoint has but SQLite missed
+        (a crash between the two writes) is recorded now.
+        """
+        if self.state.checkpoints is None:
             return None
-        stored = loaded.metadata["settings"]
+        loaded = self.state.checkpoints.load_latest()
+        if loaded is None:
+            if self.state.rounds_from(0):
+                raise ValueError(
+                    f"the state dir {self.state.directory} records committed rounds but holds "
+                    "no checkpoint that verifies; refusing to start an empty run over it"
+                )
+            return None
+        self._check_settings(loaded.metadata["settings"])
+        round_number = int(loaded.metadata["round"])
+        commit = loaded.metadata.get("commit")
+        record = None if commit is None else CommitRecord.from_json(commit)
+        with self.state.transaction():
+            lost = self.state.rounds_from(round_number)
+            if lost:
+                log.warning(
+                    "rounds %d..%d were not in the newest checkpoint and are rolled back; "
+                    "their work units return to the pool",
+                    lost[0],
+                    lost[-1],
+                )
+                self.state.forget_rounds_from(round_number)
+                self.pool.rollback_after(round_number - 1)
+                self.state.audit("rolled_back", round=round_number, rounds=lost)
+            if record is not None and not self.state.rounds_from(record.round):
+                self.state.record_commit(
+                    record.round, record.contributors, record.units, record.tokens, record.seconds
+                )
+                self.pool.complete(record.units, record.round)
+            for departed in self.state.departed_workers():
+                # Units a departed worker kept for an open round the crash lost: lease again.
+                self.pool.release_worker(departed)
+            self.state.audit("restarted", round=round_number, checkpoint=str(loaded.path))
+        self.saved_round = round_number
+        specs = [TensorSpec.from_json(s) for s in loaded.metadata["specs"]]
+        log.info("resuming round %d from %s", round_number, loaded.path)
+        return RestoredState(
+            round=round_number,
+            masters=dict(loaded.tensors["weights"]),
+            optimizer_state=dict(loaded.tensors.get("outer_state", {})),
+            specs={spec.name: spec for spec in specs},
+            live_workers=self.state.live_workers(),
+        )
+
+    def _check_settings(self, stored: dict) -> None:
         current = self.settings.to_wire()
         conflicts = [
             f"{key}: {stored[key]!r} in the state dir, {current.get(key)!r} now"
@@ -79,15 +297,7 @@ class RoundJournal:
             )
         for conflict in conflicts:
             log.warning("overriding a stored setting: %s", conflict)
-        specs = [TensorSpec.from_json(s) for s in loaded.metadata["specs"]]
-        log.info(
-            "resuming round %d from %s",
-            loaded.metadata["round"],
-            loaded.path,
-        )
-        return RestoredState(
-            round=int(loaded.metadata["round"]),
-            masters=dict(loaded.tensors["weights"]),
-            optimizer_state=dict(loaded.tensors.get("outer_state", {})),
-            specs={spec.name: spec for spec in specs},
-        )
+        if conflicts:
+            with self.state.transaction():
+                self.state.set_meta("settings", self.settings.to_wire())
+                self.state.audit("settings_overridden", conflicts=conflicts)

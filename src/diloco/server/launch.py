@@ -3,9 +3,11 @@ benchmarks and the tests, which all need a real server process and its URL."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
@@ -20,6 +22,7 @@ def start_server(
     *args: str,
     output: IO[bytes] | int | None = subprocess.DEVNULL,
     timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start a server on an ephemeral port (later `--port` in `args` wins) and return its URL.
 
@@ -41,6 +44,7 @@ def start_server(
         ),
         stdout=output,
         stderr=subprocess.STDOUT if output not in (None, subprocess.DEVNULL) else output,
+        env=None if env is None else {**os.environ, **env},
     )
     deadline = time.monotonic() + timeout
     while not port_file.exists():

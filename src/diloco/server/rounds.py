@@ -26,6 +26,14 @@ class Round:
     submitted: dict[tuple[str, int], float] = field(default_factory=dict)  # key -> when
     tokens: int = 0
     running: RunningMean | None = None
+    units: dict[str, list[int]] = field(default_factory=dict)  # worker -> units it finished
+
+    def units_of(self, worker_id: str) -> set[int]:
+        """Units reported with a submission in this round: they complete when it commits."""
+        return set(self.units.get(worker_id, ()))
+
+    def all_units(self) -> list[int]:
+        return sorted({unit for units in self.units.values() for unit in units})
 
     def has(self, worker_id: str, fragment: int) -> bool:
         return (worker_id, fragment) in self.submitted

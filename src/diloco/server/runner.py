@@ -16,11 +16,11 @@ import uvicorn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco.checkpoints import CheckpointStore
 from diloco.server.app import create_app
 from diloco.server.coordinator import Coordinator
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
+from diloco.server.store import StateStore
 
 # Long-polls hold a thread each while they wait for a barrier; allow many workers.
 THREAD_LIMIT = 512
@@ -86,6 +86,7 @@ class CoordinatorServer(uvicorn.Server):
         self.ticker = ticker
         self.port_file = port_file
         self.bound_port: int | None = None
+        self.flushed_at_shutdown = False
 
     async def startup(self, sockets=None) -> None:  # type: ignore[override]
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREAD_LIMIT
@@ -102,6 +103,8 @@ class CoordinatorServer(uvicorn.Server):
         self.ticker.stop()
         self.ticker.coordinator.close()  # long-polls answer "waiting" now; workers poll again
         await super().shutdown(sockets)
+        # Flush what the disk lacks and close the store.
+        self.flushed_at_shutdown = self.ticker.coordinator.shutdown()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -153,22 +156,29 @@ def serve(
     state_dir: Path | None = None,
     keep_checkpoints: int = 3,
     override_settings: bool = False,
-) -> None:
+    durability: str = "round",
+    checkpoint_every: int = 1,
+) -> dict:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests).
 
-    With `state_dir`, every round is durable before its result is published, and a restart on
-    the same directory resumes from the newest verified checkpoint.
+    With `state_dir`, every round (or every `checkpoint_every`-th with durability "interval")
+    is durable before its result is published, and a restart on the same directory resumes
+    from the newest verified checkpoint.
     """
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return_large_frees_to_the_os()
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
-    journal = None
-    if state_dir is not None:
-        store = CheckpointStore(state_dir / "checkpoints", keep=keep_checkpoints)
-        journal = RoundJournal(store, settings, override_settings)
-    coordinator = Coordinator(
-        settings, load_initial_weights(init) if init is not None else None, journal=journal
-    )
-    build_server(coordinator, host, port, token, log_level, port_file).run()
+    initial = load_initial_weights(init) if init is not None else None
+    state = StateStore(state_dir, keep_checkpoints)
+    try:
+        journal = RoundJournal(state, settings, override_settings, durability, checkpoint_every)
+        coordinator = Coordinator(settings, initial, journal=journal)
+    except BaseException:
+        state.close()
+        raise
+    del initial
+    server = build_server(coordinator, host, port, token, log_level, port_file)
+    server.run()
+    return {"round": coordinator.round_number, "flushed": server.flushed_at_shutdown}

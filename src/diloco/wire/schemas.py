@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     StrictStr,
     field_validator,
@@ -26,12 +27,14 @@ from diloco.wire.validation import PROTOCOL_VERSION, validation_error_to_wire
 __all__ = [
     "PROTOCOL_VERSION",
     "WORKER_ID_PATTERN",
+    "DatasetRequest",
     "DeregisterResponse",
     "ErrorBody",
     "HealthResponse",
     "HeartbeatRequest",
     "HeartbeatResponse",
     "InfoResponse",
+    "LeaseRequest",
     "OuterOptimizerSummary",
     "RegisterRequest",
     "RegisterResponse",
@@ -180,6 +183,33 @@ class WaitingResponse(_Response):
     status: Literal["waiting"]
     round: int
     waiting_for: list[str]
+
+
+class DatasetRequest(_Request):
+    """`POST /v1/datasets`: a worker states the dataset it trains; the server cuts it into units.
+
+    The pool's own limits (id pattern, length, unit size, seed range) are checked by the
+    coordinator, which names the field; here only the types.
+    """
+
+    worker_id: WorkerId
+    dataset_id: StrictStr
+    length: StrictInt
+    shuffle_seed: StrictInt = 0
+    unit_size: StrictInt
+
+
+class LeaseRequest(_Request):
+    """`POST /v1/datasets/{dataset_id}/leases`: ask for work units to train."""
+
+    worker_id: WorkerId
+    count: StrictInt = 1
+    next_epoch: StrictBool = Field(
+        default=False, description="Open the next epoch when the current one has nothing free."
+    )
+    lease_key: Annotated[StrictStr, Field(min_length=8, max_length=64)] | None = Field(
+        default=None, description="Retries of one request carry the same key: same units back."
+    )
 
 
 class HeartbeatRequest(_Request):

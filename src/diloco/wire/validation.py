@@ -165,3 +165,36 @@ def parse_request(model: type[Model], body: bytes | bytearray | str | object) ->
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
         raise validation_error_to_wire(exc) from None
+
+
+MAX_UNITS_PER_SUBMISSION = 4096
+
+
+def parse_unit_ids(text: str) -> list[int]:
+    """The `units` query field: comma-separated work-unit ids (an empty string is none)."""
+    if not text:
+        return []
+    parts = text.split(",")
+    if len(parts) > MAX_UNITS_PER_SUBMISSION:
+        raise WireError(
+            422,
+            "invalid_request",
+            f"field 'units' lists {len(parts)} units; at most {MAX_UNITS_PER_SUBMISSION} "
+            "may be reported with one submission",
+            field="units",
+        )
+    ids = []
+    for part in parts:
+        # ASCII digits only: str.isdigit() also passes '²', which int() refuses. Unit ids
+        # start at 1, so 0 is refused here too, naming this field.
+        if not (part.isascii() and part.isdigit()) or len(part) > 18 or not part.strip("0"):
+            raise WireError(
+                422,
+                "invalid_request",
+                f"field 'units' must be comma-separated unit ids (integers >= 1), got "
+                f"{_short(part)!r}",
+                field="units",
+                got=_short(part),
+            )
+        ids.append(int(part))
+    return ids

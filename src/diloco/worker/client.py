@@ -16,9 +16,10 @@ import http.client
 import json
 import math
 import random
+import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -323,10 +324,23 @@ class DiLoCoClient:
         return reply.body, _round_header(reply)
 
     def submit(
-        self, round: int, worker_id: str, body: Body, *, fragment: int = 0, tokens: int = 0
+        self,
+        round: int,
+        worker_id: str,
+        body: Body,
+        *,
+        fragment: int = 0,
+        tokens: int = 0,
+        units: Sequence[int] = (),
     ) -> dict[str, Any]:
-        """Send one pseudo-gradient; a retry of the same (worker, round, fragment) counts once."""
-        query = {"worker_id": worker_id, "fragment": fragment, "tokens": tokens}
+        """Send one pseudo-gradient; a retry of the same (worker, round, fragment) counts once.
+
+        `units`: ids of the work units finished since the last submission; they complete when
+        this round commits.
+        """
+        query: dict[str, Any] = {"worker_id": worker_id, "fragment": fragment, "tokens": tokens}
+        if units:
+            query["units"] = ",".join(str(int(u)) for u in units)
         reply = self._call(
             "submit",
             "POST",
@@ -356,6 +370,43 @@ class DiLoCoClient:
             return None
         reply = self._success(reply)
         return reply.body, _round_header(reply)
+
+    def register_dataset(
+        self, worker_id: str, dataset_id: str, length: int, shuffle_seed: int, unit_size: int
+    ) -> dict[str, Any]:
+        """State the dataset this worker trains (idempotent for the same shape)."""
+        return self._json_call(
+            "register_dataset",
+            "POST",
+            "/v1/datasets",
+            payload={
+                "worker_id": worker_id,
+                "dataset_id": dataset_id,
+                "length": length,
+                "shuffle_seed": shuffle_seed,
+                "unit_size": unit_size,
+            },
+        )
+
+    def lease(
+        self, worker_id: str, dataset_id: str, count: int = 1, next_epoch: bool = False
+    ) -> dict[str, Any]:
+        """Lease work units: `status` "leased" with `units`, or "exhausted" for this epoch.
+
+        Every retry of this call carries one random key, so a lost answer is replayed rather
+        than leasing other units.
+        """
+        return self._json_call(
+            "lease",
+            "POST",
+            f"/v1/datasets/{quote(dataset_id, safe='')}/leases",
+            payload={
+                "worker_id": worker_id,
+                "count": count,
+                "next_epoch": next_epoch,
+                "lease_key": secrets.token_hex(12),
+            },
+        )
 
     def heartbeat(
         self, worker_id: str, step: int, steps_per_second: float, loss: float | None, tokens: int

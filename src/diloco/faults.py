@@ -1,0 +1,48 @@
+"""Named crash points for the crash-equivalence tests: the server kills itself with SIGKILL there.
+
+`DILOCO_CRASH_AT=<point>:<n>` makes the n-th time the process reaches `crash_point(<point>)` a
+`kill -9` of itself, so a test can put the crash exactly inside a checkpoint write or between
+the checkpoint and the SQLite commit, where an outside kill would land only by luck. Unset (the
+only case outside tests) the check is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator
+
+ENV_VAR = "DILOCO_CRASH_AT"
+
+_lock = threading.Lock()
+_counts: dict[str, int] = {}
+
+
+def _target() -> tuple[str, int] | None:
+    spec = os.environ.get(ENV_VAR)
+    if not spec:
+        return None
+    point, _, count = spec.partition(":")
+    return point, int(count or 1)
+
+
+_TARGET = _target()
+ENABLED = _TARGET is not None
+
+
+async def watch_chunks(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Pass an upload through, with the crash point `upload_chunk` after every chunk."""
+    async for chunk in chunks:
+        yield chunk
+        crash_point("upload_chunk")
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process if it is the configured point's n-th arrival; otherwise nothing."""
+    if _TARGET is None or _TARGET[0] != name:
+        return
+    with _lock:
+        _counts[name] = _counts.get(name, 0) + 1
+        if _counts[name] == _TARGET[1]:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,365 @@
+"""The server's durable state directory: SQLite (WAL) metadata, checkpoint tensors.
+
+Layout of `--state-dir D`:
+
+    D/state.sqlite          meta (format, protocol, settings), workers, rounds, audit log,
+                            metrics history, and the work-unit tables of `workunits.WorkPool`
+    D/checkpoints/gen-N/    weights and outer optimizer state (diloco.checkpoints)
+
+The checkpoint generation is the authority for the global tensors and the round; SQLite rows
+about rounds are written right after it in one transaction, and on start `reconcile` brings
+SQLite back in line with the checkpoint that was actually loaded (rows of rounds the checkpoint
+does not include are rolled back, and a commit the crash kept out of SQLite is replayed from
+the checkpoint's own record of it). Every refusal here is a `StateDirError` whose message the
+CLI prints as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from diloco.checkpoints import CheckpointStore
+from diloco.wire import PROTOCOL_VERSION
+
+__all__ = ["STATE_FORMAT", "StateDirError", "StateStore"]
+
+STATE_FORMAT = 1
+DATABASE_NAME = "state.sqlite"
+CHECKPOINTS_NAME = "checkpoints"
+LOCK_NAME = "lock"
+_OURS = {
+    DATABASE_NAME,
+    f"{DATABASE_NAME}-wal",
+    f"{DATABASE_NAME}-shm",
+    CHECKPOINTS_NAME,
+    LOCK_NAME,
+}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id TEXT PRIMARY KEY,
+    session TEXT,
+    live INTEGER NOT NULL,
+    registered_at REAL NOT NULL,
+    last_event_at REAL NOT NULL,
+    rounds_contributed INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    round INTEGER PRIMARY KEY,          -- the round that committed; the weights are round + 1
+    committed_at REAL NOT NULL,         -- wall-clock seconds since the epoch
+    contributors TEXT NOT NULL,         -- JSON list of worker ids
+    units TEXT NOT NULL,                -- JSON list of work-unit ids completed by this commit
+    tokens INTEGER NOT NULL,
+    seconds REAL NOT NULL               -- outer step, encoding and checkpoint
+);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    event TEXT NOT NULL,
+    worker_id TEXT,
+    round INTEGER,
+    detail TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    round INTEGER PRIMARY KEY,
+    at REAL NOT NULL,
+    live_workers INTEGER NOT NULL,
+    contributions INTEGER NOT NULL,
+    bytes_in INTEGER NOT NULL,
+    bytes_out INTEGER NOT NULL,
+    seconds REAL NOT NULL
+);
+"""
+
+
+class StateDirError(ValueError):
+    """A state directory that cannot be used; the message says which and what to do."""
+
+
+def _check_directory(directory: Path) -> None:
+    """Refuse what is not (or cannot become) a diloco state directory, before writing to it."""
+    if directory.exists() and not directory.is_dir():
+        raise StateDirError(f"--state-dir {directory} exists and is not a directory")
+    if not directory.exists():
+        parent = directory.parent if directory.parent != Path("") else Path(".")
+        if not parent.is_dir():
+            raise StateDirError(f"--state-dir {directory}: its parent directory does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise StateDirError(
+                f"--state-dir {directory} cannot be created: {parent} is not writable"
+            )
+        return
+    entries = {entry.name for entry in directory.iterdir()}
+    foreign = sorted(entries - _OURS)
+    if foreign and not entries & _OURS:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise StateDirError(
+            f"--state-dir {directory} is not a diloco state directory (it holds {shown}); "
+            "pass a new or empty directory, or the one a diloco server wrote"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StateDirError(f"--state-dir {directory} is not writable by this user")
+
+
+def _lock_exclusively(path: Path) -> int:
+    """One server per state dir: a second writer would interleave generations and rows.
+
+    flock is released by the kernel when the process dies, kill -9 included, so a crashed
+    server never leaves a stale lock behind.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StateDirError(
+            f"--state-dir {path.parent} is in use by another diloco server; stop it first"
+        ) from None
+    return fd
+
+
+class StateStore:
+    """Opens (or creates) a state directory and owns its SQLite connection.
+
+    Single writer: the coordinator calls in under its own lock, so one connection (opened with
+    check_same_thread=False) serves every thread.
+    """
+
+    def __init__(self, directory: Path | None, keep_checkpoints: int = 3) -> None:
+        """`directory=None`: the same tables in memory and no checkpoints (no --state-dir)."""
+        self.directory = None if directory is None else Path(directory)
+        self.checkpoints: CheckpointStore | None = None
+        self._lock_file: int | None = None
+        try:
+            if self.directory is None:
+                target: str | Path = ":memory:"
+            else:
+                _check_directory(self.directory)
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._lock_file = _lock_exclusively(self.directory / LOCK_NAME)
+                self.checkpoints = CheckpointStore(
+                    self.directory / CHECKPOINTS_NAME, keep_checkpoints
+                )
+                target = self.directory / DATABASE_NAME
+            self.conn = sqlite3.connect(
+                target,
+                check_same_thread=False,
+                isolation_level=None,  # explicit BEGIN ... COMMIT in `transaction`
+                timeout=30.0,
+            )
+        except (OSError, sqlite3.Error) as exc:
+            self._unlock()
+            raise StateDirError(f"--state-dir {self.directory} cannot be opened: {exc}") from None
+        try:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")  # a commit survives power loss
+            self.conn.executescript(_SCHEMA)  # outside a transaction: executescript commits
+            with self.transaction():
+                self._check_format()
+        except sqlite3.DatabaseError as exc:
+            self.conn.close()
+            self._unlock()
+            raise StateDirError(
+                f"--state-dir {self.directory}: {DATABASE_NAME} is not a usable SQLite database "
+                f"({exc})"
+            ) from None
+        except StateDirError:
+            self.conn.close()
+            self._unlock()
+            raise
+
+    # ----------------------------------------------------------------- plumbing
+
+    @property
+    def durable(self) -> bool:
+        return self.checkpoints is not None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic write: everything inside commits together or not at all."""
+        if self.conn.in_transaction:  # nested: the outer transaction decides
+            yield self.conn
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self.conn.close()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_file is not None:
+            os.close(self._lock_file)  # releases the flock
+            self._lock_file = None
+
+    def _check_format(self) -> None:
+        stored = self.get_meta("format")
+        if stored is None:
+            self.set_meta("format", STATE_FORMAT)
+            self.set_meta("protocol_version", PROTOCOL_VERSION)
+            self.set_meta("created_at", time.time())
+            return
+        if not isinstance(stored, int) or stored > STATE_FORMAT:
+            raise StateDirError(
+                f"--state-dir {self.directory} was written by a newer diloco (state format "
+                f"{stored}; this version reads format {STATE_FORMAT}); upgrade diloco"
+            )
+        protocol = self.get_meta("protocol_version")
+        if isinstance(protocol, int) and protocol > PROTOCOL_VERSION:
+            raise StateDirError(
+                f"--state-dir {self.directory} was written for protocol version {protocol}; "
+                f"this diloco speaks version {PROTOCOL_VERSION}; upgrade diloco"
+            )
+
+    def get_meta(self, key: str) -> Any:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self.conn.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            (key, json.dumps(value, sort_keys=True)),
+        )
+
+    # ----------------------------------------------------------------- workers
+
+    def save_worker(self, worker_id: str, session: str | None, live: bool) -> None:
+        now = time.time()
+        self.conn.execute(
+            "INSERT INTO workers (worker_id, session, live, registered_at, last_event_at) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
+            "session = excluded.session, live = excluded.live, "
+            "last_event_at = excluded.last_event_at",
+            (worker_id, session, int(live), now, now),
+        )
+
+    def live_workers(self) -> list[tuple[str, str | None]]:
+        """(worker_id, session) of the workers that were live when the server last ran."""
+        rows = self.conn.execute(
+            "SELECT worker_id, session FROM workers WHERE live = 1 ORDER BY worker_id"
+        )
+        return [(worker_id, session) for worker_id, session in rows]
+
+    def departed_workers(self) -> list[str]:
+        rows = self.conn.execute("SELECT worker_id FROM workers WHERE live = 0 ORDER BY worker_id")
+        return [worker_id for (worker_id,) in rows]
+
+    def workers(self) -> list[dict]:
+        rows = self.conn.execute(
+            "SELECT worker_id, live, rounds_contributed FROM workers ORDER BY worker_id"
+        )
+        return [
+            {"worker_id": w, "live": bool(live), "rounds_contributed": n} for w, live, n in rows
+        ]
+
+    # ----------------------------------------------------------------- rounds and history
+
+    def record_commit(
+        self,
+        round_number: int,
+        contributors: list[str],
+        units: list[int],
+        tokens: int,
+        seconds: float,
+        committed_at: float | None = None,
+    ) -> None:
+        """The row of a committed round; a second commit of the same round fails loudly."""
+        at = time.time() if committed_at is None else committed_at
+        self.conn.execute(
+            "INSERT INTO rounds (round, committed_at, contributors, units, tokens, seconds) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                round_number,
+                at,
+                json.dumps(sorted(contributors)),
+                json.dumps(units),
+                tokens,
+                seconds,
+            ),
+        )
+        self.conn.executemany(
+            "UPDATE workers SET rounds_contributed = rounds_contributed + 1 WHERE worker_id = ?",
+            [(w,) for w in contributors],
+        )
+        self.audit("outer_step", round=round_number, contributors=sorted(contributors))
+
+    def record_metrics(
+        self,
+        round_number: int,
+        live_workers: int,
+        contributions: int,
+        bytes_in: int,
+        bytes_out: int,
+        seconds: float,
+    ) -> None:
+        self.conn.execute(
+            "INSERT OR REPLACE INTO metrics "
+            "(round, at, live_workers, contributions, bytes_in, bytes_out, seconds) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (round_number, time.time(), live_workers, contributions, bytes_in, bytes_out, seconds),
+        )
+
+    def committed_rounds(self) -> list[dict]:
+        rows = self.conn.execute(
+            "SELECT round, committed_at, contributors, units, tokens, seconds "
+            "FROM rounds ORDER BY round"
+        )
+        return [
+            {
+                "round": r,
+                "committed_at": at,
+                "contributors": json.loads(c),
+                "units": json.loads(u),
+                "tokens": t,
+                "seconds": s,
+            }
+            for r, at, c, u, t, s in rows
+        ]
+
+    def rounds_from(self, first: int) -> list[int]:
+        rows = self.conn.execute(
+            "SELECT round FROM rounds WHERE round >= ? ORDER BY round", (first,)
+        )
+        return [r for (r,) in rows]
+
+    def forget_rounds_from(self, first: int) -> None:
+        """Drop the rows of rounds a restart rolled back (their checkpoint was lost)."""
+        self.conn.execute("DELETE FROM rounds WHERE round >= ?", (first,))
+        self.conn.execute("DELETE FROM metrics WHERE round >= ?", (first,))
+
+    def audit(
+        self, event: str, *, worker_id: str | None = None, round: int | None = None, **detail: Any
+    ) -> None:
+        self.conn.execute(
+            "INSERT INTO audit (at, event, worker_id, round, detail) VALUES (?, ?, ?, ?, ?)",
+            (time.time(), event, worker_id, round, json.dumps(detail, sort_keys=True)),
+        )
+
+    def audit_log(self, event: str | None = None) -> list[dict]:
+        query = "SELECT id, at, event, worker_id, round, detail FROM audit"
+        rows = (
+            self.conn.execute(query + " WHERE event = ? ORDER BY id", (event,))
+            if event is not None
+            else self.conn.execute(query + " ORDER BY id")
+        )
+        return [
+            {"id": i, "at": at, "event": e, "worker_id": w, "round": r, "detail": json.loads(d)}
+            for i, at, e, w, r, d in rows
+        ]

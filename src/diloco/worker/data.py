@@ -1,0 +1,211 @@
+"""Server-dispatched data: a torch Sampler whose indices come from work units the server leases.
+
+The server is the authority over which samples are trained: it cuts a dataset into units of a
+seeded permutation and leases them. `LeasedSampler` yields the indices of its leased units, so
+any `DataLoader(dataset, sampler=...)` trains them; a unit counts as finished once its last
+index has been handed out (with a prefetching DataLoader that is a few batches before it is
+trained), and the worker reports finished units with its next pseudo-gradient: they complete
+when that round commits, so a worker that dies earlier loses no data for the run (its leases
+go back to the pool).
+
+The sampler runs in the training process (DataLoader iterates samplers in the main process even
+with worker processes), and the DiLoCoWorker reads `finished_units()` from the same thread at
+its sync, so there is no cross-process state. One sampler per worker; under torch.distributed
+only rank 0 holds a client, so use it in single-process workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import Sampler
+
+from diloco.worker.errors import ServerError
+
+log = logging.getLogger("diloco.worker")
+
+__all__ = ["LeasedBatches", "LeasedSampler"]
+
+
+class LeaseClient(Protocol):
+    def register_dataset(
+        self, worker_id: str, dataset_id: str, length: int, shuffle_seed: int, unit_size: int
+    ) -> dict[str, Any]: ...
+
+    def lease(
+        self, worker_id: str, dataset_id: str, count: int = 1, next_epoch: bool = False
+    ) -> dict[str, Any]: ...
+
+
+class LeasedSampler(Sampler[int]):
+    """Indices of leased work units; one `iter()` is one epoch as this worker sees it.
+
+    An iteration ends when the server answers that the epoch has nothing left to lease (other
+    workers may still be finishing theirs); the next iteration opens the next epoch, whose
+    permutation is a new one derived from the seed.
+    """
+
+    def __init__(
+        self,
+        client: LeaseClient,
+        worker_id: str | Callable[[], str],
+        dataset_id: str,
+        length: int,
+        *,
+        shuffle_seed: int = 0,
+        unit_size: int = 256,
+        lease_count: int = 1,
+    ) -> None:
+        if isinstance(lease_count, bool) or not isinstance(lease_count, int) or lease_count < 1:
+            raise ValueError(f"lease_count must be an integer >= 1, got {lease_count!r}")
+        self.client = client
+        self._worker_id = worker_id if callable(worker_id) else (lambda: worker_id)
+        self.dataset_id = dataset_id
+        self.length = length
+        self.lease_count = lease_count
+        self.dataset = client.register_dataset(
+            self._worker_id(), dataset_id, length, shuffle_seed, unit_size
+        )
+        self._lock = threading.Lock()
+        self._queue: list[dict] = []  # leased units not yet finished, the current one first
+        self._offset = 0  # indices of the current unit already handed out
+        self._finished: list[int] = []  # finished, not yet reported
+        self._open_next_epoch = False
+        self.rejoin: Callable[[], None] | None = None  # re-register after an eviction
+        self.epoch = int(self.dataset.get("epoch", 0))
+
+    @classmethod
+    def for_worker(cls, worker: Any, dataset_id: str, length: int, **options: Any) -> LeasedSampler:
+        """A sampler on `worker`'s connection whose finished units `worker` reports."""
+        if worker.client is None:
+            raise ValueError("a LeasedSampler needs the worker's leader process (rank 0)")
+        sampler = cls(worker.client, lambda: worker.worker_id, dataset_id, length, **options)
+        sampler.rejoin = worker._reregister
+        worker.data = sampler
+        resumed = getattr(worker, "resumed", None)
+        saved = None if resumed is None else resumed.extra.get("data")
+        if saved is not None and saved.get("dataset_id") == dataset_id:
+            sampler.load_state_dict(saved)  # the leases it held stay leased to the same id
+        return sampler
+
+    def __iter__(self) -> Iterator[int]:
+        next_epoch, self._open_next_epoch = self._open_next_epoch, False
+        while True:
+            if not self._queue:
+                reply = self._lease(next_epoch)
+                next_epoch = False
+                self.epoch = int(reply.get("epoch", self.epoch))
+                if reply["status"] != "leased" or not reply["units"]:
+                    self._open_next_epoch = True
+                    return
+                with self._lock:
+                    self._queue.extend(reply["units"])
+            unit = self._queue[0]
+            indices = unit["indices"]
+            index = indices[self._offset] if self._offset < len(indices) else None
+            with self._lock:
+                self._offset += 1
+                if self._offset >= len(indices):
+                    # Its last index goes out now: finished before the caller gets it, so a
+                    # sync right after this batch reports it (not a generator step later).
+                    self._queue.pop(0)
+                    self._offset = 0
+                    if int(unit["unit_id"]) not in self._finished:
+                        self._finished.append(int(unit["unit_id"]))
+            if index is not None:
+                yield index
+
+    def _lease(self, next_epoch: bool) -> dict:
+        try:
+            return self.client.lease(
+                self._worker_id(), self.dataset_id, self.lease_count, next_epoch=next_epoch
+            )
+        except ServerError as exc:
+            if exc.kind != "unknown_worker" or self.rejoin is None:
+                raise
+        # Evicted (a long pause, a partition): the server gave our leases to the pool, so
+        # the units queued here are no longer ours. Come back under the same id and lease anew.
+        log.warning("evicted while leasing work units; registering again")
+        self.rejoin()
+        with self._lock:
+            self._queue.clear()
+            self._offset = 0
+        return self.client.lease(
+            self._worker_id(), self.dataset_id, self.lease_count, next_epoch=next_epoch
+        )
+
+    # ----------------------------------------------------------------- for the DiLoCoWorker
+
+    def finished_units(self) -> list[int]:
+        with self._lock:
+            return list(self._finished)
+
+    def reported(self, units: Sequence[int]) -> None:
+        """The round that carried `units` committed: they are completed on the server."""
+        done = set(units)
+        with self._lock:
+            self._finished = [u for u in self._finished if u not in done]
+
+    def forget(self, units: Sequence[int]) -> None:
+        """Units the server no longer leases to us (we were evicted): not ours to report."""
+        self.reported(units)
+
+    # ----------------------------------------------------------------- worker checkpoint
+
+    def state_dict(self) -> dict:
+        """JSON-able: the leases held, the position in the current one, what is unreported."""
+        with self._lock:
+            return {
+                "dataset_id": self.dataset_id,
+                "queue": [dict(unit) for unit in self._queue],
+                "offset": self._offset,
+                "finished": list(self._finished),
+                "open_next_epoch": self._open_next_epoch,
+                "epoch": self.epoch,
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("dataset_id") != self.dataset_id:
+            raise ValueError(
+                f"the saved sampler state is for dataset {state.get('dataset_id')!r}, "
+                f"not {self.dataset_id!r}"
+            )
+        with self._lock:
+            self._queue = [dict(unit) for unit in state["queue"]]
+            self._offset = int(state["offset"])
+            self._finished = [int(u) for u in state["finished"]]
+            self._open_next_epoch = bool(state["open_next_epoch"])
+            self.epoch = int(state["epoch"])
+
+
+class LeasedBatches:
+    """`next_batch()` over a map-style dataset of (x, y) pairs in leased order, epoch after epoch.
+
+    The interface of `diloco.data.BatchSampler`, so the bundled recipe trains either way.
+    """
+
+    def __init__(self, dataset: Any, sampler: LeasedSampler, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self._indices = iter(sampler)
+        self.epochs_seen = 0
+
+    def _next_index(self) -> int:
+        for _ in range(2):  # at most one epoch boundary per index
+            try:
+                return next(self._indices)
+            except StopIteration:
+                self.epochs_seen += 1
+                self._indices = iter(self.sampler)
+        raise RuntimeError(f"dataset {self.sampler.dataset_id!r} gave no units in a new epoch")
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.dataset[self._next_index()] for _ in range(self.batch_size)]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])

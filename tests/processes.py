@@ -1,0 +1,72 @@
+"""Worker processes for the end-to-end tests: `diloco worker` on the tiny model, and the
+server's final weights as a test reads them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from diloco.wire import decode_tensors
+from diloco.worker import DiLoCoClient, RetryPolicy
+from tiny import TINY_CLI
+
+
+def start_worker(
+    url: str,
+    worker_id: str,
+    shard: int,
+    shards: int,
+    steps: int,
+    corpus: Path,
+    out: Path,
+    seed: int = 5,
+    extra: tuple[str, ...] = (),
+    dispatch: str | None = "static",
+) -> subprocess.Popen:
+    """`diloco worker` on the tiny model; its log and --json land in `out` under its id."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "diloco.cli",
+            "worker",
+            "--server",
+            url,
+            "--worker-id",
+            worker_id,
+            "--steps",
+            str(steps),
+            "--seed",
+            str(seed),
+            "--shard",
+            str(shard),
+            "--num-shards",
+            str(shards),
+            "--corpus",
+            str(corpus),
+            "--no-progress",
+            "--json",
+            str(out / f"{worker_id}.json"),
+            *(("--data-dispatch", dispatch) if dispatch else ()),
+            *TINY_CLI,
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(out / f"{worker_id}.log").open("wb"),
+    )
+
+
+def wait_all(processes: list[subprocess.Popen], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+
+
+def global_weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
+    with DiLoCoClient(url, retry=RetryPolicy(attempts=3), read_timeout=30) as client:
+        body, round_number = client.get_weights()
+    return decode_tensors(body), round_number

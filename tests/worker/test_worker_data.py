@@ -1,0 +1,316 @@
+"""LeasedSampler and LeasedBatches against a real server on 127.0.0.1 and the real client.
+
+The server is the `live_server` fixture (a real coordinator behind uvicorn in a thread); the
+samplers talk to it through `DiLoCoClient`, and what they yield is checked against the server's
+own permutation (`Permutation(length, seed, epoch)`) and its work-unit records.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from diloco.algorithm.permutation import Permutation
+from diloco.data import VOCAB_SIZE, TokenWindows, encode, generated_corpus
+from diloco.server.settings import ServerSettings
+from diloco.wire import decode_tensors, specs_of
+from diloco.worker import DiLoCoClient, DiLoCoWorker, ServerError
+from diloco.worker.data import LeasedBatches, LeasedSampler
+
+LENGTH, UNIT, SEED = 1000, 64, 3
+UNITS = -(-LENGTH // UNIT)  # 16: fifteen of 64 samples and one of 40
+SPECS = [s.to_json() for s in specs_of({"w": torch.zeros(2)}, {"w": "trainable"})]
+
+
+@pytest.fixture
+def server(live_server):
+    with live_server(ServerSettings(), {"w": torch.zeros(2)}) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server) -> Iterator[DiLoCoClient]:
+    with DiLoCoClient(server.url) as connection:
+        for worker_id in ("w0", "w1"):
+            connection.register(worker_id, SPECS)
+        yield connection
+
+
+def sampler(client: DiLoCoClient, worker_id: str = "w0", **options) -> LeasedSampler:
+    return LeasedSampler(
+        client, worker_id, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT, **options
+    )
+
+
+def take(indices: Iterator[int], n: int) -> list[int]:
+    return [next(indices) for _ in range(n)]
+
+
+def order(epoch: int, length: int = LENGTH, seed: int = SEED) -> list[int]:
+    permutation = Permutation(length, seed, epoch)
+    return [permutation(p) for p in range(length)]
+
+
+def progress(server) -> list[tuple[int, int, int, int]]:
+    """(epoch, completed, leased, free) of `ds` on the server."""
+    return [
+        (p["epoch"], p["completed"], p["leased"], p["free"])
+        for p in server.coordinator.data_progress()
+        if p["dataset_id"] == "ds"
+    ]
+
+
+# ----------------------------------------------------------------------- one epoch
+
+
+def test_one_sampler_yields_the_whole_permutation_once_then_opens_the_next_epoch(
+    server, client
+) -> None:
+    leased = sampler(client, lease_count=3)
+    assert leased.dataset["units_per_epoch"] == UNITS and leased.epoch == 0
+    first = list(leased)
+    assert len(first) == LENGTH and sorted(first) == list(range(LENGTH))
+    assert first == order(0)  # one worker trains the server's order exactly
+    assert leased.finished_units() == list(range(1, UNITS + 1))
+    assert progress(server) == [(0, 0, UNITS, 0)]
+
+    second = list(leased)  # the next iter() opens epoch 1: a new order of the same samples
+    assert leased.epoch == 1
+    assert sorted(second) == list(range(LENGTH)) and second == order(1) and second != first
+    assert leased.finished_units() == list(range(1, 2 * UNITS + 1))
+    assert progress(server) == [(0, 0, UNITS, 0), (1, 0, UNITS, 0)]
+
+
+def test_two_workers_interleaved_split_the_epoch_between_them(server, client) -> None:
+    samplers = {"w0": sampler(client, "w0"), "w1": sampler(client, "w1", lease_count=2)}
+    streams = {worker: iter(s) for worker, s in samplers.items()}
+    seen: dict[str, list[int]] = {"w0": [], "w1": []}
+    step = 0
+    while streams:
+        worker = sorted(streams)[step % len(streams)]
+        step += 1
+        for _ in range(7 if worker == "w0" else 5):  # uneven strides cross unit boundaries
+            try:
+                seen[worker].append(next(streams[worker]))
+            except StopIteration:
+                del streams[worker]
+                break
+    a, b = set(seen["w0"]), set(seen["w1"])
+    assert len(a) == len(seen["w0"]) and len(b) == len(seen["w1"])  # nothing twice
+    assert not a & b and a | b == set(range(LENGTH))
+    assert len(a) > 3 * UNIT and len(b) > 3 * UNIT  # both trained a real share
+    # Each worker finished exactly the units the server leased to it, and they cover the epoch.
+    units = {w: s.finished_units() for w, s in samplers.items()}
+    assert sorted(units["w0"] + units["w1"]) == list(range(1, UNITS + 1))
+    pool = server.coordinator.pool
+    for worker, finished in units.items():
+        assert [u["unit_id"] for u in pool.leases_of(worker)] == finished
+        held = [i for u in pool.leases_of(worker, indices=True) for i in u["indices"]]
+        assert held == seen[worker]  # in lease order, unit after unit
+    assert progress(server) == [(0, 0, UNITS, 0)]
+
+
+def test_a_unit_is_finished_when_its_last_index_is_out_and_reported_drops_it(
+    server, client
+) -> None:
+    leased = sampler(client, lease_count=2)
+    stream = iter(leased)
+    take(stream, UNIT - 1)
+    assert leased.finished_units() == []
+    take(stream, 1)  # the last index of unit 1
+    assert leased.finished_units() == [1]
+    take(stream, UNIT)
+    assert leased.finished_units() == [1, 2]
+    take(stream, 1)  # the first of unit 3 (a new lease)
+    assert leased.finished_units() == [1, 2]
+    leased.reported([1])
+    assert leased.finished_units() == [2]
+    leased.forget([2, 99])
+    assert leased.finished_units() == []
+    assert [u["unit_id"] for u in server.coordinator.pool.leases_of("w0")] == [1, 2, 3, 4]
+
+
+def test_state_dict_resumes_at_the_same_position(server, client) -> None:
+    first = sampler(client, lease_count=4)  # 256 indices in hand: no lease while comparing
+    stream = iter(first)
+    take(stream, 100)
+    saved = json.loads(json.dumps(first.state_dict()))  # JSON-able, as the worker saves it
+    assert saved["dataset_id"] == "ds" and saved["offset"] == 100 - UNIT
+    assert [u["unit_id"] for u in saved["queue"]] == [2, 3, 4] and saved["finished"] == [1]
+    expected = take(stream, 120)
+
+    resumed = sampler(client)  # a new process: registers the same dataset again
+    resumed.load_state_dict(saved)
+    assert resumed.finished_units() == [1] and resumed.epoch == 0
+    assert take(iter(resumed), 120) == expected
+    assert resumed.finished_units() == first.finished_units() == [1, 2, 3]
+    assert resumed.state_dict() == first.state_dict()
+
+    # A state saved just as a unit's last index went out resumes with the next unit.
+    edge = {**saved, "offset": len(saved["queue"][0]["indices"])}
+    at_edge = sampler(client)
+    at_edge.load_state_dict(edge)
+    assert next(iter(at_edge)) == saved["queue"][1]["indices"][0]
+    assert at_edge.finished_units() == [1, 2]
+
+    other = LeasedSampler(client, "w0", "other", 10, unit_size=5)
+    with pytest.raises(ValueError, match="'ds'"):
+        other.load_state_dict(saved)
+    assert other.state_dict()["queue"] == [] and other.finished_units() == []
+
+
+def test_a_sampler_for_another_shape_of_a_known_dataset_is_refused(server, client) -> None:
+    sampler(client)
+    with pytest.raises(ServerError) as caught:
+        LeasedSampler(client, "w1", "ds", LENGTH + 1, shuffle_seed=SEED, unit_size=UNIT)
+    assert caught.value.kind == "dataset_conflict"
+    with pytest.raises(ValueError, match="lease_count"):
+        sampler(client, lease_count=0)
+
+
+# ----------------------------------------------------------------------- with token windows
+
+
+@pytest.fixture(scope="module")
+def windows() -> TokenWindows:
+    return TokenWindows(encode(generated_corpus(num_bytes=20_000, seed=5)), 16)
+
+
+def test_leased_batches_are_windows_in_leased_order_across_epochs(server, client, windows) -> None:
+    count = len(windows)
+    assert count == (20_000 - 1) // 16
+    leased = LeasedSampler(client, "w0", "windows", count, shuffle_seed=1, unit_size=50)
+    batches = LeasedBatches(windows, leased, batch_size=8)
+    expected = order(0, count, 1) + order(1, count, 1)
+    for step in range(count // 8 + 20):  # past the end of epoch 0
+        x, y = batches.next_batch()
+        assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
+        for row, index in enumerate(expected[8 * step : 8 * step + 8]):
+            assert torch.equal(x[row], windows[index][0]), (step, row)
+    assert batches.epochs_seen == 1 and leased.epoch == 1
+
+
+def test_a_dataloader_trains_the_leased_indices(server, client, windows) -> None:
+    count = len(windows)
+    leased = LeasedSampler(client, "w0", "windows", count, unit_size=40, lease_count=2)
+    loader = DataLoader(windows, batch_size=8, sampler=leased)
+    rows = []
+    for x, y in loader:
+        assert x.shape[1:] == y.shape[1:] == (16,) and 1 <= len(x) <= 8
+        rows.append(x)
+    assert sum(len(x) for x in rows) == count
+    starts = torch.cat(rows)[:, 0]
+    # Window i starts at token 16 i: the loader saw every window once, in the server's order.
+    tokens = windows.tokens.long()
+    assert torch.equal(starts, tokens[torch.tensor(order(0, count, 0)) * 16])
+    assert leased.finished_units() == list(range(1, -(-count // 40) + 1))
+
+
+# ----------------------------------------------------------------------- with a DiLoCoWorker
+
+
+class Bigram(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(VOCAB_SIZE, VOCAB_SIZE)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table(x)
+
+
+def test_a_worker_reports_the_units_it_trained_and_they_complete(live_server, windows) -> None:
+    settings = ServerSettings(sync_every=4, outer_optimizer="sgd", outer_lr=1.0)
+    with live_server(settings) as server:
+        model = Bigram()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="trainer", heartbeat=False)
+        leased = LeasedSampler.for_worker(worker, "windows", len(windows), unit_size=16)
+        assert worker.data is leased
+        batches = LeasedBatches(windows, leased, batch_size=8)
+        for _ in range(12):  # 3 rounds of 4 steps, 32 windows (2 units) each
+            x, y = batches.next_batch()
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            worker.report(loss=loss.item(), tokens=x.numel())
+        assert worker.rounds == 3 and server.coordinator.round_number == 3
+        # One worker with outer SGD at lr 1: the global weights are its trained weights.
+        with DiLoCoClient(server.url) as observer:
+            body, round_number = observer.get_weights()
+        assert round_number == 3
+        assert torch.equal(decode_tensors(body)["table.weight"], model.table.weight.detach())
+
+        # Each round reported the two units whose last window it trained.
+        completions = server.coordinator.pool.completions("windows")
+        assert [(u["unit_id"], u["round"], u["worker_id"]) for u in completions] == [
+            (1, 0, "trainer"),
+            (2, 0, "trainer"),
+            (3, 1, "trainer"),
+            (4, 1, "trainer"),
+            (5, 2, "trainer"),
+            (6, 2, "trainer"),
+        ]
+        assert leased.finished_units() == []  # all reported and committed
+        rounds = server.coordinator.journal.state.committed_rounds()
+        assert [r["units"] for r in rounds] == [[1, 2], [3, 4], [5, 6]]
+        with DiLoCoClient(server.url) as observer:
+            (status,) = observer.status()["datasets"]
+        assert (status["completed"], status["leased"]) == (6, 0)
+        assert status["total"] == -(-len(windows) // 16)
+
+        worker.close()  # nothing pending: no further round, nothing released
+        assert server.coordinator.round_number == 3
+        (after,) = server.coordinator.data_progress()
+        assert (after["completed"], after["leased"]) == (6, 0)
+
+
+def test_a_round_reports_at_most_what_one_submission_may_carry(live_server) -> None:
+    """More finished units than a submission may list: the rest go with the next round."""
+    with live_server(ServerSettings(sync_every=1)) as server:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="many", heartbeat=False)
+        leased = LeasedSampler.for_worker(worker, "singles", 5000, unit_size=1, lease_count=1024)
+        stream = iter(leased)
+        take(stream, 4100)
+        assert len(leased.finished_units()) == 4100
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()  # sync_every=1: every step is a round
+            optimizer.zero_grad()
+        assert worker.rounds == 2 and leased.finished_units() == []
+        rounds = [r["units"] for r in server.coordinator.journal.state.committed_rounds()]
+        assert rounds == [list(range(1, 4097)), list(range(4097, 4101))]
+        (progress,) = server.coordinator.data_progress()
+        assert (progress["completed"], progress["leased"]) == (4100, 900)  # 5 leases of 1024
+        worker.close(final_sync=False)
+
+
+def test_an_evicted_worker_registers_again_and_leases_anew(live_server) -> None:
+    """Evicted between two leases: the units it queued went back to the pool, so it drops
+    them, registers again under its id, and goes on with units that are its own."""
+    with live_server(ServerSettings(sync_every=100)) as server:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
+        leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        stream = iter(leased)
+        first = take(stream, UNIT)  # the whole of unit 1; unit 2 not leased yet
+        server.coordinator.deregister("pausy")  # what an eviction does to its membership
+        assert server.coordinator.pool.leases_of("pausy") == []
+        after = take(stream, UNIT)  # a new lease: 404, register again, lease again
+        assert server.coordinator.membership.is_live("pausy")
+        held = server.coordinator.pool.leases_of("pausy", indices=True)
+        assert [unit["indices"] for unit in held] == [after]
+        # The released unit is leased again first, to whoever asks: here the same worker,
+        # which trains it again (never skipped; completed once, by the round that reports it).
+        assert after == first
+        assert leased.finished_units() == [held[0]["unit_id"]]  # listed once
+        worker.close(final_sync=False)
