@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -82,6 +83,13 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
     written_state = tmp_path / "state"  # a run that was started with the default H = 50
     journal = RoundJournal(StateStore(written_state), ServerSettings())
     Coordinator(ServerSettings(), {"w": torch.zeros(2)}, journal=journal).shutdown()
+    foreign = tmp_path / "photos"  # somebody's directory, not a state dir
+    foreign.mkdir()
+    (foreign / "holiday.jpg").write_bytes(b"\xff\xd8")
+    newer = tmp_path / "newer"  # written by a later diloco
+    StateStore(newer).close()
+    with sqlite3.connect(newer / "state.sqlite") as db:
+        db.execute("UPDATE meta SET value = '99' WHERE key = 'format'")
     cases = {
         "missing --init": (["--init", str(tmp_path / "missing.safetensors")], "--init"),
         "non-safetensors --init": (["--init", str(not_safetensors)], "safetensors"),
@@ -98,6 +106,24 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
         "state dir with other settings": (
             ["--state-dir", str(written_state), "--sync-every", "9"],
             "sync_every: 50 in the state dir, 9 now",
+        ),
+        "foreign state dir": (["--state-dir", str(foreign)], "not a diloco state directory"),
+        "state dir is a file": (["--state-dir", str(token_file)], "is not a directory"),
+        "unwritable state dir": (["--state-dir", "/proc/diloco-state"], "cannot be"),
+        "newer state dir": (["--state-dir", str(newer)], "newer diloco"),
+        "unknown durability": (["--durability", "sometimes"], "--durability"),
+        "interval without a state dir": (["--durability", "interval"], "needs --state-dir"),
+        "checkpoint-every without interval": (["--checkpoint-every", "5"], "--durability interval"),
+        "checkpoint-every 0": (
+            [
+                "--state-dir",
+                str(tmp_path / "new"),
+                "--durability",
+                "interval",
+                "--checkpoint-every",
+                "0",
+            ],
+            "--checkpoint-every must be >= 1",
         ),
     }
     # All at once: each pays the interpreter's start-up, none waits for another.
