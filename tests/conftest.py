@@ -18,6 +18,7 @@ from diloco.server.coordinator import Coordinator
 from diloco.server.launch import start_server, stop_process
 from diloco.server.runner import CoordinatorServer, build_server
 from diloco.server.settings import ServerSettings
+from processes import reap_workers
 
 
 @pytest.fixture(scope="session")
@@ -98,3 +99,9 @@ def server_process(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     yield start
     for running in started:
         stop_process(running.process)
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_outlives_its_test() -> Iterator[None]:
+    yield
+    reap_workers()

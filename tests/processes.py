@@ -14,6 +14,17 @@ from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoClient, RetryPolicy
 from tiny import TINY_CLI
 
+STARTED: list[subprocess.Popen] = []  # every worker process a test started (see reap_workers)
+
+
+def reap_workers() -> None:
+    """Kill the workers a test left running (it failed or timed out), so none outlives it."""
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
 
 def start_worker(
     url: str,
@@ -28,7 +39,7 @@ def start_worker(
     dispatch: str | None = "static",
 ) -> subprocess.Popen:
     """`diloco worker` on the tiny model; its log and --json land in `out` under its id."""
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -58,6 +69,8 @@ def start_worker(
         stdout=subprocess.DEVNULL,
         stderr=(out / f"{worker_id}.log").open("wb"),
     )
+    STARTED.append(process)
+    return process
 
 
 def wait_all(processes: list[subprocess.Popen], timeout: float = 180) -> None:
