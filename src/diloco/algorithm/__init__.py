@@ -12,12 +12,18 @@ from diloco.algorithm.contributions import (
 )
 from diloco.algorithm.delayed_nesterov import ARRIVALS_KEY, DelayedNesterov
 from diloco.algorithm.dylu import dylu_local_steps
-from diloco.algorithm.fragments import StreamingSchedule, alpha_merge, plan_fragments
+from diloco.algorithm.fragments import (
+    StreamingSchedule,
+    alpha_merge,
+    block_prefixes_from_names,
+    plan_fragments,
+)
 from diloco.algorithm.outer import (
     APPLY_POLICIES,
     OuterStepResult,
     UpdateRule,
     apply_mean,
+    apply_running_mean,
     outer_step,
     pseudo_gradient,
 )
@@ -40,7 +46,9 @@ __all__ = [
     "UpdateRule",
     "alpha_merge",
     "apply_mean",
+    "apply_running_mean",
     "average_contributions",
+    "block_prefixes_from_names",
     "classify_tensors",
     "dylu_local_steps",
     "is_finite_contribution",

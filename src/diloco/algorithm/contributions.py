@@ -6,7 +6,8 @@ the contributions that carry it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from diloco.algorithm._checks import require_choice
 from diloco.algorithm.tensors import TensorDict, all_finite
 
 WEIGHTINGS = ("uniform", "tokens")
+FINITE_SUM_LIMIT = 1e37
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,14 @@ def is_finite_contribution(contribution: Contribution) -> bool:
     return all(all_finite(tensor) for tensor in contribution.pseudo_gradient.values())
 
 
+def _write_scaled(target: torch.Tensor, value: torch.Tensor, weight: float) -> None:
+    """target = weight * value, without a temporary."""
+    if weight == 1.0:
+        target.copy_(value)
+    else:
+        torch.mul(value, weight, out=target)
+
+
 class RunningMean:
     """Per-name weighted sum of pseudo-gradients, folded in one contribution at a time.
 
@@ -50,25 +60,56 @@ class RunningMean:
     not grow with the number of workers (one fp32 copy of the model, whatever K is).
     """
 
-    def __init__(self, weighting: str = "uniform") -> None:
+    def __init__(
+        self, weighting: str = "uniform", storage: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """`storage`: preallocated contiguous fp32 CPU tensors, by name, for the sums to live in.
+
+        Their old values are never read: a name's first contribution is written over them. A
+        server passes the same buffers every round, so a round neither allocates (and
+        page-faults) a model-sized sum nor zeroes one.
+        """
         self.weighting = check_weighting(weighting)
         self.sums: TensorDict = {}
         self.totals: dict[str, float] = {}
         self.count = 0
+        # An upper bound of every |sum| (sum of weight * the largest |value| of each folded
+        # contribution), when every contribution came with one; inf otherwise.
+        self.bound = 0.0
         self._consumed = False
+        self._storage = dict(storage or {})
+        for name, slot in self._storage.items():
+            if slot.dtype != torch.float32 or slot.device.type != "cpu" or not slot.is_contiguous():
+                raise ValueError(f"storage for {name!r} must be a contiguous fp32 CPU tensor")
 
-    def add(self, contribution: Contribution, *, take_ownership: bool = False) -> bool:
+    def _slot(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The preallocated tensor for `name`'s sum, if there is one of this shape."""
+        slot = self._storage.get(name)
+        return slot if slot is not None and tuple(slot.shape) == tuple(shape) else None
+
+    def add(
+        self,
+        contribution: Contribution,
+        *,
+        take_ownership: bool = False,
+        scale: float = 1.0,
+        max_abs: float = math.inf,
+    ) -> bool:
         """Fold `contribution` in; False (and nothing changes) when its weight is zero.
 
         With `take_ownership` the caller hands its fp32 CPU tensors over (a server's private
         request buffer): the first contribution then becomes the sums without a copy, and later
-        ones are added into it in place. Without it, inputs are never written.
+        ones are added into it in place. Without it, inputs are never written. `scale`
+        multiplies the values but not the weight (async staleness scaling: a stale
+        pseudo-gradient counts as one contribution, made smaller). `max_abs`: an upper bound
+        of its values' magnitude, when the caller knows one (see `bound`).
         """
         if self._consumed:
             raise RuntimeError("this RunningMean was consumed by mean(); start a new one")
         weight = contribution_weight(contribution, self.weighting)
         if weight <= 0:
             return False
+        factor = weight * scale
         for name, tensor in contribution.pseudo_gradient.items():
             total = self.sums.get(name)
             if total is not None and total.shape != tensor.shape:
@@ -79,17 +120,23 @@ class RunningMean:
         for name, tensor in contribution.pseudo_gradient.items():
             value = tensor.detach().to(device="cpu", dtype=torch.float32)
             total = self.sums.get(name)
-            if total is None:
+            slot = None if total is not None else self._slot(name, tuple(tensor.shape))
+            if slot is not None:
+                _write_scaled(slot, value, factor)
+                self.sums[name] = slot
+                self.totals[name] = weight
+            elif total is None:
                 owned = take_ownership and value.data_ptr() == tensor.data_ptr()
                 if owned and value.is_contiguous():
-                    self.sums[name] = value if weight == 1.0 else value.mul_(weight)
+                    self.sums[name] = value if factor == 1.0 else value.mul_(factor)
                 else:
-                    self.sums[name] = value * weight
+                    self.sums[name] = value * factor
                 self.totals[name] = weight
             else:
-                total.add_(value, alpha=weight)
+                total.add_(value, alpha=factor)
                 self.totals[name] += weight
         self.count += 1
+        self.bound += abs(factor) * max_abs
         return True
 
     def add_pieces(
@@ -97,18 +144,28 @@ class RunningMean:
         shapes: Mapping[str, tuple[int, ...]],
         pieces: Iterable[tuple[str, int, torch.Tensor]],
         tokens: int,
+        *,
+        scale: float = 1.0,
+        max_abs: float | Callable[[], float] = math.inf,
     ) -> bool:
         """Fold a contribution that arrives as (name, first element, 1-D piece) slices.
 
         For a body read back from disk a piece at a time: memory stays one piece, whatever the
         model size. `shapes` names every tensor the pieces cover; they are checked against the
-        running sums before anything is folded.
+        running sums before anything is folded. The pieces must cover each tensor exactly once.
+        `max_abs` may be a function, asked once the pieces are read (a reader that checks the
+        values on the way finds the bound then).
+
+        When no name has a sum yet (the round's first contribution), pieces that raise part
+        way (a checking reader finding NaN) leave this object exactly as it was; otherwise the
+        sums would be left half folded, so check first.
         """
         if self._consumed:
             raise RuntimeError("this RunningMean was consumed by mean(); start a new one")
         weight = contribution_weight(Contribution({}, tokens), self.weighting)
         if weight <= 0:
             return False
+        factor = weight * scale
         for name, shape in shapes.items():
             total = self.sums.get(name)
             if total is not None and tuple(total.shape) != tuple(shape):
@@ -116,16 +173,49 @@ class RunningMean:
                     f"tensor {name!r} has shape {tuple(shape)} in one contribution "
                     f"and {tuple(total.shape)} in another"
                 )
+        new_sums: TensorDict = {}  # registered only once every piece is folded
+        fresh: dict[str, int] = {}  # names whose preallocated sum this contribution writes first
         for name, shape in shapes.items():
             if name not in self.sums:
-                self.sums[name] = torch.zeros(shape, dtype=torch.float32)
-                self.totals[name] = 0.0
-            self.totals[name] += weight
+                slot = self._slot(name, tuple(shape))
+                if slot is None:
+                    new_sums[name] = torch.zeros(shape, dtype=torch.float32)
+                else:
+                    new_sums[name], fresh[name] = slot, 0
         for name, first, piece in pieces:
-            flat = self.sums[name].view(-1)
-            flat[first : first + piece.numel()].add_(piece, alpha=weight)
+            target = self.sums.get(name)
+            part = (new_sums[name] if target is None else target).view(-1)
+            part = part[first : first + piece.numel()]
+            if name not in fresh:
+                part.add_(piece, alpha=factor)
+                continue
+            _write_scaled(part, piece, factor)
+            fresh[name] += piece.numel()
+        for name, written in fresh.items():
+            if written != new_sums[name].numel():
+                raise RuntimeError(f"the pieces of {name!r} did not cover it once, in full")
+        self.sums.update(new_sums)
+        for name in shapes:
+            self.totals[name] = self.totals.get(name, 0.0) + weight
         self.count += 1
+        self.bound += abs(factor) * (max_abs() if callable(max_abs) else max_abs)
         return True
+
+    @property
+    def certainly_finite(self) -> bool:
+        """True when `bound` proves every sum, and so every mean, finite in fp32.
+
+        The limit leaves a factor of 30 below fp32's largest value for the sums' rounding, and
+        a mean divides a sum by a total weight of at least 1.
+        """
+        return self.bound <= FINITE_SUM_LIMIT
+
+    def consume(self) -> tuple[TensorDict, dict[str, float]]:
+        """The sums and total weights, not yet divided; uses this object up, as `mean()` does."""
+        if self._consumed:
+            raise RuntimeError("this RunningMean was consumed already; start a new one")
+        self._consumed = True
+        return self.sums, self.totals
 
     def mean(self) -> TensorDict:
         """The per-name mean, computed in place over the sums (so this object is used up).

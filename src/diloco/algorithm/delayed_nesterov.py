@@ -70,11 +70,24 @@ class DelayedNesterov:
             "c": self.c,
         }
 
-    def step(self, params: TensorDict, grad: Mapping[str, torch.Tensor]) -> None:
-        """Apply one arrival's pseudo-gradient to `params` in place (only the names it carries)."""
-        check_step_inputs(params, grad, "delayed nesterov step")
+    def step(
+        self,
+        params: TensorDict,
+        grad: Mapping[str, torch.Tensor],
+        *,
+        divisors: Mapping[str, float] | None = None,
+        finite: bool = False,
+    ) -> None:
+        """Apply one arrival's pseudo-gradient to `params` in place (only the names it carries).
+
+        `divisors` and `finite` as for `OuterOptimizer.step`: grad[name] is a running sum, to
+        be divided (in place) by divisors[name]; `finite` says the caller proved it finite.
+        """
+        check_step_inputs(params, grad, "delayed nesterov step", scan_values=not finite)
         self.arrivals += 1
         for name, g in grad.items():
+            if divisors is not None and divisors[name] != 1.0:
+                g = g.div_(divisors[name])
             self._step_one(name, params[name], g)
 
     def _state_for(self, name: str, param: torch.Tensor) -> _NameState:
@@ -98,12 +111,17 @@ class DelayedNesterov:
             state.accumulated.zero_()
         param.add_(update, alpha=-self.lr)
 
-    def state_dict(self) -> TensorDict:
-        """Momentum, accumulated buffer and arrival count per name, plus the total arrivals."""
+    def state_dict(self, copy: bool = True) -> TensorDict:
+        """Momentum, accumulated buffer and arrival count per name, plus the total arrivals.
+
+        `copy=False` returns the live buffers, for a caller that serialises them at once.
+        """
         out: TensorDict = {ARRIVALS_KEY: torch.tensor(self.arrivals, dtype=torch.int64)}
         for name, state in self._states.items():
-            out[MOMENTUM_PREFIX + name] = state.momentum.clone()
-            out[ACCUMULATED_PREFIX + name] = state.accumulated.clone()
+            out[MOMENTUM_PREFIX + name] = state.momentum.clone() if copy else state.momentum
+            out[ACCUMULATED_PREFIX + name] = (
+                state.accumulated.clone() if copy else state.accumulated
+            )
             out[NAME_ARRIVALS_PREFIX + name] = torch.tensor(state.arrivals, dtype=torch.int64)
         return out
 

@@ -88,6 +88,30 @@ def _plan_contiguous(
     return [list(range(start, end)) for start, end in pairwise(cuts)]
 
 
+# Where models keep their repeated blocks: ours, GPT-2 (`transformer.h`), Llama (`model.layers`).
+BLOCK_CONTAINERS = ("blocks", "transformer.h", "model.layers", "layers")
+
+
+def block_prefixes_from_names(names: Sequence[str]) -> list[str]:
+    """The repeated blocks' prefixes ("blocks.0.", ...) read off state-dict names alone.
+
+    For a server that knows a model only by its tensor names: the first container of
+    BLOCK_CONTAINERS whose indices 0..n-1 all hold tensors gives n prefixes, so the plan equals
+    the one built from the module (`diloco.models.block_prefixes`). [] when no container fits.
+    """
+    for container in BLOCK_CONTAINERS:
+        head = container + "."
+        indices: set[int] = set()
+        for name in names:
+            if name.startswith(head):
+                index, dot, _ = name[len(head) :].partition(".")
+                if dot and index.isdigit() and (index == "0" or not index.startswith("0")):
+                    indices.add(int(index))
+        if indices and indices == set(range(len(indices))):
+            return [f"{head}{i}." for i in range(len(indices))]
+    return []
+
+
 def plan_fragments(
     tensor_sizes: Sequence[tuple[str, int]],
     num_fragments: int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from torch.optim.sgd import sgd as torch_sgd
 
 from diloco.algorithm._checks import (
     require_choice,
@@ -24,11 +25,15 @@ DEFAULT_MOMENTUM = 0.9
 
 
 def check_step_inputs(
-    params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], who: str
+    params: Mapping[str, torch.Tensor],
+    grads: Mapping[str, torch.Tensor],
+    who: str,
+    scan_values: bool = True,
 ) -> None:
     """Raise ValueError, naming the tensor, if any grad cannot be applied to `params`.
 
     Called before the first in-place write, so a bad input leaves every weight as it was.
+    `scan_values=False` skips the NaN/Inf scan, for grads the caller has proven finite.
     """
     for name, grad in grads.items():
         param = params.get(name)
@@ -41,7 +46,7 @@ def check_step_inputs(
                 f"{who}: tensor {name!r} has shape {tuple(grad.shape)}, "
                 f"parameter has {tuple(param.shape)}"
             )
-        if not all_finite(grad):
+        if scan_values and not all_finite(grad):
             raise ValueError(f"{who}: tensor {name!r} has NaN or Inf values")
 
 
@@ -70,28 +75,97 @@ class OuterOptimizer:
         """The settings, for reports such as the server's /v1/info."""
         return {"kind": self.kind, "lr": self.lr, "momentum": self.momentum}
 
-    def step(self, params: TensorDict, grads: Mapping[str, torch.Tensor]) -> None:
-        """Update `params` in place for the names in `grads`; other names are untouched."""
-        check_step_inputs(params, grads, "outer step")
-        for name, grad in grads.items():
-            self._step_one(name, params[name], grad)
+    def step(
+        self,
+        params: TensorDict,
+        grads: Mapping[str, torch.Tensor],
+        *,
+        divisors: Mapping[str, float] | None = None,
+        finite: bool = False,
+    ) -> None:
+        """Update `params` in place for the names in `grads`; other names are untouched.
 
-    def _step_one(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> None:
+        `divisors`: the gradient of a name is grads[name] / divisors[name] (a running sum and
+        its total weight); the division is done in place, on the grads, inside the step's one
+        pass. `finite=True`: the caller has proven every grad finite, so they are not scanned.
+        """
+        check_step_inputs(params, grads, "outer step", scan_values=not finite)
+        for name, grad in grads.items():
+            divisor = 1.0 if divisors is None else divisors[name]
+            self._step_one(name, params[name], grad, divisor)
+
+    def _step_one(
+        self, name: str, param: torch.Tensor, grad: torch.Tensor, divisor: float = 1.0
+    ) -> None:
+        if divisor != 1.0:
+            if grad.dtype != param.dtype or grad.device != param.device:
+                raise ValueError(f"outer step: tensor {name!r} must be divided where it is")
+            if not grad.is_contiguous() or not param.is_contiguous():
+                grad.div_(divisor)
+                divisor = 1.0
         g = grad.detach().to(device=param.device, dtype=param.dtype)
+        buf = self._buffers.get(name)
+        if buf is not None and (buf.shape != param.shape or buf.dtype != param.dtype):
+            buf = None  # restarts as buf = g
+        if buf is not None:
+            buf = buf.to(param.device)
+        contiguous = param.is_contiguous() and g.is_contiguous()
+        if not contiguous or (buf is not None and not buf.is_contiguous()):
+            # PyTorch's fused kernel reads and writes the memory as if it were contiguous.
+            buffers = [self._unfused_step(param, g, buf)]
+        else:
+            buffers = [buf]
+            self._fused_step(param, g, buffers, divisor)
+        if self.kind != "sgd":
+            self._buffers[name] = buffers[0]
+
+    def _fused_step(
+        self,
+        param: torch.Tensor,
+        g: torch.Tensor,
+        buffers: list[torch.Tensor | None],
+        divisor: float = 1.0,
+    ) -> None:
+        """PyTorch's fused kernel: one pass over param, grad and buffer (buf = mu buf + g, a
+        new buffer = g when it is None; p -= lr (g + mu buf) for nesterov, lr buf for
+        momentum, lr g for sgd). About 1.6x a plain in-place pass, against 2.8x in three."""
+        before = buffers[0]
+        scale = None if divisor == 1.0 else torch.tensor(divisor, dtype=torch.float32)
+        try:
+            torch_sgd(
+                [param],
+                [g],
+                buffers,
+                fused=True,
+                grad_scale=scale,  # the kernel divides g by it, in place
+                weight_decay=0.0,
+                momentum=self.momentum,
+                lr=self.lr,
+                dampening=0.0,
+                nesterov=self.kind == "nesterov",
+                maximize=False,
+            )
+        except RuntimeError:  # no fused kernel for this device or dtype (checked before writing)
+            if divisor != 1.0:
+                g.div_(divisor)
+            buffers[0] = self._unfused_step(param, g, before)
+
+    def _unfused_step(
+        self, param: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The same update in separate passes, where PyTorch has no fused kernel."""
         if self.kind == "sgd":
             param.add_(g, alpha=-self.lr)
-            return
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape != param.shape or buf.dtype != param.dtype:
+            return None
+        if buf is None:
             buf = g.clone()
         else:
-            buf = buf.to(param.device)
             torch.add(g, buf, alpha=self.momentum, out=buf)  # buf = mu buf + g, one pass
-        self._buffers[name] = buf
-        if self.kind == "nesterov":  # p -= lr (g + mu buf), in two passes and no temporary
+        if self.kind == "nesterov":
             param.add_(g, alpha=-self.lr).add_(buf, alpha=-self.lr * self.momentum)
         else:
             param.add_(buf, alpha=-self.lr)
+        return buf
 
     def state_dict(self, copy: bool = True) -> TensorDict:
         """Momentum buffer per name; empty for "sgd".

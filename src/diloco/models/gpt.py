@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from diloco.algorithm.fragments import BLOCK_CONTAINERS
+
 VOCAB_SIZE = 256  # bytes
 
 
@@ -138,7 +140,7 @@ def block_prefixes(model: nn.Module) -> list[str]:
     Looks for a `blocks` ModuleList (our GPT) and falls back to `transformer.h` / `model.layers`
     (GPT-2 and Llama layouts), so the fragment plan can stride over foreign models too.
     """
-    for path in ("blocks", "transformer.h", "model.layers", "layers"):
+    for path in BLOCK_CONTAINERS:
         module: nn.Module | None = model
         for part in path.split("."):
             module = getattr(module, part, None)

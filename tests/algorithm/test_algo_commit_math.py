@@ -1,0 +1,189 @@
+"""The server's commit math: finite_bound, RunningMean.bound, and apply_running_mean.
+
+apply_running_mean must give exactly what apply_mean(running.mean()) gives (it only saves passes
+over memory), refuse a non-finite mean before writing anything unless the bound proves the sums
+finite, and a bound must never be below the largest magnitude it bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diloco.algorithm import (
+    Contribution,
+    OuterOptimizer,
+    RunningMean,
+    TensorKind,
+    apply_mean,
+    apply_running_mean,
+)
+from diloco.algorithm.tensors import finite_bound
+
+KINDS = {
+    "w": TensorKind.TRAINABLE,
+    "b": TensorKind.TRAINABLE,
+    "frozen": TensorKind.FROZEN,
+    "norm": TensorKind.FLOAT_BUFFER,
+    "count": TensorKind.INT_BUFFER,
+    "mask": TensorKind.BOOL_BUFFER,
+}
+
+
+def masters(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(6, 5, generator=generator),
+        "b": torch.randn(5, generator=generator),
+        "frozen": torch.randn(3, generator=generator),
+        "norm": torch.randn(2, generator=generator),
+        "count": torch.tensor([10, 20, 31], dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+    }
+
+
+def contributions(seed: int = 1) -> list[Contribution]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {n: t.shape for n, t in masters().items()}
+    return [
+        Contribution({n: torch.randn(s, generator=generator) for n, s in shapes.items()}, tokens)
+        for tokens in (3, 1, 7)
+    ]
+
+
+def clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in tensors.items()}
+
+
+def assert_identical(left: dict[str, torch.Tensor], right: dict[str, torch.Tensor]) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        assert left[name].dtype == right[name].dtype, name
+        assert torch.equal(left[name], right[name]), name
+
+
+def running_of(
+    items: list[Contribution], weighting: str, bounded: bool, storage: bool = False
+) -> RunningMean:
+    slots = {n: torch.empty(t.shape) for n, t in items[0].pseudo_gradient.items()}
+    running = RunningMean(weighting, storage=slots if storage else None)
+    for contribution in items:
+        bound = max(finite_bound(t) for t in contribution.pseudo_gradient.values())
+        running.add(contribution, max_abs=bound if bounded else math.inf)
+    return running
+
+
+@pytest.mark.parametrize(("kind", "momentum"), [("nesterov", 0.9), ("momentum", 0.8), ("sgd", 0)])
+@pytest.mark.parametrize("policy", ["default", "all_floating"])
+@pytest.mark.parametrize("weighting", ["uniform", "tokens"])
+@pytest.mark.parametrize("bounded", [True, False])
+def test_apply_running_mean_is_bit_identical_to_apply_mean(
+    kind: str, momentum: float, policy: str, weighting: str, bounded: bool
+) -> None:
+    reference, fast = masters(), masters()
+    reference_optimizer = OuterOptimizer(kind, lr=0.7, momentum=momentum)
+    fast_optimizer = OuterOptimizer(kind, lr=0.7, momentum=momentum)
+    for seed in (1, 2, 3):  # the first round creates the momentum, the others use it
+        items = contributions(seed)
+        mean = running_of(items, weighting, bounded).mean()
+        apply_mean(reference, mean, reference_optimizer, KINDS, policy=policy)
+        running = running_of(items, weighting, bounded, storage=True)
+        assert running.certainly_finite is bounded
+        updated = apply_running_mean(fast, running, fast_optimizer, KINDS, policy=policy)
+        assert updated == list(KINDS)
+        assert_identical(fast, reference)
+        assert_identical(fast_optimizer.state_dict(), reference_optimizer.state_dict())
+        with pytest.raises(RuntimeError, match="consumed"):
+            running.consume()
+
+
+def test_a_non_finite_sum_is_refused_before_anything_changes() -> None:
+    weights = masters()
+    optimizer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    apply_running_mean(weights, running_of(contributions(), "uniform", True), optimizer, KINDS)
+    before, momentum = clone(weights), optimizer.state_dict()
+    huge = contributions()
+    for contribution in huge:  # finite values whose sum overflows fp32
+        contribution.pseudo_gradient["b"].fill_(3e38)
+    running = running_of(huge, "uniform", bounded=True)
+    assert running.sums["b"].isinf().all() and not running.certainly_finite
+    with pytest.raises(ValueError, match="'b' has NaN or Inf"):
+        apply_running_mean(weights, running, optimizer, KINDS)
+    assert_identical(weights, before)
+    assert_identical(optimizer.state_dict(), momentum)
+
+
+def test_an_empty_running_mean_changes_nothing() -> None:
+    weights = masters()
+    assert apply_running_mean(weights, RunningMean(), OuterOptimizer("sgd", lr=1.0), KINDS) == []
+    assert_identical(weights, masters())
+
+
+def test_a_bound_is_only_as_good_as_every_contribution_s() -> None:
+    running = RunningMean("tokens")
+    running.add(Contribution({"w": torch.ones(3)}, tokens=4), max_abs=2.0)
+    assert running.bound == 8.0 and running.certainly_finite
+    running.add_pieces({"w": (3,)}, [("w", 0, torch.ones(3))], tokens=1)  # no bound given
+    assert running.bound == math.inf and not running.certainly_finite
+    big = RunningMean()
+    big.add(Contribution({"w": torch.ones(3)}), max_abs=1e37)
+    big.add(Contribution({"w": torch.ones(3)}), max_abs=1e37)
+    assert not big.certainly_finite  # 2e37 is past the limit kept for rounding
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(1000) * 5,
+        torch.randn(7, 9).to(torch.bfloat16),
+        torch.randn(5, dtype=torch.float64) * 1e200,
+        torch.tensor([0.0, -3.5, 2.0]),
+        torch.tensor(-7.25),
+        torch.tensor([2**40, -(2**62), 5], dtype=torch.int64),
+        torch.tensor([True, False]),
+        torch.zeros(0, 3),
+    ],
+    ids=["fp32", "bf16", "fp64-huge", "small", "scalar", "int64", "bool", "empty"],
+)
+def test_finite_bound_is_at_least_the_largest_magnitude(tensor: torch.Tensor) -> None:
+    bound = finite_bound(tensor)
+    assert bound is not None
+    largest = float(tensor.abs().max()) if tensor.numel() and tensor.dtype != torch.bool else 0
+    assert bound >= largest
+
+
+def test_finite_bound_finds_nan_and_inf_and_gives_up_on_huge_values() -> None:
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensor = torch.zeros(10_000)
+        tensor[4321] = bad
+        assert finite_bound(tensor) is None
+        assert finite_bound(tensor.to(torch.bfloat16)) is None
+    huge = torch.full((4,), 1e30)  # finite, but its squares overflow fp32
+    assert finite_bound(huge) == math.inf
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["fused", "strided"])
+def test_divisors_divide_the_grads_in_the_step_as_a_division_first_would(strided: bool) -> None:
+    generator = torch.Generator().manual_seed(9)
+    start = torch.randn(50, generator=generator)
+    sums = [torch.randn(50, generator=generator) * 3 for _ in range(3)]
+    divided, stepped = {"w": start.clone()}, {"w": start.clone()}
+    first = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    second = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    for total in sums:
+        first.step(divided, {"w": total / 3.0})
+        holder = torch.zeros(100)
+        if strided:  # every other element of a larger tensor: the separate passes
+            holder[::2] = total
+            grad = holder[::2]
+        else:
+            grad = total.clone()
+        second.step(stepped, {"w": grad}, divisors={"w": 3.0})
+        assert torch.equal(grad, total / 3.0)  # divided in place, as documented
+        assert not holder[1::2].any()
+    if strided:  # the separate passes round differently from the fused kernel
+        torch.testing.assert_close(stepped["w"], divided["w"], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(stepped["w"], divided["w"])
