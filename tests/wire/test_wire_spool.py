@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco.algorithm import Contribution, RunningMean
-from diloco.wire import WireError, decode_tensors, encode_tensors, spool_body
+from diloco.wire import SpoolFiles, WireError, decode_tensors, encode_tensors, spool_body
 
 
 async def _chunks(data: bytes, size: int = 7000):
@@ -97,3 +97,67 @@ def test_a_malformed_header_is_refused_and_the_file_is_gone() -> None:
         spool(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
     assert caught.value.kind == "malformed_safetensors"
     assert set(os.listdir("/proc/self/fd")) <= before  # the temporary file was closed
+
+
+# -- kept files ----------------------------------------------------------------------------------
+
+
+def spool_into(files: SpoolFiles, data: bytes, length: int | None = None):
+    return asyncio.run(
+        spool_body(_chunks(data), len(data) if length is None else length, 10**9, files=files)
+    )
+
+
+def test_a_kept_file_is_written_over_and_only_the_new_body_is_read() -> None:
+    files = SpoolFiles(keep=2)
+    large = spool_into(files, bytes(encode_tensors({"w": torch.full((5000,), float("nan"))})))
+    large_file = large.file
+    large.close()
+    large.close()  # idempotent: the file is given back once
+    assert files.idle == 1
+    small_tensors = {"w": torch.arange(10, dtype=torch.float32), "n": torch.tensor([7, 8])}
+    small = spool_into(files, bytes(encode_tensors(small_tensors)))
+    assert small.file is large_file and files.idle == 0  # the same file, reused
+    small.check_values()  # the stale NaNs after the new body are never read
+    rebuilt = {n: torch.empty(t.numel(), dtype=t.dtype) for n, t in small_tensors.items()}
+    for name, first, piece in small.pieces():
+        rebuilt[name][first : first + piece.numel()] = piece
+    for name, tensor in small_tensors.items():
+        assert torch.equal(rebuilt[name], tensor), name
+    small.close()
+    with pytest.raises(ValueError, match="closed"):
+        next(small.pieces())
+
+
+def test_a_refused_body_gives_its_file_back() -> None:
+    files = SpoolFiles(keep=2)
+    data = bytes(encode_tensors({"a": torch.zeros(10)}))
+    with pytest.raises(WireError, match="ended after"):
+        spool_into(files, data, length=len(data) + 5)
+    with pytest.raises(WireError) as caught:
+        spool_into(files, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    assert caught.value.kind == "malformed_safetensors"
+    assert files.idle == 1  # both refusals used, then returned, the one file
+    good = spool_into(files, data)
+    good.check_values()
+    good.close()
+
+
+def test_files_beyond_keep_are_closed() -> None:
+    files = SpoolFiles(keep=1)
+    data = bytes(encode_tensors({"a": torch.zeros(10)}))
+    first, second = spool_into(files, data), spool_into(files, data)
+    assert first.file is not second.file
+    first.close()
+    second.close()
+    assert files.idle == 1 and not first.file.closed and second.file.closed
+
+
+def test_the_check_returns_a_bound_of_every_magnitude() -> None:
+    tensors = sample()
+    tensors["w"][17, 3] = -250.0  # the largest magnitude, in the middle of a tensor
+    spooled = spool(bytes(encode_tensors(tensors)))
+    bound = spooled.check_values()
+    assert bound >= 250.0
+    assert bound < 1e6  # a bound a running sum can use: sqrt of the sum of squares, doubled
+    spooled.close()

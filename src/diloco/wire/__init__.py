@@ -5,7 +5,7 @@ docs/protocol.md is written down in one place.
 """
 
 from diloco.wire.body import check_length, parse_content_length, read_body
-from diloco.wire.checks import check_tensors
+from diloco.wire.checks import check_finite, check_tensors
 from diloco.wire.dtypes import (
     DTYPE_NAMES,
     SAFETENSORS_CODES,
@@ -48,7 +48,7 @@ from diloco.wire.specs import (
     same_dtype_class,
     specs_of,
 )
-from diloco.wire.spool import SpooledTensors, spool_body
+from diloco.wire.spool import SpooledTensors, SpoolFiles, spool_body
 from diloco.wire.validation import (
     PROTOCOL_VERSION,
     check_protocol_version,
@@ -78,6 +78,7 @@ __all__ = [
     "RegisterRequest",
     "RegisterResponse",
     "Settings",
+    "SpoolFiles",
     "SpooledTensors",
     "StatusResponse",
     "SubmitResponse",
@@ -86,6 +87,7 @@ __all__ = [
     "WaitingResponse",
     "WireError",
     "WorkerStatus",
+    "check_finite",
     "check_length",
     "check_protocol_version",
     "check_tensors",

@@ -51,7 +51,7 @@ def check_tensors(
         _check_dtype(name, tensor, spec, float_dtype)
     if scan_values:  # off for stand-ins without storage (a spooled body scans its file)
         for name, tensor in tensors.items():
-            _check_finite(name, tensor)
+            check_finite(name, tensor)
 
 
 def _check_shape(name: str, tensor: torch.Tensor, spec: TensorSpec) -> None:
@@ -91,7 +91,8 @@ def _check_dtype(
         )
 
 
-def _check_finite(name: str, tensor: torch.Tensor) -> None:
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """WireError(422) naming `name` and how many of its values are NaN or Inf."""
     if all_finite(tensor):
         return
     bad = int((~torch.isfinite(tensor.reshape(-1))).sum())

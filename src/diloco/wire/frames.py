@@ -20,8 +20,9 @@ import torch
 
 from diloco.wire.body import parse_content_length, read_body
 from diloco.wire.checks import check_tensors
-from diloco.wire.dtypes import SAFETENSORS_CODES, dtype_from_safetensors_code, safetensors_code
+from diloco.wire.dtypes import SAFETENSORS_CODES, dtype_from_safetensors_code
 from diloco.wire.errors import WireError
+from diloco.wire.layout import FrameLayout
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -48,38 +49,13 @@ def encode_tensors(
     every tensor's offset stays aligned to its element size (readers then get zero-copy views).
     Int and bool tensors keep their dtype; tied weights are simply written twice.
     """
-    prepared: list[tuple[str, torch.Tensor, torch.dtype]] = []
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
-        target = tensor.dtype
-        if float_dtype is not None and tensor.is_floating_point():
-            target = float_dtype
-        safetensors_code(target)  # raises for a dtype the wire does not carry
-        prepared.append((name, tensor.detach(), target))
-    prepared.sort(key=lambda entry: -entry[2].itemsize)  # stable: keeps order within a width
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, tensor, dtype in prepared:
-        size = tensor.numel() * dtype.itemsize
-        header[name] = {
-            "dtype": safetensors_code(dtype),
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    buffer = bytearray(8 + len(raw) + offset)
-    buffer[:8] = len(raw).to_bytes(8, "little")
-    buffer[8 : 8 + len(raw)] = raw
-    start = 8 + len(raw)
-    for name, tensor, dtype in prepared:
-        size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
-        if size:
-            slot = torch.frombuffer(buffer, dtype=torch.uint8, count=size, offset=start)
-            slot.view(dtype).view(tensor.shape).copy_(tensor)
-        start += size
+    layout = FrameLayout.of(tensors, float_dtype)
+    buffer = bytearray(layout.size)
+    body = torch.frombuffer(buffer, dtype=torch.uint8)
+    layout.write_header(body)
+    for name, view in layout.views(body).items():
+        if view.numel():
+            view.copy_(tensors[name].detach())
     return buffer
 
 

@@ -137,11 +137,13 @@ class Settings(_Response):
     download_dtype: WireFloatName
     heartbeat_interval: float
     heartbeat_timeout: float
-    barrier_timeout: float
+    barrier_timeout: float | None  # null in async mode (no barrier)
     fragments: int
     delay: int
     alpha: float
     dylu: bool
+    grace_seconds: float = 0.0
+    staleness_weighting: str = "none"
     weighting: str
     min_workers: int
     max_body_bytes: int
@@ -154,6 +156,8 @@ class InfoResponse(_Response):
     protocol_version: int
     mode: str
     round: int
+    fragment_rounds: list[int] | None = None  # each fragment's round (one entry but streaming)
+    fragment_plan: list[list[str]] | None = None  # tensor names per fragment, once known
     model_fingerprint: str | None
     settings: Settings
 
@@ -163,6 +167,7 @@ class RegisterResponse(_Response):
 
     worker_id: str
     round: int
+    fragment_rounds: list[int] | None = None
     needs_initial_weights: bool
     model_fingerprint: str | None
     settings: Settings
@@ -173,8 +178,11 @@ class SubmitResponse(_Response):
 
     status: Literal["accepted", "duplicate", "committed"]
     round: int
+    fragment: int = 0
     current_round: int
     waiting_for: list[str]
+    applied_version: int | None = None  # async: the outer step that applied it, once it has
+    staleness: int | None = None  # async: outer steps between its anchor and its arrival
 
 
 class WaitingResponse(_Response):
@@ -219,6 +227,9 @@ class HeartbeatRequest(_Request):
     steps_per_second: FiniteNonNegative
     loss: Finite | None
     tokens: Count
+    # Sync windows the worker has finished; when it grows, `steps_per_second` is the compute
+    # speed of the window just finished, a DyLU sample (docs/protocol.md).
+    windows: Count | None = None
 
 
 class HeartbeatResponse(_Response):
@@ -253,6 +264,7 @@ class WorkerStatus(_Response):
     tokens: int
     last_seen_seconds_ago: float
     rounds_contributed: int
+    recommended_sync_every: int | None = None
 
 
 class StatusResponse(_Response):
@@ -260,6 +272,7 @@ class StatusResponse(_Response):
 
     round: int
     mode: str
+    fragment_rounds: list[int] | None = None
     workers: list[WorkerStatus]
     waiting_for: list[str]
     bytes_in: int

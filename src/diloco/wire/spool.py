@@ -4,6 +4,10 @@ The server keeps at most a few bodies in RAM; any other upload is written to an 
 temporary file as it arrives and read back a few MiB at a time, first to check every value
 (NaN/Inf, bool bytes) and then to fold it into the round's running sum. Names, shapes and dtypes
 come from the header, so they are checked before any value is read.
+
+The files are kept for the next uploads (`SpoolFiles`): writing over a file's cached pages
+costs half of what filling a new file does, and closing a file of 100 MB frees its page cache
+synchronously (about 15 ms, on the event loop) every time.
 """
 
 from __future__ import annotations
@@ -11,27 +15,76 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import BinaryIO
 
 import torch
 
-from diloco.algorithm.tensors import all_finite
+from diloco.algorithm.tensors import finite_bound
 from diloco.wire.body import check_length
 from diloco.wire.errors import WireError
 from diloco.wire.frames import MAX_HEADER_BYTES, _Entry, _malformed, parse_frame_header
 
-PIECE_BYTES = 8 * 1024 * 1024
+PIECE_BYTES = 2 * 1024 * 1024
+SPOOL_FILES_KEPT = 4
+
+
+class SpoolFiles:
+    """Unlinked temporary files in `directory`, up to `keep` of them kept between uploads.
+
+    A kept file holds the bytes of its largest upload on disk and in the page cache (which the
+    kernel may reclaim once they are written back), so what is kept is bounded by `keep` times
+    the body size limit.
+    """
+
+    def __init__(self, directory: str | None = None, keep: int = SPOOL_FILES_KEPT) -> None:
+        self.directory = directory
+        self.keep = keep
+        self._idle: list[BinaryIO] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> BinaryIO:
+        with self._lock:
+            file = self._idle.pop() if self._idle else None
+        if file is None:
+            return tempfile.TemporaryFile(dir=self.directory)
+        file.seek(0)
+        return file
+
+    def give_back(self, file: BinaryIO) -> None:
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(file)
+                return
+        file.close()
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
 
 
 class SpooledTensors:
-    """A safetensors body in a temporary file; `pieces()` reads it back in bounded memory."""
+    """A safetensors body in a temporary file; `pieces()` reads it back in bounded memory.
 
-    def __init__(self, file: BinaryIO, size: int, data_start: int, entries: dict[str, _Entry]):
+    The file may be longer than the body (a kept file from a larger upload): only the first
+    `size` bytes are ever read.
+    """
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        size: int,
+        data_start: int,
+        entries: dict[str, _Entry],
+        files: SpoolFiles,
+    ):
         self.file = file
         self.size = size
         self.data_start = data_start
         self.entries = entries
+        self._files = files
+        self.closed = False
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +103,8 @@ class SpooledTensors:
 
         A piece is only valid until the next one is read: use it, don't keep it.
         """
+        if self.closed:
+            raise ValueError("the spooled body was closed")
         buffer = bytearray(piece_bytes)
         view = memoryview(buffer)
         descriptor = self.file.fileno()
@@ -72,10 +127,42 @@ class SpooledTensors:
                     )
                 yield entry.name, first, piece
 
-    def check_values(self) -> None:
-        """WireError(422) for NaN or Inf anywhere, or for a bool byte that is not 0 or 1."""
-        for name, first, piece in self.pieces():
-            if not all_finite(piece):
+    def checked_pieces(self) -> CheckedPieces:
+        """`pieces()`, each checked (NaN/Inf: WireError 422) before it is handed on; once they
+        are all read, `.bound` bounds every value's magnitude. For a reader that checks and
+        folds in one read of the file, where a refusal half way costs nothing."""
+        return CheckedPieces(self)
+
+    def check_values(self) -> float:
+        """WireError(422) for NaN or Inf anywhere, or for a bool byte that is not 0 or 1.
+
+        Returns an upper bound of every value's magnitude (inf when it cannot tell), found in
+        the same pass, so that a running sum of checked bodies can be known finite.
+        """
+        checked = self.checked_pieces()
+        for _ in checked:
+            pass
+        return checked.bound
+
+    def close(self) -> None:
+        """Done with the body: its file goes back to its `SpoolFiles`. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._files.give_back(self.file)
+
+
+class CheckedPieces:
+    """The pieces of a spooled body, each scanned before it is yielded (see checked_pieces)."""
+
+    def __init__(self, spooled: SpooledTensors) -> None:
+        self.spooled = spooled
+        self.bound = 0.0
+
+    def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        for name, first, piece in self.spooled.pieces():
+            piece_bound = finite_bound(piece)
+            if piece_bound is None:
                 bad = int((~torch.isfinite(piece)).sum())
                 raise WireError(
                     422,
@@ -85,9 +172,8 @@ class SpooledTensors:
                     tensor=name,
                     count=bad,
                 )
-
-    def close(self) -> None:
-        self.file.close()
+            self.bound = max(self.bound, piece_bound)
+            yield name, first, piece
 
 
 async def spool_body(
@@ -95,15 +181,18 @@ async def spool_body(
     content_length: int | None,
     max_bytes: int,
     directory: str | None = None,
+    files: SpoolFiles | None = None,
 ) -> SpooledTensors:
     """Write exactly `content_length` bytes to an unlinked temporary file and parse its header.
 
-    Same 411/413/422 rules as `read_body`; the file disappears when the result is closed or
-    garbage-collected.
+    Same 411/413/422 rules as `read_body`. The file comes from `files` and goes back there when
+    the result is closed (on a refusal too); without `files` it is a new file in `directory`,
+    which disappears when the result is closed or garbage-collected.
     """
     check_length(content_length, max_bytes)
     assert content_length is not None
-    file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 - handed to SpooledTensors
+    files = files or SpoolFiles(directory, keep=0)  # keep=0: a file is closed when given back
+    file = files.take()
     try:
         written = 0
         async for chunk in chunks:
@@ -133,7 +222,7 @@ async def spool_body(
             header_len = min(int.from_bytes(prefix, "little"), MAX_HEADER_BYTES, content_length)
             prefix += os.pread(file.fileno(), header_len, 8)
         data_start, entries = parse_frame_header(prefix, content_length)
-        return SpooledTensors(file, content_length, data_start, entries)
+        return SpooledTensors(file, content_length, data_start, entries, files)
     except BaseException:
-        file.close()
+        files.give_back(file)
         raise
