@@ -380,6 +380,7 @@ def test_barrier_waits_for_every_member_live_at_round_start() -> None:
     assert c.submit("c", 0, grad(-9.0)) == {
         "status": "accepted",
         "round": 0,
+        "fragment": 0,
         "current_round": 0,
         "waiting_for": ["b"],
     }
@@ -418,6 +419,7 @@ def test_late_worker_submission_before_commit_is_counted_as_extra() -> None:
     assert c.submit("late", 0, grad(-9.0)) == {
         "status": "accepted",
         "round": 0,
+        "fragment": 0,
         "current_round": 0,
         "waiting_for": ["b"],
     }
@@ -510,7 +512,13 @@ def test_duplicate_submission_is_counted_once() -> None:
     before = snapshot(c)
     clock.advance(1)
     again = c.submit("a", 0, grad(-100.0))  # a retry, even with other bytes, counts once
-    assert again == {"status": "duplicate", "round": 0, "current_round": 0, "waiting_for": ["b"]}
+    assert again == {
+        "status": "duplicate",
+        "round": 0,
+        "fragment": 0,
+        "current_round": 0,
+        "waiting_for": ["b"],
+    }
     after = snapshot(c)
     for key in ("masters", "submitted", "running_count", "running_sums", "round_tokens"):
         assert same(before[key], after[key]), key
@@ -528,6 +536,7 @@ def test_submission_for_a_committed_round_is_answered_committed() -> None:
     assert answer == {
         "status": "committed",
         "round": 0,
+        "fragment": 0,
         "current_round": 1,
         "waiting_for": [],  # about round 0, which waits for nobody any more
     }
@@ -541,13 +550,13 @@ def test_submission_for_a_committed_round_is_answered_committed() -> None:
 def test_future_round_is_409_with_current_round() -> None:
     c, _ = make()
     error = rejected(c, lambda: c.submit("a", 1, grad(-2.0)), 409, "future_round")
-    assert error.detail == {"current_round": 0}
+    assert error.detail == {"current_round": 0, "fragment": 0}
     c.submit("a", 0, grad(-2.0))
     c.submit("b", 0, grad(-8.0))
     error = rejected(c, lambda: c.submit("a", 5, grad(-2.0)), 409, "future_round")
-    assert error.detail == {"current_round": 1}
+    assert error.detail == {"current_round": 1, "fragment": 0}
     error = rejected(c, lambda: c.wait_result(2, "a", 0), 409, "future_round")
-    assert error.detail == {"current_round": 1}
+    assert error.detail == {"current_round": 1, "fragment": 0}
 
 
 def test_every_worker_gets_byte_identical_result_and_old_results_expire() -> None:
@@ -563,7 +572,7 @@ def test_every_worker_gets_byte_identical_result_and_old_results_expire() -> Non
         c.submit(worker, 1, grad(value))
     assert c.round_number == 2
     expired = rejected(c, lambda: c.wait_result(0, "a", 0), 410, "result_expired")
-    assert expired.detail == {"current_round": 2}
+    assert expired.detail == {"current_round": 2, "fragment": 0}
     latest = result_of(c, 1, "c")
     assert latest.round == 2
     assert latest.body != bodies[0]
@@ -574,7 +583,8 @@ def test_fragment_other_than_zero_is_refused_in_sync_mode() -> None:
     c, clock = make()
     clock.advance(3)
     error = rejected(c, lambda: c.submit("a", 0, grad(-2.0), fragment=1), 422, "invalid_request")
-    assert error.detail == {"field": "fragment", "got": 1}
+    assert error.detail == {"field": "fragment", "got": 1, "allowed": [0, 0]}
+    assert error.error == "field 'fragment' must be 0 (one fragment) in sync mode, got 1"
 
 
 # ----------------------------------------------------------------------- 5. validation
@@ -681,7 +691,7 @@ def test_barrier_timeout_is_504_naming_the_missing_and_the_round_recovers() -> N
     assert c.wait_result(0, "a", 0) == Waiting(0, ["c"])  # exactly at the timeout: not yet
     clock.advance(0.5)
     error = rejected(c, lambda: c.wait_result(0, "a", 0), 504, "barrier_timeout")
-    assert error.detail == {"waiting_for": ["c"], "round": 0}
+    assert error.detail == {"waiting_for": ["c"], "round": 0, "fragment": 0}
     assert "'c'" in error.error
     rejected(c, lambda: c.wait_result(0, None, 0), 504, "barrier_timeout")
     assert c.round_number == 0
@@ -729,6 +739,7 @@ def test_heartbeat_updates_status() -> None:
         "tokens": 4096,
         "last_seen_seconds_ago": 2.5,
         "rounds_contributed": 0,
+        "recommended_sync_every": None,
     }
     assert workers["b"]["last_seen_seconds_ago"] == 6.5
     assert workers["b"]["step"] == 0 and workers["b"]["loss"] is None
@@ -750,6 +761,8 @@ def test_status_and_info_report_round_fingerprint_and_bytes() -> None:
         "protocol_version": 1,
         "mode": "sync",
         "round": 0,
+        "fragment_rounds": [0],
+        "fragment_plan": None,
         "model_fingerprint": None,
         "settings": c.settings.to_wire(),
     }
@@ -808,16 +821,21 @@ def test_round_holds_one_running_sum_not_one_copy_per_worker() -> None:
             values = value.values() if isinstance(value, dict) else ()
             assert not any(isinstance(v, torch.Tensor | dict) for v in values), name
     assert set(current.submitted) == {(w, 0) for w in workers}
-    # The coordinator owns what it was given (the app hands it a private request buffer):
-    # the first submission's tensors became the sums without a copy.
-    assert current.running.sums["layer.weight"].data_ptr() == sent[0]["layer.weight"].data_ptr()
+    # The sums live in buffers the server keeps for every round, not in a sent body, and the
+    # senders' tensors are never written.
+    sums_at = current.running.sums["layer.weight"].data_ptr()
+    assert c.frames is not None and c.frames.sums()["layer.weight"].data_ptr() == sums_at
+    assert all(sums_at != body["layer.weight"].data_ptr() for body in sent)
+    assert torch.equal(sent[0]["layer.weight"], torch.zeros(2, 3))
+    masters_at = c.masters["layer.weight"].data_ptr()  # type: ignore[index]
     c.register("w5", TWO_SPECS, protocol_version=1)
     c.submit("w5", 0, {"layer.weight": torch.full((2, 3), 2.0), "layer.bias": torch.zeros(3)})
     assert c.round_number == 1
-    assert current.running is None  # the sums are freed once the round commits
+    assert current.running is None  # released at the commit
     assert c.masters is not None
     assert torch.equal(c.masters["layer.weight"], torch.full((2, 3), -2.0))
     assert torch.equal(c.masters["layer.bias"], torch.full((3,), 5.0 / 6.0))
+    assert c.masters["layer.weight"].data_ptr() == masters_at  # updated in place
 
 
 # ----------------------------------------------------------------------- 10. int / bool buffers

@@ -149,7 +149,13 @@ def test_reported_units_complete_when_the_round_commits_not_before() -> None:
     assert progress(c) == (0, 3, 7)
 
     answer = c.submit("a", 0, grad(-2.0), units=[2, 1])
-    assert answer == {"status": "accepted", "round": 0, "current_round": 0, "waiting_for": ["b"]}
+    assert answer == {
+        "status": "accepted",
+        "round": 0,
+        "fragment": 0,
+        "current_round": 0,
+        "waiting_for": ["b"],
+    }
     # Folded, but the round has not committed: the units are still only leased.
     assert c.round is not None and c.round.units == {"a": [1, 2]}
     assert done(c) == [] and progress(c) == (0, 3, 7)
@@ -451,6 +457,7 @@ def test_a_commit_missing_from_sqlite_is_replayed_from_the_checkpoint(tmp_path: 
     # As if the process died between the checkpoint and the SQLite transaction of round 0.
     with sqlite3.connect(tmp_path / "state.sqlite") as db:
         db.execute("DELETE FROM rounds WHERE round = 0")
+        db.execute("DELETE FROM submissions WHERE version = 0")
         db.execute("DELETE FROM metrics WHERE round = 0")
         db.execute("DELETE FROM audit WHERE event = 'outer_step' AND round = 0")
         db.execute(

@@ -331,7 +331,7 @@ BAD_REQUESTS = [
     Bad("submit: ghost", _submit(gradient(-2.0), worker_id="ghost"),
         404, "unknown_worker", ("'ghost'",), {"worker_id": "ghost"}),
     Bad("submit: future round", _submit(gradient(-2.0), round_number=1),
-        409, "future_round", ("round 1",), {"current_round": 0}),
+        409, "future_round", ("round 1",), {"current_round": 0, "fragment": 0}),
     Bad("submit: fragment 1 in sync mode", _submit(gradient(-2.0), query="&fragment=1"),
         422, "invalid_request", ("'fragment'",), {"field": "fragment"}),
     Bad("submit: negative fragment", _submit(gradient(-2.0), query="&fragment=-1"),
@@ -353,7 +353,7 @@ BAD_REQUESTS = [
     Bad("result: negative wait", lambda api: api.result("w0", wait=-1),
         422, "invalid_request", ("wait",)),
     Bad("result: future round", lambda api: api.result("w0", round_number=3),
-        409, "future_round", ("round 3",), {"current_round": 0}),
+        409, "future_round", ("round 3",), {"current_round": 0, "fragment": 0}),
     Bad("result: ghost", lambda api: api.result("ghost"),
         404, "unknown_worker", ("'ghost'",)),
     Bad("deregister: ghost", lambda api: api.call("DELETE", "/v1/workers/ghost"),
@@ -428,6 +428,7 @@ def test_a_volley_of_bad_requests_then_an_exact_round(two_workers):
     assert first.json() == {
         "status": "accepted",
         "round": 0,
+        "fragment": 0,
         "current_round": 0,
         "waiting_for": ["w1"],
     }
@@ -436,6 +437,7 @@ def test_a_volley_of_bad_requests_then_an_exact_round(two_workers):
     assert api.ok("POST", "/v1/rounds/0/submissions?worker_id=w0", body=gradient(-8.0)) == {
         "status": "duplicate",
         "round": 0,
+        "fragment": 0,
         "current_round": 0,
         "waiting_for": ["w1"],
     }
@@ -533,7 +535,7 @@ def test_long_poll_waits_then_expires_old_rounds(live_server):
         # the server lost its submission, and the worker sends it again).
         missing = api.result("w0", wait=0)
         assert missing.status == 409 and missing.json()["kind"] == "not_submitted"
-        assert missing.json()["detail"] == {"round": 0, "worker_id": "w0"}
+        assert missing.json()["detail"] == {"round": 0, "fragment": 0, "worker_id": "w0"}
 
         for round_number, value in ((0, -2.0), (1, -4.0)):
             answer = api.ok(
@@ -718,3 +720,48 @@ def test_openapi_is_served_behind_the_token_and_lists_the_routes(live_server):
         assert "step" in heartbeat_body["content"]["application/json"]["schema"]["properties"]
         # The rest of the API needs the token too.
         anonymous.rejects(anonymous.call("GET", "/v1/info"), 401, "unauthorized")
+
+
+def test_streaming_over_http_bad_fragments_then_an_exact_fragment_round(live_server) -> None:
+    """Fragment index out of range, a fragment body carrying the other fragment's tensor, a
+    result for no fragment: 422 naming the value, nothing changed; then a fragment round."""
+    settings = ServerSettings(
+        mode="streaming", sync_every=2, fragments=2, outer_optimizer="sgd", outer_lr=1.0,
+        outer_momentum=0.0, max_body_bytes=MAX_BODY,
+    )  # fmt: skip
+    with live_server(settings, state(10.0)) as server:
+        api = Api(server.url)
+        api.register("w0")
+        api.register("w1")
+        info = api.ok("GET", "/v1/info")
+        assert info["fragment_plan"] == [["layer.weight"], ["layer.bias"]]
+        weight_only = encode_tensors({"layer.weight": torch.full((4, 3), -2.0)})
+        before = api.snapshot()
+        api.rejects(
+            api.submit("w0", weight_only, query="&fragment=2"), 422, "invalid_request", "[0, 1]"
+        )
+        api.rejects(api.submit("w0", weight_only, query="&fragment=-1"), 422, "invalid_request")
+        both = api.rejects(
+            api.submit("w0", gradient(-2.0), query="&fragment=0"),
+            422,
+            "wrong_fragment",
+            "'layer.bias'",
+        )
+        assert both["detail"] == {"tensor": "layer.bias", "fragment": 0, "belongs_to": 1}
+        api.rejects(
+            api.call("GET", "/v1/rounds/0/result?fragment=7&wait=0"), 422, "invalid_request"
+        )
+        assert api.snapshot() == before
+
+        assert api.submit("w0", weight_only, query="&fragment=0").status == 200
+        other = encode_tensors({"layer.weight": torch.full((4, 3), -8.0)})
+        assert api.submit("w1", other, query="&fragment=0").json()["current_round"] == 1
+        result = api.call("GET", "/v1/rounds/0/result?worker_id=w0&fragment=0&wait=5")
+        assert result.status == 200
+        assert (result.headers["X-Diloco-Round"], result.headers["X-Diloco-Fragment"]) == ("1", "0")
+        assert set(decode_tensors(result.data)) == {"layer.weight"}
+        assert torch.equal(decode_tensors(result.data)["layer.weight"], torch.full((4, 3), 15.0))
+        weights = api.call("GET", "/v1/weights")
+        assert weights.headers["X-Diloco-Fragment-Rounds"] == "1,0"
+        assert weights.headers["X-Diloco-Round"] == "1"
+        assert torch.equal(decode_tensors(weights.data)["layer.bias"], torch.full((3,), 10.0))

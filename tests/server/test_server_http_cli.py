@@ -112,6 +112,31 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
         "unwritable state dir": (["--state-dir", "/proc/diloco-state"], "cannot be"),
         "newer state dir": (["--state-dir", str(newer)], "newer diloco"),
         "unknown durability": (["--durability", "sometimes"], "--durability"),
+        "unknown mode": (["--mode", "bogus"], "mode must be one of sync, streaming, async"),
+        "fragments in sync mode": (["--fragments", "2"], "--fragments applies to --mode streaming"),
+        "async with a barrier timeout": (
+            ["--mode", "async", "--barrier-timeout", "5"],
+            "--barrier-timeout does not apply to --mode async",
+        ),
+        "state dir of another mode": (
+            ["--state-dir", str(written_state), "--mode", "async"],
+            "written with mode 'sync'",
+        ),
+        "fragments that do not divide H": (
+            ["--mode", "streaming", "--sync-every", "50", "--fragments", "3"],
+            "sync_every H must be divisible by fragments P, got H = 50, P = 3",
+        ),
+        "delay at the window": (
+            ["--mode", "streaming", "--sync-every", "20", "--fragments", "4", "--delay", "5"],
+            "delay tau must be in [0, S) with S = H / P = 5, got 5",
+        ),
+        "alpha above 1": (
+            ["--mode", "streaming", "--fragments", "2", "--alpha", "1.5"],
+            "alpha must be in [0, 1], got 1.5",
+        ),
+        "dn-period 0": (["--mode", "async", "--dn-period", "0"], "dn_period must be"),
+        "negative grace": (["--mode", "async", "--grace-seconds", "-1"], "grace_seconds must be"),
+        "dylu in sync mode": (["--dylu"], "dylu applies to"),
         "interval without a state dir": (["--durability", "interval"], "needs --state-dir"),
         "checkpoint-every without interval": (["--checkpoint-every", "5"], "--durability interval"),
         "checkpoint-every 0": (
@@ -149,7 +174,7 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
     outcomes = {}
     try:
         for label, process in processes.items():
-            stdout, stderr = process.communicate(timeout=60)
+            stdout, stderr = process.communicate(timeout=180)
             outcomes[label] = (process.returncode, stdout, stderr)
     finally:
         for process in processes.values():

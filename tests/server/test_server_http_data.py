@@ -271,7 +271,13 @@ def test_a_submission_with_units_it_does_not_hold_is_not_folded(served) -> None:
     assert api.ok("GET", "/v1/status")["waiting_for"] == ["w0", "w1"]
     # The same worker resubmits with what it holds: accepted and counted once.
     accepted = api.submit("w1", gradient(-8.0), 0, "&units=3").json()
-    assert accepted == {"status": "accepted", "round": 0, "current_round": 0, "waiting_for": ["w0"]}
+    assert accepted == {
+        "status": "accepted",
+        "round": 0,
+        "fragment": 0,
+        "current_round": 0,
+        "waiting_for": ["w0"],
+    }
     assert server.coordinator.round.units == {"w1": [3]}
 
 

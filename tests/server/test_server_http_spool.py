@@ -61,7 +61,9 @@ def test_a_second_upload_in_flight_is_spooled_and_the_round_is_exact(
         assert client.submit(0, "fast", body(-8.0))["status"] == "accepted"
         assert client.submit(0, "nan", body(-5.0))["status"] == "accepted"
         assert len(spooled) == 3  # nan, fast and the nan worker's retry all went to disk
-        assert all(body.file.closed for body in spooled)  # and their files are gone
+        assert all(body.closed for body in spooled)  # and are done with
+        # One after the other, they were written into the same kept file.
+        assert len({id(body.file) for body in spooled}) == 1
         connection.send(slow_body[len(slow_body) // 2 :])
         reply = connection.getresponse()
         assert reply.status == 200, reply.read()

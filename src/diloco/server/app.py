@@ -2,14 +2,15 @@
 
 Tensor bodies are read into one preallocated buffer (refused with 413 from Content-Length
 before a byte is read), parsed without copies, and handed to the coordinator in a worker
-thread so the event loop keeps serving heartbeats while a big submission is folded in.
+thread. Every call that takes the coordinator's lock runs in a worker thread, so the event
+loop keeps receiving uploads and heartbeats while a commit (outer step, checkpoint) holds it.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -20,14 +21,16 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from diloco import __version__, faults
-from diloco.server.coordinator import Coordinator, RoundResult
+from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
+from diloco.server.results import RoundResult
 from diloco.wire import (
     DatasetRequest,
     HeartbeatRequest,
     LeaseRequest,
     RegisterRequest,
     SpooledTensors,
+    SpoolFiles,
     WireError,
     check_length,
     decode_tensors,
@@ -83,8 +86,11 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     )
     metrics = coordinator.metrics
 
-    def reject(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    def reject(status: int, body: dict) -> JSONResponse:
         metrics.rejected.labels(kind=body["kind"]).inc()
+        # A header of the answer rather than an HTTP middleware: Starlette's BaseHTTPMiddleware
+        # wraps every receive() of a streamed body in a task group, which halved upload speed.
+        headers = {"WWW-Authenticate": 'Bearer realm="diloco"'} if status == 401 else None
         return _error_response(status, body, headers)
 
     @app.exception_handler(Rejection)
@@ -122,19 +128,11 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         ):
             raise Rejection(401, "unauthorized", "missing or wrong bearer token")
 
-    @app.middleware("http")
-    async def www_authenticate(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        response = await call_next(request)
-        if response.status_code == 401:
-            response.headers["WWW-Authenticate"] = 'Bearer realm="diloco"'
-        return response
-
     authed = [Depends(require_token)]
 
     settings = coordinator.settings
     in_memory = {"bodies": 0}  # tensor bodies held in RAM right now (one event loop: no lock)
+    spool_files = SpoolFiles(settings.spool_dir)  # kept between uploads: no new file per body
 
     @asynccontextmanager
     async def tensors_from(
@@ -153,7 +151,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
                 if faults.ENABLED:
                     chunks = faults.watch_chunks(chunks)
                 spooled = await spool_body(
-                    chunks, length, settings.max_body_bytes, settings.spool_dir
+                    chunks, length, settings.max_body_bytes, files=spool_files
                 )
             except OSError as exc:  # a full or missing spool disk heals; the worker retries
                 raise Rejection(
@@ -174,10 +172,15 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
             in_memory["bodies"] -= 1
 
     def tensor_response(result: RoundResult) -> Response:
+        headers = {"X-Diloco-Round": str(result.round)}
+        if result.fragment is not None:
+            headers["X-Diloco-Fragment"] = str(result.fragment)
+        if result.fragment_rounds is not None:
+            headers["X-Diloco-Fragment-Rounds"] = ",".join(map(str, result.fragment_rounds))
         return Response(
-            content=memoryview(result.body),  # the round's one buffer, never copied per worker
+            content=result.body,  # a view of the round's one buffer, never copied per worker
             media_type=TENSORS,
-            headers={"X-Diloco-Round": str(result.round)},
+            headers=headers,
         )
 
     @app.get("/openapi.json", dependencies=authed, include_in_schema=False)
@@ -190,7 +193,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/info", dependencies=authed)
     async def info() -> dict:
-        return coordinator.info()
+        return await run_in_threadpool(coordinator.info)
 
     async def json_body(request: Request, model: type[Model]) -> Model:
         length = parse_content_length(request.headers.get("content-length"))
@@ -209,7 +212,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     @app.delete("/v1/workers/{worker_id}", dependencies=authed)
     async def deregister(worker_id: str) -> dict:
-        coordinator.deregister(worker_id)
+        await run_in_threadpool(coordinator.deregister, worker_id)
         return {"worker_id": worker_id, "removed": True}
 
     @app.post(
@@ -219,8 +222,14 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     )
     async def heartbeat(worker_id: str, request: Request) -> dict:
         beat = await json_body(request, HeartbeatRequest)
-        return coordinator.heartbeat(
-            worker_id, beat.step, beat.steps_per_second, beat.loss, beat.tokens
+        return await run_in_threadpool(
+            coordinator.heartbeat,
+            worker_id,
+            beat.step,
+            beat.steps_per_second,
+            beat.loss,
+            beat.tokens,
+            beat.windows,
         )
 
     @app.post("/v1/datasets", dependencies=authed, openapi_extra=_json_schema(DatasetRequest))
@@ -292,8 +301,11 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         round_number: int,
         worker_id: str | None = Query(None),
         wait: float = Query(30.0, ge=0.0, le=120.0),
+        fragment: int = Query(0, ge=0),
     ) -> Response:
-        outcome = await run_in_threadpool(coordinator.wait_result, round_number, worker_id, wait)
+        outcome = await run_in_threadpool(
+            coordinator.wait_result, round_number, worker_id, wait, fragment
+        )
         if isinstance(outcome, RoundResult):
             return tensor_response(outcome)
         return JSONResponse(
@@ -307,11 +319,11 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/status", dependencies=authed)
     async def status() -> dict:
-        return coordinator.status()
+        return await run_in_threadpool(coordinator.status)
 
     @app.get("/metrics", dependencies=authed)
     async def prometheus() -> Response:
-        metrics.live_workers.set(len(coordinator.membership.live_ids()))
+        metrics.live_workers.set(await run_in_threadpool(coordinator.live_count))
         return Response(content=metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app

@@ -1,69 +1,97 @@
-"""The authority of a DiLoCo run: membership, rounds and barriers, the global weights.
+"""The authority of a DiLoCo run: membership, the global weights, and the outer steps.
 
 No HTTP here: the app translates requests into these calls and `Rejection`s into responses, and
 tests drive the coordinator by calling its methods. Every method takes the one lock; a method
 that refuses raises `Rejection` before it changes anything.
+
+When pseudo-gradients are combined is the job of a round engine (`server.engines`): barriers
+per round or per streaming fragment (`BarrierRounds`), or arrivals applied at once with an
+optional grace window (`AsyncArrivals`). The coordinator owns what they share: the fp32
+masters, the outer optimizer, the version (outer steps committed), the durable commit.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from diloco import faults
-from diloco.algorithm import Contribution, TensorKind, apply_mean, to_fp32_masters
+from diloco.algorithm import (
+    RunningMean,
+    TensorKind,
+    apply_running_mean,
+    block_prefixes_from_names,
+    dylu_local_steps,
+    plan_fragments,
+)
+from diloco.server.engines import AsyncArrivals, BarrierRounds, RoundEngine
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord, RoundJournal
+from diloco.server.master_frames import MasterFrames
 from diloco.server.membership import Membership
 from diloco.server.metrics import ServerMetrics
+from diloco.server.results import Published, RoundResult, Waiting
 from diloco.server.rounds import Round
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
+from diloco.server.submission import Submission
 from diloco.wire import (
     PROTOCOL_VERSION,
     WORKER_ID_PATTERN,
     SpooledTensors,
     TensorSpec,
     WireError,
+    check_finite,
     check_tensors,
     encode_tensors,
     fingerprint,
     first_difference,
     is_worker_id,
 )
+from diloco.wire.spool import CheckedPieces
+
+__all__ = ["Coordinator", "RoundResult", "Waiting"]
 
 MAX_WAIT_SECONDS = 120.0
 log = logging.getLogger("diloco.server")
 
 
-@dataclass(frozen=True)
-class RoundResult:
-    """A committed round's new global weights, encoded once for every worker of the round."""
-
-    round: int
-    body: bytearray  # written once at the commit and never changed afterwards
-
-
-@dataclass(frozen=True)
-class Waiting:
-    """A long-poll that ended before the round committed."""
-
-    round: int
-    waiting_for: list[str]
-
-
-def _rejection(error: WireError) -> Rejection:
+def rejection_of(error: WireError) -> Rejection:
     return Rejection(error.status, error.kind, error.error, **error.detail)
 
 
+def scan_values(tensors: Mapping[str, torch.Tensor] | SpooledTensors) -> float:
+    """Rejection (422) for NaN or Inf; else an upper bound of the values' magnitude (inf when
+    unknown), which lets a round know its sums finite without scanning them again."""
+    try:
+        if isinstance(tensors, SpooledTensors):
+            return tensors.check_values()
+        for name, tensor in tensors.items():
+            check_finite(name, tensor)
+    except WireError as error:
+        raise rejection_of(error) from None
+    return math.inf
+
+
+def fragment_plan(specs: Sequence[TensorSpec], fragments: int) -> list[list[str]]:
+    """Which tensor names each fragment holds: strided over the model's blocks when its names
+    show them (as `diloco simulate` plans from the module), else contiguous by parameter count.
+    """
+    sizes = [(spec.name, math.prod(spec.shape)) for spec in specs]
+    if fragments == 1:
+        return [[name for name, _ in sizes]]
+    prefixes = block_prefixes_from_names([name for name, _ in sizes])
+    return plan_fragments(sizes, fragments, prefixes or None)
+
+
 class Coordinator:
-    """Synchronous DiLoCo: a barrier per round over the workers live when it started."""
+    """One run's global state; the mode's round engine decides when an outer step happens."""
 
     def __init__(
         self,
@@ -81,11 +109,12 @@ class Coordinator:
         self._lock = threading.Condition()
         self.optimizer = settings.make_outer_optimizer()
         self.membership = Membership()
-        self.masters: dict[str, torch.Tensor] | None = None
+        self.frames: MasterFrames | None = None  # the masters, in the result's byte layout
         self.specs: dict[str, TensorSpec] | None = None
+        self.plan: list[list[str]] | None = None  # names per fragment (one fragment but streaming)
         self.kinds_known = False
-        self.round: Round | None = None
-        self.result: RoundResult | None = None
+        self.version = 0  # outer steps committed: the round in sync mode
+        self.result: Published | None = None  # the current full weights, encoded once
         self.bytes_in = 0
         self.bytes_out = 0
         self.rounds_committed = 0
@@ -95,25 +124,27 @@ class Coordinator:
         self.pool = self.journal.pool
         self.last_commit: CommitRecord | None = None
         self.broken: str | None = None
+        self.engine: RoundEngine = (
+            AsyncArrivals(self) if settings.mode == "async" else BarrierRounds(self)
+        )
         restored = self.journal.restore()
         if restored is not None:
             if initial is not None:
                 raise ValueError(
                     f"the state dir already holds round {restored.round}; drop --init to resume"
                 )
-            self.masters = to_fp32_masters(restored.masters)
+            self._set_specs(restored.specs, kinds_known=True)
+            self.frames = self._frames_of(restored.masters)
             self.optimizer.load_state_dict(restored.optimizer_state)
-            self.specs, self.kinds_known = restored.specs, True
+            self.version = restored.round
             # The workers live at the crash are members again: the restored round waits for
             # them (a missing one is evicted after the heartbeat timeout, as always), so a
             # lone early resubmission cannot commit a round that others were part of.
             for worker_id, session in restored.live_workers:
                 self.membership.admit(worker_id, self.started_at, session)
-            self.round = Round(
-                restored.round, self.membership.live_ids(), settings.weighting, self.started_at
-            )
+            self.engine.start(restored.fragment_rounds, self.started_at)
             self.metrics.live_workers.set(len(self.membership.live_ids()))
-            self.metrics.round.set(restored.round)
+            self.metrics.round.set(self.version)
         elif initial is not None:
             self._adopt_weights(initial, kinds=None)
         else:
@@ -121,15 +152,28 @@ class Coordinator:
             # their ids, and the first of them may be uploading the initial weights.
             known = self.journal.registered_specs()
             if known is not None:
-                self.specs, self.kinds_known = known, True
+                self._set_specs(known, kinds_known=True)
                 for worker_id, session in self.journal.state.live_workers():
                     self.membership.admit(worker_id, self.started_at, session)
 
     # ----------------------------------------------------------------- read-only views
 
     @property
+    def masters(self) -> dict[str, torch.Tensor] | None:
+        """The fp32 master weights (int/bool buffers keep their dtype); None before any.
+
+        Read them here; an update goes through `frames.writable()` (see MasterFrames)."""
+        return None if self.frames is None else self.frames.masters
+
+    @property
     def round_number(self) -> int:
-        return 0 if self.round is None else self.round.number
+        """The version: outer steps committed (the round in sync mode)."""
+        return self.version
+
+    @property
+    def round(self) -> Round | None:
+        """The open round (sync), fragment 0's open round (streaming), or the grace window."""
+        return self.engine.open_round()
 
     @property
     def model_fingerprint(self) -> str | None:
@@ -140,20 +184,32 @@ class Coordinator:
             return {
                 "protocol_version": PROTOCOL_VERSION,
                 "mode": self.settings.mode,
-                "round": self.round_number,
+                "round": self.version,
+                "fragment_rounds": self.engine.fragment_rounds(),
+                "fragment_plan": self.plan if self.masters is not None else None,
                 "model_fingerprint": self.model_fingerprint if self.masters is not None else None,
                 "settings": self.settings.to_wire(),
             }
+
+    def live_count(self) -> int:
+        with self._lock:
+            return len(self.membership.live_ids())
 
     def status(self) -> dict:
         with self._lock:
             now = self.clock()
             uptime = max(1e-9, now - self.started_at)
+            workers = []
+            for record in self.membership.workers.values():
+                entry = record.to_status(now)
+                entry["recommended_sync_every"] = self._recommended_sync_every(record.worker_id)
+                workers.append(entry)
             return {
-                "round": self.round_number,
+                "round": self.version,
                 "mode": self.settings.mode,
-                "workers": [w.to_status(now) for w in self.membership.workers.values()],
-                "waiting_for": [] if self.round is None else self.round.waiting_for(),
+                "fragment_rounds": self.engine.fragment_rounds(),
+                "workers": workers,
+                "waiting_for": self.engine.waiting_for(),
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
                 "rounds_per_hour": self.rounds_committed / uptime * 3600.0,
@@ -216,23 +272,34 @@ class Coordinator:
                     worker_id=worker_id,
                 )
             if self.specs is None or not self.kinds_known:
-                self.specs = {s.name: s for s in specs}
-                self.kinds_known = True
+                try:
+                    self._set_specs({s.name: s for s in specs}, kinds_known=True)
+                except ValueError as exc:  # the model cannot be cut into the fragments asked
+                    raise Rejection(
+                        422,
+                        "fragments_do_not_fit",
+                        f"this model cannot be split as the server is configured: {exc}",
+                        fragments=self.settings.fragments,
+                    ) from None
                 self.journal.save_registered_specs(self.specs)
             self.membership.admit(worker_id, now, session)
-            self.journal.worker_joined(worker_id, session, self.round_number)
+            self.journal.worker_joined(worker_id, session, self.version)
             faults.crash_point("registered")
-            log.info("worker %s registered at round %d", worker_id, self.round_number)
-            if self.round is not None and self.round.first_submission_at is None:
-                # Nobody waits on this round yet, so the newcomer can join its barrier now.
-                self.round.members.add(worker_id)
+            log.info("worker %s registered at round %d", worker_id, self.version)
+            self.engine.on_register(worker_id)
             self.metrics.live_workers.set(len(self.membership.live_ids()))
             return self._registration(worker_id)
+
+    def _set_specs(self, specs: dict[str, TensorSpec], *, kinds_known: bool) -> None:
+        """The model's tensors; the fragment plan follows from them (ValueError if it cannot)."""
+        plan = fragment_plan(list(specs.values()), self.settings.fragments)
+        self.specs, self.plan, self.kinds_known = specs, plan, kinds_known
 
     def _registration(self, worker_id: str) -> dict:
         return {
             "worker_id": worker_id,
-            "round": self.round_number,
+            "round": self.version,
+            "fragment_rounds": self.engine.fragment_rounds(),
             "needs_initial_weights": self.masters is None,
             "model_fingerprint": self.model_fingerprint if self.masters is not None else None,
             "settings": self.settings.to_wire(),
@@ -241,19 +308,47 @@ class Coordinator:
     def deregister(self, worker_id: str) -> None:
         with self._lock:
             self._require_live(worker_id)
-            log.info("worker %s left at round %d", worker_id, self.round_number)
+            log.info("worker %s left at round %d", worker_id, self.version)
             self._remove(worker_id, "deregistered")
 
     def heartbeat(
-        self, worker_id: str, step: int, steps_per_second: float, loss: float | None, tokens: int
+        self,
+        worker_id: str,
+        step: int,
+        steps_per_second: float,
+        loss: float | None,
+        tokens: int,
+        windows: int | None = None,
     ) -> dict:
+        """A sign of life with progress; `windows` counts the worker's finished sync windows,
+        and a new count makes `steps_per_second` (that window's compute speed) a DyLU sample.
+        """
         with self._lock:
             record = self._require_live(worker_id)
             record.last_seen = self.clock()
             record.step, record.steps_per_second = step, steps_per_second
             record.loss, record.tokens = loss, tokens
+            if windows is not None:
+                record.add_speed_sample(windows, steps_per_second)
             faults.crash_point("heartbeat")
-            return {"round": self.round_number, "recommended_sync_every": None, "command": None}
+            return {
+                "round": self.version,
+                "recommended_sync_every": self._recommended_sync_every(worker_id),
+                "command": None,
+            }
+
+    def _recommended_sync_every(self, worker_id: str) -> int | None:
+        """DyLU: H_w = max(1, floor(v_w / max v * H)) over live workers' smoothed speeds."""
+        if not self.settings.dylu:
+            return None
+        speeds = {
+            w.worker_id: w.smoothed_speed
+            for w in self.membership.workers.values()
+            if w.live and w.smoothed_speed is not None and w.smoothed_speed > 0
+        }
+        if worker_id not in speeds:
+            return None
+        return dylu_local_steps(speeds, self.settings.sync_every)[worker_id]
 
     def evict_stale(self) -> list[str]:
         """Evict workers silent past the heartbeat timeout; the barrier re-checks at once."""
@@ -267,6 +362,7 @@ class Coordinator:
                 )
                 self._remove(worker_id, "evicted")
                 self.metrics.evictions.inc()
+            self.engine.tick(self.clock())
             return stale
 
     def _require_live(self, worker_id: str):
@@ -283,12 +379,10 @@ class Coordinator:
 
     def _remove(self, worker_id: str, reason: str) -> None:
         self.membership.workers[worker_id].live = False
-        keep = set() if self.round is None else self.round.units_of(worker_id)
-        self.journal.worker_left(worker_id, self.round_number, reason, keep_units=keep)
-        if self.round is not None:
-            self.round.leave(worker_id)
+        keep = self.engine.units_of(worker_id)
+        self.journal.worker_left(worker_id, self.version, reason, keep_units=keep)
         self.metrics.live_workers.set(len(self.membership.live_ids()))
-        self._try_commit(self.clock())
+        self.engine.on_leave(worker_id, self.clock())
 
     # ----------------------------------------------------------------- work units
 
@@ -356,17 +450,22 @@ class Coordinator:
             )
             for name, t in tensors.items()
         }
-        self.masters = to_fp32_masters(tensors)
         if self.specs is None:
-            self.specs = specs
-            self.kinds_known = kinds is not None
+            self._set_specs(specs, kinds_known=kinds is not None)
+        self.frames = self._frames_of(tensors)
         self._durably("writing the initial weights", self._save_initial)
-        self.round = Round(0, self.membership.live_ids(), self.settings.weighting, self.clock())
+        self.version = 0
         self.result = None
+        self.engine.start([0] * self.settings.fragments, self.clock())
 
     def _save_initial(self) -> None:
         assert self.masters is not None and self.specs is not None
-        self.journal.save_initial(self.masters, self.optimizer.state_dict(copy=False), self.specs)
+        self.journal.save_initial(
+            self.masters,
+            self.optimizer.state_dict(copy=False),
+            self.specs,
+            self.engine.fragment_rounds(),
+        )
 
     def _durably(self, what: str, write: Callable[[], None]) -> None:
         """Run a state write (lock held); a failure stops the server serving until restarted.
@@ -394,21 +493,21 @@ class Coordinator:
                     409,
                     "weights_exist",
                     "the global weights already exist; fetch /v1/weights",
-                    current_round=self.round_number,
+                    current_round=self.version,
                 )
             assert self.specs is not None  # a live worker registered its specs
             try:
                 check_tensors(tensors, self.specs, float_dtype=None)
             except WireError as error:
-                raise _rejection(error) from None
+                raise rejection_of(error) from None
             self._adopt_weights(tensors, {n: s.kind for n, s in self.specs.items()})
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             self.bytes_in += size
             self.metrics.bytes_in.inc(size)
-            return self.round_number
+            return self.version
 
     def weights(self) -> RoundResult:
-        """The current global weights, encoded once per round in the download dtype."""
+        """The current global weights, encoded once per version in the download dtype."""
         with self._lock:
             if self.masters is None:
                 raise Rejection(
@@ -417,15 +516,44 @@ class Coordinator:
                     "the global weights do not exist yet; "
                     "the first worker to register uploads them",
                 )
-            if self.result is None or self.result.round != self.round_number:
-                self.result = RoundResult(self.round_number, self._encode_masters())
-            self._count_out(len(self.result.body))
-            return self.result
+            result = self.current_weights().lend()
+            self.count_out(len(result.body))
+            return result
 
-    def _encode_masters(self) -> bytearray:
+    def current_weights(self) -> Published:
+        """The full weights of this version, encoded at most once (lock held)."""
+        assert self.frames is not None
+        if self.result is None or self.result.round != self.version:
+            rounds = self.engine.fragment_rounds()
+            self.result = Published(
+                self.version,
+                self.frames.result(),
+                fragment_rounds=tuple(rounds) if self.settings.mode == "streaming" else None,
+            )
+        return self.result
+
+    def _frames_of(self, tensors: Mapping[str, torch.Tensor]) -> MasterFrames:
+        """Master weights from `tensors`, laid out as the result in the download dtype.
+
+        Floating tensors go out in the download dtype; int and bool buffers in their spec's.
+        """
+        assert self.specs is not None
+        encoded = {}
+        for name, tensor in tensors.items():
+            spec_dtype = self.specs[name].dtype
+            if tensor.is_floating_point():
+                encoded[name] = self.settings.download_dtype
+            else:
+                encoded[name] = tensor.dtype if spec_dtype.is_floating_point else spec_dtype
+        return MasterFrames(tensors, encoded)
+
+    def encode(self, names: Sequence[str]) -> bytearray:
+        """The masters of `names` (a streaming fragment) in the download dtype, ints as their
+        spec: a copy, so later outer steps of other fragments leave it as it is."""
         assert self.masters is not None and self.specs is not None
         out = {}
-        for name, master in self.masters.items():
+        for name in names:
+            master = self.masters[name]
             spec_dtype = self.specs[name].dtype
             out[name] = (
                 master
@@ -434,7 +562,7 @@ class Coordinator:
             )
         return encode_tensors(out, float_dtype=self.settings.download_dtype)
 
-    def _count_out(self, n: int) -> None:
+    def count_out(self, n: int) -> None:
         self.bytes_out += n
         self.metrics.bytes_out.inc(n)
 
@@ -450,115 +578,153 @@ class Coordinator:
         tokens: int = 0,
         units: Sequence[int] = (),
     ) -> dict:
-        """Fold one pseudo-gradient into its round; idempotent on (worker, round, fragment).
+        """Fold one pseudo-gradient in; idempotent on (worker, round, fragment).
 
         `units` are the work units the worker finished since its last submission; they are
-        completed in the same transaction as this round's commit (see journal.commit).
+        completed in the same transaction as the outer step that uses it (journal.commit).
 
-        The coordinator takes ownership of `tensors` (the app passes views of a private request
-        buffer): the round's running sum may reuse their memory, so callers must not reuse them.
-        A body spooled to disk (`SpooledTensors`) is checked and folded a piece at a time.
+        `tensors` are only read (their values are added into the running sum). A body spooled
+        to disk (`SpooledTensors`) is checked and folded a piece at a time. The values are
+        scanned for NaN/Inf without the lock, so that one upload's scan overlaps another's
+        fold; everything else is decided under it, before the scan and again after it.
         """
+        units = sorted(set(units))
         with self._lock:
-            self._require_healthy()
-            now = self.clock()
-            record = self._require_live(worker_id)
-            current = self.round_number
-            if self.closing:
-                raise Rejection(
-                    503,
-                    "shutting_down",
-                    "the server is shutting down; submit again once it is back",
-                    current_round=current,
-                )
-            if self.masters is None or self.round is None:
-                raise Rejection(409, "no_weights", "no global weights yet; nothing to submit to")
-            if round_number > current:
-                raise Rejection(
-                    409,
-                    "future_round",
-                    f"round {round_number} has not started; the current round is {current}",
-                    current_round=current,
-                )
-            if round_number < current:
-                record.last_seen = now
-                return self._submit_answer("committed", round_number)
-            if fragment != 0:
-                raise Rejection(
-                    422,
-                    "invalid_request",
-                    "field 'fragment' must be 0 in sync mode",
-                    field="fragment",
-                    got=fragment,
-                )
-            if self.round.has(worker_id, fragment):
-                record.last_seen = now
-                return self._submit_answer("duplicate", round_number)
-            assert self.specs is not None
-            spooled = isinstance(tensors, SpooledTensors)
-            units = sorted(set(units))
-            self.pool.check_reported(worker_id, units)
-            try:
-                check_tensors(
-                    tensors.meta if spooled else tensors,
-                    self.specs,
-                    float_dtype=self.settings.upload_dtype,
-                    scan_values=not spooled,
-                )
-                if spooled:
-                    tensors.check_values()
-            except WireError as error:
-                raise _rejection(error) from None
-            record.last_seen = now  # only now: a rejection leaves the state as it was
-            if spooled:
-                size = tensors.nbytes
-                shapes = {name: tuple(t.shape) for name, t in tensors.meta.items()}
-                self.round.add_pieces(worker_id, fragment, shapes, tensors.pieces(), tokens, now)
-            else:
-                size = sum(t.numel() * t.element_size() for t in tensors.values())
-                contribution = Contribution(tensors, tokens, worker_id)
-                self.round.add(worker_id, fragment, contribution, now)
-            self.round.units[worker_id] = units
-            record.rounds_contributed += 1
-            self.bytes_in += size
-            self.metrics.bytes_in.inc(size)
-            faults.crash_point("submission_folded")
-            self._try_commit(now)
-            return self._submit_answer("accepted", round_number)
+            submission = self._admit(worker_id, round_number, fragment, tensors, tokens, units)
+            if not isinstance(submission, Submission):
+                return submission  # nothing to fold: the answer
+            if isinstance(tensors, SpooledTensors) and self.engine.folds_first(fragment):
+                # The first contribution of its round: its sums are new, so it can be checked
+                # while it is folded, in one read of the file; a refusal half way changes nothing.
+                return self._accept(submission, tensors.checked_pieces())
+        max_abs = scan_values(tensors)  # outside the lock
+        with self._lock:
+            # The state may have moved on during the scan (a commit, a retry that won).
+            submission = self._admit(worker_id, round_number, fragment, tensors, tokens, units)
+            if not isinstance(submission, Submission):
+                return submission
+            return self._accept(submission, max_abs)
 
-    def _submit_answer(self, status: str, round_number: int) -> dict:
-        """`waiting_for` is about the submitted round: empty once it has committed."""
-        open_round = self.round is not None and self.round.number == round_number
-        return {
-            "status": status,
-            "round": round_number,
-            "current_round": self.round_number,
-            "waiting_for": self.round.waiting_for() if open_round else [],
-        }
+    def _admit(
+        self,
+        worker_id: str,
+        round_number: int,
+        fragment: int,
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
+        tokens: int,
+        units: list[int],
+    ) -> Submission | dict:
+        """Everything about a submission but its values (lock held); changes nothing.
 
-    def _try_commit(self, now: float) -> None:
-        """Commit the round if its barrier is satisfied (lock held)."""
-        current = self.round
-        if self.masters is None or current is None or not current.ready(self.settings.min_workers):
-            return
-        started = time.perf_counter()
-        assert current.running is not None and self.specs is not None
-        kinds = {name: spec.kind for name, spec in self.specs.items()}
+        Returns the answer when there is nothing to fold ("committed", "duplicate": the only
+        outcomes that touch state, the worker's last_seen), the Submission when it should be
+        folded; a refusal raises Rejection.
+        """
         self._require_healthy()
-        apply_mean(
-            self.masters, current.running.mean(), self.optimizer, kinds, policy=self.settings.policy
-        )
-        current.running = None  # free the sums before encoding the result
-        record = CommitRecord(
-            round=current.number,
-            contributors=sorted(current.submitters),
-            units=current.all_units(),
-            tokens=current.tokens,
-            seconds=time.perf_counter() - started,
-        )
+        record = self._require_live(worker_id)
+        if self.closing:
+            raise Rejection(
+                503,
+                "shutting_down",
+                "the server is shutting down; submit again once it is back",
+                current_round=self.version,
+            )
+        if self.masters is None or self.plan is None:
+            raise Rejection(409, "no_weights", "no global weights yet; nothing to submit to")
+        fragments = len(self.plan)
+        if not 0 <= fragment < fragments:
+            allowed = "0 (one fragment)" if fragments == 1 else f"in [0, {fragments - 1}]"
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'fragment' must be {allowed} in {self.settings.mode} mode, got {fragment}",
+                field="fragment",
+                got=fragment,
+                allowed=[0, fragments - 1],
+            )
+        submission = Submission(record, round_number, fragment, tensors, tokens, units)
+        answer = self.engine.admit(submission)
+        if answer is not None:
+            return answer
+        self._check_layout(fragment, tensors)
+        return submission
+
+    def _check_layout(
+        self, fragment: int, tensors: Mapping[str, torch.Tensor] | SpooledTensors
+    ) -> None:
+        """Names (of this fragment), shapes and dtypes; the values are scanned apart."""
+        assert self.specs is not None and self.plan is not None
+        shapes = tensors.meta if isinstance(tensors, SpooledTensors) else tensors
+        if len(self.plan) > 1:
+            owner = {name: f for f, members in enumerate(self.plan) for name in members}
+            for name in shapes:
+                if name in owner and owner[name] != fragment:
+                    raise Rejection(
+                        422,
+                        "wrong_fragment",
+                        f"tensor {name!r} belongs to fragment {owner[name]}, not to fragment "
+                        f"{fragment} of this submission",
+                        tensor=name,
+                        fragment=fragment,
+                        belongs_to=owner[name],
+                    )
+        expected = {name: self.specs[name] for name in self.plan[fragment]}
+        try:
+            check_tensors(
+                shapes, expected, float_dtype=self.settings.upload_dtype, scan_values=False
+            )
+        except WireError as error:
+            raise rejection_of(error) from None
+
+    def _accept(self, submission: Submission, checked: CheckedPieces | float) -> dict:
+        """Fold an admitted submission (lock held); `checked` is the bound of its values from
+        their scan, or, for the first contribution of a round, a reader that checks them."""
+        try:
+            return self.engine.accept(submission, checked)
+        except WireError as error:  # found by a checking reader: nothing was folded
+            raise rejection_of(error) from None
+
+    def accepted(self, submission: Submission, target: Round, now: float) -> None:
+        """Book a folded submission (lock held): its worker's sign of life, the units it
+        reports (they complete with the step that applies it), the bytes it brought."""
+        submission.record.last_seen = now  # only now: a rejection leaves the state as it was
+        target.units[submission.worker_id] = submission.units
+        submission.record.rounds_contributed += 1
+        self.count_in(submission.nbytes)
+        faults.crash_point("submission_folded")
+
+    def sums_storage(self) -> dict[str, torch.Tensor]:
+        """The buffers a running mean's sums are written over, the same every step."""
+        assert self.frames is not None
+        return self.frames.sums()
+
+    def count_in(self, n: int) -> None:
+        self.bytes_in += n
+        self.metrics.bytes_in.inc(n)
+
+    def commit_step(self, running: RunningMean, record: CommitRecord) -> None:
+        """Apply one outer step's pseudo-gradients (their running sums, used up here) and make
+        it durable (lock held).
+
+        The journal writes before any worker can see the result (durability "round"); the
+        version then counts the step. Callers publish the result afterwards.
+        """
+        assert self.frames is not None and self.specs is not None
+        self._require_healthy()
+        started = time.perf_counter()
+        kinds = {name: spec.kind for name, spec in self.specs.items()}
+        if running.count:  # (writable() copies the masters away from a straggler's download)
+            apply_running_mean(
+                self.frames.writable(),
+                running,
+                self.optimizer,
+                kinds,
+                policy=self.settings.policy,
+            )
         live = len(self.membership.live_ids())
-        self._durably(  # durable before any worker can see the result
-            f"writing the checkpoint of round {current.number + 1}",
+        next_rounds = self.engine.fragment_rounds_after(record)
+        self._durably(
+            f"writing the checkpoint of round {record.round + 1}",
             lambda: self.journal.commit(
                 record,
                 self.masters,
@@ -566,31 +732,27 @@ class Coordinator:
                 self.specs,
                 {
                     "live_workers": live,
-                    "contributions": len(current.submitted),
+                    "contributions": len(record.contributors),
                     "bytes_in": self.bytes_in,
                     "bytes_out": self.bytes_out,
                 },
+                next_rounds,
             ),
         )
         self.last_commit = record
-        self.result = None
-        self.result = RoundResult(current.number + 1, self._encode_masters())
-        for when in current.submitted.values():
-            self.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
-        self.round = Round(
-            current.number + 1, self.membership.live_ids(), self.settings.weighting, now
-        )
+        self.version = record.round + 1
         self.rounds_committed += 1
         self.metrics.rounds.inc()
-        self.metrics.round.set(self.round.number)
-        seconds = time.perf_counter() - started
-        self.metrics.outer_step_seconds.observe(seconds)
+        self.metrics.round.set(self.version)
+        self.metrics.outer_step_seconds.observe(time.perf_counter() - started)
+
+    def published(self, description: str, started: float) -> None:
+        """After a step's result is out: log it and wake every long-poll (lock held)."""
         log.info(
-            "round %d committed: %d contribution(s) from %s, outer step and encoding %.3f s",
-            current.number,
-            len(current.submitted),
-            ", ".join(sorted(current.submitters)),
-            seconds,
+            "%s committed (version %d), outer step and encoding %.3f s",
+            description,
+            self.version,
+            time.perf_counter() - started,
         )
         self._lock.notify_all()
         faults.crash_point("result_published")
@@ -598,8 +760,8 @@ class Coordinator:
     def close(self) -> None:
         """Stop taking submissions and release every long-poll at once (they answer "waiting").
 
-        The open round's barrier is abandoned: its contributions are not applied, and its
-        workers, told after the restart that their submission is missing, send it again.
+        Open barriers are abandoned: their contributions are not applied, and their workers,
+        told after the restart that their submission is missing, send it again.
         """
         with self._lock:
             self.closing = True
@@ -616,74 +778,48 @@ class Coordinator:
             try:
                 if self.masters is not None and self.specs is not None and self.broken is None:
                     flushed = self.journal.flush(
-                        self.round_number,
+                        self.version,
                         self.masters,
                         self.optimizer.state_dict(copy=False),
                         self.specs,
                         self.last_commit,
+                        self.engine.fragment_rounds(),
                     )
             finally:
                 self.journal.close()
             return flushed
 
     def wait_result(
-        self, round_number: int, worker_id: str | None, wait: float
+        self, round_number: int, worker_id: str | None, wait: float, fragment: int = 0
     ) -> RoundResult | Waiting:
-        """Long-poll for round `round_number`'s result: the new weights, or Waiting."""
+        """Long-poll for a round's result: the new weights, or Waiting when `wait` runs out."""
         wait = min(max(0.0, wait), MAX_WAIT_SECONDS)
         with self._lock:
             self._require_healthy()
             if worker_id is not None:
                 self._require_live(worker_id)
+            if self.plan is not None and not 0 <= fragment < len(self.plan):
+                raise Rejection(
+                    422,
+                    "invalid_request",
+                    f"field 'fragment' must be in [0, {len(self.plan) - 1}], got {fragment}",
+                    field="fragment",
+                    got=fragment,
+                )
             deadline = self.clock() + wait
             while True:
-                if self.round is None or round_number > self.round_number:
-                    raise Rejection(
-                        409,
-                        "future_round",
-                        f"round {round_number} has not started; the current round is "
-                        f"{self.round_number}",
-                        current_round=self.round_number,
-                    )
-                if round_number < self.round_number:
-                    if self.result is None and round_number + 1 == self.round_number:
-                        # After a restart: the current weights are exactly that result.
-                        self.result = RoundResult(self.round_number, self._encode_masters())
-                    if self.result is None or self.result.round != round_number + 1:
-                        raise Rejection(
-                            410,
-                            "result_expired",
-                            f"the result of round {round_number} is no longer kept; "
-                            "fetch /v1/weights",
-                            current_round=self.round_number,
-                        )
-                    self._count_out(len(self.result.body))
-                    return self.result
+                outcome = self.engine.poll_result(round_number, fragment, worker_id, self.clock())
+                if outcome is not None:
+                    if isinstance(outcome, RoundResult):
+                        self.count_out(len(outcome.body))
+                    return outcome
                 now = self.clock()
-                if self.round.barrier_expired(now, self.settings.barrier_timeout):
-                    raise Rejection(
-                        504,
-                        "barrier_timeout",
-                        f"round {round_number} has waited more than "
-                        f"{self.settings.barrier_timeout:g} s for {self.round.waiting_for()}",
-                        waiting_for=self.round.waiting_for(),
-                        round=round_number,
-                    )
-                if (
-                    worker_id is not None
-                    and worker_id in self.round.members
-                    and not self.round.has(worker_id, 0)
-                    and not self.closing
-                ):
-                    raise Rejection(
-                        409,
-                        "not_submitted",
-                        f"round {round_number} holds no submission from {worker_id!r} (the "
-                        "server restarted since, or it was never sent); submit it again",
-                        round=round_number,
-                        worker_id=worker_id,
-                    )
                 remaining = deadline - now
                 if remaining <= 0 or self.closing:
-                    return Waiting(round_number, self.round.waiting_for())
-                self._lock.wait(timeout=min(remaining, 1.0))
+                    return self.engine.waiting(round_number, fragment)
+                self._lock.wait(timeout=min(remaining, self.engine.wake_within(now)))
+
+    def tick(self) -> None:
+        """Time-driven work (an async grace window's deadline); the eviction ticker calls it."""
+        with self._lock:
+            self.engine.tick(self.clock())

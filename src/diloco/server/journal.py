@@ -35,13 +35,22 @@ DURABILITY_MODES = ("round", "interval")
 
 @dataclass(frozen=True)
 class CommitRecord:
-    """What one outer step consumed: written with the checkpoint and with the SQLite row."""
+    """What one outer step consumed: written with the checkpoint and with the SQLite row.
 
-    round: int  # the round that committed; the weights it produced are round + 1
+    `round` is the run's outer-step number (its version) before this step: the weights it
+    produced are version round + 1. In sync mode that is the round; in streaming mode the step
+    is fragment `fragment`'s round `fragment_round`; in async mode one arrival or grace window.
+    `submissions` are (worker, round it was sent for, staleness) of the pseudo-gradients used.
+    """
+
+    round: int
     contributors: list[str]
     units: list[int] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
+    fragment: int = 0
+    fragment_round: int | None = None
+    submissions: list[tuple[str, int, int]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -50,26 +59,47 @@ class CommitRecord:
             "units": list(self.units),
             "tokens": self.tokens,
             "seconds": self.seconds,
+            "fragment": self.fragment,
+            "fragment_round": self.fragment_round,
+            "submissions": [list(s) for s in self.submissions],
         }
 
     @classmethod
     def from_json(cls, data: dict) -> CommitRecord:
+        fragment_round = data.get("fragment_round")
         return cls(
             round=int(data["round"]),
             contributors=list(data["contributors"]),
             units=[int(u) for u in data.get("units", [])],
             tokens=int(data.get("tokens", 0)),
             seconds=float(data.get("seconds", 0.0)),
+            fragment=int(data.get("fragment", 0)),
+            fragment_round=None if fragment_round is None else int(fragment_round),
+            submissions=[(str(w), int(r), int(st)) for w, r, st in data.get("submissions", [])],
+        )
+
+    def store_in(self, state: StateStore) -> None:
+        """The SQLite row of this step and of each pseudo-gradient it used."""
+        state.record_commit(
+            self.round,
+            self.contributors,
+            self.units,
+            self.tokens,
+            self.seconds,
+            fragment=self.fragment,
+            fragment_round=self.fragment_round,
+            submissions=self.submissions,
         )
 
 
 @dataclass(frozen=True)
 class RestoredState:
-    round: int
+    round: int  # the version: outer steps committed
     masters: dict[str, torch.Tensor]
     optimizer_state: dict[str, torch.Tensor]
     specs: dict[str, TensorSpec]
     live_workers: list[tuple[str, str | None]]  # (worker_id, session)
+    fragment_rounds: list[int]  # streaming: each fragment's round; else [round]
 
 
 class RoundJournal:
@@ -117,6 +147,7 @@ class RoundJournal:
         optimizer_state: Mapping[str, torch.Tensor],
         specs: Mapping[str, TensorSpec],
         commit: CommitRecord | None,
+        fragment_rounds: list[int] | None = None,
     ) -> None:
         store = self.state.checkpoints
         assert store is not None
@@ -127,6 +158,7 @@ class RoundJournal:
             {"weights": masters, "outer_state": optimizer_state},
             {
                 "round": round_number,
+                "fragment_rounds": list(fragment_rounds or [round_number]),
                 "specs": [spec.to_json() for spec in specs.values()],
                 "settings": self.settings.to_wire(),
                 "commit": None if commit is None else commit.to_json(),
@@ -139,10 +171,11 @@ class RoundJournal:
         masters: Mapping[str, torch.Tensor],
         optimizer_state: Mapping[str, torch.Tensor],
         specs: Mapping[str, TensorSpec],
+        fragment_rounds: list[int] | None = None,
     ) -> None:
         """Round 0's weights: from --init or the first worker; always durable at once."""
         if self.durable:
-            self._write_checkpoint(0, masters, optimizer_state, specs, None)
+            self._write_checkpoint(0, masters, optimizer_state, specs, None, fragment_rounds)
         with self.state.transaction():
             self.state.set_meta("settings", self.settings.to_wire())
             self.state.audit("initial_weights", round=0, tensors=len(specs))
@@ -154,6 +187,7 @@ class RoundJournal:
         optimizer_state: Mapping[str, torch.Tensor],
         specs: Mapping[str, TensorSpec],
         metrics: dict[str, int | float],
+        fragment_rounds: list[int] | None = None,
     ) -> None:
         """Make round `record.round`'s commit durable as policy says, then record it in SQLite.
 
@@ -163,12 +197,12 @@ class RoundJournal:
         new_round = record.round + 1
         if self.durable and (self.durability == "round" or new_round % self.checkpoint_every == 0):
             faults.crash_point("before_checkpoint")
-            self._write_checkpoint(new_round, masters, optimizer_state, specs, record)
+            self._write_checkpoint(
+                new_round, masters, optimizer_state, specs, record, fragment_rounds
+            )
             faults.crash_point("after_checkpoint")
         with self.state.transaction():
-            self.state.record_commit(
-                record.round, record.contributors, record.units, record.tokens, record.seconds
-            )
+            record.store_in(self.state)
             self.pool.complete(record.units, record.round)
             self.state.record_metrics(record.round, seconds=record.seconds, **metrics)
         faults.crash_point("after_store_commit")
@@ -180,10 +214,13 @@ class RoundJournal:
         optimizer_state: Mapping[str, torch.Tensor],
         specs: Mapping[str, TensorSpec],
         last_commit: CommitRecord | None,
+        fragment_rounds: list[int] | None = None,
     ) -> bool:
         """At a graceful shutdown: checkpoint the current round if the disk is behind it."""
         if self.durable and self.saved_round != round_number:
-            self._write_checkpoint(round_number, masters, optimizer_state, specs, last_commit)
+            self._write_checkpoint(
+                round_number, masters, optimizer_state, specs, last_commit, fragment_rounds
+            )
             log.info("checkpoint of round %d written at shutdown", round_number)
             return True
         return False
@@ -263,9 +300,7 @@ class RoundJournal:
                 self.pool.rollback_after(round_number - 1)
                 self.state.audit("rolled_back", round=round_number, rounds=lost)
             if record is not None and not self.state.rounds_from(record.round):
-                self.state.record_commit(
-                    record.round, record.contributors, record.units, record.tokens, record.seconds
-                )
+                record.store_in(self.state)
                 self.pool.complete(record.units, record.round)
             for departed in self.state.departed_workers():
                 # Units a departed worker kept for an open round the crash lost: lease again.
@@ -280,6 +315,9 @@ class RoundJournal:
             optimizer_state=dict(loaded.tensors.get("outer_state", {})),
             specs={spec.name: spec for spec in specs},
             live_workers=self.state.live_workers(),
+            fragment_rounds=[
+                int(r) for r in loaded.metadata.get("fragment_rounds", [round_number])
+            ],
         )
 
     def _check_settings(self, stored: dict) -> None:
@@ -289,6 +327,18 @@ class RoundJournal:
             for key in sorted(stored)
             if stored[key] != current.get(key)
         ]
+        fixed = [
+            key for key in ("mode", "fragments") if key in stored and stored[key] != current[key]
+        ]
+        if fixed:
+            raise ValueError(
+                "the state dir was written with "
+                + ", ".join(f"{key} {stored[key]!r}" for key in fixed)
+                + " and the server now has "
+                + ", ".join(f"{key} {current[key]!r}" for key in fixed)
+                + "; the outer optimizer state and the rounds cannot carry over (even with "
+                "--override-settings): use a new --state-dir"
+            )
         if conflicts and not self.override_settings:
             raise ValueError(
                 "the state dir was written with other settings ("

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+SPEED_WINDOWS = 5  # DyLU smooths a worker's speed over its last windows (median)
 
 
 @dataclass
@@ -19,6 +23,19 @@ class WorkerRecord:
     tokens: int = 0
     rounds_contributed: int = 0
     session: str | None = None
+    windows_reported: int = 0
+    speed_samples: deque[float] = field(default_factory=lambda: deque(maxlen=SPEED_WINDOWS))
+
+    def add_speed_sample(self, windows: int, steps_per_second: float) -> None:
+        """One sample per finished window: a heartbeat repeating the same window adds nothing."""
+        if windows > self.windows_reported and steps_per_second > 0:
+            self.speed_samples.append(steps_per_second)
+        self.windows_reported = max(self.windows_reported, windows)
+
+    @property
+    def smoothed_speed(self) -> float | None:
+        """The median of the recent windows' speeds, so one noisy window does not swing H."""
+        return statistics.median(self.speed_samples) if self.speed_samples else None
 
     def to_status(self, now: float) -> dict:
         return {

@@ -32,6 +32,12 @@ class ServerMetrics:
             "diloco_rejected_requests_total", "Requests refused, by kind", ["kind"], registry=r
         )
         self.evictions = Counter("diloco_evictions_total", "Workers evicted", registry=r)
+        self.staleness = Histogram(
+            "diloco_staleness",
+            "Async: outer steps between a worker's anchor and its arrival",
+            registry=r,
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64),
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,8 +1,10 @@
-"""One synchronous round: its barrier set, the submissions folded in so far, and its timing."""
+"""One round (of a fragment), or an async grace window: its barrier set, the submissions
+folded in so far, and its timing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,8 +40,21 @@ class Round:
     def has(self, worker_id: str, fragment: int) -> bool:
         return (worker_id, fragment) in self.submitted
 
-    def add(self, worker_id: str, fragment: int, contribution: Contribution, now: float) -> None:
-        self._running().add(contribution, take_ownership=True)  # tensors view a private buffer
+    def open_sums(self, storage: dict[str, torch.Tensor]) -> None:
+        """Start the running mean, its fp32 sums written over the tensors of `storage`."""
+        self.running = RunningMean(self.weighting, storage=storage)
+
+    def add(
+        self,
+        worker_id: str,
+        fragment: int,
+        contribution: Contribution,
+        now: float,
+        scale: float = 1.0,
+        max_abs: float = math.inf,
+    ) -> None:
+        """`scale` shrinks a stale async pseudo-gradient; `max_abs` bounds its values."""
+        self._running().add(contribution, scale=scale, max_abs=max_abs)
         self._record(worker_id, fragment, contribution.tokens, now)
 
     def add_pieces(
@@ -50,9 +65,12 @@ class Round:
         pieces: Iterable[tuple[str, int, torch.Tensor]],
         tokens: int,
         now: float,
+        scale: float = 1.0,
+        max_abs: float | Callable[[], float] = math.inf,
     ) -> None:
-        """A contribution read back from disk a piece at a time (see wire.spool)."""
-        self._running().add_pieces(shapes, pieces, tokens)
+        """A contribution read back from disk a piece at a time (see wire.spool); `max_abs`
+        bounds its values' magnitude (from the scan), so the round can know its sums finite."""
+        self._running().add_pieces(shapes, pieces, tokens, scale=scale, max_abs=max_abs)
         self._record(worker_id, fragment, tokens, now)
 
     def _running(self) -> RunningMean:

@@ -7,16 +7,23 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.algorithm import APPLY_POLICIES, WEIGHTINGS, OuterOptimizer
+from diloco.algorithm import APPLY_POLICIES, WEIGHTINGS, DelayedNesterov, OuterOptimizer
+from diloco.algorithm.fragments import StreamingSchedule
 from diloco.wire import dtype_name
 
-SERVER_MODES = ("sync",)
+SERVER_MODES = ("sync", "streaming", "async")
+STALENESS_WEIGHTINGS = ("none", "inverse_sqrt")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**3
+DEFAULT_BARRIER_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Validated on construction: a bad value fails with the field's name and allowed range."""
+    """Validated on construction: a bad value fails with the field's name and allowed range.
+
+    A setting that belongs to another mode (fragments in sync mode, a barrier timeout in async
+    mode, which has no barrier) is an error, not silently ignored.
+    """
 
     mode: str = "sync"
     sync_every: int = 50
@@ -29,12 +36,18 @@ class ServerSettings:
     download_dtype: torch.dtype = torch.float32
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 30.0
-    barrier_timeout: float = 600.0
+    barrier_timeout: float | None = None  # None: 600 s with a barrier (sync, streaming)
     min_workers: int = 1
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # streaming: P fragments, the delay tau (inner steps a transfer overlaps), the merge alpha
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
+    # async: Delayed Nesterov period N and c, the grace window, staleness scaling, DyLU
+    dn_period: int = 1
+    dn_c: float = 0.0
+    grace_seconds: float = 0.0
+    staleness_weighting: str = "none"
     dylu: bool = False
     # Server-side only (not sent to workers): how many tensor bodies may sit in RAM at once;
     # other uploads are written to `spool_dir` (the system temp dir if None) as they arrive.
@@ -45,14 +58,14 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.mode not in SERVER_MODES:
             raise ValueError(f"mode must be one of {', '.join(SERVER_MODES)}, got {self.mode!r}")
-        for name in ("sync_every", "min_workers", "max_body_bytes", "fragments"):
+        for name in ("sync_every", "min_workers", "max_body_bytes", "fragments", "dn_period"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("heartbeat_interval", "heartbeat_timeout", "barrier_timeout"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("heartbeat_interval", "heartbeat_timeout"):
+            _require_seconds(name, getattr(self, name))
+        if self.barrier_timeout is not None:
+            _require_seconds("barrier_timeout", self.barrier_timeout)
         if not isinstance(self.memory_bodies, int) or self.memory_bodies < 0:
             raise ValueError(
                 f"memory_bodies must be an integer >= 0 (0: every upload goes to disk), "
@@ -74,26 +87,100 @@ class ServerSettings:
         for name in ("upload_dtype", "download_dtype"):
             if getattr(self, name) not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"{name} must be float32 or bfloat16, got {getattr(self, name)}")
-        self.make_outer_optimizer()  # raises for a bad kind, lr or momentum
+        self._check_mode_settings()
+        self.make_outer_optimizer()  # raises for a bad kind, lr, momentum, period or c
 
-    def make_outer_optimizer(self) -> OuterOptimizer:
+    def _check_mode_settings(self) -> None:
+        streaming = {"fragments": 1, "delay": 0, "alpha": 0.0}
+        asynchronous = {
+            "dn_period": 1,
+            "dn_c": 0.0,
+            "grace_seconds": 0.0,
+            "staleness_weighting": "none",
+            "dylu": False,
+        }
+        foreign = {**(streaming if self.mode != "streaming" else {})}
+        if self.mode != "async":
+            foreign.update(asynchronous)
+        for name, default in foreign.items():
+            if getattr(self, name) != default:
+                owner = "streaming" if name in streaming else "async"
+                raise ValueError(
+                    f"{name} applies to mode {owner} only (got {name}={getattr(self, name)!r} "
+                    f"with mode {self.mode})"
+                )
+        if self.mode == "streaming":
+            if isinstance(self.delay, bool) or not isinstance(self.delay, int):
+                raise ValueError(f"delay must be an integer, got {self.delay!r}")
+            StreamingSchedule(self.sync_every, self.fragments, self.delay)  # P | H, tau < S
+            alpha_ok = isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
+            if not alpha_ok or not 0.0 <= self.alpha <= 1.0:
+                raise ValueError(f"alpha must be in [0, 1], got {self.alpha!r}")
+        if self.mode == "async":
+            if self.barrier_timeout is not None:
+                raise ValueError(
+                    "barrier_timeout does not apply to mode async: it has no barrier "
+                    f"(got barrier_timeout={self.barrier_timeout:g})"
+                )
+            if self.min_workers != 1:
+                raise ValueError(
+                    "min_workers does not apply to mode async: each arrival is applied "
+                    f"alone (got min_workers={self.min_workers})"
+                )
+            if self.outer_optimizer != "nesterov":
+                raise ValueError(
+                    "mode async uses Delayed Nesterov (--dn-period, --dn-c); outer_optimizer "
+                    f"must be nesterov, got {self.outer_optimizer!r}"
+                )
+            grace = self.grace_seconds
+            grace_ok = isinstance(grace, (int, float)) and not isinstance(grace, bool)
+            if not grace_ok or not math.isfinite(grace) or grace < 0:
+                raise ValueError(f"grace_seconds must be a number >= 0, got {grace!r}")
+            if self.staleness_weighting not in STALENESS_WEIGHTINGS:
+                raise ValueError(
+                    f"staleness_weighting must be one of {', '.join(STALENESS_WEIGHTINGS)}, "
+                    f"got {self.staleness_weighting!r}"
+                )
+
+    @property
+    def effective_barrier_timeout(self) -> float | None:
+        """Seconds a barrier may wait; None in async mode (no barrier)."""
+        if self.mode == "async":
+            return None
+        return DEFAULT_BARRIER_TIMEOUT if self.barrier_timeout is None else self.barrier_timeout
+
+    def make_outer_optimizer(self) -> OuterOptimizer | DelayedNesterov:
+        if self.mode == "async":
+            momentum = 0.9 if self.outer_momentum is None else self.outer_momentum
+            return DelayedNesterov(
+                lr=self.outer_lr, momentum=momentum, delay=self.dn_period, c=self.dn_c
+            )
         return OuterOptimizer(self.outer_optimizer, lr=self.outer_lr, momentum=self.outer_momentum)
 
     def to_wire(self) -> dict:
         """The `settings` object of /v1/info (docs/protocol.md)."""
         return {
+            "mode": self.mode,
             "sync_every": self.sync_every,
             "upload_dtype": dtype_name(self.upload_dtype),
             "download_dtype": dtype_name(self.download_dtype),
             "heartbeat_interval": float(self.heartbeat_interval),
             "heartbeat_timeout": float(self.heartbeat_timeout),
-            "barrier_timeout": float(self.barrier_timeout),
+            "barrier_timeout": self.effective_barrier_timeout,
             "fragments": self.fragments,
             "delay": self.delay,
-            "alpha": self.alpha,
+            "alpha": float(self.alpha),
             "dylu": self.dylu,
+            "grace_seconds": float(self.grace_seconds),
+            "staleness_weighting": self.staleness_weighting,
             "weighting": self.weighting,
             "min_workers": self.min_workers,
             "max_body_bytes": self.max_body_bytes,
             "outer_optimizer": self.make_outer_optimizer().describe(),
         }
+
+
+def _require_seconds(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and value > 0):  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

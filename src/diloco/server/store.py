@@ -31,7 +31,7 @@ from diloco.wire import PROTOCOL_VERSION
 
 __all__ = ["STATE_FORMAT", "StateDirError", "StateStore"]
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: rounds.fragment / fragment_round and the submissions table
 DATABASE_NAME = "state.sqlite"
 CHECKPOINTS_NAME = "checkpoints"
 LOCK_NAME = "lock"
@@ -54,12 +54,23 @@ CREATE TABLE IF NOT EXISTS workers (
     rounds_contributed INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS rounds (
-    round INTEGER PRIMARY KEY,          -- the round that committed; the weights are round + 1
+    round INTEGER PRIMARY KEY,          -- the outer step (version) that committed: the weights
+                                        -- it made are version round + 1 (sync: the round)
     committed_at REAL NOT NULL,         -- wall-clock seconds since the epoch
     contributors TEXT NOT NULL,         -- JSON list of worker ids
     units TEXT NOT NULL,                -- JSON list of work-unit ids completed by this commit
     tokens INTEGER NOT NULL,
-    seconds REAL NOT NULL               -- outer step, encoding and checkpoint
+    seconds REAL NOT NULL,              -- outer step, encoding and checkpoint
+    fragment INTEGER NOT NULL DEFAULT 0,        -- streaming: which fragment stepped
+    fragment_round INTEGER                      -- streaming: that fragment's round
+);
+CREATE TABLE IF NOT EXISTS submissions (        -- every pseudo-gradient an outer step used
+    worker_id TEXT NOT NULL,
+    round INTEGER NOT NULL,             -- the round it was sent for (async: its anchor version)
+    fragment INTEGER NOT NULL,
+    version INTEGER NOT NULL,           -- rounds.round of the outer step that applied it
+    staleness INTEGER NOT NULL,         -- async: outer steps between its anchor and its step
+    PRIMARY KEY (worker_id, round, fragment)
 );
 CREATE TABLE IF NOT EXISTS audit (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -165,6 +176,7 @@ class StateStore:
             self.conn.executescript(_SCHEMA)  # outside a transaction: executescript commits
             with self.transaction():
                 self._check_format()
+                self._migrate()
         except sqlite3.DatabaseError as exc:
             self.conn.close()
             self._unlock()
@@ -227,6 +239,19 @@ class StateStore:
                 f"this diloco speaks version {PROTOCOL_VERSION}; upgrade diloco"
             )
 
+    def _migrate(self) -> None:
+        """Bring a state dir of an older format up to this one (format 1: no fragment columns)."""
+        stored = self.get_meta("format")
+        if stored == STATE_FORMAT:
+            return
+        columns = {row[1] for row in self.conn.execute("PRAGMA table_info(rounds)")}
+        if "fragment" not in columns:
+            self.conn.execute("ALTER TABLE rounds ADD COLUMN fragment INTEGER NOT NULL DEFAULT 0")
+        if "fragment_round" not in columns:
+            self.conn.execute("ALTER TABLE rounds ADD COLUMN fragment_round INTEGER")
+        self.set_meta("format", STATE_FORMAT)
+        self.audit("migrated", from_format=stored, to_format=STATE_FORMAT)
+
     def get_meta(self, key: str) -> Any:
         row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
@@ -279,12 +304,20 @@ class StateStore:
         tokens: int,
         seconds: float,
         committed_at: float | None = None,
+        *,
+        fragment: int = 0,
+        fragment_round: int | None = None,
+        submissions: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
     ) -> None:
-        """The row of a committed round; a second commit of the same round fails loudly."""
+        """The row of a committed outer step; a second commit of the same one fails loudly.
+
+        `submissions` are (worker, round sent for, staleness) of the pseudo-gradients it used;
+        a second application of one of them fails loudly too (the table's primary key).
+        """
         at = time.time() if committed_at is None else committed_at
         self.conn.execute(
-            "INSERT INTO rounds (round, committed_at, contributors, units, tokens, seconds) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO rounds (round, committed_at, contributors, units, tokens, seconds, "
+            "fragment, fragment_round) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 round_number,
                 at,
@@ -292,13 +325,43 @@ class StateStore:
                 json.dumps(units),
                 tokens,
                 seconds,
+                fragment,
+                round_number if fragment_round is None else fragment_round,
             ),
+        )
+        self.conn.executemany(
+            "INSERT INTO submissions (worker_id, round, fragment, version, staleness) "
+            "VALUES (?, ?, ?, ?, ?)",
+            [(w, sent_for, fragment, round_number, stale) for w, sent_for, stale in submissions],
         )
         self.conn.executemany(
             "UPDATE workers SET rounds_contributed = rounds_contributed + 1 WHERE worker_id = ?",
             [(w,) for w in contributors],
         )
-        self.audit("outer_step", round=round_number, contributors=sorted(contributors))
+        extra = (
+            {}
+            if fragment_round is None
+            else {"fragment": fragment, "fragment_round": fragment_round}
+        )
+        self.audit("outer_step", round=round_number, contributors=sorted(contributors), **extra)
+
+    def applied_version(self, worker_id: str, round_number: int, fragment: int = 0) -> int | None:
+        """The outer step that used (worker, round, fragment)'s pseudo-gradient, if one did."""
+        row = self.conn.execute(
+            "SELECT version FROM submissions WHERE worker_id = ? AND round = ? AND fragment = ?",
+            (worker_id, round_number, fragment),
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def submissions_of(self, version: int) -> list[dict]:
+        rows = self.conn.execute(
+            "SELECT worker_id, round, fragment, staleness FROM submissions WHERE version = ? "
+            "ORDER BY worker_id",
+            (version,),
+        )
+        return [
+            {"worker_id": w, "round": r, "fragment": f, "staleness": st} for w, r, f, st in rows
+        ]
 
     def record_metrics(
         self,
@@ -318,8 +381,8 @@ class StateStore:
 
     def committed_rounds(self) -> list[dict]:
         rows = self.conn.execute(
-            "SELECT round, committed_at, contributors, units, tokens, seconds "
-            "FROM rounds ORDER BY round"
+            "SELECT round, committed_at, contributors, units, tokens, seconds, fragment, "
+            "fragment_round FROM rounds ORDER BY round"
         )
         return [
             {
@@ -329,8 +392,10 @@ class StateStore:
                 "units": json.loads(u),
                 "tokens": t,
                 "seconds": s,
+                "fragment": f,
+                "fragment_round": r if fr is None else fr,
             }
-            for r, at, c, u, t, s in rows
+            for r, at, c, u, t, s, f, fr in rows
         ]
 
     def rounds_from(self, first: int) -> list[int]:
@@ -342,6 +407,7 @@ class StateStore:
     def forget_rounds_from(self, first: int) -> None:
         """Drop the rows of rounds a restart rolled back (their checkpoint was lost)."""
         self.conn.execute("DELETE FROM rounds WHERE round >= ?", (first,))
+        self.conn.execute("DELETE FROM submissions WHERE version >= ?", (first,))
         self.conn.execute("DELETE FROM metrics WHERE round >= ?", (first,))
 
     def audit(

@@ -1,0 +1,248 @@
+"""Asynchronous DiLoCo on the server: every pseudo-gradient is applied when it arrives.
+
+There is no barrier. The outer optimizer is Delayed Nesterov (Liu et al. 2024, Algorithm 3).
+With a grace window of S seconds, arrivals within S seconds of the first pending one are
+averaged into one outer step; the deadline does not slide, and the window closes early once
+every live worker has arrived. A submission is keyed by (worker, the version its anchor was):
+the `submissions` table of the state store says whether and by which step it was applied, so
+a retry, even across a restart, is never applied twice. Staleness (outer steps between the
+worker's anchor and now) is recorded per submission and may scale the pseudo-gradient by
+(1 + staleness)^-1/2.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from diloco.server.barrier_rounds import fold
+from diloco.server.errors import Rejection
+from diloco.server.journal import CommitRecord
+from diloco.server.results import RoundResult, Waiting
+from diloco.server.rounds import Round
+from diloco.server.submission import Submission
+from diloco.wire.spool import CheckedPieces
+
+if TYPE_CHECKING:
+    from diloco.server.coordinator import Coordinator
+
+
+def staleness_scale(staleness: int, weighting: str) -> float:
+    """The factor a pseudo-gradient `staleness` steps old is scaled by."""
+    if weighting == "inverse_sqrt":
+        return 1.0 / math.sqrt(1.0 + staleness)
+    return 1.0
+
+
+class AsyncArrivals:
+    """The open grace window (when one is) and the keys of the arrivals it holds."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+        self.window: Round | None = None
+        self.anchors: dict[str, int] = {}  # worker -> the version its pending arrival was for
+        self.staleness: dict[str, int] = {}
+        self.started = False
+
+    # ----------------------------------------------------------------- the engine interface
+
+    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
+        if len(fragment_rounds) != 1:
+            raise ValueError(f"async mode has one fragment, the state holds {len(fragment_rounds)}")
+        self.started = True
+        self.window = None
+        self.anchors.clear()
+        self.staleness.clear()
+
+    def fragment_rounds(self) -> list[int]:
+        return [self.c.version]
+
+    def fragment_rounds_after(self, record: CommitRecord) -> list[int]:
+        return [record.round + 1]
+
+    def open_round(self) -> Round | None:
+        return self.window
+
+    def waiting_for(self) -> list[str]:
+        return [] if self.window is None else self.window.waiting_for()
+
+    def on_register(self, worker_id: str) -> None:
+        if self.window is not None:
+            self.window.members.add(worker_id)  # the window closes early once it arrives too
+
+    def on_leave(self, worker_id: str, now: float) -> None:
+        if self.window is not None:
+            self.window.leave(worker_id)
+        self._try_commit(now)
+
+    def units_of(self, worker_id: str) -> set[int]:
+        return set() if self.window is None else self.window.units_of(worker_id)
+
+    def tick(self, now: float) -> None:
+        self._try_commit(now)
+
+    def wake_within(self, now: float) -> float:
+        """A long-poll wakes by the window's deadline, which it may then close itself."""
+        if self.window is None or self.window.first_submission_at is None:
+            return 1.0
+        deadline = self.window.first_submission_at + self.c.settings.grace_seconds
+        return max(0.001, min(1.0, deadline - now))
+
+    # ----------------------------------------------------------------- submissions
+
+    def admit(self, submission: Submission) -> dict | None:
+        c = self.c
+        worker_id, round_number = submission.worker_id, submission.round
+        if round_number > c.version:
+            raise self._future(round_number)
+        applied = c.journal.state.applied_version(worker_id, round_number)
+        if applied is not None:
+            submission.record.last_seen = c.clock()
+            return self._answer("duplicate", round_number, applied)
+        pending = self.anchors.get(worker_id)
+        if pending is not None:
+            if pending == round_number:
+                submission.record.last_seen = c.clock()
+                return self._answer("duplicate", round_number, None)
+            raise Rejection(
+                409,
+                "already_pending",
+                f"worker {worker_id!r} already has an arrival pending (sent for version "
+                f"{pending}); wait for its result before sending another",
+                pending_round=pending,
+            )
+        c.pool.check_reported(worker_id, submission.units)
+        return None
+
+    def folds_first(self, fragment: int) -> bool:
+        """Never: opening a window on a refused arrival would leave an empty one open."""
+        return False
+
+    def accept(self, submission: Submission, checked: CheckedPieces | float) -> dict:
+        c = self.c
+        now = c.clock()
+        worker_id, round_number = submission.worker_id, submission.round
+        staleness = c.version - round_number
+        window = self.window
+        if window is None:
+            window = Round(c.version, c.membership.live_ids(), c.settings.weighting, now)
+        scale = staleness_scale(staleness, c.settings.staleness_weighting)
+        fold(window, submission, checked, c.sums_storage(), now, scale)
+        self.window = window
+        self.anchors[worker_id] = round_number
+        self.staleness[worker_id] = staleness
+        c.metrics.staleness.observe(staleness)
+        c.accepted(submission, window, now)
+        self._try_commit(now)
+        return self._answer(
+            "accepted",
+            round_number,
+            c.journal.state.applied_version(worker_id, round_number),
+            staleness,
+        )
+
+    def _future(self, round_number: int) -> Rejection:
+        """A worker ahead of the server: it restarted from an older checkpoint (a rebase)."""
+        version = self.c.version
+        return Rejection(
+            409,
+            "future_round",
+            f"version {round_number} does not exist yet; the current version is {version}",
+            current_round=version,
+        )
+
+    def _answer(
+        self, status: str, round_number: int, applied: int | None, staleness: int | None = None
+    ) -> dict:
+        answer = {
+            "status": status,
+            "round": round_number,
+            "fragment": 0,
+            "current_round": self.c.version,
+            "waiting_for": self.waiting_for() if applied is None else [],
+            "applied_version": applied,
+        }
+        if staleness is not None:
+            answer["staleness"] = staleness
+        return answer
+
+    def _ready(self, now: float) -> bool:
+        window = self.window
+        if window is None or window.first_submission_at is None:
+            return False
+        grace = self.c.settings.grace_seconds
+        return grace <= 0 or not window.waiting_for() or now >= window.first_submission_at + grace
+
+    def _try_commit(self, now: float) -> None:
+        """Apply the pending arrivals as one outer step once the window closes (lock held)."""
+        c = self.c
+        if c.masters is None or c.closing or not self._ready(now):
+            return
+        window = self.window
+        assert window is not None and window.running is not None
+        started = time.perf_counter()
+        running, window.running = window.running, None
+        submitters = sorted(window.submitters)
+        record = CommitRecord(
+            round=c.version,
+            contributors=submitters,
+            units=window.all_units(),
+            tokens=window.tokens,
+            seconds=time.perf_counter() - started,
+            submissions=[(w, self.anchors[w], self.staleness[w]) for w in submitters],
+        )
+        c.commit_step(running, record)
+        self.window = None
+        self.anchors.clear()
+        self.staleness.clear()
+        c.current_weights()  # encoded once for every worker of this step
+        for when in window.submitted.values():
+            c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
+        c.published(
+            f"async step {record.round}: {len(submitters)} arrival(s) from "
+            f"{', '.join(f'{w} (staleness {s})' for w, _, s in record.submissions)}",
+            started,
+        )
+
+    # ----------------------------------------------------------------- results
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None:
+        """The weights after the step that applied (worker, round_number)'s pseudo-gradient.
+
+        If other steps committed before the worker asked, it gets the newer weights (they hold
+        its contribution too); `round` of the result says which version they are.
+        """
+        c = self.c
+        if worker_id is None:
+            raise Rejection(
+                422,
+                "invalid_request",
+                "field 'worker_id' is required in async mode: a result belongs to a worker's "
+                "arrival",
+                field="worker_id",
+            )
+        if self.anchors.get(worker_id) == round_number:
+            self._try_commit(now)  # the deadline may have passed with nobody else to close it
+            if self.anchors.get(worker_id) == round_number:
+                return None
+        if c.journal.state.applied_version(worker_id, round_number) is not None:
+            return c.current_weights().lend()
+        if round_number > c.version:
+            raise self._future(round_number)
+        if c.closing:
+            return None
+        raise Rejection(
+            409,
+            "not_submitted",
+            f"no arrival of {worker_id!r} for version {round_number} is pending or applied "
+            "(the server restarted since, or it was never sent); submit it again",
+            round=round_number,
+            worker_id=worker_id,
+        )
+
+    def waiting(self, round_number: int, fragment: int) -> Waiting:
+        return Waiting(round_number, self.waiting_for())

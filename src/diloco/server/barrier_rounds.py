@@ -1,0 +1,297 @@
+"""Sync and streaming DiLoCo on the server: a barrier per round of each fragment.
+
+Sync mode is the case of one fragment holding every tensor. In streaming mode fragment f has
+its own round counter, barrier set, running mean and cached result; its outer step touches only
+its own tensors and their momentum, so the fragments sync on staggered schedules without
+waiting for each other. Each fragment round's barrier set is taken when that round opens
+(the live workers then, plus those registering before its first submission), so a worker that
+joins late takes part from the next round of each fragment.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from diloco.algorithm import Contribution
+from diloco.server.errors import Rejection
+from diloco.server.journal import CommitRecord
+from diloco.server.results import Published, RoundResult, Waiting
+from diloco.server.rounds import Round
+from diloco.server.submission import Submission
+from diloco.wire import SpooledTensors, WireError
+from diloco.wire.spool import CheckedPieces
+
+if TYPE_CHECKING:
+    from diloco.server.coordinator import Coordinator
+
+
+def fold(
+    target: Round,
+    submission: Submission,
+    checked: CheckedPieces | float,
+    storage: dict[str, torch.Tensor],
+    now: float,
+    scale: float = 1.0,
+) -> None:
+    """Add a pseudo-gradient to a round's running mean (from RAM or from the spool).
+
+    `checked` is the bound of its values from their scan, or, when this fold opens the
+    round's sums (written over `storage`), a reader that checks them as they are folded: its
+    WireError then leaves the round as it was.
+    """
+    tensors = submission.tensors
+    opened = target.running is None
+    if opened:
+        target.open_sums(storage)
+    try:
+        if isinstance(tensors, SpooledTensors):
+            shapes = {name: tuple(t.shape) for name, t in tensors.meta.items()}
+            if isinstance(checked, CheckedPieces):
+                reader = checked
+                pieces, max_abs = reader, (lambda: reader.bound)
+            else:
+                pieces, max_abs = tensors.pieces(), checked
+            target.add_pieces(
+                submission.worker_id,
+                submission.fragment,
+                shapes,
+                pieces,
+                submission.tokens,
+                now,
+                scale,
+                max_abs,
+            )
+        else:
+            bound = checked if isinstance(checked, float) else math.inf
+            contribution = Contribution(tensors, submission.tokens, submission.worker_id)
+            target.add(submission.worker_id, submission.fragment, contribution, now, scale, bound)
+    except WireError:
+        if opened:
+            target.running = None
+        raise
+
+
+class BarrierRounds:
+    """The open round of every fragment, and the result each one last committed."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+        self.rounds: list[Round] = []  # empty until the global weights exist
+        self.results: list[Published | None] = []
+        self._fragment_rounds: list[int] = [0] * coordinator.settings.fragments
+
+    # ----------------------------------------------------------------- the engine interface
+
+    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
+        """Open the current round of every fragment (the weights exist now, or were restored)."""
+        settings = self.c.settings
+        if len(fragment_rounds) != settings.fragments:
+            raise ValueError(
+                f"the state holds {len(fragment_rounds)} fragment round(s), the server has "
+                f"{settings.fragments} fragment(s)"
+            )
+        self._fragment_rounds = [int(r) for r in fragment_rounds]
+        live = self.c.membership.live_ids()
+        self.rounds = [Round(r, set(live), settings.weighting, now) for r in self._fragment_rounds]
+        self.results = [None] * settings.fragments
+
+    def fragment_rounds(self) -> list[int]:
+        return list(self._fragment_rounds)
+
+    def fragment_rounds_after(self, record: CommitRecord) -> list[int]:
+        rounds = list(self._fragment_rounds)
+        rounds[record.fragment] += 1
+        return rounds
+
+    def open_round(self) -> Round | None:
+        return self.rounds[0] if self.rounds else None
+
+    def waiting_for(self) -> list[str]:
+        return sorted({w for current in self.rounds for w in current.waiting_for()})
+
+    def on_register(self, worker_id: str) -> None:
+        for current in self.rounds:
+            if current.first_submission_at is None:
+                # Nobody waits on this round yet, so the newcomer can join its barrier now.
+                current.members.add(worker_id)
+
+    def on_leave(self, worker_id: str, now: float) -> None:
+        for current in self.rounds:
+            current.leave(worker_id)
+        for fragment in range(len(self.rounds)):
+            self._try_commit(fragment, now)
+
+    def units_of(self, worker_id: str) -> set[int]:
+        return {unit for current in self.rounds for unit in current.units_of(worker_id)}
+
+    def tick(self, now: float) -> None:
+        """Barriers move on submissions and departures only; nothing is due on time alone."""
+
+    def wake_within(self, now: float) -> float:
+        return 1.0
+
+    # ----------------------------------------------------------------- submissions
+
+    def admit(self, submission: Submission) -> dict | None:
+        c = self.c
+        round_number, fragment = submission.round, submission.fragment
+        current = self.rounds[fragment]
+        if round_number > current.number:
+            raise Rejection(
+                409,
+                "future_round",
+                f"round {round_number}{self._of(fragment)} has not started; the current round "
+                f"is {current.number}",
+                current_round=current.number,
+                fragment=fragment,
+            )
+        if round_number < current.number:
+            submission.record.last_seen = c.clock()
+            return self._answer("committed", round_number, fragment)
+        if current.has(submission.worker_id, fragment):
+            submission.record.last_seen = c.clock()
+            return self._answer("duplicate", round_number, fragment)
+        c.pool.check_reported(submission.worker_id, submission.units)
+        return None
+
+    def folds_first(self, fragment: int) -> bool:
+        return self.rounds[fragment].running is None
+
+    def accept(self, submission: Submission, checked: CheckedPieces | float) -> dict:
+        c = self.c
+        now = c.clock()
+        current = self.rounds[submission.fragment]
+        fold(current, submission, checked, c.sums_storage(), now)
+        c.accepted(submission, current, now)
+        self._try_commit(submission.fragment, now)
+        return self._answer("accepted", submission.round, submission.fragment)
+
+    def _of(self, fragment: int) -> str:
+        return f" of fragment {fragment}" if len(self.rounds) > 1 else ""
+
+    def _answer(self, status: str, round_number: int, fragment: int) -> dict:
+        """`waiting_for` is about the submitted round: empty once it has committed."""
+        current = self.rounds[fragment]
+        return {
+            "status": status,
+            "round": round_number,
+            "fragment": fragment,
+            "current_round": current.number,
+            "waiting_for": current.waiting_for() if current.number == round_number else [],
+        }
+
+    def _try_commit(self, fragment: int, now: float) -> None:
+        """Commit the fragment's round if its barrier is satisfied (lock held)."""
+        c = self.c
+        current = self.rounds[fragment]
+        if c.masters is None or not current.ready(c.settings.min_workers):
+            return
+        assert current.running is not None and c.plan is not None
+        started = time.perf_counter()
+        running, current.running = current.running, None
+        record = CommitRecord(
+            round=c.version,
+            contributors=sorted(current.submitters),
+            units=current.all_units(),
+            tokens=current.tokens,
+            seconds=time.perf_counter() - started,
+            fragment=fragment,
+            fragment_round=current.number if len(self.rounds) > 1 else None,
+            submissions=[(w, current.number, 0) for w in sorted(current.submitters)],
+        )
+        c.commit_step(running, record)
+        self._fragment_rounds[fragment] = current.number + 1
+        self.results[fragment] = None  # free the old body before encoding the new one
+        self.results[fragment] = self._encode_result(fragment, current.number + 1)
+        for when in current.submitted.values():
+            c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
+        self.rounds[fragment] = Round(
+            current.number + 1, c.membership.live_ids(), c.settings.weighting, now
+        )
+        what = f"round {current.number}{self._of(fragment)}"
+        c.published(
+            f"{what}: {len(current.submitted)} contribution(s) from "
+            f"{', '.join(sorted(current.submitters))}",
+            started,
+        )
+
+    # ----------------------------------------------------------------- results
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None:
+        """The result of (round, fragment) if it exists; raises for what cannot be waited on."""
+        c = self.c
+        if not self.rounds or round_number > self.rounds[fragment].number:
+            current = self.rounds[fragment].number if self.rounds else 0
+            raise Rejection(
+                409,
+                "future_round",
+                f"round {round_number}{self._of(fragment)} has not started; the current round "
+                f"is {current}",
+                current_round=current,
+                fragment=fragment,
+            )
+        current = self.rounds[fragment]
+        if round_number < current.number:
+            result = self.results[fragment]
+            if result is None and round_number + 1 == current.number:
+                # After a restart: the current weights are exactly that result.
+                result = self._encode_result(fragment, current.number)
+                self.results[fragment] = result
+            if result is None or result.round != round_number + 1:
+                raise Rejection(
+                    410,
+                    "result_expired",
+                    f"the result of round {round_number}{self._of(fragment)} is no longer "
+                    "kept; fetch /v1/weights",
+                    current_round=current.number,
+                    fragment=fragment,
+                )
+            return result.lend()
+        timeout = c.settings.effective_barrier_timeout
+        assert timeout is not None
+        if current.barrier_expired(now, timeout):
+            raise Rejection(
+                504,
+                "barrier_timeout",
+                f"round {round_number}{self._of(fragment)} has waited more than {timeout:g} s "
+                f"for {current.waiting_for()}",
+                waiting_for=current.waiting_for(),
+                round=round_number,
+                fragment=fragment,
+            )
+        if (
+            worker_id is not None
+            and worker_id in current.members
+            and not current.has(worker_id, fragment)
+            and not c.closing
+        ):
+            raise Rejection(
+                409,
+                "not_submitted",
+                f"round {round_number}{self._of(fragment)} holds no submission from "
+                f"{worker_id!r} (the server restarted since, or it was never sent); submit it "
+                "again",
+                round=round_number,
+                fragment=fragment,
+                worker_id=worker_id,
+            )
+        return None
+
+    def _encode_result(self, fragment: int, next_round: int) -> Published:
+        """What the workers of the fragment's round get: the current weights when one
+        fragment is the whole model (encoded once per version), else a copy of its tensors."""
+        c = self.c
+        assert c.plan is not None
+        if len(self.rounds) == 1:
+            return c.current_weights()
+        return Published(next_round, c.encode(c.plan[fragment]), fragment=fragment)
+
+    def waiting(self, round_number: int, fragment: int) -> Waiting:
+        return Waiting(round_number, self.rounds[fragment].waiting_for())

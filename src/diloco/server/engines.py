@@ -1,0 +1,71 @@
+"""The round engines: when the coordinator combines pseudo-gradients into an outer step.
+
+`BarrierRounds` (sync, streaming) waits for every member of a fragment's round;
+`AsyncArrivals` (async) applies each arrival at once, or what a grace window gathered. The
+coordinator calls them under its lock and owns what they share (masters, optimizer, journal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from diloco.server.async_arrivals import AsyncArrivals
+from diloco.server.barrier_rounds import BarrierRounds
+from diloco.server.journal import CommitRecord
+from diloco.server.results import RoundResult, Waiting
+from diloco.server.rounds import Round
+from diloco.server.submission import Submission
+from diloco.wire.spool import CheckedPieces
+
+__all__ = ["AsyncArrivals", "BarrierRounds", "RoundEngine"]
+
+
+class RoundEngine(Protocol):
+    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
+        """The global weights exist (or were restored at these fragment rounds): open rounds."""
+
+    def fragment_rounds(self) -> list[int]: ...
+
+    def fragment_rounds_after(self, record: CommitRecord) -> list[int]:
+        """The fragment rounds once `record`'s step has committed (for its checkpoint)."""
+        ...
+
+    def open_round(self) -> Round | None: ...
+
+    def waiting_for(self) -> list[str]: ...
+
+    def on_register(self, worker_id: str) -> None: ...
+
+    def on_leave(self, worker_id: str, now: float) -> None: ...
+
+    def units_of(self, worker_id: str) -> set[int]:
+        """Work units a worker reported with a submission that is still pending."""
+        ...
+
+    def tick(self, now: float) -> None: ...
+
+    def wake_within(self, now: float) -> float:
+        """How long a long-poll may sleep before something may be due."""
+        ...
+
+    def admit(self, submission: Submission) -> dict | None:
+        """Decide what a submission is, before its values are read: an answer when there is
+        nothing to fold (already applied, a duplicate), None to fold it; raises Rejection."""
+        ...
+
+    def folds_first(self, fragment: int) -> bool:
+        """Whether the next fold opens its step's sums (so a reader that checks the values as
+        it folds them can refuse half way and leave nothing changed)."""
+        ...
+
+    def accept(self, submission: Submission, checked: CheckedPieces | float) -> dict:
+        """Fold an admitted submission and commit a step if one is due; WireError from a
+        checking reader leaves everything as it was."""
+        ...
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None: ...
+
+    def waiting(self, round_number: int, fragment: int) -> Waiting: ...

@@ -1,0 +1,33 @@
+"""One pseudo-gradient submission as the coordinator hands it to a round engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from diloco.server.membership import WorkerRecord
+from diloco.wire import SpooledTensors
+
+
+@dataclass(frozen=True)
+class Submission:
+    """Keyed by (worker, round, fragment); `units` are the work units it reports finished."""
+
+    record: WorkerRecord
+    round: int
+    fragment: int
+    tensors: Mapping[str, torch.Tensor] | SpooledTensors
+    tokens: int
+    units: list[int]
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.tensors, SpooledTensors):
+            return self.tensors.nbytes
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
