@@ -3,6 +3,7 @@ server's final weights as a test reads them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -83,3 +84,22 @@ def global_weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
     with DiLoCoClient(url, retry=RetryPolicy(attempts=3), read_timeout=30) as client:
         body, round_number = client.get_weights()
     return decode_tensors(body), round_number
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark(
+    script: str, *args: str, timeout: float = 120, one_thread: bool = False
+) -> subprocess.CompletedProcess:
+    """Run benchmarks/`script` with `args`, output captured; `one_thread` sets OMP to 1 (tiny
+    models crawl with spinning threads on a busy machine)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if one_thread else None
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

@@ -159,3 +159,35 @@ def test_demo_bad_corpus_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error:")
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_in_streaming_mode_syncs_fragments(tmp_path: Path, corpus_file: Path) -> None:
+    path = tmp_path / "demo.json"
+    result = run_cli(
+        "demo", "--mode", "streaming", "--steps", "8", "--sync-every", "8",
+        "--corpus", str(corpus_file), "--json", str(path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    document = json.loads(path.read_text())
+    # P = 4, S = 2, tau = 1: fragments sent at 1, 3, 5, 7; the flush syncs all 4 once more
+    # (alpha 0.5 leaves local residue in every merge), so both end on the global model.
+    assert document["mode"] == "streaming" and document["rounds"] == 8
+    reports = document["worker_reports"]
+    assert [r["fragment_rounds"] for r in reports] == [[2, 2, 2, 2], [2, 2, 2, 2]]
+    assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mode", "bogus"], "error: --mode must be one of sync, streaming, async, got 'bogus'"),
+        (
+            ["--mode", "streaming", "--sync-every", "6"],
+            "error: sync_every H must be divisible by fragments P, got H = 6, P = 4",
+        ),
+    ],
+)
+def test_demo_bad_mode_settings_are_one_line(args: list[str], message: str) -> None:
+    result = run_cli("demo", *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == message

@@ -17,9 +17,9 @@ from processes import global_weights, start_worker, wait_all
 from tiny import TINY_MODEL
 
 
-def simulated_run(corpus: bytes, workers: int, steps: int):
+def simulated_run(corpus: bytes, workers: int, steps: int, **overrides):
     """`diloco simulate` with the settings the worker processes of these tests use."""
-    config = SimConfig(
+    settings = dict(
         mode="diloco",
         workers=workers,
         sync_every=4,
@@ -30,7 +30,7 @@ def simulated_run(corpus: bytes, workers: int, steps: int):
         warmup=2,
         seed=5,
     )
-    return simulate(config, corpus=corpus)
+    return simulate(SimConfig(**{**settings, **overrides}), corpus=corpus)
 
 
 def test_real_server_and_two_workers_match_the_simulator(

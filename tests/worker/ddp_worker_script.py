@@ -27,7 +27,8 @@ def main(url: str, token: str, steps: int) -> None:
         optimizer.zero_grad()
     worker.close()
     state = {name: t.tolist() for name, t in model.state_dict().items()}
-    print(json.dumps({"rank": rank, "rounds": worker.rounds, "state": state}), flush=True)
+    report = {"rank": rank, "rounds": worker.stats()["rounds"], "state": state}
+    print(json.dumps(report), flush=True)
     dist.barrier()  # both ranks leave together; gloo may abort a rank that is torn down early
     dist.destroy_process_group()
 

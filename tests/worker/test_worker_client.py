@@ -534,3 +534,50 @@ def test_close_wakes_a_call_that_is_backing_off(server: FakeServer) -> None:
     assert len(raised) == 1 and isinstance(raised[0], ClientClosed)
     with pytest.raises(ClientClosed):
         client.info()
+
+
+# -- downloads into the caller's buffer --------------------------------------------------------
+
+
+def test_weights_land_in_a_given_buffer_of_the_right_size(server: FakeServer) -> None:
+    first, second = random.Random(5).randbytes(50_000), random.Random(6).randbytes(50_000)
+    headers = {"X-Diloco-Round": "3"}
+    server.script(
+        Reply(200, body=first, headers=headers),
+        Reply(202, json={"status": "waiting", "round": 3, "waiting_for": ["w1"]}),
+        Reply(404, json={"error": "gone", "kind": "unknown_worker", "detail": {}}),
+        Reply(200, body=second, headers={"X-Diloco-Round": "4"}),
+    )
+    with make_client(server) as client:
+        body, _ = client.get_weights()
+        assert client.wait_result(3, "w0", wait=0.1, into=body) is None
+        with pytest.raises(ServerError):
+            client.wait_result(3, "w0", wait=0.1, into=body)
+        assert body == first  # a waiting answer and an error's JSON never land in it
+        got = client.wait_result(3, "w0", wait=0.1, into=body)
+    assert got is not None and got[0] is body and got[1] == 4
+    assert body == second
+
+
+def test_a_buffer_of_another_size_is_left_alone(server: FakeServer) -> None:
+    weights = random.Random(7).randbytes(1000)
+    server.script(Reply(200, body=weights, headers={"X-Diloco-Round": "1"}))
+    mine = bytearray(b"x" * 999)
+    with make_client(server) as client:
+        body, _ = client.get_weights(into=mine)
+    assert body is not mine and body == weights
+    assert mine == bytearray(b"x" * 999)
+
+
+def test_a_truncated_download_into_a_buffer_is_fetched_again_in_full(server: FakeServer) -> None:
+    weights = random.Random(8).randbytes(300_000)
+    headers = {"X-Diloco-Round": "2"}
+    server.script(
+        Reply(200, body=weights, headers=headers, truncate=1000),
+        Reply(200, body=weights, headers=headers),
+    )
+    mine = bytearray(len(weights))
+    with make_client(server) as client:
+        body, _ = client.get_weights(into=mine)
+        assert client.retries == 1
+    assert body is mine and mine == weights

@@ -19,7 +19,7 @@ from diloco.data import VOCAB_SIZE, TokenWindows, encode, generated_corpus
 from diloco.server.settings import ServerSettings
 from diloco.wire import decode_tensors, specs_of
 from diloco.worker import DiLoCoClient, DiLoCoWorker, ServerError
-from diloco.worker.data import LeasedBatches, LeasedSampler
+from diloco.worker.data import LeasedBatches, LeasedDataset, LeasedSampler
 
 LENGTH, UNIT, SEED = 1000, 64, 3
 UNITS = -(-LENGTH // UNIT)  # 16: fifteen of 64 samples and one of 40
@@ -314,3 +314,14 @@ def test_an_evicted_worker_registers_again_and_leases_anew(live_server) -> None:
         assert after == first
         assert leased.finished_units() == [held[0]["unit_id"]]  # listed once
         worker.close(final_sync=False)
+
+
+def test_a_leased_dataset_yields_one_epoch_of_samples_and_refuses_worker_processes(
+    server, client
+) -> None:
+    data = [torch.tensor(i) for i in range(LENGTH)]
+    leased = LeasedDataset(data, sampler(client))
+    assert [int(x) for x in leased] == order(0)
+    loader = DataLoader(LeasedDataset(data, sampler(client, "w1")), batch_size=10, num_workers=1)
+    with pytest.raises(RuntimeError, match="num_workers > 0"):
+        next(iter(loader))

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from diloco.server.settings import ServerSettings
@@ -37,18 +38,29 @@ def torchrun(url: str, token: str, steps: int) -> subprocess.CompletedProcess:
     )
 
 
-def test_ddp_group_is_one_worker_and_ranks_agree(live_server) -> None:
-    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)
+@pytest.mark.parametrize("mode", ["sync", "streaming"])
+def test_ddp_group_is_one_worker_and_ranks_agree(live_server, mode: str) -> None:
+    """Streaming (P = 2 over weight and bias, alpha 0.5): rank 0 syncs each fragment, every
+    rank merges the broadcast G' into its own local values; 6 steps are fragment syncs at
+    1..6, and the final flush syncs both fragments (alpha > 0): 8 outer steps."""
+    if mode == "sync":
+        settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)
+    else:
+        settings = ServerSettings(
+            mode="streaming", sync_every=2, fragments=2, alpha=0.5, outer_optimizer="sgd",
+            outer_lr=1.0,
+        )  # fmt: skip
     with live_server(settings, token="s3cret") as server:
         result = torchrun(server.url, "s3cret", steps=6)
         assert result.returncode == 0, result.stderr[-3000:]
         lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
         assert sorted(line["rank"] for line in lines) == [0, 1]
-        assert all(line["rounds"] == 3 for line in lines)
+        expected = 3 if mode == "sync" else 8
+        assert all(line["rounds"] == expected for line in lines)
         assert lines[0]["state"] == lines[1]["state"]
         status = server.coordinator.status()
         assert [w["worker_id"] for w in status["workers"]] == ["group"]
-        assert status["round"] == 3
+        assert status["round"] == expected
         with DiLoCoClient(server.url, "s3cret") as client:
             body, _ = client.get_weights()
         weights = decode_tensors(body)

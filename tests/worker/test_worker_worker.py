@@ -76,6 +76,25 @@ def test_one_worker_with_outer_sgd_lr1_keeps_its_local_model(live_server) -> Non
         worker.close(final_sync=False)
 
 
+def test_rounds_reuse_the_anchor_and_download_memory(live_server) -> None:
+    with live_server(ServerSettings(sync_every=2)) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, heartbeat=False)
+        addresses = {name: t.data_ptr() for name, t in worker.anchor.items()}
+        downloads = set()
+        for round_number in range(1, 4):
+            train(model, optimizer, steps=2, seed=round_number)
+            assert worker.rounds == round_number
+            downloads.add(id(worker._download))
+            assert {n: t.data_ptr() for n, t in worker.anchor.items()} == addresses
+            for name, tensor in server_weights(server.url).items():
+                torch.testing.assert_close(worker.anchor[name], tensor, rtol=0, atol=0)
+                torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0)
+        assert len(downloads) == 1  # each round's weights came into the last one's buffer
+        worker.close(final_sync=False)
+
+
 def test_nesterov_round_gives_the_algorithm_s_weights(live_server) -> None:
     with live_server(ServerSettings(sync_every=4)) as server:
         model = make_model()
@@ -219,7 +238,7 @@ def test_heartbeat_interval_at_or_above_timeout_is_a_value_error() -> None:
     wire = ServerSettings().to_wire()
     wire.update(heartbeat_interval=30.0, heartbeat_timeout=30.0)
     with pytest.raises(ValueError, match="heartbeat_interval"):
-        WorkerSettings.from_info({"settings": wire}, "http://127.0.0.1:1")
+        WorkerSettings.from_info({"mode": "sync", "settings": wire}, "http://127.0.0.1:1")
 
 
 class FlakyProxy:

@@ -28,23 +28,39 @@ from diloco.console import (
 )
 from diloco.data import CorpusError, load_named_corpus
 from diloco.server.launch import diloco_command, start_server, stop_process
+from diloco.server.settings import ServerSettings
 from diloco.sim import SimConfig, simulate
 from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
 
 FP32_BYTES = 4
+DEMO_MODES = ("sync", "streaming", "async")
 
 
 def demo_command(
     workers: int = typer.Option(2, help="Worker processes K."),
     steps: int = typer.Option(300, help="Inner steps per worker."),
-    sync_every: int = typer.Option(25, help="H: inner steps per round."),
+    mode: str = typer.Option(
+        "sync",
+        help="sync, streaming (4 fragments, tau 1, alpha 0.5) or async (Delayed Nesterov, N = K).",
+    ),
+    sync_every: int = typer.Option(
+        None, help="H: inner steps per round (default 25; streaming: 24, so 4 fragments fit)."
+    ),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     seed: int = typer.Option(0, help="Seed of weights and batches."),
     json_path: Path = typer.Option(None, "--json", help="Write the demo's figures here."),
 ) -> None:
     """Train with a real server and K workers on 127.0.0.1; compare with one worker and DDP."""
     check_output_path(json_path, "--json")
+    if mode not in DEMO_MODES:
+        raise fail(f"--mode must be one of {', '.join(DEMO_MODES)}, got {mode!r}")
+    if sync_every is None:
+        sync_every = 24 if mode == "streaming" else 25
     require_positive(workers=workers, steps=steps, sync_every=sync_every)
+    try:
+        mode_args = _mode_args(mode, workers, sync_every)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     try:
         data = load_named_corpus(corpus)  # fetch once here, so workers find it cached
     except CorpusError as exc:
@@ -57,10 +73,7 @@ def demo_command(
         try:
             server, url = start_server(
                 port_file,
-                "--sync-every",
-                str(sync_every),
-                "--min-workers",
-                str(workers),
+                *mode_args,
                 "--heartbeat-interval",
                 "2",
                 "--heartbeat-timeout",
@@ -112,7 +125,30 @@ def demo_command(
             for process in processes:
                 stop_process(process)
             stop_process(server)
-    _report(reports, data, workers, steps, sync_every, corpus, seed, json_path)
+    _report(reports, data, workers, steps, sync_every, corpus, seed, json_path, mode)
+
+
+def _mode_args(mode: str, workers: int, sync_every: int) -> list[str]:
+    """The server's options for the demo's mode (checked here, so a bad H fails at once)."""
+    h = ["--sync-every", str(sync_every)]
+    if mode == "sync":
+        return [*h, "--min-workers", str(workers)]
+    if mode == "async":
+        return ["--mode", "async", *h, "--dn-period", str(workers)]
+    settings = ServerSettings(mode="streaming", sync_every=sync_every, fragments=4, delay=1)
+    return [
+        "--mode",
+        "streaming",
+        *h,
+        "--fragments",
+        str(settings.fragments),
+        "--delay",
+        str(settings.delay),
+        "--alpha",
+        "0.5",
+        "--min-workers",
+        str(workers),
+    ]
 
 
 def _follow(url: str, processes: list[subprocess.Popen], total_steps: int) -> None:
@@ -139,6 +175,7 @@ def _report(
     corpus: str,
     seed: int,
     json_path: Path | None,
+    mode: str = "sync",
 ) -> None:
     err.print("training one worker alone for the same steps (baseline)")
     single = simulate(
@@ -151,7 +188,7 @@ def _report(
     received = sum(r["bytes_received"] for r in reports) / workers
     rows = [
         [
-            f"DiLoCo, {workers} workers, H={sync_every}",
+            f"DiLoCo ({mode}), {workers} workers, H={sync_every}",
             f"{diloco_loss:.4f}",
             reports[0]["rounds"],
             megabytes(sent),
@@ -187,6 +224,7 @@ def _report(
         write_json(
             json_path,
             {
+                "mode": mode,
                 "workers": workers,
                 "steps": steps,
                 "sync_every": sync_every,

@@ -12,6 +12,32 @@ from diloco.server.runner import serve
 from diloco.server.settings import ServerSettings
 from diloco.wire import parse_wire_dtype
 
+# Options of one mode, with their defaults there; given with another mode they are an error.
+MODE_DEFAULTS = {
+    "streaming": {"fragments": 1, "delay": 0, "alpha": 0.5},
+    "async": {
+        "dn_period": 1,
+        "dn_c": 0.0,
+        "grace_seconds": 0.0,
+        "staleness_weighting": "none",
+        "dylu": False,
+    },
+}
+
+
+def _mode_options(mode: str, **given: object) -> dict:
+    """The mode's own options (defaults filled in); an option of another mode is refused."""
+    options: dict = {}
+    for owner, defaults in MODE_DEFAULTS.items():
+        for name, default in defaults.items():
+            value = given[name]
+            flag = "--" + name.replace("_", "-")
+            if owner != mode and value is not None:
+                raise ValueError(f"{flag} applies to --mode {owner} only (the mode is {mode})")
+            if owner == mode:
+                options[name] = default if value is None else value
+    return options
+
 
 def server_command(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -33,7 +59,12 @@ def server_command(
     checkpoint_every: int = typer.Option(
         None, help="With --durability interval: rounds between checkpoints (default 10)."
     ),
-    mode: str = typer.Option("sync", help="Training mode: sync."),
+    mode: str = typer.Option(
+        "sync",
+        help="sync: a barrier per round; streaming: P fragments on staggered schedules "
+        "(--fragments, --delay, --alpha); async: each arrival applied at once (Delayed "
+        "Nesterov: --dn-period, --dn-c; --grace-seconds, --staleness-weighting, --dylu).",
+    ),
     sync_every: int = typer.Option(50, help="H: inner optimizer steps per round."),
     outer_optimizer: str = typer.Option("nesterov", help="sgd, momentum or nesterov."),
     outer_lr: float = typer.Option(0.7, help="Outer learning rate."),
@@ -43,9 +74,35 @@ def server_command(
     download_dtype: str = typer.Option("fp32", help="Global weights dtype: fp32 or bf16."),
     heartbeat_interval: float = typer.Option(5.0, help="Seconds between worker heartbeats."),
     heartbeat_timeout: float = typer.Option(30.0, help="Evict a worker silent this long."),
-    barrier_timeout: float = typer.Option(600.0, help="A round open this long answers 504."),
+    barrier_timeout: float = typer.Option(
+        None, help="A round open this long answers 504 (default 600; not in async mode)."
+    ),
     min_workers: int = typer.Option(1, help="Contributions a round needs to commit."),
     max_body_mb: float = typer.Option(4096.0, help="Largest tensor body accepted (MB)."),
+    fragments: int = typer.Option(None, help="Streaming: fragments P (must divide H; default 1)."),
+    delay: int = typer.Option(
+        None, help="Streaming: tau, inner steps a fragment's transfer overlaps (0 <= tau < H/P)."
+    ),
+    alpha: float = typer.Option(
+        None, help="Streaming: merge theta = (1 - alpha) global + alpha local (default 0.5)."
+    ),
+    dn_period: int = typer.Option(
+        None, help="Async: Delayed Nesterov N, arrivals per momentum update (default 1)."
+    ),
+    dn_c: float = typer.Option(
+        None, help="Async: Delayed Nesterov c, momentum applied between updates (default 0)."
+    ),
+    grace_seconds: float = typer.Option(
+        None, help="Async: average arrivals within this many seconds into one outer step."
+    ),
+    staleness_weighting: str = typer.Option(
+        None,
+        help="Async: none, or inverse_sqrt to scale a stale pseudo-gradient by "
+        "(1 + staleness)^-1/2.",
+    ),
+    dylu: bool = typer.Option(
+        False, help="Async: give slower workers fewer local steps (DyLU), sent in heartbeats."
+    ),
     memory_bodies: int = typer.Option(
         0, help="Submissions held in RAM at once; the rest stream to disk (0: all do)."
     ),
@@ -65,8 +122,22 @@ def server_command(
     if not max_body_mb > 0:
         raise fail(f"--max-body-mb must be > 0, got {max_body_mb}")
     try:
+        mode_options = _mode_options(
+            mode,
+            fragments=fragments,
+            delay=delay,
+            alpha=alpha,
+            dn_period=dn_period,
+            dn_c=dn_c,
+            grace_seconds=grace_seconds,
+            staleness_weighting=staleness_weighting,
+            dylu=dylu or None,
+        )
+        if mode == "async" and barrier_timeout is not None:
+            raise ValueError("--barrier-timeout does not apply to --mode async: it has no barrier")
         settings = ServerSettings(
             mode=mode,
+            **mode_options,
             sync_every=sync_every,
             outer_optimizer=outer_optimizer,
             outer_lr=outer_lr,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -90,6 +91,14 @@ def worker_command(
         900.0, help="Seconds one request keeps retrying an unreachable server (0: forever)."
     ),
     max_retry_delay: float = typer.Option(30.0, help="Longest wait between two retries (s)."),
+    max_upload_mbps: float = typer.Option(
+        None, help="Cap this worker's upload bandwidth (megabits/s), for a shared link."
+    ),
+    fragment_timeout: float = typer.Option(
+        None,
+        help="Streaming: the longest a merge waits for its fragment's sync before keeping the "
+        "old anchor and sending the fragment again next window (default: as long as retries go).",
+    ),
     checkpoint_dir: Path = typer.Option(
         None,
         help="Save this worker's state here after every round; starting again on it resumes "
@@ -131,6 +140,10 @@ def worker_command(
     torch.manual_seed(seed)
     initial = GPT(config).state_dict()
     replica = Replica(config, initial, sampler, lr, warmup, steps, weight_decay=0.1)
+    if max_upload_mbps is not None and not max_upload_mbps > 0:
+        raise fail(f"--max-upload-mbps must be > 0, got {max_upload_mbps}")
+    if fragment_timeout is not None and not fragment_timeout > 0:
+        raise fail(f"--fragment-timeout must be > 0 seconds, got {fragment_timeout}")
     if give_up_after < 0:
         raise fail(f"--give-up-after must be >= 0 seconds, got {give_up_after}")
     if not max_retry_delay > 0:
@@ -149,6 +162,8 @@ def worker_command(
             secret,
             retry=retry,
             checkpoint_dir=checkpoint_dir,
+            fragment_timeout=fragment_timeout,
+            max_upload_mbps=max_upload_mbps,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None
@@ -174,6 +189,7 @@ def worker_command(
         if data_dispatch == "static":
             sampler.skip(done)  # the same batches as a run that never stopped
     tokens_per_step = batch_size * seq_len
+    started = time.monotonic()
     try:
         with progress_bar(f"worker {worker.worker_id}", steps, enabled=progress) as advance:
             advance(min(done, steps))
@@ -185,10 +201,13 @@ def worker_command(
     except (ServerError, ServerUnavailable, LeaderFailed) as exc:
         worker.close(final_sync=False)
         raise fail(f"worker {worker.worker_id} stopped: {exc}", code=1) from None
+    train_seconds = time.monotonic() - started
     final_loss = evaluator.loss(replica.model.state_dict())
     stats = worker.stats()
     result = {
         **stats,
+        "train_seconds": train_seconds,  # the training loop and the final sync, wall time
+        "blocked_fraction": stats["blocked_seconds"] / train_seconds if train_seconds else 0.0,
         "server": server,
         "steps": steps,
         "data_dispatch": data_dispatch,

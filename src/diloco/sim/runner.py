@@ -51,6 +51,8 @@ class SimResult:
     wall_seconds: float
     local_steps_per_worker: list[int] = field(default_factory=list)
     final_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    # async: (worker, local steps, simulated time) of each arrival, in the order applied
+    arrivals: list[tuple[int, int, float]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         c = self.config
@@ -69,6 +71,7 @@ class SimResult:
             "tokens_per_worker": c.steps * c.batch_size * c.seq_len,
             "local_steps_per_worker": self.local_steps_per_worker,
             "wall_seconds": self.wall_seconds,
+            "arrivals": [list(a) for a in self.arrivals],
             "config": c.to_dict(),
         }
 
@@ -129,6 +132,7 @@ class ModeOutcome:
     bytes_received: float = 0.0
     peak_sync_bytes: int = 0
     local_steps: list[int] = field(default_factory=list)
+    arrivals: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 def _eval_due(step: int, interval: int, total: int) -> bool:
@@ -233,6 +237,9 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
 
     The outer step for a fragment runs when it is sent (all replicas are in lockstep); its result
     G' is held back and mixed into each replica tau steps later: theta = (1 - a) G' + a L.
+    At the end, as a real worker's `close` does, merges still pending are applied and every
+    fragment whose local values are not its global ones (trained since its last merge, or
+    mixed with alpha > 0) is synced once more: no training is lost, replicas end on G.
     """
     c = setup.config
     schedule = StreamingSchedule(c.sync_every, c.fragments, c.delay)
@@ -244,40 +251,54 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
     optimizer = setup.outer_optimizer()
     masters = to_fp32_masters(setup.initial)
     curve = [(0, setup.evaluator.loss(masters))]
-    pending: dict[int, list[dict[str, torch.Tensor]]] = {}
+    pending: dict[int, list[tuple[int, dict[str, torch.Tensor]]]] = {}
+    last_merge = [0] * len(fragments)
     syncs = 0
     sent = 0
     peak = 0
+
+    def sync_fragment(f: int) -> dict[str, torch.Tensor]:
+        nonlocal sent, peak, syncs
+        names = fragments[f]
+        contributions = []
+        for w, replica in enumerate(replicas):
+            local = replica.state()
+            contributions.append(
+                Contribution(
+                    pseudo_gradient({n: masters[n] for n in names}, {n: local[n] for n in names}),
+                    worker=str(w),
+                )
+            )
+        outer_step(masters, contributions, optimizer, setup.kinds)
+        fragment_bytes = sum(setup.tensor_bytes.get(n, 0) for n in names)
+        sent += fragment_bytes
+        peak = max(peak, fragment_bytes)
+        syncs += 1
+        return {n: masters[n].clone() for n in names}
+
+    def merge(f: int, snapshot: dict[str, torch.Tensor], alpha: float, step: int) -> None:
+        for replica in replicas:
+            local = replica.state()
+            replica.load(alpha_merge(snapshot, {n: local[n] for n in snapshot}, alpha))
+        last_merge[f] = step
+
     for step in range(1, c.steps + 1):
         for replica in replicas:
             replica.train_step()
             progress(1)
         for f in schedule.fragments_sent_at(step):
-            names = fragments[f]
-            contributions = []
-            for w, replica in enumerate(replicas):
-                local = replica.state()
-                contributions.append(
-                    Contribution(
-                        pseudo_gradient(
-                            {n: masters[n] for n in names}, {n: local[n] for n in names}
-                        ),
-                        worker=str(w),
-                    )
-                )
-            outer_step(masters, contributions, optimizer, setup.kinds)
-            fragment_bytes = sum(setup.tensor_bytes.get(n, 0) for n in names)
-            sent += fragment_bytes
-            peak = max(peak, fragment_bytes)
-            syncs += 1
-            snapshot = {n: masters[n].clone() for n in names}
-            pending.setdefault(step + c.delay, []).append(snapshot)
-        for snapshot in pending.pop(step, []):
-            for replica in replicas:
-                local = replica.state()
-                replica.load(alpha_merge(snapshot, {n: local[n] for n in snapshot}, c.alpha))
-        if _eval_due(step, c.eval_interval, c.steps):
+            pending.setdefault(step + c.delay, []).append((f, sync_fragment(f)))
+        for f, snapshot in pending.pop(step, []):
+            merge(f, snapshot, c.alpha, step)
+        if _eval_due(step, c.eval_interval, c.steps) and step != c.steps:
             curve.append((step, setup.evaluator.loss(masters)))
+    for due in sorted(pending):  # sent, but due after the last step: merged now
+        for f, snapshot in pending.pop(due):
+            merge(f, snapshot, c.alpha, c.steps)
+    for f in range(len(fragments)):
+        if last_merge[f] < c.steps or c.alpha > 0:  # local values are not the global ones
+            merge(f, sync_fragment(f), 0.0, c.steps)
+    curve.append((c.steps, setup.evaluator.loss(masters)))
     return ModeOutcome(
         masters,
         curve,
@@ -328,6 +349,7 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
         schedule(w, 0.0)
     next_eval = c.eval_interval
     arrivals = 0
+    order: list[tuple[int, int, float]] = []
     while events:
         when, w, n = heapq.heappop(events)
         while next_eval < min(when * fastest, c.steps):
@@ -341,6 +363,7 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
         arrival = Contribution(pseudo_gradient(anchors[w], replica.state()), worker=str(w))
         outer_step(masters, [arrival], optimizer, setup.kinds)
         arrivals += 1
+        order.append((w, n, when))
         replica.load(masters)
         anchors[w] = {name: t.clone() for name, t in masters.items()}
         schedule(w, when)
@@ -357,6 +380,7 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
         bytes_received=per_worker,
         peak_sync_bytes=setup.model_bytes,
         local_steps=[r.steps_done for r in replicas],
+        arrivals=order,
     )
 
 
@@ -415,6 +439,7 @@ def run(setup: SimSetup, progress: Progress | None = None) -> SimResult:
         wall_seconds=time.perf_counter() - started,
         local_steps_per_worker=outcome.local_steps,
         final_state=outcome.final_state,
+        arrivals=outcome.arrivals,
     )
 
 

@@ -30,6 +30,7 @@ from urllib3.exceptions import ProtocolError, ProxyError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
+from diloco.worker.ratelimit import SLICE_BYTES, UploadLimiter
 from diloco.worker.retry import RetryPolicy
 
 Body = bytes | bytearray | memoryview
@@ -66,6 +67,7 @@ class ClientStats:
     blocked_seconds: float = 0.0
     retries: int = 0
     blocked_by_operation: dict[str, float] = field(default_factory=dict)
+    largest_upload: int = 0  # the biggest pseudo-gradient sent: what one sync moves at once
 
 
 class _Counters:
@@ -83,6 +85,7 @@ class _Counters:
         retries: int = 0,
         operation: str | None = None,
         blocked: float = 0.0,
+        upload: int = 0,
     ) -> None:
         with self._lock:
             s = self._stats
@@ -96,6 +99,7 @@ class _Counters:
                 blocked_seconds=s.blocked_seconds + blocked,
                 retries=s.retries + retries,
                 blocked_by_operation=by_operation,
+                largest_upload=max(s.largest_upload, upload),
             )
 
     def snapshot(self) -> ClientStats:
@@ -133,8 +137,13 @@ def _split_base_url(base_url: str) -> tuple[str, str]:
     return f"{parts.scheme.lower()}://{parts.netloc}", parts.path.rstrip("/")
 
 
-def _read_body(response: urllib3.BaseHTTPResponse) -> bytearray:
-    """Read a streamed body into one buffer, preallocated when Content-Length is known."""
+def _read_body(response: urllib3.BaseHTTPResponse, into: bytearray | None = None) -> bytearray:
+    """Read a streamed body into one buffer, preallocated when Content-Length is known.
+
+    `into` is used instead of a new buffer when it has exactly Content-Length bytes: a worker
+    that downloads the weights every round then writes them over the same memory rather than
+    page-faulting a fresh model-sized buffer in each time.
+    """
     length = response.headers.get("Content-Length")
     if length is None:
         buffer = bytearray()
@@ -142,7 +151,7 @@ def _read_body(response: urllib3.BaseHTTPResponse) -> bytearray:
             buffer += chunk
         return buffer
     size = int(length)
-    buffer = bytearray(size)
+    buffer = into if into is not None and len(into) == size else bytearray(size)
     view = memoryview(buffer)
     done = 0
     while done < size:
@@ -201,6 +210,31 @@ def _round_header(reply: _Reply) -> int:
         ) from None
 
 
+@dataclass(frozen=True)
+class Weights:
+    """Global weights as the server sent them, with the rounds its headers state."""
+
+    body: bytearray
+    round: int  # what they start: the round (sync), the version (async, streaming)
+    fragment_rounds: list[int] | None = None  # streaming: each fragment's round
+
+
+def _weights(reply: _Reply) -> Weights:
+    rounds = reply.headers.get("X-Diloco-Fragment-Rounds")
+    fragment_rounds = None
+    if rounds:
+        try:
+            fragment_rounds = [int(r) for r in rounds.split(",")]
+        except ValueError:
+            raise ServerError(
+                reply.status,
+                "invalid_response",
+                f"X-Diloco-Fragment-Rounds is not a list of integers (got {rounds!r})",
+                url=reply.url,
+            ) from None
+    return Weights(reply.body, _round_header(reply), fragment_rounds)
+
+
 def _retry_after(reply: _Reply) -> float | None:
     """Seconds from a numeric Retry-After header, if the server sent one."""
     try:
@@ -230,8 +264,13 @@ class DiLoCoClient:
         sleep: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        max_upload_mbps: float | None = None,
     ) -> None:
+        """`max_upload_mbps` paces tensor uploads to that many megabits per second."""
         self._origin, self._prefix = _split_base_url(base_url)
+        self._limiter = (
+            UploadLimiter.from_mbps(max_upload_mbps) if max_upload_mbps is not None else None
+        )
         for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {value!r}")
@@ -318,10 +357,19 @@ class DiLoCoClient:
             raise error
         return _json_dict(self._success(reply))
 
-    def get_weights(self) -> tuple[bytearray, int]:
-        """The current global weights (safetensors bytes) and the round they start."""
-        reply = self._success(self._call("get_weights", "GET", "/v1/weights"))
-        return reply.body, _round_header(reply)
+    def get_weights(self, into: bytearray | None = None) -> tuple[bytearray, int]:
+        """The current global weights (safetensors bytes) and the round they start.
+
+        With `into`, a buffer of the right size is overwritten with the weights and returned
+        (see `wait_result`).
+        """
+        weights = self.get_weights_detail(into=into)
+        return weights.body, weights.round
+
+    def get_weights_detail(self, into: bytearray | None = None) -> Weights:
+        """The current global weights with every round header (streaming: per fragment)."""
+        reply = self._success(self._call("get_weights", "GET", "/v1/weights", into=into))
+        return _weights(reply)
 
     def submit(
         self,
@@ -349,22 +397,41 @@ class DiLoCoClient:
             body=body,
             content_type="application/octet-stream",
         )
-        return _json_dict(self._success(reply))
+        answer = _json_dict(self._success(reply))
+        self._counters.add(upload=memoryview(body).nbytes)
+        return answer
 
     def wait_result(
-        self, round: int, worker_id: str, wait: float = 30.0
+        self,
+        round: int,
+        worker_id: str,
+        wait: float = 30.0,
+        *,
+        fragment: int = 0,
+        into: bytearray | None = None,
     ) -> tuple[bytearray, int] | None:
-        """Long-poll round `round`'s result: (weights, next round), or None while it is open."""
+        """Long-poll round `round`'s result: (weights, next round), or None while it is open.
+
+        In streaming mode `fragment` names the fragment whose round this is, and the weights
+        are that fragment's tensors; in async mode `round` is the version the arrival was for.
+        With `into` (the buffer the last weights came in, once they have been loaded), weights
+        of the same size are read into it and it is returned; its old content is then gone,
+        even when the call fails part way. Otherwise a new buffer is allocated.
+        """
         if not (math.isfinite(wait) and 0 <= wait <= _MAX_WAIT):
             raise ValueError(f"wait must be in [0, {_MAX_WAIT:g}] seconds, got {wait!r}")
+        query = {"worker_id": worker_id, "wait": f"{wait:g}"}
+        if fragment:
+            query["fragment"] = str(int(fragment))
         reply = self._call(
             "wait_result",
             "GET",
             f"/v1/rounds/{int(round)}/result",
-            query={"worker_id": worker_id, "wait": f"{wait:g}"},
+            query=query,
             # The server holds the answer for `wait`, and may then still be committing the
             # round (a durable checkpoint), so the usual read timeout comes on top.
             read_timeout=wait + self._read_timeout,
+            into=into,
         )
         if reply.status == 202:
             return None
@@ -409,17 +476,29 @@ class DiLoCoClient:
         )
 
     def heartbeat(
-        self, worker_id: str, step: int, steps_per_second: float, loss: float | None, tokens: int
+        self,
+        worker_id: str,
+        step: int,
+        steps_per_second: float,
+        loss: float | None,
+        tokens: int,
+        windows: int | None = None,
     ) -> dict[str, Any]:
+        """A sign of life; `windows` (sync windows finished) makes `steps_per_second` that
+        window's compute speed, which the server's DyLU smooths into a recommended H."""
         # JSON has no NaN: a diverged loss is reported as unknown rather than failing the beat.
         if loss is not None and not math.isfinite(loss):
             loss = None
-        payload = {
+        if not math.isfinite(steps_per_second) or steps_per_second < 0:
+            steps_per_second = 0.0
+        payload: dict[str, Any] = {
             "step": step,
             "steps_per_second": steps_per_second,
             "loss": loss,
             "tokens": tokens,
         }
+        if windows is not None:
+            payload["windows"] = windows
         path = f"/v1/workers/{quote(worker_id, safe='')}/heartbeat"
         return self._json_call("heartbeat", "POST", path, payload=payload)
 
@@ -483,6 +562,7 @@ class DiLoCoClient:
         body: Body | None = None,
         content_type: str | None = None,
         read_timeout: float | None = None,
+        into: bytearray | None = None,
     ) -> _Reply:
         """Send one request until it gets an answer that retrying cannot change.
 
@@ -508,7 +588,7 @@ class DiLoCoClient:
                 attempts += 1
                 retry_after = None
                 try:
-                    reply = self._attempt(method, url, body, headers, timeout)
+                    reply = self._attempt(method, url, body, headers, timeout, into)
                 except _TRANSIENT_ERRORS as exc:
                     cause: BaseException = exc
                     signal: BaseException | int = exc
@@ -548,11 +628,16 @@ class DiLoCoClient:
         body: Body | None,
         headers: Mapping[str, str],
         timeout: urllib3.Timeout,
+        into: bytearray | None = None,
     ) -> _Reply:
+        payload: Any = body
+        if self._limiter is not None and body is not None and len(body) > SLICE_BYTES:
+            headers = {**headers, "Content-Length": str(memoryview(body).nbytes)}
+            payload = self._limiter.paced(body)
         response = self._pool.urlopen(
             method,
             url,
-            body=body,
+            body=payload,
             headers=headers,
             timeout=timeout,
             retries=False,
@@ -560,7 +645,8 @@ class DiLoCoClient:
             preload_content=False,
         )
         try:
-            received = _read_body(response)
+            # Only a success carries the weights; an error's JSON never lands in `into`.
+            received = _read_body(response, into if response.status == 200 else None)
         except BaseException:
             response.close()  # a half-read connection must not go back to the pool
             raise

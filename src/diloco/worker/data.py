@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 from diloco.worker.errors import ServerError
 
 log = logging.getLogger("diloco.worker")
 
-__all__ = ["LeasedBatches", "LeasedSampler"]
+__all__ = ["LeasedBatches", "LeasedDataset", "LeasedSampler"]
 
 
 class LeaseClient(Protocol):
@@ -209,3 +209,25 @@ class LeasedBatches:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = [self.dataset[self._next_index()] for _ in range(self.batch_size)]
         return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+
+class LeasedDataset(IterableDataset):
+    """The samples of a map-style `dataset` in leased order, one epoch per iteration.
+
+    For loops that want an IterableDataset. Use it with `num_workers=0`: DataLoader worker
+    processes would each hold a copy of the sampler and report nothing back; with worker
+    processes, pass the `LeasedSampler` as `sampler=` instead (it stays in this process).
+    """
+
+    def __init__(self, dataset: Any, sampler: LeasedSampler) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        if get_worker_info() is not None:
+            raise RuntimeError(
+                "LeasedDataset cannot run in DataLoader worker processes (num_workers > 0); "
+                "use DataLoader(dataset, sampler=LeasedSampler(...)) instead"
+            )
+        for index in self.sampler:
+            yield self.dataset[index]

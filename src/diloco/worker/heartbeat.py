@@ -17,6 +17,7 @@ class Heartbeat:
 
     An `unknown_worker` answer (the server evicted us or restarted) calls `on_unknown`, which
     re-registers under the same id; transport failures are logged and the next beat tries again.
+    Every answer goes to `on_answer` (it may carry a recommended H, from DyLU).
     """
 
     def __init__(
@@ -26,12 +27,14 @@ class Heartbeat:
         interval: float,
         snapshot: Callable[[], dict],
         on_unknown: Callable[[], None],
+        on_answer: Callable[[dict], None] | None = None,
     ) -> None:
         self.client = client
         self.worker_id = worker_id
         self.interval = interval
         self.snapshot = snapshot
         self.on_unknown = on_unknown
+        self.on_answer = on_answer
         self.stopped = threading.Event()
         self.beats = 0
         self.thread = threading.Thread(target=self._run, name="diloco-heartbeat", daemon=True)
@@ -47,8 +50,10 @@ class Heartbeat:
     def beat(self) -> None:
         report = self.snapshot()
         try:
-            self.client.heartbeat(self.worker_id(), **report)
+            answer = self.client.heartbeat(self.worker_id(), **report)
             self.beats += 1
+            if self.on_answer is not None:
+                self.on_answer(answer)
         except ServerError as exc:
             if exc.kind == "unknown_worker":
                 log.warning("server no longer knows worker %s; registering again", self.worker_id())

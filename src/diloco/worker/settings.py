@@ -27,8 +27,12 @@ class ServerSettingsError(RuntimeError):
     """The server did not state a setting the worker must adopt: a fatal misconfiguration."""
 
 
+WORKER_MODES = ("sync", "streaming", "async")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
+    mode: str
     sync_every: int
     upload_dtype: torch.dtype
     download_dtype: torch.dtype
@@ -61,8 +65,15 @@ class WorkerSettings:
                 f"the server at {server} does not state the required setting(s) "
                 f"{', '.join(missing)}; a worker cannot choose them itself"
             )
+        mode = info.get("mode")
+        if mode not in WORKER_MODES:
+            raise ServerSettingsError(
+                f"the server at {server} runs mode {mode!r}; this worker supports "
+                f"{', '.join(WORKER_MODES)}"
+            )
         try:
             return cls(
+                mode=mode,
                 sync_every=int(settings["sync_every"]),
                 upload_dtype=torch_dtype(settings["upload_dtype"]),
                 download_dtype=torch_dtype(settings["download_dtype"]),
@@ -82,8 +93,9 @@ class WorkerSettings:
             ) from None
 
     def check_supported(self) -> None:
-        """Settings of features this worker does not implement yet are refused, not ignored."""
-        if self.fragments != 1:
+        """Settings this worker cannot follow are refused, not ignored."""
+        if self.mode != "streaming" and self.fragments != 1:
             raise ServerSettingsError(
-                f"the server asks for {self.fragments} streaming fragments; this worker supports 1"
+                f"the server states {self.fragments} fragments in mode {self.mode}; only "
+                "streaming mode has more than one"
             )

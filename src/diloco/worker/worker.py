@@ -1,10 +1,16 @@
 """DiLoCoWorker: turns any torch optimizer loop into a DiLoCo worker.
 
 A post-step hook counts optimizer steps (so gradient accumulation is handled: H counts steps,
-not batches); every H steps the worker sends anchor - local in the server's upload dtype, waits
-for the round's result and loads it as both the model and the new anchor. The anchor lives on
-the CPU in fp32. A network failure retries the same submission under the same (worker, round)
-key, and an eviction re-registers under the same id: local progress is never thrown away.
+not batches). The server's mode decides what happens then:
+- sync: every H steps the worker sends anchor - local in the server's upload dtype, waits for
+  the round's result and loads it as both the model and the new anchor;
+- async: the same exchange, but the server applies the arrival at once (no barrier), and with
+  DyLU the server's heartbeat answers set this worker's H for its next window;
+- streaming: fragments are sent on a staggered schedule from a background thread and merged
+  tau steps later (`worker.streaming`).
+The anchor lives on the CPU in fp32. A network failure retries the same submission under the
+same (worker, round, fragment) key, and an eviction re-registers under the same id: local
+progress is never thrown away.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,13 +37,23 @@ from diloco.worker.checkpoint import (
     restore_worker_checkpoint,
     save_worker_checkpoint,
 )
-from diloco.worker.client import DiLoCoClient
-from diloco.worker.errors import ServerError
+from diloco.worker.client import DiLoCoClient, Weights
+from diloco.worker.errors import ClientClosed, ServerError
 from diloco.worker.heartbeat import Heartbeat
 from diloco.worker.retry import RetryPolicy
 from diloco.worker.settings import WorkerSettings
+from diloco.worker.streaming import FragmentStreamer
 
 log = logging.getLogger("diloco.worker")
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """A sync's outcome: the global values to take, and the round they start."""
+
+    tensors: dict[str, torch.Tensor]
+    round: int  # sync: the next round; streaming: the fragment's next round; async: a version
+    rebase_rounds: list[int] | None = None  # the server was behind: full weights, its rounds
 
 
 class ReportsUnits(Protocol):
@@ -60,6 +77,30 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
 
 
+def _updated_anchor(
+    anchor: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`tensors` as CPU copies (fp32 for floating ones), written over `anchor` where it fits.
+
+    Copying into the anchor's own memory spares a model-sized allocation, and its page faults,
+    every round; a new anchor is built when the names, shapes or dtypes differ.
+    """
+    fresh = {
+        name: (torch.float32 if t.is_floating_point() else t.dtype, t.shape)
+        for name, t in tensors.items()
+    }
+    if fresh.keys() == anchor.keys() and all(
+        (a.dtype, a.shape) == fresh[name] and a.device.type == "cpu" for name, a in anchor.items()
+    ):
+        for name, target in anchor.items():
+            target.copy_(tensors[name].detach())
+        return anchor
+    return {
+        name: t.detach().to(device="cpu", dtype=fresh[name][0], copy=True)
+        for name, t in tensors.items()
+    }
+
+
 class DiLoCoWorker:
     """One DiLoCo worker (one process, or one torch.distributed group led by rank 0)."""
 
@@ -77,11 +118,18 @@ class DiLoCoWorker:
         data: ReportsUnits | None = None,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         scheduler: Any = None,
+        fragment_timeout: float | None = None,
+        max_upload_mbps: float | None = None,
     ) -> None:
         """`checkpoint_dir`: after every round the worker saves its inner optimizer (and
         `scheduler`) state, RNG state, step, round, session and data position there, and a
         worker started on the same directory resumes from it under the same id (see
         diloco.worker.checkpoint); a saved state that does not fit is ignored with a warning.
+
+        `fragment_timeout` (streaming): the longest a merge waits for its fragment's sync
+        before it gives up on it for this window (keeping the old anchor); None waits as long
+        as the retry policy keeps trying. `max_upload_mbps` caps the upload bandwidth (a
+        shared link); None sends as fast as the network allows.
         """
         self.model = _unwrap(model)
         self.optimizer = optimizer
@@ -92,7 +140,13 @@ class DiLoCoWorker:
         self.kinds = classify_tensors(self.model)
         self.specs = specs_of(self.model.state_dict(), self.kinds)
         self.client = (
-            DiLoCoClient(server_url, token, retry=retry or RetryPolicy(), on_retry=_log_retry)
+            DiLoCoClient(
+                server_url,
+                token,
+                retry=retry or RetryPolicy(),
+                on_retry=_log_retry,
+                max_upload_mbps=max_upload_mbps,
+            )
             if self.is_leader
             else None
         )
@@ -107,8 +161,22 @@ class DiLoCoWorker:
         self.last_loss: float | None = None
         self._started = time.monotonic()
         self.anchor: dict[str, torch.Tensor] = {}
+        # The last downloaded weights' buffer, loaded already: the next download reuses it.
+        self._download: bytearray | None = None
         self._closed = False
         self.rebases = 0
+        self.blocked_seconds = 0.0  # training-thread time spent waiting on the server
+        self.windows = 0  # sync windows finished (rounds, async arrivals, fragment merges)
+        self.last_window_speed: float | None = None  # steps/s of compute in the last window
+        self._window_mark = (time.monotonic(), 0, 0.0)  # (when, local step, blocked) at its start
+        # (when, blocked seconds) after the first window and when training ended: the steady
+        # state between them leaves out start-up skew between workers and the final flush.
+        self._steady_from: tuple[float, float] | None = None
+        self._steady_to: tuple[float, float] | None = None
+        self.recommended_sync_every: int | None = None  # DyLU, from heartbeat answers (async)
+        self.streamer: FragmentStreamer | None = None
+        self.fragment_plan: list[list[str]] | None = None
+        self.fragment_rounds: list[int] = []
         self.data = data  # a LeasedSampler (diloco.worker.data) whose units we report
         self.scheduler = scheduler
         self.checkpoint_dir = checkpoint_dir
@@ -124,11 +192,19 @@ class DiLoCoWorker:
         info = distributed.lead(self._fetch_info, distributed.broadcast_json)
         self.settings = WorkerSettings.from_info(info, server_url)
         self.settings.check_supported()
+        self.window_sync_every = self.settings.sync_every  # H of this window (DyLU may lower it)
         self.worker_id = distributed.lead(self._join, self._share_join)
-        if self.resumed is not None and self.round > self.resumed.anchor_round:
+        if self.settings.mode == "streaming":
+            assert self.fragment_plan is not None
+            self.streamer = FragmentStreamer(
+                self, self.fragment_plan, self.fragment_rounds, fragment_timeout
+            )
+        sync_resume = self.settings.mode == "sync" and self.resumed is not None
+        if sync_resume and self.round > self.resumed.anchor_round:  # type: ignore[union-attr]
             # Rounds committed while we were down already hold our work (the barrier waited
             # for us) or went on without us (we were evicted): either way we start at the
             # server's round, and our step count and data position follow it.
+            assert self.resumed is not None
             ahead = (self.round - self.resumed.anchor_round) * self.settings.sync_every
             self.local_step += ahead
             log.warning(
@@ -146,6 +222,7 @@ class DiLoCoWorker:
                 self.settings.heartbeat_interval,
                 self._heartbeat_report,
                 self._reregister,
+                self._heartbeat_answer,
             )
             self._heartbeat.start()
 
@@ -241,22 +318,34 @@ class DiLoCoWorker:
                 # either way the server's copy is what every worker starts from.
                 if exc.kind != "weights_exist":
                     raise
-        body, round_number = self.client.get_weights()
-        self._adopt(decode_tensors(body), round_number)
-        log.info("worker %s joined at round %d", self.worker_id, round_number)
+        weights = self._fetch_weights()
+        self._adopt(decode_tensors(weights.body), weights.round)
+        self.fragment_rounds = weights.fragment_rounds or [weights.round]
+        if self.settings.mode == "streaming":
+            self.fragment_plan = self._fetch_info().get("fragment_plan")
+            if not self.fragment_plan:
+                raise ServerError(
+                    200, "invalid_response", "the streaming server states no fragment_plan"
+                )
+        log.info("worker %s joined at round %d", self.worker_id, weights.round)
         return self.worker_id
 
     def _share_join(self, worker_id: str | None) -> str:
         distributed.broadcast_tensors_(self.model.state_dict())
         self.round = distributed.broadcast_json(self.round)
+        self.fragment_rounds = distributed.broadcast_json(self.fragment_rounds)
+        self.fragment_plan = distributed.broadcast_json(self.fragment_plan)
         return distributed.broadcast_json(worker_id)
 
     # ----------------------------------------------------------------- the round
 
     def _after_step(self, *_args: object, **_kwargs: object) -> None:
         self.local_step += 1
+        if self.streamer is not None:
+            self.streamer.after_step()
+            return
         self.steps_in_round += 1
-        if self.steps_in_round >= self.settings.sync_every:
+        if self.steps_in_round >= self.window_sync_every:
             self.sync()
 
     def report(self, loss: float | None = None, tokens: int = 0) -> None:
@@ -267,30 +356,60 @@ class DiLoCoWorker:
         self.tokens_total += tokens
 
     def sync(self) -> None:
-        """Send this round's pseudo-gradient, wait for the result, load it everywhere."""
+        """Sync now: send this round's pseudo-gradient, wait for the result, load it everywhere.
+
+        In streaming mode: merge the fragment in flight, then sync every fragment trained since
+        its last merge (what `close` does at the end, so no training is lost).
+        """
+        if self.streamer is not None:
+            started, before = time.monotonic(), self.blocked_seconds
+            self.streamer.flush()  # its merges count their waits; the whole flush counts once
+            self.blocked_seconds = before + (time.monotonic() - started)
+            self.save_checkpoint()
+            return
         if self.steps_in_round == 0:
             return
-        distributed.lead(self._exchange, self._share_result)
+        started = time.monotonic()
+        distributed.lead(self._exchange_round, self._share_result)
+        self.blocked_seconds += time.monotonic() - started
         self.rounds += 1
         self.steps_in_round = 0
         self.tokens_in_round = 0
+        self.window_done()
         self.save_checkpoint()
 
-    def _exchange(self) -> tuple[dict[str, torch.Tensor], int]:
+    def _exchange_round(self) -> Exchanged:
         assert self.client is not None
         gradient = pseudo_gradient(self.anchor, self.model.state_dict())
         body = encode_tensors(gradient, float_dtype=self.settings.upload_dtype)
         del gradient
         units = self.units_to_report()
+        result = self.exchange(body, units, self.round)
+        if result.rebase_rounds is None:
+            self.units_reported(units)
+        return result
+
+    def exchange(
+        self,
+        body: bytearray,
+        units: list[int],
+        round_number: int,
+        *,
+        fragment: int = 0,
+        cancelled: Callable[[], bool] | None = None,
+        tokens: int | None = None,
+    ) -> Exchanged:
+        """Submit one pseudo-gradient (of a fragment) and wait for its result, riding through
+        evictions, restarts and lost answers; a server behind us is a rebase. `tokens`
+        defaults to the tokens trained this round."""
+        tokens = self.tokens_in_round if tokens is None else tokens
         try:
-            self._submit(body, units)
-            result = self._await_result(body, units)
+            self._submit(body, units, round_number, fragment, tokens)
+            return self._await_result(body, units, round_number, fragment, cancelled, tokens)
         except ServerError as exc:
             if exc.kind != "future_round":
                 raise
-            return self._rebase(exc)
-        self.units_reported(units)
-        return result
+            return self._rebase(round_number)
 
     def units_to_report(self) -> list[int]:
         """Work units finished since the last submission (a server-dispatched data source).
@@ -305,12 +424,19 @@ class DiLoCoWorker:
         if self.data is not None:
             self.data.reported(units)
 
-    def _submit(self, body: bytearray, units: list[int]) -> None:
-        assert self.client is not None
+    def _submit(
+        self, body: bytearray, units: list[int], round_number: int, fragment: int, tokens: int
+    ) -> None:
+        assert self.client is not None and self.worker_id is not None
         while True:
             try:
                 self.client.submit(
-                    self.round, self.worker_id, body, tokens=self.tokens_in_round, units=units
+                    round_number,
+                    self.worker_id,
+                    body,
+                    fragment=fragment,
+                    tokens=tokens,
+                    units=units,
                 )
                 return
             except ServerError as exc:
@@ -330,29 +456,69 @@ class DiLoCoWorker:
                 self._reregister()
 
     def _await_result(
-        self, body: bytearray, units: list[int]
-    ) -> tuple[dict[str, torch.Tensor], int]:
-        assert self.client is not None
+        self,
+        body: bytearray,
+        units: list[int],
+        round_number: int,
+        fragment: int,
+        cancelled: Callable[[], bool] | None,
+        tokens: int,
+    ) -> Exchanged:
+        assert self.client is not None and self.worker_id is not None
         while True:
+            if cancelled is not None and cancelled():
+                raise ClientClosed(f"the sync of round {round_number} was given up")
             try:
-                got = self.client.wait_result(self.round, self.worker_id, wait=self.result_wait)
+                got = self.client.wait_result(
+                    round_number,
+                    self.worker_id,
+                    wait=self.result_wait,
+                    fragment=fragment,
+                    into=self._reusable_download(),
+                )
             except ServerError as exc:
                 if exc.kind == "unknown_worker":
                     self._reregister()  # our submission stays in the round
                     continue
                 if exc.kind == "not_submitted":  # the server restarted without it: send again
-                    log.warning("round %d lost our submission; sending it again", self.round)
-                    self._submit(body, units)
+                    log.warning("round %d lost our submission; sending it again", round_number)
+                    self._submit(body, units, round_number, fragment, tokens)
                     continue
                 if exc.kind == "result_expired":
-                    body, round_number = self.client.get_weights()
-                    return decode_tensors(body), round_number
+                    return self._from_current_weights(fragment)
                 raise
             if got is not None:
-                body, round_number = got
-                return decode_tensors(body), round_number
+                result, next_round = got
+                self._downloaded(result)
+                return Exchanged(decode_tensors(result), next_round)
 
-    def _rebase(self, exc: ServerError) -> tuple[dict[str, torch.Tensor], int]:
+    def _reusable_download(self) -> bytearray | None:
+        """The last downloaded weights' buffer, already loaded, for the next download to
+        overwrite (sync and async). Streaming keeps each fragment's result until its merge,
+        from another thread, so it always downloads into a new buffer."""
+        return self._download if self.streamer is None else None
+
+    def _downloaded(self, body: bytearray) -> None:
+        if self.streamer is None:
+            self._download = body
+
+    def _fetch_weights(self) -> Weights:
+        assert self.client is not None
+        weights = self.client.get_weights_detail(into=self._reusable_download())
+        self._downloaded(weights.body)
+        return weights
+
+    def _from_current_weights(self, fragment: int) -> Exchanged:
+        """The round's result is gone (newer ones exist): take the current weights instead."""
+        weights = self._fetch_weights()
+        tensors = decode_tensors(weights.body)
+        if self.streamer is None:
+            return Exchanged(tensors, weights.round)
+        names = self.streamer.plan[fragment]
+        rounds = weights.fragment_rounds or [weights.round]
+        return Exchanged({n: tensors[n] for n in names}, rounds[fragment])
+
+    def _rebase(self, round_number: int) -> Exchanged:
         """The server is behind us: it restarted from an older checkpoint (durability interval).
 
         The pending pseudo-gradient is relative to an anchor the server no longer has, so it is
@@ -360,21 +526,80 @@ class DiLoCoWorker:
         (its inner optimizer state, step count and schedule carry on).
         """
         assert self.client is not None
-        body, round_number = self.client.get_weights()
+        weights = self._fetch_weights()
         log.warning(
             "the server is at round %d, behind our round %d (it restarted from an older "
             "checkpoint): adopting its weights, dropping this round's pseudo-gradient",
+            weights.round,
             round_number,
-            self.round,
         )
         self.rebases += 1
-        return decode_tensors(body), round_number
+        return Exchanged(
+            decode_tensors(weights.body),
+            weights.round,
+            rebase_rounds=weights.fragment_rounds or [weights.round],
+        )
 
-    def _share_result(self, result: tuple[dict[str, torch.Tensor], int] | None) -> None:
+    def _share_result(self, result: Exchanged | None) -> None:
         if result is not None:
-            self._adopt(*result)
+            self._adopt(result.tensors, result.round)
         distributed.broadcast_tensors_(self.model.state_dict())
         self.round = distributed.broadcast_json(self.round)
+        self.window_sync_every = distributed.broadcast_json(
+            self.recommended_sync_every or self.settings.sync_every
+        )
+
+    # ----------------------------------------------------------------- streaming helpers
+
+    def finished_units(self) -> list[int]:
+        return [] if self.data is None else list(self.data.finished_units())
+
+    def adopt_everywhere(self, tensors: Mapping[str, torch.Tensor], round_number: int) -> None:
+        """Every rank takes the full global weights (rank 0 has them): a streaming rebase."""
+        if self.is_leader:
+            self._adopt(tensors, round_number)
+        distributed.broadcast_tensors_(self.model.state_dict())
+        self.round = distributed.broadcast_json(self.round)
+
+    def broadcast_fragment(
+        self, tensors: Mapping[str, torch.Tensor], names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Rank 0's G'_f on every rank, on the model's device (followers get fresh buffers)."""
+        state = self.model.state_dict()
+        if self.is_leader:
+            out = {n: tensors[n].to(device=state[n].device) for n in names}
+        else:
+            out = {}
+            for n in names:
+                dtype = self.settings.download_dtype if state[n].is_floating_point() else None
+                out[n] = torch.empty_like(state[n], dtype=dtype)
+        distributed.broadcast_tensors_(out)
+        return out
+
+    def set_anchor(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The fragment's new anchor (rank 0 keeps the anchor, on the CPU in fp32)."""
+        if not self.is_leader:
+            return
+        for name, t in tensors.items():
+            self.anchor[name] = (
+                t.detach().to(device="cpu", dtype=torch.float32, copy=True)
+                if t.is_floating_point()
+                else t.detach().to("cpu", copy=True)
+            )
+
+    def window_done(self) -> None:
+        """A sync window ended: its compute speed (steps per second not spent blocked) is the
+        sample a heartbeat reports for DyLU; the next window's H is the server's advice."""
+        now = time.monotonic()
+        when, step, blocked = self._window_mark
+        compute = (now - when) - (self.blocked_seconds - blocked)
+        steps = self.local_step - step
+        if steps > 0 and compute > 0:
+            self.last_window_speed = steps / compute
+            self.windows += 1
+        self._window_mark = (now, self.local_step, self.blocked_seconds)
+        if self._steady_from is None:
+            self._steady_from = (now, self.blocked_seconds)
 
     def _adopt(self, tensors: Mapping[str, torch.Tensor], round_number: int) -> None:
         """New global weights become the model and (on the leader) the fp32 CPU anchor."""
@@ -382,38 +607,57 @@ class DiLoCoWorker:
         with torch.no_grad():
             for name, target in state.items():
                 target.copy_(tensors[name])
-        self.anchor = {
-            name: t.detach().to(device="cpu", dtype=torch.float32, copy=True)
-            if t.is_floating_point()
-            else t.detach().to("cpu", copy=True)
-            for name, t in tensors.items()
-        }
+        self.anchor = _updated_anchor(self.anchor, tensors)
         self.round = round_number
 
     # ----------------------------------------------------------------- reporting and exit
 
     def _heartbeat_report(self) -> dict:
-        elapsed = max(1e-9, time.monotonic() - self._started)
+        speed = self.last_window_speed
+        if speed is None:
+            speed = self.local_step / max(1e-9, time.monotonic() - self._started)
         return {
             "step": self.local_step,
-            "steps_per_second": self.local_step / elapsed,
+            "steps_per_second": speed,
             "loss": self.last_loss,
             "tokens": self.tokens_total,
+            "windows": self.windows,
         }
+
+    def _heartbeat_answer(self, answer: dict) -> None:
+        recommended = answer.get("recommended_sync_every")
+        if isinstance(recommended, int) and recommended >= 1:
+            if recommended != self.recommended_sync_every:
+                log.info("the server recommends H = %d for this worker (DyLU)", recommended)
+            self.recommended_sync_every = recommended
 
     def stats(self) -> dict:
         """Figures for `diloco worker --json` (leader's view)."""
         client = self.client.stats if self.client is not None else None
+        streamer = self.streamer
+        steady = None
+        if self._steady_from is not None and self._steady_to is not None:
+            span = self._steady_to[0] - self._steady_from[0]
+            if span > 0:
+                steady = (self._steady_to[1] - self._steady_from[1]) / span
         return {
             "worker_id": self.worker_id,
-            "rounds": self.rounds,
+            "mode": self.settings.mode,
+            "rounds": self.rounds if streamer is None else streamer.syncs,
             "round": self.round,
+            "fragment_rounds": None if streamer is None else list(streamer.fragment_rounds),
+            "fragment_failures": 0 if streamer is None else streamer.failures,
             "local_steps": self.local_step,
             "bytes_sent": client.bytes_sent if client else 0,
             "bytes_received": client.bytes_received if client else 0,
-            "blocked_seconds": client.blocked_seconds if client else 0.0,
+            "blocked_seconds": self.blocked_seconds,
+            "client_seconds": client.blocked_seconds if client else 0.0,
+            "largest_upload_bytes": client.largest_upload if client else 0,
             "retries": client.retries if client else 0,
             "rebases": self.rebases,
+            "sync_every_now": self.window_sync_every,
+            # blocked share of wall time from the end of the first window to close(), or None
+            "steady_blocked_fraction": steady,
         }
 
     def close(self, final_sync: bool = True) -> None:
@@ -421,6 +665,7 @@ class DiLoCoWorker:
         if self._closed:
             return
         self._closed = True
+        self._steady_to = (time.monotonic(), self.blocked_seconds)
         try:
             if final_sync:
                 self.sync()

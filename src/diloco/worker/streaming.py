@@ -1,0 +1,281 @@
+"""Streaming DiLoCo on the worker: fragments sent on a schedule, merged tau steps later.
+
+Within every cycle of H inner steps, fragment f owns the window of S = H / P steps ending at
+(f + 1) S. At step S - tau of its window the worker computes the fragment's pseudo-gradient
+(anchor_f - local_f) and hands it to a background thread, which submits it and long-polls the
+fragment round's result while training goes on. At the window's end the worker waits for that
+thread (the only time it blocks) and merges: theta_f = (1 - alpha) G'_f + alpha L_f, with L_f
+the local values at merge time, and G'_f becomes the fragment's anchor. At most one fragment
+is in flight: the next send comes after this merge.
+
+At the end (`flush`) every fragment whose local values differ from its global ones is synced
+once more, so no training is lost and every worker ends on the global model.
+
+A sync that fails (the server unreachable past the retry budget, or longer than the worker's
+`fragment_timeout`) keeps the old anchor and the same fragment round: the fragment is sent
+again, against that anchor, at its next send step. The other fragments are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from diloco.algorithm import StreamingSchedule, alpha_merge, pseudo_gradient
+from diloco.wire import encode_tensors
+from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
+from diloco.worker import distributed
+from diloco.worker.errors import ClientClosed, ServerUnavailable
+
+if TYPE_CHECKING:
+    from diloco.worker.worker import DiLoCoWorker
+
+log = logging.getLogger("diloco.worker")
+
+
+@dataclass
+class FragmentOutcome:
+    """What an in-flight fragment sync ended with (filled in by its thread)."""
+
+    fragment: int
+    round: int
+    finished: list[int] = field(default_factory=list)  # work units finished at the send
+    units: list[int] = field(default_factory=list)  # those reported with it (all fragments done)
+    tokens: int = 0  # trained since the fragment's last send
+    tensors: dict[str, torch.Tensor] | None = None  # G'_f (or every tensor, on a rebase)
+    next_round: int | None = None
+    rebase_rounds: list[int] | None = None  # the server was behind: its full state and rounds
+    error: BaseException | None = None
+
+
+@dataclass
+class InFlight:
+    outcome: FragmentOutcome
+    merge_at: int  # the schedule step at which it is merged
+    thread: threading.Thread
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+def start_position(fragment_rounds: list[int], sync_every: int, fragments: int) -> int:
+    """The schedule step a worker joining at these fragment rounds starts from.
+
+    In a run that keeps up, fragments sync in order, so rounds look like [c+1]*k + [c]*(P-k):
+    cycle c, fragment k's window is next. The fragment with the fewest rounds (the first of
+    those) tells both.
+    """
+    lowest = min(fragment_rounds)
+    next_fragment = fragment_rounds.index(lowest)
+    return lowest * sync_every + next_fragment * (sync_every // fragments)
+
+
+class FragmentStreamer:
+    """The streaming schedule of one worker: sends, in-flight sync, merges, and the final flush."""
+
+    def __init__(
+        self,
+        worker: DiLoCoWorker,
+        plan: list[list[str]],
+        fragment_rounds: list[int],
+        fragment_timeout: float | None,
+    ) -> None:
+        settings = worker.settings
+        if len(plan) != settings.fragments or len(fragment_rounds) != settings.fragments:
+            raise ValueError(
+                f"the server states {settings.fragments} fragments but a plan of {len(plan)} "
+                f"and {len(fragment_rounds)} fragment rounds"
+            )
+        self.worker = worker
+        self.plan = plan
+        self.schedule = StreamingSchedule(settings.sync_every, settings.fragments, settings.delay)
+        self.alpha = settings.alpha
+        self.fragment_rounds = list(fragment_rounds)
+        self.fragment_timeout = fragment_timeout
+        self.step = start_position(self.fragment_rounds, settings.sync_every, settings.fragments)
+        self.last_merge = [self.step] * len(plan)  # the step each fragment last took G' at
+        self.in_flight: InFlight | None = None
+        self.syncs = 0
+        self.failures = 0
+        self.rebased = False
+        # A work unit is in the global model once every fragment has synced since it finished:
+        # it is reported with the submission that completes that set.
+        self.covered: dict[int, set[int]] = {}
+        self.tokens_at_send = [worker.tokens_total] * len(plan)
+
+    def reposition(self, fragment_rounds: list[int]) -> None:
+        """After a rebase: take the server's rounds and the schedule position they imply."""
+        settings = self.worker.settings
+        self.fragment_rounds = list(fragment_rounds)
+        self.step = start_position(self.fragment_rounds, settings.sync_every, settings.fragments)
+        self.last_merge = [self.step] * len(self.plan)
+
+    # ----------------------------------------------------------------- the schedule
+
+    def after_step(self) -> None:
+        """One inner step done: send what is due, then merge what is due (tau = 0: both)."""
+        self.step += 1
+        for fragment in self.schedule.fragments_sent_at(self.step):
+            self.send(fragment)
+        for fragment in self.schedule.fragments_merged_at(self.step):
+            self.merge(fragment)
+
+    def send(self, fragment: int) -> None:
+        """Start the fragment's sync in the background (rank 0 talks; others wait for merge)."""
+        if self.in_flight is not None:  # cannot happen with tau < S; never two at once
+            self.merge(self.in_flight.outcome.fragment)
+        worker = self.worker
+        outcome = FragmentOutcome(fragment, self.fragment_rounds[fragment])
+        merge_at = self.step + self.schedule.delay
+        if not worker.is_leader:
+            self.in_flight = InFlight(outcome, merge_at, threading.Thread(target=lambda: None))
+            return
+        names = self.plan[fragment]
+        local = worker.model.state_dict()
+        gradient = pseudo_gradient(
+            {n: worker.anchor[n] for n in names}, {n: local[n] for n in names}
+        )
+        body = encode_tensors(gradient, float_dtype=worker.settings.upload_dtype)
+        del gradient
+        outcome.finished = worker.finished_units()
+        everything = set(range(len(self.plan)))
+        outcome.units = [
+            unit
+            for unit in outcome.finished
+            if self.covered.get(unit, set()) | {fragment} == everything
+        ][:MAX_UNITS_PER_SUBMISSION]
+        outcome.tokens = worker.tokens_total - self.tokens_at_send[fragment]
+        cancel = threading.Event()
+        thread = threading.Thread(
+            target=self._run,
+            args=(outcome, body, outcome.units, cancel.is_set),
+            name=f"diloco-fragment-{fragment}",
+            daemon=True,
+        )
+        self.in_flight = InFlight(outcome, merge_at, thread, cancel)
+        thread.start()
+
+    def _run(
+        self,
+        outcome: FragmentOutcome,
+        body: bytearray,
+        units: list[int],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        try:
+            got = self.worker.exchange(
+                body,
+                units,
+                outcome.round,
+                fragment=outcome.fragment,
+                cancelled=cancelled,
+                tokens=outcome.tokens,
+            )
+            if got.rebase_rounds is not None:
+                outcome.rebase_rounds = got.rebase_rounds
+            outcome.tensors, outcome.next_round = got.tensors, got.round
+        except BaseException as exc:  # reported at the merge, on the training thread
+            outcome.error = exc
+
+    def merge(self, fragment: int) -> None:
+        """Wait for the fragment's sync and mix its result in (every rank takes part)."""
+        flight = self.in_flight
+        if flight is None or flight.outcome.fragment != fragment:
+            return  # nothing was sent for it (a worker joining mid-cycle)
+        self.in_flight = None
+        started = time.monotonic()
+        header = distributed.lead(lambda: self._wait(flight), distributed.broadcast_json)
+        self.worker.blocked_seconds += time.monotonic() - started
+        if header["status"] == "failed":
+            self.failures += 1
+            log.warning(
+                "fragment %d sync of round %d failed (%s); keeping its anchor, it is sent again "
+                "at its next window",
+                fragment,
+                header["round"],
+                header["error"],
+            )
+            return
+        tensors = flight.outcome.tensors or {}
+        if header["status"] == "rebase":
+            self.worker.adopt_everywhere(tensors, header["version"])
+            self.reposition(header["fragment_rounds"])
+            self.rebased = True
+            return
+        names = self.plan[fragment]
+        tensors = self.worker.broadcast_fragment(tensors, names)
+        self._mix(fragment, tensors)
+        self.fragment_rounds[fragment] = header["next_round"]
+        self.last_merge[fragment] = self.step
+        self.syncs += 1
+        if self.worker.is_leader:
+            self._covered(fragment, flight.outcome)
+            self.tokens_at_send[fragment] += flight.outcome.tokens
+        self.worker.window_done()
+        if fragment == len(self.plan) - 1:
+            self.worker.save_checkpoint()  # once a cycle, not per fragment
+
+    def _covered(self, fragment: int, outcome: FragmentOutcome) -> None:
+        reported = set(outcome.units)
+        for unit in outcome.finished:
+            if unit not in reported:
+                self.covered.setdefault(unit, set()).add(fragment)
+        for unit in reported:
+            self.covered.pop(unit, None)
+        self.worker.units_reported(outcome.units)
+
+    def _wait(self, flight: InFlight) -> dict:
+        """On rank 0: join the thread (bounded by fragment_timeout); say how it ended."""
+        flight.thread.join(timeout=self.fragment_timeout)
+        outcome = flight.outcome
+        if flight.thread.is_alive():
+            flight.cancel.set()  # it stops at its next retry or poll and is forgotten
+            return self._failed(outcome, f"no result within {self.fragment_timeout:g} s")
+        if outcome.error is not None:
+            if isinstance(outcome.error, (ServerUnavailable, ClientClosed)):
+                return self._failed(outcome, str(outcome.error))
+            raise outcome.error
+        if outcome.rebase_rounds is not None:
+            return {
+                "status": "rebase",
+                "version": outcome.next_round,
+                "fragment_rounds": outcome.rebase_rounds,
+            }
+        return {"status": "merged", "next_round": outcome.next_round, "round": outcome.round}
+
+    @staticmethod
+    def _failed(outcome: FragmentOutcome, why: str) -> dict:
+        return {"status": "failed", "round": outcome.round, "error": why}
+
+    def _mix(self, fragment: int, global_values: dict[str, torch.Tensor]) -> None:
+        """theta = (1 - alpha) G' + alpha L on this rank; G' is the fragment's new anchor."""
+        worker = self.worker
+        state = worker.model.state_dict()
+        names = self.plan[fragment]
+        merged = alpha_merge(global_values, {n: state[n] for n in names}, self.alpha)
+        with torch.no_grad():
+            for name in names:
+                state[name].copy_(merged[name])
+        worker.set_anchor(global_values)
+
+    # ----------------------------------------------------------------- the end
+
+    def flush(self) -> None:
+        """At the end: merge what is in flight, then sync each fragment whose local values are
+        not its global ones (trained since its last merge, or merged with alpha > 0), one at a
+        time and without overlap, taking G' as it is: every worker ends on the global model."""
+        if self.in_flight is not None:
+            self.merge(self.in_flight.outcome.fragment)
+        saved_alpha = self.alpha
+        self.alpha = 0.0
+        try:
+            for fragment in range(len(self.plan)):
+                if self.last_merge[fragment] < self.step or saved_alpha > 0:
+                    self.send(fragment)
+                    self.merge(fragment)
+        finally:
+            self.alpha = saved_alpha

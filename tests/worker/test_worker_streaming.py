@@ -1,0 +1,186 @@
+"""DiLoCoWorker in streaming and async mode against a real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_worker_worker import make_model, server_weights, train
+
+from diloco.algorithm import alpha_merge
+from diloco.data import VOCAB_SIZE, TokenWindows, encode, generated_corpus
+from diloco.server.results import RoundResult
+from diloco.server.settings import ServerSettings
+from diloco.wire import decode_tensors
+from diloco.worker import DiLoCoWorker
+from diloco.worker.data import LeasedBatches, LeasedSampler
+from diloco.worker.ratelimit import UploadLimiter
+from diloco.worker.streaming import start_position
+
+STREAMING = dict(
+    mode="streaming",
+    sync_every=4,
+    fragments=2,
+    delay=1,
+    alpha=0.5,
+    heartbeat_interval=0.5,
+    heartbeat_timeout=60,
+)
+
+
+def snapshot(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in tensors.items()}
+
+
+def test_start_position_follows_the_fragment_rounds() -> None:
+    # H = 600, P = 3 (S = 200): fresh; fragment 1's window is next in cycle 4; all even.
+    assert start_position([0, 0, 0], 600, 3) == 0
+    assert start_position([5, 4, 4], 600, 3) == 4 * 600 + 200
+    assert start_position([5, 5, 5], 600, 3) == 5 * 600
+
+
+def test_a_failed_fragment_sync_keeps_its_anchor_and_is_sent_again(live_server) -> None:
+    """With a second worker missing, fragment syncs time out: the worker keeps its anchors,
+    its fragment rounds and its local values and trains on; once the peer is there, the
+    same fragment rounds are sent again and complete."""
+    settings = ServerSettings(**STREAMING, min_workers=2)
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        a = DiLoCoWorker(
+            model, optimizer, server.url, worker_id="a", fragment_timeout=0.3, result_wait=0.2
+        )
+        assert a.streamer is not None and a.streamer.plan == server.coordinator.plan
+        initial = snapshot(a.anchor)
+        train(model, optimizer, steps=4)  # sends at 1 and 3, both merges give up
+        assert (a.streamer.failures, a.streamer.syncs) == (2, 0)
+        assert a.streamer.fragment_rounds == [0, 0]
+        for name, tensor in initial.items():
+            torch.testing.assert_close(a.anchor[name], tensor, rtol=0, atol=0)  # old anchors
+        assert server.coordinator.info()["fragment_rounds"] == [0, 0]
+
+        # The peer arrives; a resends each fragment round at its next window.
+        a.streamer.fragment_timeout = 60
+        peer_model = make_model()
+        peer_optimizer = torch.optim.SGD(peer_model.parameters(), lr=0.05)
+        b = DiLoCoWorker(peer_model, peer_optimizer, server.url, worker_id="b")
+        assert b.streamer is not None and b.streamer.step == 0
+        peer = threading.Thread(target=train, args=(peer_model, peer_optimizer, 4, 1, 7))
+        peer.start()
+        train(model, optimizer, steps=4, seed=3)
+        peer.join(timeout=60)
+        assert a.streamer.fragment_rounds == [1, 1] == b.streamer.fragment_rounds
+        assert (a.streamer.failures, a.streamer.syncs) == (2, 2)
+        assert server.coordinator.info()["fragment_rounds"] == [1, 1]
+        global_now = server_weights(server.url)
+        for name, tensor in a.anchor.items():
+            torch.testing.assert_close(tensor, global_now[name])  # both anchors are G' now
+        a.close(final_sync=False)
+        b.close(final_sync=False)
+
+
+def test_a_merge_mixes_the_global_fragment_with_the_local_values(live_server) -> None:
+    """tau = 1, alpha = 0.5, one worker: at the merge step theta_f = (G'_f + L_f) / 2, with
+    L_f the local values one step after the send; the other fragment is left local."""
+    with live_server(ServerSettings(**STREAMING)) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+        assert worker.streamer is not None
+        fragment_0 = worker.streamer.plan[0]
+        train(model, optimizer, steps=1)  # step 1 sends fragment 0 in the background
+        got = server.coordinator.wait_result(0, None, 30, fragment=0)
+        assert isinstance(got, RoundResult) and got.round == 1
+        global_fragment = decode_tensors(got.body)
+        assert set(global_fragment) == set(fragment_0)
+        # Step 2, by hand, so the local values right before the merge are known.
+        generator = torch.Generator().manual_seed(11)
+        model(torch.randn(8, 4, generator=generator)).pow(2).mean().backward()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter -= 0.05 * parameter.grad
+        local = snapshot(model.state_dict())
+        worker._hook.remove()
+        worker._after_step()  # the post-step hook of step 2: the merge
+        expected = alpha_merge(global_fragment, local, 0.5)
+        state = model.state_dict()
+        for name in fragment_0:
+            torch.testing.assert_close(state[name], expected[name])
+            torch.testing.assert_close(worker.anchor[name], global_fragment[name])
+        for name in worker.streamer.plan[1]:
+            torch.testing.assert_close(state[name], local[name], rtol=0, atol=0)
+        worker.close(final_sync=False)
+
+
+def test_the_upload_limiter_paces_slices_to_the_rate() -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    limiter = UploadLimiter(1_000_000, clock=lambda: now[0], sleep=sleep)  # 1 MB/s
+    pieces = list(limiter.paced(bytearray(200_000)))
+    assert sum(p.nbytes for p in pieces) == 200_000 and len(pieces) == 4  # 64 KiB slices
+    # The first slice goes at once, each next one when the ones before had time to go out.
+    assert slept == pytest.approx([0.065536] * 3) and now[0] == pytest.approx(0.196608)
+    with pytest.raises(ValueError, match="upload rate must be > 0"):
+        UploadLimiter.from_mbps(0)
+
+
+def test_a_throttled_worker_uploads_no_faster_than_its_cap(live_server) -> None:
+    """--max-upload-mbps 8 (1 MB/s): a 0.5 MB pseudo-gradient takes at least ~0.45 s."""
+    with live_server(ServerSettings(mode="async", sync_every=1)) as server:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 512), torch.nn.Linear(512, 256))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        worker = DiLoCoWorker(
+            model, optimizer, server.url, worker_id="slow-link", max_upload_mbps=8.0
+        )
+        train(model, optimizer, steps=1)  # H = 1: one async arrival
+        assert worker.rounds == 1 and server.coordinator.version == 1
+        seconds = worker.client.stats.blocked_by_operation["submit"]
+        megabytes = sum(t.numel() * 4 for t in model.state_dict().values()) / 1e6
+        assert megabytes > 0.5 and seconds >= 0.9 * megabytes
+        worker.close(final_sync=False)
+
+
+def test_streaming_reports_a_work_unit_once_every_fragment_has_synced_since(live_server) -> None:
+    """A unit's samples shaped every fragment, so it counts as trained once each fragment has
+    synced after it finished: it goes with the submission that completes that set, and it
+    completes in the same transaction as that fragment round's commit."""
+    settings = ServerSettings(**{**STREAMING, "delay": 0, "alpha": 0.0})
+    windows = TokenWindows(encode(generated_corpus(num_bytes=20_000, seed=5)), 16)
+    with live_server(settings) as server:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(VOCAB_SIZE, 8), torch.nn.Linear(8, VOCAB_SIZE)
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="unit", heartbeat=False)
+        leased = LeasedSampler.for_worker(worker, "windows", len(windows), unit_size=16)
+        batches = LeasedBatches(windows, leased, batch_size=8)  # a unit every 2 steps
+        for _ in range(8):  # fragments sync at 2 (f0), 4 (f1), 6 (f0), 8 (f1)
+            x, y = batches.next_batch()
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        worker.close()  # the flush syncs fragment 0 (trained since step 6) once more
+        completions = server.coordinator.pool.completions("windows")
+        # Unit 1 finished by step 2: f0 synced then, f1 at 4 completes it (version 1), ...
+        assert [(u["unit_id"], u["round"]) for u in completions] == [
+            (1, 1),
+            (2, 2),
+            (3, 3),
+            (4, 4),
+        ]
+        rounds = server.coordinator.journal.state.committed_rounds()
+        assert [(r["fragment"], r["units"]) for r in rounds] == [
+            (0, []),
+            (1, [1]),
+            (0, [2]),
+            (1, [3]),
+            (0, [4]),
+        ]
