@@ -3,41 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "convergence.py"
+from processes import run_benchmark
 
 
 def test_reduced_convergence_benchmark_writes_table_json_and_plot(
     tmp_path: Path, corpus_file: Path
 ) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--steps",
-            "12",
-            "--sync-every",
-            "3,6",
-            "--width",
-            "32",
-            "--depth",
-            "2",
-            "--seq-len",
-            "32",
-            "--batch-size",
-            "4",
-            "--corpus",
-            str(corpus_file),
-            "--out-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_benchmark(
+        "convergence.py",
+        *("--steps", "12", "--sync-every", "3,6", "--width", "32", "--depth", "2"),
+        *("--seq-len", "32", "--batch-size", "4", "--corpus", str(corpus_file)),
+        *("--out-dir", str(tmp_path)),
         timeout=240,
-        check=False,
     )
     assert result.returncode == 0, result.stderr
     document = json.loads((tmp_path / "convergence.json").read_text())
@@ -58,32 +37,9 @@ def test_reduced_convergence_benchmark_writes_table_json_and_plot(
 
     rerendered = tmp_path / "again"
     rerendered.mkdir()
-    again = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--from-json",
-            str(tmp_path / "convergence.json"),
-            "--out-dir",
-            str(rerendered),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    again = run_benchmark(
+        "convergence.py",
+        *("--from-json", str(tmp_path / "convergence.json"), "--out-dir", str(rerendered)),
     )
     assert again.returncode == 0, again.stderr
     assert (rerendered / "convergence.md").read_text() == table
-
-
-def test_missing_output_directory_is_one_clear_error(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out-dir", str(tmp_path / "absent")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert "--out-dir directory does not exist" in result.stderr

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "durability.py"
+from processes import run_benchmark
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_benchmark("durability.py", *args, timeout=300)
 
 
 def test_reduced_durability_benchmark_times_every_part(tmp_path: Path) -> None:

@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "wire.py"
+from processes import run_benchmark
 
 
 def test_reduced_wire_benchmark_measures_every_path(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--parameters",
-            "200000",
-            "--workers",
-            "1,2",
-            "--rounds",
-            "1",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+    result = run_benchmark(
+        "wire.py",
+        *("--parameters", "200000", "--workers", "1,2", "--rounds", "1"),
+        *("--out-dir", str(tmp_path)),
         timeout=300,
-        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads((tmp_path / "wire.json").read_text())
@@ -44,12 +30,6 @@ def test_reduced_wire_benchmark_measures_every_path(tmp_path: Path) -> None:
 
 
 def test_bad_worker_counts_are_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--workers", "0,2", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_benchmark("wire.py", "--workers", "0,2", "--out-dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--workers must be in [1, 8]" in result.stderr

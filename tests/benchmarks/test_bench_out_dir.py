@@ -1,0 +1,30 @@
+"""Every benchmark refuses a missing --out-dir in one line, before it measures anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from processes import BENCHMARKS, run_benchmark
+
+SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py"))
+
+
+def test_every_benchmark_is_listed() -> None:
+    assert set(SCRIPTS) >= {
+        "convergence.py",
+        "durability.py",
+        "round_parts.py",
+        "simulated_modes.py",
+        "utilization.py",
+        "wire.py",
+    }
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_missing_out_dir_is_one_line_and_exit_2(script: str, tmp_path: Path) -> None:
+    result = run_benchmark(script, "--out-dir", str(tmp_path / "absent"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "--out-dir directory does not exist" in result.stderr
