@@ -50,6 +50,24 @@ def test_status_shows_round_and_workers(server_process, tmp_path: Path) -> None:
     one_error_line(denied, 1, "unauthorized")
 
 
+@pytest.mark.parametrize(
+    ("status", "text"),
+    [
+        ({"waiting_for": []}, "-"),
+        ({"waiting_for": ["w0", "w2"], "more_submissions_needed": 0}, "w0, w2"),
+        ({"waiting_for": [], "more_submissions_needed": 1}, "1 more submission (--min-workers)"),
+        (
+            {"waiting_for": ["w1"], "more_submissions_needed": 2},
+            "w1, 2 more submissions (--min-workers)",
+        ),
+    ],
+)
+def test_status_says_who_a_round_waits_for(status: dict, text: str) -> None:
+    from diloco.commands.status import waiting_text
+
+    assert waiting_text(status) == text
+
+
 def test_status_of_an_unreachable_server_is_one_line() -> None:
     result = run_cli("status", f"http://127.0.0.1:{closed_port()}")
     one_error_line(result, 1, "cannot read the status")

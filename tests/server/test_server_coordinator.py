@@ -472,11 +472,30 @@ def test_min_workers_holds_a_round_until_enough_contributions() -> None:
     c, _ = make(workers=("a",), min_workers=2, **SGD_FEDAVG)
     assert c.submit("a", 0, grad(-2.0))["waiting_for"] == []
     assert c.round_number == 0
-    assert c.wait_result(0, "a", 0) == Waiting(0, [])
-    c.register("b", W_SPEC, protocol_version=1)
+    # Nobody to wait for, yet one more worker must join: the answer and the status say so.
+    assert c.wait_result(0, "a", 0) == Waiting(0, [], more_submissions_needed=1)
+    assert c.status()["more_submissions_needed"] == 1
+    c.register("b", W_SPEC, protocol_version=1)  # late: not a member, but its submission counts
     assert c.round_number == 0
     c.submit("b", 0, grad(-8.0))
     assert c.round_number == 1 and result_w(c, 0, "b") == 15.0
+
+
+def test_min_workers_after_an_eviction_says_that_workers_must_join() -> None:
+    """A survivor of an eviction under --min-workers 2 is held, and told why (not silence)."""
+    c, clock = make(workers=("a", "b"), min_workers=2, heartbeat_timeout=30.0, **SGD_FEDAVG)
+    c.submit("a", 0, grad(-2.0))
+    assert c.wait_result(0, "a", 0) == Waiting(0, ["b"], more_submissions_needed=0)
+    clock.advance(31)
+    c.heartbeat("a", 1, 1.0, None, 0)
+    assert c.evict_stale() == ["b"]
+    assert c.round_number == 0  # held: one contribution, two required
+    assert c.wait_result(0, "a", 0) == Waiting(0, [], more_submissions_needed=1)
+    assert c.status()["waiting_for"] == [] and c.status()["more_submissions_needed"] == 1
+    c.register("c", W_SPEC, protocol_version=1)  # after the first submission: not a member
+    assert c.wait_result(0, "a", 0) == Waiting(0, [], more_submissions_needed=1)
+    c.submit("c", 0, grad(-8.0))
+    assert c.round_number == 1 and result_w(c, 0, "a") == 15.0
 
 
 def test_round_with_every_worker_gone_and_no_submission_stays_open() -> None:

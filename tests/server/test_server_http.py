@@ -452,7 +452,12 @@ def test_a_volley_of_bad_requests_then_an_exact_round(two_workers):
     )
     waiting = api.result("w0", wait=0.2)
     assert waiting.status == 202
-    assert waiting.json() == {"status": "waiting", "round": 0, "waiting_for": ["w1"]}
+    assert waiting.json() == {
+        "status": "waiting",
+        "round": 0,
+        "waiting_for": ["w1"],
+        "more_submissions_needed": 0,
+    }
     assert api.ok("GET", "/v1/status")["waiting_for"] == ["w1"]
 
     # A long-poll already waiting is woken by the commit.
@@ -529,7 +534,12 @@ def test_long_poll_waits_then_expires_old_rounds(live_server):
         waiting = api.result(None, wait=0.2)  # an observer (a dashboard) may wait on a round
         elapsed = time.monotonic() - started
         assert waiting.status == 202
-        assert waiting.json() == {"status": "waiting", "round": 0, "waiting_for": ["w0"]}
+        assert waiting.json() == {
+            "status": "waiting",
+            "round": 0,
+            "waiting_for": ["w0"],
+            "more_submissions_needed": 0,
+        }
         assert 0.2 <= elapsed < 3.0
         # A member that waits without having submitted is told to submit (after a restart
         # the server lost its submission, and the worker sends it again).

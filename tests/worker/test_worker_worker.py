@@ -320,3 +320,30 @@ def test_cut_connections_are_retried_and_each_round_counts_once(live_server) -> 
             worker.close(final_sync=False)
         finally:
             proxy.close()
+
+
+def test_a_worker_held_by_min_workers_says_why(live_server, monkeypatch, caplog) -> None:
+    """Alone under --min-workers 2, the worker's wait is logged with the server's reason
+    (never silent); a second worker's submission then releases it."""
+    monkeypatch.setattr("diloco.worker.worker.WAIT_REPORT_SECONDS", 0.3)
+    caplog.set_level("WARNING", logger="diloco.worker")
+    with live_server(ServerSettings(sync_every=2, min_workers=2)) as server:
+        models = [make_model(), make_model()]
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        first = DiLoCoWorker(models[0], optimizers[0], server.url, worker_id="a", result_wait=0.1)
+        trainer = threading.Thread(target=train, args=(models[0], optimizers[0], 2))
+        trainer.start()
+        deadline = time.monotonic() + 30
+        while "still open" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        assert "round 0 still open after" in caplog.text
+        assert "--min-workers needs 1 more submission than its live workers" in caplog.text
+        assert first.rounds == 0 and trainer.is_alive()
+        second = DiLoCoWorker(models[1], optimizers[1], server.url, worker_id="b")
+        train(models[1], optimizers[1], 2, seed=2)
+        trainer.join(timeout=30)
+        assert not trainer.is_alive() and first.rounds == 1 and second.rounds == 1
+        assert server.coordinator.round_number == 1
+        first.close(final_sync=False)
+        second.close(final_sync=False)

@@ -11,6 +11,15 @@ from diloco.console import check_output_path, fail, megabytes, out, summary_tabl
 from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
 
 
+def waiting_text(status: dict) -> str:
+    """Who the open round waits for, and any workers it needs beyond them (--min-workers)."""
+    parts = list(status["waiting_for"])
+    short = status.get("more_submissions_needed", 0)
+    if short:
+        parts.append(f"{short} more submission{'s' if short > 1 else ''} (--min-workers)")
+    return ", ".join(parts) or "-"
+
+
 def status_command(
     url: str = typer.Argument(..., help="Server URL, e.g. http://127.0.0.1:8470"),
     token: str = TokenOption,
@@ -45,7 +54,7 @@ def status_command(
                     status["round"],
                     status["mode"],
                     sum(1 for w in status["workers"] if w["live"]),
-                    ", ".join(status["waiting_for"]) or "-",
+                    waiting_text(status),
                     megabytes(status["bytes_in"]),
                     megabytes(status["bytes_out"]),
                     f"{status['rounds_per_hour']:.1f}",

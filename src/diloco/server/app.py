@@ -314,6 +314,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
                 "status": "waiting",
                 "round": outcome.round,
                 "waiting_for": outcome.waiting_for,
+                "more_submissions_needed": outcome.more_submissions_needed,
             },
         )
 

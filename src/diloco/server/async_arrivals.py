@@ -68,6 +68,9 @@ class AsyncArrivals:
     def waiting_for(self) -> list[str]:
         return [] if self.window is None else self.window.waiting_for()
 
+    def more_submissions_needed(self) -> int:
+        return 0  # no quorum: an arrival never waits for workers to join
+
     def on_register(self, worker_id: str) -> None:
         if self.window is not None:
             self.window.members.add(worker_id)  # the window closes early once it arrives too

@@ -114,6 +114,10 @@ class BarrierRounds:
     def waiting_for(self) -> list[str]:
         return sorted({w for current in self.rounds for w in current.waiting_for()})
 
+    def more_submissions_needed(self) -> int:
+        minimum = self.c.settings.min_workers
+        return max((current.more_submissions_needed(minimum) for current in self.rounds), default=0)
+
     def on_register(self, worker_id: str) -> None:
         for current in self.rounds:
             if current.first_submission_at is None:
@@ -294,4 +298,6 @@ class BarrierRounds:
         return Published(next_round, c.encode(c.plan[fragment]), fragment=fragment)
 
     def waiting(self, round_number: int, fragment: int) -> Waiting:
-        return Waiting(round_number, self.rounds[fragment].waiting_for())
+        current = self.rounds[fragment]
+        short = current.more_submissions_needed(self.c.settings.min_workers)
+        return Waiting(round_number, current.waiting_for(), short)

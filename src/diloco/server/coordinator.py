@@ -210,6 +210,7 @@ class Coordinator:
                 "fragment_rounds": self.engine.fragment_rounds(),
                 "workers": workers,
                 "waiting_for": self.engine.waiting_for(),
+                "more_submissions_needed": self.engine.more_submissions_needed(),
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
                 "rounds_per_hour": self.rounds_committed / uptime * 3600.0,

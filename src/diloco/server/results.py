@@ -51,3 +51,4 @@ class Waiting:
 
     round: int
     waiting_for: list[str]
+    more_submissions_needed: int = 0  # beyond those of waiting_for (--min-workers)

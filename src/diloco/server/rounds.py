@@ -95,6 +95,12 @@ class Round:
     def waiting_for(self) -> list[str]:
         return sorted(self.members - self.submitters)
 
+    def more_submissions_needed(self, min_workers: int) -> int:
+        """Submissions `min_workers` asks for beyond what every member would bring: the round
+        cannot commit until that many come from workers that join late (0 when its members
+        suffice)."""
+        return max(0, max(1, min_workers) - len(self.submitted) - len(self.waiting_for()))
+
     def leave(self, worker_id: str) -> None:
         """An evicted or departed member no longer holds the barrier."""
         self.members.discard(worker_id)

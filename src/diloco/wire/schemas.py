@@ -191,6 +191,9 @@ class WaitingResponse(_Response):
     status: Literal["waiting"]
     round: int
     waiting_for: list[str]
+    # Submissions the round needs beyond those of `waiting_for` (--min-workers is more than
+    # its members): they must come from workers that join; 0 otherwise.
+    more_submissions_needed: int = 0
 
 
 class DatasetRequest(_Request):
@@ -275,6 +278,7 @@ class StatusResponse(_Response):
     fragment_rounds: list[int] | None = None
     workers: list[WorkerStatus]
     waiting_for: list[str]
+    more_submissions_needed: int = 0  # the largest shortfall of --min-workers over open rounds
     bytes_in: int
     bytes_out: int
     rounds_per_hour: float

@@ -288,6 +288,9 @@ class DiLoCoClient:
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
         self._counters = _Counters()
+        # The last "waiting" answer of a result long-poll: who the round waits for
+        # (`waiting_for`, `more_submissions_needed`), for a caller that reports a long wait.
+        self.last_waiting: dict[str, Any] = {}
         # Two threads use the client at once; a few spare connections cost nothing.
         self._pool = urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False)
 
@@ -434,6 +437,11 @@ class DiLoCoClient:
             into=into,
         )
         if reply.status == 202:
+            try:
+                waiting = json.loads(reply.body)
+            except ValueError:
+                waiting = None
+            self.last_waiting = waiting if isinstance(waiting, dict) else {}
             return None
         reply = self._success(reply)
         return reply.body, _round_header(reply)

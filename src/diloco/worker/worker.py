@@ -72,6 +72,25 @@ def _log_retry(operation: str, cause: BaseException | int, delay: float) -> None
     log.warning("%s: %s; retrying in %.1f s", operation, reason, delay)
 
 
+WAIT_REPORT_SECONDS = 60.0  # a result long-poll this long unanswered is logged, and again
+
+
+def describe_wait(round_number: int, fragment: int, seconds: float, waiting: Mapping) -> str:
+    """Why a round has not committed yet, from the server's "waiting" answer."""
+    what = f"round {round_number}" + (f" of fragment {fragment}" if fragment else "")
+    reasons = []
+    if waiting.get("waiting_for"):
+        reasons.append(f"waiting for {', '.join(waiting['waiting_for'])}")
+    short = waiting.get("more_submissions_needed") or 0
+    if short:
+        reasons.append(
+            f"the server's --min-workers needs {short} more submission{'s' if short > 1 else ''}"
+            " than its live workers will send; it commits once more workers join and submit"
+        )
+    why = "; ".join(reasons) or "the server is committing it"
+    return f"{what} still open after {seconds:.0f} s: {why}"
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """DDP / FSDP-style wrappers keep the real module in `.module`; its names are canonical."""
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
@@ -465,9 +484,16 @@ class DiLoCoWorker:
         tokens: int,
     ) -> Exchanged:
         assert self.client is not None and self.worker_id is not None
+        started = time.monotonic()
+        next_report = started + WAIT_REPORT_SECONDS
         while True:
             if cancelled is not None and cancelled():
                 raise ClientClosed(f"the sync of round {round_number} was given up")
+            now = time.monotonic()
+            if now >= next_report:
+                waited = now - started
+                log.warning(describe_wait(round_number, fragment, waited, self.client.last_waiting))
+                next_report = now + WAIT_REPORT_SECONDS
             try:
                 got = self.client.wait_result(
                     round_number,
