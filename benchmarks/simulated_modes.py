@@ -1,7 +1,8 @@
 """Simulated modes benchmark: async DiLoCo with heterogeneous workers, and Streaming DiLoCo.
 
 Part 1 (Async Local-SGD, Liu et al. 2024): K = 4 workers at speeds 1, 1, 0.5, 0.25. Sync
-DiLoCo against async DiLoCo with Delayed Nesterov (N = K, c = 0), with and without DyLU, and
+DiLoCo against async DiLoCo with Delayed Nesterov (N = K, c = 0), with and without DyLU, async
+with DyLU and the server's grace window (simultaneous arrivals share one Nesterov step), and
 sync DiLoCo cut to the async runs' simulated wall time. Part 2 (Streaming DiLoCo, Douillard et
 al. 2025): streaming with P fragments (delay tau, mix alpha) against sync DiLoCo at the same H
 and data-parallel, at equal inner steps. Every run trains from the same initial weights on the
@@ -61,6 +62,9 @@ def main(
     ),
     sync_every: int = typer.Option(100, help="H, inner steps per round (divisible by every P)."),
     speeds: str = typer.Option("1,1,0.5,0.25", help="Part 1: worker speeds; K = their count."),
+    grace: float = typer.Option(
+        1.0, help="Part 1: the grace window of the DyLU + grace run, in simulated time units."
+    ),
     fragments: str = typer.Option("2,4", help="Part 2: comma-separated P values (<= depth)."),
     delay: int = typer.Option(1, help="Part 2: tau, inner steps a fragment's sync overlaps."),
     alpha: float = typer.Option(0.5, help="Part 2: merge theta = (1 - alpha) G' + alpha L."),
@@ -119,6 +123,11 @@ def main(
             ("async DN", ["async"], SimConfig(**asynchronous, **base)),
             ("async DN + DyLU", ["async"], SimConfig(**asynchronous, dylu=True, **base)),
             (
+                "async DyLU + grace",
+                ["async"],
+                SimConfig(**{**asynchronous, "async_delay": 1}, dylu=True, grace=grace, **base),
+            ),
+            (
                 "sync DiLoCo, equal wall time",
                 ["async"],
                 SimConfig(mode="diloco", **{**base, "steps": equal_wall_steps}),
@@ -153,6 +162,7 @@ def main(
         "steps_per_worker": steps,
         "sync_every": sync_every,
         "speeds": list(speed_values),
+        "grace": grace,
         "equal_wall_steps": equal_wall_steps,
         "fragments": p_values,
         "delay": delay,
@@ -165,7 +175,8 @@ def main(
         "seed": seed,
         "inner_lr": lr,
         "outer": "nesterov lr 0.7 momentum 0.9 (sync, streaming); "
-        f"delayed nesterov lr 0.7 momentum 0.9 N={workers} c=0 (async)",
+        f"delayed nesterov lr 0.7 momentum 0.9 N={workers} c=0 (async), N=1 (plain "
+        "Nesterov per step) with the grace window",
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "total_seconds": round(total_seconds, 1),
@@ -293,6 +304,7 @@ def _async_reading(runs: list[dict], setup: dict) -> list[str]:
     by_label = {r["label"]: r for r in runs}
     sync, equal = by_label["sync DiLoCo"], by_label["sync DiLoCo, equal wall time"]
     dn, dylu = by_label["async DN"], by_label["async DN + DyLU"]
+    grace = by_label["async DyLU + grace"]
     speedup = sync["simulated_wall_time"] / dylu["simulated_wall_time"]
     ppl = {k: math.exp(r["final_eval_loss"]) for k, r in by_label.items()}
     paper = PAPER_ASYNC
@@ -309,10 +321,19 @@ def _async_reading(runs: list[dict], setup: dict) -> list[str]:
         f"- DyLU against plain async DN: "
         f"{_verdict(dylu['final_eval_loss'] - dn['final_eval_loss'])} "
         f"({dylu['outer_steps']} vs {dn['outer_steps']} arrivals).",
+        f"- Async DyLU + grace window (the arrivals DyLU makes simultaneous share one outer "
+        f"step, as on the server with --grace-seconds): "
+        f"{_verdict(grace['final_eval_loss'] - sync['final_eval_loss'])} than sync DiLoCo "
+        f"(perplexity ratio {ppl['async DyLU + grace'] / ppl['sync DiLoCo']:.3f}) in "
+        f"{sync['simulated_wall_time'] / grace['simulated_wall_time']:.1f}x less simulated "
+        f"wall time, and {_verdict(grace['final_eval_loss'] - dylu['final_eval_loss'])} than "
+        f"async DN + DyLU without the window ({grace['outer_steps']} outer steps).",
         f"- At equal wall time ({equal['simulated_wall_time']:,.0f} units, "
         f"{equal['steps']} steps per worker) sync DiLoCo ends "
-        f"{_verdict(equal['final_eval_loss'] - dylu['final_eval_loss'])} than async DN + DyLU.",
-        *_spikes([dn, dylu, sync]),
+        f"{_verdict(equal['final_eval_loss'] - dylu['final_eval_loss'])} than async DN + DyLU "
+        f"and {_verdict(equal['final_eval_loss'] - grace['final_eval_loss'])} than async DyLU "
+        "+ grace.",
+        *_spikes([dn, dylu, grace, sync]),
         "- Against the paper, in spirit only: our model is tiny, trained on a CPU for few "
         "steps, and the async rows see fewer tokens than sync DiLoCo (slow workers stop "
         "early); the paper's point that async never waits for the slowest worker is the "
@@ -410,9 +431,13 @@ def _markdown(setup: dict, part1: tuple, part2: tuple) -> str:
         f"(= steps / max speed = {steps / fastest:,.0f}). Speeds do not exist in the "
         "simulator's sync mode, so sync DiLoCo's wall time is computed here: every round waits "
         f"for the slowest worker, so it is steps / min speed = {steps / slowest:,.0f} units "
-        "(its fast workers idle meanwhile). The simulator has no grace window: arrivals at the "
-        "same simulated time (with DyLU, all four every round) are applied one after another, "
-        "and each worker restarts from the global model right after its own arrival. "
+        "(its fast workers idle meanwhile). Without a grace window, arrivals at the same "
+        "simulated time (with DyLU, all four every round) are applied one after another, and "
+        "each worker restarts from the global model right after its own arrival, so three of "
+        "every four pseudo-gradients are stale. The DyLU + grace row averages the arrivals "
+        f"within {setup['grace']:g} time unit(s) of the first into one outer step (plain "
+        "Nesterov, N = 1), as the server does with --grace-seconds; the window closes early "
+        "once every worker still training has arrived. "
         "The last row is sync DiLoCo given only "
         f"steps * min speed / max speed = {setup['equal_wall_steps']} steps, the async runs' "
         "wall time.",

@@ -28,6 +28,7 @@ def test_reduced_simulated_modes_benchmark_writes_sane_figures(tmp_path: Path) -
         "sync DiLoCo",
         "async DN",
         "async DN + DyLU",
+        "async DyLU + grace",
         "sync DiLoCo, equal wall time",
         "ddp",
         "streaming P=2",
@@ -46,6 +47,13 @@ def test_reduced_simulated_modes_benchmark_writes_sane_figures(tmp_path: Path) -
         assert runs[label]["config"]["async_delay"] == 4 and runs[label]["config"]["async_c"] == 0
         assert runs[label]["simulated_wall_time"] == 16.0  # steps / max speed: the last arrival
     assert dylu["config"]["dylu"] and not runs["async DN"]["config"]["dylu"]
+    # DyLU (H = 8, 8, 4, 2 at speeds 1, 1, 0.5, 0.25) makes all four arrive together at t = 8
+    # and 16: the grace window makes each such group one outer step (16 arrivals without it).
+    grace = runs["async DyLU + grace"]
+    assert grace["config"]["grace"] == 1.0 and grace["config"]["async_delay"] == 1
+    assert grace["local_steps_per_worker"] == [16, 16, 8, 4]
+    assert grace["outer_steps"] == 2 and dylu["outer_steps"] == 8
+    assert grace["simulated_wall_time"] == 16.0
     assert sync["local_steps_per_worker"] == [16] * 4 and sync["simulated_wall_time"] == 64.0
     equal = runs["sync DiLoCo, equal wall time"]
     assert equal["steps"] == 4 and equal["simulated_wall_time"] == dylu["simulated_wall_time"]

@@ -98,6 +98,9 @@ BAD_INPUTS = [
     (["--outer-momentum", "1"], "momentum"),
     (["--mode", "async", "--speeds", "1,x"], "--speeds"),
     (["--mode", "async", "--workers", "2", "--speeds", "1"], "one value per worker"),
+    (["--mode", "streaming", "--fragments", "2", "--sync-every", "10", "--alpha", "1.5"], "alpha"),
+    (["--mode", "async", "--grace", "-1"], "grace must be a number >= 0"),
+    (["--mode", "async", "--staleness-weighting", "log"], "staleness_weighting must be one of"),
 ]
 
 

@@ -73,32 +73,41 @@ def test_async_through_the_real_server_matches_the_simulator(server_process, sma
     assert metric(server.url, "diloco_staleness_count") == 5.0
 
 
-def test_a_grace_window_gives_near_simultaneous_arrivals_one_step_and_the_same_weights(
+def test_a_grace_window_gives_near_simultaneous_arrivals_one_step_as_the_simulator_does(
     server_process, small_corpus
 ) -> None:
-    server = server_process("--mode", "async", "--sync-every", "2", "--grace-seconds", "30")
-    setup = prepare(async_config(speeds=(), sync_every=2, steps=4), small_corpus)
+    """Two equal workers, H = 2, 4 steps each, in threads: each pair of arrivals shares one
+    outer step (the 30 s window closes early once both are in) and both workers get the same
+    weights; the final weights equal `diloco simulate --mode async --grace 1`'s."""
+    config = async_config(speeds=(), sync_every=2, steps=4, async_delay=1, grace=1.0)
+    simulated = simulate(config, corpus=small_corpus)
+    assert simulated.outer_steps == 2 and len(simulated.arrivals) == 4
+    server = server_process(
+        "--mode", "async", "--sync-every", "2", "--grace-seconds", "30", "--dn-period", "1"
+    )  # fmt: skip
+    setup = prepare(config, small_corpus)
     replicas = [setup.replica(w) for w in range(2)]
     workers = [
         DiLoCoWorker(r.model, r.optimizer, server.url, worker_id=f"w{w}", heartbeat=False)
         for w, r in enumerate(replicas)
     ]
     threads = [
-        threading.Thread(target=lambda r=r: [r.train_step() for _ in range(2)]) for r in replicas
+        threading.Thread(target=lambda r=r: [r.train_step() for _ in range(4)]) for r in replicas
     ]
     started = time.monotonic()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    # Both arrived well inside the 30 s window: it closed early, as one outer step.
+    # Both arrived well inside the 30 s windows: each closed early, as one outer step.
     assert time.monotonic() - started < 25
     real, version = global_weights(server.url)
-    assert version == 1
+    assert version == 2 and [w.round for w in workers] == [2, 2]
     for replica in replicas:
         for name, tensor in replica.state().items():
             torch.testing.assert_close(tensor, real[name].to(tensor.dtype), msg=name)
-    assert [w.round for w in workers] == [1, 1]
+    for name, tensor in simulated.final_state.items():
+        torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     for worker in workers:
         worker.close(final_sync=False)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from diloco.sim import SimConfig, simulate
 from tiny import TINY_MODEL
@@ -98,6 +99,52 @@ def test_async_dylu_gives_slow_workers_fewer_local_steps(small_corpus: bytes) ->
     assert math.isfinite(result.final_eval_loss)
 
 
+def test_async_with_a_grace_window_and_equal_speeds_is_sync_diloco(small_corpus: bytes) -> None:
+    """Equal workers arrive together; the window makes each group one Nesterov step (N = 1),
+    which is exactly a sync DiLoCo round."""
+    sync = simulate(tiny(mode="diloco"), corpus=small_corpus)
+    grace = simulate(tiny(mode="async", async_delay=1, grace=0.5), corpus=small_corpus)
+    assert grace.outer_steps == sync.outer_steps == 2
+    assert [(w, n) for w, n, _ in grace.arrivals] == [(0, 4), (1, 4), (0, 4), (1, 4)]
+    for name, tensor in sync.final_state.items():
+        torch.testing.assert_close(grace.final_state[name], tensor, rtol=1e-6, atol=1e-7)
+    # Without the window the second arrival of each pair is stale and the runs part ways.
+    apart = simulate(tiny(mode="async", async_delay=1), corpus=small_corpus)
+    assert apart.outer_steps == 4
+    assert abs(apart.final_eval_loss - sync.final_eval_loss) > 1e-4
+
+
+def test_a_grace_window_waits_for_its_deadline_when_a_worker_is_still_training(
+    small_corpus: bytes,
+) -> None:
+    """Speeds 1 and 0.5, H = 4: w0 arrives at t = 4 and w1 only at t = 8, past the 1-unit
+    window, so w0's window closes alone at t = 5 and w0 starts its next window then."""
+    result = simulate(
+        tiny(mode="async", speeds=(1.0, 0.5), async_delay=1, grace=1.0), corpus=small_corpus
+    )
+    # w0: 4 steps from t = 0 (arrives 4, window closes 5), 4 more from 5 (arrives 9);
+    # w1: its budget of 4 steps at speed 0.5 arrives at t = 8 and opens a window until 9,
+    # which w0's arrival at 9 joins: two outer steps for three arrivals.
+    assert result.arrivals == [(0, 4, 4.0), (1, 4, 8.0), (0, 4, 9.0)]
+    assert result.outer_steps == 2
+
+
+def test_inverse_sqrt_staleness_weighting_changes_only_stale_arrivals(
+    small_corpus: bytes,
+) -> None:
+    with_window = dict(mode="async", async_delay=1, grace=0.5)  # nobody is ever stale
+    plain = simulate(tiny(**with_window), corpus=small_corpus)
+    weighted = simulate(
+        tiny(**with_window, staleness_weighting="inverse_sqrt"), corpus=small_corpus
+    )
+    for name, tensor in plain.final_state.items():
+        torch.testing.assert_close(weighted.final_state[name], tensor, rtol=0, atol=0)
+    stale = dict(mode="async", async_delay=1)  # the second of each pair is 1 step stale
+    plain = simulate(tiny(**stale), corpus=small_corpus)
+    weighted = simulate(tiny(**stale, staleness_weighting="inverse_sqrt"), corpus=small_corpus)
+    assert abs(plain.final_eval_loss - weighted.final_eval_loss) > 1e-5
+
+
 def test_training_lowers_the_eval_loss(small_corpus: bytes) -> None:
     result = simulate(
         tiny(mode="diloco", steps=60, sync_every=10, batch_size=8, lr=1e-2, warmup=5),
@@ -138,6 +185,17 @@ def test_same_seed_same_result_and_json_fields(small_corpus: bytes) -> None:
         (dict(mode="diloco", speeds=(1.0, 1.0)), "async"),
         (dict(mode="async", speeds=(1.0,)), "one value per worker"),
         (dict(mode="async", speeds=(1.0, 0.0)), "speeds must all be > 0"),
+        (dict(mode="async", grace=-1.0), r"grace must be a number >= 0 \(simulated time\)"),
+        (dict(mode="async", grace=math.inf), "grace must be a number >= 0"),
+        (dict(mode="diloco", grace=1.0), "grace applies to --mode async only"),
+        (
+            dict(mode="async", staleness_weighting="log"),
+            "staleness_weighting must be one of none, inverse_sqrt, got 'log'",
+        ),
+        (
+            dict(mode="diloco", staleness_weighting="inverse_sqrt"),
+            "staleness_weighting applies to --mode async only",
+        ),
     ],
 )
 def test_bad_settings_raise_value_error_naming_the_field(overrides: dict, message: str) -> None:

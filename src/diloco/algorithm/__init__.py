@@ -28,12 +28,14 @@ from diloco.algorithm.outer import (
     pseudo_gradient,
 )
 from diloco.algorithm.outer_optimizer import OUTER_KINDS, OuterOptimizer
+from diloco.algorithm.staleness import STALENESS_WEIGHTINGS, staleness_scale
 from diloco.algorithm.tensors import TensorDict, TensorKind, classify_tensors, to_fp32_masters
 
 __all__ = [
     "APPLY_POLICIES",
     "ARRIVALS_KEY",
     "OUTER_KINDS",
+    "STALENESS_WEIGHTINGS",
     "WEIGHTINGS",
     "Contribution",
     "DelayedNesterov",
@@ -55,5 +57,6 @@ __all__ = [
     "outer_step",
     "plan_fragments",
     "pseudo_gradient",
+    "staleness_scale",
     "to_fp32_masters",
 ]

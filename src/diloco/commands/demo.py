@@ -41,7 +41,7 @@ def demo_command(
     steps: int = typer.Option(300, help="Inner steps per worker."),
     mode: str = typer.Option(
         "sync",
-        help="sync, streaming (4 fragments, tau 1, alpha 0.5) or async (Delayed Nesterov, N = K).",
+        help="sync, streaming (4 fragments, tau 1, alpha 0.5) or async (DyLU, 2 s grace window).",
     ),
     sync_every: int = typer.Option(
         None, help="H: inner steps per round (default 25; streaming: 24, so 4 fragments fit)."
@@ -134,7 +134,9 @@ def _mode_args(mode: str, workers: int, sync_every: int) -> list[str]:
     if mode == "sync":
         return [*h, "--min-workers", str(workers)]
     if mode == "async":
-        return ["--mode", "async", *h, "--dn-period", str(workers)]
+        # The recommended async setting (README): DyLU, and a grace window that makes the
+        # arrivals of one wave a single plain-Nesterov step.
+        return ["--mode", "async", *h, "--dylu", "--grace-seconds", "2", "--dn-period", "1"]
     settings = ServerSettings(mode="streaming", sync_every=sync_every, fragments=4, delay=1)
     return [
         "--mode",

@@ -90,6 +90,15 @@ def simulate_command(
     speeds: str = typer.Option("", help="Async: comma-separated relative worker speeds."),
     dylu: bool = typer.Option(False, help="Async: dynamic local updates (fewer steps if slow)."),
     async_delay: int = typer.Option(0, help="Async: Delayed Nesterov N (0 = workers)."),
+    grace: float = typer.Option(
+        0.0,
+        help="Async: arrivals within this much simulated time of the first pending one are "
+        "averaged into one outer step (the server's --grace-seconds; time unit: one inner step "
+        "of a speed-1 worker).",
+    ),
+    staleness_weighting: str = typer.Option(
+        "none", help="Async: none or inverse_sqrt (scale by (1 + staleness)^-1/2)."
+    ),
     lr: float = typer.Option(3e-3, help="Inner AdamW peak learning rate."),
     warmup: int = typer.Option(50, help="Inner learning-rate warm-up steps."),
     batch_size: int = typer.Option(16, help="Sequences per inner step per worker."),
@@ -125,6 +134,8 @@ def simulate_command(
             speeds=_parse_speeds(speeds),
             dylu=dylu,
             async_delay=async_delay,
+            grace=grace,
+            staleness_weighting=staleness_weighting,
             lr=lr,
             warmup=warmup,
             batch_size=batch_size,

@@ -12,11 +12,11 @@ worker's anchor and now) is recorded per submission and may scale the pseudo-gra
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from diloco.algorithm import staleness_scale
 from diloco.server.barrier_rounds import fold
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
@@ -27,13 +27,6 @@ from diloco.wire.spool import CheckedPieces
 
 if TYPE_CHECKING:
     from diloco.server.coordinator import Coordinator
-
-
-def staleness_scale(staleness: int, weighting: str) -> float:
-    """The factor a pseudo-gradient `staleness` steps old is scaled by."""
-    if weighting == "inverse_sqrt":
-        return 1.0 / math.sqrt(1.0 + staleness)
-    return 1.0
 
 
 class AsyncArrivals:

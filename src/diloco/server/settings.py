@@ -7,12 +7,17 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.algorithm import APPLY_POLICIES, WEIGHTINGS, DelayedNesterov, OuterOptimizer
+from diloco.algorithm import (
+    APPLY_POLICIES,
+    STALENESS_WEIGHTINGS,
+    WEIGHTINGS,
+    DelayedNesterov,
+    OuterOptimizer,
+)
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.wire import dtype_name
 
 SERVER_MODES = ("sync", "streaming", "async")
-STALENESS_WEIGHTINGS = ("none", "inverse_sqrt")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**3
 DEFAULT_BARRIER_TIMEOUT = 600.0
 

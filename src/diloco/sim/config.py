@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
+from diloco.algorithm import STALENESS_WEIGHTINGS
 from diloco.models import GPTConfig
 
 MODES = ("single", "ddp", "diloco", "streaming", "async")
@@ -37,6 +39,9 @@ class SimConfig:
     dylu: bool = False
     async_delay: int = 0
     async_c: float = 0.0
+    # Async, as the server's --grace-seconds and --staleness-weighting, in simulated time units
+    grace: float = 0.0
+    staleness_weighting: str = "none"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +72,17 @@ class SimConfig:
                 raise ValueError(f"speeds must all be > 0, got {list(self.speeds)}")
         if self.dylu and self.mode != "async":
             raise ValueError("dylu applies to --mode async only")
+        if not (isinstance(self.grace, (int, float)) and 0 <= self.grace < math.inf):
+            raise ValueError(f"grace must be a number >= 0 (simulated time), got {self.grace!r}")
+        if self.grace and self.mode != "async":
+            raise ValueError("grace applies to --mode async only")
+        if self.staleness_weighting not in STALENESS_WEIGHTINGS:
+            raise ValueError(
+                "staleness_weighting must be one of "
+                f"{', '.join(STALENESS_WEIGHTINGS)}, got {self.staleness_weighting!r}"
+            )
+        if self.staleness_weighting != "none" and self.mode != "async":
+            raise ValueError("staleness_weighting applies to --mode async only")
 
     @property
     def effective_workers(self) -> int:

@@ -24,6 +24,7 @@ from diloco.algorithm import (
     outer_step,
     plan_fragments,
     pseudo_gradient,
+    staleness_scale,
     to_fp32_masters,
 )
 from diloco.data import BatchSampler, load_named_corpus, split_train_val, worker_shard
@@ -326,6 +327,12 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
     Worker w runs at `speeds[w]` steps per time unit for a budget of steps * v_w / max(v) steps,
     so every worker stops at the time the fastest one has done `steps`. With DyLU, slow workers
     get H_w = floor(v_w / max(v) * H) local steps per round so that rounds take equal time.
+
+    With a grace window (`grace` > 0, as the server's --grace-seconds), arrivals within `grace`
+    of the first pending one are averaged into one outer step; the window closes at that
+    deadline, or at the last arrival once every worker still training has arrived, and its
+    workers start their next window from the step's result then. Staleness (outer steps since a
+    worker's anchor) may scale a pseudo-gradient by (1 + staleness)^-1/2, as on the server.
     """
     c = setup.config
     speeds = c.worker_speeds
@@ -337,6 +344,7 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
     masters = to_fp32_masters(setup.initial)
     replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(k)]
     anchors = [{n: t.clone() for n, t in masters.items()} for _ in range(k)]
+    anchor_versions = [0] * k
     curve = [(0, setup.evaluator.loss(masters))]
     events: list[tuple[float, int, int]] = []
 
@@ -348,34 +356,49 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
     for w in range(k):
         schedule(w, 0.0)
     next_eval = c.eval_interval
-    arrivals = 0
+    version = 0  # outer steps applied
     order: list[tuple[int, int, float]] = []
     while events:
-        when, w, n = heapq.heappop(events)
-        while next_eval < min(when * fastest, c.steps):
+        window = [heapq.heappop(events)]
+        closes = window[0][0]
+        if c.grace > 0:
+            deadline = closes + c.grace
+            while events and events[0][0] <= deadline:
+                window.append(heapq.heappop(events))
+            # Early close: nobody else is training. (A worker has one arrival pending at most.)
+            closes = window[-1][0] if not events else deadline
+        while next_eval < min(closes * fastest, c.steps):
             curve.append((next_eval, setup.evaluator.loss(masters)))
             next_eval += c.eval_interval
-        replica = replicas[w]
-        for _ in range(n):
-            replica.train_step()
-            progress(1)
-        # One arrival is a round of one: the same outer_step, with Delayed Nesterov as the rule.
-        arrival = Contribution(pseudo_gradient(anchors[w], replica.state()), worker=str(w))
-        outer_step(masters, [arrival], optimizer, setup.kinds)
-        arrivals += 1
-        order.append((w, n, when))
-        replica.load(masters)
-        anchors[w] = {name: t.clone() for name, t in masters.items()}
-        schedule(w, when)
+        contributions = []
+        for when, w, n in window:
+            replica = replicas[w]
+            for _ in range(n):
+                replica.train_step()
+                progress(1)
+            gradient = pseudo_gradient(anchors[w], replica.state())
+            scale = staleness_scale(version - anchor_versions[w], c.staleness_weighting)
+            if scale != 1.0:
+                gradient = {name: t * scale for name, t in gradient.items()}
+            contributions.append(Contribution(gradient, worker=str(w)))
+            order.append((w, n, when))
+        # A window is a round of its arrivals: the same outer_step, with Delayed Nesterov.
+        outer_step(masters, contributions, optimizer, setup.kinds)
+        version += 1
+        for _, w, _ in window:
+            replicas[w].load(masters)
+            anchors[w] = {name: t.clone() for name, t in masters.items()}
+            anchor_versions[w] = version
+            schedule(w, closes)
     while next_eval < c.steps:
         curve.append((next_eval, setup.evaluator.loss(masters)))
         next_eval += c.eval_interval
     curve.append((c.steps, setup.evaluator.loss(masters)))
-    per_worker = arrivals * setup.model_bytes / k
+    per_worker = len(order) * setup.model_bytes / k
     return ModeOutcome(
         masters,
         curve,
-        outer_steps=arrivals,
+        outer_steps=version,
         bytes_sent=per_worker,
         bytes_received=per_worker,
         peak_sync_bytes=setup.model_bytes,
