@@ -187,3 +187,78 @@ def test_divisors_divide_the_grads_in_the_step_as_a_division_first_would(strided
         torch.testing.assert_close(stepped["w"], divided["w"], rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(stepped["w"], divided["w"])
+
+
+def test_a_strided_momentum_buffer_still_gets_the_divided_gradient() -> None:
+    """param and grad contiguous, the momentum buffer (restored from a transposed tensor)
+    strided: the step takes the separate passes and must still divide the sum first."""
+    generator = torch.Generator().manual_seed(4)
+    start = torch.randn(4, 3, generator=generator)
+    momentum = {"w": torch.randn(3, 4, generator=generator).t()}  # strided, as loaded
+    total = torch.randn(4, 3, generator=generator) * 4
+    first = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    second = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    first.load_state_dict(momentum)
+    second.load_state_dict(momentum)
+    divided, stepped = {"w": start.clone()}, {"w": start.clone()}
+    first.step(divided, {"w": total / 4.0})
+    second.step(stepped, {"w": total.clone()}, divisors={"w": 4.0})
+    torch.testing.assert_close(stepped["w"], divided["w"], rtol=1e-6, atol=1e-6)
+
+
+def test_a_grad_of_another_dtype_is_divided_in_its_copy_and_nothing_half_applies() -> None:
+    """An fp64 sum for an fp32 parameter is copied to fp32 and divided there; the caller's
+    tensor is not written, and no earlier name is left stepped by a later refusal."""
+    params = {"a": torch.ones(3), "b": torch.ones(3)}
+    optimizer = OuterOptimizer("sgd", lr=1.0)
+    grad_b = torch.full((3,), 4.0, dtype=torch.float64)
+    optimizer.step(params, {"a": torch.full((3,), 4.0), "b": grad_b}, divisors={"a": 2, "b": 2})
+    assert params["a"].tolist() == [-1.0] * 3 and params["b"].tolist() == [-1.0] * 3
+    assert grad_b.tolist() == [4.0] * 3
+
+
+def test_a_non_finite_buffer_mean_is_refused_before_anything_changes() -> None:
+    """A float buffer does not go through the optimizer, yet its overflowing sum must be
+    refused like a parameter's, before any weight or momentum moves."""
+    weights = masters()
+    optimizer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    apply_running_mean(weights, running_of(contributions(), "uniform", True), optimizer, KINDS)
+    before, momentum = clone(weights), optimizer.state_dict()
+    huge = contributions()
+    for contribution in huge:
+        contribution.pseudo_gradient["norm"].fill_(3e38)
+    running = running_of(huge, "uniform", bounded=True)
+    assert not running.certainly_finite
+    with pytest.raises(ValueError, match="'norm' has NaN or Inf"):
+        apply_running_mean(weights, running, optimizer, KINDS)
+    assert_identical(weights, before)
+    assert_identical(optimizer.state_dict(), momentum)
+
+
+def test_scale_multiplies_the_values_but_not_the_weight() -> None:
+    """Async staleness scaling: a stale pseudo-gradient counts once, made smaller."""
+    for fold in ("add", "add_pieces"):
+        running = RunningMean("tokens")
+        value = torch.full((4,), 2.0)
+        if fold == "add":
+            running.add(Contribution({"w": value}, tokens=3), scale=0.5)
+        else:
+            running.add_pieces({"w": (4,)}, [("w", 0, value)], tokens=3, scale=0.5)
+        assert running.sums["w"].tolist() == [3.0] * 4, fold  # 3 * 0.5 * 2
+        assert running.totals["w"] == 3.0, fold
+        assert running.mean()["w"].tolist() == [1.0] * 4, fold
+
+
+def test_pieces_that_miss_part_of_a_new_sum_leave_the_mean_as_it_was() -> None:
+    running = RunningMean()
+    with pytest.raises(RuntimeError, match="did not cover it once"):
+        running.add_pieces({"w": (4,)}, [("w", 0, torch.ones(2))], tokens=1)
+    assert (running.sums, running.totals, running.count) == ({}, {}, 0)
+
+
+def test_mean_uses_the_running_mean_up() -> None:
+    running = RunningMean()
+    running.add(Contribution({"w": torch.full((2,), 4.0)}))
+    assert running.mean()["w"].tolist() == [4.0, 4.0]
+    with pytest.raises(RuntimeError, match="consumed"):
+        running.mean()  # a second call would divide the sums again

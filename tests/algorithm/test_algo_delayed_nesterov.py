@@ -139,3 +139,14 @@ def test_describe() -> None:
 def test_invalid_settings_name_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         DelayedNesterov(**kwargs)
+
+
+def test_divisors_give_the_step_of_the_divided_gradient() -> None:
+    """The server hands a window's running sum and its total weight."""
+    divided, stepped = {"w": torch.ones(5)}, {"w": torch.ones(5)}
+    first = DelayedNesterov(lr=0.7, momentum=0.9, delay=2)
+    second = DelayedNesterov(lr=0.7, momentum=0.9, delay=2)
+    for value in (0.6, 1.2, 0.6):
+        first.step(divided, {"w": torch.full((5,), value / 3)})
+        second.step(stepped, {"w": torch.full((5,), value)}, divisors={"w": 3.0})
+    torch.testing.assert_close(stepped["w"], divided["w"], rtol=1e-6, atol=0)

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from diloco.algorithm import StreamingSchedule, alpha_merge, plan_fragments
+from diloco.algorithm import (
+    StreamingSchedule,
+    alpha_merge,
+    block_prefixes_from_names,
+    plan_fragments,
+)
 
 BLOCKS = [f"blocks.{i}." for i in range(4)]
 MODEL = [
@@ -214,3 +219,37 @@ def test_alpha_merge_name_and_shape_errors() -> None:
         alpha_merge({"w": torch.zeros(1)}, {}, 0.5)
     with pytest.raises(ValueError, match="'w'"):
         alpha_merge({"w": torch.zeros(1)}, {"w": torch.zeros(2)}, 0.5)
+
+
+# --- block_prefixes_from_names -----------------------------------------------------------
+
+
+def test_block_prefixes_from_names_equal_those_from_the_module() -> None:
+    from diloco.models import GPT, GPTConfig, block_prefixes
+
+    model = GPT(GPTConfig(context=8, width=8, depth=3, heads=2))
+    assert block_prefixes_from_names(list(model.state_dict())) == block_prefixes(model)
+    assert block_prefixes_from_names([n for n, _ in MODEL]) == BLOCKS
+
+
+@pytest.mark.parametrize(
+    ("names", "prefixes"),
+    [
+        (
+            ["transformer.h.0.w", "transformer.h.1.w", "lm_head.w"],
+            ["transformer.h.0.", "transformer.h.1."],
+        ),
+        (
+            ["model.layers.0.q", "model.layers.1.q", "model.norm"],
+            ["model.layers.0.", "model.layers.1."],
+        ),
+        (["blocks.0.w", "blocks.2.w"], []),  # a gap: not a run of blocks 0..n-1
+        (["blocks.00.w", "blocks.1.w"], []),  # a leading zero is not an index
+        (["blocks.w", "head.w"], []),  # no index at all
+        (["embed.w", "head.w"], []),
+    ],
+)
+def test_block_prefixes_from_names_read_only_complete_numbered_blocks(
+    names: list[str], prefixes: list[str]
+) -> None:
+    assert block_prefixes_from_names(names) == prefixes

@@ -173,15 +173,14 @@ class RunningMean:
                     f"tensor {name!r} has shape {tuple(shape)} in one contribution "
                     f"and {tuple(total.shape)} in another"
                 )
-        new_sums: TensorDict = {}  # registered only once every piece is folded
-        fresh: dict[str, int] = {}  # names whose preallocated sum this contribution writes first
+        # Names without a sum yet: this contribution writes theirs first (over a preallocated
+        # slot, or new memory); they are registered only once every piece is folded.
+        new_sums: TensorDict = {}
         for name, shape in shapes.items():
             if name not in self.sums:
                 slot = self._slot(name, tuple(shape))
-                if slot is None:
-                    new_sums[name] = torch.zeros(shape, dtype=torch.float32)
-                else:
-                    new_sums[name], fresh[name] = slot, 0
+                new_sums[name] = torch.empty(shape, dtype=torch.float32) if slot is None else slot
+        fresh = dict.fromkeys(new_sums, 0)  # elements written so far
         for name, first, piece in pieces:
             target = self.sums.get(name)
             part = (new_sums[name] if target is None else target).view(-1)
@@ -222,8 +221,8 @@ class RunningMean:
 
         A name no weighted contribution carried is absent.
         """
-        self._consumed = True
-        return {name: total.div_(self.totals[name]) for name, total in self.sums.items()}
+        sums, totals = self.consume()
+        return {name: total.div_(totals[name]) for name, total in sums.items()}
 
 
 def average_contributions(

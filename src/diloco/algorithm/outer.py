@@ -24,7 +24,7 @@ from diloco.algorithm.contributions import (
 )
 from diloco.algorithm.fragments import alpha_merge
 from diloco.algorithm.outer_optimizer import OUTER_KINDS, OuterOptimizer
-from diloco.algorithm.tensors import TensorDict, TensorKind
+from diloco.algorithm.tensors import TensorDict, TensorKind, all_finite
 
 __all__ = [
     "APPLY_POLICIES",
@@ -52,7 +52,15 @@ _BOOL_THRESHOLD = 0.5 - 1e-6
 class UpdateRule(Protocol):
     """What `outer_step` needs from an optimizer (OuterOptimizer, DelayedNesterov)."""
 
-    def step(self, params: TensorDict, grads: Mapping[str, torch.Tensor], /) -> None: ...
+    def step(
+        self,
+        params: TensorDict,
+        grads: Mapping[str, torch.Tensor],
+        /,
+        *,
+        divisors: Mapping[str, float] | None = None,
+        finite: bool = False,
+    ) -> None: ...
 
 
 def _difference_fp32(name: str, anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -197,25 +205,13 @@ def apply_mean(
     (`RunningMean`). An empty mean changes nothing. Names, shapes and kinds are checked first.
     """
     require_choice("apply policy", policy, APPLY_POLICIES)
-    if not mean:
-        return []
-    _check_contribution(Contribution(mean, worker="mean"), "mean", masters, kinds, policy)
-    through_optimizer = {
-        name: gradient
-        for name, gradient in mean.items()
-        if _uses_optimizer(TensorKind(kinds[name]), policy)
-    }
-    optimizer.step(masters, through_optimizer)
-    for name, gradient in mean.items():
-        if name not in through_optimizer:
-            _assign_mean(masters[name], gradient, TensorKind(kinds[name]))
-    return [name for name in masters if name in mean]
+    return _apply_values(masters, dict(mean), optimizer, kinds, policy)
 
 
 def apply_running_mean(
     masters: TensorDict,
     running: RunningMean,
-    optimizer: OuterOptimizer,
+    optimizer: UpdateRule,
     kinds: Mapping[str, TensorKind],
     *,
     policy: str = "default",
@@ -230,21 +226,43 @@ def apply_running_mean(
     """
     require_choice("apply policy", policy, APPLY_POLICIES)
     sums, totals = running.consume()
-    if not sums:
+    return _apply_values(
+        masters, sums, optimizer, kinds, policy, divisors=totals, finite=running.certainly_finite
+    )
+
+
+def _apply_values(
+    masters: TensorDict,
+    values: TensorDict,
+    optimizer: UpdateRule,
+    kinds: Mapping[str, TensorKind],
+    policy: str,
+    *,
+    divisors: Mapping[str, float] | None = None,
+    finite: bool = False,
+) -> list[str]:
+    """The update both apply functions make: values[name] / divisors[name] (the division in
+    place, inside the optimizer's pass for its names) is the mean for each name."""
+    if not values:
         return []
-    _check_contribution(Contribution(sums, worker="mean"), "mean", masters, kinds, policy)
+    _check_contribution(Contribution(values, worker="mean"), "mean", masters, kinds, policy)
+    if not finite:  # every name, not only the optimizer's: a buffer's mean is written too
+        for name, value in values.items():
+            if not all_finite(value):
+                raise ValueError(f"outer step: tensor {name!r} has NaN or Inf values")
     through_optimizer = {
-        name: total
-        for name, total in sums.items()
+        name: value
+        for name, value in values.items()
         if _uses_optimizer(TensorKind(kinds[name]), policy)
     }
     optimizer.step(
         masters,
         through_optimizer,
-        divisors={name: totals[name] for name in through_optimizer},
-        finite=running.certainly_finite,
+        divisors=None if divisors is None else {n: divisors[n] for n in through_optimizer},
+        finite=True,  # scanned above, or proven finite by the caller
     )
-    for name, total in sums.items():
+    for name, value in values.items():
         if name not in through_optimizer:
-            _assign_mean(masters[name], total.div_(totals[name]), TensorKind(kinds[name]))
-    return [name for name in masters if name in sums]
+            mean = value if divisors is None else value.div_(divisors[name])
+            _assign_mean(masters[name], mean, TensorKind(kinds[name]))
+    return [name for name in masters if name in values]

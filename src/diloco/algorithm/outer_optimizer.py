@@ -97,25 +97,21 @@ class OuterOptimizer:
     def _step_one(
         self, name: str, param: torch.Tensor, grad: torch.Tensor, divisor: float = 1.0
     ) -> None:
-        if divisor != 1.0:
-            if grad.dtype != param.dtype or grad.device != param.device:
-                raise ValueError(f"outer step: tensor {name!r} must be divided where it is")
-            if not grad.is_contiguous() or not param.is_contiguous():
-                grad.div_(divisor)
-                divisor = 1.0
-        g = grad.detach().to(device=param.device, dtype=param.dtype)
+        g = grad.detach().to(device=param.device, dtype=param.dtype)  # grad itself if it can
         buf = self._buffers.get(name)
         if buf is not None and (buf.shape != param.shape or buf.dtype != param.dtype):
             buf = None  # restarts as buf = g
         if buf is not None:
             buf = buf.to(param.device)
-        contiguous = param.is_contiguous() and g.is_contiguous()
-        if not contiguous or (buf is not None and not buf.is_contiguous()):
-            # PyTorch's fused kernel reads and writes the memory as if it were contiguous.
-            buffers = [self._unfused_step(param, g, buf)]
-        else:
+        # PyTorch's fused kernel reads and writes the memory as if it were contiguous.
+        fusable = param.is_contiguous() and g.is_contiguous()
+        if fusable and (buf is None or buf.is_contiguous()):
             buffers = [buf]
             self._fused_step(param, g, buffers, divisor)
+        else:
+            if divisor != 1.0:
+                g.div_(divisor)  # in place: on grad itself when no copy was needed, as documented
+            buffers = [self._unfused_step(param, g, buf)]
         if self.kind != "sgd":
             self._buffers[name] = buffers[0]
 
