@@ -125,7 +125,7 @@ def test_the_grace_window_averages_arrivals_and_its_deadline_does_not_slide() ->
     c.submit("c", 0, grad(0.1))  # a new window, for c alone
     assert c.version == 1
     clock.advance(5.01)
-    c.tick()
+    assert c.evict_stale() == []  # the eviction ticker also closes a window past its deadline
     assert c.version == 2
 
 
@@ -144,9 +144,24 @@ def test_async_rejections_change_nothing() -> None:
     rejected(c, lambda: c.submit("a", 0, grad(0.2), fragment=1), 422, "invalid_request")
     rejected(c, lambda: c.submit("a", 0, grad(float("inf"))), 422, "non_finite")
     rejected(c, lambda: c.wait_result(0, None, 0), 422, "invalid_request")
+    negative = rejected(c, lambda: c.submit("a", -7, grad(0.2)), 422, "invalid_request")
+    assert negative.detail == {"field": "round", "got": -7}
+    rejected(c, lambda: c.wait_result(-1, "a", 0), 422, "invalid_request")
     c.submit("a", 0, grad(0.2))
     assert c.submit("a", 0, grad(0.2))["status"] == "duplicate"  # still pending: counted once
     rejected(c, lambda: c.wait_result(1, "a", 0), 409, "future_round")
+
+
+def test_a_second_arrival_while_one_is_pending_is_409() -> None:
+    c, clock = asynchronous(workers=("a", "b", "c"), grace_seconds=60, heartbeat_timeout=600)
+    c.submit("b", 0, grad(0.4))
+    c.submit("c", 0, grad(0.6))
+    clock.advance(61)
+    assert c.evict_stale() == [] and c.version == 1  # the window closed at its deadline
+    c.submit("a", 1, grad(0.2))  # pending in the next window
+    # An arrival for version 0 (never applied for a) while that one is pending: refused.
+    pending = rejected(c, lambda: c.submit("a", 0, grad(0.2)), 409, "already_pending")
+    assert pending.detail == {"pending_round": 1}
 
 
 def test_dylu_recommends_h_from_smoothed_speeds() -> None:

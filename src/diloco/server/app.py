@@ -324,7 +324,6 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     @app.get("/metrics", dependencies=authed)
     async def prometheus() -> Response:
-        metrics.live_workers.set(await run_in_threadpool(coordinator.live_count))
         return Response(content=metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app

@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from diloco.algorithm import staleness_scale
-from diloco.server.barrier_rounds import fold
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import RoundResult, Waiting
-from diloco.server.rounds import Round
+from diloco.server.rounds import Round, fold
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
 
@@ -36,18 +35,14 @@ class AsyncArrivals:
         self.c = coordinator
         self.window: Round | None = None
         self.anchors: dict[str, int] = {}  # worker -> the version its pending arrival was for
-        self.staleness: dict[str, int] = {}
-        self.started = False
 
     # ----------------------------------------------------------------- the engine interface
 
     def start(self, fragment_rounds: Sequence[int], now: float) -> None:
         if len(fragment_rounds) != 1:
             raise ValueError(f"async mode has one fragment, the state holds {len(fragment_rounds)}")
-        self.started = True
         self.window = None
         self.anchors.clear()
-        self.staleness.clear()
 
     def fragment_rounds(self) -> list[int]:
         return [self.c.version]
@@ -128,14 +123,14 @@ class AsyncArrivals:
         fold(window, submission, checked, c.sums_storage(), now, scale)
         self.window = window
         self.anchors[worker_id] = round_number
-        self.staleness[worker_id] = staleness
         c.metrics.staleness.observe(staleness)
         c.accepted(submission, window, now)
         self._try_commit(now)
         return self._answer(
             "accepted",
             round_number,
-            c.journal.state.applied_version(worker_id, round_number),
+            # Applied by now unless the window is still open (it holds the arrival then).
+            None if worker_id in self.anchors else c.version - 1,
             staleness,
         )
 
@@ -187,12 +182,12 @@ class AsyncArrivals:
             units=window.all_units(),
             tokens=window.tokens,
             seconds=time.perf_counter() - started,
-            submissions=[(w, self.anchors[w], self.staleness[w]) for w in submitters],
+            # Staleness of each: the window opened at the current version, its anchor before.
+            submissions=[(w, self.anchors[w], window.number - self.anchors[w]) for w in submitters],
         )
         c.commit_step(running, record)
         self.window = None
         self.anchors.clear()
-        self.staleness.clear()
         c.current_weights()  # encoded once for every worker of this step
         for when in window.submitted.values():
             c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))

@@ -10,70 +10,19 @@ joins late takes part from the next round of each fragment.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
-from diloco.algorithm import Contribution
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import Published, RoundResult, Waiting
-from diloco.server.rounds import Round
+from diloco.server.rounds import Round, fold
 from diloco.server.submission import Submission
-from diloco.wire import SpooledTensors, WireError
 from diloco.wire.spool import CheckedPieces
 
 if TYPE_CHECKING:
     from diloco.server.coordinator import Coordinator
-
-
-def fold(
-    target: Round,
-    submission: Submission,
-    checked: CheckedPieces | float,
-    storage: dict[str, torch.Tensor],
-    now: float,
-    scale: float = 1.0,
-) -> None:
-    """Add a pseudo-gradient to a round's running mean (from RAM or from the spool).
-
-    `checked` is the bound of its values from their scan, or, when this fold opens the
-    round's sums (written over `storage`), a reader that checks them as they are folded: its
-    WireError then leaves the round as it was.
-    """
-    tensors = submission.tensors
-    opened = target.running is None
-    if opened:
-        target.open_sums(storage)
-    try:
-        if isinstance(tensors, SpooledTensors):
-            shapes = {name: tuple(t.shape) for name, t in tensors.meta.items()}
-            if isinstance(checked, CheckedPieces):
-                reader = checked
-                pieces, max_abs = reader, (lambda: reader.bound)
-            else:
-                pieces, max_abs = tensors.pieces(), checked
-            target.add_pieces(
-                submission.worker_id,
-                submission.fragment,
-                shapes,
-                pieces,
-                submission.tokens,
-                now,
-                scale,
-                max_abs,
-            )
-        else:
-            bound = checked if isinstance(checked, float) else math.inf
-            contribution = Contribution(tensors, submission.tokens, submission.worker_id)
-            target.add(submission.worker_id, submission.fragment, contribution, now, scale, bound)
-    except WireError:
-        if opened:
-            target.running = None
-        raise
 
 
 class BarrierRounds:

@@ -112,6 +112,7 @@ class Coordinator:
         self.frames: MasterFrames | None = None  # the masters, in the result's byte layout
         self.specs: dict[str, TensorSpec] | None = None
         self.plan: list[list[str]] | None = None  # names per fragment (one fragment but streaming)
+        self.owner: dict[str, int] = {}  # name -> its fragment (from the plan)
         self.kinds_known = False
         self.version = 0  # outer steps committed: the round in sync mode
         self.result: Published | None = None  # the current full weights, encoded once
@@ -155,6 +156,7 @@ class Coordinator:
                 self._set_specs(known, kinds_known=True)
                 for worker_id, session in self.journal.state.live_workers():
                     self.membership.admit(worker_id, self.started_at, session)
+                self.metrics.live_workers.set(len(self.membership.live_ids()))
 
     # ----------------------------------------------------------------- read-only views
 
@@ -191,18 +193,15 @@ class Coordinator:
                 "settings": self.settings.to_wire(),
             }
 
-    def live_count(self) -> int:
-        with self._lock:
-            return len(self.membership.live_ids())
-
     def status(self) -> dict:
         with self._lock:
             now = self.clock()
             uptime = max(1e-9, now - self.started_at)
+            recommended = self._recommended_sync_everys()  # once for every worker
             workers = []
             for record in self.membership.workers.values():
                 entry = record.to_status(now)
-                entry["recommended_sync_every"] = self._recommended_sync_every(record.worker_id)
+                entry["recommended_sync_every"] = recommended.get(record.worker_id)
                 workers.append(entry)
             return {
                 "round": self.version,
@@ -295,6 +294,7 @@ class Coordinator:
         """The model's tensors; the fragment plan follows from them (ValueError if it cannot)."""
         plan = fragment_plan(list(specs.values()), self.settings.fragments)
         self.specs, self.plan, self.kinds_known = specs, plan, kinds_known
+        self.owner = {name: f for f, members in enumerate(plan) for name in members}
 
     def _registration(self, worker_id: str) -> dict:
         return {
@@ -339,17 +339,19 @@ class Coordinator:
             }
 
     def _recommended_sync_every(self, worker_id: str) -> int | None:
-        """DyLU: H_w = max(1, floor(v_w / max v * H)) over live workers' smoothed speeds."""
+        return self._recommended_sync_everys().get(worker_id)
+
+    def _recommended_sync_everys(self) -> dict[str, int]:
+        """DyLU: H_w = max(1, floor(v_w / max v * H)) over live workers' smoothed speeds, for
+        each worker that has one (none without --dylu)."""
         if not self.settings.dylu:
-            return None
+            return {}
         speeds = {
             w.worker_id: w.smoothed_speed
             for w in self.membership.workers.values()
             if w.live and w.smoothed_speed is not None and w.smoothed_speed > 0
         }
-        if worker_id not in speeds:
-            return None
-        return dylu_local_steps(speeds, self.settings.sync_every)[worker_id]
+        return dylu_local_steps(speeds, self.settings.sync_every)
 
     def evict_stale(self) -> list[str]:
         """Evict workers silent past the heartbeat timeout; the barrier re-checks at once."""
@@ -502,9 +504,7 @@ class Coordinator:
             except WireError as error:
                 raise rejection_of(error) from None
             self._adopt_weights(tensors, {n: s.kind for n, s in self.specs.items()})
-            size = sum(t.numel() * t.element_size() for t in tensors.values())
-            self.bytes_in += size
-            self.metrics.bytes_in.inc(size)
+            self.count_in(sum(t.numel() * t.element_size() for t in tensors.values()))
             return self.version
 
     def weights(self) -> RoundResult:
@@ -538,29 +538,25 @@ class Coordinator:
 
         Floating tensors go out in the download dtype; int and bool buffers in their spec's.
         """
+        return MasterFrames(tensors, {n: self._wire_dtype(n, t) for n, t in tensors.items()})
+
+    def _wire_dtype(self, name: str, master: torch.Tensor) -> torch.dtype:
+        """How a master goes out: floating ones in the download dtype, int and bool buffers in
+        their spec's dtype (as the workers' own tensors are)."""
         assert self.specs is not None
-        encoded = {}
-        for name, tensor in tensors.items():
-            spec_dtype = self.specs[name].dtype
-            if tensor.is_floating_point():
-                encoded[name] = self.settings.download_dtype
-            else:
-                encoded[name] = tensor.dtype if spec_dtype.is_floating_point else spec_dtype
-        return MasterFrames(tensors, encoded)
+        if master.is_floating_point():
+            return self.settings.download_dtype
+        spec_dtype = self.specs[name].dtype
+        return master.dtype if spec_dtype.is_floating_point else spec_dtype
 
     def encode(self, names: Sequence[str]) -> bytearray:
         """The masters of `names` (a streaming fragment) in the download dtype, ints as their
         spec: a copy, so later outer steps of other fragments leave it as it is."""
-        assert self.masters is not None and self.specs is not None
-        out = {}
-        for name in names:
-            master = self.masters[name]
-            spec_dtype = self.specs[name].dtype
-            out[name] = (
-                master
-                if master.is_floating_point() or spec_dtype.is_floating_point
-                else master.to(spec_dtype)
-            )
+        assert self.masters is not None
+        out = {name: self.masters[name] for name in names}
+        out = {
+            n: t if t.is_floating_point() else t.to(self._wire_dtype(n, t)) for n, t in out.items()
+        }
         return encode_tensors(out, float_dtype=self.settings.download_dtype)
 
     def count_out(self, n: int) -> None:
@@ -600,8 +596,11 @@ class Coordinator:
                 return self._accept(submission, tensors.checked_pieces())
         max_abs = scan_values(tensors)  # outside the lock
         with self._lock:
-            # The state may have moved on during the scan (a commit, a retry that won).
-            submission = self._admit(worker_id, round_number, fragment, tensors, tokens, units)
+            # The state may have moved on during the scan (a commit, a retry that won); the
+            # layout (names, shapes, dtypes against fixed specs) cannot have.
+            submission = self._admit(
+                worker_id, round_number, fragment, tensors, tokens, units, check_layout=False
+            )
             if not isinstance(submission, Submission):
                 return submission
             return self._accept(submission, max_abs)
@@ -614,6 +613,8 @@ class Coordinator:
         tensors: Mapping[str, torch.Tensor] | SpooledTensors,
         tokens: int,
         units: list[int],
+        *,
+        check_layout: bool = True,
     ) -> Submission | dict:
         """Everything about a submission but its values (lock held); changes nothing.
 
@@ -632,6 +633,27 @@ class Coordinator:
             )
         if self.masters is None or self.plan is None:
             raise Rejection(409, "no_weights", "no global weights yet; nothing to submit to")
+        self._require_round_and_fragment(round_number, fragment)
+        submission = Submission(record, round_number, fragment, tensors, tokens, units)
+        answer = self.engine.admit(submission)
+        if answer is not None:
+            return answer
+        if check_layout:
+            self._check_layout(fragment, tensors)
+        return submission
+
+    def _require_round_and_fragment(self, round_number: int, fragment: int) -> None:
+        """422 for a negative round, or a fragment the plan does not have (once there is one)."""
+        if round_number < 0:
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'round' must be >= 0, got {round_number}",
+                field="round",
+                got=round_number,
+            )
+        if self.plan is None:
+            return
         fragments = len(self.plan)
         if not 0 <= fragment < fragments:
             allowed = "0 (one fragment)" if fragments == 1 else f"in [0, {fragments - 1}]"
@@ -643,12 +665,6 @@ class Coordinator:
                 got=fragment,
                 allowed=[0, fragments - 1],
             )
-        submission = Submission(record, round_number, fragment, tensors, tokens, units)
-        answer = self.engine.admit(submission)
-        if answer is not None:
-            return answer
-        self._check_layout(fragment, tensors)
-        return submission
 
     def _check_layout(
         self, fragment: int, tensors: Mapping[str, torch.Tensor] | SpooledTensors
@@ -657,17 +673,17 @@ class Coordinator:
         assert self.specs is not None and self.plan is not None
         shapes = tensors.meta if isinstance(tensors, SpooledTensors) else tensors
         if len(self.plan) > 1:
-            owner = {name: f for f, members in enumerate(self.plan) for name in members}
             for name in shapes:
-                if name in owner and owner[name] != fragment:
+                owner = self.owner.get(name, fragment)
+                if owner != fragment:
                     raise Rejection(
                         422,
                         "wrong_fragment",
-                        f"tensor {name!r} belongs to fragment {owner[name]}, not to fragment "
+                        f"tensor {name!r} belongs to fragment {owner}, not to fragment "
                         f"{fragment} of this submission",
                         tensor=name,
                         fragment=fragment,
-                        belongs_to=owner[name],
+                        belongs_to=owner,
                     )
         expected = {name: self.specs[name] for name in self.plan[fragment]}
         try:
@@ -799,14 +815,7 @@ class Coordinator:
             self._require_healthy()
             if worker_id is not None:
                 self._require_live(worker_id)
-            if self.plan is not None and not 0 <= fragment < len(self.plan):
-                raise Rejection(
-                    422,
-                    "invalid_request",
-                    f"field 'fragment' must be in [0, {len(self.plan) - 1}], got {fragment}",
-                    field="fragment",
-                    got=fragment,
-                )
+            self._require_round_and_fragment(round_number, fragment)
             deadline = self.clock() + wait
             while True:
                 outcome = self.engine.poll_result(round_number, fragment, worker_id, self.clock())
@@ -819,8 +828,3 @@ class Coordinator:
                 if remaining <= 0 or self.closing:
                     return self.engine.waiting(round_number, fragment)
                 self._lock.wait(timeout=min(remaining, self.engine.wake_within(now)))
-
-    def tick(self) -> None:
-        """Time-driven work (an async grace window's deadline); the eviction ticker calls it."""
-        with self._lock:
-            self.engine.tick(self.clock())

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.algorithm import Contribution, RunningMean
+from diloco.server.submission import Submission
+from diloco.wire import SpooledTensors, WireError
+from diloco.wire.spool import CheckedPieces
 
 
 @dataclass
@@ -116,3 +119,49 @@ class Round:
 
     def barrier_expired(self, now: float, timeout: float) -> bool:
         return self.first_submission_at is not None and now - self.first_submission_at > timeout
+
+
+def fold(
+    target: Round,
+    submission: Submission,
+    checked: CheckedPieces | float,
+    storage: dict[str, torch.Tensor],
+    now: float,
+    scale: float = 1.0,
+) -> None:
+    """Add a pseudo-gradient to a round's running mean (from RAM or from the spool).
+
+    `checked` is the bound of its values from their scan, or, when this fold opens the
+    round's sums (written over `storage`), a reader that checks them as they are folded: its
+    WireError then leaves the round as it was.
+    """
+    tensors = submission.tensors
+    opened = target.running is None
+    if opened:
+        target.open_sums(storage)
+    try:
+        if isinstance(tensors, SpooledTensors):
+            shapes = {name: tuple(t.shape) for name, t in tensors.meta.items()}
+            if isinstance(checked, CheckedPieces):
+                reader = checked
+                pieces, max_abs = reader, (lambda: reader.bound)
+            else:
+                pieces, max_abs = tensors.pieces(), checked
+            target.add_pieces(
+                submission.worker_id,
+                submission.fragment,
+                shapes,
+                pieces,
+                submission.tokens,
+                now,
+                scale,
+                max_abs,
+            )
+        else:
+            bound = checked if isinstance(checked, float) else math.inf
+            contribution = Contribution(tensors, submission.tokens, submission.worker_id)
+            target.add(submission.worker_id, submission.fragment, contribution, now, scale, bound)
+    except WireError:
+        if opened:
+            target.running = None
+        raise

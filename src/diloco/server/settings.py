@@ -14,6 +14,7 @@ from diloco.algorithm import (
     DelayedNesterov,
     OuterOptimizer,
 )
+from diloco.algorithm._checks import require_fraction
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.wire import dtype_name
 
@@ -104,7 +105,7 @@ class ServerSettings:
             "staleness_weighting": "none",
             "dylu": False,
         }
-        foreign = {**(streaming if self.mode != "streaming" else {})}
+        foreign = dict(streaming) if self.mode != "streaming" else {}
         if self.mode != "async":
             foreign.update(asynchronous)
         for name, default in foreign.items():
@@ -118,9 +119,7 @@ class ServerSettings:
             if isinstance(self.delay, bool) or not isinstance(self.delay, int):
                 raise ValueError(f"delay must be an integer, got {self.delay!r}")
             StreamingSchedule(self.sync_every, self.fragments, self.delay)  # P | H, tau < S
-            alpha_ok = isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
-            if not alpha_ok or not 0.0 <= self.alpha <= 1.0:
-                raise ValueError(f"alpha must be in [0, 1], got {self.alpha!r}")
+            require_fraction("alpha", self.alpha, include_one=True)
         if self.mode == "async":
             if self.barrier_timeout is not None:
                 raise ValueError(
