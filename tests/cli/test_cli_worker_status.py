@@ -90,6 +90,8 @@ def test_status_of_an_unreachable_server_is_one_line() -> None:
         (["--token-file", "/nonexistent/token"], 2, "--token-file"),
         (["--json", "/nonexistent/dir/w.json"], 2, "--json directory does not exist"),
         (["--give-up-after", "-1"], 2, "--give-up-after must be >= 0"),
+        (["--max-upload-mbps", "0"], 2, "upload rate must be > 0 megabits per second"),
+        (["--fragment-timeout", "-1"], 2, "fragment_timeout must be > 0 seconds, got -1.0"),
         ([], 1, "could not join"),  # nobody listens on the port
     ],
     ids=[
@@ -103,6 +105,8 @@ def test_status_of_an_unreachable_server_is_one_line() -> None:
         "token-file",
         "json",
         "give-up",
+        "upload-cap",
+        "fragment-timeout",
         "unreachable",
     ],
 )

@@ -130,6 +130,27 @@ def test_the_upload_limiter_paces_slices_to_the_rate() -> None:
         UploadLimiter.from_mbps(0)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"fragment_timeout": 0}, "fragment_timeout must be > 0 seconds, got 0"),
+        ({"fragment_timeout": float("nan")}, "fragment_timeout must be > 0 seconds, got nan"),
+        ({"max_upload_mbps": -8}, r"> 0 megabits per second \(max_upload_mbps\), got -8"),
+    ],
+)
+def test_bad_worker_arguments_are_refused_before_any_request(arguments: dict, message: str) -> None:
+    """Nothing listens at the URL: the refusal must come before the first request."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=message):
+        DiLoCoWorker(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            "http://127.0.0.1:9",
+            heartbeat=False,
+            **arguments,
+        )
+
+
 def test_a_throttled_worker_uploads_no_faster_than_its_cap(live_server) -> None:
     """--max-upload-mbps 8 (1 MB/s): a 0.5 MB pseudo-gradient takes at least ~0.45 s."""
     with live_server(ServerSettings(mode="async", sync_every=1)) as server:

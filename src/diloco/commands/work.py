@@ -140,10 +140,6 @@ def worker_command(
     torch.manual_seed(seed)
     initial = GPT(config).state_dict()
     replica = Replica(config, initial, sampler, lr, warmup, steps, weight_decay=0.1)
-    if max_upload_mbps is not None and not max_upload_mbps > 0:
-        raise fail(f"--max-upload-mbps must be > 0, got {max_upload_mbps}")
-    if fragment_timeout is not None and not fragment_timeout > 0:
-        raise fail(f"--fragment-timeout must be > 0 seconds, got {fragment_timeout}")
     if give_up_after < 0:
         raise fail(f"--give-up-after must be >= 0 seconds, got {give_up_after}")
     if not max_retry_delay > 0:

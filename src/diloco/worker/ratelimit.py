@@ -36,6 +36,14 @@ class UploadLimiter:
 
     @classmethod
     def from_mbps(cls, megabits_per_second: float) -> UploadLimiter:
+        """The limiter of a link of that many megabits per second (ValueError unless > 0)."""
+        if not (
+            isinstance(megabits_per_second, (int, float)) and 0 < megabits_per_second < math.inf
+        ):
+            raise ValueError(
+                "upload rate must be > 0 megabits per second (max_upload_mbps), "
+                f"got {megabits_per_second!r}"
+            )
         return cls(megabits_per_second * 1e6 / 8)
 
     def take(self, nbytes: int) -> None:

@@ -101,7 +101,6 @@ class FragmentStreamer:
         self.in_flight: InFlight | None = None
         self.syncs = 0
         self.failures = 0
-        self.rebased = False
         # A work unit is in the global model once every fragment has synced since it finished:
         # it is reported with the submission that completes that set.
         self.covered: dict[int, set[int]] = {}
@@ -204,7 +203,6 @@ class FragmentStreamer:
         if header["status"] == "rebase":
             self.worker.adopt_everywhere(tensors, header["version"])
             self.reposition(header["fragment_rounds"])
-            self.rebased = True
             return
         names = self.plan[fragment]
         tensors = self.worker.broadcast_fragment(tensors, names)

@@ -16,6 +16,7 @@ progress is never thrown away.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import threading
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from diloco.algorithm import classify_tensors, pseudo_gradient
+from diloco.algorithm import classify_tensors, pseudo_gradient, to_fp32_masters
 from diloco.wire import decode_tensors, encode_tensors, specs_of
 from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
 from diloco.worker import distributed
@@ -114,10 +115,7 @@ def _updated_anchor(
         for name, target in anchor.items():
             target.copy_(tensors[name].detach())
         return anchor
-    return {
-        name: t.detach().to(device="cpu", dtype=fresh[name][0], copy=True)
-        for name, t in tensors.items()
-    }
+    return to_fp32_masters(tensors)
 
 
 class DiLoCoWorker:
@@ -150,6 +148,11 @@ class DiLoCoWorker:
         as the retry policy keeps trying. `max_upload_mbps` caps the upload bandwidth (a
         shared link); None sends as fast as the network allows.
         """
+        # Checked before anything reaches the server (the upload cap by the client's limiter).
+        if fragment_timeout is not None and not (
+            isinstance(fragment_timeout, (int, float)) and 0 < fragment_timeout < math.inf
+        ):
+            raise ValueError(f"fragment_timeout must be > 0 seconds, got {fragment_timeout!r}")
         self.model = _unwrap(model)
         self.optimizer = optimizer
         self.server_url = server_url
@@ -606,12 +609,8 @@ class DiLoCoWorker:
         """The fragment's new anchor (rank 0 keeps the anchor, on the CPU in fp32)."""
         if not self.is_leader:
             return
-        for name, t in tensors.items():
-            self.anchor[name] = (
-                t.detach().to(device="cpu", dtype=torch.float32, copy=True)
-                if t.is_floating_point()
-                else t.detach().to("cpu", copy=True)
-            )
+        part = {name: self.anchor[name] for name in tensors if name in self.anchor}
+        self.anchor.update(_updated_anchor(part, tensors))  # into its memory where it fits
 
     def window_done(self) -> None:
         """A sync window ended: its compute speed (steps per second not spent blocked) is the
