@@ -11,7 +11,6 @@ Writes <out>/convergence.md, .json and .png.
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from diloco.console import (
     fail,
     out,
     progress_bar,
+    read_results_json,
     summary_table,
     write_json,
 )
@@ -54,10 +54,7 @@ def main(
 ) -> None:
     check_output_path(out_dir / "convergence.json", "--out-dir")
     if from_json is not None:
-        try:
-            document = json.loads(from_json.read_text())
-        except (OSError, ValueError) as exc:
-            raise fail(f"--from-json {from_json} is not a readable results file ({exc})") from None
+        document = read_results_json(from_json, ("setup", "runs"))
         write_results(document, out_dir)
         return
     try:

@@ -30,10 +30,11 @@ import typer
 import urllib3
 import uvicorn
 
-from diloco.algorithm import Contribution, OuterOptimizer, RunningMean, apply_running_mean
+from diloco.algorithm import RunningMean
 from diloco.console import check_output_path, fail, out, summary_table, write_json
 from diloco.server.runner import return_large_frees_to_the_os
 from diloco.wire import SpoolFiles, encode_tensors, spool_body
+from wire import make_state, outer_step_against_memory_pass  # benchmarks/ is sys.path[0]
 
 RESULTS = Path(__file__).parent / "results"
 # Clients are new processes: a forked one would inherit the server's malloc settings, under
@@ -157,28 +158,14 @@ def server_parts(state: dict[str, torch.Tensor], repeats: int) -> dict:
     fold = timed(lambda: running.add_pieces(shapes, spooled.pieces(), 1), repeats)
     spooled.close()
 
-    masters = {n: t.clone() for n, t in state.items()}
-    gradient = {n: t * 1e-3 for n, t in state.items()}
-    kinds = dict.fromkeys(state, "trainable")
-    optimizer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
-    steps, passes = [], []
-    for _ in range(repeats + 1):
-        running = RunningMean(storage=sums)
-        running.add(Contribution(gradient), max_abs=1.0)
-        started = time.perf_counter()
-        apply_running_mean(masters, running, optimizer, kinds)
-        steps.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        for name, tensor in masters.items():
-            tensor.add_(gradient[name])
-        passes.append(time.perf_counter() - started)
+    outer = outer_step_against_memory_pass(state, repeats)  # wire.py's measurement
     return {
         "spool_write_ms": median_ms(write),
         "checked_fold_ms": median_ms(first),
         "scan_ms": median_ms(scan),
         "fold_ms": median_ms(fold),
-        "outer_step_ms": median_ms(steps[1:]),  # the first creates the momentum
-        "memory_pass_ms": median_ms(passes[1:]),
+        "outer_step_ms": outer["outer_step_seconds"] * 1000,
+        "memory_pass_ms": outer["memory_pass_seconds"] * 1000,
     }
 
 
@@ -192,9 +179,7 @@ def main(
         raise fail("--parameters must be >= 10 and --repeats >= 1")
     return_large_frees_to_the_os()  # as `diloco server` does
     torch.set_num_threads(1)
-    per = parameters // 10
-    generator = torch.Generator().manual_seed(0)
-    state = {f"layer{i}.weight": torch.randn(per, generator=generator) for i in range(10)}
+    state = make_state(parameters)
     body = bytes(encode_tensors(state))
     parts = {**uvicorn_alone(body, repeats), **server_parts(state, repeats)}
     labels = {

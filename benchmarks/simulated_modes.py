@@ -16,7 +16,6 @@ Writes <out>/simulated_modes.md and .json.
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import time
@@ -25,12 +24,14 @@ from pathlib import Path
 import torch
 import typer
 
+from diloco.algorithm import dylu_local_steps
 from diloco.console import (
     check_output_path,
     err,
     fail,
     out,
     progress_bar,
+    read_results_json,
     summary_table,
     write_json,
 )
@@ -82,10 +83,7 @@ def main(
 ) -> None:
     check_output_path(out_dir / f"{NAME}.json", "--out-dir")
     if from_json is not None:
-        try:
-            document = json.loads(from_json.read_text())
-        except (OSError, ValueError) as exc:
-            raise fail(f"--from-json {from_json} is not a readable results file ({exc})") from None
+        document = read_results_json(from_json, ("setup", "runs"))
         write_results(document, out_dir)
         return
     speed_values = tuple(_numbers(speeds, "--speeds", float))
@@ -206,8 +204,7 @@ def _local_steps(run: dict) -> list[int]:
     h = run["sync_every"]
     if not run["config"]["dylu"]:
         return [h] * run["workers"]
-    speeds = run["config"]["speeds"]
-    return [max(1, math.floor(v / max(speeds) * h + 1e-9)) for v in speeds]
+    return dylu_local_steps(run["config"]["speeds"], h)
 
 
 def _async_rows(runs: list[dict]) -> tuple[list[str], list[list[object]]]:

@@ -179,6 +179,11 @@ def main(
     unknown = [name for name in chosen if name not in LINKS]
     if unknown or not chosen:
         raise fail(f"--links must name some of {', '.join(LINKS)}, got {links!r}")
+    small = {"--steps": steps, "--sync-every": sync_every, "--fragments": fragments}
+    small.update({"--width": width, "--depth": depth})
+    too_small = [f"{option} {value}" for option, value in small.items() if value < 1]
+    if too_small:
+        raise fail(f"{', '.join(too_small)}: each must be >= 1")
     if depth < fragments or sync_every % fragments or sync_every // fragments <= 5:
         raise fail("need --depth >= --fragments and H / P > 5 (tau = 5 must fit in a window)")
     if workers < 1 or batch_size < 1:
@@ -259,7 +264,7 @@ def markdown(document: dict, columns: list[str], rows: list[list[str]]) -> str:
             "server between the end of their first sync window and the end of training (this "
             "leaves out the start-up skew between processes and the final flush), mean over the "
             "workers; whole run: the same over the whole training loop, final sync included;",
-            "- upload link: `--max-upload-mbps` on both workers (downloads are not capped);",
+            "- upload link: `--max-upload-mbps` on each worker (downloads are not capped);",
             "- peak need: the largest single upload divided by the compute it can hide behind "
             "(tau inner steps in streaming; one inner step for sync and async, which overlap "
             "nothing), i.e. the bandwidth a worker needs so that a sync costs no more than that.",

@@ -8,8 +8,8 @@ run on 127.0.0.1:
       server process and receives 100 MB back;
   (c) torch.distributed gloo all_reduce of the same tensor between K processes;
 plus the server's peak resident memory per K (VmHWM) against the model's fp32 size, and the
-outer step (the coordinator's apply_mean with Nesterov) against one in-place pass over the same
-memory. Writes benchmarks/results/wire.md and .json.
+outer step (the coordinator's apply_running_mean with Nesterov, and apply_mean beside it)
+against one in-place pass over the same memory. Writes benchmarks/results/wire.md and .json.
 
     python benchmarks/wire.py                      # full (about 2-4 minutes on 2 cores)
     python benchmarks/wire.py --parameters 1000000 --workers 1,2 --rounds 2 --out-dir /tmp/w

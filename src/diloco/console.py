@@ -48,6 +48,18 @@ def write_json(path: Path, document: dict | list) -> None:
     path.write_text(json.dumps(document, indent=2) + "\n")
 
 
+def read_results_json(path: Path, keys: Sequence[str]) -> dict:
+    """A benchmark's earlier results (`--from-json`), or one error line naming what is wrong."""
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise fail(f"--from-json {path} is not a readable results file ({exc})") from None
+    missing = [key for key in keys if not isinstance(document, dict) or key not in document]
+    if missing:
+        raise fail(f"--from-json {path} is not a results file of this benchmark: no {missing}")
+    return document
+
+
 @contextmanager
 def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator:
     """A rich progress bar on stderr; yields `advance(n)`."""

@@ -43,3 +43,13 @@ def test_reduced_convergence_benchmark_writes_table_json_and_plot(
     )
     assert again.returncode == 0, again.stderr
     assert (rerendered / "convergence.md").read_text() == table
+
+
+def test_a_results_file_of_another_shape_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "other.json").write_text('{"runs": []}')
+    result = run_benchmark(
+        "convergence.py", "--from-json", str(tmp_path / "other.json"), "--out-dir", str(tmp_path)
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "is not a results file of this benchmark: no ['setup']" in result.stderr
+    assert not (tmp_path / "convergence.md").exists()

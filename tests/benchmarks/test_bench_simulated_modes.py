@@ -88,3 +88,21 @@ def test_bad_settings_are_one_clear_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "divisible by fragments" in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_bad_options_and_results_files_are_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "other.json").write_text("{}")
+    (tmp_path / "broken.json").write_text("{not json")
+    cases = {
+        ("--speeds", "1,a"): "--speeds must be comma-separated numbers",
+        ("--speeds", "1,0"): "--speeds must all be finite and > 0",
+        ("--from-json", str(tmp_path / "other.json")): "no ['setup', 'runs']",
+        ("--from-json", str(tmp_path / "broken.json")): "is not a readable results file",
+    }
+    out = tmp_path / "out"
+    out.mkdir()
+    for args, message in cases.items():
+        result = run(*SMOKE, *args, "--out-dir", str(out))
+        assert result.returncode == 2, (args, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr and message in result.stderr, args
+    assert not list(out.iterdir())

@@ -54,6 +54,8 @@ def test_a_small_utilization_run_measures_every_mode(tmp_path: Path) -> None:
         (["--depth", "2"], "--depth >= --fragments"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--workers", "0"], "--workers and --batch-size must be >= 1"),
+        (["--fragments", "0"], "--fragments 0: each must be >= 1"),
+        (["--steps", "0", "--width", "-1"], "--steps 0, --width -1: each must be >= 1"),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
