@@ -80,9 +80,13 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
     not_safetensors.write_bytes(b"this is a text file, not a safetensors file\n")
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    written_state = tmp_path / "state"  # a run that was started with the default H = 50
-    journal = RoundJournal(StateStore(written_state), ServerSettings())
-    Coordinator(ServerSettings(), {"w": torch.zeros(2)}, journal=journal).shutdown()
+    # Runs that were started with the default sync H = 50. One per case: the cases run at
+    # once, and a state dir is locked by whichever process opens it first.
+    written_states = {}
+    for name in ("settings", "mode"):
+        written_states[name] = tmp_path / f"state-{name}"
+        journal = RoundJournal(StateStore(written_states[name]), ServerSettings())
+        Coordinator(ServerSettings(), {"w": torch.zeros(2)}, journal=journal).shutdown()
     foreign = tmp_path / "photos"  # somebody's directory, not a state dir
     foreign.mkdir()
     (foreign / "holiday.jpg").write_bytes(b"\xff\xd8")
@@ -104,7 +108,7 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
         "negative memory bodies": (["--memory-bodies", "-1"], "memory_bodies"),
         "missing spool dir": (["--spool-dir", str(tmp_path / "nowhere")], "--spool-dir"),
         "state dir with other settings": (
-            ["--state-dir", str(written_state), "--sync-every", "9"],
+            ["--state-dir", str(written_states["settings"]), "--sync-every", "9"],
             "sync_every: 50 in the state dir, 9 now",
         ),
         "foreign state dir": (["--state-dir", str(foreign)], "not a diloco state directory"),
@@ -119,7 +123,7 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
             "--barrier-timeout does not apply to --mode async",
         ),
         "state dir of another mode": (
-            ["--state-dir", str(written_state), "--mode", "async"],
+            ["--state-dir", str(written_states["mode"]), "--mode", "async"],
             "written with mode 'sync'",
         ),
         "fragments that do not divide H": (
