@@ -58,6 +58,12 @@ def test_real_server_and_two_workers_match_the_simulator(
         assert report["blocked_seconds"] >= 0
 
 
+def contributed(status: dict, worker_id: str) -> int:
+    """How many rounds the worker's pseudo-gradients went into (0 before it registers)."""
+    counts = {w["worker_id"]: w["rounds_contributed"] for w in status["workers"]}
+    return counts.get(worker_id, 0)
+
+
 def test_survivor_continues_after_a_worker_is_killed(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
@@ -71,11 +77,17 @@ def test_survivor_continues_after_a_worker_is_killed(
         "--heartbeat-timeout",
         "3",
     )
-    survivor = start_worker(server.url, "keeper", 0, 2, 40, corpus_file, tmp_path)
-    victim = start_worker(server.url, "victim", 1, 2, 4000, corpus_file, tmp_path)
     client = DiLoCoClient(server.url, retry=RetryPolicy(attempts=3), read_timeout=10)
     deadline = time.monotonic() + 120
-    while client.status()["round"] < 2:  # both have trained together for two rounds
+    # The victim first, so that the keeper cannot finish its 40 steps alone while the other is
+    # still starting (with --min-workers 1 each commits rounds on its own until both are in).
+    victim = start_worker(server.url, "victim", 1, 2, 4000, corpus_file, tmp_path)
+    while contributed(client.status(), "victim") < 1:
+        assert time.monotonic() < deadline, "the victim made no progress"
+        assert victim.poll() is None, (tmp_path / "victim.log").read_text()
+        time.sleep(0.1)
+    survivor = start_worker(server.url, "keeper", 0, 2, 40, corpus_file, tmp_path)
+    while contributed(client.status(), "keeper") < 2:  # both have trained together
         assert time.monotonic() < deadline, "no progress"
         assert survivor.poll() is None and victim.poll() is None
         time.sleep(0.1)
