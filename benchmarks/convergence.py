@@ -22,6 +22,7 @@ from diloco.console import (
     check_output_path,
     err,
     fail,
+    number_list,
     out,
     progress_bar,
     read_results_json,
@@ -57,10 +58,7 @@ def main(
         document = read_results_json(from_json, ("setup", "runs"))
         write_results(document, out_dir)
         return
-    try:
-        h_values = [int(h) for h in sync_every.split(",")]
-    except ValueError:
-        raise fail(f"--sync-every must be comma-separated integers, got {sync_every!r}") from None
+    h_values = number_list(sync_every, "--sync-every")
     try:
         data = load_named_corpus(corpus)
         model = GPTConfig(context=seq_len, width=width, depth=depth, heads=4)

@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 import typer
 
-from diloco.console import check_output_path, err, fail, out, summary_table, write_json
+from diloco.console import (
+    check_output_path,
+    err,
+    fail,
+    number_list,
+    out,
+    summary_table,
+    write_json,
+)
 from diloco.server.coordinator import Coordinator
 from diloco.server.journal import RoundJournal
 from diloco.server.launch import start_server, stop_process
@@ -130,13 +138,8 @@ def main(
     out_dir: Path = typer.Option(RESULTS, help="Where durability.md and .json go."),
 ) -> None:
     check_output_path(out_dir / "durability.json", "--out-dir")
-    try:
-        sizes = [int(size) for size in restart_sizes.split(",") if size]
-    except ValueError:
-        raise fail(
-            f"--restart-sizes must be comma-separated integers, got {restart_sizes!r}"
-        ) from None
-    if parameters < TENSORS or rounds < 1 or checkpoint_every < 1 or not sizes:
+    sizes = number_list(restart_sizes, "--restart-sizes")
+    if parameters < TENSORS or rounds < 1 or checkpoint_every < 1:
         raise fail("--parameters must be >= 10, --rounds and --checkpoint-every >= 1")
     if any(size < TENSORS for size in sizes):
         raise fail("every --restart-sizes entry must be >= 10")

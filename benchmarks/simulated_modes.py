@@ -29,6 +29,7 @@ from diloco.console import (
     check_output_path,
     err,
     fail,
+    number_list,
     out,
     progress_bar,
     read_results_json,
@@ -45,16 +46,6 @@ NAME = "simulated_modes"
 
 # Async Local-SGD (Liu et al. 2024), as cited in /work/shared/DESIGN.md: perplexity.
 PAPER_ASYNC = {"dn_dylu": 41.13, "sync": 41.35}
-
-
-def _numbers(text: str, option: str, kind: type) -> list:
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise fail(f"{option} must be comma-separated numbers, got {text!r}") from None
-    if not values:
-        raise fail(f"{option} must not be empty")
-    return values
 
 
 def main(
@@ -86,8 +77,8 @@ def main(
         document = read_results_json(from_json, ("setup", "runs"))
         write_results(document, out_dir)
         return
-    speed_values = tuple(_numbers(speeds, "--speeds", float))
-    p_values = _numbers(fragments, "--fragments", int)
+    speed_values = tuple(number_list(speeds, "--speeds", float))
+    p_values = number_list(fragments, "--fragments")
     if any(not v > 0 or not math.isfinite(v) for v in speed_values):
         raise fail(f"--speeds must all be finite and > 0, got {speeds!r}")
     fastest, slowest = max(speed_values), min(speed_values)

@@ -40,7 +40,15 @@ from diloco.algorithm import (
     apply_running_mean,
 )
 from diloco.algorithm.tensors import finite_bound
-from diloco.console import check_output_path, err, fail, out, summary_table, write_json
+from diloco.console import (
+    check_output_path,
+    err,
+    fail,
+    number_list,
+    out,
+    summary_table,
+    write_json,
+)
 from diloco.server.launch import start_server, stop_process
 from diloco.wire import encode_tensors, specs_of
 from diloco.worker import DiLoCoClient, RetryPolicy
@@ -296,10 +304,7 @@ def main(
     ),
 ) -> None:
     check_output_path(out_dir / "wire.json", "--out-dir")
-    try:
-        counts = [int(k) for k in workers.split(",")]
-    except ValueError:
-        raise fail(f"--workers must be comma-separated integers, got {workers!r}") from None
+    counts = number_list(workers, "--workers")
     if any(k < 1 or k > 8 for k in counts) or parameters < TENSORS or rounds < 1:
         raise fail("--workers must be in [1, 8], --parameters >= 10 and --rounds >= 1")
     state = make_state(parameters)

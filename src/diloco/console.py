@@ -44,6 +44,18 @@ def check_output_path(path: Path | None, option: str) -> None:
         raise fail(f"{option} is a directory, expected a file path: {path}")
 
 
+def number_list(text: str, option: str, kind: type = int) -> list:
+    """A comma-separated option such as `--workers 1,2,4`, or one error line naming it."""
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise fail(f"{option} must be comma-separated {what}, got {text!r}") from None
+    if not values:
+        raise fail(f"{option} must not be empty")
+    return values
+
+
 def write_json(path: Path, document: dict | list) -> None:
     path.write_text(json.dumps(document, indent=2) + "\n")
 

@@ -12,6 +12,7 @@ from diloco.console import (
     err,
     fail,
     megabytes,
+    number_list,
     out,
     progress_bar,
     summary_table,
@@ -25,10 +26,7 @@ from diloco.sim import MODES, SimConfig, SimResult, prepare, run, total_inner_st
 def _parse_speeds(text: str | None) -> tuple[float, ...]:
     if not text:
         return ()
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise fail(f"--speeds must be comma-separated numbers, got {text!r}") from None
+    return tuple(number_list(text, "--speeds", float))
 
 
 def _run(config: SimConfig, corpus: bytes, label: str) -> SimResult:

@@ -553,10 +553,8 @@ class Coordinator:
         """The masters of `names` (a streaming fragment) in the download dtype, ints as their
         spec: a copy, so later outer steps of other fragments leave it as it is."""
         assert self.masters is not None
-        out = {name: self.masters[name] for name in names}
-        out = {
-            n: t if t.is_floating_point() else t.to(self._wire_dtype(n, t)) for n, t in out.items()
-        }
+        masters = self.masters
+        out = {n: masters[n].to(self._wire_dtype(n, masters[n])) for n in names}
         return encode_tensors(out, float_dtype=self.settings.download_dtype)
 
     def count_out(self, n: int) -> None:
