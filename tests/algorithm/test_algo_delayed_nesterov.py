@@ -150,3 +150,69 @@ def test_divisors_give_the_step_of_the_divided_gradient() -> None:
         first.step(divided, {"w": torch.full((5,), value / 3)})
         second.step(stepped, {"w": torch.full((5,), value)}, divisors={"w": 3.0})
     torch.testing.assert_close(stepped["w"], divided["w"], rtol=1e-6, atol=0)
+
+
+# Hand computations for N > 2, where the two readings of the c term differ. lr 1, beta 0.9,
+# theta0 = 0, g = 1 at every arrival, so each arrival applies g / N = 1 / N plus its share
+# of beta * m. Algorithm 3 of Liu et al. 2024: between momentum updates c * beta * m, at the
+# N-th arrival m = beta m + (sum of the cycle's g) / N, then (1 - c (N - 1)) * beta * m.
+#
+# N = 4, c = 0.1: arrivals 1-3 move 0.25 each (m = 0): -0.25, -0.5, -0.75. Arrival 4: m = 1,
+# moves 0.25 + 0.7 * 0.9 * 1 = 0.88: -1.63. Arrivals 5-7 move 0.25 + 0.1 * 0.9 * 1 = 0.34:
+# -1.97, -2.31, -2.65. Arrival 8: m = 0.9 + 1 = 1.9, moves 0.25 + 0.7 * 0.9 * 1.9 = 1.447:
+# -4.097. (The (1 - c) reading moved 0.25 + 0.81 = 1.06 at arrival 4: -1.81.)
+N4_C01 = [-0.25, -0.5, -0.75, -1.63, -1.97, -2.31, -2.65, -4.097]
+# N = 4, c = 0: arrival 4 moves 0.25 + 0.9 = 1.15 (-1.9), 5-7 move 0.25, arrival 8 moves
+# 0.25 + 0.9 * 1.9 = 1.96: -4.61.
+N4_C0 = [-0.25, -0.5, -0.75, -1.9, -2.15, -2.4, -2.65, -4.61]
+# N = 8, c = 0.1: arrivals 1-7 move 0.125 (-0.875); arrival 8: m = 1, moves
+# 0.125 + 0.3 * 0.9 = 0.395 (-1.27); arrivals 9-15 move 0.125 + 0.09 = 0.215 (-2.775);
+# arrival 16: m = 1.9, moves 0.125 + 0.3 * 0.9 * 1.9 = 0.638: -3.413.
+N8_C01_AT = {7: -0.875, 8: -1.27, 15: -2.775, 16: -3.413}
+
+
+@pytest.mark.parametrize(
+    ("delay", "c", "expected"),
+    [
+        (4, 0.1, dict(enumerate(N4_C01, start=1))),
+        (4, 0.0, dict(enumerate(N4_C0, start=1))),
+        (8, 0.1, N8_C01_AT),
+    ],
+)
+def test_hand_computed_cycles_for_n_over_two(delay: int, c: float, expected: dict) -> None:
+    trajectory = _run(DelayedNesterov(lr=1.0, momentum=0.9, delay=delay, c=c), 0.0, [1.0] * 16)
+    for arrival, theta in expected.items():
+        assert trajectory[arrival - 1] == pytest.approx(theta, abs=1e-6), arrival
+
+
+@pytest.mark.parametrize("delay", [4, 8])
+def test_c_does_not_change_how_far_constant_gradients_move_the_model(delay: int) -> None:
+    """A cycle applies one beta * m in total whatever c, so in the steady state (m = g / (1 -
+    beta) = 10) both runs move N / N + 0.9 * 10 = 10 per cycle. The (1 - c) reading applied
+    (1 + c (N - 2)) beta m: 1.6x the momentum for N = 8, c = 0.1."""
+    cycles = 300
+    grads = [1.0] * (delay * cycles)
+    with_c = _run(DelayedNesterov(lr=1.0, momentum=0.9, delay=delay, c=0.1), 0.0, grads)
+    without = _run(DelayedNesterov(lr=1.0, momentum=0.9, delay=delay, c=0.0), 0.0, grads)
+    last_cycle_with_c = with_c[-1] - with_c[-1 - delay]
+    last_cycle_without = without[-1] - without[-1 - delay]
+    assert last_cycle_with_c == pytest.approx(-10.0, rel=1e-4)
+    assert last_cycle_without == pytest.approx(-10.0, rel=1e-4)
+    assert with_c[-1] / without[-1] == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize(("delay", "c"), [(2, 1.01), (4, 0.34), (8, 0.15), (3, -0.1)])
+def test_c_past_one_over_n_minus_one_is_refused(delay: int, c: float) -> None:
+    with pytest.raises(ValueError, match="delayed nesterov c"):
+        DelayedNesterov(delay=delay, c=c)
+
+
+def test_c_at_its_bound_applies_all_momentum_between_updates() -> None:
+    """c = 1 / (N - 1): the N-th arrival applies none of beta * m (N = 3, c = 0.5)."""
+    optimizer = DelayedNesterov(lr=1.0, momentum=0.9, delay=3, c=0.5)
+    trajectory = _run(optimizer, 0.0, [1.0] * 6)
+    # 1-3: -1/3 each (m = 0 until the 3rd, whose share 1 - 2 * 0.5 = 0); m = 1 then;
+    # 4-5: -(1/3 + 0.45); 6: m = 1.9, -(1/3 + 0).
+    assert trajectory == pytest.approx(
+        [-1 / 3, -2 / 3, -1.0, -1.7833333, -2.5666667, -2.9], abs=1e-6
+    )

@@ -8,8 +8,11 @@ momentum only every N arrivals. With c > 0 part of the momentum is also applied 
 Per name, with arrival count t (1-based), momentum m (starts at 0) and buffer D:
     D += g
     t % N != 0:  theta -= lr * (c * beta * m + g / N)
-    t % N == 0:  m = beta * m + D / N;  theta -= lr * ((1 - c) * beta * m + g / N);  D = 0
-N = 1 and c = 0 is torch.optim.SGD(nesterov=True).
+    t % N == 0:  m = beta * m + D / N;  theta -= lr * ((1 - c (N - 1)) * beta * m + g / N);  D = 0
+Over one cycle of N arrivals the momentum applied adds up to one beta * m step, whatever c:
+N - 1 arrivals apply c each and the N-th the rest, 1 - c (N - 1) (Algorithm 3 of the paper).
+So c is in [0, 1 / (N - 1)] (any c in [0, 1] when N = 1, where it has no effect). N = 1 is
+torch.optim.SGD(nesterov=True).
 
 state_dict keys: "__arrivals__" (0-dim int64, the number of step() calls), and per tensor name
 "momentum/<name>", "accumulated/<name>" (D) and "arrivals/<name>" (0-dim int64, t). Counts are
@@ -57,6 +60,12 @@ class DelayedNesterov:
         self.momentum = require_fraction("delayed nesterov momentum", momentum, include_one=False)
         self.delay = require_int_at_least("delayed nesterov delay", delay, 1)
         self.c = require_fraction("delayed nesterov c", c, include_one=True)
+        if self.delay > 1 and self.c * (self.delay - 1) > 1:
+            raise ValueError(
+                f"delayed nesterov c must be in [0, 1/(N - 1)] = [0, {1 / (self.delay - 1):g}] "
+                f"for delay N = {self.delay}, so that a cycle applies one momentum step; "
+                f"got {c!r}"
+            )
         self.arrivals = 0
         self._states: dict[str, _NameState] = {}
 
@@ -107,7 +116,8 @@ class DelayedNesterov:
             update.add_(state.momentum, alpha=self.c * self.momentum)
         else:
             state.momentum.mul_(self.momentum).add_(state.accumulated.div(self.delay))
-            update.add_(state.momentum, alpha=(1 - self.c) * self.momentum)
+            applied_rest = 1 - self.c * (self.delay - 1)  # the cycle's c terms add up to 1
+            update.add_(state.momentum, alpha=applied_rest * self.momentum)
             state.accumulated.zero_()
         param.add_(update, alpha=-self.lr)
 

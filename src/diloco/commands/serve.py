@@ -90,7 +90,9 @@ def server_command(
         None, help="Async: Delayed Nesterov N, arrivals per momentum update (default 1)."
     ),
     dn_c: float = typer.Option(
-        None, help="Async: Delayed Nesterov c, momentum applied between updates (default 0)."
+        None,
+        help="Async: Delayed Nesterov c, the share of momentum applied at each arrival "
+        "between momentum updates, in [0, 1/(N-1)] (default 0).",
     ),
     grace_seconds: float = typer.Option(
         None, help="Async: average arrivals within this many seconds into one outer step."
