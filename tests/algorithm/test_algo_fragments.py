@@ -208,6 +208,30 @@ def test_alpha_merge_extremes_and_dtype() -> None:
     assert set(keep_local) == {"w"}
 
 
+def test_alpha_merge_rounds_int_buffers_half_to_even_and_thresholds_bools() -> None:
+    """The buffer policy, applied to the mix: (1 - a) G' + a L, by hand. Ints: 0.5 * 10 +
+    0.5 * 13 = 11.5 -> 12 (truncation gave 11), 0.5 * 10 + 0.5 * 11 = 10.5 -> 10 (even),
+    0.75 * 2 + 0.25 * 9 = 3.75 -> 4, and 2**40 + 1 against 2**40 + 3 -> 2**40 + 2 (exact past
+    fp32). Bools: True when the mix is >= 0.5: False/True at a = 0.25 -> 0.25 -> False (any
+    nonzero gave True), at a = 0.5 -> True; True/False at a = 0.75 -> 0.25 -> False."""
+    big = 2**40
+    half = alpha_merge(
+        {"n": torch.tensor([10, 10], dtype=torch.int32), "big": torch.tensor(big + 1)},
+        {"n": torch.tensor([13, 11], dtype=torch.int32), "big": torch.tensor(big + 3)},
+        0.5,
+    )
+    assert half["n"].dtype == torch.int32 and half["n"].tolist() == [12, 10]
+    assert half["big"].dtype == torch.int64 and int(half["big"]) == big + 2
+    quarter = alpha_merge({"n": torch.tensor(2)}, {"n": torch.tensor(9)}, 0.25)
+    assert int(quarter["n"]) == 4
+    flags_global = {"b": torch.tensor([False, True])}
+    flags_local = {"b": torch.tensor([True, False])}
+    assert alpha_merge(flags_global, flags_local, 0.25)["b"].tolist() == [False, True]
+    assert alpha_merge(flags_global, flags_local, 0.5)["b"].tolist() == [True, True]
+    assert alpha_merge(flags_global, flags_local, 0.75)["b"].tolist() == [True, False]
+    assert alpha_merge(flags_global, flags_local, 0.75)["b"].dtype == torch.bool
+
+
 @pytest.mark.parametrize("alpha", [-0.1, 1.5, float("nan")])
 def test_alpha_out_of_range(alpha: float) -> None:
     with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\], got"):

@@ -100,7 +100,7 @@ def test_nesterov_two_rounds_reference() -> None:
 # --- pseudo_gradient -----------------------------------------------------------------------
 
 
-def test_pseudo_gradient_is_fp32_for_every_dtype() -> None:
+def test_pseudo_gradient_is_fp32_for_floats_and_exact_int64_for_buffers() -> None:
     anchor = {
         "h": torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
         "n": torch.tensor(2**40 + 3, dtype=torch.int64),
@@ -112,10 +112,14 @@ def test_pseudo_gradient_is_fp32_for_every_dtype() -> None:
         "b": torch.tensor([False, True]),
     }
     g = pseudo_gradient(anchor, local)
-    assert all(t.dtype == torch.float32 for t in g.values())
+    assert {name: t.dtype for name, t in g.items()} == {
+        "h": torch.float32,
+        "n": torch.int64,
+        "b": torch.int64,
+    }
     assert g["h"].tolist() == [0.5, 0.0]
-    assert float(g["n"]) == 2.0  # exact despite values beyond float32 precision
-    assert g["b"].tolist() == [1.0, -1.0]
+    assert int(g["n"]) == 2  # exact despite values beyond float32 precision
+    assert g["b"].tolist() == [1, -1]
 
 
 def test_pseudo_gradient_names_the_mismatching_tensor() -> None:

@@ -47,14 +47,18 @@ def test_initial_weights_take_any_float_width_but_exact_int_and_bool() -> None:
     assert error.error == "tensor 'n' has dtype float32, expected int64"
 
 
-def test_pseudo_gradients_of_int_and_bool_buffers_travel_as_the_wire_float() -> None:
+def test_pseudo_gradients_of_int_and_bool_buffers_travel_as_int64_never_bf16() -> None:
+    """bf16 holds 8 bits of mantissa: a buffer difference of 257 would arrive as 256."""
+    assert torch.tensor(257.0).to(torch.bfloat16).item() == 256.0
     body = _body(torch.bfloat16)
-    body["n"] = torch.tensor(-3.0, dtype=torch.bfloat16)
-    body["m"] = torch.tensor([1.0, 0.0], dtype=torch.bfloat16)
+    body["n"] = torch.tensor(-257, dtype=torch.int64)
+    body["m"] = torch.tensor([1, 0], dtype=torch.int64)
     check_tensors(body, SPECS, float_dtype=torch.bfloat16)
-    body["n"] = torch.tensor(-3.0)
+    body["n"] = torch.tensor(-257.0)  # fp32, as older workers sent it: exact to 2**24
+    check_tensors(body, SPECS, float_dtype=torch.bfloat16)
+    body["n"] = torch.tensor(-257.0, dtype=torch.bfloat16)
     error = _rejected(body, "wrong_dtype", "n", float_dtype=torch.bfloat16)
-    assert error.error == "tensor 'n' has dtype float32, expected int64 or bfloat16"
+    assert error.error == "tensor 'n' has dtype bfloat16, expected int64 or float32"
 
 
 def test_unknown_tensor() -> None:

@@ -213,8 +213,10 @@ def alpha_merge(
     """theta = (1 - alpha) * G' + alpha * L for every name of `global_state`.
 
     Computed in float32 on the local tensor's device, returned in the local tensor's dtype.
-    `local` may hold more names (the whole model while G' is one fragment); extra names are
-    ignored. alpha 0 takes the global values, alpha 1 keeps the local ones.
+    Buffers follow the apply policy: an int buffer's mix is rounded half to even (computed in
+    float64, exact for any int32 and for int64 up to 2**53), a bool buffer is True when its
+    mix is >= 0.5. `local` may hold more names (the whole model while G' is one fragment);
+    extra names are ignored. alpha 0 takes the global values, alpha 1 keeps the local ones.
     """
     alpha = require_fraction("alpha", alpha, include_one=True)
     merged: TensorDict = {}
@@ -227,7 +229,14 @@ def alpha_merge(
                 f"tensor {name!r} has shape {tuple(global_tensor.shape)} globally "
                 f"and {tuple(local_tensor.shape)} locally"
             )
-        mixed = global_tensor.detach().to(device=local_tensor.device, dtype=torch.float32)
-        mixed = mixed.mul(1 - alpha).add_(local_tensor.detach().to(torch.float32), alpha=alpha)
-        merged[name] = mixed.to(local_tensor.dtype)
+        exact = not local_tensor.is_floating_point()
+        work = torch.float64 if exact else torch.float32
+        mixed = global_tensor.detach().to(device=local_tensor.device, dtype=work)
+        mixed = mixed.mul(1 - alpha).add_(local_tensor.detach().to(work), alpha=alpha)
+        if local_tensor.dtype == torch.bool:
+            merged[name] = mixed >= 0.5
+        elif exact:
+            merged[name] = mixed.round_().to(local_tensor.dtype)
+        else:
+            merged[name] = mixed.to(local_tensor.dtype)
     return merged

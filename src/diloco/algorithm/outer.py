@@ -63,7 +63,7 @@ class UpdateRule(Protocol):
     ) -> None: ...
 
 
-def _difference_fp32(name: str, anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def _difference(name: str, anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if tuple(anchor.shape) != tuple(local.shape):
         raise ValueError(
             f"tensor {name!r} has shape {tuple(anchor.shape)} in the anchor "
@@ -73,17 +73,19 @@ def _difference_fp32(name: str, anchor: torch.Tensor, local: torch.Tensor) -> to
     local = local.detach().to("cpu")
     if anchor.is_floating_point() or local.is_floating_point():
         return anchor.to(torch.float32) - local.to(torch.float32)
-    # Integers and bools: subtract exactly in int64, then convert the (small) difference.
-    return (anchor.to(torch.int64) - local.to(torch.int64)).to(torch.float32)
+    # Integers and bools: exactly, in int64 (and so on the wire, whatever the float dtype:
+    # bf16 would turn a difference of 257 into 256).
+    return anchor.to(torch.int64) - local.to(torch.int64)
 
 
 def pseudo_gradient(
     anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
 ) -> TensorDict:
-    """anchor - local for every name, float32 on CPU.
+    """anchor - local for every name, on CPU: float32, or int64 for int and bool tensors.
 
     The sign makes outer SGD with lr 1 a plain average of the local models (FedAvg). Integer
-    and bool tensors are subtracted exactly in int64 before the conversion to float32.
+    and bool tensors are subtracted exactly in int64 and stay int64, so that no float wire
+    dtype can round them.
     """
     missing = [name for name in anchor if name not in local]
     extra = [name for name in local if name not in anchor]
@@ -91,7 +93,7 @@ def pseudo_gradient(
         raise ValueError(
             f"anchor and local tensors differ: missing locally {missing}, not in anchor {extra}"
         )
-    return {name: _difference_fp32(name, anchor[name], local[name]) for name in anchor}
+    return {name: _difference(name, anchor[name], local[name]) for name in anchor}
 
 
 @dataclass

@@ -29,9 +29,10 @@ def check_tensors(
 
     Floating tensors must have exactly `float_dtype` when it is given (the wire dtype), else any
     floating dtype (an initial upload, stored as fp32 masters). Int and bool tensors must have
-    their spec's dtype, except that with `float_dtype` given they may also come as that float
-    dtype: a pseudo-gradient is fp32 for every tensor (`algorithm.pseudo_gradient` subtracts int
-    and bool buffers in int64, then converts), and is cast to the wire dtype like the rest.
+    their spec's dtype, except that with `float_dtype` given (a pseudo-gradient) they may also
+    come as int64 (`algorithm.pseudo_gradient` subtracts int and bool buffers exactly in int64)
+    or as float32 (exact up to 2**24; older workers sent every tensor in fp32). Never in bf16:
+    257 would arrive as 256.
     Names, shapes and dtypes are all checked before any value is scanned for NaN or Inf.
     """
     for name in tensors:
@@ -75,8 +76,9 @@ def _check_dtype(
         ok = got == float_dtype if float_dtype is not None else got.is_floating_point
         wanted = _name(float_dtype) if float_dtype is not None else "a floating dtype"
     elif float_dtype is not None:
-        ok = got in (spec.dtype, float_dtype)
-        wanted = f"{_name(spec.dtype)} or {_name(float_dtype)}"
+        allowed = dict.fromkeys((spec.dtype, torch.int64, torch.float32))
+        ok = got in allowed
+        wanted = " or ".join(_name(dtype) for dtype in allowed)
     else:
         ok = got == spec.dtype
         wanted = _name(spec.dtype)
