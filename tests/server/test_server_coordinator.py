@@ -507,19 +507,15 @@ def test_round_with_every_worker_gone_and_no_submission_stays_open() -> None:
     assert c.status()["waiting_for"] == ["a"]
 
 
-def test_token_weighted_round_of_zero_token_submissions_commits_without_change() -> None:
-    """Weights and momentum stay when no contribution carries weight, but the round ends."""
+def test_token_weighted_zero_token_submission_is_refused_and_changes_nothing() -> None:
+    """It would weigh nothing (a run of such workers never moved, silently): 422."""
     c, _ = make(base=1.0, weighting="tokens", **NESTEROV)
-    c.submit("a", 0, grad(0.2), tokens=0)
-    c.submit("b", 0, grad(0.4), tokens=0)
-    assert c.round_number == 1
-    assert c.masters is not None and c.masters["w"].item() == 1.0
-    assert c.optimizer.state_dict() == {}
-    assert result_w(c, 0, "a") == 1.0
-    # A zero-token worker beside a weighted one is left out of the mean.
-    c.submit("a", 1, grad(0.2), tokens=0)
-    c.submit("b", 1, grad(0.4), tokens=5)
-    assert c.masters["w"].item() == pytest.approx(1.0 - 0.7 * (0.4 + 0.9 * 0.4), abs=1e-6)
+    error = rejected(c, lambda: c.submit("a", 0, grad(0.2), tokens=0), 422, "tokens_required")
+    assert error.detail == {"field": "tokens", "got": 0}
+    c.submit("a", 0, grad(0.2), tokens=1)
+    c.submit("b", 0, grad(0.4), tokens=3)  # weighted 1 : 3, mean 0.35
+    assert c.masters is not None
+    assert c.masters["w"].item() == pytest.approx(1.0 - 0.7 * (0.35 + 0.9 * 0.35), abs=1e-6)
 
 
 # ----------------------------------------------------------------------- 4. idempotency

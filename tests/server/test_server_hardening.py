@@ -60,3 +60,22 @@ def test_dn_c_over_its_bound_is_one_error_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     assert "c must be in [0, 1/(N - 1)]" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_token_weighting_refuses_a_submission_without_tokens(server_process, tmp_path):
+    """It would weigh 0: with every worker like it the model never moved, silently."""
+    server = server_process(
+        "--weighting", "tokens", "--outer-optimizer", "sgd", "--outer-lr", "1",
+        "--init", str(init_file(tmp_path, 10.0)),
+    )  # fmt: skip
+    api = Api(server.url)
+    api.register("a")
+    before = api.snapshot()
+    for query in ("", "&tokens=0"):
+        error = api.rejects(api.submit("a", gradient(-2.0), query=query), 422, "tokens_required")
+        assert error["detail"] == {"field": "tokens", "got": 0}
+        assert "--weighting tokens" in error["error"]
+    assert api.snapshot() == before
+    assert api.submit("a", gradient(-2.0), query="&tokens=5").status == 200
+    round_number, weights = weights_of(api)
+    assert round_number == 1 and torch.all(weights["layer.weight"] == 12.0)

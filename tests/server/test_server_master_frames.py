@@ -126,17 +126,6 @@ def test_a_result_still_being_read_keeps_its_bytes_while_rounds_go_on() -> None:
     assert c.masters is not None and c.masters["w"].tolist() == [5.0] * 4
 
 
-def test_a_round_without_weight_keeps_the_masters_where_they_are() -> None:
-    c = coordinator(weighting="tokens")
-    play_round(c, -1.0)  # tokens 0: nobody carries weight
-    assert c.masters is not None
-    before = c.masters["w"].data_ptr()
-    held = c.weights()  # a download in progress: an outer step would copy the masters away
-    play_round(c, -1.0)
-    assert c.masters["w"].data_ptr() == before and c.masters["w"].tolist() == [0.0] * 4
-    del held
-
-
 # --------------------------------------------------------------------- the value scan
 
 

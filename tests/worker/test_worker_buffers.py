@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from test_worker_worker import server_weights
 
@@ -42,3 +44,79 @@ def test_an_int_buffer_step_of_257_arrives_exact_with_bf16_uploads(live_server) 
         assert weights["flag"].tolist() == [True, False]
         assert int(model.count) == 1257  # the worker's model took the server's result
         worker.close(final_sync=False)
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 4)
+        self.head = torch.nn.Linear(4, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(idx))
+
+
+def test_token_weighting_counts_tokens_the_loop_never_reports(live_server) -> None:
+    """The README's three-line loop reports no tokens. Under --weighting tokens two workers
+    trained on 2x4 and 2x12 token batches for one step each weigh 8 and 24: the new weights
+    are (8 L_a + 24 L_b) / 32 with outer SGD lr 1 (they used to weigh 0: the model never
+    moved)."""
+    settings = ServerSettings(
+        sync_every=1, outer_optimizer="sgd", outer_lr=1.0, weighting="tokens", min_workers=2
+    )
+    with live_server(settings) as server:
+        locals_after: dict[str, dict[str, torch.Tensor]] = {}
+        workers = []
+        models = {}
+        for worker_id, seq in (("a", 4), ("b", 12)):
+            model = TinyLM()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            worker = DiLoCoWorker(model, optimizer, server.url, worker_id=worker_id)
+            workers.append(worker)
+            models[worker_id] = (model, optimizer, seq)
+        threads = []
+
+        def step(worker_id: str) -> None:
+            model, optimizer, seq = models[worker_id]
+            idx = torch.arange(2 * seq).reshape(2, seq) % 16
+            model(idx).logsumexp(-1).mean().backward()
+            locals_after[worker_id] = {
+                n: (p.detach() - 0.5 * p.grad).clone() for n, p in model.named_parameters()
+            }
+            optimizer.step()  # the sync happens in here (H = 1)
+            optimizer.zero_grad()
+
+        for worker_id in models:
+            threads.append(threading.Thread(target=step, args=(worker_id,)))
+            threads[-1].start()
+        for thread in threads:
+            thread.join(timeout=60)
+        weights = server_weights(server.url)
+        for name in locals_after["a"]:
+            expected = (8 * locals_after["a"][name] + 24 * locals_after["b"][name]) / 32
+            torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6)
+        for worker in workers:
+            worker.close(final_sync=False)
+
+
+def test_an_explicit_token_report_replaces_the_count() -> None:
+    """The counter's figure for a round is dropped at the first report(tokens=N)."""
+    from diloco.worker.tokens import TokenCounter, batch_tokens
+
+    assert batch_tokens((torch.zeros(3, 5, dtype=torch.long),), {}) == 15
+    assert batch_tokens((torch.zeros(7, 2),), {}) == 7  # float input: samples
+    assert batch_tokens((), {"input_ids": torch.zeros(2, 9, dtype=torch.long)}) == 18
+    assert batch_tokens(("text",), {}) == 0
+    model = TinyLM()
+    seen: list[int] = []
+    counter = TokenCounter(model, seen.append)
+    model(torch.zeros(2, 3, dtype=torch.long))
+    with torch.no_grad():
+        model(torch.zeros(2, 3, dtype=torch.long))  # evaluation: not trained on
+    model.eval()
+    model(torch.zeros(2, 3, dtype=torch.long))
+    counter.remove()
+    model.train()
+    model(torch.zeros(2, 3, dtype=torch.long))
+    assert seen == [6]

@@ -632,6 +632,17 @@ class Coordinator:
         if self.masters is None or self.plan is None:
             raise Rejection(409, "no_weights", "no global weights yet; nothing to submit to")
         self._require_round_and_fragment(round_number, fragment)
+        if tokens <= 0 and self.settings.weighting == "tokens":
+            # It would weigh nothing: a run whose workers all report none would never move.
+            raise Rejection(
+                422,
+                "tokens_required",
+                "the server weighs pseudo-gradients by tokens (--weighting tokens) and this "
+                f"submission reports {tokens} tokens; send tokens=N, the tokens trained since "
+                "the last submission",
+                field="tokens",
+                got=tokens,
+            )
         submission = Submission(record, round_number, fragment, tensors, tokens, units)
         answer = self.engine.admit(submission)
         if answer is not None:

@@ -43,6 +43,7 @@ class WorkerSettings:
     alpha: float
     dylu: bool
     outer_optimizer: dict
+    weighting: str = "uniform"  # "tokens": the worker counts tokens if its loop reports none
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -84,6 +85,7 @@ class WorkerSettings:
                 alpha=float(settings["alpha"]),
                 dylu=bool(settings["dylu"]),
                 outer_optimizer=dict(settings["outer_optimizer"]),
+                weighting=str(settings.get("weighting", "uniform")),
             )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ValueError) and "heartbeat_interval" in str(exc):

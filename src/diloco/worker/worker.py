@@ -44,6 +44,7 @@ from diloco.worker.heartbeat import Heartbeat
 from diloco.worker.retry import RetryPolicy
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.streaming import FragmentStreamer
+from diloco.worker.tokens import TokenCounter
 
 log = logging.getLogger("diloco.worker")
 
@@ -235,6 +236,13 @@ class DiLoCoWorker:
                 ahead,
             )
         self._hook = optimizer.register_step_post_hook(self._after_step)
+        # Token weighting needs token counts; a loop that reports none is counted for.
+        self._tokens_counted_in_round = 0
+        self._token_counter = (
+            TokenCounter(self.model, self._count_tokens)
+            if self.settings.weighting == "tokens"
+            else None
+        )
         self._heartbeat: Heartbeat | None = None
         if self.is_leader and heartbeat:
             beat_client = DiLoCoClient(server_url, token, retry=RetryPolicy(attempts=1))
@@ -371,9 +379,21 @@ class DiLoCoWorker:
             self.sync()
 
     def report(self, loss: float | None = None, tokens: int = 0) -> None:
-        """Tell the worker the latest training loss and tokens (for heartbeats and weighting)."""
+        """Tell the worker the latest training loss and tokens (for heartbeats and weighting).
+
+        The first explicit token count replaces the worker's own (see worker/tokens.py)."""
         if loss is not None:
             self.last_loss = float(loss)
+        if tokens and self._token_counter is not None:
+            self._token_counter.remove()
+            self._token_counter = None
+            self.tokens_in_round -= self._tokens_counted_in_round
+            self.tokens_total -= self._tokens_counted_in_round
+        self.tokens_in_round += tokens
+        self.tokens_total += tokens
+
+    def _count_tokens(self, tokens: int) -> None:
+        self._tokens_counted_in_round += tokens
         self.tokens_in_round += tokens
         self.tokens_total += tokens
 
@@ -397,6 +417,7 @@ class DiLoCoWorker:
         self.rounds += 1
         self.steps_in_round = 0
         self.tokens_in_round = 0
+        self._tokens_counted_in_round = 0
         self.window_done()
         self.save_checkpoint()
 
@@ -696,6 +717,8 @@ class DiLoCoWorker:
                 self.sync()
         finally:
             self._hook.remove()
+            if self._token_counter is not None:
+                self._token_counter.remove()
             if self._heartbeat is not None:
                 self._heartbeat.stop()
                 self._heartbeat.client.close()

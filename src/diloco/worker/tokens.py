@@ -1,0 +1,47 @@
+"""Counting the tokens a worker trains when its loop does not report them.
+
+Under `--weighting tokens` the server weighs each pseudo-gradient by the tokens behind it; a
+loop that never calls `DiLoCoWorker.report(tokens=...)` would send 0 and be refused. So the
+worker counts what its model's training forwards consume: an integer input (token ids) counts
+its elements, a float input its batch size (samples). An explicit report replaces the count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+PREFERRED_INPUTS = ("input_ids", "idx", "tokens", "input", "x")
+
+
+def batch_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """Tokens in one forward's input: the elements of the first integer tensor (token ids),
+    else the batch size of the first tensor; 0 when no input is a tensor."""
+    tensors = [kwargs[k] for k in PREFERRED_INPUTS if isinstance(kwargs.get(k), torch.Tensor)]
+    tensors += [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        if not tensor.is_floating_point() and tensor.dtype != torch.bool:
+            return tensor.numel()
+    for tensor in tensors:
+        return int(tensor.shape[0]) if tensor.dim() else 1
+    return 0
+
+
+class TokenCounter:
+    """A forward pre-hook on the model that calls `add(n)` for every training forward."""
+
+    def __init__(self, model: nn.Module, add: Callable[[int], None]) -> None:
+        self._model = model
+        self._add = add
+        self._handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._model.training and torch.is_grad_enabled():
+            self._add(batch_tokens(args, kwargs))
+
+    def remove(self) -> None:
+        self._handle.remove()
