@@ -79,3 +79,35 @@ def test_token_weighting_refuses_a_submission_without_tokens(server_process, tmp
     assert api.submit("a", gradient(-2.0), query="&tokens=5").status == 200
     round_number, weights = weights_of(api)
     assert round_number == 1 and torch.all(weights["layer.weight"] == 12.0)
+
+
+def test_integers_past_int64_are_refused_and_a_restart_still_works(server_process, tmp_path):
+    """`tokens=2**63` once passed the query check, overflowed SQLite after the checkpoint was
+    written, and left a state dir that could not be restarted. Every count is now bounded
+    (2**48) at the door, and the largest allowed values commit and restart."""
+    state = tmp_path / "state"
+    args = ("--weighting", "tokens", "--outer-optimizer", "sgd", "--outer-lr", "1",
+            "--state-dir", str(state))  # fmt: skip
+    server = server_process(*args, "--init", str(init_file(tmp_path, 10.0)))
+    api = Api(server.url)
+    api.register("a")
+    before = api.snapshot()
+    huge = 2**63
+    for query in (f"&tokens={huge}", f"&tokens={2**48 + 1}", f"&fragment={huge}"):
+        api.rejects(api.submit("a", gradient(-2.0), query=query), 422, "invalid_request")
+    api.rejects(api.submit("a", gradient(-2.0), round_number=huge), 422, "invalid_request")
+    api.rejects(api.result("a", round_number=huge), 422, "invalid_request")
+    beat = {"step": huge, "steps_per_second": 1.0, "loss": None, "tokens": 0}
+    response = api.call("POST", "/v1/workers/a/heartbeat", json_body=beat)
+    api.rejects(response, 422, "invalid_request", "step")
+    response = api.call("POST", "/v1/workers/a/heartbeat", json_body={**beat, "step": 1,
+                        "tokens": huge})  # fmt: skip
+    api.rejects(response, 422, "invalid_request", "tokens")
+    assert api.snapshot() == before
+    assert api.submit("a", gradient(-2.0), query=f"&tokens={2**48}").status == 200
+    assert weights_of(api)[0] == 1
+    server.process.terminate()
+    assert server.process.wait(timeout=30) == 0
+    again = Api(server_process(*args).url)
+    round_number, weights = weights_of(again)
+    assert round_number == 1 and torch.all(weights["layer.weight"] == 12.0)

@@ -25,6 +25,7 @@ from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.results import RoundResult
 from diloco.wire import (
+    MAX_COUNT,
     DatasetRequest,
     HeartbeatRequest,
     LeaseRequest,
@@ -279,8 +280,8 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         request: Request,
         round_number: int,
         worker_id: str = Query(...),
-        fragment: int = Query(0, ge=0),
-        tokens: int = Query(0, ge=0),
+        fragment: int = Query(0, ge=0, le=MAX_COUNT),
+        tokens: int = Query(0, ge=0, le=MAX_COUNT),
         units: str = Query("", description="Comma-separated ids of the work units finished."),
     ) -> dict:
         unit_ids = parse_unit_ids(units)  # before the body is read: a bad list costs nothing
@@ -301,7 +302,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         round_number: int,
         worker_id: str | None = Query(None),
         wait: float = Query(30.0, ge=0.0, le=120.0),
-        fragment: int = Query(0, ge=0),
+        fragment: int = Query(0, ge=0, le=MAX_COUNT),
     ) -> Response:
         outcome = await run_in_threadpool(
             coordinator.wait_result, round_number, worker_id, wait, fragment

@@ -42,6 +42,7 @@ from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
 from diloco.server.submission import Submission
 from diloco.wire import (
+    MAX_COUNT,
     PROTOCOL_VERSION,
     WORKER_ID_PATTERN,
     SpooledTensors,
@@ -653,11 +654,11 @@ class Coordinator:
 
     def _require_round_and_fragment(self, round_number: int, fragment: int) -> None:
         """422 for a negative round, or a fragment the plan does not have (once there is one)."""
-        if round_number < 0:
+        if not 0 <= round_number <= MAX_COUNT:
             raise Rejection(
                 422,
                 "invalid_request",
-                f"field 'round' must be >= 0, got {round_number}",
+                f"field 'round' must be in [0, {MAX_COUNT}], got {round_number}",
                 field="round",
                 got=round_number,
             )

@@ -20,6 +20,7 @@ from diloco.wire.dtypes import (
 from diloco.wire.errors import WireError
 from diloco.wire.frames import MAX_HEADER_BYTES, decode_tensors, encode_tensors
 from diloco.wire.schemas import (
+    MAX_COUNT,
     WORKER_ID_PATTERN,
     DatasetRequest,
     DeregisterResponse,
@@ -59,6 +60,7 @@ from diloco.wire.validation import (
 
 __all__ = [
     "DTYPE_NAMES",
+    "MAX_COUNT",
     "MAX_HEADER_BYTES",
     "PROTOCOL_VERSION",
     "SAFETENSORS_CODES",

@@ -57,7 +57,11 @@ DtypeName = Literal[
 WireFloatName = Literal["float32", "bfloat16"]
 KindName = Literal["trainable", "frozen", "float_buffer", "int_buffer", "bool_buffer"]
 WorkerId = Annotated[StrictStr, Field(pattern=WORKER_ID_PATTERN)]
-Count = Annotated[StrictInt, Field(ge=0)]
+# The largest count a message may carry (tokens, steps, rounds, shape dimensions): 2**48 is
+# 281 trillion, far past any real run, and sums of up to 2**14 of them still fit SQLite's
+# int64 (an unbounded `tokens=2**63` once overflowed it after a checkpoint was written).
+MAX_COUNT = 2**48
+Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
 FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
 Finite = Annotated[float, Field(allow_inf_nan=False, strict=True)]
 
