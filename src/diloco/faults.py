@@ -2,25 +2,29 @@
 
 `DILOCO_CRASH_AT=<point>:<n>` makes the n-th time the process reaches `crash_point(<point>)` a
 `kill -9` of itself, so a test can put the crash exactly inside a checkpoint write or between
-the checkpoint and the SQLite commit, where an outside kill would land only by luck. Unset (the
-only case outside tests) the check is one dictionary lookup.
+the checkpoint and the SQLite commit, where an outside kill would land only by luck.
+`DILOCO_FAIL_AT=<point>:<n>` makes the n-th arrival raise OSError instead (a disk that fails
+once), for the tests of what a failed write leaves served. Unset (the only case outside tests)
+each check is one comparison.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
 from collections.abc import AsyncIterator
 
 ENV_VAR = "DILOCO_CRASH_AT"
+FAIL_ENV_VAR = "DILOCO_FAIL_AT"
 
 _lock = threading.Lock()
 _counts: dict[str, int] = {}
 
 
-def _target() -> tuple[str, int] | None:
-    spec = os.environ.get(ENV_VAR)
+def _target(variable: str = ENV_VAR) -> tuple[str, int] | None:
+    spec = os.environ.get(variable)
     if not spec:
         return None
     point, _, count = spec.partition(":")
@@ -28,6 +32,7 @@ def _target() -> tuple[str, int] | None:
 
 
 _TARGET = _target()
+_FAILURE = _target(FAIL_ENV_VAR)
 ENABLED = _TARGET is not None
 
 
@@ -39,7 +44,14 @@ async def watch_chunks(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 def crash_point(name: str) -> None:
-    """SIGKILL this process if it is the configured point's n-th arrival; otherwise nothing."""
+    """SIGKILL this process if it is the configured point's n-th arrival (OSError if it is the
+    failure point's); otherwise nothing."""
+    if _FAILURE is not None and _FAILURE[0] == name:
+        with _lock:
+            key = "fail:" + name
+            _counts[key] = _counts.get(key, 0) + 1
+            if _counts[key] == _FAILURE[1]:
+                raise OSError(errno.EIO, f"injected failure at {name} ({FAIL_ENV_VAR})")
     if _TARGET is None or _TARGET[0] != name:
         return
     with _lock:

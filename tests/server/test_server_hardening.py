@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_server_http import SHAPES, Api, gradient
+from test_server_http import SHAPES, Api, gradient, registration
 
 from diloco.wire import decode_tensors
 
@@ -111,3 +111,96 @@ def test_integers_past_int64_are_refused_and_a_restart_still_works(server_proces
     again = Api(server_process(*args).url)
     round_number, weights = weights_of(again)
     assert round_number == 1 and torch.all(weights["layer.weight"] == 12.0)
+
+
+def test_values_that_could_overflow_the_round_sum_are_refused_naming_the_tensor(
+    server_process, tmp_path
+):
+    """Each value finite, their fp32 sum not: 3e38 twice once raised inside the commit, left
+    the round without sums and killed the eviction thread. Now a body whose weighted values
+    could push the round's sum past 1e37 is a 422 naming the tensor, and nothing changes.
+    SGD lr 1 from 10: 5e36 and 1 average to 2.5e36 + 0.5, so the weights end at -2.5e36."""
+    server = server_process(
+        "--outer-optimizer", "sgd", "--outer-lr", "1", "--init", str(init_file(tmp_path, 10.0))
+    )  # fmt: skip
+    api = Api(server.url)
+    api.register("a")
+    api.register("b")
+    before = api.snapshot()
+    error = api.rejects(api.submit("a", gradient(3e38)), 422, "sum_overflow", "layer.")
+    assert error["detail"]["tensor"] in SHAPES
+    assert api.snapshot() == before
+    assert api.submit("a", gradient(5e36)).status == 200
+    error = api.rejects(api.submit("b", gradient(6e36)), 422, "sum_overflow")
+    assert error["detail"]["limit"] == pytest.approx(1e37 - 5e36, rel=1e-6)  # what is left
+    assert api.submit("b", gradient(1.0)).status == 200
+    round_number, weights = weights_of(api)
+    assert round_number == 1
+    assert torch.allclose(weights["layer.bias"], torch.full((3,), 10 - (5e36 + 1) / 2))
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_after_a_failed_checkpoint_nothing_stepped_is_served_and_a_restart_resumes(
+    server_process, tmp_path
+):
+    """The 2nd checkpoint write fails (an injected EIO): the stepped masters used to be served
+    under the old round number by GET /v1/weights, though a restart has the old weights. Now
+    weights, info and registrations answer 503 until the restart, which serves round 1 (12)
+    and takes the resubmitted round 1 (14)."""
+    state = tmp_path / "state"
+    args = ("--outer-optimizer", "sgd", "--outer-lr", "1", "--state-dir", str(state))
+    init = str(init_file(tmp_path, 10.0))
+    server = server_process(*args, "--init", init, env={"DILOCO_FAIL_AT": "before_checkpoint:2"})
+    api = Api(server.url)
+    api.register("a")
+    assert api.submit("a", gradient(-2.0), round_number=0).status == 200
+    assert weights_of(api)[0] == 1
+    api.rejects(api.submit("a", gradient(-2.0), round_number=1), 503, "checkpoint_failed")
+    api.rejects(api.call("GET", "/v1/weights"), 503, "checkpoint_failed")
+    api.rejects(api.call("GET", "/v1/info"), 503, "checkpoint_failed")
+    api.rejects(api.call("POST", "/v1/workers", json_body=registration("late")), 503,
+                "checkpoint_failed")  # fmt: skip
+    api.rejects(api.result("a", round_number=1), 503, "checkpoint_failed")
+    status = api.ok("GET", "/v1/status")
+    assert status["round"] == 1 and "injected failure" in status["broken"]
+    server.process.terminate()
+    server.process.wait(timeout=30)
+    again = Api(server_process(*args).url)
+    round_number, weights = weights_of(again)
+    assert round_number == 1 and torch.all(weights["layer.weight"] == 12.0)
+    again.register("a2")
+    assert again.submit("a2", gradient(-2.0), round_number=1).status == 200
+    answer = again.submit("a", gradient(-2.0), round_number=1)  # a member again after restart
+    assert answer.status == 200, answer.data[:300]
+    round_number, weights = weights_of(again)
+    assert round_number == 2 and torch.all(weights["layer.weight"] == 14.0)
+
+
+def test_the_eviction_loop_survives_a_failing_tick() -> None:
+    """An exception in one tick (once an AssertionError after a failed commit) ended the
+    thread for good: no eviction for the rest of the run. It is logged and the loop goes on."""
+    import threading
+    from types import SimpleNamespace
+
+    from diloco.server.runner import EvictionTicker
+
+    ticks = []
+    enough = threading.Event()
+
+    def evict_stale() -> list[str]:
+        ticks.append(1)
+        if len(ticks) >= 3:
+            enough.set()
+        if len(ticks) == 1:
+            raise AssertionError("a broken round")
+        return []
+
+    stub = SimpleNamespace(settings=SimpleNamespace(heartbeat_interval=0.02),
+                           evict_stale=evict_stale)  # fmt: skip
+    ticker = EvictionTicker(stub)  # type: ignore[arg-type]
+    ticker.start()
+    try:
+        assert enough.wait(timeout=10), ticks
+    finally:
+        ticker.stop()
+    assert ticker.thread.is_alive() is False and len(ticks) >= 3

@@ -222,7 +222,7 @@ def test_a_non_finite_body_found_by_the_scan_changes_nothing() -> None:
     assert (c.round.submitted, c.membership.workers["a"].last_seen) == before
 
 
-def test_spooled_sums_are_known_finite_and_in_memory_ones_are_scanned_at_the_commit() -> None:
+def test_spooled_and_in_memory_sums_are_both_known_finite_from_their_scans() -> None:
     c = Coordinator(
         ServerSettings(outer_optimizer="sgd", outer_lr=1.0, min_workers=3), {"w": torch.zeros(4)}
     )
@@ -231,7 +231,7 @@ def test_spooled_sums_are_known_finite_and_in_memory_ones_are_scanned_at_the_com
     c.submit("a", 0, spooled(-1.0))
     assert c.round is not None and c.round.running is not None
     assert c.round.running.certainly_finite  # the scan bounded its values
-    c.submit("b", 0, {"w": torch.full((4,), -2.0)})  # no bound from an in-memory body
-    assert not c.round.running.certainly_finite
+    c.submit("b", 0, {"w": torch.full((4,), -2.0)})  # an in-memory body is bounded too
+    assert c.round.running.certainly_finite
     c.submit("c", 0, spooled(-3.0))
     assert c.masters is not None and c.masters["w"].tolist() == [2.0] * 4

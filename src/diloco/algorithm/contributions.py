@@ -200,6 +200,16 @@ class RunningMean:
         self.bound += abs(factor) * (max_abs() if callable(max_abs) else max_abs)
         return True
 
+    def headroom(self, tokens: int, scale: float = 1.0) -> float | None:
+        """The largest magnitude a contribution with `tokens` and `scale` may hold so that,
+        weighted and added, every sum stays provably finite (`certainly_finite`); None when
+        that cannot be known (a bound is unknown already, or the contribution weighs 0)."""
+        weight = contribution_weight(Contribution({}, tokens), self.weighting)
+        factor = abs(weight * scale)
+        if factor == 0 or not math.isfinite(self.bound):
+            return None
+        return (FINITE_SUM_LIMIT - self.bound) / factor
+
     @property
     def certainly_finite(self) -> bool:
         """True when `bound` proves every sum, and so every mean, finite in fp32.

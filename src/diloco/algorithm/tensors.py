@@ -36,7 +36,8 @@ def finite_bound(tensor: torch.Tensor) -> float | None:
     One vectorised pass, as cheap as `all_finite`'s sum: sqrt(sum of squares) bounds the
     largest magnitude, and the sum of squares is finite exactly when no element is NaN or
     Inf, unless the values are huge (over ~1e19 in fp32). Then the element-wise check decides
-    and the bound is inf (unknown). The bound is doubled to cover the sum's rounding.
+    and the bound is the exact largest magnitude (a second pass, for such values only). The
+    bound is doubled to cover the sum's rounding.
     """
     if tensor.numel() == 0:
         return 0.0
@@ -51,7 +52,9 @@ def finite_bound(tensor: torch.Tensor) -> float | None:
     squares = float(torch.dot(flat, flat))
     if math.isfinite(squares):
         return 2.0 * math.sqrt(squares)
-    return math.inf if bool(torch.isfinite(tensor).all()) else None
+    if not bool(torch.isfinite(tensor).all()):
+        return None
+    return float(flat.abs().max())  # huge but finite values: their exact largest magnitude
 
 
 class TensorKind(str, Enum):

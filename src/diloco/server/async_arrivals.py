@@ -20,7 +20,7 @@ from diloco.algorithm import staleness_scale
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import RoundResult, Waiting
-from diloco.server.rounds import Round, fold
+from diloco.server.rounds import Round, ValueScan, fold
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
 
@@ -111,7 +111,7 @@ class AsyncArrivals:
         """Never: opening a window on a refused arrival would leave an empty one open."""
         return False
 
-    def accept(self, submission: Submission, checked: CheckedPieces | float) -> dict:
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         c = self.c
         now = c.clock()
         worker_id, round_number = submission.worker_id, submission.round
@@ -169,12 +169,12 @@ class AsyncArrivals:
     def _try_commit(self, now: float) -> None:
         """Apply the pending arrivals as one outer step once the window closes (lock held)."""
         c = self.c
-        if c.masters is None or c.closing or not self._ready(now):
-            return
+        if c.masters is None or c.closing or c.broken is not None or not self._ready(now):
+            return  # (a broken server commits nothing until restarted)
         window = self.window
         assert window is not None and window.running is not None
         started = time.perf_counter()
-        running, window.running = window.running, None
+        running = window.running  # stays the window's until the step is durable
         submitters = sorted(window.submitters)
         record = CommitRecord(
             round=c.version,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import Published, RoundResult, Waiting
-from diloco.server.rounds import Round, fold
+from diloco.server.rounds import Round, ValueScan, fold
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
 
@@ -115,7 +115,7 @@ class BarrierRounds:
     def folds_first(self, fragment: int) -> bool:
         return self.rounds[fragment].running is None
 
-    def accept(self, submission: Submission, checked: CheckedPieces | float) -> dict:
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         c = self.c
         now = c.clock()
         current = self.rounds[submission.fragment]
@@ -142,11 +142,11 @@ class BarrierRounds:
         """Commit the fragment's round if its barrier is satisfied (lock held)."""
         c = self.c
         current = self.rounds[fragment]
-        if c.masters is None or not current.ready(c.settings.min_workers):
-            return
+        if c.masters is None or c.broken is not None or not current.ready(c.settings.min_workers):
+            return  # (a broken server commits nothing until restarted)
         assert current.running is not None and c.plan is not None
         started = time.perf_counter()
-        running, current.running = current.running, None
+        running = current.running  # stays the round's until the step is durable
         record = CommitRecord(
             round=c.version,
             contributors=sorted(current.submitters),
@@ -158,6 +158,7 @@ class BarrierRounds:
             submissions=[(w, current.number, 0) for w in sorted(current.submitters)],
         )
         c.commit_step(running, record)
+        current.running = None  # used up by the step
         self._fragment_rounds[fragment] = current.number + 1
         self.results[fragment] = None  # free the old body before encoding the new one
         self.results[fragment] = self._encode_result(fragment, current.number + 1)

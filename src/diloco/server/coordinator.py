@@ -30,6 +30,7 @@ from diloco.algorithm import (
     dylu_local_steps,
     plan_fragments,
 )
+from diloco.algorithm.tensors import finite_bound
 from diloco.server.engines import AsyncArrivals, BarrierRounds, RoundEngine
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord, RoundJournal
@@ -37,7 +38,7 @@ from diloco.server.master_frames import MasterFrames
 from diloco.server.membership import Membership
 from diloco.server.metrics import ServerMetrics
 from diloco.server.results import Published, RoundResult, Waiting
-from diloco.server.rounds import Round
+from diloco.server.rounds import Round, ValueScan
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
 from diloco.server.submission import Submission
@@ -67,17 +68,25 @@ def rejection_of(error: WireError) -> Rejection:
     return Rejection(error.status, error.kind, error.error, **error.detail)
 
 
-def scan_values(tensors: Mapping[str, torch.Tensor] | SpooledTensors) -> float:
-    """Rejection (422) for NaN or Inf; else an upper bound of the values' magnitude (inf when
-    unknown), which lets a round know its sums finite without scanning them again."""
+def scan_values(tensors: Mapping[str, torch.Tensor] | SpooledTensors) -> ValueScan:
+    """Rejection (422) for NaN or Inf; else a bound of the values' magnitude and the tensor
+    that sets it, which lets a round refuse what could overflow its sums and know them
+    finite without scanning them again."""
     try:
         if isinstance(tensors, SpooledTensors):
-            return tensors.check_values()
+            bound = tensors.check_values()
+            return ValueScan(bound, tensors.largest)
+        scan = ValueScan(0.0)
         for name, tensor in tensors.items():
-            check_finite(name, tensor)
+            bound = finite_bound(tensor)
+            if bound is None:
+                check_finite(name, tensor)  # raises, naming the tensor and the count
+                bound = math.inf
+            if bound > scan.bound or scan.largest is None:
+                scan = ValueScan(max(bound, scan.bound), name)
+        return scan
     except WireError as error:
         raise rejection_of(error) from None
-    return math.inf
 
 
 def fragment_plan(specs: Sequence[TensorSpec], fragments: int) -> list[list[str]]:
@@ -184,6 +193,7 @@ class Coordinator:
 
     def info(self) -> dict:
         with self._lock:
+            self._require_healthy()  # its round would name state a restart may not have
             return {
                 "protocol_version": PROTOCOL_VERSION,
                 "mode": self.settings.mode,
@@ -207,6 +217,7 @@ class Coordinator:
             return {
                 "round": self.version,
                 "mode": self.settings.mode,
+                "broken": self.broken,  # why it refuses everything else, until restarted
                 "fragment_rounds": self.engine.fragment_rounds(),
                 "workers": workers,
                 "waiting_for": self.engine.waiting_for(),
@@ -249,6 +260,7 @@ class Coordinator:
                 got=worker_id,
             )
         with self._lock:
+            self._require_healthy()
             now = self.clock()
             if self.specs is not None:
                 difference = first_difference(list(self.specs.values()), list(specs))
@@ -511,6 +523,7 @@ class Coordinator:
     def weights(self) -> RoundResult:
         """The current global weights, encoded once per version in the download dtype."""
         with self._lock:
+            self._require_healthy()  # the masters may hold a step that is not durable
             if self.masters is None:
                 raise Rejection(
                     404,
@@ -703,7 +716,7 @@ class Coordinator:
         except WireError as error:
             raise rejection_of(error) from None
 
-    def _accept(self, submission: Submission, checked: CheckedPieces | float) -> dict:
+    def _accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         """Fold an admitted submission (lock held); `checked` is the bound of its values from
         their scan, or, for the first contribution of a round, a reader that checks them."""
         try:

@@ -14,7 +14,7 @@ from diloco.server.async_arrivals import AsyncArrivals
 from diloco.server.barrier_rounds import BarrierRounds
 from diloco.server.journal import CommitRecord
 from diloco.server.results import RoundResult, Waiting
-from diloco.server.rounds import Round
+from diloco.server.rounds import Round, ValueScan
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
 
@@ -63,7 +63,7 @@ class RoundEngine(Protocol):
         it folds them can refuse half way and leave nothing changed)."""
         ...
 
-    def accept(self, submission: Submission, checked: CheckedPieces | float) -> dict:
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         """Fold an admitted submission and commit a step if one is due; WireError from a
         checking reader leaves everything as it was."""
         ...

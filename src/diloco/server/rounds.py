@@ -12,7 +12,7 @@ import torch
 from diloco.algorithm import Contribution, RunningMean
 from diloco.server.submission import Submission
 from diloco.wire import SpooledTensors, WireError
-from diloco.wire.spool import CheckedPieces
+from diloco.wire.spool import CheckedPieces, sum_overflow
 
 
 @dataclass
@@ -121,32 +121,49 @@ class Round:
         return self.first_submission_at is not None and now - self.first_submission_at > timeout
 
 
+@dataclass(frozen=True)
+class ValueScan:
+    """What a scan of a body's values found: a bound of every magnitude (inf when unknown)
+    and the tensor that set it."""
+
+    bound: float
+    largest: str | None = None
+
+
 def fold(
     target: Round,
     submission: Submission,
-    checked: CheckedPieces | float,
+    checked: CheckedPieces | ValueScan,
     storage: dict[str, torch.Tensor],
     now: float,
     scale: float = 1.0,
 ) -> None:
     """Add a pseudo-gradient to a round's running mean (from RAM or from the spool).
 
-    `checked` is the bound of its values from their scan, or, when this fold opens the
-    round's sums (written over `storage`), a reader that checks them as they are folded: its
-    WireError then leaves the round as it was.
+    `checked` is what the scan of its values found, or, when this fold opens the round's
+    sums (written over `storage`), a reader that checks them as they are folded: its
+    WireError then leaves the round as it was. Values that, weighted and added, could
+    overflow the fp32 sums are refused (422 sum_overflow) before anything is folded, so a
+    commit never meets a non-finite mean.
     """
     tensors = submission.tensors
     opened = target.running is None
     if opened:
         target.open_sums(storage)
+    assert target.running is not None
+    headroom = target.running.headroom(submission.tokens, scale)
     try:
+        if isinstance(checked, CheckedPieces):
+            checked.limit = headroom
+        elif headroom is not None and checked.bound > headroom:
+            raise sum_overflow(checked.largest or "?", checked.bound, headroom)
         if isinstance(tensors, SpooledTensors):
             shapes = {name: tuple(t.shape) for name, t in tensors.meta.items()}
             if isinstance(checked, CheckedPieces):
                 reader = checked
                 pieces, max_abs = reader, (lambda: reader.bound)
             else:
-                pieces, max_abs = tensors.pieces(), checked
+                pieces, max_abs = tensors.pieces(), checked.bound
             target.add_pieces(
                 submission.worker_id,
                 submission.fragment,
@@ -158,7 +175,7 @@ def fold(
                 max_abs,
             )
         else:
-            bound = checked if isinstance(checked, float) else math.inf
+            bound = checked.bound if isinstance(checked, ValueScan) else math.inf
             contribution = Contribution(tensors, submission.tokens, submission.worker_id)
             target.add(submission.worker_id, submission.fragment, contribution, now, scale, bound)
     except WireError:

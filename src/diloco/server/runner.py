@@ -26,6 +26,7 @@ from diloco.server.store import StateStore
 THREAD_LIMIT = 512
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
 M_MMAP_THRESHOLD = -3
+log = logging.getLogger("diloco.server")
 
 
 def load_initial_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -75,7 +76,10 @@ class EvictionTicker:
 
     def _run(self) -> None:
         while not self.stopped.wait(self.period):
-            self.coordinator.evict_stale()
+            try:
+                self.coordinator.evict_stale()
+            except Exception:  # one bad tick must not end eviction for the rest of the run
+                log.exception("eviction tick failed; trying again in %g s", self.period)
 
     def start(self) -> None:
         self.thread.start()

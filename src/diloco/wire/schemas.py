@@ -279,6 +279,7 @@ class StatusResponse(_Response):
 
     round: int
     mode: str
+    broken: str | None = None  # why the server refuses requests until restarted
     fragment_rounds: list[int] | None = None
     workers: list[WorkerStatus]
     waiting_for: list[str]

@@ -85,6 +85,7 @@ class SpooledTensors:
         self.entries = entries
         self._files = files
         self.closed = False
+        self.largest: str | None = None  # after check_values: the tensor of the largest value
 
     @property
     def nbytes(self) -> int:
@@ -127,21 +128,24 @@ class SpooledTensors:
                     )
                 yield entry.name, first, piece
 
-    def checked_pieces(self) -> CheckedPieces:
+    def checked_pieces(self, limit: float | None = None) -> CheckedPieces:
         """`pieces()`, each checked (NaN/Inf: WireError 422) before it is handed on; once they
         are all read, `.bound` bounds every value's magnitude. For a reader that checks and
-        folds in one read of the file, where a refusal half way costs nothing."""
-        return CheckedPieces(self)
+        folds in one read of the file, where a refusal half way costs nothing. `limit`: the
+        largest magnitude allowed (see CheckedPieces)."""
+        return CheckedPieces(self, limit)
 
     def check_values(self) -> float:
         """WireError(422) for NaN or Inf anywhere, or for a bool byte that is not 0 or 1.
 
-        Returns an upper bound of every value's magnitude (inf when it cannot tell), found in
-        the same pass, so that a running sum of checked bodies can be known finite.
+        Returns an upper bound of every value's magnitude, found in the same pass, so that a
+        running sum of checked bodies can be known finite; `largest` then names the tensor
+        that sets it.
         """
         checked = self.checked_pieces()
         for _ in checked:
             pass
+        self.largest = checked.largest
         return checked.bound
 
     def close(self) -> None:
@@ -153,11 +157,17 @@ class SpooledTensors:
 
 
 class CheckedPieces:
-    """The pieces of a spooled body, each scanned before it is yielded (see checked_pieces)."""
+    """The pieces of a spooled body, each scanned before it is yielded (see checked_pieces).
 
-    def __init__(self, spooled: SpooledTensors) -> None:
+    `largest` names the tensor whose piece set `bound`. With `limit`, a piece whose values
+    may exceed it is refused (422 sum_overflow): folded, it could overflow the round's sum.
+    """
+
+    def __init__(self, spooled: SpooledTensors, limit: float | None = None) -> None:
         self.spooled = spooled
         self.bound = 0.0
+        self.largest: str | None = None
+        self.limit = limit
 
     def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
         for name, first, piece in self.spooled.pieces():
@@ -172,8 +182,24 @@ class CheckedPieces:
                     tensor=name,
                     count=bad,
                 )
-            self.bound = max(self.bound, piece_bound)
+            if piece_bound > self.bound or self.largest is None:
+                self.bound, self.largest = max(self.bound, piece_bound), name
+            if self.limit is not None and piece_bound > self.limit:
+                raise sum_overflow(name, piece_bound, self.limit)
             yield name, first, piece
+
+
+def sum_overflow(name: str, bound: float, limit: float) -> WireError:
+    """422 for values that, weighted and added to a round's fp32 sum, could overflow it."""
+    return WireError(
+        422,
+        "sum_overflow",
+        f"tensor {name!r} holds values up to {bound:.3g}; weighted and added to the round's "
+        f"fp32 sum they could overflow it (at most {max(limit, 0.0):.3g} fits now)",
+        tensor=name,
+        bound=bound,
+        limit=max(limit, 0.0),
+    )
 
 
 async def spool_body(
