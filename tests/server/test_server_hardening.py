@@ -204,3 +204,51 @@ def test_the_eviction_loop_survives_a_failing_tick() -> None:
     finally:
         ticker.stop()
     assert ticker.thread.is_alive() is False and len(ticks) >= 3
+
+
+def test_a_member_that_heartbeats_but_never_submits_is_evicted_at_the_barrier_timeout(
+    server_process, tmp_path
+):
+    """b's training loop hangs while its heartbeat thread runs: the barrier used to answer 504
+    for ever (retried without end). Past --barrier-timeout b is evicted and a's round commits
+    alone: SGD lr 1 from 10 with a's -2 gives 12."""
+    import threading
+    import time
+
+    server = server_process(
+        "--outer-optimizer", "sgd", "--outer-lr", "1", "--barrier-timeout", "2",
+        "--heartbeat-interval", "0.5", "--heartbeat-timeout", "30",
+        "--init", str(init_file(tmp_path, 10.0)),
+    )  # fmt: skip
+    api = Api(server.url)
+    api.register("a")
+    api.register("b")
+    stop = threading.Event()
+    beats: list[int] = []
+
+    def heartbeat_of_b() -> None:
+        beat_api = Api(server.url)
+        while not stop.wait(0.3):
+            body = {"step": 3, "steps_per_second": 1.0, "loss": None, "tokens": 0}
+            beats.append(beat_api.call("POST", "/v1/workers/b/heartbeat", json_body=body).status)
+
+    thread = threading.Thread(target=heartbeat_of_b, daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        assert api.submit("a", gradient(-2.0)).status == 200
+        response = api.result("a", wait=20.0)
+        while response.status in (202, 504) and time.monotonic() - started < 30:
+            response = api.result("a", wait=20.0)
+        assert response.status == 200, response.data[:300]
+        assert time.monotonic() - started < 15
+        assert torch.all(decode_tensors(response.data)["layer.weight"] == 12.0)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    assert 200 in beats  # b's heartbeats were answered all along, and now b is out:
+    body = {"step": 3, "steps_per_second": 1.0, "loss": None, "tokens": 0}
+    api.rejects(api.call("POST", "/v1/workers/b/heartbeat", json_body=body), 404, "unknown_worker")
+    workers = {w["worker_id"]: w["live"] for w in api.ok("GET", "/v1/status")["workers"]}
+    assert workers == {"a": True, "b": False}
+    assert "has not submitted within the barrier timeout" in server.log.read_text()

@@ -74,6 +74,9 @@ class AsyncArrivals:
     def tick(self, now: float) -> None:
         self._try_commit(now)
 
+    def overdue(self, now: float) -> list[str]:
+        return []  # no barrier: a hung worker holds nobody up
+
     def wake_within(self, now: float) -> float:
         """A long-poll wakes by the window's deadline, which it may then close itself."""
         if self.window is None or self.window.first_submission_at is None:

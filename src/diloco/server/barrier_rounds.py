@@ -85,6 +85,15 @@ class BarrierRounds:
     def tick(self, now: float) -> None:
         """Barriers move on submissions and departures only; nothing is due on time alone."""
 
+    def overdue(self, now: float) -> list[str]:
+        timeout = self.c.settings.effective_barrier_timeout
+        assert timeout is not None
+        late: set[str] = set()
+        for current in self.rounds:
+            if current.barrier_expired(now, timeout):
+                late.update(current.waiting_for())
+        return sorted(late)
+
     def wake_within(self, now: float) -> float:
         return 1.0
 

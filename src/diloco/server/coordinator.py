@@ -367,7 +367,8 @@ class Coordinator:
         return dylu_local_steps(speeds, self.settings.sync_every)
 
     def evict_stale(self) -> list[str]:
-        """Evict workers silent past the heartbeat timeout; the barrier re-checks at once."""
+        """Evict workers silent past the heartbeat timeout, and members a barrier has waited
+        on past --barrier-timeout (heartbeats but no submission); the barrier re-checks."""
         with self._lock:
             stale = self.membership.stale(self.clock(), self.settings.heartbeat_timeout)
             for worker_id in stale:
@@ -378,8 +379,20 @@ class Coordinator:
                 )
                 self._remove(worker_id, "evicted")
                 self.metrics.evictions.inc()
-            self.engine.tick(self.clock())
-            return stale
+            now = self.clock()
+            overdue = self.engine.overdue(now)
+            for worker_id in overdue:
+                log.warning(
+                    "worker %s evicted: its heartbeats go on, but it has not submitted within "
+                    "the barrier timeout of %g s (a hung training loop?); the round goes on "
+                    "without it, and it registers again if it comes back",
+                    worker_id,
+                    self.settings.effective_barrier_timeout,
+                )
+                self._remove(worker_id, "barrier_timeout")
+                self.metrics.evictions.inc()
+            self.engine.tick(now)
+            return stale + overdue
 
     def _require_live(self, worker_id: str):
         record = self.membership.get_live(worker_id)

@@ -49,6 +49,11 @@ class RoundEngine(Protocol):
 
     def tick(self, now: float) -> None: ...
 
+    def overdue(self, now: float) -> list[str]:
+        """Live members a barrier has waited on past its timeout (their heartbeats may go on
+        while their training loop hangs): the coordinator evicts them."""
+        ...
+
     def wake_within(self, now: float) -> float:
         """How long a long-poll may sleep before something may be due."""
         ...
