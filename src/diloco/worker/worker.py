@@ -335,11 +335,43 @@ class DiLoCoWorker:
                 if exc.kind != "worker_id_taken":  # taken: another thread already re-registered
                     raise
 
+    def _register_when_free(self) -> dict:
+        """Register; while our id is held by a live worker (most often an earlier process of
+        ours, killed before it saved a checkpoint, that the server has not evicted yet), wait
+        for the server to evict it, up to twice its heartbeat timeout, saying so in the log."""
+        timeout = self.settings.heartbeat_timeout
+        deadline = time.monotonic() + 2 * timeout + 5
+        told = -math.inf
+        while True:
+            try:
+                return self._register()
+            except ServerError as exc:
+                if exc.kind != "worker_id_taken" or time.monotonic() > deadline:
+                    if exc.kind == "worker_id_taken":
+                        raise ServerError(
+                            exc.status,
+                            exc.kind,
+                            f"worker id {self.worker_id!r} is still held by a live worker "
+                            f"after {2 * timeout + 5:g} s: another process with this id is "
+                            "running; give this one another --worker-id",
+                        ) from None
+                    raise
+            if time.monotonic() - told >= 10:
+                told = time.monotonic()
+                log.warning(
+                    "worker id %r is held by a live worker (an earlier process of ours that "
+                    "the server has not evicted yet?); waiting for its eviction (heartbeat "
+                    "timeout %g s)",
+                    self.worker_id,
+                    timeout,
+                )
+            time.sleep(min(1.0, self.settings.heartbeat_interval))
+
     def _join(self) -> str:
         """Register; the first worker uploads its weights; everyone starts from the server's."""
         assert self.client is not None
         with self._register_lock:
-            reply = self._register()
+            reply = self._register_when_free()
         if reply["needs_initial_weights"]:
             try:
                 self.client.upload_initial(self.worker_id, encode_tensors(self.model.state_dict()))
