@@ -252,3 +252,37 @@ def test_a_member_that_heartbeats_but_never_submits_is_evicted_at_the_barrier_ti
     workers = {w["worker_id"]: w["live"] for w in api.ok("GET", "/v1/status")["workers"]}
     assert workers == {"a": True, "b": False}
     assert "has not submitted within the barrier timeout" in server.log.read_text()
+
+
+def test_units_reported_with_a_submission_answered_committed_complete_with_the_next_round(
+    server_process, tmp_path
+):
+    """b registers after round 0's first submission, so round 0 commits without it; b's
+    round-0 submission is answered `committed` and its units used to stay leased to it for
+    ever (skipped until it left). They now complete with the open round."""
+    server = server_process(
+        "--outer-optimizer", "sgd", "--outer-lr", "1", "--init", str(init_file(tmp_path, 10.0))
+    )  # fmt: skip
+    api = Api(server.url)
+    api.register("a")
+    dataset = {"worker_id": "a", "dataset_id": "ds", "length": 40, "shuffle_seed": 1,
+               "unit_size": 10}  # fmt: skip
+    api.ok("POST", "/v1/datasets", json_body=dataset)
+    leases = "/v1/datasets/ds/leases"
+    a_unit = api.ok("POST", leases, json_body={"worker_id": "a"})["units"][0]["unit_id"]
+    assert api.submit("a", gradient(-2.0), query="").status == 200  # round 0 commits alone
+    api.register("b")
+    b_units = [
+        u["unit_id"]
+        for u in api.ok("POST", leases, json_body={"worker_id": "b", "count": 2})["units"]
+    ]
+    late = api.submit("b", gradient(-100.0), query=f"&units={','.join(map(str, b_units))}")
+    assert late.status == 200 and late.json()["status"] == "committed"
+    progress = api.ok("GET", "/v1/datasets")["datasets"][0]
+    assert (progress["completed"], progress["leased"]) == (0, 3)
+    assert api.submit("a", gradient(-2.0), round_number=1, query=f"&units={a_unit}").status == 200
+    assert api.submit("b", gradient(-4.0), round_number=1).status == 200
+    round_number, weights = weights_of(api)
+    assert round_number == 2 and torch.all(weights["layer.weight"] == 15.0)  # 12 + mean(2, 4)
+    progress = api.ok("GET", "/v1/datasets")["datasets"][0]
+    assert (progress["completed"], progress["leased"]) == (3, 0)

@@ -113,6 +113,13 @@ class BarrierRounds:
                 fragment=fragment,
             )
         if round_number < current.number:
+            # Its pseudo-gradient comes too late to be used, but the units it reports were
+            # trained: they go with the open round, and complete when it commits (a unit the
+            # committed round already completed, a lost answer's retry, is not counted twice).
+            c.pool.check_reported(submission.worker_id, submission.units)
+            if submission.units:
+                carried = c.pool.leased_to(submission.worker_id, submission.units)
+                current.add_units(submission.worker_id, carried)
             submission.record.last_seen = c.clock()
             return self._answer("committed", round_number, fragment)
         if current.has(submission.worker_id, fragment):

@@ -741,7 +741,7 @@ class Coordinator:
         """Book a folded submission (lock held): its worker's sign of life, the units it
         reports (they complete with the step that applies it), the bytes it brought."""
         submission.record.last_seen = now  # only now: a rejection leaves the state as it was
-        target.units[submission.worker_id] = submission.units
+        target.add_units(submission.worker_id, submission.units)
         submission.record.rounds_contributed += 1
         self.count_in(submission.nbytes)
         faults.crash_point("submission_folded")

@@ -37,6 +37,11 @@ class Round:
         """Units reported with a submission in this round: they complete when it commits."""
         return set(self.units.get(worker_id, ()))
 
+    def add_units(self, worker_id: str, units: Iterable[int]) -> None:
+        """Units a worker reports with this round (with a submission, or carried over from a
+        submission that came after its round committed)."""
+        self.units[worker_id] = sorted(set(self.units.get(worker_id, ())) | set(units))
+
     def all_units(self) -> list[int]:
         return sorted({unit for units in self.units.values() for unit in units})
 

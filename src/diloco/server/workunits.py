@@ -313,6 +313,15 @@ class WorkPool:
 
     # ------------------------------------------------------------------ completion
 
+    def leased_to(self, worker_id: str, unit_ids: Sequence[int]) -> list[int]:
+        """Those of `unit_ids` that are leased to `worker_id` and not completed yet."""
+        rows = self._units_by_id(self._check_unit_ids(unit_ids))
+        return [
+            unit_id
+            for unit_id, row in sorted(rows.items())
+            if row["worker_id"] == worker_id and row["state"] == "leased"
+        ]
+
     def check_reported(self, worker_id: str, unit_ids: Sequence[int]) -> None:
         """Refuses a submission that reports units the worker does not hold.
 
