@@ -38,6 +38,7 @@ def start_worker(
     seed: int = 5,
     extra: tuple[str, ...] = (),
     dispatch: str | None = "static",
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """`diloco worker` on the tiny model; its log and --json land in `out` under its id."""
     process = subprocess.Popen(
@@ -69,6 +70,7 @@ def start_worker(
         ],
         stdout=subprocess.DEVNULL,
         stderr=(out / f"{worker_id}.log").open("wb"),
+        env=None if env is None else {**os.environ, **env},
     )
     STARTED.append(process)
     return process

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_server_http import SHAPES, Api, gradient, registration
+from test_server_http import SHAPES, Api, check_error, gradient, registration
 
 from diloco.wire import decode_tensors
 
@@ -286,3 +286,39 @@ def test_units_reported_with_a_submission_answered_committed_complete_with_the_n
     assert round_number == 2 and torch.all(weights["layer.weight"] == 15.0)  # 12 + mean(2, 4)
     progress = api.ok("GET", "/v1/datasets")["datasets"][0]
     assert (progress["completed"], progress["leased"]) == (3, 0)
+
+
+def test_partly_trained_units_over_http_and_their_bad_reports(server_process, tmp_path):
+    """`units=ID:COUNT` reports a unit's trained prefix; the round that commits records it,
+    and after the worker leaves, the next lease hands out only the rest. Bad counts, syntax
+    and units of others are 422 naming the field, and change nothing."""
+    server = server_process(
+        "--outer-optimizer", "sgd", "--outer-lr", "1", "--init", str(init_file(tmp_path, 10.0))
+    )  # fmt: skip
+    api = Api(server.url)
+    api.register("a")
+    api.register("b")
+    dataset = {"worker_id": "a", "dataset_id": "ds", "length": 20, "shuffle_seed": 1,
+               "unit_size": 10}  # fmt: skip
+    api.ok("POST", "/v1/datasets", json_body=dataset)
+    leases = "/v1/datasets/ds/leases"
+    unit = api.ok("POST", leases, json_body={"worker_id": "a"})["units"][0]
+    other = api.ok("POST", leases, json_body={"worker_id": "b"})["units"][0]["unit_id"]
+    uid = unit["unit_id"]
+    before = api.snapshot()
+    for bad in (f"{uid}:0", f"{uid}:x", f"{uid}:", f"{uid}:10", f"{uid}:99", f"{uid},{uid}:3",
+                f"{other}:3"):  # fmt: skip
+        response = api.submit("a", gradient(-2.0), query=f"&units={bad}")
+        body = check_error(response.status, response.data, 422, response.json()["kind"])
+        assert body["kind"] in ("invalid_request", "unit_not_leased"), bad
+        assert api.snapshot() == before, bad
+    assert api.submit("a", gradient(-2.0), query=f"&units={uid}:4").status == 200
+    assert api.submit("b", gradient(-2.0)).status == 200
+    assert weights_of(api)[0] == 1
+    held = api.ok("GET", f"{leases}?worker_id=a")["units"]
+    assert [(u["unit_id"], u["start"], u["indices"]) for u in held] == [
+        (uid, 4, unit["indices"][4:])
+    ]
+    assert api.call("DELETE", "/v1/workers/a").status == 200
+    again = api.ok("POST", leases, json_body={"worker_id": "b"})["units"][0]
+    assert (again["unit_id"], again["start"], again["indices"]) == (uid, 4, unit["indices"][4:])

@@ -492,3 +492,47 @@ def test_random_histories_train_every_sample_exactly_once_per_epoch(
             samples = [i for c in done for i in pool.indices(shape, c["epoch"], c["index"])]
             assert sorted(samples) == list(range(length))
         conn.close()
+
+
+# ---------------------------------------------------------------------- partly trained units
+
+
+def test_a_released_unit_leases_only_its_untrained_rest_and_rollback_restores_it(
+    pool: WorkPool,
+) -> None:
+    """Unit 1 (10 samples) trained 4 then 7 by rounds 3 and 5, then released: the next lease
+    hands out samples 7..9 with start 7. Rolling back past round 3 restores the whole unit."""
+    pool.register("ds", 20, 1, 10)
+    first = pool.lease("a", "ds", 1, now=0.0)["units"][0]
+    assert first["start"] == 0 and len(first["indices"]) == 10
+    all_indices = first["indices"]
+    assert pool.advance({first["unit_id"]: 4}, 3) == 1
+    assert pool.advance({first["unit_id"]: 3}, 4) == 0  # an older report changes nothing
+    assert pool.advance({first["unit_id"]: 7}, 5) == 1
+    assert pool.unit(first["unit_id"])["trained"] == 7
+    assert pool.lease_bodies("a", "ds")[0]["indices"] == all_indices[7:]
+    assert pool.release_units([first["unit_id"]]) == 1
+    again = pool.lease("b", "ds", 1, now=1.0)["units"][0]
+    assert (again["unit_id"], again["start"], again["indices"]) == (
+        first["unit_id"],
+        7,
+        all_indices[7:],
+    )
+    pool.rollback_after(4)  # round 5 is lost: back to 4 trained
+    assert pool.unit(first["unit_id"])["trained"] == 4
+    pool.rollback_after(2)  # round 3 is lost too
+    assert pool.unit(first["unit_id"])["trained"] == 0
+
+
+def test_partial_reports_are_checked_against_the_unit_and_its_holder(pool: WorkPool) -> None:
+    pool.register("ds", 13, 1, 10)  # unit 2 is short: 3 samples
+    units = [u["unit_id"] for u in pool.lease("a", "ds", 2, now=0.0)["units"]]
+    pool.check_progress("a", {units[0]: 9, units[1]: 2})
+    for progress in ({units[0]: 10}, {units[1]: 3}, {units[0]: 0}):
+        error = rejected(pool.check_progress, "a", progress)
+        assert (error.status, error.kind) == (422, "invalid_request")
+        assert "partly trained unit reports" in error.error
+    error = rejected(pool.check_progress, "b", {units[0]: 5})
+    assert error.kind == "unit_not_leased"
+    pool.complete([units[0]], 1)
+    assert pool.advance({units[0]: 5}, 2) == 0  # a completed unit keeps its state

@@ -37,7 +37,7 @@ from diloco.wire import (
     decode_tensors,
     parse_content_length,
     parse_request,
-    parse_unit_ids,
+    parse_unit_reports,
     read_body,
     spool_body,
 )
@@ -265,6 +265,10 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
             ask.lease_key,
         )
 
+    @app.get("/v1/datasets/{dataset_id}/leases", dependencies=authed)
+    async def leases(dataset_id: str, worker_id: str = Query(...)) -> dict:
+        return await run_in_threadpool(coordinator.leases_of, worker_id, dataset_id)
+
     @app.put("/v1/weights/initial", dependencies=authed)
     async def upload_initial(request: Request, worker_id: str = Query(...)) -> dict:
         async with tensors_from(request, may_spool=False) as tensors:
@@ -282,9 +286,14 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         worker_id: str = Query(...),
         fragment: int = Query(0, ge=0, le=MAX_COUNT),
         tokens: int = Query(0, ge=0, le=MAX_COUNT),
-        units: str = Query("", description="Comma-separated ids of the work units finished."),
+        units: str = Query(
+            "",
+            description="Comma-separated work units finished (ID), or trained in part "
+            "(ID:COUNT, its samples trained so far).",
+        ),
     ) -> dict:
-        unit_ids = parse_unit_ids(units)  # before the body is read: a bad list costs nothing
+        # before the body is read: a bad list costs nothing
+        unit_ids, progress = parse_unit_reports(units)
         async with tensors_from(request) as tensors:
             return await run_in_threadpool(
                 lambda: coordinator.submit(
@@ -294,6 +303,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
                     fragment=fragment,
                     tokens=tokens,
                     units=unit_ids,
+                    progress=progress,
                 )
             )
 

@@ -107,7 +107,7 @@ class AsyncArrivals:
                 f"{pending}); wait for its result before sending another",
                 pending_round=pending,
             )
-        c.pool.check_reported(worker_id, submission.units)
+        c.check_units(submission)
         return None
 
     def folds_first(self, fragment: int) -> bool:
@@ -183,6 +183,8 @@ class AsyncArrivals:
             round=c.version,
             contributors=submitters,
             units=window.all_units(),
+            progress=window.all_progress(),
+            released=window.progress_of_departed(c.membership.is_live),
             tokens=window.tokens,
             seconds=time.perf_counter() - started,
             # Staleness of each: the window opened at the current version, its anchor before.

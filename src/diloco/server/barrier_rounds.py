@@ -116,16 +116,21 @@ class BarrierRounds:
             # Its pseudo-gradient comes too late to be used, but the units it reports were
             # trained: they go with the open round, and complete when it commits (a unit the
             # committed round already completed, a lost answer's retry, is not counted twice).
-            c.pool.check_reported(submission.worker_id, submission.units)
+            c.check_units(submission)
+            worker_id = submission.worker_id
             if submission.units:
-                carried = c.pool.leased_to(submission.worker_id, submission.units)
-                current.add_units(submission.worker_id, carried)
+                current.add_units(worker_id, c.pool.leased_to(worker_id, submission.units))
+            if submission.progress:
+                still = set(c.pool.leased_to(worker_id, list(submission.progress)))
+                current.add_progress(
+                    worker_id, {u: n for u, n in submission.progress.items() if u in still}
+                )
             submission.record.last_seen = c.clock()
             return self._answer("committed", round_number, fragment)
         if current.has(submission.worker_id, fragment):
             submission.record.last_seen = c.clock()
             return self._answer("duplicate", round_number, fragment)
-        c.pool.check_reported(submission.worker_id, submission.units)
+        c.check_units(submission)
         return None
 
     def folds_first(self, fragment: int) -> bool:
@@ -167,6 +172,8 @@ class BarrierRounds:
             round=c.version,
             contributors=sorted(current.submitters),
             units=current.all_units(),
+            progress=current.all_progress(),
+            released=current.progress_of_departed(c.membership.is_live),
             tokens=current.tokens,
             seconds=time.perf_counter() - started,
             fragment=fragment,

@@ -454,6 +454,17 @@ class Coordinator:
             faults.crash_point("leased")
             return answer
 
+    def leases_of(self, worker_id: str, dataset_id: str) -> dict:
+        """The units of a dataset leased to a live worker, each with the samples still to
+        train: what a worker resuming from its own checkpoint reconciles its position with."""
+        with self._lock:
+            self._require_healthy()
+            self._require_live(worker_id).last_seen = self.clock()
+            return {
+                "dataset_id": dataset_id,
+                "units": self.pool.lease_bodies(worker_id, dataset_id),
+            }
+
     def data_progress(self) -> list[dict]:
         with self._lock:
             return self.pool.progress()
@@ -599,6 +610,7 @@ class Coordinator:
         fragment: int = 0,
         tokens: int = 0,
         units: Sequence[int] = (),
+        progress: Mapping[int, int] | None = None,
     ) -> dict:
         """Fold one pseudo-gradient in; idempotent on (worker, round, fragment).
 
@@ -611,8 +623,11 @@ class Coordinator:
         fold; everything else is decided under it, before the scan and again after it.
         """
         units = sorted(set(units))
+        partial = dict(progress or {})
         with self._lock:
-            submission = self._admit(worker_id, round_number, fragment, tensors, tokens, units)
+            submission = self._admit(
+                worker_id, round_number, fragment, tensors, tokens, units, partial
+            )
             if not isinstance(submission, Submission):
                 return submission  # nothing to fold: the answer
             if isinstance(tensors, SpooledTensors) and self.engine.folds_first(fragment):
@@ -624,7 +639,14 @@ class Coordinator:
             # The state may have moved on during the scan (a commit, a retry that won); the
             # layout (names, shapes, dtypes against fixed specs) cannot have.
             submission = self._admit(
-                worker_id, round_number, fragment, tensors, tokens, units, check_layout=False
+                worker_id,
+                round_number,
+                fragment,
+                tensors,
+                tokens,
+                units,
+                partial,
+                check_layout=False,
             )
             if not isinstance(submission, Submission):
                 return submission
@@ -638,6 +660,7 @@ class Coordinator:
         tensors: Mapping[str, torch.Tensor] | SpooledTensors,
         tokens: int,
         units: list[int],
+        progress: dict[int, int],
         *,
         check_layout: bool = True,
     ) -> Submission | dict:
@@ -670,7 +693,7 @@ class Coordinator:
                 field="tokens",
                 got=tokens,
             )
-        submission = Submission(record, round_number, fragment, tensors, tokens, units)
+        submission = Submission(record, round_number, fragment, tensors, tokens, units, progress)
         answer = self.engine.admit(submission)
         if answer is not None:
             return answer
@@ -742,9 +765,18 @@ class Coordinator:
         reports (they complete with the step that applies it), the bytes it brought."""
         submission.record.last_seen = now  # only now: a rejection leaves the state as it was
         target.add_units(submission.worker_id, submission.units)
+        if submission.progress:
+            target.add_progress(submission.worker_id, submission.progress)
         submission.record.rounds_contributed += 1
         self.count_in(submission.nbytes)
         faults.crash_point("submission_folded")
+
+    def check_units(self, submission: Submission) -> None:
+        """422 unless every unit the submission reports (finished or in part) is the
+        worker's, and every partial count fits its unit (lock held; reads only)."""
+        self.pool.check_reported(submission.worker_id, submission.units)
+        if submission.progress:
+            self.pool.check_progress(submission.worker_id, submission.progress)
 
     def sums_storage(self) -> dict[str, torch.Tensor]:
         """The buffers a running mean's sums are written over, the same every step."""

@@ -51,6 +51,10 @@ class CommitRecord:
     fragment: int = 0
     fragment_round: int | None = None
     submissions: list[tuple[str, int, int]] = field(default_factory=list)
+    # Partly trained units: unit -> its trained prefix after this step; `released` are those
+    # of workers that left, which go back to the pool with their prefix.
+    progress: dict[int, int] = field(default_factory=dict)
+    released: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -62,6 +66,8 @@ class CommitRecord:
             "fragment": self.fragment,
             "fragment_round": self.fragment_round,
             "submissions": [list(s) for s in self.submissions],
+            "progress": {str(unit): count for unit, count in self.progress.items()},
+            "released": list(self.released),
         }
 
     @classmethod
@@ -76,7 +82,16 @@ class CommitRecord:
             fragment=int(data.get("fragment", 0)),
             fragment_round=None if fragment_round is None else int(fragment_round),
             submissions=[(str(w), int(r), int(st)) for w, r, st in data.get("submissions", [])],
+            progress={int(u): int(n) for u, n in data.get("progress", {}).items()},
+            released=[int(u) for u in data.get("released", [])],
         )
+
+    def apply_to(self, pool: WorkPool) -> None:
+        """The step's work units in the pool: finished ones completed, prefixes recorded,
+        the departed workers' partly trained units released (inside the step's transaction)."""
+        pool.complete(self.units, self.round)
+        pool.advance(self.progress, self.round)
+        pool.release_units(self.released)
 
     def store_in(self, state: StateStore) -> None:
         """The SQLite row of this step and of each pseudo-gradient it used."""
@@ -203,7 +218,7 @@ class RoundJournal:
             faults.crash_point("after_checkpoint")
         with self.state.transaction():
             record.store_in(self.state)
-            self.pool.complete(record.units, record.round)
+            record.apply_to(self.pool)
             self.state.record_metrics(record.round, seconds=record.seconds, **metrics)
         faults.crash_point("after_store_commit")
 
@@ -301,7 +316,7 @@ class RoundJournal:
                 self.state.audit("rolled_back", round=round_number, rounds=lost)
             if record is not None and not self.state.rounds_from(record.round):
                 record.store_in(self.state)
-                self.pool.complete(record.units, record.round)
+                record.apply_to(self.pool)
             for departed in self.state.departed_workers():
                 # Units a departed worker kept for an open round the crash lost: lease again.
                 self.pool.release_worker(departed)

@@ -32,10 +32,40 @@ class Round:
     tokens: int = 0
     running: RunningMean | None = None
     units: dict[str, list[int]] = field(default_factory=dict)  # worker -> units it finished
+    # worker -> {unit: samples of it trained so far}: prefixes recorded when the round commits
+    progress: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def units_of(self, worker_id: str) -> set[int]:
-        """Units reported with a submission in this round: they complete when it commits."""
-        return set(self.units.get(worker_id, ()))
+        """Units reported (finished or in part) with a submission in this round: they complete
+        or advance when it commits, so an eviction must not lease them again before."""
+        return set(self.units.get(worker_id, ())) | set(self.progress.get(worker_id, {}))
+
+    def add_progress(self, worker_id: str, progress: dict[int, int]) -> None:
+        """Partly trained units a worker reports with this round (the largest count wins)."""
+        mine = self.progress.setdefault(worker_id, {})
+        for unit_id, count in progress.items():
+            mine[unit_id] = max(count, mine.get(unit_id, 0))
+
+    def all_progress(self) -> dict[int, int]:
+        """Every partly trained unit of the round and its prefix (finished units left out)."""
+        finished = set(self.all_units())
+        merged: dict[int, int] = {}
+        for progress in self.progress.values():
+            for unit_id, count in progress.items():
+                if unit_id not in finished:
+                    merged[unit_id] = max(count, merged.get(unit_id, 0))
+        return dict(sorted(merged.items()))
+
+    def progress_of_departed(self, live: Callable[[str], bool]) -> list[int]:
+        """Partly trained units of workers no longer live: back to the pool at the commit."""
+        finished = set(self.all_units())
+        return sorted(
+            unit_id
+            for worker_id, progress in self.progress.items()
+            if not live(worker_id)
+            for unit_id in progress
+            if unit_id not in finished
+        )
 
     def add_units(self, worker_id: str, units: Iterable[int]) -> None:
         """Units a worker reports with this round (with a submission, or carried over from a

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +13,8 @@ from diloco.wire import SpooledTensors
 
 @dataclass(frozen=True)
 class Submission:
-    """Keyed by (worker, round, fragment); `units` are the work units it reports finished."""
+    """Keyed by (worker, round, fragment); `units` are the work units it reports finished,
+    `progress` those trained in part (unit -> samples of it trained so far)."""
 
     record: WorkerRecord
     round: int
@@ -21,6 +22,7 @@ class Submission:
     tensors: Mapping[str, torch.Tensor] | SpooledTensors
     tokens: int
     units: list[int]
+    progress: dict[int, int] = field(default_factory=dict)
 
     @property
     def worker_id(self) -> str:

@@ -6,6 +6,11 @@ its own keys from the pair), cut into units of `unit_size` consecutive positions
 may be shorter. A unit is leased to one worker at a time and counts as completed only when the
 round that trained it commits, so after any crash every sample of an epoch is trained once.
 
+A unit may also be trained in part: a submission reports `unit:count`, the count of its
+samples trained so far (from the unit's first), and the round that commits it records the
+unit's `trained` prefix. A unit that goes back to the pool keeps its prefix, and its next lease
+hands out only the rest, so no sample is trained twice whoever trains the unit next.
+
 Units are created lazily: an epoch is a cursor `next_unit` (units below it have a row) and a
 row per unit ever leased, so a dataset of 1e9 samples costs nothing until it is trained. A
 released unit keeps its row in state 'free' and its stable unit_id, and is leased again before
@@ -64,6 +69,7 @@ CREATE TABLE IF NOT EXISTS wu_units (
     worker_id TEXT,
     leased_at REAL,
     completed_round INTEGER,
+    trained INTEGER NOT NULL DEFAULT 0,  -- samples of its prefix that committed rounds trained
     UNIQUE (dataset_id, epoch, unit_index),
     FOREIGN KEY (dataset_id, epoch) REFERENCES wu_epochs(dataset_id, epoch)
 );
@@ -75,6 +81,13 @@ CREATE TABLE IF NOT EXISTS wu_lease_requests (
     at REAL NOT NULL,
     PRIMARY KEY (worker_id, lease_key)
 );
+CREATE TABLE IF NOT EXISTS wu_progress (
+    round INTEGER NOT NULL,            -- the outer step that trained the prefix
+    unit_id INTEGER NOT NULL,
+    before INTEGER NOT NULL,
+    after INTEGER NOT NULL,
+    PRIMARY KEY (round, unit_id)
+);
 CREATE INDEX IF NOT EXISTS wu_units_by_state
     ON wu_units(dataset_id, epoch, state, unit_index);
 CREATE INDEX IF NOT EXISTS wu_units_by_worker ON wu_units(worker_id, state);
@@ -85,7 +98,7 @@ CREATE INDEX IF NOT EXISTS wu_units_by_round
 _REMEMBERED_LEASES = 8
 
 _UNIT_COLUMNS = (
-    "unit_id, dataset_id, epoch, unit_index, state, worker_id, leased_at, completed_round"
+    "unit_id, dataset_id, epoch, unit_index, state, worker_id, leased_at, completed_round, trained"
 )
 
 
@@ -135,6 +148,9 @@ class WorkPool:
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 conn.execute(statement)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(wu_units)")}
+        if "trained" not in columns:  # a state dir from before partial units
+            conn.execute("ALTER TABLE wu_units ADD COLUMN trained INTEGER NOT NULL DEFAULT 0")
 
     # ------------------------------------------------------------------ datasets
 
@@ -216,7 +232,7 @@ class WorkPool:
             if replay is not None:
                 return replay
         count = min(count, max(1, MAX_LEASE_SAMPLES // shape["unit_size"]))
-        picked: list[tuple[int, int, int]] = []  # (unit_id, epoch, index)
+        picked: list[tuple[int, int, int, int]] = []  # (unit_id, epoch, index, trained)
         epochs = self.conn.execute(
             "SELECT epoch, next_unit FROM wu_epochs WHERE dataset_id = ? ORDER BY epoch",
             (dataset_id,),
@@ -271,7 +287,9 @@ class WorkPool:
         for unit_id in json.loads(row[1]):
             unit = self.unit(unit_id)
             if unit is not None and unit["state"] == "leased" and unit["worker_id"] == worker_id:
-                units.append(self._unit_body(shape, unit_id, unit["epoch"], unit["index"]))
+                units.append(
+                    self._unit_body(shape, unit_id, unit["epoch"], unit["index"], unit["trained"])
+                )
         return {
             "status": "leased" if units else "exhausted",
             "dataset_id": dataset_id,
@@ -295,6 +313,16 @@ class WorkPool:
         )
         return cursor.rowcount
 
+    def lease_bodies(self, worker_id: str, dataset_id: str) -> list[dict]:
+        """The units of `dataset_id` leased to a worker now, as a lease answers them (the
+        samples still to train, from `start`), oldest lease first."""
+        shape = self._require_dataset(dataset_id)
+        return [
+            self._unit_body(shape, u["unit_id"], u["epoch"], u["index"], u["trained"])
+            for u in self.leases_of(worker_id)
+            if u["dataset_id"] == dataset_id
+        ]
+
     def leases_of(self, worker_id: str, *, indices: bool = False) -> list[dict]:
         """The units a worker holds now, oldest lease first; with their indices on request."""
         rows = self.conn.execute(
@@ -307,7 +335,9 @@ class WorkPool:
             unit = self._unit_dict(row)
             if indices:
                 shape = self._require_dataset(unit["dataset_id"])
-                unit["indices"] = self.indices(shape, unit["epoch"], unit["index"])
+                unit["indices"] = self.indices(shape, unit["epoch"], unit["index"])[
+                    unit["trained"] :
+                ]
             leases.append(unit)
         return leases
 
@@ -377,8 +407,72 @@ class WorkPool:
         )
         return len(fresh)
 
+    def check_progress(self, worker_id: str, progress: dict[int, int]) -> None:
+        """Refuses partial reports (unit -> samples of it trained so far) that name a unit the
+        worker does not hold, or a count outside 1..(its length - 1)."""
+        self.check_reported(worker_id, list(progress))
+        rows = self._units_by_id(list(progress))
+        for unit_id, count in progress.items():
+            length = self.unit_length(rows[unit_id])
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 < count < length:
+                raise Rejection(
+                    422,
+                    "invalid_request",
+                    f"field 'units': unit {unit_id} has {length} samples; a partly trained "
+                    f"unit reports 1..{length - 1} of them, got {count}",
+                    field="units",
+                    unit_id=unit_id,
+                    got=count,
+                )
+
+    def advance(self, progress: dict[int, int], round_number: int) -> int:
+        """Record the trained prefixes a committed round carries; returns how many moved.
+
+        A prefix only grows (a retry or an older report changes nothing), and a completed unit
+        is left alone. Each move is logged for `rollback_after`."""
+        moved = 0
+        rows = self._units_by_id(sorted(progress))
+        for unit_id, count in sorted(progress.items()):
+            row = rows.get(unit_id)
+            if row is None or row["state"] == "completed" or count <= row["trained"]:
+                continue
+            self.conn.execute(
+                "INSERT OR REPLACE INTO wu_progress (round, unit_id, before, after)"
+                " VALUES (?, ?, ?, ?)",
+                (round_number, unit_id, row["trained"], count),
+            )
+            self.conn.execute("UPDATE wu_units SET trained = ? WHERE unit_id = ?", (count, unit_id))
+            moved += 1
+        return moved
+
+    def release_units(self, unit_ids: Sequence[int]) -> int:
+        """Returns leased units to the pool (their trained prefix stays): a departed worker's
+        partly trained units, once the round that carried their prefix has committed."""
+        ids = sorted(set(unit_ids))
+        released = 0
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            cursor = self.conn.execute(
+                "UPDATE wu_units SET state = 'free', worker_id = NULL, leased_at = NULL"
+                f" WHERE state = 'leased' AND unit_id IN ({marks})",
+                chunk,
+            )
+            released += cursor.rowcount
+        return released
+
     def rollback_after(self, round_number: int) -> int:
-        """Frees units completed in rounds above `round_number`: a crash lost those rounds."""
+        """Frees units completed in rounds above `round_number` and shrinks the prefixes those
+        rounds trained back to what they were: a crash lost those rounds."""
+        moves = self.conn.execute(
+            "SELECT unit_id, before FROM wu_progress WHERE round > ? ORDER BY round DESC",
+            (round_number,),
+        ).fetchall()
+        for unit_id, before in moves:  # newest first: each unit ends at its oldest `before`
+            self.conn.execute(
+                "UPDATE wu_units SET trained = ? WHERE unit_id = ?", (before, unit_id)
+            )
+        self.conn.execute("DELETE FROM wu_progress WHERE round > ?", (round_number,))
         cursor = self.conn.execute(
             "UPDATE wu_units SET state = 'free', worker_id = NULL, leased_at = NULL,"
             " completed_round = NULL WHERE state = 'completed' AND completed_round > ?",
@@ -485,25 +579,25 @@ class WorkPool:
 
     def _take_free(
         self, dataset_id: str, epoch: int, count: int, holder: tuple[str, float]
-    ) -> list[tuple[int, int, int]]:
+    ) -> list[tuple[int, int, int, int]]:
         """Leases released units of an epoch, lowest index first (all lie below its cursor)."""
         if count <= 0:
             return []
         rows = self.conn.execute(
-            "SELECT unit_id, unit_index FROM wu_units"
+            "SELECT unit_id, unit_index, trained FROM wu_units"
             " WHERE dataset_id = ? AND epoch = ? AND state = 'free'"
             " ORDER BY unit_index LIMIT ?",
             (dataset_id, epoch, count),
         ).fetchall()
         self.conn.executemany(
             "UPDATE wu_units SET state = 'leased', worker_id = ?, leased_at = ? WHERE unit_id = ?",
-            [(*holder, unit_id) for unit_id, _ in rows],
+            [(*holder, unit_id) for unit_id, _, _ in rows],
         )
-        return [(unit_id, epoch, index) for unit_id, index in rows]
+        return [(unit_id, epoch, index, trained) for unit_id, index, trained in rows]
 
     def _take_new(
         self, shape: dict, epoch: int, next_unit: int, count: int, holder: tuple[str, float]
-    ) -> list[tuple[int, int, int]]:
+    ) -> list[tuple[int, int, int, int]]:
         """Leases the next `count` never-leased units of an epoch: new rows, cursor moved on."""
         stop = min(shape["units_per_epoch"], next_unit + max(0, count))
         if stop <= next_unit:
@@ -516,20 +610,31 @@ class WorkPool:
                 " leased_at) VALUES (?, ?, ?, 'leased', ?, ?)",
                 (dataset_id, epoch, index, *holder),
             )
-            taken.append((cursor.lastrowid, epoch, index))
+            taken.append((cursor.lastrowid, epoch, index, 0))
         self.conn.execute(
             "UPDATE wu_epochs SET next_unit = ? WHERE dataset_id = ? AND epoch = ?",
             (stop, dataset_id, epoch),
         )
         return taken
 
-    def _unit_body(self, shape: dict, unit_id: int, epoch: int, index: int) -> dict:
+    def _unit_body(
+        self, shape: dict, unit_id: int, epoch: int, index: int, trained: int = 0
+    ) -> dict:
+        """A leased unit as the worker gets it: `indices` are the samples still to train, from
+        position `start` of the unit (its prefix before `start` was trained already)."""
         return {
             "unit_id": unit_id,
             "epoch": epoch,
             "index": index,
-            "indices": self.indices(shape, epoch, index),
+            "start": trained,
+            "indices": self.indices(shape, epoch, index)[trained:],
         }
+
+    def unit_length(self, unit: dict) -> int:
+        """How many samples a unit has (the last one of an epoch may be short)."""
+        shape = self._require_dataset(unit["dataset_id"])
+        first = unit["index"] * shape["unit_size"]
+        return min(shape["unit_size"], shape["length"] - first)
 
     def _check_unit_ids(self, unit_ids: Sequence[int]) -> list[int]:
         if isinstance(unit_ids, (str, bytes)) or not isinstance(unit_ids, Sequence):
@@ -556,7 +661,9 @@ class WorkPool:
 
     @staticmethod
     def _unit_dict(row: tuple) -> dict:
-        unit_id, dataset_id, epoch, index, state, worker_id, leased_at, completed_round = row
+        unit_id, dataset_id, epoch, index, state, worker_id, leased_at, completed_round, trained = (
+            row
+        )
         return {
             "unit_id": unit_id,
             "dataset_id": dataset_id,
@@ -566,4 +673,5 @@ class WorkPool:
             "worker_id": worker_id,
             "leased_at": leased_at,
             "round": completed_round,
+            "trained": trained,
         }

@@ -55,6 +55,7 @@ from diloco.wire.validation import (
     check_protocol_version,
     parse_request,
     parse_unit_ids,
+    parse_unit_reports,
     validation_error_to_wire,
 )
 
@@ -103,6 +104,7 @@ __all__ = [
     "parse_content_length",
     "parse_request",
     "parse_unit_ids",
+    "parse_unit_reports",
     "parse_wire_dtype",
     "read_body",
     "safetensors_code",

@@ -170,10 +170,19 @@ def parse_request(model: type[Model], body: bytes | bytearray | str | object) ->
 MAX_UNITS_PER_SUBMISSION = 4096
 
 
-def parse_unit_ids(text: str) -> list[int]:
-    """The `units` query field: comma-separated work-unit ids (an empty string is none)."""
+def _positive_int(part: str) -> int | None:
+    # ASCII digits only: str.isdigit() also passes '²', which int() refuses. Ids and counts
+    # start at 1, so 0 is refused here too, naming this field.
+    if not (part.isascii() and part.isdigit()) or len(part) > 18 or not part.strip("0"):
+        return None
+    return int(part)
+
+
+def parse_unit_reports(text: str) -> tuple[list[int], dict[int, int]]:
+    """The `units` query field: comma-separated work units finished (`ID`) or trained in part
+    (`ID:COUNT`, the samples of the unit trained so far, from its first); empty is none."""
     if not text:
-        return []
+        return [], {}
     parts = text.split(",")
     if len(parts) > MAX_UNITS_PER_SUBMISSION:
         raise WireError(
@@ -183,18 +192,46 @@ def parse_unit_ids(text: str) -> list[int]:
             "may be reported with one submission",
             field="units",
         )
-    ids = []
+    finished: list[int] = []
+    partial: dict[int, int] = {}
     for part in parts:
-        # ASCII digits only: str.isdigit() also passes '²', which int() refuses. Unit ids
-        # start at 1, so 0 is refused here too, naming this field.
-        if not (part.isascii() and part.isdigit()) or len(part) > 18 or not part.strip("0"):
+        unit_text, colon, count_text = part.partition(":")
+        unit_id = _positive_int(unit_text)
+        count = _positive_int(count_text) if colon else None
+        if unit_id is None or (colon and count is None):
             raise WireError(
                 422,
                 "invalid_request",
-                f"field 'units' must be comma-separated unit ids (integers >= 1), got "
-                f"{_short(part)!r}",
+                "field 'units' must be comma-separated unit ids (integers >= 1), each "
+                f"optionally ':COUNT' (samples trained, >= 1); got {_short(part)!r}",
                 field="units",
                 got=_short(part),
             )
-        ids.append(int(part))
-    return ids
+        if unit_id in partial or unit_id in finished:
+            raise WireError(
+                422,
+                "invalid_request",
+                f"field 'units' names unit {unit_id} more than once",
+                field="units",
+                got=unit_id,
+            )
+        if count is None:
+            finished.append(unit_id)
+        else:
+            partial[unit_id] = count
+    return finished, partial
+
+
+def parse_unit_ids(text: str) -> list[int]:
+    """The finished units of a `units` field that may not report partly trained ones."""
+    finished, partial = parse_unit_reports(text)
+    if partial:
+        unit_id = next(iter(partial))
+        raise WireError(
+            422,
+            "invalid_request",
+            f"field 'units' must be unit ids here, got '{unit_id}:{partial[unit_id]}'",
+            field="units",
+            got=f"{unit_id}:{partial[unit_id]}",
+        )
+    return finished

@@ -383,15 +383,19 @@ class DiLoCoClient:
         fragment: int = 0,
         tokens: int = 0,
         units: Sequence[int] = (),
+        progress: Mapping[int, int] | None = None,
     ) -> dict[str, Any]:
         """Send one pseudo-gradient; a retry of the same (worker, round, fragment) counts once.
 
         `units`: ids of the work units finished since the last submission; they complete when
-        this round commits.
+        this round commits. `progress`: units trained in part, unit -> samples of it trained
+        so far; the round records that prefix, and the rest is all that is ever leased again.
         """
         query: dict[str, Any] = {"worker_id": worker_id, "fragment": fragment, "tokens": tokens}
-        if units:
-            query["units"] = ",".join(str(int(u)) for u in units)
+        reports = [str(int(u)) for u in units]
+        reports += [f"{int(u)}:{int(n)}" for u, n in (progress or {}).items()]
+        if reports:
+            query["units"] = ",".join(reports)
         reply = self._call(
             "submit",
             "POST",
@@ -483,6 +487,16 @@ class DiLoCoClient:
             },
         )
 
+    def leases(self, worker_id: str, dataset_id: str) -> dict[str, Any]:
+        """The units of `dataset_id` leased to `worker_id` now, each with the samples still to
+        train (after a resume, the truth about what the rounds since the checkpoint trained)."""
+        return self._json_call(
+            "leases",
+            "GET",
+            f"/v1/datasets/{quote(dataset_id, safe='')}/leases",
+            query={"worker_id": worker_id},
+        )
+
     def heartbeat(
         self,
         worker_id: str,
@@ -541,13 +555,21 @@ class DiLoCoClient:
     # -- machinery ----------------------------------------------------------------------------
 
     def _json_call(
-        self, operation: str, method: str, path: str, *, payload: Any = None
+        self,
+        operation: str,
+        method: str,
+        path: str,
+        *,
+        payload: Any = None,
+        query: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         body = None
         if payload is not None:
             body = json.dumps(payload, allow_nan=False, separators=(",", ":")).encode()
         content_type = "application/json" if body is not None else None
-        reply = self._call(operation, method, path, body=body, content_type=content_type)
+        reply = self._call(
+            operation, method, path, query=query, body=body, content_type=content_type
+        )
         return _json_dict(self._success(reply))
 
     @staticmethod

@@ -76,6 +76,7 @@ class LeasedSampler(Sampler[int]):
         self._finished: list[int] = []  # finished, not yet reported
         self._open_next_epoch = False
         self.rejoin: Callable[[], None] | None = None  # re-register after an eviction
+        self.trace: list[tuple[int, int]] | None = None  # (epoch, index) handed out, if traced
         self.epoch = int(self.dataset.get("epoch", 0))
 
     @classmethod
@@ -86,10 +87,15 @@ class LeasedSampler(Sampler[int]):
         sampler = cls(worker.client, lambda: worker.worker_id, dataset_id, length, **options)
         sampler.rejoin = worker._reregister
         worker.data = sampler
+        if getattr(worker, "sample_trace", None) is not None:
+            sampler.trace = []
         resumed = getattr(worker, "resumed", None)
         saved = None if resumed is None else resumed.extra.get("data")
         if saved is not None and saved.get("dataset_id") == dataset_id:
             sampler.load_state_dict(saved)  # the leases it held stay leased to the same id
+            # Rounds may have committed since the checkpoint (with our submission in them, or
+            # without us after an eviction): the server's leases say what is left to train.
+            sampler.reconcile(worker.client.leases(worker.worker_id, dataset_id)["units"])
         return sampler
 
     def __iter__(self) -> Iterator[int]:
@@ -117,6 +123,8 @@ class LeasedSampler(Sampler[int]):
                     if int(unit["unit_id"]) not in self._finished:
                         self._finished.append(int(unit["unit_id"]))
             if index is not None:
+                if self.trace is not None:
+                    self.trace.append((int(unit["epoch"]), int(index)))
                 yield index
 
     def _lease(self, next_epoch: bool) -> dict:
@@ -140,9 +148,38 @@ class LeasedSampler(Sampler[int]):
 
     # ----------------------------------------------------------------- for the DiLoCoWorker
 
+    def drain_trace(self) -> list[tuple[int, int]]:
+        """The (epoch, index) samples handed out since the last call (tracing on)."""
+        with self._lock:
+            drained, self.trace = self.trace or [], [] if self.trace is not None else None
+        return drained
+
     def finished_units(self) -> list[int]:
         with self._lock:
             return list(self._finished)
+
+    def progress(self) -> dict[int, int]:
+        """The unit being trained, if it is under way: unit -> samples of it trained so far
+        (counted from the unit's first sample). Reported with a submission, the committed
+        round records that prefix, and only the rest is ever leased again."""
+        with self._lock:
+            if not self._queue or self._offset == 0:
+                return {}
+            unit = self._queue[0]
+            return {int(unit["unit_id"]): int(unit.get("start", 0)) + self._offset}
+
+    def reconcile(self, leased: Sequence[dict]) -> None:
+        """Take the server's view of our leases (after a resume): units it no longer leases
+        to us (completed, or released at an eviction) are dropped, and every unit restarts
+        at the samples it still has to train; units leased to us since the checkpoint
+        follow ours."""
+        held = {int(unit["unit_id"]): dict(unit) for unit in leased}
+        with self._lock:
+            self._finished = [u for u in self._finished if u in held]
+            order = [int(u["unit_id"]) for u in self._queue if int(u["unit_id"]) in held]
+            order += [u for u in sorted(held) if u not in order and u not in self._finished]
+            self._queue = [held[u] for u in order if held[u]["indices"]]
+            self._offset = 0
 
     def reported(self, units: Sequence[int]) -> None:
         """The round that carried `units` committed: they are completed on the server."""
@@ -151,8 +188,14 @@ class LeasedSampler(Sampler[int]):
             self._finished = [u for u in self._finished if u not in done]
 
     def forget(self, units: Sequence[int]) -> None:
-        """Units the server no longer leases to us (we were evicted): not ours to report."""
+        """Units the server no longer leases to us (we were evicted): not ours to report, nor
+        to train on."""
         self.reported(units)
+        gone = set(units)
+        with self._lock:
+            if self._queue and int(self._queue[0]["unit_id"]) in gone:
+                self._offset = 0
+            self._queue = [u for u in self._queue if int(u["unit_id"]) not in gone]
 
     # ----------------------------------------------------------------- worker checkpoint
 

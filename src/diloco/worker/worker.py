@@ -45,6 +45,7 @@ from diloco.worker.retry import RetryPolicy
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.streaming import FragmentStreamer
 from diloco.worker.tokens import TokenCounter
+from diloco.worker.trace import SampleTrace
 
 log = logging.getLogger("diloco.worker")
 
@@ -201,6 +202,7 @@ class DiLoCoWorker:
         self.fragment_plan: list[list[str]] | None = None
         self.fragment_rounds: list[int] = []
         self.data = data  # a LeasedSampler (diloco.worker.data) whose units we report
+        self.sample_trace = SampleTrace.from_env()  # DILOCO_TRACE_SAMPLES: audits only
         self.scheduler = scheduler
         self.checkpoint_dir = checkpoint_dir
         self.resumed: WorkerCheckpoint | None = None
@@ -459,7 +461,11 @@ class DiLoCoWorker:
         body = encode_tensors(gradient, float_dtype=self.settings.upload_dtype)
         del gradient
         units = self.units_to_report()
-        result = self.exchange(body, units, self.round)
+        progress = self.progress_to_report()
+        drain = getattr(self.data, "drain_trace", None)
+        if self.sample_trace is not None and callable(drain) and self.worker_id is not None:
+            self.sample_trace.record(self.worker_id, self.round, drain())
+        result = self.exchange(body, units, self.round, progress=progress)
         if result.rebase_rounds is None:
             self.units_reported(units)
         return result
@@ -473,14 +479,18 @@ class DiLoCoWorker:
         fragment: int = 0,
         cancelled: Callable[[], bool] | None = None,
         tokens: int | None = None,
+        progress: dict[int, int] | None = None,
     ) -> Exchanged:
         """Submit one pseudo-gradient (of a fragment) and wait for its result, riding through
         evictions, restarts and lost answers; a server behind us is a rebase. `tokens`
-        defaults to the tokens trained this round."""
+        defaults to the tokens trained this round; `progress` is the unit under way."""
         tokens = self.tokens_in_round if tokens is None else tokens
+        progress = dict(progress or {})
         try:
-            self._submit(body, units, round_number, fragment, tokens)
-            return self._await_result(body, units, round_number, fragment, cancelled, tokens)
+            self._submit(body, units, round_number, fragment, tokens, progress)
+            return self._await_result(
+                body, units, round_number, fragment, cancelled, tokens, progress
+            )
         except ServerError as exc:
             if exc.kind != "future_round":
                 raise
@@ -495,12 +505,23 @@ class DiLoCoWorker:
             return []
         return self.data.finished_units()[:MAX_UNITS_PER_SUBMISSION]
 
+    def progress_to_report(self) -> dict[int, int]:
+        """The unit under way and the samples of it trained (a server-dispatched source)."""
+        progress = getattr(self.data, "progress", None)
+        return progress() if callable(progress) else {}
+
     def units_reported(self, units: list[int]) -> None:
         if self.data is not None:
             self.data.reported(units)
 
     def _submit(
-        self, body: bytearray, units: list[int], round_number: int, fragment: int, tokens: int
+        self,
+        body: bytearray,
+        units: list[int],
+        round_number: int,
+        fragment: int,
+        tokens: int,
+        progress: dict[int, int],
     ) -> None:
         assert self.client is not None and self.worker_id is not None
         while True:
@@ -512,17 +533,21 @@ class DiLoCoWorker:
                     fragment=fragment,
                     tokens=tokens,
                     units=units,
+                    progress=progress,
                 )
                 return
             except ServerError as exc:
                 detail = exc.detail if isinstance(exc.detail, dict) else {}
                 lost_unit = detail.get("unit_id")
-                if exc.kind in ("unit_not_leased", "unknown_unit") and lost_unit in units:
+                lost = lost_unit in units or lost_unit in progress
+                if exc.kind in ("unit_not_leased", "unknown_unit") and lost:
                     # We were evicted and our leases went to others: not ours to report.
                     log.warning(
                         "work unit %s is no longer leased to us; not reporting it", lost_unit
                     )
-                    units.remove(lost_unit)
+                    if lost_unit in units:
+                        units.remove(lost_unit)
+                    progress.pop(lost_unit, None)
                     if self.data is not None:
                         self.data.forget([lost_unit])
                     continue
@@ -538,6 +563,7 @@ class DiLoCoWorker:
         fragment: int,
         cancelled: Callable[[], bool] | None,
         tokens: int,
+        progress: dict[int, int],
     ) -> Exchanged:
         assert self.client is not None and self.worker_id is not None
         started = time.monotonic()
@@ -564,7 +590,7 @@ class DiLoCoWorker:
                     continue
                 if exc.kind == "not_submitted":  # the server restarted without it: send again
                     log.warning("round %d lost our submission; sending it again", round_number)
-                    self._submit(body, units, round_number, fragment, tokens)
+                    self._submit(body, units, round_number, fragment, tokens, progress)
                     continue
                 if exc.kind == "result_expired":
                     return self._from_current_weights(fragment)
