@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from diloco.server.app import create_app
 from diloco.server.coordinator import Coordinator
+from diloco.server.http_protocol import DilocoHttpProtocol
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
@@ -148,6 +149,7 @@ def build_server(
         create_app(coordinator, token),
         host=host,
         port=port,
+        http=DilocoHttpProtocol,  # parser errors answered as JSON, after the whole requests
         log_level=log_level,
         access_log=False,
         timeout_keep_alive=75,

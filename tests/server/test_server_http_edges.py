@@ -1,0 +1,179 @@
+"""`diloco server` at the edges of HTTP, over raw sockets: bytes that are not HTTP, bodies cut
+short or with a wrong header, clients that leave, protocol versions, a slow checkpoint."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from diloco.wire import encode_tensors, specs_of
+
+SHAPE = (256, 256)  # 256 KiB of fp32: a body that arrives in several reads
+PROTOCOL = b"X-Diloco-Protocol: 1\r\n"
+CLOSE = PROTOCOL + b"Connection: close\r\n"  # one request, then the server closes
+
+
+def start(server_process, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    init = tmp_path / "init.safetensors"
+    save_file({"w": torch.full(SHAPE, 10.0)}, str(init))
+    server = server_process(
+        "--init", str(init), "--sync-every", "1", "--log-level", "info", *args, env=env
+    )
+    return server, int(server.url.rsplit(":", 1)[1])
+
+
+def exchange(port: int, data: bytes, wait: float = 10.0) -> bytes:
+    """Send `data` on one connection and read until the server closes it (or `wait` passes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as connection:
+        connection.sendall(data)
+        received = b""
+        deadline = time.monotonic() + wait
+        try:
+            while time.monotonic() < deadline:
+                chunk = connection.recv(1 << 16)
+                if not chunk:
+                    break
+                received += chunk
+        except TimeoutError:
+            pass
+        return received
+
+
+def responses(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """Split what came back on one connection into (status, headers, body) answers."""
+    answers = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
+        length = int(headers.get("content-length", "0"))
+        answers.append((int(status_line.split()[1]), headers, data[:length]))
+        data = data[length:]
+    return answers
+
+
+def request(method: str, path: str, body: bytes = b"", headers: bytes = CLOSE) -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() + headers
+    if body or method in ("POST", "PUT"):
+        head += f"Content-Length: {len(body)}\r\n".encode()
+    return head + b"\r\n" + body
+
+
+def json_answer(port: int, data: bytes) -> tuple[int, dict]:
+    (status, _, body), *rest = responses(exchange(port, data))
+    assert not rest
+    return status, json.loads(body)
+
+
+def register(port: int, worker_id: str) -> None:
+    specs = [s.to_json() for s in specs_of({"w": torch.zeros(SHAPE)}, {"w": "trainable"})]
+    message = {"protocol_version": 1, "worker_id": worker_id, "tensors": specs}
+    status, answer = json_answer(port, request("POST", "/v1/workers", json.dumps(message).encode()))
+    assert status == 200, answer
+
+
+def version(port: int) -> int:
+    status, info = json_answer(port, request("GET", "/v1/info"))
+    assert status == 200, info
+    return info["round"]
+
+
+def gradient(value: float = -2.0) -> bytes:
+    return bytes(encode_tensors({"w": torch.full(SHAPE, value)}))
+
+
+def assert_malformed_http(status: int, headers: dict[str, str], body: bytes) -> dict:
+    assert status == 400, body
+    assert headers["content-type"] == "application/json"
+    assert headers["connection"] == "close"
+    answer = json.loads(body)
+    assert set(answer) == {"error", "kind", "detail"} and answer["kind"] == "malformed_http"
+    assert answer["detail"]["reason"] and answer["detail"]["reason"] in answer["error"]
+    return answer
+
+
+SUBMIT = "/v1/rounds/0/submissions?worker_id=w0"
+
+
+def submission_head(length: bytes, extra: bytes = b"") -> bytes:
+    return (
+        f"POST {SUBMIT} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+        + PROTOCOL
+        + b"Content-Length: "
+        + length
+        + b"\r\n"
+        + extra
+        + b"\r\n"
+    )
+
+
+# -- 11: framing --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("length", "extra"),
+    [
+        (b"99999999999999999999999999", b""),
+        (b"12abc", b""),
+        (b"-5", b""),
+        (b"%d", b"Content-Length: 12\r\n"),
+    ],
+    ids=["huge", "non-numeric", "negative", "duplicated"],
+)
+def test_malformed_framing_is_the_json_400_and_changes_nothing(
+    server_process, tmp_path, length, extra
+):
+    server, port = start(server_process, tmp_path)
+    register(port, "w0")
+    body = gradient()
+    if length == b"%d":
+        length = str(len(body)).encode()
+    # Headers only: the server refuses them and closes before a body would be read.
+    (answer, *rest) = responses(exchange(port, submission_head(length, extra)))
+    assert_malformed_http(*answer)
+    assert rest == []  # and the connection was closed
+    assert version(port) == 0
+    log = server.log.read_text()
+    assert "Traceback" not in log and "ERROR" not in log
+
+
+def test_stray_bytes_after_a_whole_submission_answer_it_then_refuse_the_garbage(
+    server_process, tmp_path
+):
+    """The submission was complete and valid: it is applied and its answer says so; the bytes
+    after it are a second "request" that is refused with the JSON 400, then the connection
+    closes. Nothing the client was told was refused has been applied."""
+    server, port = start(server_process, tmp_path)
+    register(port, "w0")
+    body = gradient()
+    sent = submission_head(str(len(body)).encode()) + body + b"garbage that is not HTTP\r\n\r\n"
+    first, second, *rest = responses(exchange(port, sent))
+    assert first[0] == 200, first
+    assert json.loads(first[2])["status"] == "accepted"
+    assert_malformed_http(*second)
+    assert rest == []
+    assert version(port) == 1  # the round committed, as the 200 said
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_a_body_shorter_than_its_length_on_keep_alive_is_refused_and_not_applied(
+    server_process, tmp_path
+):
+    """The next request's first bytes complete the short body: it is not a safetensors file
+    (422), and what is left of the next request is not HTTP (400). Nothing is applied."""
+    server, port = start(server_process, tmp_path)
+    register(port, "w0")
+    body = gradient()
+    sent = submission_head(str(len(body) + 10).encode()) + body + request("GET", "/v1/info")
+    first, second, *rest = responses(exchange(port, sent))
+    assert first[0] == 422 and json.loads(first[2])["kind"] == "malformed_safetensors"
+    assert_malformed_http(*second)
+    assert rest == []
+    assert version(port) == 0
+    assert "Traceback" not in server.log.read_text()
