@@ -177,3 +177,25 @@ def test_a_body_shorter_than_its_length_on_keep_alive_is_refused_and_not_applied
     assert rest == []
     assert version(port) == 0
     assert "Traceback" not in server.log.read_text()
+
+
+# -- 13: a client that leaves mid-body ----------------------------------------------------------
+
+
+def test_a_client_that_leaves_mid_body_is_one_info_line(server_process, tmp_path):
+    server, port = start(server_process, tmp_path)
+    register(port, "w0")
+    body = gradient()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(submission_head(str(len(body)).encode()) + body[: len(body) // 2])
+        time.sleep(0.3)  # the server is reading the body
+    deadline = time.monotonic() + 10
+    while "disconnected" not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.log.read_text()
+    lines = [line for line in log.splitlines() if "disconnected" in line]
+    assert len(lines) == 1, log
+    assert " INFO " in lines[0] and "/v1/rounds/0/submissions" in lines[0] and "w0" in lines[0]
+    assert "Traceback" not in log and "ERROR" not in log
+    assert version(port) == 0
+    register(port, "w1")  # the server goes on

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from diloco import __version__, faults
 from diloco.server.coordinator import Coordinator
@@ -101,6 +102,19 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     @app.exception_handler(WireError)
     async def on_wire_error(_request: Request, exc: WireError) -> JSONResponse:
         return reject(exc.status, exc.to_body())
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_disconnect(request: Request, _exc: ClientDisconnect) -> Response:
+        # An ordinary event (a worker killed or cut off mid-upload): nothing was applied, and
+        # nobody is left to read an answer.
+        worker = request.path_params.get("worker_id") or request.query_params.get("worker_id")
+        log.info(
+            "client disconnected before its request was read: %s %s (worker %s)",
+            request.method,
+            request.url.path,
+            worker or "unknown",
+        )
+        return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
