@@ -26,7 +26,7 @@ import urllib3
 from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.server.settings import ServerSettings
-from diloco.wire import decode_tensors, encode_tensors, fingerprint, specs_of
+from diloco.wire import PROTOCOL_HEADER, decode_tensors, encode_tensors, fingerprint, specs_of
 
 TOKEN = "s3cret-token"
 TIMEOUT = urllib3.Timeout(connect=5.0, read=20.0)
@@ -88,7 +88,7 @@ class Api:
         json_body: Any = None,
         authorization: str | None = None,
     ) -> urllib3.BaseHTTPResponse:
-        headers = {}
+        headers = {PROTOCOL_HEADER: "1"}
         if authorization is not None:
             headers["Authorization"] = authorization
         elif self.token is not None:
@@ -180,7 +180,7 @@ def raw_request(
     started = time.monotonic()
     try:
         connection.putrequest(method, path)
-        for name, value in headers.items():
+        for name, value in {PROTOCOL_HEADER: "1", **headers}.items():
             connection.putheader(name, value)
         connection.endheaders(message_body=first_bytes or None)
         response = connection.getresponse()
@@ -195,7 +195,7 @@ def chunked_request(url: str, method: str, path: str, token: str | None = None):
     parts = urlsplit(url)
     assert parts.hostname == "127.0.0.1"
     connection = http.client.HTTPConnection("127.0.0.1", parts.port, timeout=5)
-    headers = {"Content-Type": "application/octet-stream"}
+    headers = {"Content-Type": "application/octet-stream", PROTOCOL_HEADER: "1"}
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
     try:

@@ -28,14 +28,17 @@ def start(server_process, tmp_path: Path, *args: str, env: dict[str, str] | None
     return server, int(server.url.rsplit(":", 1)[1])
 
 
-def exchange(port: int, data: bytes, wait: float = 10.0) -> bytes:
-    """Send `data` on one connection and read until the server closes it (or `wait` passes)."""
+def exchange(port: int, data: bytes, answers: int | None = None, wait: float = 10.0) -> bytes:
+    """Send `data` on one connection; read until `answers` whole answers are in, or else until
+    the server closes the connection (or `wait` passes)."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait) as connection:
         connection.sendall(data)
         received = b""
         deadline = time.monotonic() + wait
         try:
             while time.monotonic() < deadline:
+                if answers is not None and complete(received, answers):
+                    break
                 chunk = connection.recv(1 << 16)
                 if not chunk:
                     break
@@ -45,14 +48,25 @@ def exchange(port: int, data: bytes, wait: float = 10.0) -> bytes:
         return received
 
 
+def complete(data: bytes, answers: int) -> bool:
+    try:
+        return len(responses(data)) >= answers
+    except (ValueError, IndexError):
+        return False
+
+
 def responses(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
     """Split what came back on one connection into (status, headers, body) answers."""
     answers = []
     while data:
-        head, _, data = data.partition(b"\r\n\r\n")
+        head, separator, data = data.partition(b"\r\n\r\n")
+        if not separator:
+            raise ValueError("an answer's headers are cut short")
         status_line, *lines = head.decode("latin-1").split("\r\n")
         headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
         length = int(headers.get("content-length", "0"))
+        if len(data) < length:
+            raise ValueError("an answer's body is cut short")
         answers.append((int(status_line.split()[1]), headers, data[:length]))
         data = data[length:]
     return answers
@@ -66,7 +80,7 @@ def request(method: str, path: str, body: bytes = b"", headers: bytes = CLOSE) -
 
 
 def json_answer(port: int, data: bytes) -> tuple[int, dict]:
-    (status, _, body), *rest = responses(exchange(port, data))
+    (status, _, body), *rest = responses(exchange(port, data, answers=1))
     assert not rest
     return status, json.loads(body)
 
@@ -199,3 +213,42 @@ def test_a_client_that_leaves_mid_body_is_one_info_line(server_process, tmp_path
     assert "Traceback" not in log and "ERROR" not in log
     assert version(port) == 0
     register(port, "w1")  # the server goes on
+
+
+# -- 14: the protocol version of every request --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "got"),
+    [(b"X-Diloco-Protocol: 2\r\n", "2"), (b"X-Diloco-Protocol: one\r\n", "one"), (b"", None)],
+    ids=["2", "not-a-number", "missing"],
+)
+def test_a_submission_of_another_protocol_version_is_400_and_not_applied(
+    server_process, tmp_path, header, got
+):
+    server, port = start(server_process, tmp_path)
+    register(port, "w0")
+    # Refused from the headers; the body is read and dropped (the connection stays usable).
+    status, answer = json_answer(port, request("POST", SUBMIT, gradient(), header))
+    assert status == 400 and answer["kind"] == "protocol_version", answer
+    assert answer["detail"]["expected"] == 1 and answer["detail"]["got"] == got
+    assert "X-Diloco-Protocol" in answer["error"]
+    assert version(port) == 0
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_reads_may_omit_the_protocol_header_but_not_name_another(server_process, tmp_path):
+    _server, port = start(server_process, tmp_path)
+    status, info = json_answer(port, request("GET", "/v1/info", headers=b"Connection: close\r\n"))
+    assert status == 200 and info["protocol_version"] == 1
+    status, answer = json_answer(
+        port, request("GET", "/v1/info", headers=b"X-Diloco-Protocol: 2\r\nConnection: close\r\n")
+    )
+    assert status == 400 and answer["kind"] == "protocol_version"
+
+
+@pytest.mark.parametrize("option", ["--max-body-mib", "--max-body-mb"])
+def test_the_body_limit_counts_mib(server_process, tmp_path, option):
+    _server, port = start(server_process, tmp_path, option, "3")
+    status, info = json_answer(port, request("GET", "/v1/info"))
+    assert status == 200 and info["settings"]["max_body_bytes"] == 3 * 1024 * 1024

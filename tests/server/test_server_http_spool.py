@@ -11,7 +11,7 @@ import torch
 
 from diloco.server import app as app_module
 from diloco.server.settings import ServerSettings
-from diloco.wire import decode_tensors, encode_tensors, specs_of
+from diloco.wire import PROTOCOL_HEADER, decode_tensors, encode_tensors, specs_of
 from diloco.worker import DiLoCoClient, ServerError
 
 SPECS = [s.to_json() for s in specs_of({"w": torch.zeros(64, 64)}, {"w": "trainable"})]
@@ -45,6 +45,7 @@ def test_a_second_upload_in_flight_is_spooled_and_the_round_is_exact(
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
         connection.putrequest("POST", "/v1/rounds/0/submissions?worker_id=slow")
         connection.putheader("Content-Length", str(len(slow_body)))
+        connection.putheader(PROTOCOL_HEADER, "1")
         connection.endheaders()
         connection.send(slow_body[: len(slow_body) // 2])
         time.sleep(0.3)  # the server is now reading it into memory
@@ -93,7 +94,7 @@ def test_an_unwritable_spool_dir_is_503_and_changes_nothing(live_server, tmp_pat
             "POST",
             "/v1/rounds/0/submissions?worker_id=a",
             body=payload,
-            headers={"Content-Length": str(len(payload))},
+            headers={"Content-Length": str(len(payload)), PROTOCOL_HEADER: "1"},
         )
         reply = connection.getresponse()
         answer = json.loads(reply.read())

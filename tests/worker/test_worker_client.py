@@ -193,6 +193,7 @@ def test_submit_after_resets_and_drops_resends_the_identical_body(server: FakeSe
         assert (seen.method, seen.path) == ("POST", "/v1/rounds/3/submissions")
         assert seen.query == {"worker_id": "w0", "fragment": "1", "tokens": "4096"}
         assert seen.headers["content-type"] == "application/octet-stream"
+        assert seen.headers["x-diloco-protocol"] == "1"  # the protocol, on every request
         assert seen.body == payload
     assert [op for op, _, _ in calls] == ["submit", "submit"]
     assert all(isinstance(cause, (ProtocolError, ConnectionError)) for _, cause, _ in calls)

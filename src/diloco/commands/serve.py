@@ -78,7 +78,12 @@ def server_command(
         None, help="A round open this long answers 504 (default 600; not in async mode)."
     ),
     min_workers: int = typer.Option(1, help="Contributions a round needs to commit."),
-    max_body_mb: float = typer.Option(4096.0, help="Largest tensor body accepted (MB)."),
+    max_body_mib: float = typer.Option(
+        4096.0,
+        "--max-body-mib",
+        "--max-body-mb",  # the old name, kept: it always counted MiB
+        help="Largest tensor body accepted, in MiB (1 MiB = 1,048,576 bytes).",
+    ),
     fragments: int = typer.Option(None, help="Streaming: fragments P (must divide H; default 1)."),
     delay: int = typer.Option(
         None, help="Streaming: tau, inner steps a fragment's transfer overlaps (0 <= tau < H/P)."
@@ -121,8 +126,8 @@ def server_command(
         raise fail(f"--port must be in [0, 65535], got {port}")
     if spool_dir is not None and not spool_dir.is_dir():
         raise fail(f"--spool-dir is not a directory: {spool_dir}")
-    if not max_body_mb > 0:
-        raise fail(f"--max-body-mb must be > 0, got {max_body_mb}")
+    if not max_body_mib > 0:
+        raise fail(f"--max-body-mib must be > 0, got {max_body_mib}")
     try:
         mode_options = _mode_options(
             mode,
@@ -151,7 +156,7 @@ def server_command(
             heartbeat_timeout=heartbeat_timeout,
             barrier_timeout=barrier_timeout,
             min_workers=min_workers,
-            max_body_bytes=int(max_body_mb * 1024 * 1024),
+            max_body_bytes=int(max_body_mib * 1024 * 1024),
             memory_bodies=memory_bodies,
             spool_dir=str(spool_dir) if spool_dir is not None else None,
         )

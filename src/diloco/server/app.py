@@ -27,6 +27,7 @@ from diloco.server.errors import Rejection
 from diloco.server.results import RoundResult
 from diloco.wire import (
     MAX_COUNT,
+    PROTOCOL_HEADER,
     DatasetRequest,
     HeartbeatRequest,
     LeaseRequest,
@@ -35,6 +36,7 @@ from diloco.wire import (
     SpoolFiles,
     WireError,
     check_length,
+    check_protocol_header,
     decode_tensors,
     parse_content_length,
     parse_request,
@@ -143,7 +145,12 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         ):
             raise Rejection(401, "unauthorized", "missing or wrong bearer token")
 
-    authed = [Depends(require_token)]
+    async def require_protocol(request: Request) -> None:
+        # Required on every request that changes state or carries data; a read may omit it.
+        required = request.method not in ("GET", "HEAD")
+        check_protocol_header(request.headers.get(PROTOCOL_HEADER), required)
+
+    authed = [Depends(require_token), Depends(require_protocol)]  # in this order: 401 first
 
     settings = coordinator.settings
     in_memory = {"bodies": 0}  # tensor bodies held in RAM right now (one event loop: no lock)

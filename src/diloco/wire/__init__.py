@@ -51,7 +51,9 @@ from diloco.wire.specs import (
 )
 from diloco.wire.spool import SpooledTensors, SpoolFiles, spool_body
 from diloco.wire.validation import (
+    PROTOCOL_HEADER,
     PROTOCOL_VERSION,
+    check_protocol_header,
     check_protocol_version,
     parse_request,
     parse_unit_ids,
@@ -63,6 +65,7 @@ __all__ = [
     "DTYPE_NAMES",
     "MAX_COUNT",
     "MAX_HEADER_BYTES",
+    "PROTOCOL_HEADER",
     "PROTOCOL_VERSION",
     "SAFETENSORS_CODES",
     "TENSOR_KINDS",
@@ -92,6 +95,7 @@ __all__ = [
     "WorkerStatus",
     "check_finite",
     "check_length",
+    "check_protocol_header",
     "check_protocol_version",
     "check_tensors",
     "decode_tensors",

@@ -16,6 +16,8 @@ import pydantic
 from diloco.wire.errors import WireError
 
 PROTOCOL_VERSION = 1
+# Every request of a worker names the protocol it speaks; the server refuses another version.
+PROTOCOL_HEADER = "X-Diloco-Protocol"
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
 
@@ -143,6 +145,32 @@ def check_protocol_version(body: object) -> None:
             expected=PROTOCOL_VERSION,
             got=version if isinstance(version, (int, float, str)) or version is None else None,
         )
+
+
+def check_protocol_header(value: str | None, required: bool) -> None:
+    """WireError(400, protocol_version) unless the X-Diloco-Protocol header names our version.
+
+    A missing header passes only where `required` is False (reads: GET by an operator's curl or
+    a Prometheus scraper, which interpret nothing of the client's).
+    """
+    if value is None and not required:
+        return
+    if value is not None and value.strip() == str(PROTOCOL_VERSION):
+        return
+    shown = None if value is None else value[:40]
+    raise WireError(
+        400,
+        "protocol_version",
+        f"the {PROTOCOL_HEADER} header must be {PROTOCOL_VERSION}, got "
+        + (
+            "none (a client older than the header, or not a diloco worker)"
+            if value is None
+            else repr(shown)
+        ),
+        expected=PROTOCOL_VERSION,
+        got=shown,
+        header=PROTOCOL_HEADER,
+    )
 
 
 def parse_request(model: type[Model], body: bytes | bytearray | str | object) -> Model:

@@ -29,6 +29,7 @@ import urllib3
 from urllib3.exceptions import ProtocolError, ProxyError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
+from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
 from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
 from diloco.worker.ratelimit import SLICE_BYTES, UploadLimiter
 from diloco.worker.retry import RetryPolicy
@@ -36,7 +37,6 @@ from diloco.worker.retry import RetryPolicy
 Body = bytes | bytearray | memoryview
 OnRetry = Callable[[str, BaseException | int, float], None]
 
-PROTOCOL_VERSION = 1
 RETRIED_STATUSES = frozenset({429, 502, 503, 504})
 # Failures of the connection itself; anything else (a TLS certificate error, a bad URL) will
 # not heal by waiting, so it ends the call at once.
@@ -280,7 +280,9 @@ class DiLoCoClient:
         self.retry = retry
         self._connect_timeout = float(connect_timeout)
         self._read_timeout = float(read_timeout)
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}  # on every request
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._on_retry = on_retry
         self._closed = threading.Event()
         self._sleep = sleep if sleep is not None else self._closed.wait
