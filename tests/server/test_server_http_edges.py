@@ -252,3 +252,44 @@ def test_the_body_limit_counts_mib(server_process, tmp_path, option):
     _server, port = start(server_process, tmp_path, option, "3")
     status, info = json_answer(port, request("GET", "/v1/info"))
     assert status == 200 and info["settings"]["max_body_bytes"] == 3 * 1024 * 1024
+
+
+# -- 12: a body refused on its header is not read -----------------------------------------------
+
+
+def header_only(total: int, shape_of=lambda count: [count]) -> bytes:
+    """The first bytes of a `total`-byte safetensors body of one fp32 tensor "w" whose shape
+    (1-D by default) fills it: well formed, but not the model's (256, 256)."""
+    header_len = 128
+    count = (total - 8 - header_len) // 4
+    header = {"w": {"dtype": "F32", "shape": shape_of(count), "data_offsets": [0, 4 * count]}}
+    text = json.dumps(header).encode().ljust(header_len)
+    assert 8 + len(text) + 4 * count == total
+    return len(text).to_bytes(8, "little") + text
+
+
+@pytest.mark.parametrize("memory_bodies", ["0", "1"], ids=["spooled", "in-memory"])
+def test_a_body_whose_header_names_a_wrong_shape_is_refused_before_the_rest(
+    server_process, tmp_path, memory_bodies
+):
+    # 1 GiB announced (64 MiB in RAM: the in-memory path allocates the whole body first).
+    total = (1 << 30) if memory_bodies == "0" else (64 << 20)
+    server, port = start(server_process, tmp_path, "--memory-bodies", memory_bodies)
+    register(port, "w0")
+    first = header_only(total) + bytes(4096)
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as connection:
+        connection.sendall(submission_head(str(total).encode()) + first)
+        received = b""
+        while not complete(received, 1):
+            chunk = connection.recv(1 << 16)
+            assert chunk, "the server closed the connection"
+            received += chunk
+    elapsed = time.monotonic() - started
+    ((status, _, body),) = responses(received)
+    answer = json.loads(body)
+    assert status == 422 and answer["kind"] == "wrong_shape", answer
+    assert answer["detail"]["tensor"] == "w"
+    assert elapsed < 5.0, f"the 422 took {elapsed:.1f} s"
+    assert version(port) == 0
+    assert "Traceback" not in server.log.read_text()

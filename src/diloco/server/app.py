@@ -29,6 +29,8 @@ from diloco.wire import (
     MAX_COUNT,
     PROTOCOL_HEADER,
     DatasetRequest,
+    EarlyHeader,
+    HeaderCheck,
     HeartbeatRequest,
     LeaseRequest,
     RegisterRequest,
@@ -158,12 +160,14 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def tensors_from(
-        request: Request, may_spool: bool = True
+        request: Request, may_spool: bool = True, check_header: HeaderCheck | None = None
     ) -> AsyncIterator[dict | SpooledTensors]:
         """The request's tensors: in RAM while few bodies are, else spooled to a file.
 
         The RAM slot is held until the handler is done with the tensors, so the number of
         bodies in memory never exceeds --memory-bodies, however many workers upload at once.
+        `check_header` sees the safetensors header as soon as it has arrived, so a body it
+        refuses is answered before the rest of it is read (the rest is then dropped unread).
         """
         length = parse_content_length(request.headers.get("content-length"))
         check_length(length, settings.max_body_bytes)
@@ -173,7 +177,11 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
                 if faults.ENABLED:
                     chunks = faults.watch_chunks(chunks)
                 spooled = await spool_body(
-                    chunks, length, settings.max_body_bytes, files=spool_files
+                    chunks,
+                    length,
+                    settings.max_body_bytes,
+                    files=spool_files,
+                    check_header=check_header,
                 )
             except OSError as exc:  # a full or missing spool disk heals; the worker retries
                 raise Rejection(
@@ -188,8 +196,10 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
             return
         in_memory["bodies"] += 1
         try:
-            body = await read_body(request.stream(), length, settings.max_body_bytes)
-            yield decode_tensors(body)
+            assert length is not None
+            early = EarlyHeader(length, check_header)
+            body = await read_body(request.stream(), length, settings.max_body_bytes, early)
+            yield await run_in_threadpool(decode_tensors, body)  # a large header takes seconds
         finally:
             in_memory["bodies"] -= 1
 
@@ -315,7 +325,11 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     ) -> dict:
         # before the body is read: a bad list costs nothing
         unit_ids, progress = parse_unit_reports(units)
-        async with tensors_from(request) as tensors:
+
+        def check_header(shapes) -> None:
+            coordinator.check_header(fragment, shapes)
+
+        async with tensors_from(request, check_header=check_header) as tensors:
             return await run_in_threadpool(
                 lambda: coordinator.submit(
                     worker_id,

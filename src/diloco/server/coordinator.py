@@ -725,6 +725,15 @@ class Coordinator:
                 allowed=[0, fragments - 1],
             )
 
+    def check_header(self, fragment: int, shapes: Mapping[str, torch.Tensor]) -> None:
+        """A submission's layout (its fragment's names, shapes, dtypes) from its header alone,
+        before its values arrive, so that a body that will be refused is not read. Without the
+        lock: the specs and the plan never change once set. Before they are, or for a fragment
+        outside the plan, it says nothing (`submit` then gives the reason)."""
+        plan = self.plan
+        if self.specs is not None and plan is not None and 0 <= fragment < len(plan):
+            self._check_layout(fragment, shapes)
+
     def _check_layout(
         self, fragment: int, tensors: Mapping[str, torch.Tensor] | SpooledTensors
     ) -> None:

@@ -17,6 +17,7 @@ from diloco.wire.dtypes import (
     safetensors_code,
     torch_dtype,
 )
+from diloco.wire.early_header import EarlyHeader, HeaderCheck
 from diloco.wire.errors import WireError
 from diloco.wire.frames import MAX_HEADER_BYTES, decode_tensors, encode_tensors
 from diloco.wire.schemas import (
@@ -74,7 +75,9 @@ __all__ = [
     "WORKER_ID_PATTERN",
     "DatasetRequest",
     "DeregisterResponse",
+    "EarlyHeader",
     "ErrorBody",
+    "HeaderCheck",
     "HealthResponse",
     "HeartbeatRequest",
     "HeartbeatResponse",

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from diloco.wire.errors import WireError
 
 _DIGITS = re.compile(r"[0-9]{1,30}")
+
+
+class ChunkWatcher(Protocol):
+    """Sees a body's first chunks until it is `done` (wire.early_header.EarlyHeader)."""
+
+    done: bool
+
+    async def feed(self, chunk: bytes | bytearray | memoryview) -> None: ...
 
 
 def parse_content_length(header: str | None) -> int | None:
@@ -55,12 +64,16 @@ def check_length(content_length: int | None, max_bytes: int) -> None:
 
 
 async def read_body(
-    chunks: AsyncIterator[bytes], content_length: int | None, max_bytes: int
+    chunks: AsyncIterator[bytes],
+    content_length: int | None,
+    max_bytes: int,
+    watcher: ChunkWatcher | None = None,
 ) -> bytearray:
     """Read exactly `content_length` bytes from `chunks` into one preallocated bytearray.
 
     No Content-Length is 411 and one over `max_bytes` is 413, both raised before the first
-    chunk is read. A body longer or shorter than declared is 422 invalid_request.
+    chunk is read. A body longer or shorter than declared is 422 invalid_request. `watcher`
+    sees each chunk as it lands until it is done (and may refuse the body by raising).
     """
     check_length(content_length, max_bytes)
     assert content_length is not None
@@ -83,6 +96,8 @@ async def read_body(
                 )
             target[filled:end] = chunk
             filled = end
+            if watcher is not None and not watcher.done:
+                await watcher.feed(chunk)
     finally:
         target.release()
     if filled < content_length:

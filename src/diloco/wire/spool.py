@@ -23,8 +23,9 @@ import torch
 
 from diloco.algorithm.tensors import finite_bound
 from diloco.wire.body import check_length
+from diloco.wire.early_header import EarlyHeader, HeaderCheck
 from diloco.wire.errors import WireError
-from diloco.wire.frames import MAX_HEADER_BYTES, _Entry, _malformed, parse_frame_header
+from diloco.wire.frames import _Entry, _malformed
 
 PIECE_BYTES = 2 * 1024 * 1024
 SPOOL_FILES_KEPT = 4
@@ -208,17 +209,21 @@ async def spool_body(
     max_bytes: int,
     directory: str | None = None,
     files: SpoolFiles | None = None,
+    check_header: HeaderCheck | None = None,
 ) -> SpooledTensors:
     """Write exactly `content_length` bytes to an unlinked temporary file and parse its header.
 
     Same 411/413/422 rules as `read_body`. The file comes from `files` and goes back there when
     the result is closed (on a refusal too); without `files` it is a new file in `directory`,
-    which disappears when the result is closed or garbage-collected.
+    which disappears when the result is closed or garbage-collected. The header is parsed, and
+    `check_header` run on its entries, as soon as it has arrived: a refusal then comes before
+    the rest of the body is read.
     """
     check_length(content_length, max_bytes)
     assert content_length is not None
     files = files or SpoolFiles(directory, keep=0)  # keep=0: a file is closed when given back
     file = files.take()
+    early = EarlyHeader(content_length, check_header)
     try:
         written = 0
         async for chunk in chunks:
@@ -234,6 +239,8 @@ async def spool_body(
                     received_at_least=written,
                 )
             file.write(chunk)
+            if not early.done:
+                await early.feed(chunk)
         if written < content_length:
             raise WireError(
                 422,
@@ -243,11 +250,7 @@ async def spool_body(
                 received=written,
             )
         file.flush()
-        prefix = os.pread(file.fileno(), 8, 0)
-        if len(prefix) == 8:  # read only the header, never the data section
-            header_len = min(int.from_bytes(prefix, "little"), MAX_HEADER_BYTES, content_length)
-            prefix += os.pread(file.fileno(), header_len, 8)
-        data_start, entries = parse_frame_header(prefix, content_length)
+        data_start, entries = await early.finish()
         return SpooledTensors(file, content_length, data_start, entries, files)
     except BaseException:
         files.give_back(file)
