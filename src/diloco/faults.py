@@ -4,8 +4,9 @@
 `kill -9` of itself, so a test can put the crash exactly inside a checkpoint write or between
 the checkpoint and the SQLite commit, where an outside kill would land only by luck.
 `DILOCO_FAIL_AT=<point>:<n>` makes the n-th arrival raise OSError instead (a disk that fails
-once), for the tests of what a failed write leaves served. Unset (the only case outside tests)
-each check is one comparison.
+once), for the tests of what a failed write leaves served. `DILOCO_STALL_AT=<point>:<seconds>`
+sleeps that long at every arrival (a slow disk under a checkpoint write), for the tests of what
+the server answers meanwhile. Unset (the only case outside tests) each check is one comparison.
 """
 
 from __future__ import annotations
@@ -14,25 +15,32 @@ import errno
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 ENV_VAR = "DILOCO_CRASH_AT"
 FAIL_ENV_VAR = "DILOCO_FAIL_AT"
+STALL_ENV_VAR = "DILOCO_STALL_AT"
+
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _counts: dict[str, int] = {}
 
 
-def _target(variable: str = ENV_VAR) -> tuple[str, int] | None:
+def _spec(variable: str, convert: Callable[[str], T]) -> tuple[str, T] | None:
+    """`<point>:<value>` from the environment (value 1 when left out), or None when unset."""
     spec = os.environ.get(variable)
     if not spec:
         return None
-    point, _, count = spec.partition(":")
-    return point, int(count or 1)
+    point, _, value = spec.partition(":")
+    return point, convert(value or "1")
 
 
-_TARGET = _target()
-_FAILURE = _target(FAIL_ENV_VAR)
+_TARGET = _spec(ENV_VAR, int)
+_FAILURE = _spec(FAIL_ENV_VAR, int)
+_STALL = _spec(STALL_ENV_VAR, float)
 ENABLED = _TARGET is not None
 
 
@@ -45,7 +53,9 @@ async def watch_chunks(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 def crash_point(name: str) -> None:
     """SIGKILL this process if it is the configured point's n-th arrival (OSError if it is the
-    failure point's); otherwise nothing."""
+    failure point's, a sleep if it is the stall point's); otherwise nothing."""
+    if _STALL is not None and _STALL[0] == name:
+        time.sleep(_STALL[1])
     if _FAILURE is not None and _FAILURE[0] == name:
         with _lock:
             key = "fail:" + name

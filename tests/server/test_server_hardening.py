@@ -322,3 +322,57 @@ def test_partly_trained_units_over_http_and_their_bad_reports(server_process, tm
     assert api.call("DELETE", "/v1/workers/a").status == 200
     again = api.ok("POST", leases, json_body={"worker_id": "b"})["units"][0]
     assert (again["unit_id"], again["start"], again["indices"]) == (uid, 4, unit["indices"][4:])
+
+
+def test_heartbeats_are_answered_while_a_slow_checkpoint_write_holds_the_commit(
+    server_process, tmp_path
+):
+    """Every checkpoint write takes 4 s (an injected slow disk) and silence past 2 s evicts.
+    Heartbeats used to wait for the commit's lock, so they were all 4 s late at once and the
+    eviction that ran first after the write took every worker out. Now each is answered at
+    once during the write and both workers are still members when the round has committed."""
+    import threading
+    import time
+
+    server = server_process(
+        "--outer-optimizer", "sgd", "--outer-lr", "1", "--heartbeat-interval", "0.25",
+        "--heartbeat-timeout", "2", "--init", str(init_file(tmp_path, 10.0)),
+        "--state-dir", str(tmp_path / "state"), env={"DILOCO_STALL_AT": "before_checkpoint:4"},
+    )  # fmt: skip
+    api = Api(server.url)
+    api.register("a")
+    api.register("b")
+    stop = threading.Event()
+    latencies: dict[str, list[float]] = {"a": [], "b": []}
+    statuses: list[int] = []
+
+    def heartbeats() -> None:
+        beat_api = Api(server.url)
+        body = {"step": 3, "steps_per_second": 1.0, "loss": None, "tokens": 0}
+        while not stop.wait(0.2):
+            for worker_id in ("a", "b"):
+                started = time.monotonic()
+                response = beat_api.call(
+                    "POST", f"/v1/workers/{worker_id}/heartbeat", json_body=body
+                )
+                latencies[worker_id].append(time.monotonic() - started)
+                statuses.append(response.status)
+
+    thread = threading.Thread(target=heartbeats, daemon=True)
+    thread.start()
+    try:
+        assert api.submit("a", gradient(-2.0)).status == 200
+        started = time.monotonic()
+        assert api.submit("b", gradient(-2.0)).status == 200  # commits: the 4 s write
+        assert time.monotonic() - started >= 3.5  # the stall did hold this commit
+        time.sleep(1.0)  # the eviction ticker has run after the write
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert set(statuses) == {200}
+    assert max(latencies["a"] + latencies["b"]) < 1.0, latencies
+    assert len(latencies["a"]) >= 10
+    workers = {w["worker_id"]: w["live"] for w in api.ok("GET", "/v1/status")["workers"]}
+    assert workers == {"a": True, "b": True}
+    round_number, weights = weights_of(api)
+    assert round_number == 1 and torch.all(weights["layer.weight"] == 12.0)

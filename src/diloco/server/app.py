@@ -254,8 +254,9 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     )
     async def heartbeat(worker_id: str, request: Request) -> dict:
         beat = await json_body(request, HeartbeatRequest)
-        return await run_in_threadpool(
-            coordinator.heartbeat,
+        # On the event loop: it takes only the registry's short lock, so neither a commit
+        # holding the coordinator nor a thread pool full of blocked uploads can delay it.
+        return coordinator.heartbeat(
             worker_id,
             beat.step,
             beat.steps_per_second,

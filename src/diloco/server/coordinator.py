@@ -210,7 +210,7 @@ class Coordinator:
             uptime = max(1e-9, now - self.started_at)
             recommended = self._recommended_sync_everys()  # once for every worker
             workers = []
-            for record in self.membership.workers.values():
+            for record in self.membership.records():
                 entry = record.to_status(now)
                 entry["recommended_sync_every"] = recommended.get(record.worker_id)
                 workers.append(entry)
@@ -337,19 +337,19 @@ class Coordinator:
         """A sign of life with progress; `windows` counts the worker's finished sync windows,
         and a new count makes `steps_per_second` (that window's compute speed) a DyLU sample.
         """
-        with self._lock:
-            record = self._require_live(worker_id)
-            record.last_seen = self.clock()
-            record.step, record.steps_per_second = step, steps_per_second
-            record.loss, record.tokens = loss, tokens
-            if windows is not None:
-                record.add_speed_sample(windows, steps_per_second)
-            faults.crash_point("heartbeat")
-            return {
-                "round": self.version,
-                "recommended_sync_every": self._recommended_sync_every(worker_id),
-                "command": None,
-            }
+        # Only the registry's own lock: a commit holding the coordinator's for a slow
+        # checkpoint write must not hold back the heartbeats (they would all be late at once).
+        record = self.membership.beat(
+            worker_id, self.clock(), step, steps_per_second, loss, tokens, windows
+        )
+        if record is None:
+            self._require_live(worker_id)  # raises the 404
+        faults.crash_point("heartbeat")
+        return {
+            "round": self.version,
+            "recommended_sync_every": self._recommended_sync_every(worker_id),
+            "command": None,
+        }
 
     def _recommended_sync_every(self, worker_id: str) -> int | None:
         return self._recommended_sync_everys().get(worker_id)
@@ -359,12 +359,7 @@ class Coordinator:
         each worker that has one (none without --dylu)."""
         if not self.settings.dylu:
             return {}
-        speeds = {
-            w.worker_id: w.smoothed_speed
-            for w in self.membership.workers.values()
-            if w.live and w.smoothed_speed is not None and w.smoothed_speed > 0
-        }
-        return dylu_local_steps(speeds, self.settings.sync_every)
+        return dylu_local_steps(self.membership.smoothed_speeds(), self.settings.sync_every)
 
     def evict_stale(self) -> list[str]:
         """Evict workers silent past the heartbeat timeout, and members a barrier has waited
@@ -407,7 +402,7 @@ class Coordinator:
         return record
 
     def _remove(self, worker_id: str, reason: str) -> None:
-        self.membership.workers[worker_id].live = False
+        self.membership.depart(worker_id)
         keep = self.engine.units_of(worker_id)
         self.journal.worker_left(worker_id, self.version, reason, keep_units=keep)
         self.metrics.live_workers.set(len(self.membership.live_ids()))

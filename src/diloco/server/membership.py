@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,13 +52,25 @@ class WorkerRecord:
 
 
 class Membership:
-    """The registry of workers; not thread-safe on its own (the coordinator holds the lock)."""
+    """The registry of workers, with a lock of its own.
+
+    Heartbeats take only this lock, never the coordinator's: a commit that holds the
+    coordinator for a slow checkpoint write must not hold back the signs of life whose absence
+    would then evict every worker the moment it ends. Everything else mutates it under the
+    coordinator's lock as well (always taken first), so it sees a consistent registry.
+    """
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerRecord] = {}
+        self.lock = threading.RLock()
 
     def live_ids(self) -> set[str]:
-        return {w.worker_id for w in self.workers.values() if w.live}
+        with self.lock:
+            return {w.worker_id for w in self.workers.values() if w.live}
+
+    def records(self) -> list[WorkerRecord]:
+        with self.lock:
+            return list(self.workers.values())
 
     def get_live(self, worker_id: str) -> WorkerRecord | None:
         record = self.workers.get(worker_id)
@@ -68,17 +81,55 @@ class Membership:
 
     def admit(self, worker_id: str, now: float, session: str | None = None) -> WorkerRecord:
         """Register or re-register (after eviction) under `worker_id`; keeps the counters."""
-        record = self.workers.get(worker_id)
-        if record is None:
-            record = WorkerRecord(worker_id, registered_at=now, last_seen=now)
-            self.workers[worker_id] = record
-        record.live = True
-        record.last_seen = now
-        record.session = session
-        return record
+        with self.lock:
+            record = self.workers.get(worker_id)
+            if record is None:
+                record = WorkerRecord(worker_id, registered_at=now, last_seen=now)
+                self.workers[worker_id] = record
+            record.live = True
+            record.last_seen = now
+            record.session = session
+            return record
+
+    def depart(self, worker_id: str) -> None:
+        """Evicted or gone: no longer live (its counters stay for the status page)."""
+        with self.lock:
+            self.workers[worker_id].live = False
+
+    def beat(
+        self,
+        worker_id: str,
+        now: float,
+        step: int,
+        steps_per_second: float,
+        loss: float | None,
+        tokens: int,
+        windows: int | None,
+    ) -> WorkerRecord | None:
+        """Record a heartbeat's progress; None (nothing recorded) if the worker is not live."""
+        with self.lock:
+            record = self.get_live(worker_id)
+            if record is None:
+                return None
+            record.last_seen = now
+            record.step, record.steps_per_second = step, steps_per_second
+            record.loss, record.tokens = loss, tokens
+            if windows is not None:
+                record.add_speed_sample(windows, steps_per_second)
+            return record
+
+    def smoothed_speeds(self) -> dict[str, float]:
+        """Live workers' smoothed positive speeds (DyLU's input)."""
+        with self.lock:
+            return {
+                w.worker_id: w.smoothed_speed
+                for w in self.workers.values()
+                if w.live and w.smoothed_speed is not None and w.smoothed_speed > 0
+            }
 
     def stale(self, now: float, timeout: float) -> list[str]:
         """Live workers silent for longer than `timeout` seconds."""
-        return [
-            w.worker_id for w in self.workers.values() if w.live and now - w.last_seen > timeout
-        ]
+        with self.lock:
+            return [
+                w.worker_id for w in self.workers.values() if w.live and now - w.last_seen > timeout
+            ]
