@@ -76,7 +76,7 @@ def test_staleness_is_recorded_and_can_scale_a_stale_pseudo_gradient() -> None:
     c.submit("a", 0, grad(0.1))
     c.submit("a", 1, grad(0.1))
     before = w_of(c)
-    momentum = c.optimizer.state_dict()["momentum/w"].item()
+    momentum = c.model.optimizer.state_dict()["momentum/w"].item()
     answer = c.submit("b", 0, grad(0.3))  # b's anchor is version 0: two steps old
     assert answer["staleness"] == 2
     g = 0.3 / math.sqrt(3.0)

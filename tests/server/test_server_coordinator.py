@@ -73,7 +73,7 @@ def snapshot(c: Coordinator) -> dict[str, Any]:
     running = None if current is None else current.running
     return {
         "masters": None if c.masters is None else {n: t.clone() for n, t in c.masters.items()},
-        "optimizer": c.optimizer.state_dict(),
+        "optimizer": c.model.optimizer.state_dict(),
         "round": c.round_number,
         "round_object": current,
         "submitted": None if current is None else dict(current.submitted),
@@ -85,14 +85,14 @@ def snapshot(c: Coordinator) -> dict[str, Any]:
         if running is None
         else {n: t.clone() for n, t in running.sums.items()},
         "running_totals": None if running is None else dict(running.totals),
-        "result": c.result,
-        "specs": None if c.specs is None else dict(c.specs),
+        "result": c.model.published,
+        "specs": None if c.model.specs is None else dict(c.model.specs),
         "workers": {
             w.worker_id: (w.live, w.session, w.last_seen, w.rounds_contributed, w.step)
             for w in c.membership.workers.values()
         },
-        "bytes_in": c.bytes_in,
-        "bytes_out": c.bytes_out,
+        "bytes_in": c.traffic.bytes_in,
+        "bytes_out": c.traffic.bytes_out,
         "rounds_committed": c.rounds_committed,
     }
 
@@ -162,7 +162,7 @@ def test_fedavg_two_workers_uniform_gives_15(via_upload: bool) -> None:
     assert c.masters is not None and c.masters["w"].item() == 15.0
     assert result_w(c, 0, "a") == 15.0
     assert result_of(c, 0).round == 1
-    assert c.optimizer.state_dict() == {}
+    assert c.model.optimizer.state_dict() == {}
 
 
 def test_token_weighting_gives_16_5() -> None:
@@ -190,7 +190,7 @@ def test_nesterov_two_rounds_give_0_601_then_0_0319() -> None:
     assert c.masters is not None
     assert c.masters["w"].item() == pytest.approx(0.601, abs=1e-6)
     assert result_w(c, 0, "a") == pytest.approx(0.601, abs=1e-6)
-    assert c.optimizer.state_dict()["w"].item() == pytest.approx(0.3, abs=1e-6)
+    assert c.model.optimizer.state_dict()["w"].item() == pytest.approx(0.3, abs=1e-6)
 
     c.submit("a", 1, grad(0.2))
     c.submit("b", 1, grad(0.4))
@@ -200,7 +200,7 @@ def test_nesterov_two_rounds_give_0_601_then_0_0319() -> None:
     assert decoded["w"].dtype == torch.float32
     assert decoded["w"].item() == pytest.approx(0.0319, abs=1e-6)
     assert decoded["w"].item() == c.masters["w"].item()
-    assert c.optimizer.state_dict()["w"].item() == pytest.approx(0.57, abs=1e-6)
+    assert c.model.optimizer.state_dict()["w"].item() == pytest.approx(0.57, abs=1e-6)
 
 
 def test_bf16_download_dtype_encodes_result_in_bf16_from_fp32_masters() -> None:
@@ -256,7 +256,7 @@ def test_initial_upload_is_validated_and_bf16_upload_becomes_fp32_masters() -> N
     c.upload_initial("a", {"w": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)})
     assert c.masters is not None and c.masters["w"].dtype == torch.float32
     assert c.masters["w"].tolist() == [1.5, -2.0]
-    assert c.bytes_in == 4  # two bf16 elements
+    assert c.traffic.bytes_in == 4  # two bf16 elements
 
 
 def test_with_init_weights_nobody_needs_to_upload() -> None:
@@ -690,7 +690,7 @@ def test_bf16_upload_dtype_wants_bf16_pseudo_gradients() -> None:
     c.submit("b", 0, {"w": torch.tensor(-8.0, dtype=torch.bfloat16)})
     assert c.masters is not None and c.masters["w"].dtype == torch.float32
     assert c.masters["w"].item() == 15.0
-    assert c.bytes_in == 4
+    assert c.traffic.bytes_in == 4
 
 
 # ----------------------------------------------------------------------- 6. barrier timeout
@@ -839,7 +839,8 @@ def test_round_holds_one_running_sum_not_one_copy_per_worker() -> None:
     # The sums live in buffers the server keeps for every round, not in a sent body, and the
     # senders' tensors are never written.
     sums_at = current.running.sums["layer.weight"].data_ptr()
-    assert c.frames is not None and c.frames.sums()["layer.weight"].data_ptr() == sums_at
+    frames = c.model.frames
+    assert frames is not None and frames.sums()["layer.weight"].data_ptr() == sums_at
     assert all(sums_at != body["layer.weight"].data_ptr() for body in sent)
     assert torch.equal(sent[0]["layer.weight"], torch.zeros(2, 3))
     masters_at = c.masters["layer.weight"].data_ptr()  # type: ignore[index]
@@ -892,7 +893,7 @@ def test_int_and_bool_buffers_follow_the_apply_policy(via_upload: bool) -> None:
     else:
         c, _ = make(initial=ANCHOR, workers=("a",), specs=BUFFER_SPECS, **NESTEROV)
     c.register("b", BUFFER_SPECS, protocol_version=1)
-    assert c.specs is not None and c.specs["norm.running_mean"].kind == "float_buffer"
+    assert c.model.specs is not None and c.model.specs["norm.running_mean"].kind == "float_buffer"
     c.submit("a", 0, pseudo_gradient(ANCHOR, LOCALS[0]))
     # Int and bool pseudo-gradients may also come in their own dtype.
     second = pseudo_gradient(ANCHOR, LOCALS[1])
@@ -912,7 +913,7 @@ def test_int_and_bool_buffers_follow_the_apply_policy(via_upload: bool) -> None:
     assert c.masters is not None
     assert c.masters["norm.num_batches"].dtype == torch.int64
     assert c.masters["mask"].dtype == torch.bool
-    assert set(c.optimizer.state_dict()) == {"w"}  # only trainable tensors have momentum
+    assert set(c.model.optimizer.state_dict()) == {"w"}  # only trainable tensors have momentum
 
 
 def test_bool_buffer_below_half_is_false_with_three_workers() -> None:

@@ -90,7 +90,7 @@ def state_of(c: Coordinator) -> dict[str, Any]:
         "members": set(current.members),
         "tokens": current.tokens,
         "masters": {n: t.clone() for n, t in (c.masters or {}).items()},
-        "bytes_in": c.bytes_in,
+        "bytes_in": c.traffic.bytes_in,
         "contributed": {w.worker_id: w.rounds_contributed for w in c.membership.workers.values()},
         "progress": c.pool.progress(),
         "units_table": c.pool.conn.execute("SELECT * FROM wu_units ORDER BY unit_id").fetchall(),

@@ -258,7 +258,7 @@ def test_a_bad_units_list_is_refused_before_the_body_is_read(served) -> None:
     assert snapshot(api) == before
     current = server.coordinator.round
     assert current.submitted == {} and current.units == {} and current.running is None
-    assert server.coordinator.bytes_in == 0
+    assert server.coordinator.traffic.bytes_in == 0
 
 
 def test_a_submission_with_units_it_does_not_hold_is_not_folded(served) -> None:

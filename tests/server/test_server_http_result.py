@@ -27,7 +27,7 @@ def test_a_stalled_download_keeps_its_bytes_while_the_next_round_commits(live_se
         client = DiLoCoClient(server.url, read_timeout=120)
         client.register("a", specs)
         client.register("b", specs)
-        frames = server.coordinator.frames
+        frames = server.coordinator.model.frames
         assert frames is not None
         served = frames.current
         parts = urlsplit(server.url)

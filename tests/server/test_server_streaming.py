@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_server_coordinator import FakeClock, rejected, scalar
 
-from diloco.server.coordinator import Coordinator, fragment_plan
+from diloco.server.coordinator import Coordinator
+from diloco.server.global_model import fragment_plan
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
@@ -67,7 +68,7 @@ def test_a_fragment_step_touches_only_its_tensors_and_its_momentum() -> None:
     assert c.submit("b", 0, grads(F0, 0.2), fragment=0)["current_round"] == 1
     # Nesterov lr 0.7, mu 0.9 on g = 0.2: G - 0.7 * (0.2 + 0.9 * 0.2) = G - 0.266.
     assert weights(c) == pytest.approx({"blocks.0.w": 9.734, "blocks.1.w": 20.0, "head.w": 29.734})
-    assert set(c.optimizer.state_dict()) == set(F0)
+    assert set(c.model.optimizer.state_dict()) == set(F0)
     assert c.info()["fragment_rounds"] == [1, 0] and c.version == 1
     result = c.wait_result(0, "a", 0, fragment=0)
     assert result.round == 1 and result.fragment == 0
@@ -76,7 +77,7 @@ def test_a_fragment_step_touches_only_its_tensors_and_its_momentum() -> None:
     c.submit("b", 0, grads(F1, -3.0), fragment=1)
     assert weights(c)["blocks.1.w"] == pytest.approx(20.0 + 0.7 * (2.0 + 0.9 * 2.0))
     assert weights(c)["blocks.0.w"] == pytest.approx(9.734)  # fragment 0 untouched by it
-    assert set(c.optimizer.state_dict()) == {*F0, *F1}
+    assert set(c.model.optimizer.state_dict()) == {*F0, *F1}
     assert c.info()["fragment_rounds"] == [1, 1] and c.version == 2
     rows = c.journal.state.committed_rounds()
     assert [(r["round"], r["fragment"], r["fragment_round"]) for r in rows] == [
@@ -151,7 +152,7 @@ def test_a_restart_resumes_every_fragment_round(tmp_path: Path) -> None:
     again, _ = streaming(workers=(), state_dir=tmp_path, fresh=False)
     assert weights(again) == before
     assert again.info()["fragment_rounds"] == [1, 0] and again.version == 1
-    assert set(again.optimizer.state_dict()) == set(F0)
+    assert set(again.model.optimizer.state_dict()) == set(F0)
     assert again.submit("a", 0, grads(F0, 9.0), fragment=0)["status"] == "committed"
     # a's fragment 1 submission did not survive: it is told to send it again.
     rejected(again, lambda: again.wait_result(0, "a", 0, fragment=1), 409, "not_submitted")
@@ -170,4 +171,4 @@ def test_a_model_with_fewer_blocks_than_fragments_is_refused_at_registration() -
         c, lambda: c.register("a", one_block, protocol_version=1), 422, "fragments_do_not_fit"
     )
     assert "fragments must be in [1, 1]" in error.error
-    assert c.specs is None and not c.membership.workers
+    assert c.model.specs is None and not c.membership.workers

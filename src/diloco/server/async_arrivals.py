@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from diloco.algorithm import staleness_scale
+from diloco.server.engine_context import EngineContext
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import RoundResult, Waiting
@@ -24,15 +24,12 @@ from diloco.server.rounds import Round, ValueScan, fold
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
 
-if TYPE_CHECKING:
-    from diloco.server.coordinator import Coordinator
-
 
 class AsyncArrivals:
     """The open grace window (when one is) and the keys of the arrivals it holds."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
+    def __init__(self, context: EngineContext) -> None:
+        self.c = context
         self.window: Round | None = None
         self.anchors: dict[str, int] = {}  # worker -> the version its pending arrival was for
 
@@ -45,7 +42,7 @@ class AsyncArrivals:
         self.anchors.clear()
 
     def fragment_rounds(self) -> list[int]:
-        return [self.c.version]
+        return [self.c.model.version]
 
     def fragment_rounds_after(self, record: CommitRecord) -> list[int]:
         return [record.round + 1]
@@ -89,9 +86,9 @@ class AsyncArrivals:
     def admit(self, submission: Submission) -> dict | None:
         c = self.c
         worker_id, round_number = submission.worker_id, submission.round
-        if round_number > c.version:
+        if round_number > c.model.version:
             raise self._future(round_number)
-        applied = c.journal.state.applied_version(worker_id, round_number)
+        applied = c.applied_version(worker_id, round_number)
         if applied is not None:
             submission.record.last_seen = c.clock()
             return self._answer("duplicate", round_number, applied)
@@ -118,28 +115,28 @@ class AsyncArrivals:
         c = self.c
         now = c.clock()
         worker_id, round_number = submission.worker_id, submission.round
-        staleness = c.version - round_number
+        staleness = c.model.version - round_number
         window = self.window
         if window is None:
-            window = Round(c.version, c.membership.live_ids(), c.settings.weighting, now)
+            window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
         scale = staleness_scale(staleness, c.settings.staleness_weighting)
-        fold(window, submission, checked, c.sums_storage(), now, scale)
+        fold(window, submission, checked, c.model.sums_storage(), now, scale)
         self.window = window
         self.anchors[worker_id] = round_number
         c.metrics.staleness.observe(staleness)
-        c.accepted(submission, window, now)
+        c.book(submission, window, now)
         self._try_commit(now)
         return self._answer(
             "accepted",
             round_number,
             # Applied by now unless the window is still open (it holds the arrival then).
-            None if worker_id in self.anchors else c.version - 1,
+            None if worker_id in self.anchors else c.model.version - 1,
             staleness,
         )
 
     def _future(self, round_number: int) -> Rejection:
         """A worker ahead of the server: it restarted from an older checkpoint (a rebase)."""
-        version = self.c.version
+        version = self.c.model.version
         return Rejection(
             409,
             "future_round",
@@ -154,7 +151,7 @@ class AsyncArrivals:
             "status": status,
             "round": round_number,
             "fragment": 0,
-            "current_round": self.c.version,
+            "current_round": self.c.model.version,
             "waiting_for": self.waiting_for() if applied is None else [],
             "applied_version": applied,
         }
@@ -172,7 +169,7 @@ class AsyncArrivals:
     def _try_commit(self, now: float) -> None:
         """Apply the pending arrivals as one outer step once the window closes (lock held)."""
         c = self.c
-        if c.masters is None or c.closing or c.broken is not None or not self._ready(now):
+        if c.model.masters is None or c.stopped() or not self._ready(now):
             return  # (a broken server commits nothing until restarted)
         window = self.window
         assert window is not None and window.running is not None
@@ -180,7 +177,7 @@ class AsyncArrivals:
         running = window.running  # stays the window's until the step is durable
         submitters = sorted(window.submitters)
         record = CommitRecord(
-            round=c.version,
+            round=c.model.version,
             contributors=submitters,
             units=window.all_units(),
             progress=window.all_progress(),
@@ -190,13 +187,15 @@ class AsyncArrivals:
             # Staleness of each: the window opened at the current version, its anchor before.
             submissions=[(w, self.anchors[w], window.number - self.anchors[w]) for w in submitters],
         )
-        c.commit_step(running, record)
+        c.commit(running, record, self.fragment_rounds_after(record))
         self.window = None
         self.anchors.clear()
-        c.current_weights()  # encoded once for every worker of this step
+        c.model.current_weights(
+            self.fragment_rounds()
+        )  # encoded once for every worker of this step
         for when in window.submitted.values():
             c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
-        c.published(
+        c.publish(
             f"async step {record.round}: {len(submitters)} arrival(s) from "
             f"{', '.join(f'{w} (staleness {s})' for w, _, s in record.submissions)}",
             started,
@@ -225,11 +224,11 @@ class AsyncArrivals:
             self._try_commit(now)  # the deadline may have passed with nobody else to close it
             if self.anchors.get(worker_id) == round_number:
                 return None
-        if c.journal.state.applied_version(worker_id, round_number) is not None:
-            return c.current_weights().lend()
-        if round_number > c.version:
+        if c.applied_version(worker_id, round_number) is not None:
+            return c.model.current_weights(self.fragment_rounds()).lend()
+        if round_number > c.model.version:
             raise self._future(round_number)
-        if c.closing:
+        if c.closing():
             return None
         raise Rejection(
             409,

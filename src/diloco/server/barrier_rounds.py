@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from diloco.server.engine_context import EngineContext
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import Published, RoundResult, Waiting
@@ -21,18 +21,15 @@ from diloco.server.rounds import Round, ValueScan, fold
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
 
-if TYPE_CHECKING:
-    from diloco.server.coordinator import Coordinator
-
 
 class BarrierRounds:
     """The open round of every fragment, and the result each one last committed."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
+    def __init__(self, context: EngineContext) -> None:
+        self.c = context
         self.rounds: list[Round] = []  # empty until the global weights exist
         self.results: list[Published | None] = []
-        self._fragment_rounds: list[int] = [0] * coordinator.settings.fragments
+        self._fragment_rounds: list[int] = [0] * context.settings.fragments
 
     # ----------------------------------------------------------------- the engine interface
 
@@ -118,13 +115,13 @@ class BarrierRounds:
             # committed round already completed, a lost answer's retry, is not counted twice).
             c.check_units(submission)
             worker_id = submission.worker_id
-            if submission.units:
-                current.add_units(worker_id, c.pool.leased_to(worker_id, submission.units))
-            if submission.progress:
-                still = set(c.pool.leased_to(worker_id, list(submission.progress)))
-                current.add_progress(
-                    worker_id, {u: n for u, n in submission.progress.items() if u in still}
-                )
+            finished, partial = c.dispatch.still_leased(
+                worker_id, submission.units, submission.progress
+            )
+            if finished:
+                current.add_units(worker_id, finished)
+            if partial:
+                current.add_progress(worker_id, partial)
             submission.record.last_seen = c.clock()
             return self._answer("committed", round_number, fragment)
         if current.has(submission.worker_id, fragment):
@@ -140,8 +137,8 @@ class BarrierRounds:
         c = self.c
         now = c.clock()
         current = self.rounds[submission.fragment]
-        fold(current, submission, checked, c.sums_storage(), now)
-        c.accepted(submission, current, now)
+        fold(current, submission, checked, c.model.sums_storage(), now)
+        c.book(submission, current, now)
         self._try_commit(submission.fragment, now)
         return self._answer("accepted", submission.round, submission.fragment)
 
@@ -163,13 +160,17 @@ class BarrierRounds:
         """Commit the fragment's round if its barrier is satisfied (lock held)."""
         c = self.c
         current = self.rounds[fragment]
-        if c.masters is None or c.broken is not None or not current.ready(c.settings.min_workers):
+        if (
+            c.model.masters is None
+            or c.model.broken is not None
+            or not current.ready(c.settings.min_workers)
+        ):
             return  # (a broken server commits nothing until restarted)
-        assert current.running is not None and c.plan is not None
+        assert current.running is not None and c.model.plan is not None
         started = time.perf_counter()
         running = current.running  # stays the round's until the step is durable
         record = CommitRecord(
-            round=c.version,
+            round=c.model.version,
             contributors=sorted(current.submitters),
             units=current.all_units(),
             progress=current.all_progress(),
@@ -180,7 +181,7 @@ class BarrierRounds:
             fragment_round=current.number if len(self.rounds) > 1 else None,
             submissions=[(w, current.number, 0) for w in sorted(current.submitters)],
         )
-        c.commit_step(running, record)
+        c.commit(running, record, self.fragment_rounds_after(record))
         current.running = None  # used up by the step
         self._fragment_rounds[fragment] = current.number + 1
         self.results[fragment] = None  # free the old body before encoding the new one
@@ -191,7 +192,7 @@ class BarrierRounds:
             current.number + 1, c.membership.live_ids(), c.settings.weighting, now
         )
         what = f"round {current.number}{self._of(fragment)}"
-        c.published(
+        c.publish(
             f"{what}: {len(current.submitted)} contribution(s) from "
             f"{', '.join(sorted(current.submitters))}",
             started,
@@ -247,7 +248,7 @@ class BarrierRounds:
             worker_id is not None
             and worker_id in current.members
             and not current.has(worker_id, fragment)
-            and not c.closing
+            and not c.closing()
         ):
             raise Rejection(
                 409,
@@ -265,10 +266,10 @@ class BarrierRounds:
         """What the workers of the fragment's round get: the current weights when one
         fragment is the whole model (encoded once per version), else a copy of its tensors."""
         c = self.c
-        assert c.plan is not None
+        assert c.model.plan is not None
         if len(self.rounds) == 1:
-            return c.current_weights()
-        return Published(next_round, c.encode(c.plan[fragment]), fragment=fragment)
+            return c.model.current_weights(self.fragment_rounds())
+        return Published(next_round, c.model.encode(c.model.plan[fragment]), fragment=fragment)
 
     def waiting(self, round_number: int, fragment: int) -> Waiting:
         current = self.rounds[fragment]

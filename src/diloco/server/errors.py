@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from diloco.wire import WireError
+
 
 class Rejection(Exception):
     """Raised by the coordinator before it changes anything; the app turns it into JSON."""
@@ -15,3 +17,8 @@ class Rejection(Exception):
 
     def to_body(self) -> dict:
         return {"error": self.error, "kind": self.kind, "detail": self.detail}
+
+
+def rejection_of(error: WireError) -> Rejection:
+    """A wire-level refusal (a malformed or mismatched body) as the coordinator's."""
+    return Rejection(error.status, error.kind, error.error, **error.detail)

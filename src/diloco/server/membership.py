@@ -7,6 +7,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from diloco.algorithm import dylu_local_steps
+from diloco.server.errors import Rejection
+
 SPEED_WINDOWS = 5  # DyLU smooths a worker's speed over its last windows (median)
 
 
@@ -76,6 +79,19 @@ class Membership:
         record = self.workers.get(worker_id)
         return record if record is not None and record.live else None
 
+    def require_live(self, worker_id: str) -> WorkerRecord:
+        """The live worker's record, or Rejection 404 (evicted or never registered)."""
+        record = self.get_live(worker_id)
+        if record is None:
+            raise Rejection(
+                404,
+                "unknown_worker",
+                f"worker {worker_id!r} is not registered (evicted or never registered); "
+                "register again",
+                worker_id=worker_id,
+            )
+        return record
+
     def is_live(self, worker_id: str) -> bool:
         return self.get_live(worker_id) is not None
 
@@ -118,14 +134,16 @@ class Membership:
                 record.add_speed_sample(windows, steps_per_second)
             return record
 
-    def smoothed_speeds(self) -> dict[str, float]:
-        """Live workers' smoothed positive speeds (DyLU's input)."""
+    def dylu_advice(self, sync_every: int) -> dict[str, int]:
+        """DyLU: H_w = max(1, floor(v_w / max v * H)) over live workers' smoothed speeds, for
+        each worker that has one."""
         with self.lock:
-            return {
+            speeds = {
                 w.worker_id: w.smoothed_speed
                 for w in self.workers.values()
                 if w.live and w.smoothed_speed is not None and w.smoothed_speed > 0
             }
+        return dylu_local_steps(speeds, sync_every)
 
     def stale(self, now: float, timeout: float) -> list[str]:
         """Live workers silent for longer than `timeout` seconds."""

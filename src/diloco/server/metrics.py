@@ -41,3 +41,20 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Traffic:
+    """Tensor bytes received and sent: /v1/status, the metrics history, Prometheus."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def received(self, n: int) -> None:
+        self.bytes_in += n
+        self.metrics.bytes_in.inc(n)
+
+    def sent(self, n: int) -> None:
+        self.bytes_out += n
+        self.metrics.bytes_out.inc(n)

@@ -1,0 +1,45 @@
+"""What a round engine may read and do: the narrow view of the run it decides steps for.
+
+The engines (`BarrierRounds`, `AsyncArrivals`) receive this, never the coordinator: what they
+touch is listed here and nowhere else, and no import cycle runs through the coordinator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from diloco.algorithm import RunningMean
+from diloco.server.dispatch import DataDispatch
+from diloco.server.global_model import GlobalModel
+from diloco.server.journal import CommitRecord
+from diloco.server.membership import Membership
+from diloco.server.metrics import ServerMetrics
+from diloco.server.rounds import Round
+from diloco.server.settings import ServerSettings
+from diloco.server.submission import Submission
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """The run as an engine sees it. Every call happens under the coordinator's lock."""
+
+    settings: ServerSettings
+    clock: Callable[[], float]
+    model: GlobalModel  # masters, plan, version, encodings; read, and stepped via `commit`
+    membership: Membership  # who is live (read only)
+    metrics: ServerMetrics
+    dispatch: DataDispatch  # whether reported units are the worker's
+    applied_version: Callable[[str, int], int | None]  # async: (worker, anchor) -> its step
+    book: Callable[[Submission, Round, float], None]  # a folded submission's bookkeeping
+    commit: Callable[[RunningMean, CommitRecord, Sequence[int]], None]  # step, make durable
+    publish: Callable[[str, float], None]  # after a step's result is out: log, wake polls
+    closing: Callable[[], bool]  # the server is shutting down
+
+    def stopped(self) -> bool:
+        """No step may commit: shutting down, or broken by a failed write until restarted."""
+        return self.closing() or self.model.broken is not None
+
+    def check_units(self, submission: Submission) -> None:
+        """422 unless every unit the submission reports is the worker's (reads only)."""
+        self.dispatch.check_reported(submission.worker_id, submission.units, submission.progress)

@@ -1,0 +1,179 @@
+"""Who joins and who leaves: registrations, departures and evictions.
+
+A registration is checked in a fixed order (protocol, then the model against the run's, then
+the id) and journaled before it is answered; a departure or an eviction releases the worker's
+leased units but those a pending submission still reports, and tells the round engine, whose
+barrier may then be complete. Every call happens under the coordinator's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+
+from diloco import faults
+from diloco.server.engines import RoundEngine
+from diloco.server.errors import Rejection
+from diloco.server.global_model import GlobalModel
+from diloco.server.journal import RoundJournal
+from diloco.server.membership import Membership
+from diloco.server.metrics import ServerMetrics
+from diloco.server.settings import ServerSettings
+from diloco.wire import (
+    PROTOCOL_VERSION,
+    WORKER_ID_PATTERN,
+    TensorSpec,
+    fingerprint,
+    first_difference,
+    is_worker_id,
+)
+
+log = logging.getLogger("diloco.server")
+
+
+class Registrar:
+    """Admits workers into the membership and takes them out, journaled."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        clock: Callable[[], float],
+        model: GlobalModel,
+        membership: Membership,
+        journal: RoundJournal,
+        engine: RoundEngine,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.model = model
+        self.membership = membership
+        self.journal = journal
+        self.engine = engine
+        self.metrics = metrics
+
+    def register(
+        self,
+        worker_id: str | None,
+        specs: Sequence[TensorSpec],
+        protocol_version: int,
+        session: str | None = None,
+    ) -> dict:
+        """Admit a worker; checks the protocol, then the model, then the id (in that order).
+
+        A live id is refused (409) unless the request carries the session that registered it:
+        that is the same worker retrying a registration whose answer it never received.
+        """
+        if protocol_version != PROTOCOL_VERSION:
+            raise Rejection(
+                400,
+                "protocol_version",
+                f"protocol_version must be {PROTOCOL_VERSION}, got {protocol_version}",
+                expected=PROTOCOL_VERSION,
+                got=protocol_version,
+            )
+        if worker_id is not None and not is_worker_id(worker_id):
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'worker_id' must match {WORKER_ID_PATTERN}",
+                field="worker_id",
+                got=worker_id,
+            )
+        self.model.require_healthy()
+        now = self.clock()
+        self._check_model(specs)
+        worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
+        holder = self.membership.get_live(worker_id)
+        if holder is not None and session is not None and holder.session == session:
+            holder.last_seen = now
+            return self._registration(worker_id)
+        if holder is not None:
+            raise Rejection(
+                409,
+                "worker_id_taken",
+                f"worker id {worker_id!r} is held by a live worker",
+                worker_id=worker_id,
+            )
+        if self.model.specs is None or not self.model.kinds_known:
+            try:
+                self.model.set_specs({s.name: s for s in specs}, kinds_known=True)
+            except ValueError as exc:  # the model cannot be cut into the fragments asked
+                raise Rejection(
+                    422,
+                    "fragments_do_not_fit",
+                    f"this model cannot be split as the server is configured: {exc}",
+                    fragments=self.settings.fragments,
+                ) from None
+            self.journal.save_registered_specs(self.model.specs)
+        self.membership.admit(worker_id, now, session)
+        self.journal.worker_joined(worker_id, session, self.model.version)
+        faults.crash_point("registered")
+        log.info("worker %s registered at round %d", worker_id, self.model.version)
+        self.engine.on_register(worker_id)
+        self.metrics.live_workers.set(len(self.membership.live_ids()))
+        return self._registration(worker_id)
+
+    def _check_model(self, specs: Sequence[TensorSpec]) -> None:
+        """422 if a registering worker's model is not the run's (once the run has one)."""
+        if self.model.specs is None:
+            return
+        difference = first_difference(list(self.model.specs.values()), list(specs))
+        if difference is not None:
+            raise Rejection(
+                422,
+                "fingerprint_mismatch",
+                f"the model differs: {difference}",
+                expected=self.model.fingerprint,
+                got=fingerprint(list(specs)),
+            )
+
+    def _registration(self, worker_id: str) -> dict:
+        has_weights = self.model.masters is not None
+        return {
+            "worker_id": worker_id,
+            "round": self.model.version,
+            "fragment_rounds": self.engine.fragment_rounds(),
+            "needs_initial_weights": not has_weights,
+            "model_fingerprint": self.model.fingerprint if has_weights else None,
+            "settings": self.settings.to_wire(),
+        }
+
+    def deregister(self, worker_id: str) -> None:
+        self.membership.require_live(worker_id)
+        log.info("worker %s left at round %d", worker_id, self.model.version)
+        self.remove(worker_id, "deregistered")
+
+    def evict_stale(self) -> list[str]:
+        """Evict workers silent past the heartbeat timeout, and members a barrier has waited
+        on past --barrier-timeout (heartbeats but no submission); the barrier re-checks."""
+        stale = self.membership.stale(self.clock(), self.settings.heartbeat_timeout)
+        for worker_id in stale:
+            log.warning(
+                "worker %s evicted: silent for more than %g s",
+                worker_id,
+                self.settings.heartbeat_timeout,
+            )
+            self.remove(worker_id, "evicted")
+            self.metrics.evictions.inc()
+        now = self.clock()
+        overdue = self.engine.overdue(now)
+        for worker_id in overdue:
+            log.warning(
+                "worker %s evicted: its heartbeats go on, but it has not submitted within "
+                "the barrier timeout of %g s (a hung training loop?); the round goes on "
+                "without it, and it registers again if it comes back",
+                worker_id,
+                self.settings.effective_barrier_timeout,
+            )
+            self.remove(worker_id, "barrier_timeout")
+            self.metrics.evictions.inc()
+        return stale + overdue
+
+    def remove(self, worker_id: str, reason: str) -> None:
+        self.membership.depart(worker_id)
+        keep = self.engine.units_of(worker_id)
+        self.journal.worker_left(worker_id, self.model.version, reason, keep_units=keep)
+        self.metrics.live_workers.set(len(self.membership.live_ids()))
+        self.engine.on_leave(worker_id, self.clock())
