@@ -18,6 +18,7 @@ from diloco.algorithm.fragments import (
     block_prefixes_from_names,
     plan_fragments,
 )
+from diloco.algorithm.grace_window import GraceWindow
 from diloco.algorithm.outer import (
     APPLY_POLICIES,
     OuterStepResult,
@@ -39,6 +40,7 @@ __all__ = [
     "WEIGHTINGS",
     "Contribution",
     "DelayedNesterov",
+    "GraceWindow",
     "OuterOptimizer",
     "OuterStepResult",
     "RunningMean",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from diloco.algorithm import staleness_scale
+from diloco.algorithm import GraceWindow, staleness_scale
 from diloco.server.engine_context import EngineContext
 from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
@@ -30,6 +30,7 @@ class AsyncArrivals:
 
     def __init__(self, context: EngineContext) -> None:
         self.c = context
+        self.grace = GraceWindow(context.settings.grace_seconds)  # the simulator's rule too
         self.window: Round | None = None
         self.anchors: dict[str, int] = {}  # worker -> the version its pending arrival was for
 
@@ -78,7 +79,7 @@ class AsyncArrivals:
         """A long-poll wakes by the window's deadline, which it may then close itself."""
         if self.window is None or self.window.first_submission_at is None:
             return 1.0
-        deadline = self.window.first_submission_at + self.c.settings.grace_seconds
+        deadline = self.grace.deadline(self.window.first_submission_at)
         return max(0.001, min(1.0, deadline - now))
 
     # ----------------------------------------------------------------- submissions
@@ -163,8 +164,8 @@ class AsyncArrivals:
         window = self.window
         if window is None or window.first_submission_at is None:
             return False
-        grace = self.c.settings.grace_seconds
-        return grace <= 0 or not window.waiting_for() or now >= window.first_submission_at + grace
+        last = max(window.submitted.values())
+        return self.grace.closed(window.first_submission_at, last, not window.waiting_for(), now)
 
     def _try_commit(self, now: float) -> None:
         """Apply the pending arrivals as one outer step once the window closes (lock held)."""

@@ -16,6 +16,7 @@ import torch
 from diloco.algorithm import (
     Contribution,
     DelayedNesterov,
+    GraceWindow,
     OuterOptimizer,
     StreamingSchedule,
     alpha_merge,
@@ -341,6 +342,7 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
     local_h = dylu_local_steps(list(speeds), c.sync_every) if c.dylu else [c.sync_every] * k
     budgets = [max(1, int(c.steps * v / fastest + 1e-9)) for v in speeds]
     optimizer = _delayed_nesterov(c)
+    grace = GraceWindow(c.grace)
     masters = to_fp32_masters(setup.initial)
     replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(k)]
     anchors = [{n: t.clone() for n, t in masters.items()} for _ in range(k)]
@@ -360,13 +362,12 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
     order: list[tuple[int, int, float]] = []
     while events:
         window = [heapq.heappop(events)]
-        closes = window[0][0]
-        if c.grace > 0:
-            deadline = closes + c.grace
-            while events and events[0][0] <= deadline:
-                window.append(heapq.heappop(events))
-            # Early close: nobody else is training. (A worker has one arrival pending at most.)
-            closes = window[-1][0] if not events else deadline
+        opened = window[0][0]
+        while events and grace.takes(opened, events[0][0]):
+            window.append(heapq.heappop(events))
+        # The server's rule; nobody else training is "every live worker arrived" (a worker has
+        # one arrival pending at most).
+        closes = grace.closes_at(opened, window[-1][0], all_arrived=not events)
         while next_eval < min(closes * fastest, c.steps):
             curve.append((next_eval, setup.evaluator.loss(masters)))
             next_eval += c.eval_interval
