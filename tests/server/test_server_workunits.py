@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from diloco.algorithm.permutation import Permutation
 from diloco.server.errors import Rejection
-from diloco.server.workunits import MAX_LEASE_SAMPLES, WorkPool, immediate
+from diloco.server.workunit_schema import MAX_LEASE_SAMPLES, immediate
+from diloco.server.workunits import WorkPool
 
 
 def open_pool(path: Path) -> tuple[sqlite3.Connection, WorkPool]:

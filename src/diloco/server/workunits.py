@@ -26,117 +26,29 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sqlite3
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 
 from diloco.algorithm.permutation import Permutation
 from diloco.server.errors import Rejection
-
-log = logging.getLogger("diloco.server")
-
-DATASET_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
-_DATASET_ID_RE = re.compile(DATASET_ID_PATTERN)
-MAX_LENGTH = 2**53
-MAX_SEED = 2**63 - 1
-MAX_UNIT_SIZE = 65_536
-MAX_LEASE_COUNT = 1024
-MAX_LEASE_SAMPLES = 65_536  # one lease answers at most this many indices (JSON size, CPU)
-MAX_REPORTED_UNITS = 65_536
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS wu_datasets (
-    dataset_id TEXT PRIMARY KEY,
-    length INTEGER NOT NULL,
-    unit_size INTEGER NOT NULL,
-    shuffle_seed INTEGER NOT NULL,
-    units_per_epoch INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS wu_epochs (
-    dataset_id TEXT NOT NULL REFERENCES wu_datasets(dataset_id),
-    epoch INTEGER NOT NULL,
-    next_unit INTEGER NOT NULL,
-    PRIMARY KEY (dataset_id, epoch)
-);
-CREATE TABLE IF NOT EXISTS wu_units (
-    unit_id INTEGER PRIMARY KEY AUTOINCREMENT,
-    dataset_id TEXT NOT NULL,
-    epoch INTEGER NOT NULL,
-    unit_index INTEGER NOT NULL,
-    state TEXT NOT NULL CHECK (state IN ('free', 'leased', 'completed')),
-    worker_id TEXT,
-    leased_at REAL,
-    completed_round INTEGER,
-    trained INTEGER NOT NULL DEFAULT 0,  -- samples of its prefix that committed rounds trained
-    UNIQUE (dataset_id, epoch, unit_index),
-    FOREIGN KEY (dataset_id, epoch) REFERENCES wu_epochs(dataset_id, epoch)
-);
-CREATE TABLE IF NOT EXISTS wu_lease_requests (
-    worker_id TEXT NOT NULL,
-    lease_key TEXT NOT NULL,
-    dataset_id TEXT NOT NULL,
-    units TEXT NOT NULL,               -- JSON list of the unit ids this request leased
-    at REAL NOT NULL,
-    PRIMARY KEY (worker_id, lease_key)
-);
-CREATE TABLE IF NOT EXISTS wu_progress (
-    round INTEGER NOT NULL,            -- the outer step that trained the prefix
-    unit_id INTEGER NOT NULL,
-    before INTEGER NOT NULL,
-    after INTEGER NOT NULL,
-    PRIMARY KEY (round, unit_id)
-);
-CREATE INDEX IF NOT EXISTS wu_units_by_state
-    ON wu_units(dataset_id, epoch, state, unit_index);
-CREATE INDEX IF NOT EXISTS wu_units_by_worker ON wu_units(worker_id, state);
-CREATE INDEX IF NOT EXISTS wu_units_by_round
-    ON wu_units(completed_round) WHERE completed_round IS NOT NULL;
-"""
-
-_REMEMBERED_LEASES = 8
-
-_UNIT_COLUMNS = (
-    "unit_id, dataset_id, epoch, unit_index, state, worker_id, leased_at, completed_round, trained"
+from diloco.server.workunit_schema import (
+    MAX_LEASE_COUNT,
+    MAX_LEASE_SAMPLES,
+    MAX_LENGTH,
+    MAX_REPORTED_UNITS,
+    MAX_SEED,
+    MAX_UNIT_SIZE,
+    REMEMBERED_LEASES,
+    SCHEMA,
+    UNIT_COLUMNS,
+    check_dataset_id,
+    check_int,
+    check_worker_id,
+    invalid,
 )
 
-
-@contextmanager
-def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """A write transaction taken up front (BEGIN IMMEDIATE), committed or rolled back as one."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield conn
-    except BaseException:
-        conn.rollback()
-        raise
-    conn.commit()
-
-
-def _invalid(field: str, message: str) -> Rejection:
-    return Rejection(422, "invalid_request", message, field=field)
-
-
-def _check_int(field: str, value: object, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise _invalid(field, f"{field} must be an integer in {low}..{high}, got {value!r}")
-    return value
-
-
-def _check_dataset_id(dataset_id: object) -> str:
-    if not isinstance(dataset_id, str) or not _DATASET_ID_RE.fullmatch(dataset_id):
-        raise _invalid(
-            "dataset_id",
-            f"dataset_id must match {DATASET_ID_PATTERN}, got {dataset_id!r}",
-        )
-    return dataset_id
-
-
-def _check_worker_id(worker_id: object) -> str:
-    if not isinstance(worker_id, str) or not worker_id:
-        raise _invalid("worker_id", f"worker_id must be a non-empty string, got {worker_id!r}")
-    return worker_id
+log = logging.getLogger("diloco.server")
 
 
 class WorkPool:
@@ -145,7 +57,7 @@ class WorkPool:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self._permutations: dict[tuple[str, int], Permutation] = {}
-        for statement in _SCHEMA.split(";"):
+        for statement in SCHEMA.split(";"):
             if statement.strip():
                 conn.execute(statement)
         columns = {row[1] for row in conn.execute("PRAGMA table_info(wu_units)")}
@@ -160,11 +72,11 @@ class WorkPool:
         The shape must never change under a dataset_id: units already completed name positions
         of the old order, so another length, unit size or seed would skip or repeat samples.
         """
-        _check_dataset_id(dataset_id)
+        check_dataset_id(dataset_id)
         given = {
-            "length": _check_int("length", length, 1, MAX_LENGTH),
-            "unit_size": _check_int("unit_size", unit_size, 1, MAX_UNIT_SIZE),
-            "shuffle_seed": _check_int("shuffle_seed", shuffle_seed, 0, MAX_SEED),
+            "length": check_int("length", length, 1, MAX_LENGTH),
+            "unit_size": check_int("unit_size", unit_size, 1, MAX_UNIT_SIZE),
+            "shuffle_seed": check_int("shuffle_seed", shuffle_seed, 0, MAX_SEED),
         }
         stored = self._dataset_row(dataset_id)
         if stored is None:
@@ -223,9 +135,9 @@ class WorkPool:
         epoch. Units still leased to others are not free: they may come back, so an epoch is
         only opened on request. One lease holds at most MAX_LEASE_SAMPLES indices.
         """
-        _check_worker_id(worker_id)
-        _check_dataset_id(dataset_id)
-        _check_int("count", count, 1, MAX_LEASE_COUNT)
+        check_worker_id(worker_id)
+        check_dataset_id(dataset_id)
+        check_int("count", count, 1, MAX_LEASE_COUNT)
         shape = self._require_dataset(dataset_id)
         if lease_key is not None:
             replay = self._replay(worker_id, lease_key, dataset_id, shape)
@@ -270,7 +182,7 @@ class WorkPool:
         self.conn.execute(  # a retry only ever repeats one of the last few requests
             "DELETE FROM wu_lease_requests WHERE worker_id = ? AND rowid NOT IN (SELECT rowid"
             " FROM wu_lease_requests WHERE worker_id = ? ORDER BY at DESC LIMIT ?)",
-            (worker_id, worker_id, _REMEMBERED_LEASES),
+            (worker_id, worker_id, REMEMBERED_LEASES),
         )
 
     def _replay(self, worker_id: str, lease_key: str, dataset_id: str, shape: dict) -> dict | None:
@@ -282,7 +194,7 @@ class WorkPool:
         if row is None:
             return None
         if row[0] != dataset_id:
-            raise _invalid("lease_key", f"lease_key {lease_key!r} was used for {row[0]!r}")
+            raise invalid("lease_key", f"lease_key {lease_key!r} was used for {row[0]!r}")
         units = []
         for unit_id in json.loads(row[1]):
             unit = self.unit(unit_id)
@@ -326,7 +238,7 @@ class WorkPool:
     def leases_of(self, worker_id: str, *, indices: bool = False) -> list[dict]:
         """The units a worker holds now, oldest lease first; with their indices on request."""
         rows = self.conn.execute(
-            f"SELECT {_UNIT_COLUMNS} FROM wu_units WHERE worker_id = ? AND state = 'leased'"
+            f"SELECT {UNIT_COLUMNS} FROM wu_units WHERE worker_id = ? AND state = 'leased'"
             " ORDER BY unit_id",
             (worker_id,),
         ).fetchall()
@@ -358,7 +270,7 @@ class WorkPool:
         A unit this same worker already completed is accepted: a retried submission of a round
         that committed reports it again, and `complete` will not count it twice.
         """
-        _check_worker_id(worker_id)
+        check_worker_id(worker_id)
         ids = self._check_unit_ids(unit_ids)
         rows = self._units_by_id(ids)
         for unit_id in ids:
@@ -522,7 +434,7 @@ class WorkPool:
         """Every completed unit with its round, in (dataset, epoch, index) order: for audits."""
         where, args = ("AND dataset_id = ?", (dataset_id,)) if dataset_id is not None else ("", ())
         rows = self.conn.execute(
-            f"SELECT {_UNIT_COLUMNS} FROM wu_units WHERE state = 'completed' {where}"
+            f"SELECT {UNIT_COLUMNS} FROM wu_units WHERE state = 'completed' {where}"
             " ORDER BY dataset_id, epoch, unit_index",
             args,
         ).fetchall()
@@ -531,7 +443,7 @@ class WorkPool:
     def unit(self, unit_id: int) -> dict | None:
         """One unit's row (no indices), or None."""
         row = self.conn.execute(
-            f"SELECT {_UNIT_COLUMNS} FROM wu_units WHERE unit_id = ?", (unit_id,)
+            f"SELECT {UNIT_COLUMNS} FROM wu_units WHERE unit_id = ?", (unit_id,)
         ).fetchone()
         return None if row is None else self._unit_dict(row)
 
@@ -638,13 +550,13 @@ class WorkPool:
 
     def _check_unit_ids(self, unit_ids: Sequence[int]) -> list[int]:
         if isinstance(unit_ids, (str, bytes)) or not isinstance(unit_ids, Sequence):
-            raise _invalid("unit_ids", f"unit_ids must be a list of integers, got {unit_ids!r}")
+            raise invalid("unit_ids", f"unit_ids must be a list of integers, got {unit_ids!r}")
         if len(unit_ids) > MAX_REPORTED_UNITS:
-            raise _invalid("unit_ids", f"at most {MAX_REPORTED_UNITS} unit_ids per submission")
-        ids = [_check_int("unit_ids", unit_id, 1, 2**63 - 1) for unit_id in unit_ids]
+            raise invalid("unit_ids", f"at most {MAX_REPORTED_UNITS} unit_ids per submission")
+        ids = [check_int("unit_ids", unit_id, 1, 2**63 - 1) for unit_id in unit_ids]
         if len(set(ids)) != len(ids):
             twice = sorted(unit_id for unit_id, n in Counter(ids).items() if n > 1)
-            raise _invalid("unit_ids", f"unit_ids name units {twice} more than once")
+            raise invalid("unit_ids", f"unit_ids name units {twice} more than once")
         return ids
 
     def _units_by_id(self, unit_ids: list[int]) -> dict[int, dict]:
@@ -653,7 +565,7 @@ class WorkPool:
             chunk = unit_ids[start : start + 500]
             marks = ",".join("?" * len(chunk))
             rows = self.conn.execute(
-                f"SELECT {_UNIT_COLUMNS} FROM wu_units WHERE unit_id IN ({marks})", chunk
+                f"SELECT {UNIT_COLUMNS} FROM wu_units WHERE unit_id IN ({marks})", chunk
             )
             for row in rows:
                 found[row[0]] = self._unit_dict(row)
