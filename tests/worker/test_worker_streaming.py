@@ -16,7 +16,7 @@ from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoWorker
 from diloco.worker.data import LeasedBatches, LeasedSampler
 from diloco.worker.ratelimit import UploadLimiter
-from diloco.worker.streaming import start_position
+from diloco.worker.schedule import start_position
 
 STREAMING = dict(
     mode="streaming",

@@ -325,7 +325,7 @@ def test_cut_connections_are_retried_and_each_round_counts_once(live_server) -> 
 def test_a_worker_held_by_min_workers_says_why(live_server, monkeypatch, caplog) -> None:
     """Alone under --min-workers 2, the worker's wait is logged with the server's reason
     (never silent); a second worker's submission then releases it."""
-    monkeypatch.setattr("diloco.worker.worker.WAIT_REPORT_SECONDS", 0.3)
+    monkeypatch.setattr("diloco.worker.session.WAIT_REPORT_SECONDS", 0.3)
     caplog.set_level("WARNING", logger="diloco.worker")
     with live_server(ServerSettings(sync_every=2, min_workers=2)) as server:
         models = [make_model(), make_model()]

@@ -1,9 +1,10 @@
 """The worker side: DiLoCoWorker around any torch optimizer, and its HTTP client."""
 
-from diloco.worker.client import ClientStats, DiLoCoClient
+from diloco.worker.client import DiLoCoClient
 from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
 from diloco.worker.retry import RetryPolicy
 from diloco.worker.settings import ServerSettingsError, WorkerSettings
+from diloco.worker.transport import ClientStats
 from diloco.worker.worker import DiLoCoWorker
 
 __all__ = [

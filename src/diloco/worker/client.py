@@ -1,188 +1,44 @@
-"""The worker's HTTP client for the coordinator's wire protocol (docs/protocol.md, version 1).
+"""The worker's client for the coordinator's wire protocol (docs/protocol.md, version 1).
 
+One method per route, on top of `Transport` (transport.py), which sends, retries and counts.
 It speaks bytes for tensor bodies (the caller encodes and decodes safetensors) and plain dicts
-for JSON, so it knows nothing of torch or of the wire schemas. Transport failures, 429, 502,
-503 and 504 (the server's own `barrier_timeout` included) are retried under a RetryPolicy,
-re-sending the very same body: the server deduplicates by (worker, round, fragment), so a
-resubmission is safe and a worker never loses its progress to a dropped connection.
-
-urllib3 is used because it uploads a bytes body and streams a download at loopback speed
-(docs: DESIGN.md); bodies go out as one buffer and come back into one preallocated buffer.
+for JSON, so it knows nothing of torch or of the wire schemas. Here live what the routes
+mean: their paths and queries, the JSON of requests, and the parsing of answers (round
+headers, "waiting" long-polls, a 409 that means another worker won).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import random
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote
 
-import urllib3
-from urllib3.exceptions import ProtocolError, ProxyError
-from urllib3.exceptions import TimeoutError as Urllib3Timeout
-
-from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
-from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
-from diloco.worker.ratelimit import SLICE_BYTES, UploadLimiter
+from diloco.wire.validation import PROTOCOL_VERSION
+from diloco.worker.errors import ServerError
 from diloco.worker.retry import RetryPolicy
-
-Body = bytes | bytearray | memoryview
-OnRetry = Callable[[str, BaseException | int, float], None]
-
-RETRIED_STATUSES = frozenset({429, 502, 503, 504})
-# Failures of the connection itself; anything else (a TLS certificate error, a bad URL) will
-# not heal by waiting, so it ends the call at once.
-_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    ProtocolError,
-    Urllib3Timeout,
-    ProxyError,
-    http.client.HTTPException,
-    ConnectionError,
-    TimeoutError,
+from diloco.worker.transport import (
+    Body,
+    ClientStats,
+    OnRetry,
+    Reply,
+    Transport,
+    server_error,
+    success,
 )
-_READ_CHUNK = 4 * 1024 * 1024
+
+__all__ = ["ClientStats", "DiLoCoClient", "Weights"]
+
 _MAX_WAIT = 120.0  # the server's cap on `wait` for a result long-poll
 
 
-@dataclass(frozen=True)
-class ClientStats:
-    """A snapshot of the client's counters, for the worker's --json report.
-
-    Bytes count request and response bodies (JSON included, headers not) of every attempt
-    that got an answer. `blocked_seconds` is wall time inside client calls, retries and
-    backoff sleeps included, from every thread; `blocked_by_operation` splits it per method
-    so a worker can leave out the background heartbeat.
-    """
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    blocked_seconds: float = 0.0
-    retries: int = 0
-    blocked_by_operation: dict[str, float] = field(default_factory=dict)
-    largest_upload: int = 0  # the biggest pseudo-gradient sent: what one sync moves at once
-
-
-class _Counters:
-    """Counters shared by the training thread and the heartbeat thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stats = ClientStats()
-
-    def add(
-        self,
-        *,
-        sent: int = 0,
-        received: int = 0,
-        retries: int = 0,
-        operation: str | None = None,
-        blocked: float = 0.0,
-        upload: int = 0,
-    ) -> None:
-        with self._lock:
-            s = self._stats
-            by_operation = s.blocked_by_operation
-            if operation is not None:
-                by_operation = dict(by_operation)
-                by_operation[operation] = by_operation.get(operation, 0.0) + blocked
-            self._stats = ClientStats(
-                bytes_sent=s.bytes_sent + sent,
-                bytes_received=s.bytes_received + received,
-                blocked_seconds=s.blocked_seconds + blocked,
-                retries=s.retries + retries,
-                blocked_by_operation=by_operation,
-                largest_upload=max(s.largest_upload, upload),
-            )
-
-    def snapshot(self) -> ClientStats:
-        with self._lock:
-            return self._stats
-
-
-@dataclass(frozen=True)
-class _Reply:
-    """One complete HTTP answer: its body is already read in full."""
-
-    status: int
-    headers: Mapping[str, str]
-    body: bytearray
-    url: str
-
-
-def _split_base_url(base_url: str) -> tuple[str, str]:
-    """Return (origin, path prefix) of an http(s) base URL, or raise ValueError."""
-    if not isinstance(base_url, str):
-        raise ValueError(f"base_url must be a string, got {base_url!r}")
-    parts = urlsplit(base_url.strip())
-    if parts.scheme.lower() not in ("http", "https"):
-        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-    if not parts.hostname:
-        raise ValueError(f"base_url has no host: {base_url!r}")
-    if parts.username or parts.password:
-        raise ValueError(f"base_url must not carry credentials; pass token= instead: {base_url!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"base_url must not have a query or fragment: {base_url!r}")
-    try:
-        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number
-    except ValueError as exc:
-        raise ValueError(f"base_url has a bad port: {base_url!r}") from exc
-    return f"{parts.scheme.lower()}://{parts.netloc}", parts.path.rstrip("/")
-
-
-def _read_body(response: urllib3.BaseHTTPResponse, into: bytearray | None = None) -> bytearray:
-    """Read a streamed body into one buffer, preallocated when Content-Length is known.
-
-    `into` is used instead of a new buffer when it has exactly Content-Length bytes: a worker
-    that downloads the weights every round then writes them over the same memory rather than
-    page-faulting a fresh model-sized buffer in each time.
-    """
-    length = response.headers.get("Content-Length")
-    if length is None:
-        buffer = bytearray()
-        for chunk in response.stream(_READ_CHUNK):
-            buffer += chunk
-        return buffer
-    size = int(length)
-    buffer = into if into is not None and len(into) == size else bytearray(size)
-    view = memoryview(buffer)
-    done = 0
-    while done < size:
-        got = response.readinto(view[done : done + _READ_CHUNK])
-        if got == 0:
-            raise ProtocolError(f"connection closed after {done} of {size} body bytes")
-        done += got
-    return buffer
-
-
-def _server_error(reply: _Reply) -> ServerError:
-    """Build the protocol's error from a rejection, tolerating bodies that are not JSON."""
-    try:
-        payload = json.loads(reply.body)
-    except ValueError:
-        payload = None
-    error_class = AuthError if reply.status == 401 else ServerError
-    if isinstance(payload, dict) and isinstance(payload.get("kind"), str):
-        return error_class(
-            reply.status,
-            payload["kind"],
-            str(payload.get("error", "")),
-            payload.get("detail"),
-            url=reply.url,
-        )
-    text = bytes(reply.body[:200]).decode("utf-8", "replace").strip()
-    reason = http.client.responses.get(reply.status, "")
-    return error_class(reply.status, f"http_{reply.status}", text or reason, None, url=reply.url)
-
-
-def _json_dict(reply: _Reply) -> dict[str, Any]:
+def _json_dict(reply: Reply) -> dict[str, Any]:
     """The JSON object of a success answer; an empty body reads as {}."""
     if not reply.body:
         return {}
@@ -197,7 +53,7 @@ def _json_dict(reply: _Reply) -> dict[str, Any]:
     return payload
 
 
-def _round_header(reply: _Reply) -> int:
+def _round_header(reply: Reply) -> int:
     value = reply.headers.get("X-Diloco-Round")
     try:
         return int(value)  # type: ignore[arg-type]
@@ -219,7 +75,7 @@ class Weights:
     fragment_rounds: list[int] | None = None  # streaming: each fragment's round
 
 
-def _weights(reply: _Reply) -> Weights:
+def _weights(reply: Reply) -> Weights:
     rounds = reply.headers.get("X-Diloco-Fragment-Rounds")
     fragment_rounds = None
     if rounds:
@@ -233,15 +89,6 @@ def _weights(reply: _Reply) -> Weights:
                 url=reply.url,
             ) from None
     return Weights(reply.body, _round_header(reply), fragment_rounds)
-
-
-def _retry_after(reply: _Reply) -> float | None:
-    """Seconds from a numeric Retry-After header, if the server sent one."""
-    try:
-        seconds = float(reply.headers.get("Retry-After", ""))
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class DiLoCoClient:
@@ -267,41 +114,38 @@ class DiLoCoClient:
         max_upload_mbps: float | None = None,
     ) -> None:
         """`max_upload_mbps` paces tensor uploads to that many megabits per second."""
-        self._origin, self._prefix = _split_base_url(base_url)
-        self._limiter = (
-            UploadLimiter.from_mbps(max_upload_mbps) if max_upload_mbps is not None else None
+        self._transport = Transport(
+            base_url,
+            token,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retry=retry,
+            on_retry=on_retry,
+            sleep=sleep,
+            clock=clock,
+            rng=rng,
+            max_upload_mbps=max_upload_mbps,
         )
-        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-        if token is not None and (not token or any(c in token for c in "\r\n")):
-            raise ValueError("token must be a non-empty single line")
-        self.base_url = self._origin + self._prefix
-        self.retry = retry
-        self._connect_timeout = float(connect_timeout)
-        self._read_timeout = float(read_timeout)
-        self._headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}  # on every request
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._on_retry = on_retry
-        self._closed = threading.Event()
-        self._sleep = sleep if sleep is not None else self._closed.wait
-        self._clock = clock
-        self._rng = rng or random.Random()
-        self._rng_lock = threading.Lock()
-        self._counters = _Counters()
+        self.base_url = self._transport.base_url
         # The last "waiting" answer of a result long-poll: who the round waits for
         # (`waiting_for`, `more_submissions_needed`), for a caller that reports a long wait.
         self.last_waiting: dict[str, Any] = {}
-        # Two threads use the client at once; a few spare connections cost nothing.
-        self._pool = urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False)
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The policy every later call retries under."""
+        return self._transport.retry
+
+    @retry.setter
+    def retry(self, policy: RetryPolicy) -> None:
+        self._transport.retry = policy
 
     # -- counters -----------------------------------------------------------------------------
 
     @property
     def stats(self) -> ClientStats:
         """A consistent snapshot of every counter at once."""
-        return self._counters.snapshot()
+        return self._transport.stats
 
     @property
     def bytes_sent(self) -> int:
@@ -356,11 +200,11 @@ class DiLoCoClient:
             content_type="application/octet-stream",
         )
         if reply.status == 409:
-            error = _server_error(reply)
+            error = server_error(reply)
             if error.kind == "weights_exist":
                 return {"status": "exists"}
             raise error
-        return _json_dict(self._success(reply))
+        return _json_dict(success(reply))
 
     def get_weights(self, into: bytearray | None = None) -> tuple[bytearray, int]:
         """The current global weights (safetensors bytes) and the round they start.
@@ -373,7 +217,7 @@ class DiLoCoClient:
 
     def get_weights_detail(self, into: bytearray | None = None) -> Weights:
         """The current global weights with every round header (streaming: per fragment)."""
-        reply = self._success(self._call("get_weights", "GET", "/v1/weights", into=into))
+        reply = success(self._call("get_weights", "GET", "/v1/weights", into=into))
         return _weights(reply)
 
     def submit(
@@ -406,8 +250,8 @@ class DiLoCoClient:
             body=body,
             content_type="application/octet-stream",
         )
-        answer = _json_dict(self._success(reply))
-        self._counters.add(upload=memoryview(body).nbytes)
+        answer = _json_dict(success(reply))
+        self._transport.count_upload(memoryview(body).nbytes)
         return answer
 
     def wait_result(
@@ -439,7 +283,7 @@ class DiLoCoClient:
             query=query,
             # The server holds the answer for `wait`, and may then still be committing the
             # round (a durable checkpoint), so the usual read timeout comes on top.
-            read_timeout=wait + self._read_timeout,
+            read_timeout=wait + self._transport.read_timeout,
             into=into,
         )
         if reply.status == 202:
@@ -449,7 +293,7 @@ class DiLoCoClient:
                 waiting = None
             self.last_waiting = waiting if isinstance(waiting, dict) else {}
             return None
-        reply = self._success(reply)
+        reply = success(reply)
         return reply.body, _round_header(reply)
 
     def register_dataset(
@@ -536,12 +380,11 @@ class DiLoCoClient:
 
     def close(self) -> None:
         """Close the connections; a call sleeping between retries wakes and raises."""
-        self._closed.set()
-        self._pool.clear()
+        self._transport.close()
 
     @property
     def closed(self) -> bool:
-        return self._closed.is_set()
+        return self._transport.closed
 
     def __enter__(self) -> DiLoCoClient:
         return self
@@ -554,7 +397,11 @@ class DiLoCoClient:
     ) -> None:
         self.close()
 
-    # -- machinery ----------------------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------------
+
+    def _call(self, operation: str, method: str, path: str, **options: Any) -> Reply:
+        """One request through the transport (retried until retrying cannot change it)."""
+        return self._transport.call(operation, method, path, **options)
 
     def _json_call(
         self,
@@ -572,122 +419,4 @@ class DiLoCoClient:
         reply = self._call(
             operation, method, path, query=query, body=body, content_type=content_type
         )
-        return _json_dict(self._success(reply))
-
-    @staticmethod
-    def _success(reply: _Reply) -> _Reply:
-        if 200 <= reply.status < 300:
-            return reply
-        raise _server_error(reply)
-
-    def _url(self, path: str, query: Mapping[str, Any] | None) -> str:
-        url = self._origin + self._prefix + path
-        return f"{url}?{urlencode(query)}" if query else url
-
-    def _call(
-        self,
-        operation: str,
-        method: str,
-        path: str,
-        *,
-        query: Mapping[str, Any] | None = None,
-        body: Body | None = None,
-        content_type: str | None = None,
-        read_timeout: float | None = None,
-        into: bytearray | None = None,
-    ) -> _Reply:
-        """Send one request until it gets an answer that retrying cannot change.
-
-        Returns any answer but 401 (AuthError) and the retried statuses; raises
-        ServerUnavailable once the RetryPolicy is spent, ClientClosed after close().
-        """
-        self._check_open()
-        url = self._url(path, query)
-        headers = dict(self._headers)
-        if content_type is not None:
-            headers["Content-Type"] = content_type
-        timeout = urllib3.Timeout(
-            connect=self._connect_timeout,
-            read=self._read_timeout if read_timeout is None else read_timeout,
-        )
-        with self._rng_lock:
-            rng = random.Random(self._rng.getrandbits(64))
-        delays = self.retry.delays(rng)
-        started = self._clock()
-        attempts = 0
-        try:
-            while True:
-                attempts += 1
-                retry_after = None
-                try:
-                    reply = self._attempt(method, url, body, headers, timeout, into)
-                except _TRANSIENT_ERRORS as exc:
-                    cause: BaseException = exc
-                    signal: BaseException | int = exc
-                except urllib3.exceptions.HTTPError as exc:
-                    raise ServerUnavailable(url, exc, attempts=attempts, reason="fatal") from exc
-                else:
-                    if reply.status == 401:
-                        raise _server_error(reply)
-                    if reply.status not in RETRIED_STATUSES:
-                        return reply
-                    cause, signal = _server_error(reply), reply.status
-                    retry_after = _retry_after(reply)
-                delay = next(delays, None)
-                if delay is None:
-                    raise ServerUnavailable(
-                        url, cause, attempts=attempts, reason="retries exhausted"
-                    ) from cause
-                if retry_after is not None:
-                    delay = max(delay, min(retry_after, self.retry.max_delay))
-                deadline = self.retry.deadline
-                if deadline is not None and self._clock() - started + delay > deadline:
-                    raise ServerUnavailable(
-                        url, cause, attempts=attempts, reason=f"deadline of {deadline:g} s"
-                    ) from cause
-                self._counters.add(retries=1)
-                if self._on_retry is not None:
-                    self._on_retry(operation, signal, delay)
-                self._sleep(delay)
-                self._check_open()
-        finally:
-            self._counters.add(operation=operation, blocked=self._clock() - started)
-
-    def _attempt(
-        self,
-        method: str,
-        url: str,
-        body: Body | None,
-        headers: Mapping[str, str],
-        timeout: urllib3.Timeout,
-        into: bytearray | None = None,
-    ) -> _Reply:
-        payload: Any = body
-        if self._limiter is not None and body is not None and len(body) > SLICE_BYTES:
-            headers = {**headers, "Content-Length": str(memoryview(body).nbytes)}
-            payload = self._limiter.paced(body)
-        response = self._pool.urlopen(
-            method,
-            url,
-            body=payload,
-            headers=headers,
-            timeout=timeout,
-            retries=False,
-            redirect=False,
-            preload_content=False,
-        )
-        try:
-            # Only a success carries the weights; an error's JSON never lands in `into`.
-            received = _read_body(response, into if response.status == 200 else None)
-        except BaseException:
-            response.close()  # a half-read connection must not go back to the pool
-            raise
-        finally:
-            response.release_conn()
-        sent = 0 if body is None else memoryview(body).nbytes
-        self._counters.add(sent=sent, received=len(received))
-        return _Reply(response.status, response.headers, received, url)
-
-    def _check_open(self) -> None:
-        if self._closed.is_set():
-            raise ClientClosed(f"the client for {self.base_url} is closed")
+        return _json_dict(success(reply))

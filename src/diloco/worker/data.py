@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +39,35 @@ class LeaseClient(Protocol):
     def lease(
         self, worker_id: str, dataset_id: str, count: int = 1, next_epoch: bool = False
     ) -> dict[str, Any]: ...
+
+
+class WorkerLeaseClient(LeaseClient, Protocol):
+    def leases(self, worker_id: str, dataset_id: str) -> dict[str, Any]: ...
+
+
+class SavedWorker(Protocol):
+    @property
+    def extra(self) -> Mapping[str, Any]: ...
+
+
+class LeasingWorker(Protocol):
+    """What `LeasedSampler.for_worker` uses of a DiLoCoWorker."""
+
+    data: Any  # the source whose finished units the worker reports with its submissions
+
+    @property
+    def client(self) -> WorkerLeaseClient | None: ...
+
+    @property
+    def worker_id(self) -> str: ...  # set once the worker has joined
+
+    @property
+    def sample_trace(self) -> object | None: ...
+
+    @property
+    def resumed(self) -> SavedWorker | None: ...
+
+    def rejoin(self) -> None: ...
 
 
 class LeasedSampler(Sampler[int]):
@@ -80,22 +109,25 @@ class LeasedSampler(Sampler[int]):
         self.epoch = int(self.dataset.get("epoch", 0))
 
     @classmethod
-    def for_worker(cls, worker: Any, dataset_id: str, length: int, **options: Any) -> LeasedSampler:
+    def for_worker(
+        cls, worker: LeasingWorker, dataset_id: str, length: int, **options: Any
+    ) -> LeasedSampler:
         """A sampler on `worker`'s connection whose finished units `worker` reports."""
-        if worker.client is None:
+        client = worker.client
+        if client is None:
             raise ValueError("a LeasedSampler needs the worker's leader process (rank 0)")
-        sampler = cls(worker.client, lambda: worker.worker_id, dataset_id, length, **options)
-        sampler.rejoin = worker._reregister
+        sampler = cls(client, lambda: worker.worker_id, dataset_id, length, **options)
+        sampler.rejoin = worker.rejoin
         worker.data = sampler
-        if getattr(worker, "sample_trace", None) is not None:
+        if worker.sample_trace is not None:
             sampler.trace = []
-        resumed = getattr(worker, "resumed", None)
+        resumed = worker.resumed
         saved = None if resumed is None else resumed.extra.get("data")
         if saved is not None and saved.get("dataset_id") == dataset_id:
             sampler.load_state_dict(saved)  # the leases it held stay leased to the same id
             # Rounds may have committed since the checkpoint (with our submission in them, or
             # without us after an eviction): the server's leases say what is left to train.
-            sampler.reconcile(worker.client.leases(worker.worker_id, dataset_id)["units"])
+            sampler.reconcile(client.leases(worker.worker_id, dataset_id)["units"])
         return sampler
 
     def __iter__(self) -> Iterator[int]:

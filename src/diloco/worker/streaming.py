@@ -1,12 +1,13 @@
 """Streaming DiLoCo on the worker: fragments sent on a schedule, merged tau steps later.
 
 Within every cycle of H inner steps, fragment f owns the window of S = H / P steps ending at
-(f + 1) S. At step S - tau of its window the worker computes the fragment's pseudo-gradient
-(anchor_f - local_f) and hands it to a background thread, which submits it and long-polls the
-fragment round's result while training goes on. At the window's end the worker waits for that
-thread (the only time it blocks) and merges: theta_f = (1 - alpha) G'_f + alpha L_f, with L_f
-the local values at merge time, and G'_f becomes the fragment's anchor. At most one fragment
-is in flight: the next send comes after this merge.
+(f + 1) S (`schedule.FragmentWindows`). At step S - tau of its window the worker computes the
+fragment's pseudo-gradient (anchor_f - local_f) and hands it to a background thread, which
+submits it and long-polls the fragment round's result while training goes on. At the
+window's end the worker waits for that thread (the only time it blocks) and merges:
+theta_f = (1 - alpha) G'_f + alpha L_f, with L_f the local values at merge time, and G'_f
+becomes the fragment's anchor. At most one fragment is in flight: the next send comes after
+this merge.
 
 At the end (`flush`) every fragment whose local values differ from its global ones is synced
 once more, so no training is lost and every worker ends on the global model.
@@ -14,6 +15,10 @@ once more, so no training is lost and every worker ends on the global model.
 A sync that fails (the server unreachable past the retry budget, or longer than the worker's
 `fragment_timeout`) keeps the old anchor and the same fragment round: the fragment is sent
 again, against that anchor, at its next send step. The other fragments are untouched.
+
+The streamer works with the worker's parts, not the worker: the server session (rank 0
+only), the anchor, the work units, the token tally and the pace; `on_merged` tells the
+worker that a fragment's window ended (it saves its checkpoint once a cycle).
 """
 
 from __future__ import annotations
@@ -23,18 +28,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.algorithm import StreamingSchedule, alpha_merge, pseudo_gradient
+from diloco.algorithm import alpha_merge
 from diloco.wire import encode_tensors
 from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
 from diloco.worker import distributed
+from diloco.worker.anchor import Anchor
 from diloco.worker.errors import ClientClosed, ServerUnavailable
+from diloco.worker.pace import Pace
+from diloco.worker.schedule import FragmentWindows
+from diloco.worker.session import ServerSession
+from diloco.worker.settings import WorkerSettings
+from diloco.worker.tokens import TokenTally
+from diloco.worker.units import UnitReports
 
-if TYPE_CHECKING:
-    from diloco.worker.worker import DiLoCoWorker
+__all__ = ["FragmentOutcome", "FragmentStreamer", "InFlight"]
 
 log = logging.getLogger("diloco.worker")
 
@@ -62,111 +72,116 @@ class InFlight:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
-def start_position(fragment_rounds: list[int], sync_every: int, fragments: int) -> int:
-    """The schedule step a worker joining at these fragment rounds starts from.
-
-    In a run that keeps up, fragments sync in order, so rounds look like [c+1]*k + [c]*(P-k):
-    cycle c, fragment k's window is next. The fragment with the fewest rounds (the first of
-    those) tells both.
-    """
-    lowest = min(fragment_rounds)
-    next_fragment = fragment_rounds.index(lowest)
-    return lowest * sync_every + next_fragment * (sync_every // fragments)
-
-
 class FragmentStreamer:
-    """The streaming schedule of one worker: sends, in-flight sync, merges, and the final flush."""
+    """The streaming schedule of one worker: sends, in-flight sync, merges, and the final flush.
+
+    `session` is None on the ranks of a torch.distributed group other than 0: they take no
+    part in the network and receive each G'_f by broadcast at the merge.
+    """
 
     def __init__(
         self,
-        worker: DiLoCoWorker,
+        settings: WorkerSettings,
         plan: list[list[str]],
         fragment_rounds: list[int],
         fragment_timeout: float | None,
+        *,
+        session: ServerSession | None,
+        anchor: Anchor,
+        units: UnitReports,
+        tokens: TokenTally,
+        pace: Pace,
+        on_merged: Callable[[int], None],
     ) -> None:
-        settings = worker.settings
         if len(plan) != settings.fragments or len(fragment_rounds) != settings.fragments:
             raise ValueError(
                 f"the server states {settings.fragments} fragments but a plan of {len(plan)} "
                 f"and {len(fragment_rounds)} fragment rounds"
             )
-        self.worker = worker
         self.plan = plan
-        self.schedule = StreamingSchedule(settings.sync_every, settings.fragments, settings.delay)
+        self.windows = FragmentWindows(
+            settings.sync_every, settings.fragments, settings.delay, fragment_rounds
+        )
         self.alpha = settings.alpha
+        self.upload_dtype = settings.upload_dtype
         self.fragment_rounds = list(fragment_rounds)
         self.fragment_timeout = fragment_timeout
-        self.step = start_position(self.fragment_rounds, settings.sync_every, settings.fragments)
-        self.last_merge = [self.step] * len(plan)  # the step each fragment last took G' at
+        self.session = session
+        self.anchor = anchor
+        self.units = units
+        self.tokens = tokens
+        self.pace = pace
+        self.on_merged = on_merged
         self.in_flight: InFlight | None = None
         self.syncs = 0
         self.failures = 0
         # A work unit is in the global model once every fragment has synced since it finished:
         # it is reported with the submission that completes that set.
         self.covered: dict[int, set[int]] = {}
-        self.tokens_at_send = [worker.tokens_total] * len(plan)
+        self.tokens_at_send = [tokens.total] * len(plan)
+
+    @property
+    def step(self) -> int:
+        """This worker's step in the fragments' schedule."""
+        return self.windows.step
 
     def reposition(self, fragment_rounds: list[int]) -> None:
         """After a rebase: take the server's rounds and the schedule position they imply."""
-        settings = self.worker.settings
         self.fragment_rounds = list(fragment_rounds)
-        self.step = start_position(self.fragment_rounds, settings.sync_every, settings.fragments)
-        self.last_merge = [self.step] * len(self.plan)
+        self.windows.reposition(self.fragment_rounds)
 
     # ----------------------------------------------------------------- the schedule
 
     def after_step(self) -> None:
         """One inner step done: send what is due, then merge what is due (tau = 0: both)."""
-        self.step += 1
-        for fragment in self.schedule.fragments_sent_at(self.step):
+        windows = self.windows
+        windows.step += 1
+        for fragment in windows.schedule.fragments_sent_at(windows.step):
             self.send(fragment)
-        for fragment in self.schedule.fragments_merged_at(self.step):
+        for fragment in windows.schedule.fragments_merged_at(windows.step):
             self.merge(fragment)
 
     def send(self, fragment: int) -> None:
         """Start the fragment's sync in the background (rank 0 talks; others wait for merge)."""
         if self.in_flight is not None:  # cannot happen with tau < S; never two at once
             self.merge(self.in_flight.outcome.fragment)
-        worker = self.worker
         outcome = FragmentOutcome(fragment, self.fragment_rounds[fragment])
-        merge_at = self.step + self.schedule.delay
-        if not worker.is_leader:
+        merge_at = self.windows.step + self.windows.delay
+        session = self.session
+        if session is None:
             self.in_flight = InFlight(outcome, merge_at, threading.Thread(target=lambda: None))
             return
-        names = self.plan[fragment]
-        local = worker.model.state_dict()
-        gradient = pseudo_gradient(
-            {n: worker.anchor[n] for n in names}, {n: local[n] for n in names}
-        )
-        body = encode_tensors(gradient, float_dtype=worker.settings.upload_dtype)
+        gradient = self.anchor.pseudo_gradient(self.plan[fragment])
+        body = encode_tensors(gradient, float_dtype=self.upload_dtype)
         del gradient
-        outcome.finished = worker.finished_units()
+        outcome.finished = self.units.finished()
         everything = set(range(len(self.plan)))
         outcome.units = [
             unit
             for unit in outcome.finished
             if self.covered.get(unit, set()) | {fragment} == everything
         ][:MAX_UNITS_PER_SUBMISSION]
-        outcome.tokens = worker.tokens_total - self.tokens_at_send[fragment]
+        outcome.tokens = self.tokens.total - self.tokens_at_send[fragment]
         cancel = threading.Event()
         thread = threading.Thread(
             target=self._run,
-            args=(outcome, body, outcome.units, cancel.is_set),
+            args=(session, outcome, body, outcome.units, cancel.is_set),
             name=f"diloco-fragment-{fragment}",
             daemon=True,
         )
         self.in_flight = InFlight(outcome, merge_at, thread, cancel)
         thread.start()
 
+    @staticmethod
     def _run(
-        self,
+        session: ServerSession,
         outcome: FragmentOutcome,
         body: bytearray,
         units: list[int],
         cancelled: Callable[[], bool],
     ) -> None:
         try:
-            got = self.worker.exchange(
+            got = session.exchange(
                 body,
                 units,
                 outcome.round,
@@ -188,7 +203,7 @@ class FragmentStreamer:
         self.in_flight = None
         started = time.monotonic()
         header = distributed.lead(lambda: self._wait(flight), distributed.broadcast_json)
-        self.worker.blocked_seconds += time.monotonic() - started
+        self.pace.blocked_seconds += time.monotonic() - started
         if header["status"] == "failed":
             self.failures += 1
             log.warning(
@@ -201,21 +216,23 @@ class FragmentStreamer:
             return
         tensors = flight.outcome.tensors or {}
         if header["status"] == "rebase":
-            self.worker.adopt_everywhere(tensors, header["version"])
+            self.anchor.adopt_everywhere(tensors, header["version"])
             self.reposition(header["fragment_rounds"])
             return
         names = self.plan[fragment]
-        tensors = self.worker.broadcast_fragment(tensors, names)
+        tensors = self.anchor.broadcast_fragment(tensors, names)
         self._mix(fragment, tensors)
         self.fragment_rounds[fragment] = header["next_round"]
-        self.last_merge[fragment] = self.step
+        self.windows.merged(fragment)
         self.syncs += 1
-        if self.worker.is_leader:
+        if self.session is not None:
             self._covered(fragment, flight.outcome)
             self.tokens_at_send[fragment] += flight.outcome.tokens
-        self.worker.window_done()
-        if fragment == len(self.plan) - 1:
-            self.worker.save_checkpoint()  # once a cycle, not per fragment
+        self.on_merged(fragment)
+
+    @property
+    def last_fragment(self) -> int:
+        return len(self.plan) - 1
 
     def _covered(self, fragment: int, outcome: FragmentOutcome) -> None:
         reported = set(outcome.units)
@@ -224,7 +241,7 @@ class FragmentStreamer:
                 self.covered.setdefault(unit, set()).add(fragment)
         for unit in reported:
             self.covered.pop(unit, None)
-        self.worker.units_reported(outcome.units)
+        self.units.reported(outcome.units)
 
     def _wait(self, flight: InFlight) -> dict:
         """On rank 0: join the thread (bounded by fragment_timeout); say how it ended."""
@@ -251,14 +268,13 @@ class FragmentStreamer:
 
     def _mix(self, fragment: int, global_values: dict[str, torch.Tensor]) -> None:
         """theta = (1 - alpha) G' + alpha L on this rank; G' is the fragment's new anchor."""
-        worker = self.worker
-        state = worker.model.state_dict()
+        state = self.anchor.model.state_dict()
         names = self.plan[fragment]
         merged = alpha_merge(global_values, {n: state[n] for n in names}, self.alpha)
         with torch.no_grad():
             for name in names:
                 state[name].copy_(merged[name])
-        worker.set_anchor(global_values)
+        self.anchor.adopt_fragment(global_values)
 
     # ----------------------------------------------------------------- the end
 
@@ -272,7 +288,7 @@ class FragmentStreamer:
         self.alpha = 0.0
         try:
             for fragment in range(len(self.plan)):
-                if self.last_merge[fragment] < self.step or saved_alpha > 0:
+                if self.windows.trained_since_merge(fragment) or saved_alpha > 0:
                     self.send(fragment)
                     self.merge(fragment)
         finally:

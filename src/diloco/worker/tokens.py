@@ -45,3 +45,41 @@ class TokenCounter:
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+class TokenTally:
+    """Tokens trained this round and in all, as the loop reports them or, under token
+    weighting until the loop reports any, as the model's training forwards count them."""
+
+    def __init__(self) -> None:
+        self.in_round = 0
+        self.total = 0
+        self._counted_in_round = 0  # of in_round, what the counter (not the loop) added
+        self._counter: TokenCounter | None = None
+
+    def count_forwards(self, model: nn.Module) -> None:
+        """Count `model`'s training forwards until the loop reports tokens itself."""
+        self._counter = TokenCounter(model, self._count)
+
+    def report(self, tokens: int) -> None:
+        """Tokens the loop reports; the first report replaces the counter's figure."""
+        if tokens and self._counter is not None:
+            self._counter.remove()
+            self._counter = None
+            self.in_round -= self._counted_in_round
+            self.total -= self._counted_in_round
+        self.in_round += tokens
+        self.total += tokens
+
+    def _count(self, tokens: int) -> None:
+        self._counted_in_round += tokens
+        self.in_round += tokens
+        self.total += tokens
+
+    def round_done(self) -> None:
+        self.in_round = 0
+        self._counted_in_round = 0
+
+    def stop_counting(self) -> None:
+        if self._counter is not None:
+            self._counter.remove()

@@ -1,0 +1,103 @@
+"""The anchor: the global weights the local model last started from, and their round.
+
+A pseudo-gradient is anchor - local, so the anchor must be exactly the weights the server
+sent. Rank 0 keeps it on the CPU in fp32 (the other ranks of a torch.distributed group never
+compute a pseudo-gradient and keep none); new global weights become the model everywhere and
+the anchor on rank 0, then rank 0's values are broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from diloco.algorithm import pseudo_gradient, to_fp32_masters
+from diloco.worker import distributed
+
+
+def updated_anchor(
+    anchor: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`tensors` as CPU copies (fp32 for floating ones), written over `anchor` where it fits.
+
+    Copying into the anchor's own memory spares a model-sized allocation, and its page faults,
+    every round; a new anchor is built when the names, shapes or dtypes differ.
+    """
+    fresh = {
+        name: (torch.float32 if t.is_floating_point() else t.dtype, t.shape)
+        for name, t in tensors.items()
+    }
+    if fresh.keys() == anchor.keys() and all(
+        (a.dtype, a.shape) == fresh[name] and a.device.type == "cpu" for name, a in anchor.items()
+    ):
+        for name, target in anchor.items():
+            target.copy_(tensors[name].detach())
+        return anchor
+    return to_fp32_masters(tensors)
+
+
+class Anchor:
+    """The model's anchor (`tensors`, on rank 0) and `round`, the round they start.
+
+    `round` is the sync round in sync mode and the version in async mode; in streaming mode
+    each fragment has its own round (kept by the streamer) and `round` is the version the
+    last full weights started.
+    """
+
+    def __init__(self, model: nn.Module, *, leader: bool, download_dtype: torch.dtype) -> None:
+        self.model = model
+        self.leader = leader
+        self.download_dtype = download_dtype  # what a follower's broadcast buffers hold
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.round = 0
+
+    def pseudo_gradient(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """anchor - local (fp32) for `names`, or for every tensor; rank 0 only."""
+        local = self.model.state_dict()
+        if names is None:
+            return pseudo_gradient(self.tensors, local)
+        return pseudo_gradient({n: self.tensors[n] for n in names}, {n: local[n] for n in names})
+
+    def adopt(self, tensors: Mapping[str, torch.Tensor], round_number: int) -> None:
+        """New global weights become the model and (this is rank 0) the fp32 CPU anchor."""
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, target in state.items():
+                target.copy_(tensors[name])
+        self.tensors = updated_anchor(self.tensors, tensors)
+        self.round = round_number
+
+    def share(self) -> None:
+        """Every rank takes rank 0's model and round (nothing to do without a group)."""
+        distributed.broadcast_tensors_(self.model.state_dict())
+        self.round = distributed.broadcast_json(self.round)
+
+    def adopt_everywhere(self, tensors: Mapping[str, torch.Tensor], round_number: int) -> None:
+        """Every rank takes the full global weights that rank 0 has (a streaming rebase)."""
+        if self.leader:
+            self.adopt(tensors, round_number)
+        self.share()
+
+    def adopt_fragment(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """A fragment's new anchor (rank 0 keeps the anchor; elsewhere this does nothing)."""
+        if not self.leader:
+            return
+        part = {name: self.tensors[name] for name in tensors if name in self.tensors}
+        self.tensors.update(updated_anchor(part, tensors))  # into its memory where it fits
+
+    def broadcast_fragment(
+        self, tensors: Mapping[str, torch.Tensor], names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Rank 0's G'_f on every rank, on the model's device (followers get fresh buffers)."""
+        state = self.model.state_dict()
+        if self.leader:
+            out = {n: tensors[n].to(device=state[n].device) for n in names}
+        else:
+            out = {}
+            for n in names:
+                dtype = self.download_dtype if state[n].is_floating_point() else None
+                out[n] = torch.empty_like(state[n], dtype=dtype)
+        distributed.broadcast_tensors_(out)
+        return out

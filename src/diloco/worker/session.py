@@ -1,0 +1,356 @@
+"""A worker's session with the coordinator: join, submit, await the result, rebase.
+
+It knows the client and the worker's identity, not the model: tensors come in as encoded
+bodies and go out as decoded name -> tensor dicts. A network failure retries the same
+submission under the same (worker, round, fragment) key (the client's retries), and the
+session rides through what the server can say about it on the way: an eviction or a server
+restart (register again under the same id, the submission stays or is sent again), work
+units leased to others meanwhile (not reported), a result superseded by newer ones (take the
+current weights) and a server behind us (rebase: adopt its weights and round, drop the
+pending pseudo-gradient). Only rank 0 of a torch.distributed group has a session.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diloco.wire import TensorSpec, decode_tensors
+from diloco.worker.client import DiLoCoClient, Weights
+from diloco.worker.errors import ClientClosed, ServerError
+from diloco.worker.units import UnitReports
+
+log = logging.getLogger("diloco.worker")
+
+WAIT_REPORT_SECONDS = 60.0  # a result long-poll this long unanswered is logged, and again
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """A sync's outcome: the global values to take, and the round they start."""
+
+    tensors: dict[str, torch.Tensor]
+    round: int  # sync: the next round; streaming: the fragment's next round; async: a version
+    rebase_rounds: list[int] | None = None  # the server was behind: full weights, its rounds
+
+
+def describe_wait(round_number: int, fragment: int, seconds: float, waiting: Mapping) -> str:
+    """Why a round has not committed yet, from the server's "waiting" answer."""
+    what = f"round {round_number}" + (f" of fragment {fragment}" if fragment else "")
+    reasons = []
+    if waiting.get("waiting_for"):
+        reasons.append(f"waiting for {', '.join(waiting['waiting_for'])}")
+    short = waiting.get("more_submissions_needed") or 0
+    if short:
+        reasons.append(
+            f"the server's --min-workers needs {short} more submission{'s' if short > 1 else ''}"
+            " than its live workers will send; it commits once more workers join and submit"
+        )
+    why = "; ".join(reasons) or "the server is committing it"
+    return f"{what} still open after {seconds:.0f} s: {why}"
+
+
+class ServerSession:
+    """One worker's registration with the server and its exchanges of pseudo-gradients.
+
+    `key` makes a retried registration idempotent (the wire's `session`); a worker resumed
+    from its checkpoint brings back its id and what `identity()` gave the checkpoint. `plan`
+    is the server's fragment plan in streaming mode (None otherwise). `units` are the work
+    units reported with submissions. `reuse_downloads`: each download overwrites the buffer
+    of the last one, which the caller has loaded already (sync and async); streaming keeps
+    each fragment's result until its merge, from another thread, so it turns this off.
+    """
+
+    def __init__(
+        self,
+        client: DiLoCoClient,
+        specs: list[TensorSpec],
+        units: UnitReports,
+        *,
+        worker_id: str | None = None,
+        saved_identity: Mapping[str, Any] | None = None,
+        result_wait: float = 30.0,
+    ) -> None:
+        """`saved_identity`: what `identity()` returned to a checkpoint this worker resumes."""
+        self.client = client
+        self.specs = specs
+        self.units = units
+        self.worker_id = worker_id
+        saved_key = (saved_identity or {}).get("session")
+        self.key = str(saved_key) if saved_key else secrets.token_hex(16)
+        self.result_wait = result_wait
+        self.plan: list[list[str]] | None = None
+        self.reuse_downloads = True
+        self.rebases = 0
+        self._register_lock = threading.Lock()
+        self._download: bytearray | None = None  # the last weights' buffer, loaded already
+
+    # ----------------------------------------------------------------- identity
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this session so that a restart comes back as us (read
+        back by the constructor's `saved_identity`)."""
+        return {"session": self.key}
+
+    # ----------------------------------------------------------------- joining
+
+    def info(self) -> dict[str, Any]:
+        return self.client.info()
+
+    def register(self) -> dict[str, Any]:
+        reply = self.client.register(
+            self.worker_id, [s.to_json() for s in self.specs], session=self.key
+        )
+        self.worker_id = reply["worker_id"]
+        return reply
+
+    def rejoin(self) -> None:
+        """Come back under the same id after an eviction or a server restart."""
+        with self._register_lock:
+            try:
+                self.register()
+            except ServerError as exc:
+                if exc.kind != "worker_id_taken":  # taken: another thread already re-registered
+                    raise
+
+    def join(
+        self,
+        initial_weights: Callable[[], bytes | bytearray],
+        heartbeat_timeout: float,
+        heartbeat_interval: float,
+    ) -> Weights:
+        """Register (waiting while our id is still held); the first worker uploads
+        `initial_weights()`; everyone starts from the server's weights, returned here."""
+        with self._register_lock:
+            reply = self._register_when_free(heartbeat_timeout, heartbeat_interval)
+        if reply["needs_initial_weights"]:
+            assert self.worker_id is not None
+            try:
+                self.client.upload_initial(self.worker_id, initial_weights())
+            except ServerError as exc:
+                # Another worker won, or ours landed and the answer was lost (a restart):
+                # either way the server's copy is what every worker starts from.
+                if exc.kind != "weights_exist":
+                    raise
+        return self.fetch_weights()
+
+    def _register_when_free(self, timeout: float, interval: float) -> dict[str, Any]:
+        """Register; while our id is held by a live worker (most often an earlier process of
+        ours, killed before it saved a checkpoint, that the server has not evicted yet), wait
+        for the server to evict it, up to twice its heartbeat timeout, saying so in the log."""
+        deadline = time.monotonic() + 2 * timeout + 5
+        told = -math.inf
+        while True:
+            try:
+                return self.register()
+            except ServerError as exc:
+                if exc.kind != "worker_id_taken" or time.monotonic() > deadline:
+                    if exc.kind == "worker_id_taken":
+                        raise ServerError(
+                            exc.status,
+                            exc.kind,
+                            f"worker id {self.worker_id!r} is still held by a live worker "
+                            f"after {2 * timeout + 5:g} s: another process with this id is "
+                            "running; give this one another --worker-id",
+                        ) from None
+                    raise
+            if time.monotonic() - told >= 10:
+                told = time.monotonic()
+                log.warning(
+                    "worker id %r is held by a live worker (an earlier process of ours that "
+                    "the server has not evicted yet?); waiting for its eviction (heartbeat "
+                    "timeout %g s)",
+                    self.worker_id,
+                    timeout,
+                )
+            time.sleep(min(1.0, interval))
+
+    def fragment_plan(self) -> list[list[str]]:
+        """The server's fragment plan (streaming): which tensors each fragment holds."""
+        plan = self.info().get("fragment_plan")
+        if not plan:
+            raise ServerError(
+                200, "invalid_response", "the streaming server states no fragment_plan"
+            )
+        return plan
+
+    # ----------------------------------------------------------------- the exchange
+
+    def exchange(
+        self,
+        body: bytearray,
+        units: list[int],
+        round_number: int,
+        *,
+        tokens: int,
+        fragment: int = 0,
+        cancelled: Callable[[], bool] | None = None,
+        progress: dict[int, int] | None = None,
+    ) -> Exchanged:
+        """Submit one pseudo-gradient (of a fragment) and wait for its result, riding through
+        evictions, restarts and lost answers; a server behind us is a rebase. `tokens` were
+        trained for it; `progress` is the unit under way."""
+        progress = dict(progress or {})
+        try:
+            self._submit(body, units, round_number, fragment, tokens, progress)
+            return self._await_result(
+                body, units, round_number, fragment, cancelled, tokens, progress
+            )
+        except ServerError as exc:
+            if exc.kind != "future_round":
+                raise
+            return self._rebase(round_number)
+
+    def _submit(
+        self,
+        body: bytearray,
+        units: list[int],
+        round_number: int,
+        fragment: int,
+        tokens: int,
+        progress: dict[int, int],
+    ) -> None:
+        assert self.worker_id is not None
+        while True:
+            try:
+                self.client.submit(
+                    round_number,
+                    self.worker_id,
+                    body,
+                    fragment=fragment,
+                    tokens=tokens,
+                    units=units,
+                    progress=progress,
+                )
+                return
+            except ServerError as exc:
+                detail = exc.detail if isinstance(exc.detail, dict) else {}
+                lost_unit = detail.get("unit_id")
+                lost = lost_unit in units or lost_unit in progress
+                if exc.kind in ("unit_not_leased", "unknown_unit") and lost:
+                    # We were evicted and our leases went to others: not ours to report.
+                    log.warning(
+                        "work unit %s is no longer leased to us; not reporting it", lost_unit
+                    )
+                    if lost_unit in units:
+                        units.remove(lost_unit)
+                    progress.pop(lost_unit, None)
+                    self.units.forget([lost_unit])
+                    continue
+                if exc.kind != "unknown_worker":
+                    raise
+                self.rejoin()
+
+    def _await_result(
+        self,
+        body: bytearray,
+        units: list[int],
+        round_number: int,
+        fragment: int,
+        cancelled: Callable[[], bool] | None,
+        tokens: int,
+        progress: dict[int, int],
+    ) -> Exchanged:
+        assert self.worker_id is not None
+        started = time.monotonic()
+        next_report = started + WAIT_REPORT_SECONDS
+        while True:
+            if cancelled is not None and cancelled():
+                raise ClientClosed(f"the sync of round {round_number} was given up")
+            now = time.monotonic()
+            if now >= next_report:
+                waited = now - started
+                log.warning(describe_wait(round_number, fragment, waited, self.client.last_waiting))
+                next_report = now + WAIT_REPORT_SECONDS
+            try:
+                got = self.client.wait_result(
+                    round_number,
+                    self.worker_id,
+                    wait=self.result_wait,
+                    fragment=fragment,
+                    into=self._reusable_download(),
+                )
+            except ServerError as exc:
+                if exc.kind == "unknown_worker":
+                    self.rejoin()  # our submission stays in the round
+                    continue
+                if exc.kind == "not_submitted":  # the server restarted without it: send again
+                    log.warning("round %d lost our submission; sending it again", round_number)
+                    self._submit(body, units, round_number, fragment, tokens, progress)
+                    continue
+                if exc.kind == "result_expired":
+                    return self._from_current_weights(fragment)
+                raise
+            if got is not None:
+                result, next_round = got
+                self._downloaded(result)
+                return Exchanged(decode_tensors(result), next_round)
+
+    # ----------------------------------------------------------------- whole weights
+
+    def fetch_weights(self) -> Weights:
+        """The server's current weights, with the rounds they start."""
+        weights = self.client.get_weights_detail(into=self._reusable_download())
+        self._downloaded(weights.body)
+        return weights
+
+    def _reusable_download(self) -> bytearray | None:
+        return self._download if self.reuse_downloads else None
+
+    def _downloaded(self, body: bytearray) -> None:
+        if self.reuse_downloads:
+            self._download = body
+
+    @property
+    def download_buffer(self) -> bytearray | None:
+        """The buffer the last weights came in (the next download overwrites it)."""
+        return self._download
+
+    def _from_current_weights(self, fragment: int) -> Exchanged:
+        """The round's result is gone (newer ones exist): take the current weights instead."""
+        weights = self.fetch_weights()
+        tensors = decode_tensors(weights.body)
+        if self.plan is None:
+            return Exchanged(tensors, weights.round)
+        names = self.plan[fragment]
+        rounds = weights.fragment_rounds or [weights.round]
+        return Exchanged({n: tensors[n] for n in names}, rounds[fragment])
+
+    def _rebase(self, round_number: int) -> Exchanged:
+        """The server is behind us: it restarted from an older checkpoint (durability interval).
+
+        The pending pseudo-gradient is relative to an anchor the server no longer has, so it is
+        dropped; the worker adopts the server's weights and round and trains on from there
+        (its inner optimizer state, step count and schedule carry on).
+        """
+        weights = self.fetch_weights()
+        log.warning(
+            "the server is at round %d, behind our round %d (it restarted from an older "
+            "checkpoint): adopting its weights, dropping this round's pseudo-gradient",
+            weights.round,
+            round_number,
+        )
+        self.rebases += 1
+        return Exchanged(
+            decode_tensors(weights.body),
+            weights.round,
+            rebase_rounds=weights.fragment_rounds or [weights.round],
+        )
+
+    # ----------------------------------------------------------------- leaving
+
+    def leave(self) -> None:
+        """Deregister (best effort: eviction would follow) and close the connections."""
+        try:
+            self.client.deregister(self.worker_id)  # type: ignore[arg-type]
+        except Exception as exc:
+            log.warning("deregister failed: %s", exc)
+        self.client.close()
