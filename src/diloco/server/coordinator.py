@@ -61,6 +61,9 @@ from diloco.wire.spool import CheckedPieces
 __all__ = ["Coordinator", "RoundResult", "Waiting"]
 
 MAX_WAIT_SECONDS = 120.0
+# DyLU never gives a worker fewer than about H / 16 steps, whatever speed another one claims
+# (algorithm/dylu.py): honest speeds within 16x of each other are unaffected.
+DYLU_MAX_SPEED_RATIO = 16.0
 log = logging.getLogger("diloco.server")
 
 
@@ -359,7 +362,9 @@ class Coordinator:
         each worker that has one (none without --dylu)."""
         if not self.settings.dylu:
             return {}
-        return dylu_local_steps(self.membership.smoothed_speeds(), self.settings.sync_every)
+        return dylu_local_steps(
+            self.membership.smoothed_speeds(), self.settings.sync_every, DYLU_MAX_SPEED_RATIO
+        )
 
     def evict_stale(self) -> list[str]:
         """Evict workers silent past the heartbeat timeout, and members a barrier has waited
