@@ -8,6 +8,7 @@ import typer
 
 from diloco.commands.options import TokenFileOption, TokenOption, read_token
 from diloco.console import err, fail
+from diloco.server.credentials import TokensFileError, load_tokens_file
 from diloco.server.runner import serve
 from diloco.server.settings import ServerSettings
 from diloco.wire import parse_wire_dtype
@@ -116,10 +117,23 @@ def server_command(
     spool_dir: Path = typer.Option(None, help="Where spooled uploads go (default: temp dir)."),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,
+    tokens_file: Path = typer.Option(
+        None,
+        help="More tokens, one 'TOKEN SCOPE' per line; SCOPE is enroll, admin or worker:ID "
+        "(docs/protocol.md). With no token at all the server is open.",
+    ),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
-    """Run the coordinator: workers register, send pseudo-gradients, get global weights."""
+    """Run the coordinator: workers register, send pseudo-gradients, get global weights.
+
+    Workers enroll with the enrollment token (--token-file, or $DILOCO_TOKEN) and get a
+    credential of their own; see docs/protocol.md for scopes.
+    """
     secret = read_token(token, token_file)
+    try:
+        tokens = load_tokens_file(tokens_file) if tokens_file is not None else None
+    except TokensFileError as exc:
+        raise fail(str(exc)) from None
     if port_file is not None and not port_file.parent.exists():
         raise fail(f"--port-file directory does not exist: {port_file.parent}")
     if not 0 <= port <= 65535:
@@ -183,6 +197,7 @@ def server_command(
             override_settings=override_settings,
             durability=durability,
             checkpoint_every=(checkpoint_every or 10) if durability == "interval" else 1,
+            tokens=tokens,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None

@@ -7,7 +7,7 @@ import ctypes
 import logging
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import anyio.to_thread
@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 from diloco.server.app import create_app
 from diloco.server.coordinator import Coordinator
+from diloco.server.credentials import Credentials
 from diloco.server.http_protocol import DilocoHttpProtocol
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.store import DATABASE_NAME, StateStore
 
 # Long-polls hold a thread each while they wait for a barrier; allow many workers.
 THREAD_LIMIT = 512
@@ -141,12 +142,13 @@ def build_server(
     coordinator: Coordinator,
     host: str,
     port: int,
-    token: str | None,
+    credentials: Credentials | str | None,
     log_level: str = "info",
     port_file: Path | None = None,
 ) -> CoordinatorServer:
+    """`credentials`: who may call what (a string is one enrollment token, None is open)."""
     config = uvicorn.Config(
-        create_app(coordinator, token),
+        create_app(coordinator, credentials),
         host=host,
         port=port,
         http=DilocoHttpProtocol,  # parser errors answered as JSON, after the whole requests
@@ -171,12 +173,14 @@ def serve(
     override_settings: bool = False,
     durability: str = "round",
     checkpoint_every: int = 1,
+    tokens: Mapping[str, str] | None = None,
 ) -> dict:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests).
 
     With `state_dir`, every round (or every `checkpoint_every`-th with durability "interval")
     is durable before its result is published, and a restart on the same directory resumes
-    from the newest verified checkpoint.
+    from the newest verified checkpoint; so are the worker credentials it issued. `token` is
+    the enrollment token, `tokens` the tokens file's {token: scope}.
     """
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -185,13 +189,16 @@ def serve(
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     initial = load_initial_weights(init) if init is not None else None
     state = StateStore(state_dir, keep_checkpoints)
+    database = None if state.directory is None else state.directory / DATABASE_NAME
     try:
         journal = RoundJournal(state, settings, override_settings, durability, checkpoint_every)
         coordinator = Coordinator(settings, initial, journal=journal)
+        credentials = Credentials([token] if token else [], tokens, database)
     except BaseException:
         state.close()
         raise
     del initial
-    server = build_server(coordinator, host, port, token, log_level, port_file)
+    log.log(logging.WARNING if credentials.open else logging.INFO, credentials.describe())
+    server = build_server(coordinator, host, port, credentials, log_level, port_file)
     server.run()
     return {"round": coordinator.round_number, "flushed": server.flushed_at_shutdown}

@@ -181,6 +181,9 @@ class RegisterResponse(_Response):
     needs_initial_weights: bool
     model_fingerprint: str | None
     settings: Settings
+    # The worker's own bearer secret from now on (null from a server without tokens): new
+    # when it registered with an enrollment or admin token, its own when it used that.
+    credential: str | None = None
 
 
 class SubmitResponse(_Response):

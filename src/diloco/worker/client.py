@@ -30,6 +30,7 @@ from urllib3.exceptions import ProtocolError, ProxyError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
+from diloco.worker.auth import BearerAuth
 from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
 from diloco.worker.ratelimit import SLICE_BYTES, UploadLimiter
 from diloco.worker.retry import RetryPolicy
@@ -50,6 +51,8 @@ _TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 _READ_CHUNK = 4 * 1024 * 1024
 _MAX_WAIT = 120.0  # the server's cap on `wait` for a result long-poll
+_MAX_STEPS_PER_SECOND = 1e6  # the server's bound on a heartbeat's speed (422 above it)
+_AUTH_TRIES = 2  # 401 to a credential: the same call again with the enrollment token, once
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,7 @@ class DiLoCoClient:
         base_url: str,
         token: str | None = None,
         *,
+        auth: BearerAuth | None = None,
         connect_timeout: float = 10.0,
         read_timeout: float = 300.0,
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 -- frozen, so sharing it is safe
@@ -266,7 +270,11 @@ class DiLoCoClient:
         rng: random.Random | None = None,
         max_upload_mbps: float | None = None,
     ) -> None:
-        """`max_upload_mbps` paces tensor uploads to that many megabits per second."""
+        """`max_upload_mbps` paces tensor uploads to that many megabits per second.
+
+        `token` is the enrollment token (None: $DILOCO_TOKEN, if set); `auth` shares another
+        client's secrets instead (the worker's heartbeat client).
+        """
         self._origin, self._prefix = _split_base_url(base_url)
         self._limiter = (
             UploadLimiter.from_mbps(max_upload_mbps) if max_upload_mbps is not None else None
@@ -274,15 +282,14 @@ class DiLoCoClient:
         for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-        if token is not None and (not token or any(c in token for c in "\r\n")):
-            raise ValueError("token must be a non-empty single line")
+        if auth is not None and token is not None:
+            raise ValueError("give token or auth, not both")
+        self.auth = auth if auth is not None else BearerAuth(token)
         self.base_url = self._origin + self._prefix
         self.retry = retry
         self._connect_timeout = float(connect_timeout)
         self._read_timeout = float(read_timeout)
         self._headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}  # on every request
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
         self._on_retry = on_retry
         self._closed = threading.Event()
         self._sleep = sleep if sleep is not None else self._closed.wait
@@ -295,6 +302,15 @@ class DiLoCoClient:
         self.last_waiting: dict[str, Any] = {}
         # Two threads use the client at once; a few spare connections cost nothing.
         self._pool = urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False)
+
+    @property
+    def credential(self) -> str | None:
+        """This worker's own credential, from its registration (or a checkpoint)."""
+        return self.auth.credential
+
+    @credential.setter
+    def credential(self, value: str | None) -> None:
+        self.auth.credential = value
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -343,7 +359,10 @@ class DiLoCoClient:
         }
         if session is not None:
             payload["session"] = session
-        return self._json_call("register", "POST", "/v1/workers", payload=payload)
+        answer = self._json_call("register", "POST", "/v1/workers", payload=payload)
+        if answer.get("credential"):  # none from an open server
+            self.auth.credential = answer["credential"]
+        return answer
 
     def upload_initial(self, worker_id: str, body: Body) -> dict[str, Any]:
         """Offer the first global weights; {"status": "exists"} when another worker won."""
@@ -515,6 +534,7 @@ class DiLoCoClient:
             loss = None
         if not math.isfinite(steps_per_second) or steps_per_second < 0:
             steps_per_second = 0.0
+        steps_per_second = min(steps_per_second, _MAX_STEPS_PER_SECOND)
         payload: dict[str, Any] = {
             "step": step,
             "steps_per_second": steps_per_second,
@@ -615,10 +635,16 @@ class DiLoCoClient:
         delays = self.retry.delays(rng)
         started = self._clock()
         attempts = 0
+        auth_tries = 0
         try:
             while True:
                 attempts += 1
                 retry_after = None
+                secret = self.auth.secret()
+                if secret:
+                    headers["Authorization"] = f"Bearer {secret}"
+                else:
+                    headers.pop("Authorization", None)
                 try:
                     reply = self._attempt(method, url, body, headers, timeout, into)
                 except _TRANSIENT_ERRORS as exc:
@@ -628,6 +654,9 @@ class DiLoCoClient:
                     raise ServerUnavailable(url, exc, attempts=attempts, reason="fatal") from exc
                 else:
                     if reply.status == 401:
+                        auth_tries += 1
+                        if auth_tries < _AUTH_TRIES and self.auth.refused(secret):
+                            continue  # at once, with the secret that replaces the refused one
                         raise _server_error(reply)
                     if reply.status not in RETRIED_STATUSES:
                         return reply

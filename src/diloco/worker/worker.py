@@ -149,6 +149,9 @@ class DiLoCoWorker:
         before it gives up on it for this window (keeping the old anchor); None waits as long
         as the retry policy keeps trying. `max_upload_mbps` caps the upload bandwidth (a
         shared link); None sends as fast as the network allows.
+
+        `token` is the enrollment token (None: $DILOCO_TOKEN); registering with it gets this
+        worker a credential of its own, sent from then on and kept in the checkpoint.
         """
         # Checked before anything reaches the server (the upload cap by the client's limiter).
         if fragment_timeout is not None and not (
@@ -247,7 +250,11 @@ class DiLoCoWorker:
         )
         self._heartbeat: Heartbeat | None = None
         if self.is_leader and heartbeat:
-            beat_client = DiLoCoClient(server_url, token, retry=RetryPolicy(attempts=1))
+            beat_client = DiLoCoClient(
+                server_url,
+                auth=self.client.auth,  # one credential: re-registering renews it for both
+                retry=RetryPolicy(attempts=1),
+            )
             self._heartbeat = Heartbeat(
                 beat_client,
                 lambda: self.worker_id or "",
@@ -280,6 +287,8 @@ class DiLoCoWorker:
         )
         self.worker_id = saved.worker_id
         self.session = str(saved.extra.get("session") or self.session)
+        if self.client is not None and saved.extra.get("credential"):
+            self.client.credential = str(saved.extra["credential"])  # refused: enrolls again
         self.local_step = saved.local_step
         self.tokens_total = saved.tokens
         self.rounds = int(saved.extra.get("rounds", 0))
@@ -297,6 +306,8 @@ class DiLoCoWorker:
         if self.checkpoint_dir is None or self.worker_id is None:
             return
         extra: dict[str, Any] = {"session": self.session, "rounds": self.rounds}
+        if self.client is not None and self.client.credential:
+            extra["credential"] = self.client.credential  # the file is 0600, like the dir
         state_dict = getattr(self.data, "state_dict", None)
         if callable(state_dict):
             extra["data"] = state_dict()
