@@ -49,6 +49,7 @@ def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path) -> 
             path.write_text(content)
         return str(path)
 
+    pem = write("not-a-cert.pem", "-----BEGIN CERTIFICATE-----\nnonsense\n")
     missing = str(tmp_path / "missing")
     server = ["server", "--host", "127.0.0.1", "--port", "0"]
     cases = {
@@ -82,9 +83,21 @@ def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path) -> 
         ),
         "no tokens": (["--tokens-file", write("empty", "# nothing\n")], "holds no tokens", ""),
         "missing token file": (["--token-file", missing], "--token-file", "cannot be read"),
+        "cert without key": (["--tls-cert", pem], "--tls-cert and --tls-key go together", ""),
+        "key without cert": (["--tls-key", pem], "--tls-cert and --tls-key go together", ""),
+        "missing cert": (["--tls-cert", missing, "--tls-key", pem], "--tls-cert file does not", ""),
+        "not a certificate": (["--tls-cert", pem, "--tls-key", pem], "do not load as a PEM", ""),
     }
+    worker = ["worker", "--server", "https://127.0.0.1:9", "--steps", "1", "--no-progress"]
+    status = ["status", "https://127.0.0.1:9"]
     commands = {label: [*server, *args] for label, (args, *_) in cases.items()}
+    commands["worker ca file missing"] = [*worker, "--ca-file", missing]
+    commands["worker ca file not PEM"] = [*worker, "--ca-file", pem]
+    commands["status ca file missing"] = [*status, "--ca-file", missing]
     needles = {label: needle for label, (_, *needle) in cases.items()}
+    needles["worker ca file missing"] = ["--ca-file", "does not exist"]
+    needles["worker ca file not PEM"] = ["--ca-file", "is not a readable PEM certificate"]
+    needles["status ca file missing"] = ["--ca-file", "does not exist"]
 
     for label, (code, stdout, stderr) in run_all(commands).items():
         lines = [line for line in stderr.splitlines() if line.strip()]

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from diloco.console import fail, warn
+from diloco.worker import tls
 from diloco.worker.auth import TOKEN_ENV
 
 CORPUS_HELP = "'shakespeare' (default, fetched once into a cache), 'generated[:SEED]', or a path"
@@ -19,6 +20,11 @@ TokenOption = typer.Option(
 )
 TokenFileOption = typer.Option(
     None, help=f"File whose first line is the enrollment token (else ${TOKEN_ENV}, if set)."
+)
+CaFileOption = typer.Option(
+    None,
+    help="PEM file of the certificate (or its CA) that an https:// server presents, when "
+    "the system does not trust it (a self-signed certificate).",
 )
 
 
@@ -42,6 +48,16 @@ def read_token(token: str | None, token_file: Path | None) -> str | None:
     if not text:
         raise fail(f"--token-file {token_file} is empty")
     return text.splitlines()[0].strip()
+
+
+def check_ca_file(ca_file: Path | None) -> None:
+    """--ca-file must load as PEM certificates: one error line now, not a failed handshake."""
+    if ca_file is None:
+        return
+    try:
+        tls.check_ca_file(ca_file)
+    except ValueError as exc:
+        raise fail(str(exc).replace("ca_file", "--ca-file", 1)) from None
 
 
 def require_positive(**values: int) -> None:

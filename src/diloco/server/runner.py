@@ -6,8 +6,10 @@ import contextlib
 import ctypes
 import logging
 import signal
+import ssl
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio.to_thread
@@ -65,6 +67,36 @@ def return_large_frees_to_the_os() -> None:
         libc.mallopt(M_TRIM_THRESHOLD, 16 << 20)
     except (OSError, AttributeError):
         pass
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """`--tls-cert` and `--tls-key`: PEM files, checked by `check` before the server starts."""
+
+    cert: Path
+    key: Path
+
+    def check(self) -> None:
+        """ValueError naming the option unless the pair loads as a server certificate."""
+        for option, path in (("--tls-cert", self.cert), ("--tls-key", self.key)):
+            if not Path(path).is_file():
+                raise ValueError(f"{option} file does not exist: {path}")
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                str(self.cert), str(self.key)
+            )
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"--tls-cert {self.cert} and --tls-key {self.key} do not load as a PEM "
+                f"certificate and its private key ({exc.reason or exc})"
+            ) from None
+        except OSError as exc:
+            raise ValueError(
+                f"--tls-cert {self.cert} / --tls-key {self.key} cannot be read ({exc.strerror})"
+            ) from None
 
 
 class EvictionTicker:
@@ -145,8 +177,11 @@ def build_server(
     credentials: Credentials | str | None,
     log_level: str = "info",
     port_file: Path | None = None,
+    tls: TlsFiles | None = None,
 ) -> CoordinatorServer:
-    """`credentials`: who may call what (a string is one enrollment token, None is open)."""
+    """`credentials`: who may call what (a string is one enrollment token, None is open);
+    `tls`: serve HTTPS with this certificate chain and key (TLS sits under the HTTP protocol,
+    in asyncio's transport, so DilocoHttpProtocol sees the same bytes either way)."""
     config = uvicorn.Config(
         create_app(coordinator, credentials),
         host=host,
@@ -156,6 +191,8 @@ def build_server(
         access_log=False,
         timeout_keep_alive=75,
         timeout_graceful_shutdown=10,
+        ssl_certfile=None if tls is None else str(tls.cert),
+        ssl_keyfile=None if tls is None else str(tls.key),
     )
     return CoordinatorServer(config, EvictionTicker(coordinator), port_file)
 
@@ -174,6 +211,7 @@ def serve(
     durability: str = "round",
     checkpoint_every: int = 1,
     tokens: Mapping[str, str] | None = None,
+    tls: TlsFiles | None = None,
 ) -> dict:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests).
 
@@ -199,6 +237,12 @@ def serve(
         raise
     del initial
     log.log(logging.WARNING if credentials.open else logging.INFO, credentials.describe())
-    server = build_server(coordinator, host, port, credentials, log_level, port_file)
+    if tls is None and host not in LOOPBACK:
+        log.warning(
+            "serving plain HTTP on %s: tokens and weights cross the network unencrypted "
+            "(give --tls-cert and --tls-key)",
+            host,
+        )
+    server = build_server(coordinator, host, port, credentials, log_level, port_file, tls)
     server.run()
     return {"round": coordinator.round_number, "flushed": server.flushed_at_shutdown}

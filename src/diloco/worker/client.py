@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import random
 import secrets
 import threading
@@ -31,9 +32,16 @@ from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
 from diloco.worker.auth import BearerAuth
-from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
+from diloco.worker.errors import (
+    AuthError,
+    ClientClosed,
+    ServerError,
+    ServerUnavailable,
+    UntrustedCertificate,
+)
 from diloco.worker.ratelimit import SLICE_BYTES, UploadLimiter
 from diloco.worker.retry import RetryPolicy
+from diloco.worker.tls import certificate_problem, check_ca_file
 
 Body = bytes | bytearray | memoryview
 OnRetry = Callable[[str, BaseException | int, float], None]
@@ -261,6 +269,7 @@ class DiLoCoClient:
         token: str | None = None,
         *,
         auth: BearerAuth | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
         connect_timeout: float = 10.0,
         read_timeout: float = 300.0,
         retry: RetryPolicy = RetryPolicy(),  # noqa: B008 -- frozen, so sharing it is safe
@@ -273,7 +282,8 @@ class DiLoCoClient:
         """`max_upload_mbps` paces tensor uploads to that many megabits per second.
 
         `token` is the enrollment token (None: $DILOCO_TOKEN, if set); `auth` shares another
-        client's secrets instead (the worker's heartbeat client).
+        client's secrets instead (the worker's heartbeat client). `ca_file`: PEM certificates
+        that an https:// server's certificate must chain to (else the system's).
         """
         self._origin, self._prefix = _split_base_url(base_url)
         self._limiter = (
@@ -285,6 +295,8 @@ class DiLoCoClient:
         if auth is not None and token is not None:
             raise ValueError("give token or auth, not both")
         self.auth = auth if auth is not None else BearerAuth(token)
+        if ca_file is not None:
+            check_ca_file(ca_file)
         self.base_url = self._origin + self._prefix
         self.retry = retry
         self._connect_timeout = float(connect_timeout)
@@ -301,7 +313,8 @@ class DiLoCoClient:
         # (`waiting_for`, `more_submissions_needed`), for a caller that reports a long wait.
         self.last_waiting: dict[str, Any] = {}
         # Two threads use the client at once; a few spare connections cost nothing.
-        self._pool = urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False)
+        tls = {} if ca_file is None else {"ca_certs": os.fspath(ca_file)}
+        self._pool = urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False, **tls)
 
     @property
     def credential(self) -> str | None:
@@ -650,6 +663,12 @@ class DiLoCoClient:
                 except _TRANSIENT_ERRORS as exc:
                     cause: BaseException = exc
                     signal: BaseException | int = exc
+                except urllib3.exceptions.SSLError as exc:
+                    why = certificate_problem(exc)
+                    if why is not None:
+                        raise UntrustedCertificate(url, exc, attempts=attempts, why=why) from None
+                    reason = f"TLS handshake failed; is the server serving https? ({exc})"
+                    raise ServerUnavailable(url, exc, attempts=attempts, reason=reason) from None
                 except urllib3.exceptions.HTTPError as exc:
                     raise ServerUnavailable(url, exc, attempts=attempts, reason="fatal") from exc
                 else:

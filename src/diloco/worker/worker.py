@@ -139,6 +139,7 @@ class DiLoCoWorker:
         scheduler: Any = None,
         fragment_timeout: float | None = None,
         max_upload_mbps: float | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         """`checkpoint_dir`: after every round the worker saves its inner optimizer (and
         `scheduler`) state, RNG state, step, round, session and data position there, and a
@@ -152,6 +153,7 @@ class DiLoCoWorker:
 
         `token` is the enrollment token (None: $DILOCO_TOKEN); registering with it gets this
         worker a credential of its own, sent from then on and kept in the checkpoint.
+        `ca_file`: PEM certificates an https:// server's certificate must chain to.
         """
         # Checked before anything reaches the server (the upload cap by the client's limiter).
         if fragment_timeout is not None and not (
@@ -173,6 +175,7 @@ class DiLoCoWorker:
                 retry=retry or RetryPolicy(),
                 on_retry=_log_retry,
                 max_upload_mbps=max_upload_mbps,
+                ca_file=ca_file,
             )
             if self.is_leader
             else None
@@ -254,6 +257,7 @@ class DiLoCoWorker:
                 server_url,
                 auth=self.client.auth,  # one credential: re-registering renews it for both
                 retry=RetryPolicy(attempts=1),
+                ca_file=ca_file,
             )
             self._heartbeat = Heartbeat(
                 beat_client,
