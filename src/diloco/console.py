@@ -36,6 +36,11 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code=code)
 
 
+def warn(message: str) -> None:
+    """One WARNING line on stderr (the run goes on)."""
+    err.print(f"WARNING: {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def check_output_path(path: Path | None, option: str) -> None:
     """A results file must be writable before hours of work go into it."""
     if path is not None and not path.parent.exists():

@@ -40,3 +40,19 @@ def test_bad_speed_names_the_worker(bad: float) -> None:
 def test_bad_sync_every(bad: int) -> None:
     with pytest.raises(ValueError, match="sync_every H must be an integer >= 1"):
         dylu_local_steps([1.0], bad)
+
+
+def test_max_ratio_bounds_how_far_one_claimed_speed_can_shrink_the_others() -> None:
+    # Reference speed min(max v, R * min v): min(1e6, 16 * 1) = 16, so the honest worker
+    # runs floor(1 / 16 * 64) = 4 steps, not max(1, floor(1e-6 * 64)) = 1; the claimant 64.
+    assert dylu_local_steps([1e6, 1.0], 64) == [64, 1]
+    assert dylu_local_steps([1e6, 1.0], 64, max_ratio=16) == [64, 4]
+    assert dylu_local_steps({"a": 1e6, "b": 2.0, "c": 1.0}, 64, 16) == {"a": 64, "b": 8, "c": 4}
+    # Speeds within a factor R of each other are untouched (the paper's vector).
+    assert dylu_local_steps([1.0, 0.5, 0.26], 100, max_ratio=16) == [100, 50, 26]
+
+
+@pytest.mark.parametrize("bad", [0.5, math.nan, math.inf])
+def test_bad_max_ratio(bad: float) -> None:
+    with pytest.raises(ValueError, match="max_ratio"):
+        dylu_local_steps([1.0], 10, max_ratio=bad)

@@ -683,17 +683,20 @@ def test_token_guards_every_route_but_healthz(live_server):
         for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
             info = api.ok("GET", "/v1/info", authorization=f"{scheme} {TOKEN}")
             assert info["protocol_version"] == 1 and info["model_fingerprint"] == FINGERPRINT
-        assert api.register("w0")["worker_id"] == "w0"
-        beat = api.ok("POST", "/v1/workers/w0/heartbeat", json_body=_HEARTBEAT)
+        registered = api.register("w0")
+        assert registered["worker_id"] == "w0"
+        # The enrollment token registers; what acts as w0 is the credential it was issued.
+        w0 = Api(server.url, registered["credential"])
+        beat = w0.ok("POST", "/v1/workers/w0/heartbeat", json_body=_HEARTBEAT)
         assert beat == {"round": 0, "recommended_sync_every": None, "command": None}
-        _send_too_large(api, "POST", "/v1/rounds/0/submissions?worker_id=w0")
+        _send_too_large(w0, "POST", "/v1/rounds/0/submissions?worker_id=w0")
         assert (
-            api.ok("POST", "/v1/rounds/0/submissions?worker_id=w0", body=gradient(-5.0))[
+            w0.ok("POST", "/v1/rounds/0/submissions?worker_id=w0", body=gradient(-5.0))[
                 "current_round"
             ]
             == 1
         )
-        assert api.result("w0").headers["X-Diloco-Round"] == "1"
+        assert w0.result("w0").headers["X-Diloco-Round"] == "1"
         assert b"diloco_rounds_total 1.0" in api.call("GET", "/metrics").data
 
 

@@ -326,8 +326,8 @@ def test_datasets_report_progress_per_dataset_and_epoch(served) -> None:
 
 def test_the_data_routes_need_the_token(live_server) -> None:
     with live_server(SETTINGS, state(10.0), TOKEN) as server:
-        api = Api(server.url, TOKEN)
-        api.register("w0")
+        enrolled = Api(server.url, TOKEN)
+        api = Api(server.url, enrolled.register("w0")["credential"])  # w0's own credential
         requests = [
             ("POST", "/v1/datasets", DATASET),
             ("GET", "/v1/datasets", None),

@@ -2,31 +2,62 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
 
-from diloco.console import fail
+from diloco.console import fail, warn
+from diloco.worker import tls
+from diloco.worker.auth import TOKEN_ENV
 
 CORPUS_HELP = "'shakespeare' (default, fetched once into a cache), 'generated[:SEED]', or a path"
 
-TokenOption = typer.Option(None, help="Bearer token of the server.")
-TokenFileOption = typer.Option(None, help="File whose first line is the bearer token.")
+TokenOption = typer.Option(
+    None,
+    help="The enrollment token. Shows in `ps` to every user of the machine: prefer "
+    f"--token-file or the {TOKEN_ENV} environment variable.",
+)
+TokenFileOption = typer.Option(
+    None, help=f"File whose first line is the enrollment token (else ${TOKEN_ENV}, if set)."
+)
+CaFileOption = typer.Option(
+    None,
+    help="PEM file of the certificate (or its CA) that an https:// server presents, when "
+    "the system does not trust it (a self-signed certificate).",
+)
 
 
 def read_token(token: str | None, token_file: Path | None) -> str | None:
-    """--token or --token-file (whose first line is the token); never both."""
+    """--token-file (its first line), else --token (with a warning), else $DILOCO_TOKEN."""
     if token and token_file:
         raise fail("give --token or --token-file, not both")
+    if token:
+        warn(
+            "--token shows in `ps` and in shell history to other users of this machine; "
+            f"use --token-file or the {TOKEN_ENV} environment variable"
+        )
+        return token
     if token_file is None:
-        return token or None
+        return os.environ.get(TOKEN_ENV, "").strip() or None
     try:
         text = token_file.read_text().strip()
-    except OSError as exc:
-        raise fail(f"--token-file {token_file} cannot be read ({exc.strerror})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or "not UTF-8 text"
+        raise fail(f"--token-file {token_file} cannot be read ({reason})") from None
     if not text:
         raise fail(f"--token-file {token_file} is empty")
     return text.splitlines()[0].strip()
+
+
+def check_ca_file(ca_file: Path | None) -> None:
+    """--ca-file must load as PEM certificates: one error line now, not a failed handshake."""
+    if ca_file is None:
+        return
+    try:
+        tls.check_ca_file(ca_file)
+    except ValueError as exc:
+        raise fail(str(exc).replace("ca_file", "--ca-file", 1)) from None
 
 
 def require_positive(**values: int) -> None:

@@ -8,7 +8,8 @@ import typer
 
 from diloco.commands.options import TokenFileOption, TokenOption, read_token
 from diloco.console import err, fail
-from diloco.server.runner import serve
+from diloco.server.credentials import TokensFileError, load_tokens_file
+from diloco.server.runner import TlsFiles, serve
 from diloco.server.settings import ServerSettings
 from diloco.wire import parse_wire_dtype
 
@@ -116,10 +117,33 @@ def server_command(
     spool_dir: Path = typer.Option(None, help="Where spooled uploads go (default: temp dir)."),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,
+    tokens_file: Path = typer.Option(
+        None,
+        help="More tokens, one 'TOKEN SCOPE' per line; SCOPE is enroll, admin or worker:ID "
+        "(docs/protocol.md). With no token at all the server is open.",
+    ),
+    tls_cert: Path = typer.Option(
+        None, help="Serve HTTPS with this PEM certificate (chain); needs --tls-key."
+    ),
+    tls_key: Path = typer.Option(None, help="The PEM private key of --tls-cert."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
-    """Run the coordinator: workers register, send pseudo-gradients, get global weights."""
+    """Run the coordinator: workers register, send pseudo-gradients, get global weights.
+
+    Workers enroll with the enrollment token (--token-file, or $DILOCO_TOKEN) and get a
+    credential of their own; see docs/protocol.md for scopes.
+    """
     secret = read_token(token, token_file)
+    tls = None
+    if (tls_cert is None) != (tls_key is None):
+        raise fail("--tls-cert and --tls-key go together: give both or neither")
+    try:
+        tokens = load_tokens_file(tokens_file) if tokens_file is not None else None
+        if tls_cert is not None and tls_key is not None:
+            tls = TlsFiles(tls_cert, tls_key)
+            tls.check()
+    except (TokensFileError, ValueError) as exc:
+        raise fail(str(exc)) from None
     if port_file is not None and not port_file.parent.exists():
         raise fail(f"--port-file directory does not exist: {port_file.parent}")
     if not 0 <= port <= 65535:
@@ -183,6 +207,8 @@ def server_command(
             override_settings=override_settings,
             durability=durability,
             checkpoint_every=(checkpoint_every or 10) if durability == "interval" else 1,
+            tokens=tokens,
+            tls=tls,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import typer
 
-from diloco.commands.options import TokenFileOption, TokenOption, read_token
+from diloco.commands.options import (
+    CaFileOption,
+    TokenFileOption,
+    TokenOption,
+    check_ca_file,
+    read_token,
+)
 from diloco.console import check_output_path, fail, megabytes, out, summary_table, write_json
 from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
 
@@ -24,13 +30,17 @@ def status_command(
     url: str = typer.Argument(..., help="Server URL, e.g. http://127.0.0.1:8470"),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,
+    ca_file: Path = CaFileOption,
     json_path: Path = typer.Option(None, "--json", help="Also write the status JSON here."),
 ) -> None:
     """Print the round, the workers and the traffic of a running server."""
     check_output_path(json_path, "--json")
     secret = read_token(token, token_file)
+    check_ca_file(ca_file)
     try:
-        with DiLoCoClient(url, secret, retry=RetryPolicy(attempts=2), read_timeout=10) as client:
+        with DiLoCoClient(
+            url, secret, retry=RetryPolicy(attempts=2), read_timeout=10, ca_file=ca_file
+        ) as client:
             status = client.status()
     except ValueError as exc:
         raise fail(str(exc)) from None

@@ -12,8 +12,10 @@ import typer
 
 from diloco.commands.options import (
     CORPUS_HELP,
+    CaFileOption,
     TokenFileOption,
     TokenOption,
+    check_ca_file,
     read_token,
     require_positive,
 )
@@ -85,6 +87,7 @@ def worker_command(
     eval_batches: int = typer.Option(8, help="Validation batches for the final eval loss."),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,
+    ca_file: Path = CaFileOption,
     json_path: Path = typer.Option(None, "--json", help="Write the worker's figures here."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
     give_up_after: float = typer.Option(
@@ -123,6 +126,7 @@ def worker_command(
     if not 0 <= data_seed < 2**63:
         raise fail(f"--data-seed must be in [0, 2**63), got {data_seed}")
     secret = read_token(token, token_file)
+    check_ca_file(ca_file)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = GPTConfig(context=seq_len, width=width, depth=depth, heads=heads)
@@ -160,6 +164,7 @@ def worker_command(
             checkpoint_dir=checkpoint_dir,
             fragment_timeout=fragment_timeout,
             max_upload_mbps=max_upload_mbps,
+            ca_file=ca_file,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None

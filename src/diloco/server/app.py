@@ -9,7 +9,6 @@ loop keeps receiving uploads and heartbeats while a commit (outer step, checkpoi
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -23,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from diloco import __version__, faults
 from diloco.server.coordinator import Coordinator
+from diloco.server.credentials import Caller, Credentials
 from diloco.server.errors import Rejection
 from diloco.server.results import RoundResult
 from diloco.wire import (
@@ -80,8 +80,28 @@ def _request_validation_message(exc: RequestValidationError) -> tuple[str, dict]
     return f"field {field!r}: {message}", {"field": field, "type": first.get("type")}
 
 
-def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
-    """The HTTP face of one coordinator; `token` enables bearer auth on every route but /healthz."""
+def caller_of(request: Request) -> Caller:
+    """Who sent the request: 401 for a missing or wrong secret (identified once per request)."""
+    caller = getattr(request.state, "caller", None)
+    if caller is None:
+        credentials: Credentials = request.app.state.credentials
+        caller = credentials.identify(request.headers.get("authorization"))
+        request.state.caller = caller
+    return caller
+
+
+async def require_admin(request: Request) -> None:
+    """Dependency of control routes (the dashboard's, later): 401 or 403 unless admin."""
+    caller_of(request).require_admin()
+
+
+def create_app(coordinator: Coordinator, credentials: Credentials | str | None = None) -> FastAPI:
+    """The HTTP face of one coordinator, behind `credentials` on every route but /healthz.
+
+    A plain string is an enrollment token (scopes: `server/credentials.py`); None is open.
+    """
+    if not isinstance(credentials, Credentials):
+        credentials = Credentials([credentials] if credentials else [])
     # The schema routes are added below behind the same token as everything else.
     app = FastAPI(
         title="diloco coordinator",
@@ -91,6 +111,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         redoc_url=None,
     )
     metrics = coordinator.metrics
+    app.state.credentials = credentials
 
     def reject(status: int, body: dict) -> JSONResponse:
         metrics.rejected.labels(kind=body["kind"]).inc()
@@ -138,14 +159,30 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         return reject(422, {"error": error, "kind": "invalid_request", "detail": detail})
 
     async def require_token(request: Request) -> None:
-        if token is None:
+        caller_of(request)
+
+    def act_as(request: Request, worker_id: str) -> None:
+        """The caller may act as `worker_id` (its own credential, or admin); else 403, or the
+        404 a request for an unregistered worker gets anyway (which tells a worker whose
+        credential a fresh server refused to register again)."""
+        caller = caller_of(request)
+        if caller.may_act_as(worker_id):
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            given.strip().encode(), token.encode()
-        ):
-            raise Rejection(401, "unauthorized", "missing or wrong bearer token")
+        if not coordinator.membership.is_live(worker_id):
+            raise Rejection(
+                404,
+                "unknown_worker",
+                f"worker {worker_id!r} is not registered (evicted or never registered); "
+                "register again",
+                worker_id=worker_id,
+            )
+        raise Rejection(
+            403,
+            "forbidden",
+            f"this credential may not act as worker {worker_id!r} (its scope is {caller.scope})",
+            worker_id=worker_id,
+            scope=caller.scope,
+        )
 
     async def require_protocol(request: Request) -> None:
         # Required on every request that changes state or carries data; a read may omit it.
@@ -234,16 +271,41 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     @app.post("/v1/workers", dependencies=authed, openapi_extra=_json_schema(RegisterRequest))
     async def register(request: Request) -> dict:
         message = await json_body(request, RegisterRequest)
-        return await run_in_threadpool(
+        caller = caller_of(request)
+        worker_id = message.worker_id
+        if caller.worker_id is not None:  # a worker's own credential registers only its id
+            worker_id = worker_id or caller.worker_id
+            if worker_id != caller.worker_id:
+                raise Rejection(
+                    403,
+                    "forbidden",
+                    f"this credential may not register worker {worker_id!r} (its scope is "
+                    f"{caller.scope})",
+                    worker_id=worker_id,
+                    scope=caller.scope,
+                )
+        elif worker_id is not None and credentials.reserved(worker_id) and not caller.is_admin:
+            raise Rejection(
+                403,
+                "forbidden",
+                f"worker id {worker_id!r} belongs to a token of the server's tokens file; "
+                "register with that token",
+                worker_id=worker_id,
+                scope=caller.scope,
+            )
+        answer = await run_in_threadpool(
             coordinator.register,
-            message.worker_id,
+            worker_id,
             message.specs(),
             message.protocol_version,
             message.session,
         )
+        answer["credential"] = credentials.credential_for(caller, answer["worker_id"])
+        return answer
 
     @app.delete("/v1/workers/{worker_id}", dependencies=authed)
-    async def deregister(worker_id: str) -> dict:
+    async def deregister(worker_id: str, request: Request) -> dict:
+        act_as(request, worker_id)
         await run_in_threadpool(coordinator.deregister, worker_id)
         return {"worker_id": worker_id, "removed": True}
 
@@ -253,6 +315,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         openapi_extra=_json_schema(HeartbeatRequest),
     )
     async def heartbeat(worker_id: str, request: Request) -> dict:
+        act_as(request, worker_id)
         beat = await json_body(request, HeartbeatRequest)
         # On the event loop: it takes only the registry's short lock, so neither a commit
         # holding the coordinator nor a thread pool full of blocked uploads can delay it.
@@ -268,6 +331,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     @app.post("/v1/datasets", dependencies=authed, openapi_extra=_json_schema(DatasetRequest))
     async def register_dataset(request: Request) -> dict:
         ask = await json_body(request, DatasetRequest)
+        act_as(request, ask.worker_id)
         return await run_in_threadpool(
             coordinator.register_dataset,
             ask.worker_id,
@@ -288,6 +352,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
     )
     async def lease(dataset_id: str, request: Request) -> dict:
         ask = await json_body(request, LeaseRequest)
+        act_as(request, ask.worker_id)
         return await run_in_threadpool(
             coordinator.lease_units,
             ask.worker_id,
@@ -298,11 +363,13 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
         )
 
     @app.get("/v1/datasets/{dataset_id}/leases", dependencies=authed)
-    async def leases(dataset_id: str, worker_id: str = Query(...)) -> dict:
+    async def leases(request: Request, dataset_id: str, worker_id: str = Query(...)) -> dict:
+        act_as(request, worker_id)
         return await run_in_threadpool(coordinator.leases_of, worker_id, dataset_id)
 
     @app.put("/v1/weights/initial", dependencies=authed)
     async def upload_initial(request: Request, worker_id: str = Query(...)) -> dict:
+        act_as(request, worker_id)
         async with tensors_from(request, may_spool=False) as tensors:
             round_number = await run_in_threadpool(coordinator.upload_initial, worker_id, tensors)
         return {"status": "stored", "round": round_number}
@@ -324,6 +391,7 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
             "(ID:COUNT, its samples trained so far).",
         ),
     ) -> dict:
+        act_as(request, worker_id)  # before the body is read, like the checks below
         # before the body is read: a bad list costs nothing
         unit_ids, progress = parse_unit_reports(units)
 
@@ -345,11 +413,14 @@ def create_app(coordinator: Coordinator, token: str | None = None) -> FastAPI:
 
     @app.get("/v1/rounds/{round_number}/result", dependencies=authed)
     async def result(
+        request: Request,
         round_number: int,
         worker_id: str | None = Query(None),
         wait: float = Query(30.0, ge=0.0, le=120.0),
         fragment: int = Query(0, ge=0, le=MAX_COUNT),
     ) -> Response:
+        if worker_id is not None:
+            act_as(request, worker_id)
         outcome = await run_in_threadpool(
             coordinator.wait_result, round_number, worker_id, wait, fragment
         )

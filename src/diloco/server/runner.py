@@ -6,8 +6,10 @@ import contextlib
 import ctypes
 import logging
 import signal
+import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio.to_thread
@@ -18,10 +20,11 @@ from safetensors.torch import load_file
 
 from diloco.server.app import create_app
 from diloco.server.coordinator import Coordinator
+from diloco.server.credentials import Credentials
 from diloco.server.http_protocol import DilocoHttpProtocol
 from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.store import DATABASE_NAME, StateStore
 
 # Long-polls hold a thread each while they wait for a barrier; allow many workers.
 THREAD_LIMIT = 512
@@ -64,6 +67,36 @@ def return_large_frees_to_the_os() -> None:
         libc.mallopt(M_TRIM_THRESHOLD, 16 << 20)
     except (OSError, AttributeError):
         pass
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """`--tls-cert` and `--tls-key`: PEM files, checked by `check` before the server starts."""
+
+    cert: Path
+    key: Path
+
+    def check(self) -> None:
+        """ValueError naming the option unless the pair loads as a server certificate."""
+        for option, path in (("--tls-cert", self.cert), ("--tls-key", self.key)):
+            if not Path(path).is_file():
+                raise ValueError(f"{option} file does not exist: {path}")
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                str(self.cert), str(self.key)
+            )
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"--tls-cert {self.cert} and --tls-key {self.key} do not load as a PEM "
+                f"certificate and its private key ({exc.reason or exc})"
+            ) from None
+        except OSError as exc:
+            raise ValueError(
+                f"--tls-cert {self.cert} / --tls-key {self.key} cannot be read ({exc.strerror})"
+            ) from None
 
 
 class EvictionTicker:
@@ -141,12 +174,16 @@ def build_server(
     coordinator: Coordinator,
     host: str,
     port: int,
-    token: str | None,
+    credentials: Credentials | str | None,
     log_level: str = "info",
     port_file: Path | None = None,
+    tls: TlsFiles | None = None,
 ) -> CoordinatorServer:
+    """`credentials`: who may call what (a string is one enrollment token, None is open);
+    `tls`: serve HTTPS with this certificate chain and key (TLS sits under the HTTP protocol,
+    in asyncio's transport, so DilocoHttpProtocol sees the same bytes either way)."""
     config = uvicorn.Config(
-        create_app(coordinator, token),
+        create_app(coordinator, credentials),
         host=host,
         port=port,
         http=DilocoHttpProtocol,  # parser errors answered as JSON, after the whole requests
@@ -154,6 +191,8 @@ def build_server(
         access_log=False,
         timeout_keep_alive=75,
         timeout_graceful_shutdown=10,
+        ssl_certfile=None if tls is None else str(tls.cert),
+        ssl_keyfile=None if tls is None else str(tls.key),
     )
     return CoordinatorServer(config, EvictionTicker(coordinator), port_file)
 
@@ -171,12 +210,15 @@ def serve(
     override_settings: bool = False,
     durability: str = "round",
     checkpoint_every: int = 1,
+    tokens: Mapping[str, str] | None = None,
+    tls: TlsFiles | None = None,
 ) -> dict:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests).
 
     With `state_dir`, every round (or every `checkpoint_every`-th with durability "interval")
     is durable before its result is published, and a restart on the same directory resumes
-    from the newest verified checkpoint.
+    from the newest verified checkpoint; so are the worker credentials it issued. `token` is
+    the enrollment token, `tokens` the tokens file's {token: scope}.
     """
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -185,13 +227,22 @@ def serve(
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     initial = load_initial_weights(init) if init is not None else None
     state = StateStore(state_dir, keep_checkpoints)
+    database = None if state.directory is None else state.directory / DATABASE_NAME
     try:
         journal = RoundJournal(state, settings, override_settings, durability, checkpoint_every)
         coordinator = Coordinator(settings, initial, journal=journal)
+        credentials = Credentials([token] if token else [], tokens, database)
     except BaseException:
         state.close()
         raise
     del initial
-    server = build_server(coordinator, host, port, token, log_level, port_file)
+    log.log(logging.WARNING if credentials.open else logging.INFO, credentials.describe())
+    if tls is None and host not in LOOPBACK:
+        log.warning(
+            "serving plain HTTP on %s: tokens and weights cross the network unencrypted "
+            "(give --tls-cert and --tls-key)",
+            host,
+        )
+    server = build_server(coordinator, host, port, credentials, log_level, port_file, tls)
     server.run()
     return {"round": coordinator.round_number, "flushed": server.flushed_at_shutdown}

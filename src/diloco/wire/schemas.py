@@ -25,6 +25,7 @@ from diloco.wire.specs import TensorSpec
 from diloco.wire.validation import PROTOCOL_VERSION, validation_error_to_wire
 
 __all__ = [
+    "MAX_STEPS_PER_SECOND",
     "PROTOCOL_VERSION",
     "WORKER_ID_PATTERN",
     "DatasetRequest",
@@ -62,7 +63,12 @@ WorkerId = Annotated[StrictStr, Field(pattern=WORKER_ID_PATTERN)]
 # int64 (an unbounded `tokens=2**63` once overflowed it after a checkpoint was written).
 MAX_COUNT = 2**48
 Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
-FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
+# The fastest a worker may say it trains: 1e6 optimizer steps per second is 1 microsecond a
+# step, beyond any real model; above it the heartbeat is refused (422 naming the field).
+MAX_STEPS_PER_SECOND = 1e6
+StepsPerSecond = Annotated[
+    float, Field(ge=0, le=MAX_STEPS_PER_SECOND, allow_inf_nan=False, strict=True)
+]
 Finite = Annotated[float, Field(allow_inf_nan=False, strict=True)]
 
 
@@ -175,6 +181,9 @@ class RegisterResponse(_Response):
     needs_initial_weights: bool
     model_fingerprint: str | None
     settings: Settings
+    # The worker's own bearer secret from now on (null from a server without tokens): new
+    # when it registered with an enrollment or admin token, its own when it used that.
+    credential: str | None = None
 
 
 class SubmitResponse(_Response):
@@ -231,7 +240,7 @@ class HeartbeatRequest(_Request):
     """`POST /v1/workers/{id}/heartbeat`."""
 
     step: Count
-    steps_per_second: FiniteNonNegative
+    steps_per_second: StepsPerSecond
     loss: Finite | None
     tokens: Count
     # Sync windows the worker has finished; when it grows, `steps_per_second` is the compute

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import secrets
 import time
@@ -21,6 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from diloco.wire.validation import PROTOCOL_VERSION
+from diloco.worker.auth import BearerAuth
 from diloco.worker.errors import ServerError
 from diloco.worker.retry import RetryPolicy
 from diloco.worker.transport import (
@@ -35,6 +37,7 @@ from diloco.worker.transport import (
 
 __all__ = ["ClientStats", "DiLoCoClient", "Weights"]
 
+_MAX_STEPS_PER_SECOND = 1e6  # the server's bound on a heartbeat's speed (422 above it)
 _MAX_WAIT = 120.0  # the server's cap on `wait` for a result long-poll
 
 
@@ -112,8 +115,11 @@ class DiLoCoClient:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         max_upload_mbps: float | None = None,
+        auth: BearerAuth | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
-        """`max_upload_mbps` paces tensor uploads to that many megabits per second."""
+        """`max_upload_mbps` paces tensor uploads to that many megabits per second; `token`,
+        `auth` and `ca_file` as `Transport` takes them (enrollment, credentials, TLS)."""
         self._transport = Transport(
             base_url,
             token,
@@ -125,11 +131,23 @@ class DiLoCoClient:
             clock=clock,
             rng=rng,
             max_upload_mbps=max_upload_mbps,
+            auth=auth,
+            ca_file=ca_file,
         )
+        self.auth = self._transport.auth
         self.base_url = self._transport.base_url
         # The last "waiting" answer of a result long-poll: who the round waits for
         # (`waiting_for`, `more_submissions_needed`), for a caller that reports a long wait.
         self.last_waiting: dict[str, Any] = {}
+
+    @property
+    def credential(self) -> str | None:
+        """This worker's own credential, from its registration (or a checkpoint)."""
+        return self.auth.credential
+
+    @credential.setter
+    def credential(self, value: str | None) -> None:
+        self.auth.credential = value
 
     @property
     def retry(self) -> RetryPolicy:
@@ -187,7 +205,10 @@ class DiLoCoClient:
         }
         if session is not None:
             payload["session"] = session
-        return self._json_call("register", "POST", "/v1/workers", payload=payload)
+        answer = self._json_call("register", "POST", "/v1/workers", payload=payload)
+        if answer.get("credential"):  # none from an open server
+            self.auth.credential = answer["credential"]
+        return answer
 
     def upload_initial(self, worker_id: str, body: Body) -> dict[str, Any]:
         """Offer the first global weights; {"status": "exists"} when another worker won."""
@@ -359,6 +380,7 @@ class DiLoCoClient:
             loss = None
         if not math.isfinite(steps_per_second) or steps_per_second < 0:
             steps_per_second = 0.0
+        steps_per_second = min(steps_per_second, _MAX_STEPS_PER_SECOND)
         payload: dict[str, Any] = {
             "step": step,
             "steps_per_second": steps_per_second,

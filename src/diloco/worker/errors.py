@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 
 class ServerError(Exception):
@@ -50,3 +51,20 @@ class ServerUnavailable(Exception):
 
 class ClientClosed(RuntimeError):
     """The client was closed, possibly from another thread while a call was backing off."""
+
+
+class UntrustedCertificate(ServerUnavailable):
+    """An https:// server whose certificate this worker does not trust: waiting will not fix it,
+    a CA file will (a self-signed certificate is its own CA)."""
+
+    def __init__(self, url: str, cause: BaseException | None, *, attempts: int, why: str) -> None:
+        super().__init__(url, cause, attempts=attempts, reason=f"untrusted certificate: {why}")
+        parts = urlsplit(url)
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self.why = why
+
+    def __str__(self) -> str:
+        return (
+            f"the TLS certificate of {self.origin} is not trusted ({self.why}); pass the "
+            "certificate or the CA that signed it with --ca-file (ca_file= in Python)"
+        )

@@ -86,6 +86,9 @@ class ServerSession:
         self.worker_id = worker_id
         saved_key = (saved_identity or {}).get("session")
         self.key = str(saved_key) if saved_key else secrets.token_hex(16)
+        saved_credential = (saved_identity or {}).get("credential")
+        if saved_credential:  # refused by the server (a fresh one): the client enrolls again
+            client.credential = str(saved_credential)
         self.result_wait = result_wait
         self.plan: list[list[str]] | None = None
         self.reuse_downloads = True
@@ -97,8 +100,12 @@ class ServerSession:
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint keeps of this session so that a restart comes back as us (read
-        back by the constructor's `saved_identity`)."""
-        return {"session": self.key}
+        back by the constructor's `saved_identity`): the session key and the credential the
+        server issued (the checkpoint file is 0600, like its directory)."""
+        identity: dict[str, Any] = {"session": self.key}
+        if self.client.credential:
+            identity["credential"] = self.client.credential
+        return identity
 
     # ----------------------------------------------------------------- joining
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import random
 import threading
 import time
@@ -28,9 +29,17 @@ from urllib3.exceptions import ProtocolError, ProxyError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
-from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
+from diloco.worker.auth import BearerAuth
+from diloco.worker.errors import (
+    AuthError,
+    ClientClosed,
+    ServerError,
+    ServerUnavailable,
+    UntrustedCertificate,
+)
 from diloco.worker.ratelimit import SLICE_BYTES, UploadLimiter
 from diloco.worker.retry import RetryPolicy
+from diloco.worker.tls import certificate_problem, check_ca_file
 
 Body = bytes | bytearray | memoryview
 OnRetry = Callable[[str, BaseException | int, float], None]
@@ -47,6 +56,7 @@ _TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 _READ_CHUNK = 4 * 1024 * 1024
+_AUTH_TRIES = 2  # 401 to a credential: the same call again with the enrollment token, once
 
 
 @dataclass(frozen=True)
@@ -195,23 +205,23 @@ def _retry_after(reply: Reply) -> float | None:
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
-def request_headers(token: str | None) -> dict[str, str]:
-    """The headers every request carries: the protocol version and the credential, if any."""
-    if token is not None and (not token or any(c in token for c in "\r\n")):
-        raise ValueError("token must be a non-empty single line")
-    headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    return headers
+def request_headers() -> dict[str, str]:
+    """The headers every request carries: the protocol version (the credential is added per
+    attempt by `Transport.call`, from its `BearerAuth`)."""
+    return {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
 
 
-def connection_pool() -> urllib3.PoolManager:
-    """The pool every request of one client goes through (TLS options belong here).
+def connection_pool(ca_file: str | os.PathLike[str] | None = None) -> urllib3.PoolManager:
+    """The pool every request of one client goes through; `ca_file` (PEM) is what an https://
+    server's certificate must chain to (else the system's).
 
     Two threads use a client at once (training and a streaming sync); a few spare connections
     cost nothing. urllib3's own retries and redirects are off: `Transport.call` decides.
     """
-    return urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False)
+    if ca_file is not None:
+        check_ca_file(ca_file)
+    tls = {} if ca_file is None else {"ca_certs": os.fspath(ca_file)}
+    return urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False, **tls)
 
 
 class Transport:
@@ -234,8 +244,18 @@ class Transport:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         max_upload_mbps: float | None = None,
+        auth: BearerAuth | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
-        """`max_upload_mbps` paces tensor uploads to that many megabits per second."""
+        """`max_upload_mbps` paces tensor uploads to that many megabits per second.
+
+        `token` is the enrollment token (None: $DILOCO_TOKEN, if set); `auth` shares another
+        client's secrets instead (the worker's heartbeat client). `ca_file`: PEM certificates
+        that an https:// server's certificate must chain to (else the system's).
+        """
+        if auth is not None and token is not None:
+            raise ValueError("give token or auth, not both")
+        self.auth = auth if auth is not None else BearerAuth(token)
         self._origin, self._prefix = split_base_url(base_url)
         self._limiter = (
             UploadLimiter.from_mbps(max_upload_mbps) if max_upload_mbps is not None else None
@@ -243,7 +263,7 @@ class Transport:
         for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-        self._headers = request_headers(token)
+        self._headers = request_headers()
         self.base_url = self._origin + self._prefix
         self.retry = retry
         self.read_timeout = float(read_timeout)
@@ -255,7 +275,7 @@ class Transport:
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
         self._counters = _Counters()
-        self._pool = connection_pool()
+        self._pool = connection_pool(ca_file)
 
     @property
     def stats(self) -> ClientStats:
@@ -306,19 +326,34 @@ class Transport:
         delays = self.retry.delays(rng)
         started = self._clock()
         attempts = 0
+        auth_tries = 0
         try:
             while True:
                 attempts += 1
                 retry_after = None
+                secret = self.auth.secret()
+                if secret:
+                    headers["Authorization"] = f"Bearer {secret}"
+                else:
+                    headers.pop("Authorization", None)
                 try:
                     reply = self._attempt(method, url, body, headers, timeout, into)
                 except _TRANSIENT_ERRORS as exc:
                     cause: BaseException = exc
                     signal: BaseException | int = exc
+                except urllib3.exceptions.SSLError as exc:
+                    why = certificate_problem(exc)
+                    if why is not None:
+                        raise UntrustedCertificate(url, exc, attempts=attempts, why=why) from None
+                    reason = f"TLS handshake failed; is the server serving https? ({exc})"
+                    raise ServerUnavailable(url, exc, attempts=attempts, reason=reason) from None
                 except urllib3.exceptions.HTTPError as exc:
                     raise ServerUnavailable(url, exc, attempts=attempts, reason="fatal") from exc
                 else:
                     if reply.status == 401:
+                        auth_tries += 1
+                        if auth_tries < _AUTH_TRIES and self.auth.refused(secret):
+                            continue  # at once, with the secret that replaces the refused one
                         raise server_error(reply)
                     if reply.status not in RETRIED_STATUSES:
                         return reply

@@ -80,6 +80,7 @@ class DiLoCoWorker:
         scheduler: Any = None,
         fragment_timeout: float | None = None,
         max_upload_mbps: float | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         """`checkpoint_dir`: after every round the worker saves its inner optimizer (and
         `scheduler`) state, RNG state, step, round, session and data position there, and a
@@ -90,6 +91,10 @@ class DiLoCoWorker:
         before it gives up on it for this window (keeping the old anchor); None waits as long
         as the retry policy keeps trying. `max_upload_mbps` caps the upload bandwidth (a
         shared link); None sends as fast as the network allows.
+
+        `token` is the enrollment token (None: $DILOCO_TOKEN); registering with it gets this
+        worker a credential of its own, sent from then on and kept in the checkpoint.
+        `ca_file`: PEM certificates an https:// server's certificate must chain to.
         """
         # Checked before anything reaches the server (the upload cap by the client's limiter).
         if fragment_timeout is not None and not (
@@ -109,6 +114,7 @@ class DiLoCoWorker:
                 retry=retry or RetryPolicy(),
                 on_retry=_log_retry,
                 max_upload_mbps=max_upload_mbps,
+                ca_file=ca_file,
             )
             if self.is_leader
             else None
@@ -178,7 +184,13 @@ class DiLoCoWorker:
             self._tokens.count_forwards(self.model)
         self._heartbeat: Heartbeat | None = None
         if self._session is not None and heartbeat:
-            beat_client = DiLoCoClient(server_url, token, retry=RetryPolicy(attempts=1))
+            assert self.client is not None
+            beat_client = DiLoCoClient(
+                server_url,
+                auth=self.client.auth,  # one credential: re-registering renews it for both
+                retry=RetryPolicy(attempts=1),
+                ca_file=ca_file,
+            )
             session = self._session
             self._heartbeat = Heartbeat(
                 beat_client,

@@ -1,0 +1,122 @@
+"""TLS as a user runs it: `diloco server` over HTTPS with a self-signed certificate made in
+the test, `diloco worker` processes that trust it through --ca-file (and enroll with a token
+from a file or the environment), and a worker that was not told to trust it: one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from diloco.worker import DiLoCoClient, RetryPolicy
+from processes import start_worker, wait_all
+
+ENROLL = "enroll-token-0123456789"
+TOKEN_ENV = {"DILOCO_TOKEN": ENROLL}
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, signed by its own key (its own CA)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
+            "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "diloco.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_error_line(result: subprocess.CompletedProcess, *needles: str) -> str:
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def test_a_round_over_https_and_an_untrusted_certificate(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    cert, key = self_signed_certificate(tmp_path)
+    token_file = tmp_path / "token"
+    token_file.write_text(ENROLL + "\n")
+    server = server_process(
+        "--tls-cert", str(cert), "--tls-key", str(key), "--token-file", str(token_file),
+        "--sync-every", "2", "--min-workers", "2",
+    )  # fmt: skip
+    url = server.url.replace("http://", "https://")
+    trusted = ("--ca-file", str(cert))
+    from_file = (*trusted, "--token-file", str(token_file))
+    workers = [  # one token from a file, one from the environment
+        start_worker(url, "w0", 0, 2, 4, corpus_file, tmp_path, extra=from_file),
+        start_worker(url, "w1", 1, 2, 4, corpus_file, tmp_path, extra=trusted, env=TOKEN_ENV),
+    ]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        log = (tmp_path / f"w{i}.log").read_text()
+        assert worker.returncode == 0, log
+        assert "WARNING" not in log, log
+    with DiLoCoClient(url, ENROLL, ca_file=cert, retry=RetryPolicy(attempts=2)) as client:
+        status = client.status()
+    assert status["round"] == 2  # 4 steps at H = 2
+    assert {w["worker_id"]: w["rounds_contributed"] for w in status["workers"]} == {
+        "w0": 2,
+        "w1": 2,
+    }
+
+    # The server's own protocol (the JSON 400 for bytes that are not HTTP) under TLS.
+    port = urlsplit(url).port
+    context = ssl.create_default_context(cafile=str(cert))
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        tls.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        answer = b""
+        while chunk := tls.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer
+    assert json.loads(body)["kind"] == "malformed_http"
+
+    # Without --ca-file the certificate is not trusted: one line naming the URL and the fix,
+    # at once (retrying cannot help).
+    started = time.monotonic()
+    refused = run_cli(
+        "worker", "--server", url, "--steps", "1", "--no-progress", "--corpus", str(corpus_file),
+        "--token-file", str(token_file),
+    )  # fmt: skip
+    line = one_error_line(refused, f"could not join {url}", "not trusted", "--ca-file")
+    assert f"TLS certificate of {url}" in line
+    assert time.monotonic() - started < 60
+    one_error_line(run_cli("status", url, env=TOKEN_ENV), "not trusted", "--ca-file")
