@@ -272,27 +272,7 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
     async def register(request: Request) -> dict:
         message = await json_body(request, RegisterRequest)
         caller = caller_of(request)
-        worker_id = message.worker_id
-        if caller.worker_id is not None:  # a worker's own credential registers only its id
-            worker_id = worker_id or caller.worker_id
-            if worker_id != caller.worker_id:
-                raise Rejection(
-                    403,
-                    "forbidden",
-                    f"this credential may not register worker {worker_id!r} (its scope is "
-                    f"{caller.scope})",
-                    worker_id=worker_id,
-                    scope=caller.scope,
-                )
-        elif worker_id is not None and credentials.reserved(worker_id) and not caller.is_admin:
-            raise Rejection(
-                403,
-                "forbidden",
-                f"worker id {worker_id!r} belongs to a token of the server's tokens file; "
-                "register with that token",
-                worker_id=worker_id,
-                scope=caller.scope,
-            )
+        worker_id = credentials.registration_id(caller, message.worker_id)  # 403 if not its
         answer = await run_in_threadpool(
             coordinator.register,
             worker_id,

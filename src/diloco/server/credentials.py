@@ -137,9 +137,6 @@ class Caller:
     def may_act_as(self, worker_id: str) -> bool:
         return self.is_admin or self.worker_id == worker_id
 
-    def may_enroll(self) -> bool:
-        return self.scope in (ENROLL, ADMIN, OPEN)
-
     def require_admin(self) -> None:
         """403 unless admin: the check of control routes."""
         if not self.is_admin:
@@ -256,9 +253,33 @@ class Credentials:
                 return Caller(scope, secret)
         raise Rejection(401, "unauthorized", "missing or wrong bearer token")
 
-    def reserved(self, worker_id: str) -> bool:
-        """Whether the tokens file names this id: only its own token (or admin) registers it."""
-        return worker_id in self._reserved
+    def registration_id(self, caller: Caller, worker_id: str | None) -> str | None:
+        """The id `caller` registers when it asks for `worker_id` (None: the server picks).
+
+        403 when it may not: a worker's own credential registers only its id (a null id means
+        that one), and an id the tokens file names only with that token or an admin's.
+        """
+        if caller.worker_id is not None:
+            if worker_id not in (None, caller.worker_id):
+                raise Rejection(
+                    403,
+                    "forbidden",
+                    f"this credential may not register worker {worker_id!r} (its scope is "
+                    f"{caller.scope})",
+                    worker_id=worker_id,
+                    scope=caller.scope,
+                )
+            return caller.worker_id
+        if worker_id is not None and worker_id in self._reserved and not caller.is_admin:
+            raise Rejection(
+                403,
+                "forbidden",
+                f"worker id {worker_id!r} belongs to a token of the server's tokens file; "
+                "register with that token",
+                worker_id=worker_id,
+                scope=caller.scope,
+            )
+        return worker_id
 
     def credential_for(self, caller: Caller, worker_id: str) -> str | None:
         """What a registration of `worker_id` by `caller` answers as its `credential`.
