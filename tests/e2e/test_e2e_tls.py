@@ -77,9 +77,12 @@ def test_a_round_over_https_and_an_untrusted_certificate(
     url = server.url.replace("http://", "https://")
     trusted = ("--ca-file", str(cert))
     from_file = (*trusted, "--token-file", str(token_file))
-    workers = [  # one token from a file, one from the environment
-        start_worker(url, "w0", 0, 2, 4, corpus_file, tmp_path, extra=from_file),
-        start_worker(url, "w1", 1, 2, 4, corpus_file, tmp_path, extra=trusted, env=TOKEN_ENV),
+    # One token from a file, one from the environment; the server leases them the data, so
+    # every per-worker route (datasets, leases too) goes over TLS with each one's credential.
+    served = {"dispatch": "server", "corpus": corpus_file, "out": tmp_path}
+    workers = [
+        start_worker(url, "w0", 0, 1, 4, extra=from_file, **served),
+        start_worker(url, "w1", 0, 1, 4, extra=trusted, env=TOKEN_ENV, **served),
     ]
     wait_all(workers)
     for i, worker in enumerate(workers):

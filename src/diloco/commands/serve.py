@@ -130,8 +130,7 @@ def server_command(
 ) -> None:
     """Run the coordinator: workers register, send pseudo-gradients, get global weights.
 
-    Workers enroll with the enrollment token (--token-file, or $DILOCO_TOKEN) and get a
-    credential of their own; see docs/protocol.md for scopes.
+    Workers enroll with --token-file's token (or $DILOCO_TOKEN): docs/protocol.md, Auth.
     """
     secret = read_token(token, token_file)
     tls = None
