@@ -14,31 +14,44 @@ def modules() -> dict[str, Path]:
     found = {}
     for path in SOURCE.rglob("*.py"):
         parts = path.relative_to(SOURCE).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        found[name] = path
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
-def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """Every module of the package that `path` imports, wherever the import statement is."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    edges: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            edges.update(alias.name for alias in node.names if alias.name in known)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parent + ([base] if base else []))
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                if full in known:
-                    edges.add(full)
-                elif base in known:
-                    edges.add(base)
-    edges.discard(name)
-    return edges
+def module_graph(root: Path) -> dict[str, set[str]]:
+    modules: dict[str, tuple[Path, bool]] = {}
+    for path in root.joinpath("diloco").rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if package else parts)] = (path, package)
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, package) in modules.items():
+        here = name if package else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = here.split(".")
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
+            for target in targets:
+                found = resolve(target)
+                if found is not None and found != name:
+                    graph[name].add(found)
+    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -87,13 +100,23 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def graph() -> dict[str, set[str]]:
-    known = modules()
-    return {name: imports_of(name, path, known) for name, path in known.items()}
+    return module_graph(SOURCE)
 
 
 def test_the_cycle_finder_finds_a_cycle_and_nothing_else() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_checker_sees_a_cycle_under_type_checking(tmp_path: Path) -> None:
+    package = tmp_path / "diloco"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from diloco import b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from diloco.a import A\n"
+    )
+    assert cycles(module_graph(tmp_path)) == [["diloco.a", "diloco.b"]]
 
 
 def test_no_module_imports_itself_back_through_others() -> None:

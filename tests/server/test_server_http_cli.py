@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -19,6 +17,7 @@ from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
 from diloco.wire import TensorSpec, decode_tensors, fingerprint
+from processes import run_all
 
 TIMEOUT = urllib3.Timeout(connect=5.0, read=20.0)
 
@@ -155,36 +154,12 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
             "--checkpoint-every must be >= 1",
         ),
     }
-    # All at once: each pays the interpreter's start-up, none waits for another.
-    processes = {
-        label: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "diloco.cli",
-                "server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",  # should one start after all, it binds nothing fixed
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for label, (args, _) in cases.items()
-    }
-    outcomes = {}
-    try:
-        for label, process in processes.items():
-            stdout, stderr = process.communicate(timeout=180)
-            outcomes[label] = (process.returncode, stdout, stderr)
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
+    outcomes = run_all(  # all at once: each pays the interpreter's start-up
+        {
+            label: ["server", "--host", "127.0.0.1", "--port", "0", *args]  # binds nothing fixed
+            for label, (args, _) in cases.items()
+        }
+    )
     for label, (code, stdout, stderr) in outcomes.items():
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2, (label, code, stderr)

@@ -3,41 +3,11 @@ one `error:` line before anything listens; `--token` works but warns that `ps` s
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from processes import run_all
+
 ENROLL = "enroll-token-0123456789"
-
-
-def run_all(
-    commands: dict[str, list[str]], env: dict[str, dict[str, str]] | None = None
-) -> dict[str, tuple]:
-    """Run every command at once (each pays the interpreter's start-up), with `env[label]`
-    added to the environment; (code, stdout, stderr) per label."""
-    base = {k: v for k, v in os.environ.items() if k != "DILOCO_TOKEN"}
-    processes = {
-        label: subprocess.Popen(
-            [sys.executable, "-m", "diloco.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**base, **(env or {}).get(label, {})},
-        )
-        for label, args in commands.items()
-    }
-    outcomes = {}
-    try:
-        for label, process in processes.items():
-            stdout, stderr = process.communicate(timeout=180)
-            outcomes[label] = (process.returncode, stdout, stderr)
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
-    return outcomes
 
 
 def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path) -> None:
