@@ -99,6 +99,21 @@ def test_async_dylu_gives_slow_workers_fewer_local_steps(small_corpus: bytes) ->
     assert math.isfinite(result.final_eval_loss)
 
 
+def test_async_dylu_caps_the_reference_speed_at_16x_the_slowest_like_the_server(
+    small_corpus: bytes,
+) -> None:
+    """Speeds 1 and 1/32, H = 32: uncapped, the slow worker would get floor(32 / 32) = 1 step
+    a round; with the server's cap the reference is 16 / 32 = 0.5, so it gets
+    floor((1/32) / 0.5 * 32) = 2, and its budget of int(64 / 32) = 2 steps is one arrival."""
+    result = simulate(
+        tiny(mode="async", workers=2, sync_every=32, steps=64, speeds=(1.0, 1 / 32), dylu=True),
+        corpus=small_corpus,
+    )
+    assert result.local_steps_per_worker == [64, 2]
+    assert [(w, n) for w, n, _ in result.arrivals if w == 1] == [(1, 2)]
+    assert [(w, n) for w, n, _ in result.arrivals if w == 0] == [(0, 32), (0, 32)]
+
+
 def test_async_with_a_grace_window_and_equal_speeds_is_sync_diloco(small_corpus: bytes) -> None:
     """Equal workers arrive together; the window makes each group one Nesterov step (N = 1),
     which is exactly a sync DiLoCo round."""

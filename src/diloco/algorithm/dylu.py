@@ -6,7 +6,8 @@ worker at speed v_w runs H_w = max(1, floor(v_w / max(v) * H)) steps and nobody 
 Speeds are reported by the workers themselves, so one absurd report (1e6 steps/s) would give
 everyone else H_w = 1. With `max_ratio` R the reference speed is min(max(v), R * min(v)): no
 worker is ever given fewer than about H / R steps, whatever another one claims (the server
-uses R = 16; honest speeds within a factor R of each other are unaffected).
+and the simulator both use R = MAX_SPEED_RATIO = 16; honest speeds within a factor R of each
+other are unaffected).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from collections.abc import Mapping, Sequence
 from typing import overload
 
 from diloco.algorithm._checks import require_int_at_least
+
+# The reference speed is at most this many times the slowest one (server and simulator).
+MAX_SPEED_RATIO = 16.0
 
 # v / max(v) * H can land a hair below an integer (0.29 * 100 = 28.999999999999996).
 _FLOOR_SLACK = 1e-9

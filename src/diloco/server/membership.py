@@ -8,12 +8,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from diloco.algorithm import dylu_local_steps
+from diloco.algorithm.dylu import MAX_SPEED_RATIO
 from diloco.server.errors import Rejection
 
 SPEED_WINDOWS = 5  # DyLU smooths a worker's speed over its last windows (median)
-# DyLU never gives a worker fewer than about H / 16 steps, whatever speed another one claims
-# (algorithm/dylu.py): honest speeds within 16x of each other are unaffected.
-DYLU_MAX_SPEED_RATIO = 16.0
 
 
 @dataclass
@@ -146,7 +144,7 @@ class Membership:
                 for w in self.workers.values()
                 if w.live and w.smoothed_speed is not None and w.smoothed_speed > 0
             }
-        return dylu_local_steps(speeds, sync_every, DYLU_MAX_SPEED_RATIO)
+        return dylu_local_steps(speeds, sync_every, MAX_SPEED_RATIO)
 
     def stale(self, now: float, timeout: float) -> list[str]:
         """Live workers silent for longer than `timeout` seconds."""

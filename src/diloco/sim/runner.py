@@ -28,6 +28,7 @@ from diloco.algorithm import (
     staleness_scale,
     to_fp32_masters,
 )
+from diloco.algorithm.dylu import MAX_SPEED_RATIO
 from diloco.data import BatchSampler, load_named_corpus, split_train_val, worker_shard
 from diloco.evaluation import Evaluator
 from diloco.models import GPT, block_prefixes
@@ -327,7 +328,8 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
 
     Worker w runs at `speeds[w]` steps per time unit for a budget of steps * v_w / max(v) steps,
     so every worker stops at the time the fastest one has done `steps`. With DyLU, slow workers
-    get H_w = floor(v_w / max(v) * H) local steps per round so that rounds take equal time.
+    get H_w = floor(v_w / max(v) * H) local steps per round so that rounds take equal time
+    (max(v) capped at 16x the slowest speed, as on the server).
 
     With a grace window (`grace` > 0, as the server's --grace-seconds), arrivals within `grace`
     of the first pending one are averaged into one outer step; the window closes at that
@@ -339,7 +341,10 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
     speeds = c.worker_speeds
     fastest = max(speeds)
     k = c.effective_workers
-    local_h = dylu_local_steps(list(speeds), c.sync_every) if c.dylu else [c.sync_every] * k
+    if c.dylu:  # the server's rule, its speed cap included
+        local_h = dylu_local_steps(list(speeds), c.sync_every, MAX_SPEED_RATIO)
+    else:
+        local_h = [c.sync_every] * k
     budgets = [max(1, int(c.steps * v / fastest + 1e-9)) for v in speeds]
     optimizer = _delayed_nesterov(c)
     grace = GraceWindow(c.grace)
