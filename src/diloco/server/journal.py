@@ -25,6 +25,7 @@ import torch
 from diloco import faults
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
+from diloco.server.workunit_ledger import UnitLedger
 from diloco.server.workunits import WorkPool
 from diloco.wire import TensorSpec
 
@@ -86,7 +87,7 @@ class CommitRecord:
             released=[int(u) for u in data.get("released", [])],
         )
 
-    def apply_to(self, pool: WorkPool) -> None:
+    def apply_to(self, pool: UnitLedger) -> None:
         """The step's work units in the pool: finished ones completed, prefixes recorded,
         the departed workers' partly trained units released (inside the step's transaction)."""
         pool.complete(self.units, self.round)

@@ -1,14 +1,16 @@
 """The work-unit pool's SQLite tables, its bounds and the checks of what requests name.
 
-Apart from `workunits.WorkPool` (the leases and completions) so that the ledger's logic reads
-without its schema; the bounds keep every integer that reaches SQLite inside int64.
+Apart from the pool's classes (`workunits.WorkPool`: its reads, leases and ledger) so that
+their logic reads without the schema, and so that both writing halves check ids and counts
+the same way; the bounds keep every integer that reaches SQLite inside int64.
 """
 
 from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from diloco.server.errors import Rejection
@@ -78,6 +80,16 @@ UNIT_COLUMNS = (
 )
 
 
+def create_tables(conn: sqlite3.Connection) -> None:
+    """The `wu_*` tables and indices where they are missing (no transaction of its own)."""
+    for statement in SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(wu_units)")}
+    if "trained" not in columns:  # a state dir from before partial units
+        conn.execute("ALTER TABLE wu_units ADD COLUMN trained INTEGER NOT NULL DEFAULT 0")
+
+
 @contextmanager
 def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """A write transaction taken up front (BEGIN IMMEDIATE), committed or rolled back as one."""
@@ -113,3 +125,15 @@ def check_worker_id(worker_id: object) -> str:
     if not isinstance(worker_id, str) or not worker_id:
         raise invalid("worker_id", f"worker_id must be a non-empty string, got {worker_id!r}")
     return worker_id
+
+
+def check_unit_ids(unit_ids: Sequence[int]) -> list[int]:
+    if isinstance(unit_ids, (str, bytes)) or not isinstance(unit_ids, Sequence):
+        raise invalid("unit_ids", f"unit_ids must be a list of integers, got {unit_ids!r}")
+    if len(unit_ids) > MAX_REPORTED_UNITS:
+        raise invalid("unit_ids", f"at most {MAX_REPORTED_UNITS} unit_ids per submission")
+    ids = [check_int("unit_ids", unit_id, 1, 2**63 - 1) for unit_id in unit_ids]
+    if len(set(ids)) != len(ids):
+        twice = sorted(unit_id for unit_id, n in Counter(ids).items() if n > 1)
+        raise invalid("unit_ids", f"unit_ids name units {twice} more than once")
+    return ids
