@@ -1,0 +1,592 @@
+"""Compression codecs for pseudo-gradients and weight deltas: pure torch math, no bytes.
+
+A codec is a value codec, optionally after a top-k selection:
+  - `fp32`: values as they are (the identity); `bf16`: a cast, round to nearest even.
+  - `int8`, `int4`: blockwise absmax, symmetric mid-tread. Per block of `block` values the scale
+    is s = absmax / qmax (qmax 127 or 7) and a value's code is clamp(round(x / s), -qmax, qmax)
+    (torch.round: half to even). A block whose scale is 0 (all zeros, or an absmax so small
+    that absmax / qmax underflows) has codes 0. Decoded: code * s.
+  - `int2`: 2 bits have 4 levels and a zero level would waste one, so int2 is mid-rise: the
+    levels are (c - 1.5) * s for c in 0..3, with s = absmax / 1.5 and
+    c = clamp(floor(x / s + 2), 0, 3) (nearest level; a value on a boundary goes up). A block
+    whose scale is 0 has codes 2 and decodes to 0. This is our documented equivalent of the
+    2-bit scheme of SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706): absmax-scaled levels
+    +-0.5 s and +-1.5 s spread evenly over [-absmax, absmax].
+  - `topk:F` (+ a value codec, `topk:0.03+int2`): the flat vector is cut into chunks of `chunk`
+    elements (the last may be shorter); each chunk keeps its k largest |x|, with
+    k = max(1, min(chunk, round(F * chunk))) (Python's round of the binary64 product, half to
+    even: F = 0.03, chunk 128 -> 3.84 -> 4; F = 0.01 -> 1.28 -> 1), the tail chunk keeps
+    min(k, its length). Indices are chunk-local, in [0, chunk), ascending within a chunk so
+    that an encoding is canonical. The kept values, in chunk order, are then coded by the value
+    codec with its blocks. Ties between equal magnitudes go to the lower index (any choice would
+    decode the same way; the decoder does not care).
+
+Codes of int8 / int4 / int2 are kept as unsigned levels, one per uint8: code + qmax for int8
+and int4 (0..254, 0..14), c for int2 (0..3), so that bit packing (wire/compressed.py) treats
+every width alike. All math is fp32 in the order written above: the division x / s, and the
+decode (level - offset) * s as a separate multiply (no fused multiply-add), so every device
+decodes the same codes to bit-identical values. Values that are NaN or Inf make their block's
+scale NaN or Inf, which every receiver refuses.
+
+The work is done on pieces of about a MiB (whole blocks and chunks, see `Layout`) so that each
+vectorized pass stays in cache; no Python loop runs over elements, blocks or chunks (top-k's
+selection loops over the k ranks, at most 16, each pass over all chunks at once). The same code
+runs on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+VALUE_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")
+ALLOWED_CODECS = "fp32, bf16, int8, int4, int2, topk:F, topk:F+VALUES"
+BLOCK_RANGE = (8, 65536)
+CHUNK_RANGE = (2, 65536)
+QMAX = {"int8": 127, "int4": 7}
+INT2_HALF_RANGE = 1.5  # int2 levels are (c - 1.5) * s, s = absmax / 1.5
+_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
+_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
+_CPU_PIECE = 1 << 18  # elements per piece on CPU: 1 MiB of fp32, in L2
+_DEVICE_PIECE = 1 << 24  # on an accelerator: fewer, larger launches
+_ITERATIVE_TOP_K = 16  # up to this k, top-k by k max-passes; above, torch.topk
+_INT64_MIN = -(1 << 63)
+_LOW_WORD = 0xFFFFFFFF
+_HIGH = 1 if sys.byteorder == "little" else 0  # the int32 half that is an int64's high word
+
+
+def _check_power_of_two(field: str, value: object, low: int, high: int) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not (ok and low <= value <= high and value & (value - 1) == 0):  # type: ignore[operator]
+        raise ValueError(
+            f"{field} must be a positive power of two in [{low}, {high}], got {value!r}"
+        )
+    return int(value)  # type: ignore[arg-type]
+
+
+def _check_fraction(value: object) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and 0 < value <= 1):  # type: ignore[arg-type]
+        raise ValueError(f"top-k fraction must be in (0, 1], got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A value codec (`values`), after a top-k selection of `fraction` per chunk when given."""
+
+    values: str = "fp32"
+    fraction: float | None = None  # top-k fraction F; None: dense (every value is sent)
+    block: int = 128  # values per quantization scale
+    chunk: int = 128  # elements per top-k chunk
+
+    def __post_init__(self) -> None:
+        if self.values not in VALUE_CODECS:
+            raise ValueError(
+                f"unknown value codec {self.values!r}; allowed: {', '.join(VALUE_CODECS)}"
+            )
+        if self.fraction is not None:
+            object.__setattr__(self, "fraction", _check_fraction(self.fraction))
+        _check_power_of_two("block size", self.block, *BLOCK_RANGE)
+        _check_power_of_two("chunk size", self.chunk, *CHUNK_RANGE)
+
+    @property
+    def is_identity(self) -> bool:
+        """fp32, dense: what the codec sends is the input itself."""
+        return self.values == "fp32" and self.fraction is None
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.fraction is not None
+
+    @property
+    def is_quantized(self) -> bool:
+        """int8, int4 or int2 values: levels with one fp32 scale per block."""
+        return self.values in ("int8", "int4", "int2")
+
+    @property
+    def bits(self) -> int:
+        """Bits of one coded value."""
+        return _BITS[self.values]
+
+    @property
+    def max_level(self) -> int:
+        """The largest valid level: 254 (int8), 14 (int4), 3 (int2); 0 for fp32/bf16."""
+        if self.values == "int2":
+            return 3
+        return 2 * QMAX.get(self.values, 0)
+
+    @property
+    def level_offset(self) -> float:
+        """qmax for int8/int4 (127, 7), 1.5 for int2: the scale is absmax / this, a level
+        decodes to (level - this) * scale, and this times the scale is the largest magnitude."""
+        return float(QMAX.get(self.values, INT2_HALF_RANGE)) if self.is_quantized else 0.0
+
+    @property
+    def k(self) -> int:
+        """Values kept per top-k chunk (see the module's rounding rule); 0 for a dense codec."""
+        if self.fraction is None:
+            return 0
+        return max(1, min(self.chunk, round(self.fraction * self.chunk)))
+
+    @property
+    def index_bits(self) -> int:
+        """Bits of one chunk-local index, log2(chunk); 0 for a dense codec."""
+        return self.chunk.bit_length() - 1 if self.is_sparse else 0
+
+    def __str__(self) -> str:
+        if self.fraction is None:
+            return self.values
+        suffix = "" if self.values == "fp32" else f"+{self.values}"
+        return f"topk:{self.fraction!r}{suffix}"
+
+
+def parse_codec(text: str, *, block: int = 128, chunk: int = 128) -> Codec:
+    """A codec from its spec ("int8", "topk:0.03+int2", "bfloat16"...); case and surrounding
+    spaces do not matter. A bare "topk:F" keeps fp32 values. ValueError names what is wrong."""
+    if not isinstance(text, str):
+        raise ValueError(f"a codec must be a string, got {text!r}; allowed: {ALLOWED_CODECS}")
+    spec = text.strip().lower()
+    if not spec.startswith("topk:"):
+        values = _ALIASES.get(spec, spec)
+        if values not in VALUE_CODECS:
+            raise ValueError(f"unknown codec {text.strip()!r}; allowed: {ALLOWED_CODECS}")
+        return Codec(values, None, block, chunk)
+    fraction_text, plus, values_text = spec[len("topk:") :].partition("+")
+    values = _ALIASES.get(values_text.strip(), values_text.strip()) if plus else "fp32"
+    if values not in VALUE_CODECS:
+        raise ValueError(
+            f"unknown value codec {values_text.strip()!r} in {text.strip()!r}; "
+            f"allowed after 'topk:F+': {', '.join(VALUE_CODECS)}"
+        )
+    try:
+        fraction = float(fraction_text.strip())
+    except ValueError:
+        raise ValueError(
+            f"top-k fraction must be a number in (0, 1], got {fraction_text.strip()!r}"
+        ) from None
+    if not (math.isfinite(fraction) and 0 < fraction <= 1):
+        raise ValueError(f"top-k fraction must be in (0, 1], got {fraction_text.strip()}")
+    return Codec(values, fraction, block, chunk)
+
+
+# ------------------------------------------------------------------ where everything sits
+
+
+@dataclass(frozen=True)
+class Span:
+    """A run of whole groups of one tensor, and the slice of every part that codes it.
+
+    `start`/`stop` are elements of the flat tensor; `values` and `blocks` index the coded values
+    and the scales; the byte ranges are those of each part once packed (codes at `bits` per
+    value, scales as fp32, indices at `index_bits` each), from the part's first byte.
+    """
+
+    first_group: int
+    end_group: int
+    start: int
+    stop: int
+    values: tuple[int, int]
+    blocks: tuple[int, int]
+    code_bytes: tuple[int, int]
+    scale_bytes: tuple[int, int]
+    index_bytes: tuple[int, int]
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a flat tensor of `numel` elements is coded by `codec`: counts, sizes and groups.
+
+    A group is the smallest run of elements whose parts all start on whole bytes and whole
+    blocks: one block for a dense codec; for top-k, g chunks with g * k a whole number of
+    blocks (of 8 values for fp32/bf16 values), g = that / gcd(k, that). Any run of whole groups
+    (a `Span`) can be decoded from its own slices of the parts, which is how a receiver decodes
+    a tensor piece by piece; the last group may be short.
+    """
+
+    numel: int
+    codec: Codec
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.numel, int) or isinstance(self.numel, bool) or self.numel < 0:
+            raise ValueError(f"numel must be an integer >= 0, got {self.numel!r}")
+
+    def values_before(self, element: int) -> int:
+        """Coded values for the elements before `element` (a chunk boundary, or numel)."""
+        codec = self.codec
+        if not codec.is_sparse:
+            return element
+        full, rest = divmod(element, codec.chunk)
+        return full * codec.k + min(codec.k, rest)
+
+    @property
+    def values(self) -> int:
+        return self.values_before(self.numel)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.numel // self.codec.chunk) if self.codec.is_sparse else 0
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.values // self.codec.block) if self.codec.is_quantized else 0
+
+    @property
+    def group_elements(self) -> int:
+        codec = self.codec
+        if not codec.is_sparse:
+            return codec.block
+        align = codec.block if codec.is_quantized else 8
+        return align // math.gcd(codec.k, align) * codec.chunk
+
+    @property
+    def groups(self) -> int:
+        return -(-self.numel // self.group_elements)
+
+    @property
+    def codes_nbytes(self) -> int:
+        return -(-self.values * self.codec.bits // 8)
+
+    @property
+    def scales_nbytes(self) -> int:
+        return 4 * self.blocks
+
+    @property
+    def indices_nbytes(self) -> int:
+        return -(-self.values * self.codec.index_bits // 8)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: packed codes, scales, packed indices."""
+        return self.codes_nbytes + self.scales_nbytes + self.indices_nbytes
+
+    def span(self, first_group: int, end_group: int) -> Span:
+        """Groups [first_group, end_group) and the slices of the parts that code them."""
+        if not 0 <= first_group <= end_group <= self.groups:
+            raise ValueError(f"groups [{first_group}, {end_group}) are outside [0, {self.groups}]")
+        codec = self.codec
+        start = min(first_group * self.group_elements, self.numel)
+        stop = min(end_group * self.group_elements, self.numel)
+        first, last = self.values_before(start), self.values_before(stop)
+        block = codec.block if codec.is_quantized else 0
+        blocks = _units(first, last, block)
+        return Span(
+            first_group,
+            end_group,
+            start,
+            stop,
+            (first, last),
+            blocks,
+            _units(first * codec.bits, last * codec.bits, 8),
+            (4 * blocks[0], 4 * blocks[1]),
+            _units(first * codec.index_bits, last * codec.index_bits, 8),
+        )
+
+    def spans(self, max_elements: int) -> Iterator[Span]:
+        """Consecutive spans of at most `max_elements` (at least one group each) covering all."""
+        step = max(1, max_elements // self.group_elements)
+        for first in range(0, self.groups, step):
+            yield self.span(first, min(first + step, self.groups))
+
+
+def _units(first: int, last: int, size: int) -> tuple[int, int]:
+    """The units of `size` items that hold items [first, last): whole units (first is on a
+    boundary but at the very end); empty when the range is. Size 0: no units at all."""
+    if size == 0:
+        return (0, 0)
+    end = -(-last // size)
+    return (first // size if last > first else end, end)
+
+
+def encoded_nbytes(numel: int, codec: Codec) -> int:
+    """Exact bytes on the wire of one tensor of `numel` elements: codes, scales, indices."""
+    return Layout(numel, codec).nbytes
+
+
+# ------------------------------------------------------------------ encoded tensors
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One coded flat tensor: `codes` (uint8 levels, or fp32/bf16 values), `scales` (fp32, one
+    per block; None for fp32/bf16 values), `indices` (int64 chunk-local; None when dense)."""
+
+    numel: int
+    codes: torch.Tensor
+    scales: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+
+    def select(self, span: Span) -> Encoded:
+        """The encoding of the span's elements alone: views of the matching slices."""
+        (v0, v1), (b0, b1) = span.values, span.blocks
+        return Encoded(
+            span.numel,
+            self.codes[v0:v1],
+            None if self.scales is None else self.scales[b0:b1],
+            None if self.indices is None else self.indices[v0:v1],
+        )
+
+
+def piece_elements(device: torch.device) -> int:
+    """Elements per piece of work on `device`: cache-sized on CPU, large on accelerators."""
+    return _CPU_PIECE if device.type == "cpu" else _DEVICE_PIECE
+
+
+def _code_dtype(codec: Codec) -> torch.dtype:
+    if codec.is_quantized:
+        return torch.uint8
+    return torch.bfloat16 if codec.values == "bf16" else torch.float32
+
+
+def encode(x: torch.Tensor, codec: Codec) -> Encoded:
+    """Code the floating tensor `x` (any shape, taken flat); the result owns new memory."""
+    if not x.is_floating_point():
+        raise ValueError(f"only floating tensors are coded, got {x.dtype}")
+    flat = x.detach().reshape(-1)
+    layout = Layout(flat.numel(), codec)
+    device = flat.device
+    encoded = Encoded(
+        layout.numel,
+        torch.empty(layout.values, dtype=_code_dtype(codec), device=device),
+        torch.empty(layout.blocks, dtype=torch.float32, device=device)
+        if codec.is_quantized
+        else None,
+        torch.empty(layout.values, dtype=torch.int64, device=device) if codec.is_sparse else None,
+    )
+    if not codec.is_sparse and not codec.is_quantized:
+        encoded.codes.copy_(flat)  # fp32 or bf16: one (casting) copy
+        return encoded
+    keys = _CPU_KEYS if device.type == "cpu" else _KeyCache()
+    for span in layout.spans(piece_elements(device)):
+        piece = encoded.select(span)
+        values = flat[span.start : span.stop]
+        if values.dtype != torch.float32:
+            values = values.float()
+        if codec.is_sparse:
+            assert piece.indices is not None
+            values = _select_top_k(values, codec, piece.indices, keys)
+        _code_values(values, codec, piece)
+    return encoded
+
+
+def _code_values(values: torch.Tensor, codec: Codec, piece: Encoded) -> None:
+    """Code fp32 `values` (whole blocks, but for the tensor's last) into `piece`."""
+    if not codec.is_quantized:
+        piece.codes.copy_(values)
+        return
+    assert piece.scales is not None
+    count = values.numel()
+    padded = piece.scales.numel() * codec.block
+    if padded != count:  # the last block is short: pad it with zeros
+        values = torch.cat([values, values.new_zeros(padded - count)])
+    blocks = values.view(-1, codec.block)
+    absmax = torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
+    torch.div(absmax, codec.level_offset, out=piece.scales)
+    safe = torch.where(piece.scales == 0, math.inf, piece.scales)  # x / inf = 0: zero codes
+    scaled = torch.div(blocks, safe.unsqueeze(1))
+    if codec.values == "int2":
+        scaled.add_(2).floor_().clamp_(0, 3)
+    else:
+        qmax = QMAX[codec.values]
+        scaled.round_().clamp_(-qmax, qmax).add_(qmax)
+    piece.codes.copy_(scaled.view(-1)[:count])
+
+
+class _KeyCache(threading.local):
+    """int32 pairs whose low words hold chunk - 1 - column, reused by the pieces of an encode
+    (and, on CPU, by later encodes of the same thread: 2 MiB at most)."""
+
+    def __init__(self) -> None:
+        self.pairs: torch.Tensor | None = None
+
+    def get(self, rows: int, chunk: int, device: torch.device) -> torch.Tensor:
+        pairs = self.pairs
+        if (
+            pairs is None
+            or pairs.shape[0] < rows
+            or pairs.shape[1] != chunk
+            or pairs.device != device
+        ):
+            pairs = torch.empty(rows, chunk, 2, dtype=torch.int32, device=device)
+            columns = torch.arange(chunk - 1, -1, -1, dtype=torch.int32, device=device)
+            pairs[..., 1 - _HIGH].copy_(columns)
+            self.pairs = pairs
+        return pairs[:rows]
+
+
+_CPU_KEYS = _KeyCache()
+
+
+def _select_top_k(
+    x: torch.Tensor, codec: Codec, indices: torch.Tensor, keys: _KeyCache
+) -> torch.Tensor:
+    """The kept values of fp32 `x` (whole chunks, the tail last) in chunk order; their
+    chunk-local indices go into `indices`."""
+    chunk, k = codec.chunk, codec.k
+    full = x.numel() // chunk
+    kept = torch.empty(indices.numel(), dtype=torch.float32, device=x.device)
+    if full:
+        rows = x[: full * chunk].view(full, chunk)
+        columns = _top_k_columns(rows, k, keys)
+        indices[: full * k].copy_(columns.view(-1))
+        torch.gather(rows, 1, columns, out=kept[: full * k].view(full, k))
+    tail = x[full * chunk :]
+    if tail.numel():
+        columns = tail.abs().topk(min(k, tail.numel())).indices.sort().values
+        indices[full * k :].copy_(columns)
+        kept[full * k :].copy_(tail[columns])
+    return kept
+
+
+def _top_k_columns(rows: torch.Tensor, k: int, keys: _KeyCache) -> torch.Tensor:
+    """Per row, the columns of the k largest |x|, ascending; ties to the lower column.
+
+    Each element gets a unique int64 key: the bits of |x| (ordered as |x| is, being a
+    non-negative float) in the high word, chunk - 1 - column in the low one. The row's largest
+    key is found by a max; each next one is the largest key below the last, found without a
+    comparison mask (slow on CPU): (key - last) is negative exactly for those keys, and flipping
+    the sign bit makes them the largest, so one max over the row finds it.
+    """
+    count, chunk = rows.shape
+    if k > _ITERATIVE_TOP_K:
+        return rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    pairs = keys.get(count, chunk, rows.device)
+    torch.bitwise_and(rows.view(torch.int32), 0x7FFFFFFF, out=pairs[..., _HIGH])
+    key = pairs.view(torch.int64).view(count, chunk)
+    last = key.amax(1, keepdim=True)
+    found = [last]
+    shifted = torch.empty_like(key)
+    for _ in range(k - 1):
+        torch.sub(key, last, out=shifted).bitwise_xor_(_INT64_MIN)
+        last = shifted.amax(1, keepdim=True).bitwise_xor_(_INT64_MIN).add_(last)
+        found.append(last)
+    low = torch.cat(found, 1).bitwise_and_(_LOW_WORD)
+    return torch.sub(chunk - 1, low).sort(dim=1).values
+
+
+# ------------------------------------------------------------------ decoding
+
+
+def _check_target(target: torch.Tensor, numel: int, what: str) -> None:
+    if target.dtype != torch.float32 or not target.is_contiguous() or target.numel() != numel:
+        raise ValueError(
+            f"{what} must be a contiguous fp32 tensor of {numel} elements, got "
+            f"{target.dtype} with {target.numel()} elements"
+            + ("" if target.is_contiguous() else " (not contiguous)")
+        )
+
+
+def decode(encoded: Encoded, codec: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoded flat fp32 tensor (written into `out` when given)."""
+    if out is None:
+        out = torch.empty(encoded.numel, dtype=torch.float32, device=encoded.codes.device)
+    _check_target(out, encoded.numel, "out")
+    flat = out.view(-1)
+    if codec.is_sparse:
+        flat.zero_()
+        if encoded.numel:
+            positions, values = _sparse_parts(encoded, codec)
+            flat.index_put_((positions,), values)
+        return out
+    if not codec.is_quantized:
+        flat.copy_(encoded.codes)
+        return out
+    for span in Layout(encoded.numel, codec).spans(piece_elements(flat.device)):
+        _dequantize(encoded.select(span), codec, into=flat[span.start : span.stop])
+    return out
+
+
+def decode_into(
+    encoded: Encoded, codec: Codec, target: torch.Tensor, weight: float = 1.0
+) -> torch.Tensor:
+    """target += weight * decode(encoded), on a contiguous flat-able fp32 `target`; top-k
+    touches only the kept positions, dense codecs work piece by piece (no full temporary)."""
+    _check_target(target, encoded.numel, "target")
+    flat = target.view(-1)
+    if codec.is_sparse:
+        if encoded.numel:
+            positions, values = _sparse_parts(encoded, codec)
+            flat.index_add_(0, positions, values, alpha=weight)
+        return target
+    for span in Layout(encoded.numel, codec).spans(piece_elements(flat.device)):
+        piece, part = flat[span.start : span.stop], encoded.select(span)
+        if codec.is_quantized:
+            piece.add_(_dequantize(part, codec), alpha=weight)
+        else:  # fp32 or bf16: a bf16 operand is converted piece by piece
+            piece.add_(part.codes.float(), alpha=weight)
+    return target
+
+
+def _dequantize(encoded: Encoded, codec: Codec, into: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values of quantized `encoded` (levels and scales, whole blocks but the last)."""
+    assert encoded.scales is not None
+    levels = encoded.codes
+    values = torch.empty(levels.shape, dtype=torch.float32, device=levels.device)
+    values.copy_(levels)
+    values.sub_(codec.level_offset)
+    if into is None:
+        into = values
+    count, block = values.numel(), codec.block
+    full = count // block * block
+    if full:
+        torch.mul(
+            values[:full].view(-1, block),
+            encoded.scales[: full // block].unsqueeze(1),
+            out=into[:full].view(-1, block),
+        )
+    if full != count:
+        torch.mul(values[full:], encoded.scales[full // block], out=into[full:])
+    return into
+
+
+def _sparse_parts(encoded: Encoded, codec: Codec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions and fp32 values of a top-k encoding: value j is in chunk j // k."""
+    assert encoded.indices is not None
+    dense = Encoded(encoded.codes.numel(), encoded.codes, encoded.scales)
+    values_codec = Codec(codec.values, None, codec.block, codec.chunk)
+    quantized = codec.is_quantized
+    values = _dequantize(dense, values_codec) if quantized else encoded.codes.float()
+    order = torch.arange(encoded.indices.numel(), device=encoded.indices.device)
+    positions = order.div_(codec.k, rounding_mode="floor").mul_(codec.chunk).add_(encoded.indices)
+    return positions, values
+
+
+def max_abs(encoded: Encoded, codec: Codec) -> float:
+    """A bound of every decoded magnitude: from the scales alone for quantized codecs (the
+    largest level times the largest scale, the same fp32 multiply the decoder does), from the
+    values themselves for fp32/bf16."""
+    if encoded.codes.numel() == 0:
+        return 0.0
+    if codec.is_quantized:
+        assert encoded.scales is not None
+        return float(encoded.scales.amax() * codec.level_offset)
+    return float(encoded.codes.abs().amax())
+
+
+# ------------------------------------------------------------------ error feedback
+
+
+def error_feedback_step(
+    residual: torch.Tensor, g: torch.Tensor, beta: float, codec: Codec
+) -> tuple[Encoded, torch.Tensor]:
+    """One step of error feedback: e <- beta e + g; send C(e); e <- e - D(C(e)).
+
+    `residual` (a contiguous fp32 tensor, e) is updated in place and returned beside what to
+    send; `g` has its number of elements (any floating dtype). beta must be in [0, 1).
+    """
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+        raise ValueError(f"error-feedback beta must be in [0, 1), got {beta!r}")
+    _check_target(residual, g.numel(), "residual")
+    residual.mul_(beta).add_(g.detach().reshape(residual.shape))
+    encoded = encode(residual, codec)
+    decode_into(encoded, codec, residual, weight=-1.0)
+    return encoded, residual
