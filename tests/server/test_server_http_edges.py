@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -293,3 +294,46 @@ def test_a_body_whose_header_names_a_wrong_shape_is_refused_before_the_rest(
     assert elapsed < 5.0, f"the 422 took {elapsed:.1f} s"
     assert version(port) == 0
     assert "Traceback" not in server.log.read_text()
+
+
+def many_entries_header(entries: int) -> bytes:
+    """A whole safetensors body of `entries` empty fp32 tensors: all header (about 60 bytes an
+    entry), no data, none of them the model's."""
+    header = {
+        f"t{i:07d}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(entries)
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def test_a_huge_header_is_parsed_off_the_event_loop(server_process, tmp_path):
+    """A 16.8 MiB header (280,000 entries) takes the server seconds to parse and refuse; the
+    health answers on another connection meanwhile come as they would on an idle server."""
+    _, port = start(server_process, tmp_path)
+    register(port, "w0")
+    body = many_entries_header(280_000)
+    assert len(body) > 16.5 * 2**20
+    latencies: list[float] = []
+    answer: list[tuple[int, dict]] = []
+
+    def submit() -> None:
+        answer.append(json_answer(port, submission_head(str(len(body)).encode()) + body))
+
+    uploader = threading.Thread(target=submit)
+    started = time.monotonic()
+    uploader.start()
+    while uploader.is_alive():
+        asked = time.monotonic()
+        status, health = json_answer(port, request("GET", "/healthz"))
+        assert status == 200, health
+        latencies.append(time.monotonic() - asked)
+        time.sleep(0.02)
+    uploader.join()
+    elapsed = time.monotonic() - started
+    ((status, refusal),) = answer
+    assert status == 422, refusal
+    assert refusal["kind"] == "unknown_tensor", refusal
+    # Parsed on the event loop, one health answer would wait for nearly the whole parse.
+    assert len(latencies) >= 3 and max(latencies) < elapsed / 3, (elapsed, latencies)
+    assert version(port) == 0
