@@ -27,6 +27,7 @@ from diloco.wire.layout import FrameLayout
 __all__ = [
     "MAX_HEADER_BYTES",
     "check_tensors",
+    "decode_frame",
     "decode_tensors",
     "encode_tensors",
     "parse_content_length",
@@ -66,6 +67,13 @@ def decode_tensors(buffer: bytes | bytearray | memoryview) -> dict[str, torch.Te
     (immutable) are copied once into a bytearray first. Anything that is not a well-formed
     safetensors file is WireError(422, "malformed_safetensors") naming the problem.
     """
+    return decode_frame(buffer)[0]
+
+
+def decode_frame(
+    buffer: bytes | bytearray | memoryview,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`decode_tensors`, and the header's `__metadata__` beside the tensors ({} without one)."""
     view = memoryview(buffer)
     if not view.c_contiguous:
         view = memoryview(bytearray(view.tobytes()))
@@ -74,8 +82,9 @@ def decode_tensors(buffer: bytes | bytearray | memoryview) -> dict[str, torch.Te
         view = memoryview(bytearray(view))
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
-    data_start, entries = parse_frame_header(view, len(view))
-    return {name: _view_tensor(view, data_start, entry) for name, entry in entries.items()}
+    data_start, entries, metadata = read_frame_header(view, len(view))
+    tensors = {name: _view_tensor(view, data_start, entry) for name, entry in entries.items()}
+    return tensors, metadata
 
 
 def parse_frame_header(prefix: memoryview | bytes, total: int) -> tuple[int, dict[str, _Entry]]:
@@ -84,6 +93,14 @@ def parse_frame_header(prefix: memoryview | bytes, total: int) -> tuple[int, dic
     Returns where the data section starts and the checked entries. `prefix` must hold at least
     the 8-byte length and the header (the whole body, or its first bytes when it is on disk).
     """
+    data_start, entries, _ = read_frame_header(prefix, total)
+    return data_start, entries
+
+
+def read_frame_header(
+    prefix: memoryview | bytes, total: int
+) -> tuple[int, dict[str, _Entry], dict[str, str]]:
+    """`parse_frame_header`, and the header's checked `__metadata__` ({} without one)."""
     if total < 8 or len(prefix) < 8:
         raise _malformed(f"the body has {total} bytes, fewer than the 8-byte header length")
     header_len = int.from_bytes(prefix[:8], "little")
@@ -99,7 +116,8 @@ def parse_frame_header(prefix: memoryview | bytes, total: int) -> tuple[int, dic
         )
     header = _parse_header(bytes(prefix[8 : 8 + header_len]))
     data_start = 8 + header_len
-    return data_start, _check_entries(header, data_len=total - data_start)
+    entries, metadata = _check_entries(header, data_len=total - data_start)
+    return data_start, entries, metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,22 +164,26 @@ def _no_constants(token: str) -> Any:
     raise _malformed(f"the header holds the non-JSON constant {token}")
 
 
-def _check_entries(header: dict[str, Any], data_len: int) -> dict[str, _Entry]:
+def _check_entries(
+    header: dict[str, Any], data_len: int
+) -> tuple[dict[str, _Entry], dict[str, str]]:
     entries: dict[str, _Entry] = {}
+    metadata: dict[str, str] = {}
     for name, value in header.items():
         if name == _METADATA_KEY:
-            _check_metadata(value)
+            metadata = _check_metadata(value)
         else:
             entries[name] = _check_entry(name, value, data_len)
     _check_coverage(entries, data_len)
-    return entries
+    return entries, metadata
 
 
-def _check_metadata(value: object) -> None:
+def _check_metadata(value: object) -> dict[str, str]:
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
         raise _malformed("the header's __metadata__ is not an object of strings to strings")
+    return value
 
 
 def _check_entry(name: str, value: object, data_len: int) -> _Entry:

@@ -42,13 +42,20 @@ class FrameLayout:
     size: int  # bytes in the whole body
 
     @classmethod
-    def plan(cls, entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> FrameLayout:
-        """The layout of `entries` (name -> (shape, dtype)), widest dtype first (a stable sort).
+    def plan(
+        cls,
+        entries: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        metadata: Mapping[str, str] | None = None,
+    ) -> FrameLayout:
+        """The layout of `entries` (name -> (shape, dtype)), widest dtype first (a stable sort),
+        with `metadata` (strings to strings) as the header's `__metadata__` when given.
 
         Raises ValueError for a dtype the wire does not carry.
         """
         order = sorted(entries.items(), key=lambda item: -item[1][1].itemsize)
         header: dict[str, Any] = {}
+        if metadata is not None:
+            header["__metadata__"] = dict(metadata)
         offset = 0
         for name, (shape, dtype) in order:
             size = math.prod(shape) * dtype.itemsize

@@ -1,0 +1,165 @@
+"""Compressed tensor bodies: a codec's parts as the entries of an ordinary safetensors frame.
+
+A compressed tensor NAME travels as up to three entries (docs/protocol.md, "Compressed
+bodies"): `NAME#codes` (U8: levels packed at the codec's bits, see wire/bitpack.py; or the F32 /
+BF16 values of an fp32 / bf16 value codec), `NAME#scales` (F32, one per block; int codecs only)
+and `NAME#indices` (U8: chunk-local indices packed at log2(chunk) bits; top-k only). Tensors
+sent exact (int and bool buffers, and any name the caller lists) keep their plain entry NAME.
+The header's `__metadata__` names the codec, so a receiver refuses a body coded otherwise
+before it reads a value. Because the body is an ordinary frame, the strict parser, the spool
+and the early header check all work on it unchanged.
+
+Sending: `encode_compressed` (a whole body) or `write_parts` (one tensor into its part slots).
+Receiving is two steps: `check_compressed_header` (wire/compressed_header.py) checks names,
+parts, dtypes and byte lengths against what the receiver expects, no value read; `read_span`
+(wire/compressed_values.py) then checks and unpacks one span of one tensor from its slices of
+the parts, so a server can decode piece by piece from a file. `decode_compressed` does both
+for a body in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+
+import torch
+
+from diloco.algorithm.codecs import Codec, Layout, decode, encode, piece_elements
+from diloco.wire.bitpack import pack
+from diloco.wire.checks import check_finite
+from diloco.wire.compressed_header import (
+    CODES,
+    INDICES,
+    PARTS,
+    SCALES,
+    SEPARATOR,
+    CompressedEntry,
+    CompressedHeader,
+    Expected,
+    check_codec_metadata,
+    check_compressed_header,
+    codec_metadata,
+    is_compressed,
+    part_specs,
+)
+from diloco.wire.compressed_values import as_bytes, read_span
+from diloco.wire.frames import decode_frame
+from diloco.wire.layout import FrameLayout
+
+__all__ = [
+    "CODES",
+    "INDICES",
+    "PARTS",
+    "SCALES",
+    "SEPARATOR",
+    "CompressedEntry",
+    "CompressedHeader",
+    "check_codec_metadata",
+    "check_compressed_header",
+    "codec_metadata",
+    "decode_compressed",
+    "decode_entry",
+    "encode_compressed",
+    "is_compressed",
+    "part_specs",
+    "read_span",
+    "write_parts",
+]
+
+
+# ------------------------------------------------------------------ sending
+
+
+def encode_compressed(
+    tensors: Mapping[str, torch.Tensor], codec: Codec, exact: Collection[str] = frozenset()
+) -> bytearray:
+    """A safetensors body of `tensors`: floating ones not in `exact` coded by `codec` as parts,
+    the others as plain entries (their own dtype). The codec is in the header's metadata."""
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        if is_compressed(name, tensor.dtype, exact):
+            for part, spec in part_specs(tensor.numel(), codec).items():
+                entries[f"{name}{SEPARATOR}{part}"] = spec
+        else:
+            entries[name] = (tuple(tensor.shape), tensor.dtype)
+    layout = FrameLayout.plan(entries, metadata=codec_metadata(codec))
+    buffer = bytearray(layout.size)
+    body = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
+    layout.write_header(body)
+    views = layout.views(body)
+    for name, tensor in tensors.items():
+        if is_compressed(name, tensor.dtype, exact):
+            parts = {part: views.get(f"{name}{SEPARATOR}{part}") for part in PARTS}
+            write_parts(tensor, codec, parts)
+        elif tensor.numel():
+            views[name].copy_(tensor.detach())
+    return buffer
+
+
+def write_parts(x: torch.Tensor, codec: Codec, parts: Mapping[str, torch.Tensor | None]) -> None:
+    """Code `x` into `parts` (1-D tensors of the shapes and dtypes of `part_specs`), piece by
+    piece, so that no full-size temporary is made."""
+    flat = x.detach().reshape(-1)
+    codes = parts[CODES]
+    assert codes is not None
+    if not codec.is_quantized and not codec.is_sparse:
+        codes.copy_(flat)  # fp32 / bf16: one (casting) copy
+        return
+    scales, indices = parts.get(SCALES), parts.get(INDICES)
+    for span in Layout(flat.numel(), codec).spans(piece_elements(flat.device)):
+        piece = encode(flat[span.start : span.stop], codec)
+        if codec.is_quantized:
+            assert scales is not None and piece.scales is not None
+            pack(piece.codes, codec.bits, out=codes[slice(*span.code_bytes)])
+            scales[slice(*span.blocks)].copy_(piece.scales)
+        else:
+            codes[slice(*span.values)].copy_(piece.codes)
+        if codec.is_sparse:
+            assert indices is not None and piece.indices is not None
+            pack(piece.indices, codec.index_bits, out=indices[slice(*span.index_bytes)])
+
+
+# ------------------------------------------------------------------ receiving a body in memory
+
+
+def decode_compressed(
+    buffer: bytes | bytearray | memoryview,
+    expected: Expected,
+    codec: Codec,
+    *,
+    exact: Collection[str] = frozenset(),
+    require_all: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Check and decode a compressed body in memory: compressed tensors come back as fp32 of
+    their expected shape, plain ones as views of `buffer` (floating ones checked finite).
+    Everything is checked before anything is returned; WireError(422) otherwise."""
+    tensors, metadata = decode_frame(buffer)
+    header = check_compressed_header(
+        tensors, metadata, expected, codec, exact=exact, require_all=require_all
+    )
+    result: dict[str, torch.Tensor] = {}
+    for name, entry in header.compressed.items():
+        part_bytes = {part: as_bytes(tensor) for part, tensor in entry.parts.items()}
+        result[name] = decode_entry(
+            entry, lambda part, begin, end, raw=part_bytes: raw[part][begin:end]
+        )
+    for name, tensor in header.plain.items():
+        check_finite(name, tensor)
+        result[name] = tensor
+    return {name: result[name] for name in expected if name in result}
+
+
+def decode_entry(
+    entry: CompressedEntry, read: Callable[[str, int, int], torch.Tensor | bytes | memoryview]
+) -> torch.Tensor:
+    """The fp32 tensor of `entry`, span by span: `read(part, begin, end)` gives the bytes
+    [begin, end) of a part (from the part's first byte)."""
+    codec = entry.layout.codec
+    out = torch.empty(entry.shape, dtype=torch.float32)
+    flat = out.view(-1)
+    for span in entry.layout.spans(piece_elements(flat.device)):
+        ranges = entry.part_ranges(span)
+        parts = {part: read(part, begin, end) for part, (begin, end) in ranges.items()}
+        decode(read_span(entry, span, parts), codec, out=flat[span.start : span.stop])
+    return out
