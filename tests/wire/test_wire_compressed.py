@@ -20,10 +20,12 @@ from diloco.wire import WireError, decode_tensors, encode_tensors
 from diloco.wire.bitpack import pack, padding_is_zero, unpack
 from diloco.wire.compressed import (
     check_compressed_header,
+    check_entry,
     codec_metadata,
     decode_compressed,
     decode_entry,
     encode_compressed,
+    fold_entry,
     read_span,
 )
 from diloco.wire.frames import decode_frame, read_frame_header
@@ -273,6 +275,25 @@ def test_decode_entry_reads_parts_through_a_callback() -> None:
     decoded = decode_entry(header.compressed["w"], lambda part, b, e: raw[part][b:e])
     # block 0: s = 7 / 1.5; block 1 ([8, 9]): s = 6
     assert decoded[8:].tolist() == [9.0, 9.0]
+
+
+def test_check_entry_bounds_and_fold_entry_adds_weighted_values() -> None:
+    body = encode_compressed({"w": torch.tensor([3, -3, 0, 1, -1, 0.9, -2.0, 2.0])}, INT2_8)
+    tensors, metadata = decode_frame(body)
+    entry = check_compressed_header(tensors, metadata, {"w": expect((8,))}, INT2_8).compressed["w"]
+    raw = {part: t.view(torch.uint8) for part, t in entry.parts.items()}
+
+    def read(part: str, begin: int, end: int) -> torch.Tensor:
+        return raw[part][begin:end]
+
+    assert check_entry(entry, read) == 3.0  # 1.5 x the scale 2
+    target = torch.ones(2, 4)
+    fold_entry(entry, read, target, weight=0.5)
+    # 1 + 0.5 x [3, -3, 1, 1, -1, 1, -1, 3]
+    assert target.view(-1).tolist() == [2.5, -0.5, 1.5, 1.5, 0.5, 1.5, 0.5, 2.5]
+    raw["scales"] = torch.tensor([float("nan")]).view(torch.uint8)
+    with pytest.raises(WireError, match="block 0 has scale nan"):
+        check_entry(entry, read)
 
 
 def test_the_frame_parser_gives_the_metadata_back_and_old_callers_still_work() -> None:

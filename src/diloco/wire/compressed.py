@@ -23,7 +23,15 @@ from collections.abc import Callable, Collection, Mapping
 
 import torch
 
-from diloco.algorithm.codecs import Codec, Layout, decode, encode, piece_elements
+from diloco.algorithm.codecs import (
+    Codec,
+    Layout,
+    decode,
+    decode_into,
+    encode,
+    max_abs,
+    piece_elements,
+)
 from diloco.wire.bitpack import pack
 from diloco.wire.checks import check_finite
 from diloco.wire.compressed_header import (
@@ -45,6 +53,9 @@ from diloco.wire.compressed_values import as_bytes, read_span
 from diloco.wire.frames import decode_frame
 from diloco.wire.layout import FrameLayout
 
+# read(part, begin, end): the bytes [begin, end) of one part, counted from the part's first byte.
+PartReader = Callable[[str, int, int], torch.Tensor | bytes | bytearray | memoryview]
+
 __all__ = [
     "CODES",
     "INDICES",
@@ -53,12 +64,15 @@ __all__ = [
     "SEPARATOR",
     "CompressedEntry",
     "CompressedHeader",
+    "PartReader",
     "check_codec_metadata",
     "check_compressed_header",
+    "check_entry",
     "codec_metadata",
     "decode_compressed",
     "decode_entry",
     "encode_compressed",
+    "fold_entry",
     "is_compressed",
     "part_specs",
     "read_span",
@@ -150,9 +164,7 @@ def decode_compressed(
     return {name: result[name] for name in expected if name in result}
 
 
-def decode_entry(
-    entry: CompressedEntry, read: Callable[[str, int, int], torch.Tensor | bytes | memoryview]
-) -> torch.Tensor:
+def decode_entry(entry: CompressedEntry, read: PartReader) -> torch.Tensor:
     """The fp32 tensor of `entry`, span by span: `read(part, begin, end)` gives the bytes
     [begin, end) of a part (from the part's first byte)."""
     codec = entry.layout.codec
@@ -163,3 +175,26 @@ def decode_entry(
         parts = {part: read(part, begin, end) for part, (begin, end) in ranges.items()}
         decode(read_span(entry, span, parts), codec, out=flat[span.start : span.stop])
     return out
+
+
+def check_entry(entry: CompressedEntry, read: PartReader) -> float:
+    """Check every span of `entry` (as `read_span` does) without decoding it; returns a bound
+    of every decoded magnitude (codecs.max_abs), for an overflow check before folding."""
+    bound = 0.0
+    for span in entry.layout.spans(piece_elements(torch.device("cpu"))):
+        parts = {part: read(part, *where) for part, where in entry.part_ranges(span).items()}
+        bound = max(bound, max_abs(read_span(entry, span, parts), entry.layout.codec))
+    return bound
+
+
+def fold_entry(
+    entry: CompressedEntry, read: PartReader, target: torch.Tensor, weight: float = 1.0
+) -> None:
+    """target += weight * the decoded tensor, span by span, each span checked before it is
+    added (`target`: contiguous fp32 of the tensor's size, any shape). A refusal part way
+    leaves the spans before it added: run `check_entry` first unless `target` is scratch."""
+    codec = entry.layout.codec
+    flat = target.view(-1)
+    for span in entry.layout.spans(piece_elements(flat.device)):
+        parts = {part: read(part, *where) for part, where in entry.part_ranges(span).items()}
+        decode_into(read_span(entry, span, parts), codec, flat[span.start : span.stop], weight)
