@@ -18,8 +18,8 @@ A codec is a value codec, optionally after a top-k selection:
     even: F = 0.03, chunk 128 -> 3.84 -> 4; F = 0.01 -> 1.28 -> 1), the tail chunk keeps
     min(k, its length). Indices are chunk-local, in [0, chunk), ascending within a chunk so
     that an encoding is canonical. The kept values, in chunk order, are then coded by the value
-    codec with its blocks. Ties between equal magnitudes go to the lower index (any choice would
-    decode the same way; the decoder does not care).
+    codec with its blocks. Ties between equal magnitudes may go either way (the decoder does
+    not care); this encoder takes the lower index in full chunks when k <= 16.
 
 Codes of int8 / int4 / int2 are kept as unsigned levels, one per uint8: code + qmax for int8
 and int4 (0..254, 0..14), c for int2 (0..3), so that bit packing (wire/compressed.py) treats

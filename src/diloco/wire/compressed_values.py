@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from diloco.algorithm.codecs import QMAX, Codec, Encoded, Layout, Span
+from diloco.algorithm.tensors import all_finite
 from diloco.wire.bitpack import padding_is_zero, unpack
 from diloco.wire.compressed_header import (
     CODES,
@@ -160,7 +161,7 @@ def _check_scales(
 
 
 def _check_values(name: str, values: torch.Tensor, span: Span) -> None:
-    if values.numel() and not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         at = _first(~torch.isfinite(values))
         raise malformed_compressed(
             f"tensor {name!r} part 'codes' holds {float(values[at])} at value "
