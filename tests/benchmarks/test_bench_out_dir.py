@@ -14,6 +14,7 @@ SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py"))
 def test_every_benchmark_is_listed() -> None:
     """A new benchmark is added here on purpose, and so is known to have its checks below."""
     assert set(SCRIPTS) == {
+        "codecs.py",
         "convergence.py",
         "durability.py",
         "round_parts.py",
