@@ -102,6 +102,24 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
         ),
         "outer lr 0": (["--outer-lr", "0"], "lr"),
         "fp16 upload": (["--upload-dtype", "fp16"], "fp16"),
+        "unknown codec": (["--upload-codec", "int3"], "unknown codec 'int3'; allowed: fp32"),
+        "top-k fraction above 1": (
+            ["--upload-codec", "topk:1.5+int2"],
+            "top-k fraction must be in (0, 1], got 1.5",
+        ),
+        "block not a power of two": (
+            ["--codec-block", "100"],
+            "block size must be a positive power of two in [8, 65536], got 100",
+        ),
+        "chunk 0": (["--topk-chunk", "0"], "chunk size must be a positive power of two"),
+        "error feedback beta 1": (
+            ["--error-feedback-beta", "1"],
+            "error_feedback_beta must be in [0, 1) (0: no error feedback), got 1.0",
+        ),
+        "bf16 dtype with an int8 codec": (
+            ["--upload-dtype", "bf16", "--upload-codec", "int8"],
+            "with upload_codec int8 give one or the other",
+        ),
         "token and token file": (["--token", "abc", "--token-file", str(token_file)], "--token"),
         "keep 0 checkpoints": (["--keep-checkpoints", "0"], "--keep-checkpoints"),
         "negative memory bodies": (["--memory-bodies", "-1"], "memory_bodies"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diloco.server.settings import ServerSettings
 
@@ -60,3 +61,21 @@ def test_each_mode_states_its_own_settings() -> None:
         "delay": 4,
         "c": 0.1,
     }
+
+
+def test_codec_settings_are_canonical_in_info_and_bf16_has_one_meaning():
+    settings = ServerSettings(upload_codec=" TopK:0.03+INT2 ", codec_block=64, topk_chunk=256)
+    wire = settings.to_wire()
+    assert wire["upload_codec"] == "topk:0.03+int2"
+    assert (wire["codec_block"], wire["topk_chunk"]) == (64, 256)
+    assert wire["error_feedback_beta"] == 0.95 and wire["upload_dtype"] == "float32"
+    assert settings.compressed_uploads and settings.upload.k == 8  # round(0.03 * 256) = 8
+    # The older --upload-dtype bf16 and --upload-codec bf16 are one setting: plain bf16 bodies.
+    for bf16 in (ServerSettings(upload_dtype=torch.bfloat16), ServerSettings(upload_codec="bf16")):
+        assert bf16.to_wire()["upload_codec"] == "bf16"
+        assert bf16.upload_dtype == torch.bfloat16 and not bf16.compressed_uploads
+    assert not ServerSettings().compressed_uploads
+    with pytest.raises(ValueError, match=r"error_feedback_beta must be in \[0, 1\)"):
+        ServerSettings(error_feedback_beta=-0.1)
+    with pytest.raises(ValueError, match="give one or the other"):
+        ServerSettings(upload_codec="int4", upload_dtype=torch.bfloat16)

@@ -73,6 +73,20 @@ def server_command(
     weighting: str = typer.Option("uniform", help="uniform or tokens."),
     upload_dtype: str = typer.Option("fp32", help="Pseudo-gradient dtype: fp32 or bf16."),
     download_dtype: str = typer.Option("fp32", help="Global weights dtype: fp32 or bf16."),
+    upload_codec: str = typer.Option(
+        "fp32",
+        help="Pseudo-gradient codec: fp32, bf16, int8, int4, int2, topk:F or topk:F+VALUES "
+        "(e.g. topk:0.03+int2: the largest 3% per chunk, 2-bit values); docs/protocol.md.",
+    ),
+    codec_block: int = typer.Option(
+        128, help="Values per quantization scale of int8/int4/int2 (a power of two, 8-65536)."
+    ),
+    topk_chunk: int = typer.Option(128, help="Elements per top-k chunk (a power of two, 2-65536)."),
+    error_feedback_beta: float = typer.Option(
+        0.95,
+        help="Workers keep what compression left out: e = beta e + g, send C(e), e -= D(C(e)); "
+        "in [0, 1), 0 turns error feedback off.",
+    ),
     heartbeat_interval: float = typer.Option(5.0, help="Seconds between worker heartbeats."),
     heartbeat_timeout: float = typer.Option(30.0, help="Evict a worker silent this long."),
     barrier_timeout: float = typer.Option(
@@ -175,6 +189,10 @@ def server_command(
             weighting=weighting,
             upload_dtype=parse_wire_dtype(upload_dtype),
             download_dtype=parse_wire_dtype(download_dtype),
+            upload_codec=upload_codec,
+            codec_block=codec_block,
+            topk_chunk=topk_chunk,
+            error_feedback_beta=error_feedback_beta,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             barrier_timeout=barrier_timeout,

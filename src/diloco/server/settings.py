@@ -15,12 +15,16 @@ from diloco.algorithm import (
     OuterOptimizer,
 )
 from diloco.algorithm._checks import require_fraction
+from diloco.algorithm.codecs import Codec, parse_codec
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.wire import dtype_name
 
 SERVER_MODES = ("sync", "streaming", "async")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**3
 DEFAULT_BARRIER_TIMEOUT = 600.0
+# The decay of the workers' error-feedback accumulator e <- beta e + g (SparseLoCo, Sarfi et
+# al. 2025, decays it too); 0 turns error feedback off. benchmarks/compression.py measures it.
+DEFAULT_ERROR_FEEDBACK_BETA = 0.95
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,13 @@ class ServerSettings:
     policy: str = "default"
     upload_dtype: torch.dtype = torch.float32
     download_dtype: torch.dtype = torch.float32
+    # Pseudo-gradient compression (algorithm/codecs.py): the codec, its quantization block and
+    # top-k chunk, and the workers' error-feedback decay. fp32 and bf16 go as plain tensors
+    # (upload_codec bf16 is upload_dtype bf16); the others as compressed bodies.
+    upload_codec: str = "fp32"
+    codec_block: int = 128
+    topk_chunk: int = 128
+    error_feedback_beta: float = DEFAULT_ERROR_FEEDBACK_BETA
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 30.0
     barrier_timeout: float | None = None  # None: 600 s with a barrier (sync, streaming)
@@ -93,8 +104,40 @@ class ServerSettings:
         for name in ("upload_dtype", "download_dtype"):
             if getattr(self, name) not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"{name} must be float32 or bfloat16, got {getattr(self, name)}")
+        self._check_codec_settings()
         self._check_mode_settings()
         self.make_outer_optimizer()  # raises for a bad kind, lr, momentum, period or c
+
+    def _check_codec_settings(self) -> None:
+        codec = parse_codec(self.upload_codec, block=self.codec_block, chunk=self.topk_chunk)
+        if codec.is_sparse or codec.is_quantized:
+            if self.upload_dtype != torch.float32:
+                raise ValueError(
+                    f"upload_dtype {dtype_name(self.upload_dtype)} applies to plain uploads; "
+                    f"with upload_codec {codec} give one or the other"
+                )
+        elif codec.values == "bf16":
+            object.__setattr__(self, "upload_dtype", torch.bfloat16)
+        elif self.upload_dtype == torch.bfloat16:  # the older spelling of upload_codec bf16
+            codec = Codec("bf16", None, codec.block, codec.chunk)
+        object.__setattr__(self, "upload_codec", str(codec))
+        beta = self.error_feedback_beta
+        beta_ok = isinstance(beta, (int, float)) and not isinstance(beta, bool)
+        if not (beta_ok and math.isfinite(beta) and 0 <= beta < 1):
+            raise ValueError(
+                f"error_feedback_beta must be in [0, 1) (0: no error feedback), got {beta!r}"
+            )
+
+    @property
+    def upload(self) -> Codec:
+        """The pseudo-gradient codec every worker uses."""
+        return parse_codec(self.upload_codec, block=self.codec_block, chunk=self.topk_chunk)
+
+    @property
+    def compressed_uploads(self) -> bool:
+        """Whether submissions are compressed bodies (not plain fp32 or bf16 tensors)."""
+        upload = self.upload
+        return upload.is_sparse or upload.is_quantized
 
     def _check_mode_settings(self) -> None:
         streaming = {"fragments": 1, "delay": 0, "alpha": 0.0}
@@ -168,6 +211,10 @@ class ServerSettings:
             "sync_every": self.sync_every,
             "upload_dtype": dtype_name(self.upload_dtype),
             "download_dtype": dtype_name(self.download_dtype),
+            "upload_codec": self.upload_codec,
+            "codec_block": self.codec_block,
+            "topk_chunk": self.topk_chunk,
+            "error_feedback_beta": float(self.error_feedback_beta),
             "heartbeat_interval": float(self.heartbeat_interval),
             "heartbeat_timeout": float(self.heartbeat_timeout),
             "barrier_timeout": self.effective_barrier_timeout,

@@ -145,6 +145,10 @@ class Settings(_Response):
     sync_every: int
     upload_dtype: WireFloatName
     download_dtype: WireFloatName
+    upload_codec: str = "fp32"  # docs/protocol.md, Compressed bodies
+    codec_block: int = 128
+    topk_chunk: int = 128
+    error_feedback_beta: float = 0.0
     heartbeat_interval: float
     heartbeat_timeout: float
     barrier_timeout: float | None  # null in async mode (no barrier)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from diloco.algorithm.codecs import Codec, parse_codec
 from diloco.wire import torch_dtype
 
 REQUIRED = (
@@ -44,6 +45,8 @@ class WorkerSettings:
     dylu: bool
     outer_optimizer: dict
     weighting: str = "uniform"  # "tokens": the worker counts tokens if its loop reports none
+    upload_codec: Codec = field(default_factory=Codec)  # how pseudo-gradients are coded
+    error_feedback_beta: float = 0.0  # e <- beta e + g before coding; 0: no error feedback
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -52,6 +55,10 @@ class WorkerSettings:
             raise ValueError(
                 f"heartbeat_interval ({self.heartbeat_interval}) must be below "
                 f"heartbeat_timeout ({self.heartbeat_timeout})"
+            )
+        if not 0 <= self.error_feedback_beta < 1:
+            raise ValueError(
+                f"error_feedback_beta must be in [0, 1), got {self.error_feedback_beta}"
             )
 
     @classmethod
@@ -86,6 +93,12 @@ class WorkerSettings:
                 dylu=bool(settings["dylu"]),
                 outer_optimizer=dict(settings["outer_optimizer"]),
                 weighting=str(settings.get("weighting", "uniform")),
+                upload_codec=parse_codec(
+                    str(settings.get("upload_codec", "fp32")),
+                    block=int(settings.get("codec_block", 128)),
+                    chunk=int(settings.get("topk_chunk", 128)),
+                ),
+                error_feedback_beta=float(settings.get("error_feedback_beta", 0.0)),
             )
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ValueError) and "heartbeat_interval" in str(exc):
