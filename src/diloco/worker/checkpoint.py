@@ -72,6 +72,8 @@ class WorkerCheckpoint:
     scheduler_state: dict[str, Any] | None = field(repr=False)
     rng_tensors: dict[str, torch.Tensor] = field(repr=False)
     metadata: dict[str, Any] = field(repr=False)
+    # error-feedback residuals (worker/upload_coder.py); their key is extra["residual_key"]
+    residual: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 # ----------------------------------------------------------------- saving
@@ -91,6 +93,7 @@ def save_worker_checkpoint(
     leases: Iterable[Mapping[str, Any]] = (),
     scheduler: Scheduler | None = None,
     extra: Mapping[str, Any] | None = None,
+    residual: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write one new generation under `directory` and return its path; keeps the newest two.
 
@@ -127,6 +130,8 @@ def save_worker_checkpoint(
         "optimizer": optimizer_tensors,
         "rng": rng_tensors,
     }
+    if residual:
+        tensors["residual"] = dict(residual)
     store = _writable_store(Path(directory))
     existing = store.generations()
     try:
@@ -287,6 +292,7 @@ def _build(
         scheduler_state=None if scheduler is None else decode(scheduler["state"], {}),
         rng_tensors=dict(tensors["rng"]),
         metadata=metadata,
+        residual={name: t.clone() for name, t in tensors.get("residual", {}).items()},
     )
 
 
@@ -374,6 +380,7 @@ class Checkpointer:
         steps_in_round: int,
         tokens: int,
         extra: Mapping[str, Any],
+        residual: Mapping[str, torch.Tensor] | None = None,
     ) -> Path:
         """Write a new generation now (training goes on undisturbed: state is only read)."""
         return save_worker_checkpoint(
@@ -388,4 +395,5 @@ class Checkpointer:
             tokens=tokens,
             scheduler=self.scheduler,
             extra=extra,
+            residual=residual,
         )

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.algorithm import alpha_merge
-from diloco.wire import encode_tensors
 from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
 from diloco.worker import distributed
 from diloco.worker.anchor import Anchor
@@ -43,6 +42,7 @@ from diloco.worker.session import ServerSession
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.tokens import TokenTally
 from diloco.worker.units import UnitReports
+from diloco.worker.upload_coder import UploadCoder
 
 __all__ = ["FragmentOutcome", "FragmentStreamer", "InFlight"]
 
@@ -92,6 +92,7 @@ class FragmentStreamer:
         tokens: TokenTally,
         pace: Pace,
         on_merged: Callable[[int], None],
+        uploads: UploadCoder,
     ) -> None:
         if len(plan) != settings.fragments or len(fragment_rounds) != settings.fragments:
             raise ValueError(
@@ -103,7 +104,7 @@ class FragmentStreamer:
             settings.sync_every, settings.fragments, settings.delay, fragment_rounds
         )
         self.alpha = settings.alpha
-        self.upload_dtype = settings.upload_dtype
+        self.uploads = uploads
         self.fragment_rounds = list(fragment_rounds)
         self.fragment_timeout = fragment_timeout
         self.session = session
@@ -152,7 +153,7 @@ class FragmentStreamer:
             self.in_flight = InFlight(outcome, merge_at, threading.Thread(target=lambda: None))
             return
         gradient = self.anchor.pseudo_gradient(self.plan[fragment])
-        body = encode_tensors(gradient, float_dtype=self.upload_dtype)
+        body = self.uploads.body(gradient)
         del gradient
         outcome.finished = self.units.finished()
         everything = set(range(len(self.plan)))

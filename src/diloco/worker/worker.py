@@ -46,6 +46,7 @@ from diloco.worker.streaming import FragmentStreamer
 from diloco.worker.tokens import TokenTally
 from diloco.worker.trace import SampleTrace
 from diloco.worker.units import ReportsUnits, UnitReports
+from diloco.worker.upload_coder import UploadCoder
 
 log = logging.getLogger("diloco.worker")
 
@@ -161,6 +162,14 @@ class DiLoCoWorker:
             self.model, leader=self.is_leader, download_dtype=self.settings.download_dtype
         )
         self.worker_id = distributed.lead(self._join, self._share_join)
+        self._uploads = UploadCoder(
+            self.settings.upload_codec,
+            self.settings.error_feedback_beta,
+            self.specs,
+            self.fragment_plan if self.settings.mode == "streaming" else None,
+        )
+        if self.resumed is not None:
+            self._uploads.restore(self.resumed.residual, self.resumed.extra.get("residual_key"))
         if self.settings.mode == "streaming":
             assert self.fragment_plan is not None
             if self._session is not None:
@@ -177,6 +186,7 @@ class DiLoCoWorker:
                 tokens=self._tokens,
                 pace=self._pace,
                 on_merged=self._fragment_merged,
+                uploads=self._uploads,
             )
         self._skip_rounds_missed()
         self._hook = optimizer.register_step_post_hook(self._after_step)
@@ -282,6 +292,9 @@ class DiLoCoWorker:
         data_state = self._units.state()
         if data_state is not None:
             extra["data"] = data_state
+        residual, residual_key = self._uploads.state()
+        if residual_key is not None:
+            extra["residual_key"] = residual_key
         self._checkpointer.save(
             worker_id=self.worker_id,
             anchor=self.anchor,
@@ -290,6 +303,7 @@ class DiLoCoWorker:
             steps_in_round=self._schedule.steps_in_round,
             tokens=self._tokens.total,
             extra=extra,
+            residual=residual,
         )
 
     # ----------------------------------------------------------------- joining
@@ -360,7 +374,7 @@ class DiLoCoWorker:
     def _exchange_round(self) -> Exchanged:
         session = self._leader_session()
         gradient = self._anchor.pseudo_gradient()
-        body = encode_tensors(gradient, float_dtype=self.settings.upload_dtype)
+        body = self._uploads.body(gradient)
         del gradient
         units = self._units.to_report()
         progress = self._units.progress()

@@ -1,0 +1,124 @@
+"""A pseudo-gradient's upload body: plain tensors, or compressed with error feedback.
+
+The codec is the server's (/v1/info `upload_codec`). fp32 sends the tensors as they are. Every
+other codec loses something, and error feedback keeps it: for each trainable tensor the worker
+holds a residual e and sends, every round, the coding of e <- beta e + g, then keeps
+e <- e - D(C(e)), what the server did not get (Seide et al. 2014; Karimireddy et al. 2019; the
+decay beta as in SparseLoCo, Sarfi et al. 2025). D is applied to the body itself with the
+server's own decoder, so the residual is exactly what the server's fold will miss. beta = 0
+turns it off (nothing is kept). Buffers and frozen tensors always go exact.
+
+The residual belongs to one model, fragment plan and codec: `key` names them, and a residual
+saved under another key (a restart with another model, plan or server setting) is dropped
+with a log line instead of being added to pseudo-gradients it does not belong to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from diloco.algorithm import TensorKind
+from diloco.algorithm.codecs import Codec
+from diloco.wire import TensorSpec, decode_tensors, encode_tensors, fingerprint
+from diloco.wire.compressed import decode_compressed, encode_compressed
+
+log = logging.getLogger("diloco.worker")
+
+
+class UploadCoder:
+    """Turns pseudo-gradients into upload bodies for one codec; owns the residuals."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        beta: float,
+        specs: Sequence[TensorSpec],
+        plan: Sequence[Sequence[str]] | None = None,
+    ) -> None:
+        self.codec = codec
+        self.beta = float(beta)
+        self.coded_names = {s.name for s in specs if s.kind == TensorKind.TRAINABLE.value}
+        self.residual: dict[str, torch.Tensor] = {}
+        identity = {
+            "codec": str(codec),
+            "block": codec.block,
+            "chunk": codec.chunk,
+            "beta": self.beta,
+            "model": fingerprint(list(specs)),
+            "plan": [list(names) for names in plan] if plan is not None else None,
+        }
+        text = json.dumps(identity, sort_keys=True).encode()
+        self.key = hashlib.sha256(text).hexdigest()[:16]
+
+    @property
+    def keeps_residual(self) -> bool:
+        """Whether anything is carried between rounds (a lossy codec and beta > 0)."""
+        return self.beta > 0 and not self.codec.is_identity
+
+    def body(self, gradient: Mapping[str, torch.Tensor]) -> bytearray:
+        """The body that uploads `gradient` (anchor - local); updates the residuals."""
+        codec = self.codec
+        if codec.is_identity:
+            return encode_tensors(gradient, float_dtype=torch.float32)
+        coded = [n for n, t in gradient.items() if n in self.coded_names and t.is_floating_point()]
+        source = dict(gradient)
+        if self.keeps_residual:
+            for name in coded:
+                source[name] = self._accumulate(name, gradient[name])
+        if codec.is_quantized or codec.is_sparse:
+            exact = set(gradient) - set(coded)
+            body = encode_compressed(source, codec, exact=exact)
+            if self.keeps_residual:
+                expected = {n: (tuple(t.shape), t.dtype) for n, t in gradient.items()}
+                sent = decode_compressed(body, expected, codec, exact=exact)
+                self._subtract(coded, sent)
+            return body
+        body = encode_tensors(source, float_dtype=torch.bfloat16)  # dense bf16: a plain body
+        if self.keeps_residual:
+            self._subtract(coded, decode_tensors(body))
+        return body
+
+    def _accumulate(self, name: str, gradient: torch.Tensor) -> torch.Tensor:
+        """e <- beta e + g, in the residual's own fp32 memory (a new one if it has none)."""
+        residual = self.residual.get(name)
+        if residual is None or residual.shape != gradient.shape:
+            residual = torch.zeros(gradient.shape, dtype=torch.float32)
+        residual.mul_(self.beta).add_(gradient.detach().to(device="cpu", dtype=torch.float32))
+        self.residual[name] = residual
+        return residual
+
+    def _subtract(self, names: Sequence[str], sent: Mapping[str, torch.Tensor]) -> None:
+        for name in names:
+            self.residual[name].sub_(sent[name].reshape(self.residual[name].shape))
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state(self) -> tuple[dict[str, torch.Tensor], str | None]:
+        """The residuals and the key they belong to (nothing when none is kept)."""
+        if not self.keeps_residual or not self.residual:
+            return {}, None
+        return dict(self.residual), self.key
+
+    def restore(self, residual: Mapping[str, torch.Tensor], key: str | None) -> None:
+        """Take saved residuals back if they belong to this model, plan and codec."""
+        if not residual or not self.keeps_residual:
+            return
+        if key != self.key:
+            log.warning(
+                "dropping the saved error-feedback residual of %d tensors: it was kept for "
+                "another model, fragment plan or codec (now %s, beta %g)",
+                len(residual),
+                self.codec,
+                self.beta,
+            )
+            return
+        self.residual = {
+            name: tensor.to(torch.float32).clone()
+            for name, tensor in residual.items()
+            if name in self.coded_names
+        }

@@ -1,0 +1,155 @@
+"""The worker's upload bodies: codecs and error feedback, with every expected value by hand."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from diloco.algorithm.codecs import parse_codec
+from diloco.wire import TensorSpec, decode_tensors
+from diloco.wire.compressed import decode_compressed
+from diloco.worker.checkpoint import load_worker_checkpoint, save_worker_checkpoint
+from diloco.worker.upload_coder import UploadCoder
+
+SPECS = [
+    TensorSpec("w", (4,), torch.float32, "trainable"),
+    TensorSpec("norm.running_mean", (2,), torch.float32, "float_buffer"),
+    TensorSpec("steps", (), torch.int64, "int_buffer"),
+]
+EXPECTED = {"w": ((4,), torch.float32), "norm.running_mean": ((2,), torch.float32)}
+EXPECTED["steps"] = ((), torch.int64)
+
+
+def gradient(w: list[float]) -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.tensor(w, dtype=torch.float32),
+        "norm.running_mean": torch.tensor([0.1, -0.2]),
+        "steps": torch.tensor(3, dtype=torch.int64),
+    }
+
+
+def sent(body: bytearray, coder: UploadCoder) -> dict[str, torch.Tensor]:
+    exact = {"norm.running_mean", "steps"}
+    return decode_compressed(body, EXPECTED, coder.codec, exact=exact)
+
+
+def test_top_k_error_feedback_sends_what_accumulated_and_keeps_the_rest():
+    # Chunk 4, F = 0.25: one value per chunk, fp32 values; beta 0.5.
+    coder = UploadCoder(parse_codec("topk:0.25", chunk=4), 0.5, SPECS)
+    # Round 1: e = [1, 3, -2, 0.5]; the largest is 3 at index 1; e keeps the rest.
+    first = sent(coder.body(gradient([1, 3, -2, 0.5])), coder)
+    assert first["w"].tolist() == [0, 3, 0, 0]
+    assert coder.residual["w"].tolist() == [1, 0, -2, 0.5]
+    # Round 2: e = 0.5 [1, 0, -2, 0.5] + [1, 1, 1, 1] = [1.5, 1, 0, 1.25]: 1.5 goes.
+    second = sent(coder.body(gradient([1, 1, 1, 1])), coder)
+    assert second["w"].tolist() == [1.5, 0, 0, 0]
+    assert coder.residual["w"].tolist() == [0, 1, 0, 1.25]
+    # Round 3, nothing new: e = [0, 0.5, 0, 0.625]: 0.625 goes, 0.5 stays.
+    third = sent(coder.body(gradient([0, 0, 0, 0])), coder)
+    assert third["w"].tolist() == [0, 0, 0, 0.625]
+    assert coder.residual["w"].tolist() == [0, 0.5, 0, 0]
+    # Buffers go exact every round and keep no residual.
+    for body in (first, second, third):
+        assert torch.equal(body["norm.running_mean"], torch.tensor([0.1, -0.2]))
+        assert body["steps"].item() == 3 and body["steps"].dtype == torch.int64
+    assert set(coder.residual) == {"w"}
+
+
+def test_without_error_feedback_nothing_is_kept():
+    coder = UploadCoder(parse_codec("topk:0.25", chunk=4), 0.0, SPECS)
+    assert not coder.keeps_residual
+    assert sent(coder.body(gradient([1, 3, -2, 0.5])), coder)["w"].tolist() == [0, 3, 0, 0]
+    # The -2 left out last round is forgotten: this round's top value is 1 at index 0.
+    assert sent(coder.body(gradient([1, 0, 0, 0])), coder)["w"].tolist() == [1, 0, 0, 0]
+    assert coder.residual == {}
+
+
+def test_int8_sends_blockwise_levels_and_keeps_the_rounding():
+    # Block 8 holds w's four values (zero-padded): absmax 127, so the scale is 1 and the
+    # levels are the values rounded half to even: 2.5 -> 2, -1.25 -> -1, 0.75 -> 1.
+    coder = UploadCoder(parse_codec("int8", block=8), 0.9, SPECS)
+    first = sent(coder.body(gradient([127, 2.5, -1.25, 0.75])), coder)
+    assert first["w"].tolist() == [127, 2, -1, 1]
+    assert coder.residual["w"].tolist() == [0, 0.5, -0.25, -0.25]
+    # e = 0.9 [0, 0.5, -0.25, -0.25] + [127, 0, 0, 0] = [127, 0.45, -0.225, -0.225]
+    second = sent(coder.body(gradient([127, 0, 0, 0])), coder)
+    assert second["w"].tolist() == [127, 0, 0, 0]
+    expected = torch.tensor([0.0, 0.5, -0.25, -0.25]) * 0.9
+    assert torch.equal(coder.residual["w"], expected)
+
+
+def test_bf16_error_feedback_carries_what_bf16_cannot_hold():
+    # bf16 has 8 significant bits: 1 + 2^-10 goes as 1, and 2^-10 stays behind.
+    coder = UploadCoder(parse_codec("bf16"), 0.5, SPECS)
+    body = decode_tensors(coder.body(gradient([1 + 2**-10, 0, 0, 0])))
+    assert body["w"].dtype == torch.bfloat16 and body["w"][0].item() == 1.0
+    assert coder.residual["w"][0].item() == 2**-10
+    # e = 2^-11 + 1 + 2^-10 = 1 + 3 * 2^-11, still sent as 1.
+    coder.body(gradient([1 + 2**-10, 0, 0, 0]))
+    assert coder.residual["w"][0].item() == 3 * 2**-11
+    assert body["steps"].dtype == torch.int64  # int buffers stay int64 in plain bodies
+
+
+def test_fp32_is_the_plain_body_and_keeps_nothing():
+    coder = UploadCoder(parse_codec("fp32"), 0.95, SPECS)
+    body = decode_tensors(coder.body(gradient([1, 3, -2, 0.5])))
+    assert body["w"].tolist() == [1, 3, -2, 0.5] and coder.residual == {}
+    assert coder.state() == ({}, None)
+
+
+def test_a_saved_residual_comes_back_only_to_the_same_model_plan_and_codec(caplog):
+    coder = UploadCoder(parse_codec("topk:0.25", chunk=4), 0.5, SPECS)
+    coder.body(gradient([1, 3, -2, 0.5]))
+    residual, key = coder.state()
+    assert key is not None and residual["w"].tolist() == [1, 0, -2, 0.5]
+
+    again = UploadCoder(parse_codec("topk:0.25", chunk=4), 0.5, SPECS)
+    again.restore(residual, key)
+    assert again.residual["w"].tolist() == [1, 0, -2, 0.5]
+    assert again.residual["w"].data_ptr() != residual["w"].data_ptr()
+
+    for other in (
+        UploadCoder(parse_codec("topk:0.5", chunk=4), 0.5, SPECS),  # another codec
+        UploadCoder(parse_codec("topk:0.25", chunk=4), 0.9, SPECS),  # another beta
+        UploadCoder(parse_codec("topk:0.25", chunk=4), 0.5, SPECS, plan=[["w"], ["steps"]]),
+        UploadCoder(parse_codec("topk:0.25", chunk=4), 0.5, SPECS[:1]),  # another model
+    ):
+        with caplog.at_level(logging.WARNING, logger="diloco.worker"):
+            caplog.clear()
+            other.restore(residual, key)
+        assert other.residual == {}
+        assert "dropping the saved error-feedback residual of 1 tensors" in caplog.text
+
+
+def test_the_residual_is_part_of_the_worker_checkpoint(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    residual = {"weight": torch.tensor([[0.25, -0.5], [0.0, 1.5]])}
+    path = save_worker_checkpoint(
+        tmp_path,
+        worker_id="w0",
+        model=model,
+        optimizer=optimizer,
+        anchor=model.state_dict(),
+        anchor_round=3,
+        local_step=12,
+        extra={"residual_key": "abc"},
+        residual=residual,
+    )
+    assert (path / "residual.safetensors").is_file()
+    loaded = load_worker_checkpoint(tmp_path, model=model, optimizer=optimizer)
+    assert loaded is not None and loaded.extra["residual_key"] == "abc"
+    assert torch.equal(loaded.residual["weight"], residual["weight"])
+    # Without a residual (fp32 uploads, or beta 0) the checkpoint has no such file.
+    path = save_worker_checkpoint(
+        tmp_path,
+        worker_id="w0",
+        model=model,
+        optimizer=optimizer,
+        anchor=model.state_dict(),
+        anchor_round=4,
+        local_step=16,
+    )
+    assert not (path / "residual.safetensors").exists()
+    assert load_worker_checkpoint(tmp_path, model=model, optimizer=optimizer).residual == {}
