@@ -39,13 +39,13 @@ from diloco.wire import (
     WireError,
     check_length,
     check_protocol_header,
-    decode_tensors,
     parse_content_length,
     parse_request,
     parse_unit_reports,
     read_body,
     spool_body,
 )
+from diloco.wire.frames import decode_frame
 
 TENSORS = "application/octet-stream"
 log = logging.getLogger("diloco.server")
@@ -198,13 +198,15 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
     @asynccontextmanager
     async def tensors_from(
         request: Request, may_spool: bool = True, check_header: HeaderCheck | None = None
-    ) -> AsyncIterator[dict | SpooledTensors]:
-        """The request's tensors: in RAM while few bodies are, else spooled to a file.
+    ) -> AsyncIterator[tuple[dict | SpooledTensors, dict[str, str]]]:
+        """The request's tensors and its header's `__metadata__` (a compressed body's codec):
+        in RAM while few bodies are, else spooled to a file.
 
         The RAM slot is held until the handler is done with the tensors, so the number of
         bodies in memory never exceeds --memory-bodies, however many workers upload at once.
-        `check_header` sees the safetensors header as soon as it has arrived, so a body it
-        refuses is answered before the rest of it is read (the rest is then dropped unread).
+        `check_header` sees the safetensors header (entries and metadata) as soon as it has
+        arrived, so a body it refuses is answered before the rest of it is read (the rest is
+        then dropped unread).
         """
         length = parse_content_length(request.headers.get("content-length"))
         check_length(length, settings.max_body_bytes)
@@ -227,7 +229,7 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
                     f"the server could not write the upload to disk ({exc.strerror or exc})",
                 ) from None
             try:
-                yield spooled
+                yield spooled, spooled.metadata
             finally:
                 spooled.close()
             return
@@ -236,7 +238,7 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
             assert length is not None
             early = EarlyHeader(length, check_header)
             body = await read_body(request.stream(), length, settings.max_body_bytes, early)
-            yield await run_in_threadpool(decode_tensors, body)  # a large header takes seconds
+            yield await run_in_threadpool(decode_frame, body)  # a large header takes seconds
         finally:
             in_memory["bodies"] -= 1
 
@@ -350,7 +352,7 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
     @app.put("/v1/weights/initial", dependencies=authed)
     async def upload_initial(request: Request, worker_id: str = Query(...)) -> dict:
         act_as(request, worker_id)
-        async with tensors_from(request, may_spool=False) as tensors:
+        async with tensors_from(request, may_spool=False) as (tensors, _):
             round_number = await run_in_threadpool(coordinator.upload_initial, worker_id, tensors)
         return {"status": "stored", "round": round_number}
 
@@ -375,10 +377,10 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
         # before the body is read: a bad list costs nothing
         unit_ids, progress = parse_unit_reports(units)
 
-        def check_header(shapes) -> None:
-            coordinator.check_header(fragment, shapes)
+        def check_header(shapes, metadata) -> None:
+            coordinator.check_header(fragment, shapes, metadata)
 
-        async with tensors_from(request, check_header=check_header) as tensors:
+        async with tensors_from(request, check_header=check_header) as (tensors, metadata):
             return await run_in_threadpool(
                 lambda: coordinator.submit(
                     worker_id,
@@ -388,6 +390,7 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
                     tokens=tokens,
                     units=unit_ids,
                     progress=progress,
+                    metadata=metadata,
                 )
             )
 

@@ -367,6 +367,7 @@ class Coordinator:
         tokens: int = 0,
         units: Sequence[int] = (),
         progress: Mapping[int, int] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> dict:
         """Fold one pseudo-gradient in (see `Intake.submit`)."""
         return self.intake.submit(
@@ -377,11 +378,17 @@ class Coordinator:
             tokens=tokens,
             units=units,
             progress=progress,
+            metadata=metadata,
         )
 
-    def check_header(self, fragment: int, shapes: Mapping[str, torch.Tensor]) -> None:
+    def check_header(
+        self,
+        fragment: int,
+        shapes: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         """A submission's layout from its header alone (see `Intake.check_header`)."""
-        self.intake.check_header(fragment, shapes)
+        self.intake.check_header(fragment, shapes, metadata or {})
 
     def _commit_step(
         self, running: RunningMean, record: CommitRecord, fragment_rounds: Sequence[int]

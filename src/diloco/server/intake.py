@@ -5,6 +5,10 @@ a byte of it is folded; the values are scanned for NaN/Inf outside the lock (so 
 scan overlaps another's fold); a spooled first contribution of its round is checked while it
 is folded, in one read of its file. A refusal at any point raises `Rejection` and changes
 nothing. When the pseudo-gradients combine into a step is the round engine's decision.
+
+A body's layout is checked against the server's upload codec (server/upload_format.py); a
+compressed body is then read as decoded pieces (wire/compressed_pieces.py), scanned and folded
+exactly like a spooled plain one, whether it sits in a file or in memory.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -25,10 +30,10 @@ from diloco.server.metrics import Traffic
 from diloco.server.rounds import Round, ValueScan
 from diloco.server.settings import ServerSettings
 from diloco.server.submission import Submission
-from diloco.wire import MAX_COUNT, SpooledTensors, WireError, check_finite, check_tensors
-from diloco.wire.spool import CheckedPieces
-
-Tensors = Mapping[str, torch.Tensor] | SpooledTensors
+from diloco.server.upload_format import Tensors, UploadFormat
+from diloco.wire import MAX_COUNT, SpooledTensors, WireError, check_finite
+from diloco.wire.compressed_header import SEPARATOR
+from diloco.wire.spool import CheckedPieces, PieceBody
 
 
 def scan_values(tensors: Tensors) -> ValueScan:
@@ -36,7 +41,7 @@ def scan_values(tensors: Tensors) -> ValueScan:
     that sets it, which lets a round refuse what could overflow its sums and know them
     finite without scanning them again."""
     try:
-        if isinstance(tensors, SpooledTensors):
+        if isinstance(tensors, PieceBody):
             bound = tensors.check_values()
             return ValueScan(bound, tensors.largest)
         scan = ValueScan(0.0)
@@ -72,39 +77,45 @@ class Intake:
         self.engine = engine
         self.traffic = traffic
         self.closing = closing
+        self.format = UploadFormat(settings)
 
     def submit(
         self,
         worker_id: str,
         round_number: int,
-        tensors: Tensors,
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
         *,
         fragment: int = 0,
         tokens: int = 0,
         units: Sequence[int] = (),
         progress: Mapping[int, int] | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> dict:
         """Fold one pseudo-gradient in; idempotent on (worker, round, fragment).
 
         `units` are the work units the worker finished since its last submission, `progress`
         those it trained in part; they complete in the transaction of the outer step that
-        uses it (journal.commit). `tensors` are only read.
+        uses it (journal.commit). `metadata` is the body header's `__metadata__` (a compressed
+        body's codec); a spooled body carries its own. `tensors` are only read.
         """
-        key = (worker_id, round_number, fragment, tensors, tokens, sorted(set(units)))
-        partial = dict(progress or {})
+        if metadata is None and isinstance(tensors, SpooledTensors):
+            metadata = tensors.metadata
+        key = (worker_id, round_number, fragment)
+        rest = (tokens, sorted(set(units)), dict(progress or {}))
         with self.lock:
-            submission = self._admit(*key, partial)
+            submission = self._admit(*key, tensors, *rest, metadata=metadata)
             if not isinstance(submission, Submission):
                 return submission  # nothing to fold: the answer
-            if isinstance(tensors, SpooledTensors) and self.engine.folds_first(fragment):
+            body = submission.tensors  # a compressed body opened as decoded pieces
+            if isinstance(body, PieceBody) and self.engine.folds_first(fragment):
                 # The first contribution of its round: its sums are new, so it can be checked
                 # while it is folded, in one read of the file; a refusal half way changes nothing.
-                return self._accept(submission, tensors.checked_pieces())
-        scan = scan_values(tensors)  # outside the lock
+                return self._accept(submission, body.checked_pieces())
+        scan = scan_values(body)  # outside the lock
         with self.lock:
             # The state may have moved on during the scan (a commit, a retry that won); the
             # layout (names, shapes, dtypes against fixed specs) cannot have.
-            submission = self._admit(*key, partial, check_layout=False)
+            submission = self._admit(*key, body, *rest, check_layout=False)
             if not isinstance(submission, Submission):
                 return submission
             return self._accept(submission, scan)
@@ -120,12 +131,14 @@ class Intake:
         progress: dict[int, int],
         *,
         check_layout: bool = True,
+        metadata: Mapping[str, str] | None = None,
     ) -> Submission | dict:
         """Everything about a submission but its values (lock held); changes nothing.
 
         Returns the answer when there is nothing to fold ("committed", "duplicate": the only
         outcomes that touch state, the worker's last_seen), the Submission when it should be
-        folded; a refusal raises Rejection.
+        folded, its body opened for the fold (`UploadFormat.open`) when `check_layout`; a
+        refusal raises Rejection.
         """
         self.model.require_healthy()
         record = self.membership.require_live(worker_id)
@@ -155,7 +168,9 @@ class Intake:
         if answer is not None:
             return answer
         if check_layout:
-            self._check_layout(fragment, tensors)
+            opened = self._open(fragment, tensors, metadata)
+            if opened is not tensors:
+                submission = replace(submission, tensors=opened)
         return submission
 
     def require_round_and_fragment(self, round_number: int, fragment: int) -> None:
@@ -183,22 +198,45 @@ class Intake:
                 allowed=[0, len(plan) - 1],
             )
 
-    def check_header(self, fragment: int, shapes: Mapping[str, torch.Tensor]) -> None:
-        """A submission's layout (its fragment's names, shapes, dtypes) from its header alone,
-        before its values arrive, so that a body that will be refused is not read. Without the
-        lock: the specs and the plan never change once set. Before they are, or for a fragment
-        outside the plan, it says nothing (`submit` then gives the reason)."""
+    def check_header(
+        self, fragment: int, shapes: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+    ) -> None:
+        """A submission's layout (its fragment's names, shapes, dtypes, and the codec its
+        metadata names) from its header alone, before its values arrive, so that a body that
+        will be refused is not read. Without the lock: the specs and the plan never change
+        once set. Before they are, or for a fragment outside the plan, it says nothing
+        (`submit` then gives the reason)."""
         plan = self.model.plan
         if self.model.specs is not None and plan is not None and 0 <= fragment < len(plan):
-            self._check_layout(fragment, shapes)
+            try:
+                self.format.check(shapes, metadata, self._expected(fragment, shapes))
+            except WireError as error:
+                raise rejection_of(error) from None
 
-    def _check_layout(self, fragment: int, tensors: Tensors) -> None:
-        """Names (of this fragment), shapes and dtypes; the values are scanned apart."""
+    def _open(
+        self,
+        fragment: int,
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
+        metadata: Mapping[str, str] | None,
+    ) -> Tensors:
+        """Check the layout (names of this fragment, shapes, dtypes, codec; the values are
+        scanned apart) and give the body the round folds."""
+        names = tensors.entries if isinstance(tensors, SpooledTensors) else tensors
+        try:
+            return self.format.open(tensors, metadata, self._expected(fragment, names))
+        except WireError as error:
+            raise rejection_of(error) from None
+
+    def _expected(self, fragment: int, names: Mapping[str, object]) -> dict:
+        """The fragment's specs; 422 wrong_fragment for a tensor (or a compressed tensor's
+        part) of another fragment."""
         specs, plan = self.model.specs, self.model.plan
         assert specs is not None and plan is not None
-        shapes = tensors.meta if isinstance(tensors, SpooledTensors) else tensors
         if len(plan) > 1:
-            for name in shapes:
+            for entry_name in names:
+                name = entry_name
+                if name not in self.model.owner and SEPARATOR in name:
+                    name = name.rpartition(SEPARATOR)[0]  # NAME#codes belongs where NAME does
                 owner = self.model.owner.get(name, fragment)
                 if owner != fragment:
                     raise Rejection(
@@ -210,13 +248,7 @@ class Intake:
                         fragment=fragment,
                         belongs_to=owner,
                     )
-        expected = {name: specs[name] for name in plan[fragment]}
-        try:
-            check_tensors(
-                shapes, expected, float_dtype=self.settings.upload_dtype, scan_values=False
-            )
-        except WireError as error:
-            raise rejection_of(error) from None
+        return {name: specs[name] for name in plan[fragment]}
 
     def _accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         """Fold an admitted submission (lock held); `checked` is the bound of its values from

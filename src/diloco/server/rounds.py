@@ -11,8 +11,8 @@ import torch
 
 from diloco.algorithm import Contribution, RunningMean
 from diloco.server.submission import Submission
-from diloco.wire import SpooledTensors, WireError
-from diloco.wire.spool import CheckedPieces, sum_overflow
+from diloco.wire import WireError
+from diloco.wire.spool import CheckedPieces, PieceBody, sum_overflow
 
 
 @dataclass
@@ -173,7 +173,8 @@ def fold(
     now: float,
     scale: float = 1.0,
 ) -> None:
-    """Add a pseudo-gradient to a round's running mean (from RAM or from the spool).
+    """Add a pseudo-gradient to a round's running mean (from RAM, or a piece at a time: a
+    spooled body, a compressed one decoded span by span).
 
     `checked` is what the scan of its values found, or, when this fold opens the round's
     sums (written over `storage`), a reader that checks them as they are folded: its
@@ -192,7 +193,7 @@ def fold(
             checked.limit = headroom
         elif headroom is not None and checked.bound > headroom:
             raise sum_overflow(checked.largest or "?", checked.bound, headroom)
-        if isinstance(tensors, SpooledTensors):
+        if isinstance(tensors, PieceBody):
             shapes = {name: tuple(t.shape) for name, t in tensors.meta.items()}
             if isinstance(checked, CheckedPieces):
                 reader = checked

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.server.membership import WorkerRecord
-from diloco.wire import SpooledTensors
+from diloco.wire.spool import PieceBody
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class Submission:
     record: WorkerRecord
     round: int
     fragment: int
-    tensors: Mapping[str, torch.Tensor] | SpooledTensors
+    tensors: Mapping[str, torch.Tensor] | PieceBody  # a compressed body: decoded pieces
     tokens: int
     units: list[int]
     progress: dict[int, int] = field(default_factory=dict)
@@ -30,6 +30,6 @@ class Submission:
 
     @property
     def nbytes(self) -> int:
-        if isinstance(self.tensors, SpooledTensors):
+        if isinstance(self.tensors, PieceBody):
             return self.tensors.nbytes
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

@@ -1,8 +1,10 @@
 """A tensor body's safetensors header, checked as soon as it has arrived.
 
 The first 8 bytes of a safetensors body give the header's length and the JSON header follows:
-once those bytes are in, the names, shapes and dtypes are known, so a body that will be refused
-for its layout (a wrong shape in a 1 GiB upload) is refused before the rest is read or spooled.
+once those bytes are in, the names, shapes, dtypes and the `__metadata__` (a compressed body's
+codec) are known, so a body that will be refused for its layout (a wrong shape in a 1 GiB
+upload, a part of the wrong length, another codec) is refused before the rest is read or
+spooled.
 The header is parsed in a worker thread: a large one (100k tensors) takes seconds, which must
 not stall the event loop that receives every other upload and heartbeat.
 """
@@ -14,11 +16,13 @@ from collections.abc import Callable, Mapping
 import anyio.to_thread
 import torch
 
-from diloco.wire.frames import MAX_HEADER_BYTES, _Entry, parse_frame_header
+from diloco.wire.frames import MAX_HEADER_BYTES, _Entry, read_frame_header
 
-# Called with shape-and-dtype stand-ins (meta tensors) of the header's entries; raises to refuse.
-HeaderCheck = Callable[[Mapping[str, torch.Tensor]], None]
-Header = tuple[int, dict[str, _Entry]]  # where the data section starts, the checked entries
+# Called with shape-and-dtype stand-ins (meta tensors) of the header's entries and the header's
+# `__metadata__` ({} without one); raises to refuse.
+HeaderCheck = Callable[[Mapping[str, torch.Tensor], Mapping[str, str]], None]
+# Where the data section starts, the checked entries, the metadata.
+Header = tuple[int, dict[str, _Entry], dict[str, str]]
 
 
 class HeaderPrefix:
@@ -59,9 +63,9 @@ def meta_tensors(entries: Mapping[str, _Entry]) -> dict[str, torch.Tensor]:
 
 
 def _parse(prefix: bytes | bytearray, total: int, check: HeaderCheck | None) -> Header:
-    header = parse_frame_header(prefix, total)
+    header = read_frame_header(prefix, total)
     if check is not None:
-        check(meta_tensors(header[1]))
+        check(meta_tensors(header[1]), header[2])
     return header
 
 

@@ -16,14 +16,14 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from typing import BinaryIO
 
 import torch
 
 from diloco.algorithm.tensors import finite_bound
 from diloco.wire.body import check_length
-from diloco.wire.early_header import EarlyHeader, HeaderCheck
+from diloco.wire.early_header import EarlyHeader, HeaderCheck, meta_tensors
 from diloco.wire.errors import WireError
 from diloco.wire.frames import _Entry, _malformed
 
@@ -65,7 +65,62 @@ class SpoolFiles:
         return len(self._idle)
 
 
-class SpooledTensors:
+class PieceBody:
+    """A tensor body the server reads a piece at a time, in bounded memory, never whole: a
+    spooled file (`SpooledTensors`) or a compressed body decoded span by span
+    (wire/compressed_pieces.py). The intake and the fold use only this interface, so every
+    such body is scanned, checked and folded the same way.
+    """
+
+    largest: str | None = None  # after check_values: the tensor of the largest value
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its data section (what it brought over the network, less the header)."""
+        raise NotImplementedError
+
+    @property
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Shape-and-dtype stand-ins (no storage) of the tensors its pieces cover."""
+        raise NotImplementedError
+
+    def pieces(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(name, first element, 1-D piece) covering every tensor of `meta` once. A piece is
+        only valid until the next one is read: use it, don't keep it."""
+        for name, first, piece, _ in self.bounded_pieces():
+            yield name, first, piece
+
+    def bounded_pieces(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
+        """`pieces()`, each with a bound of its magnitudes (None: it holds NaN or Inf)."""
+        for name, first, piece in self.pieces():
+            yield name, first, piece, finite_bound(piece)
+
+    def checked_pieces(self, limit: float | None = None) -> CheckedPieces:
+        """`pieces()`, each checked (NaN/Inf: WireError 422) before it is handed on; once they
+        are all read, `.bound` bounds every value's magnitude. For a reader that checks and
+        folds in one read of the file, where a refusal half way costs nothing. `limit`: the
+        largest magnitude allowed (see CheckedPieces)."""
+        return CheckedPieces(self, limit)
+
+    def check_values(self) -> float:
+        """WireError(422) for a value that is refused (NaN or Inf anywhere, a bool byte that
+        is not 0 or 1, a malformed compressed part).
+
+        Returns an upper bound of every value's magnitude, found in the same pass, so that a
+        running sum of checked bodies can be known finite; `largest` then names the tensor
+        that sets it.
+        """
+        checked = self.checked_pieces()
+        for _ in checked:
+            pass
+        self.largest = checked.largest
+        return checked.bound
+
+    def close(self) -> None:
+        """Done with the body. Idempotent."""
+
+
+class SpooledTensors(PieceBody):
     """A safetensors body in a temporary file; `pieces()` reads it back in bounded memory.
 
     The file may be longer than the body (a kept file from a larger upload): only the first
@@ -79,14 +134,16 @@ class SpooledTensors:
         data_start: int,
         entries: dict[str, _Entry],
         files: SpoolFiles,
+        metadata: dict[str, str] | None = None,
     ):
         self.file = file
         self.size = size
         self.data_start = data_start
         self.entries = entries
+        self.metadata = dict(metadata or {})  # the header's __metadata__ (a codec's, say)
         self._files = files
         self.closed = False
-        self.largest: str | None = None  # after check_values: the tensor of the largest value
+        self.largest: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,14 +151,13 @@ class SpooledTensors:
 
     @property
     def meta(self) -> dict[str, torch.Tensor]:
-        """Shape-and-dtype stand-ins (no storage), for the checks that need no values."""
-        return {
-            name: torch.empty(entry.shape, dtype=entry.dtype, device="meta")
-            for name, entry in self.entries.items()
-        }
+        return meta_tensors(self.entries)
 
-    def pieces(self, piece_bytes: int = PIECE_BYTES) -> Iterator[tuple[str, int, torch.Tensor]]:
-        """(name, first element, 1-D piece) in file order, read into one reused buffer.
+    def pieces(
+        self, piece_bytes: int = PIECE_BYTES, names: Collection[str] | None = None
+    ) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(name, first element, 1-D piece) in file order, read into one reused buffer; only
+        the entries in `names` when given.
 
         A piece is only valid until the next one is read: use it, don't keep it.
         """
@@ -110,7 +166,8 @@ class SpooledTensors:
         buffer = bytearray(piece_bytes)
         view = memoryview(buffer)
         descriptor = self.file.fileno()
-        for entry in sorted(self.entries.values(), key=lambda e: e.begin):
+        chosen = self.entries.values() if names is None else (self.entries[n] for n in names)
+        for entry in sorted(chosen, key=lambda e: e.begin):
             itemsize = entry.dtype.itemsize
             numel = math.prod(entry.shape)
             step = max(1, piece_bytes // itemsize)
@@ -129,25 +186,15 @@ class SpooledTensors:
                     )
                 yield entry.name, first, piece
 
-    def checked_pieces(self, limit: float | None = None) -> CheckedPieces:
-        """`pieces()`, each checked (NaN/Inf: WireError 422) before it is handed on; once they
-        are all read, `.bound` bounds every value's magnitude. For a reader that checks and
-        folds in one read of the file, where a refusal half way costs nothing. `limit`: the
-        largest magnitude allowed (see CheckedPieces)."""
-        return CheckedPieces(self, limit)
-
-    def check_values(self) -> float:
-        """WireError(422) for NaN or Inf anywhere, or for a bool byte that is not 0 or 1.
-
-        Returns an upper bound of every value's magnitude, found in the same pass, so that a
-        running sum of checked bodies can be known finite; `largest` then names the tensor
-        that sets it.
-        """
-        checked = self.checked_pieces()
-        for _ in checked:
-            pass
-        self.largest = checked.largest
-        return checked.bound
+    def read_into(self, begin: int, view: memoryview) -> None:
+        """Fill `view` with the data section's bytes from `begin` on (a compressed part's span,
+        say)."""
+        if self.closed:
+            raise ValueError("the spooled body was closed")
+        if not len(view):
+            return
+        if os.preadv(self.file.fileno(), [view], self.data_start + begin) != len(view):
+            raise OSError(f"spool file ended early (bytes {begin}+ of the data section)")
 
     def close(self) -> None:
         """Done with the body: its file goes back to its `SpoolFiles`. Idempotent."""
@@ -158,21 +205,20 @@ class SpooledTensors:
 
 
 class CheckedPieces:
-    """The pieces of a spooled body, each scanned before it is yielded (see checked_pieces).
+    """The pieces of a body, each scanned before it is yielded (see checked_pieces).
 
     `largest` names the tensor whose piece set `bound`. With `limit`, a piece whose values
     may exceed it is refused (422 sum_overflow): folded, it could overflow the round's sum.
     """
 
-    def __init__(self, spooled: SpooledTensors, limit: float | None = None) -> None:
+    def __init__(self, spooled: PieceBody, limit: float | None = None) -> None:
         self.spooled = spooled
         self.bound = 0.0
         self.largest: str | None = None
         self.limit = limit
 
     def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
-        for name, first, piece in self.spooled.pieces():
-            piece_bound = finite_bound(piece)
+        for name, first, piece, piece_bound in self.spooled.bounded_pieces():
             if piece_bound is None:
                 bad = int((~torch.isfinite(piece)).sum())
                 raise WireError(
@@ -250,8 +296,8 @@ async def spool_body(
                 received=written,
             )
         file.flush()
-        data_start, entries = await early.finish()
-        return SpooledTensors(file, content_length, data_start, entries, files)
+        data_start, entries, metadata = await early.finish()
+        return SpooledTensors(file, content_length, data_start, entries, files, metadata)
     except BaseException:
         files.give_back(file)
         raise
