@@ -15,6 +15,7 @@ def test_every_benchmark_is_listed() -> None:
     """A new benchmark is added here on purpose, and so is known to have its checks below."""
     assert set(SCRIPTS) == {
         "codecs.py",
+        "compression.py",
         "convergence.py",
         "durability.py",
         "round_parts.py",

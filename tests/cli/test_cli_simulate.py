@@ -60,6 +60,26 @@ def test_ddp_against_diloco_h50_moves_at_least_40x_fewer_bytes(
     assert len(diloco["eval_curve"]) == 2 and diloco["eval_curve"][-1][0] == 50
 
 
+def test_int8_uploads_are_counted_and_reported(tmp_path: Path, corpus_file: Path) -> None:
+    path = tmp_path / "int8.json"
+    result = run_cli(
+        "simulate",
+        *("--mode", "diloco", "--workers", "2", "--sync-every", "2", "--steps", "4"),
+        *("--upload-codec", "INT8", "--codec-block", "64", "--error-feedback-beta", "0.5"),
+        *("--corpus", str(corpus_file), "--json", str(path)),
+        *TINY,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "int8, EF 0.5" in result.stdout
+    document = json.loads(path.read_text())
+    assert document["upload_codec"] == "int8" and document["error_feedback_beta"] == 0.5
+    assert document["config"]["codec_block"] == 64
+    # 42,880 one-byte codes and 678 fp32 scales (tests/sim/test_sim_compression.py counts them
+    # tensor by tensor) per round, 2 rounds; fp32 weights down.
+    assert document["bytes_sent_per_worker"] == 2 * (42_880 + 4 * 678)
+    assert document["bytes_received_per_worker"] == 2 * 4 * 42_880
+
+
 def test_plot_is_written(tmp_path: Path, corpus_file: Path) -> None:
     png = tmp_path / "curve.png"
     result = run_cli(
@@ -101,6 +121,12 @@ BAD_INPUTS = [
     (["--mode", "streaming", "--fragments", "2", "--sync-every", "10", "--alpha", "1.5"], "alpha"),
     (["--mode", "async", "--grace", "-1"], "grace must be a number >= 0"),
     (["--mode", "async", "--staleness-weighting", "log"], "staleness_weighting must be one of"),
+    (["--upload-codec", "int3"], "unknown codec 'int3'; allowed: fp32, bf16, int8"),
+    (["--upload-codec", "topk:1.5+int2"], "top-k fraction must be in (0, 1], got 1.5"),
+    (["--codec-block", "100"], "block size must be a positive power of two in [8, 65536]"),
+    (["--topk-chunk", "1"], "chunk size must be a positive power of two in [2, 65536], got 1"),
+    (["--error-feedback-beta", "1"], "error_feedback_beta must be in [0, 1)"),
+    (["--mode", "ddp", "--upload-codec", "int8"], "upload_codec int8 applies to modes diloco"),
 ]
 
 

@@ -21,6 +21,7 @@ from diloco.console import (
 from diloco.data import CorpusError, load_named_corpus
 from diloco.models import GPTConfig
 from diloco.sim import MODES, SimConfig, SimResult, prepare, run, total_inner_steps
+from diloco.sim.config import DEFAULT_ERROR_FEEDBACK_BETA
 
 
 def _parse_speeds(text: str | None) -> tuple[float, ...]:
@@ -42,6 +43,7 @@ def _result_row(result: SimResult) -> list[object]:
         c.mode,
         c.effective_workers,
         c.sync_every if c.mode not in ("single", "ddp") else "-",
+        _upload_label(c),
         c.steps,
         f"{result.final_eval_loss:.4f}",
         result.outer_steps,
@@ -52,10 +54,23 @@ def _result_row(result: SimResult) -> list[object]:
     return row
 
 
+def _upload_label(config: SimConfig) -> str:
+    """The upload codec, and its error feedback when it keeps any."""
+    if config.mode in ("single", "ddp"):
+        return "-"
+    codec = config.upload
+    if codec.is_identity:
+        return str(codec)
+    if config.error_feedback_beta == 0:
+        return f"{codec}, no EF"
+    return f"{codec}, EF {config.error_feedback_beta:g}"
+
+
 ROW_COLUMNS = [
     "mode",
     "workers",
     "H",
+    "upload",
     "steps",
     "eval loss",
     "outer steps",
@@ -97,6 +112,20 @@ def simulate_command(
     staleness_weighting: str = typer.Option(
         "none", help="Async: none or inverse_sqrt (scale by (1 + staleness)^-1/2)."
     ),
+    upload_codec: str = typer.Option(
+        "fp32",
+        help="Pseudo-gradient codec, as the server's: fp32, bf16, int8, int4, int2, topk:F or "
+        "topk:F+VALUES (e.g. topk:0.03+int2: the largest 3% per chunk, 2-bit values).",
+    ),
+    codec_block: int = typer.Option(
+        128, help="Values per quantization scale of int8/int4/int2 (a power of two, 8-65536)."
+    ),
+    topk_chunk: int = typer.Option(128, help="Elements per top-k chunk (a power of two, 2-65536)."),
+    error_feedback_beta: float = typer.Option(
+        DEFAULT_ERROR_FEEDBACK_BETA,
+        help="Each worker keeps what compression left out: e = beta e + g, send C(e), "
+        "e -= D(C(e)); in [0, 1), 0 turns error feedback off.",
+    ),
     lr: float = typer.Option(3e-3, help="Inner AdamW peak learning rate."),
     warmup: int = typer.Option(50, help="Inner learning-rate warm-up steps."),
     batch_size: int = typer.Option(16, help="Sequences per inner step per worker."),
@@ -134,6 +163,10 @@ def simulate_command(
             async_delay=async_delay,
             grace=grace,
             staleness_weighting=staleness_weighting,
+            upload_codec=upload_codec,
+            codec_block=codec_block,
+            topk_chunk=topk_chunk,
+            error_feedback_beta=error_feedback_beta,
             lr=lr,
             warmup=warmup,
             batch_size=batch_size,

@@ -6,9 +6,12 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from diloco.algorithm import STALENESS_WEIGHTINGS
+from diloco.algorithm.codecs import Codec, parse_codec
 from diloco.models import GPTConfig
 
 MODES = ("single", "ddp", "diloco", "streaming", "async")
+# The server's default (server/settings.py; a test keeps the two equal).
+DEFAULT_ERROR_FEEDBACK_BETA = 0.95
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,11 @@ class SimConfig:
     # Async, as the server's --grace-seconds and --staleness-weighting, in simulated time units
     grace: float = 0.0
     staleness_weighting: str = "none"
+    # Pseudo-gradient compression, as the server's settings of the same names (sim/compression.py)
+    upload_codec: str = "fp32"
+    codec_block: int = 128
+    topk_chunk: int = 128
+    error_feedback_beta: float = DEFAULT_ERROR_FEEDBACK_BETA
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -83,6 +91,28 @@ class SimConfig:
             )
         if self.staleness_weighting != "none" and self.mode != "async":
             raise ValueError("staleness_weighting applies to --mode async only")
+        self._check_codec_settings()
+
+    def _check_codec_settings(self) -> None:
+        """As the server's: the codec spec is stored in its canonical spelling."""
+        codec = parse_codec(self.upload_codec, block=self.codec_block, chunk=self.topk_chunk)
+        object.__setattr__(self, "upload_codec", str(codec))
+        beta = self.error_feedback_beta
+        beta_ok = isinstance(beta, (int, float)) and not isinstance(beta, bool)
+        if not (beta_ok and math.isfinite(beta) and 0 <= beta < 1):
+            raise ValueError(
+                f"error_feedback_beta must be in [0, 1) (0: no error feedback), got {beta!r}"
+            )
+        if not codec.is_identity and self.mode in ("single", "ddp"):
+            raise ValueError(
+                f"upload_codec {codec} applies to modes diloco, streaming and async only "
+                f"(mode {self.mode} sends no pseudo-gradients)"
+            )
+
+    @property
+    def upload(self) -> Codec:
+        """The pseudo-gradient codec every simulated worker uses."""
+        return parse_codec(self.upload_codec, block=self.codec_block, chunk=self.topk_chunk)
 
     @property
     def effective_workers(self) -> int:

@@ -1,7 +1,9 @@
 """K workers in one process, through the same `diloco.algorithm` code the server runs.
 
 Each mode is a function over shared set-up (`SimSetup`); they differ only in when replicas
-exchange what. Byte counts are what the real system would move over the network.
+exchange what. Byte counts are what the real system would move over the network: uploads are
+coded with the run's upload codec, with error feedback per worker (sim/compression.py);
+downloads are the fp32 global weights.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from diloco.algorithm.dylu import MAX_SPEED_RATIO
 from diloco.data import BatchSampler, load_named_corpus, split_train_val, worker_shard
 from diloco.evaluation import Evaluator
 from diloco.models import GPT, block_prefixes
+from diloco.sim.compression import UploadCodec, WorkerUplink
 from diloco.sim.config import SimConfig
 from diloco.training import Replica
 
@@ -56,6 +59,9 @@ class SimResult:
     final_state: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     # async: (worker, local steps, simulated time) of each arrival, in the order applied
     arrivals: list[tuple[int, int, float]] = field(default_factory=list)
+    # Each worker's error-feedback residuals at the end (what its checkpoint would hold);
+    # empty dicts when none is kept (fp32, or beta 0)
+    residuals: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
         c = self.config
@@ -67,6 +73,8 @@ class SimResult:
             "final_eval_loss": self.final_eval_loss,
             "eval_curve": [[step, loss] for step, loss in self.eval_curve],
             "outer_steps": self.outer_steps,
+            "upload_codec": c.upload_codec,
+            "error_feedback_beta": c.error_feedback_beta,
             "bytes_sent_per_worker": self.bytes_sent_per_worker,
             "bytes_received_per_worker": self.bytes_received_per_worker,
             "peak_sync_bytes": self.peak_sync_bytes,
@@ -94,6 +102,10 @@ class SimSetup:
             k: v.numel() * FP32_BYTES for k, v in self.initial.items() if v.is_floating_point()
         }
         self.model_bytes = sum(self.tensor_bytes.values())
+        # What one worker's upload of each tensor's pseudo-gradient weighs with the run's codec
+        self.upload = UploadCodec(config.upload, config.error_feedback_beta, self.kinds)
+        self.upload_bytes = {k: self.upload.entry_nbytes(k, v) for k, v in self.initial.items()}
+        self.upload_model_bytes = sum(self.upload_bytes.values())
         split = split_train_val(corpus)
         workers = config.effective_workers
         self.samplers = [
@@ -121,6 +133,10 @@ class SimSetup:
             c.weight_decay,
         )
 
+    def uplinks(self) -> list[WorkerUplink]:
+        """One uplink per worker: each keeps its own error-feedback residuals."""
+        return [self.upload.uplink() for _ in range(self.config.effective_workers)]
+
     def outer_optimizer(self) -> OuterOptimizer:
         c = self.config
         return OuterOptimizer(c.outer_optimizer, lr=c.outer_lr, momentum=c.outer_momentum)
@@ -136,6 +152,7 @@ class ModeOutcome:
     peak_sync_bytes: int = 0
     local_steps: list[int] = field(default_factory=list)
     arrivals: list[tuple[int, int, float]] = field(default_factory=list)
+    uplinks: list[WorkerUplink] = field(default_factory=list)
 
 
 def _eval_due(step: int, interval: int, total: int) -> bool:
@@ -198,6 +215,7 @@ def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
     """Synchronous DiLoCo: H inner steps, then one outer step on the mean pseudo-gradient."""
     c = setup.config
     replicas = [setup.replica(w) for w in range(c.effective_workers)]
+    uplinks = setup.uplinks()
     optimizer = setup.outer_optimizer()
     masters = to_fp32_masters(setup.initial)
     curve = [(0, setup.evaluator.loss(masters))]
@@ -211,7 +229,7 @@ def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
                 progress(1)
             contributions.append(
                 Contribution(
-                    pseudo_gradient(masters, replica.state()),
+                    uplinks[w].send(pseudo_gradient(masters, replica.state())),
                     tokens=(end - done) * c.batch_size * c.seq_len,
                     worker=str(w),
                 )
@@ -223,15 +241,15 @@ def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
         rounds += 1
         if _eval_due(end, c.eval_interval, c.steps):
             curve.append((end, setup.evaluator.loss(masters)))
-    sent = rounds * setup.model_bytes
     return ModeOutcome(
         masters,
         curve,
         outer_steps=rounds,
-        bytes_sent=sent,
-        bytes_received=sent,
+        bytes_sent=rounds * setup.upload_model_bytes,
+        bytes_received=rounds * setup.model_bytes,
         peak_sync_bytes=setup.model_bytes,
         local_steps=[c.steps] * len(replicas),
+        uplinks=uplinks,
     )
 
 
@@ -251,6 +269,7 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
     sizes = [(name, t.numel()) for name, t in setup.initial.items()]
     fragments = plan_fragments(sizes, c.fragments, setup.blocks)
     replicas = [setup.replica(w) for w in range(c.effective_workers)]
+    uplinks = setup.uplinks()
     optimizer = setup.outer_optimizer()
     masters = to_fp32_masters(setup.initial)
     curve = [(0, setup.evaluator.loss(masters))]
@@ -258,23 +277,21 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
     last_merge = [0] * len(fragments)
     syncs = 0
     sent = 0
+    received = 0
     peak = 0
 
     def sync_fragment(f: int) -> dict[str, torch.Tensor]:
-        nonlocal sent, peak, syncs
+        nonlocal sent, received, peak, syncs
         names = fragments[f]
         contributions = []
         for w, replica in enumerate(replicas):
             local = replica.state()
-            contributions.append(
-                Contribution(
-                    pseudo_gradient({n: masters[n] for n in names}, {n: local[n] for n in names}),
-                    worker=str(w),
-                )
-            )
+            gradient = pseudo_gradient({n: masters[n] for n in names}, {n: local[n] for n in names})
+            contributions.append(Contribution(uplinks[w].send(gradient), worker=str(w)))
         outer_step(masters, contributions, optimizer, setup.kinds)
         fragment_bytes = sum(setup.tensor_bytes.get(n, 0) for n in names)
-        sent += fragment_bytes
+        sent += sum(setup.upload_bytes[n] for n in names)
+        received += fragment_bytes
         peak = max(peak, fragment_bytes)
         syncs += 1
         return {n: masters[n].clone() for n in names}
@@ -307,9 +324,10 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
         curve,
         outer_steps=syncs,
         bytes_sent=sent,
-        bytes_received=sent,
+        bytes_received=received,
         peak_sync_bytes=peak,
         local_steps=[c.steps] * len(replicas),
+        uplinks=uplinks,
     )
 
 
@@ -350,6 +368,7 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
     grace = GraceWindow(c.grace)
     masters = to_fp32_masters(setup.initial)
     replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(k)]
+    uplinks = setup.uplinks()
     anchors = [{n: t.clone() for n, t in masters.items()} for _ in range(k)]
     anchor_versions = [0] * k
     curve = [(0, setup.evaluator.loss(masters))]
@@ -382,7 +401,8 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
             for _ in range(n):
                 replica.train_step()
                 progress(1)
-            gradient = pseudo_gradient(anchors[w], replica.state())
+            # Coded by the worker; the server scales what it decodes.
+            gradient = uplinks[w].send(pseudo_gradient(anchors[w], replica.state()))
             scale = staleness_scale(version - anchor_versions[w], c.staleness_weighting)
             if scale != 1.0:
                 gradient = {name: t * scale for name, t in gradient.items()}
@@ -400,16 +420,16 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
         curve.append((next_eval, setup.evaluator.loss(masters)))
         next_eval += c.eval_interval
     curve.append((c.steps, setup.evaluator.loss(masters)))
-    per_worker = len(order) * setup.model_bytes / k
     return ModeOutcome(
         masters,
         curve,
         outer_steps=version,
-        bytes_sent=per_worker,
-        bytes_received=per_worker,
+        bytes_sent=len(order) * setup.upload_model_bytes / k,
+        bytes_received=len(order) * setup.model_bytes / k,
         peak_sync_bytes=setup.model_bytes,
         local_steps=[r.steps_done for r in replicas],
         arrivals=order,
+        uplinks=uplinks,
     )
 
 
@@ -469,6 +489,7 @@ def run(setup: SimSetup, progress: Progress | None = None) -> SimResult:
         local_steps_per_worker=outcome.local_steps,
         final_state=outcome.final_state,
         arrivals=outcome.arrivals,
+        residuals=[dict(uplink.residual) for uplink in outcome.uplinks],
     )
 
 
