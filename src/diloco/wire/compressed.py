@@ -19,6 +19,7 @@ for a body in memory.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 
 import torch
@@ -69,6 +70,7 @@ __all__ = [
     "check_compressed_header",
     "check_entry",
     "codec_metadata",
+    "compressed_frame",
     "decode_compressed",
     "decode_entry",
     "encode_compressed",
@@ -76,6 +78,7 @@ __all__ = [
     "is_compressed",
     "part_specs",
     "read_span",
+    "write_entry",
     "write_parts",
 ]
 
@@ -88,27 +91,51 @@ def encode_compressed(
 ) -> bytearray:
     """A safetensors body of `tensors`: floating ones not in `exact` coded by `codec` as parts,
     the others as plain entries (their own dtype). The codec is in the header's metadata."""
-    entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
-        if is_compressed(name, tensor.dtype, exact):
-            for part, spec in part_specs(tensor.numel(), codec).items():
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    buffer, views = compressed_frame(shapes, codec, exact)
+    for name, tensor in tensors.items():
+        write_entry(views, name, tensor, codec, exact)
+    return buffer
+
+
+def compressed_frame(
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    codec: Codec,
+    exact: Collection[str] = frozenset(),
+) -> tuple[bytearray, dict[str, torch.Tensor]]:
+    """An empty body for tensors of `shapes` (name -> (shape, dtype)), its header written, and
+    the views of its entries: fill it one tensor at a time with `write_entry`, so that a
+    sender never needs every tensor to send at once (a server's deltas, one at a time)."""
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, dtype) in shapes.items():
+        if is_compressed(name, dtype, exact):
+            for part, spec in part_specs(math.prod(shape), codec).items():
                 entries[f"{name}{SEPARATOR}{part}"] = spec
         else:
-            entries[name] = (tuple(tensor.shape), tensor.dtype)
+            entries[name] = (tuple(shape), dtype)
     layout = FrameLayout.plan(entries, metadata=codec_metadata(codec))
     buffer = bytearray(layout.size)
     body = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
     layout.write_header(body)
-    views = layout.views(body)
-    for name, tensor in tensors.items():
-        if is_compressed(name, tensor.dtype, exact):
-            parts = {part: views.get(f"{name}{SEPARATOR}{part}") for part in PARTS}
-            write_parts(tensor, codec, parts)
-        elif tensor.numel():
-            views[name].copy_(tensor.detach())
-    return buffer
+    return buffer, layout.views(body)
+
+
+def write_entry(
+    views: Mapping[str, torch.Tensor],
+    name: str,
+    tensor: torch.Tensor,
+    codec: Codec,
+    exact: Collection[str] = frozenset(),
+) -> None:
+    """Write `tensor` into its entries of a `compressed_frame` body: coded parts, or plain."""
+    if is_compressed(name, tensor.dtype, exact):
+        parts = {part: views.get(f"{name}{SEPARATOR}{part}") for part in PARTS}
+        write_parts(tensor, codec, parts)
+    elif tensor.numel():
+        views[name].copy_(tensor.detach())
 
 
 def write_parts(x: torch.Tensor, codec: Codec, parts: Mapping[str, torch.Tensor | None]) -> None:
