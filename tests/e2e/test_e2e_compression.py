@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_e2e_sync import simulated_run
 
+from diloco.checkpoints import CheckpointStore
 from processes import global_weights, start_worker, wait_all
 
 STREAMING = ("--mode", "streaming", "--fragments", "2", "--delay", "1", "--alpha", "0.5")
@@ -57,3 +58,51 @@ def test_compressed_uploads_through_the_real_server_match_the_simulator(
     assert reports[0]["final_eval_loss"] == pytest.approx(simulated.final_eval_loss, rel=1e-5)
     for report in reports:
         assert report["rounds"] >= 3
+
+
+@pytest.mark.parametrize(
+    ("codec", "mode_options"),
+    [
+        ("int8", ()),
+        pytest.param("topk:0.03+int2", STREAMING, marks=pytest.mark.slow),
+    ],
+    ids=["int8-sync", "topk-int2-streaming"],
+)
+def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weights(
+    server_process, corpus_file: Path, tmp_path: Path, codec: str, mode_options: tuple
+) -> None:
+    """--download-codec: each result is a coded delta against the weights every worker holds;
+    at the end each worker's anchor (in its checkpoint) equals the server's published weights
+    bit for bit, and the downloads were a fraction of full fp32 weights."""
+    options = ("--upload-codec", codec, "--download-codec", codec, "--sync-every", "4")
+    server = server_process(*options, *mode_options, "--min-workers", "2")
+    workers = [
+        start_worker(
+            server.url,
+            f"w{i}",
+            i,
+            2,
+            12,
+            corpus_file,
+            tmp_path,
+            extra=("--checkpoint-dir", str(tmp_path / f"ckpt{i}")),
+        )
+        for i in range(2)
+    ]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    published, _ = global_weights(server.url)
+    full = sum(t.numel() * t.element_size() for t in published.values())
+    for i in range(2):
+        saved = CheckpointStore(tmp_path / f"ckpt{i}").load_latest()
+        assert saved is not None
+        anchor = saved.tensors["anchor"]
+        assert anchor.keys() == published.keys()
+        for name, tensor in published.items():
+            assert torch.equal(anchor[name], tensor), name
+        report = json.loads((tmp_path / f"w{i}.json").read_text())
+        rounds = report["rounds"]
+        assert rounds >= 3
+        # One full download to join; every round after that a delta.
+        assert report["bytes_received"] < full + rounds * full / 3

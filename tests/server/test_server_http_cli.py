@@ -116,6 +116,11 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
             ["--error-feedback-beta", "1"],
             "error_feedback_beta must be in [0, 1) (0: no error feedback), got 1.0",
         ),
+        "unknown download codec": (["--download-codec", "fp8"], "unknown codec 'fp8'"),
+        "bf16 download dtype with a delta codec": (
+            ["--download-dtype", "bf16", "--download-codec", "int8"],
+            "with download_codec int8 the full weights are the fp32 published copy",
+        ),
         "bf16 dtype with an int8 codec": (
             ["--upload-dtype", "bf16", "--upload-codec", "int8"],
             "with upload_codec int8 give one or the other",

@@ -31,6 +31,7 @@ from diloco.worker import (
     ServerError,
     ServerUnavailable,
 )
+from diloco.worker.client import Weights
 
 # -- the scripted server ----------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ def test_busy_and_timed_out_answers_are_retried_until_the_result(server: FakeSer
     )
     calls, on_retry = recorder()
     with make_client(server, on_retry=on_retry, retry=RetryPolicy(attempts=6, base_delay=0)) as c:
-        assert c.wait_result(7, "w1", wait=5) == (bytearray(weights), 8)
+        assert c.wait_result(7, "w1", wait=5) == Weights(bytearray(weights), 8)
     assert [cause for _, cause, _ in calls] == [503, 502, 504, 429]
     assert {(s.path, tuple(s.query.items())) for s in server.seen} == {
         ("/v1/rounds/7/result", (("worker_id", "w1"), ("wait", "5")))
@@ -411,7 +412,7 @@ def test_wait_result_is_none_while_the_round_waits(server: FakeServer) -> None:
     )
     with make_client(server) as client:
         assert client.wait_result(4, "w1", wait=0.5) is None
-        assert client.wait_result(4, "w1", wait=0.5) == (bytearray(b"result"), 5)
+        assert client.wait_result(4, "w1", wait=0.5) == Weights(bytearray(b"result"), 5)
         assert client.retries == 0
     assert [s.query for s in server.seen] == [{"worker_id": "w1", "wait": "0.5"}] * 2
 
@@ -419,7 +420,7 @@ def test_wait_result_is_none_while_the_round_waits(server: FakeServer) -> None:
 def test_the_long_poll_read_timeout_covers_the_wait(server: FakeServer) -> None:
     server.script(Reply(200, body=b"result", headers={"X-Diloco-Round": "1"}, stall=0.6))
     with make_client(server, read_timeout=0.3) as client:
-        assert client.wait_result(0, "w0", wait=0.5) == (bytearray(b"result"), 1)
+        assert client.wait_result(0, "w0", wait=0.5) == Weights(bytearray(b"result"), 1)
         assert client.retries == 0
 
 
@@ -556,7 +557,7 @@ def test_weights_land_in_a_given_buffer_of_the_right_size(server: FakeServer) ->
             client.wait_result(3, "w0", wait=0.1, into=body)
         assert body == first  # a waiting answer and an error's JSON never land in it
         got = client.wait_result(3, "w0", wait=0.1, into=body)
-    assert got is not None and got[0] is body and got[1] == 4
+    assert got is not None and got.body is body and got.round == 4
     assert body == second
 
 

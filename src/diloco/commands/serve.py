@@ -78,6 +78,11 @@ def server_command(
         help="Pseudo-gradient codec: fp32, bf16, int8, int4, int2, topk:F or topk:F+VALUES "
         "(e.g. topk:0.03+int2: the largest 3% per chunk, 2-bit values); docs/protocol.md.",
     ),
+    download_codec: str = typer.Option(
+        "fp32",
+        help="Weights download codec: fp32 sends full weights; any other codec sends each "
+        "round's change of the published weights, coded (workers' anchors stay bit-identical).",
+    ),
     codec_block: int = typer.Option(
         128, help="Values per quantization scale of int8/int4/int2 (a power of two, 8-65536)."
     ),
@@ -190,6 +195,7 @@ def server_command(
             upload_dtype=parse_wire_dtype(upload_dtype),
             download_dtype=parse_wire_dtype(download_dtype),
             upload_codec=upload_codec,
+            download_codec=download_codec,
             codec_block=codec_block,
             topk_chunk=topk_chunk,
             error_feedback_beta=error_feedback_beta,

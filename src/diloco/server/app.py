@@ -248,6 +248,8 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
             headers["X-Diloco-Fragment"] = str(result.fragment)
         if result.fragment_rounds is not None:
             headers["X-Diloco-Fragment-Rounds"] = ",".join(map(str, result.fragment_rounds))
+        if result.delta_from is not None:  # a coded delta against that round's weights
+            headers["X-Diloco-Delta-From"] = str(result.delta_from)
         return Response(
             content=result.body,  # a view of the round's one buffer, never copied per worker
             media_type=TENSORS,
@@ -401,11 +403,18 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
         worker_id: str | None = Query(None),
         wait: float = Query(30.0, ge=0.0, le=120.0),
         fragment: int = Query(0, ge=0, le=MAX_COUNT),
+        have: int | None = Query(
+            None,
+            ge=0,
+            le=MAX_COUNT,
+            description="The round of the caller's anchor: with --download-codec, a caller at "
+            "the round the step started from gets the step's coded delta.",
+        ),
     ) -> Response:
         if worker_id is not None:
             act_as(request, worker_id)
         outcome = await run_in_threadpool(
-            coordinator.wait_result, round_number, worker_id, wait, fragment
+            coordinator.wait_result, round_number, worker_id, wait, fragment, have
         )
         if isinstance(outcome, RoundResult):
             return tensor_response(outcome)

@@ -269,7 +269,12 @@ class BarrierRounds:
         assert c.model.plan is not None
         if len(self.rounds) == 1:
             return c.model.current_weights(self.fragment_rounds())
-        return Published(next_round, c.model.encode(c.model.plan[fragment]), fragment=fragment)
+        return Published(
+            next_round,
+            c.model.encode(c.model.plan[fragment]),
+            fragment=fragment,
+            delta=c.model.fragment_delta(c.model.version),
+        )
 
     def waiting(self, round_number: int, fragment: int) -> Waiting:
         current = self.rounds[fragment]

@@ -118,7 +118,7 @@ class Coordinator:
                     f"the state dir already holds round {restored.round}; drop --init to resume"
                 )
             self.model.set_specs(restored.specs, kinds_known=True)
-            self.model.adopt(restored.masters, restored.round)
+            self.model.adopt(restored.masters, restored.round, restored.published)
             self.model.optimizer.load_state_dict(restored.optimizer_state)
             # The workers live at the crash are members again: the restored round waits for
             # them (a missing one is evicted after the heartbeat timeout, as always), so a
@@ -315,6 +315,7 @@ class Coordinator:
                 model.optimizer.state_dict(copy=False),
                 model.specs,
                 [0] * self.settings.fragments,
+                published=model.published_tensors,
             ),
         )
         self.engine.start([0] * self.settings.fragments, self.clock())
@@ -401,6 +402,8 @@ class Coordinator:
         started = time.perf_counter()
         model = self.model
         live = len(self.membership.live_ids())
+        assert model.plan is not None
+        names = model.plan[record.fragment] if len(model.plan) > 1 else None
         model.commit(
             running,
             record.round + 1,
@@ -416,7 +419,9 @@ class Coordinator:
                     "bytes_out": self.traffic.bytes_out,
                 },
                 list(fragment_rounds),
+                published=model.published_tensors,
             ),
+            names,
         )
         self.last_commit = record
         self.rounds_committed += 1
@@ -436,9 +441,17 @@ class Coordinator:
         faults.crash_point("result_published")
 
     def wait_result(
-        self, round_number: int, worker_id: str | None, wait: float, fragment: int = 0
+        self,
+        round_number: int,
+        worker_id: str | None,
+        wait: float,
+        fragment: int = 0,
+        have: int | None = None,
     ) -> RoundResult | Waiting:
-        """Long-poll for a round's result: the new weights, or Waiting when `wait` runs out."""
+        """Long-poll for a round's result: the new weights, or Waiting when `wait` runs out.
+
+        `have` is the round (version) of the caller's anchor: with --download-codec, a caller
+        at the round the step started from gets the step's coded delta instead."""
         wait = min(max(0.0, wait), MAX_WAIT_SECONDS)
         with self._lock:
             self.model.require_healthy()
@@ -450,6 +463,7 @@ class Coordinator:
                 outcome = self.engine.poll_result(round_number, fragment, worker_id, self.clock())
                 if outcome is not None:
                     if isinstance(outcome, RoundResult):
+                        outcome = outcome.for_anchor(have)
                         self.traffic.sent(len(outcome.body))
                     return outcome
                 now = self.clock()
@@ -488,6 +502,7 @@ class Coordinator:
                         model.specs,
                         self.last_commit,
                         self.engine.fragment_rounds(),
+                        published=model.published_tensors,
                     )
             finally:
                 self.journal.close()

@@ -28,6 +28,7 @@ from diloco.algorithm import (
 )
 from diloco.server.errors import Rejection
 from diloco.server.master_frames import MasterFrames
+from diloco.server.published_copy import PublishedCopy
 from diloco.server.results import Published
 from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec, encode_tensors, fingerprint
@@ -80,6 +81,9 @@ class GlobalModel:
         self.kinds_known = False
         self.version = 0  # outer steps committed: the round in sync mode
         self.published: Published | None = None  # the current full weights, encoded once
+        # --download-codec: P, what every worker holds, and the delta of the last step
+        self.copy: PublishedCopy | None = None
+        self.delta: tuple[int, bytearray] | None = None  # (the version it leads to, its body)
         self.broken: str | None = None  # why it refuses to be read, until restarted
 
     # ----------------------------------------------------------------- what it is
@@ -105,12 +109,33 @@ class GlobalModel:
         self.specs, self.plan, self.kinds_known = specs, plan, kinds_known
         self.owner = {name: f for f, members in enumerate(plan) for name in members}
 
-    def adopt(self, tensors: Mapping[str, torch.Tensor], version: int = 0) -> None:
-        """These weights become the masters at `version` (the initial ones, or restored)."""
+    def adopt(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        version: int = 0,
+        published: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """These weights become the masters at `version` (the initial ones, or restored with
+        the `published` copy that workers hold, when downloads are deltas)."""
         assert self.specs is not None
-        self.frames = MasterFrames(tensors, {n: self.wire_dtype(n, t) for n, t in tensors.items()})
+        dtypes = {n: self.wire_dtype(n, t) for n, t in tensors.items()}
+        self.frames = MasterFrames(tensors, dtypes)
         self.version = version
         self.published = None
+        self.delta = None
+        if self.settings.delta_downloads:
+            coded = {
+                n
+                for n, spec in self.specs.items()
+                if spec.kind == TensorKind.TRAINABLE.value and spec.dtype.is_floating_point
+            }
+            source = published if published is not None else self.frames.masters
+            self.copy = PublishedCopy(source, dtypes, self.settings.download, coded)
+
+    @property
+    def published_tensors(self) -> dict[str, torch.Tensor] | None:
+        """P, for the checkpoint (None when downloads are full weights: P is the masters)."""
+        return None if self.copy is None else self.copy.tensors
 
     # ----------------------------------------------------------------- health
 
@@ -138,9 +163,17 @@ class GlobalModel:
         assert self.frames is not None
         return self.frames.sums()
 
-    def commit(self, running: RunningMean, new_version: int, write: Callable[[], None]) -> None:
-        """Apply one outer step (its running sums, used up here), make it durable with
-        `write`, and only then count it as `new_version`. Rejection 503 if the write fails."""
+    def commit(
+        self,
+        running: RunningMean,
+        new_version: int,
+        write: Callable[[], None],
+        names: Sequence[str] | None = None,
+    ) -> None:
+        """Apply one outer step (its running sums, used up here) to `names` (a streaming
+        fragment; None: every tensor), move the published copy by its coded delta, make it
+        durable with `write`, and only then count it as `new_version`. Rejection 503 if the
+        write fails."""
         assert self.frames is not None and self.specs is not None
         self.require_healthy()
         if running.count:  # (writable() copies the masters away from a straggler's download)
@@ -151,6 +184,9 @@ class GlobalModel:
                 self.kinds(),
                 policy=self.settings.policy,
             )
+        if self.copy is not None:
+            step_names = list(self.specs) if names is None else list(names)
+            self.delta = (new_version, self.copy.advance(self.frames.masters, step_names))
         self.durably(f"writing the checkpoint of round {new_version}", write)
         self.version = new_version
 
@@ -169,12 +205,15 @@ class GlobalModel:
         """The full weights of this version, encoded at most once."""
         assert self.frames is not None
         if self.published is None or self.published.round != self.version:
+            whole = self.plan is not None and len(self.plan) == 1  # a fragment's is partial
+            delta = self.fragment_delta(self.version) if whole else None
             self.published = Published(
                 self.version,
-                self.frames.result(),
+                self.frames.result() if self.copy is None else self.copy.current,
                 fragment_rounds=(
                     tuple(fragment_rounds) if self.settings.mode == "streaming" else None
                 ),
+                delta=delta,
             )
         return self.published
 
@@ -182,6 +221,11 @@ class GlobalModel:
         """The masters of `names` (a streaming fragment) in the download dtype, ints as their
         spec: a copy, so later outer steps of other fragments leave it as it is."""
         assert self.masters is not None
-        masters = self.masters
+        masters = self.masters if self.copy is None else self.copy.tensors
         out = {n: masters[n].to(self.wire_dtype(n, masters[n])) for n in names}
         return encode_tensors(out, float_dtype=self.settings.download_dtype)
+
+    def fragment_delta(self, version: int) -> bytearray | None:
+        """The delta body of the step that made `version` (a streaming fragment's commit),
+        if it is the last one."""
+        return self.delta[1] if self.delta and self.delta[0] == version else None

@@ -116,6 +116,7 @@ class RestoredState:
     specs: dict[str, TensorSpec]
     live_workers: list[tuple[str, str | None]]  # (worker_id, session)
     fragment_rounds: list[int]  # streaming: each fragment's round; else [round]
+    published: dict[str, torch.Tensor] | None = None  # P, with --download-codec
 
 
 class RoundJournal:
@@ -164,14 +165,18 @@ class RoundJournal:
         specs: Mapping[str, TensorSpec],
         commit: CommitRecord | None,
         fragment_rounds: list[int] | None = None,
+        published: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         store = self.state.checkpoints
         assert store is not None
         existing = store.generations()
         generation = existing[-1] + 1 if existing else 0
+        groups = {"weights": masters, "outer_state": optimizer_state}
+        if published is not None:
+            groups["published"] = published  # what every worker holds (--download-codec)
         store.write(
             generation,
-            {"weights": masters, "outer_state": optimizer_state},
+            groups,
             {
                 "round": round_number,
                 "fragment_rounds": list(fragment_rounds or [round_number]),
@@ -188,10 +193,13 @@ class RoundJournal:
         optimizer_state: Mapping[str, torch.Tensor],
         specs: Mapping[str, TensorSpec],
         fragment_rounds: list[int] | None = None,
+        published: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Round 0's weights: from --init or the first worker; always durable at once."""
         if self.durable:
-            self._write_checkpoint(0, masters, optimizer_state, specs, None, fragment_rounds)
+            self._write_checkpoint(
+                0, masters, optimizer_state, specs, None, fragment_rounds, published
+            )
         with self.state.transaction():
             self.state.set_meta("settings", self.settings.to_wire())
             self.state.audit("initial_weights", round=0, tensors=len(specs))
@@ -204,6 +212,7 @@ class RoundJournal:
         specs: Mapping[str, TensorSpec],
         metrics: dict[str, int | float],
         fragment_rounds: list[int] | None = None,
+        published: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Make round `record.round`'s commit durable as policy says, then record it in SQLite.
 
@@ -214,7 +223,7 @@ class RoundJournal:
         if self.durable and (self.durability == "round" or new_round % self.checkpoint_every == 0):
             faults.crash_point("before_checkpoint")
             self._write_checkpoint(
-                new_round, masters, optimizer_state, specs, record, fragment_rounds
+                new_round, masters, optimizer_state, specs, record, fragment_rounds, published
             )
             faults.crash_point("after_checkpoint")
         with self.state.transaction():
@@ -231,11 +240,18 @@ class RoundJournal:
         specs: Mapping[str, TensorSpec],
         last_commit: CommitRecord | None,
         fragment_rounds: list[int] | None = None,
+        published: Mapping[str, torch.Tensor] | None = None,
     ) -> bool:
         """At a graceful shutdown: checkpoint the current round if the disk is behind it."""
         if self.durable and self.saved_round != round_number:
             self._write_checkpoint(
-                round_number, masters, optimizer_state, specs, last_commit, fragment_rounds
+                round_number,
+                masters,
+                optimizer_state,
+                specs,
+                last_commit,
+                fragment_rounds,
+                published,
             )
             log.info("checkpoint of round %d written at shutdown", round_number)
             return True
@@ -334,6 +350,7 @@ class RoundJournal:
             fragment_rounds=[
                 int(r) for r in loaded.metadata.get("fragment_rounds", [round_number])
             ],
+            published=dict(loaded.tensors["published"]) if "published" in loaded.tensors else None,
         )
 
     def _check_settings(self, stored: dict) -> None:

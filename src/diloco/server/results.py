@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from diloco.wire.layout import FrameBuffer
 
@@ -20,6 +20,16 @@ class RoundResult:
     body: memoryview  # read-only, lent from the step's one buffer; never copied per worker
     fragment: int | None = None
     fragment_rounds: tuple[int, ...] | None = None
+    # --download-codec: the step's coded delta, for a worker whose anchor is at round - 1
+    delta: memoryview | None = None
+    delta_from: int | None = None  # set when `body` is the delta (see for_anchor)
+
+    def for_anchor(self, have: int | None) -> RoundResult:
+        """What a worker whose anchor is at `have` downloads: the delta when it holds the
+        weights the step started from, else the full weights."""
+        if have is None or self.delta is None or have != self.round - 1:
+            return replace(self, delta=None)
+        return replace(self, body=self.delta, delta=None, delta_from=have)
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class Published:
     frame: FrameBuffer | bytearray
     fragment: int | None = None
     fragment_rounds: tuple[int, ...] | None = None
+    delta: bytearray | None = None  # the step's coded delta (--download-codec), never rewritten
 
     def lend(self) -> RoundResult:
         """A view for one response; the buffer is not written again while any is alive."""
@@ -42,7 +53,8 @@ class Published:
             body = self.frame.lend()
         else:
             body = memoryview(self.frame).toreadonly()
-        return RoundResult(self.round, body, self.fragment, self.fragment_rounds)
+        delta = None if self.delta is None else memoryview(self.delta).toreadonly()
+        return RoundResult(self.round, body, self.fragment, self.fragment_rounds, delta)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ class ServerSettings:
     # top-k chunk, and the workers' error-feedback decay. fp32 and bf16 go as plain tensors
     # (upload_codec bf16 is upload_dtype bf16); the others as compressed bodies.
     upload_codec: str = "fp32"
+    # Downloads as coded deltas against the published weights every worker holds (fp32: full
+    # weights every round, as download_dtype says); server/published_copy.py.
+    download_codec: str = "fp32"
     codec_block: int = 128
     topk_chunk: int = 128
     error_feedback_beta: float = DEFAULT_ERROR_FEEDBACK_BETA
@@ -121,6 +124,14 @@ class ServerSettings:
         elif self.upload_dtype == torch.bfloat16:  # the older spelling of upload_codec bf16
             codec = Codec("bf16", None, codec.block, codec.chunk)
         object.__setattr__(self, "upload_codec", str(codec))
+        download = parse_codec(self.download_codec, block=self.codec_block, chunk=self.topk_chunk)
+        if not download.is_identity and self.download_dtype != torch.float32:
+            raise ValueError(
+                f"download_dtype {dtype_name(self.download_dtype)} applies to full-weight "
+                f"downloads; with download_codec {download} the full weights are the fp32 "
+                "published copy: give one or the other"
+            )
+        object.__setattr__(self, "download_codec", str(download))
         beta = self.error_feedback_beta
         beta_ok = isinstance(beta, (int, float)) and not isinstance(beta, bool)
         if not (beta_ok and math.isfinite(beta) and 0 <= beta < 1):
@@ -132,6 +143,16 @@ class ServerSettings:
     def upload(self) -> Codec:
         """The pseudo-gradient codec every worker uses."""
         return parse_codec(self.upload_codec, block=self.codec_block, chunk=self.topk_chunk)
+
+    @property
+    def download(self) -> Codec:
+        """The codec of the weight deltas workers download (fp32: full weights instead)."""
+        return parse_codec(self.download_codec, block=self.codec_block, chunk=self.topk_chunk)
+
+    @property
+    def delta_downloads(self) -> bool:
+        """Whether a round's result is a coded delta against the published weights."""
+        return not self.download.is_identity
 
     @property
     def compressed_uploads(self) -> bool:
@@ -212,6 +233,7 @@ class ServerSettings:
             "upload_dtype": dtype_name(self.upload_dtype),
             "download_dtype": dtype_name(self.download_dtype),
             "upload_codec": self.upload_codec,
+            "download_codec": self.download_codec,
             "codec_block": self.codec_block,
             "topk_chunk": self.topk_chunk,
             "error_feedback_beta": float(self.error_feedback_beta),

@@ -66,6 +66,7 @@ __all__ = [
     "CompressedEntry",
     "CompressedHeader",
     "PartReader",
+    "apply_delta",
     "check_codec_metadata",
     "check_compressed_header",
     "check_entry",
@@ -189,6 +190,37 @@ def decode_compressed(
         check_finite(name, tensor)
         result[name] = tensor
     return {name: result[name] for name in expected if name in result}
+
+
+def apply_delta(
+    buffer: bytes | bytearray | memoryview,
+    targets: Mapping[str, torch.Tensor],
+    codec: Codec,
+    *,
+    exact: Collection[str] = frozenset(),
+) -> None:
+    """Apply a delta body to `targets` (name -> tensor, updated in place): every coded tensor
+    is added (target += D(parts), span by span with `fold_entry`), every plain one replaces
+    its target. The body must name exactly the targets. Everything is checked before any
+    target changes (WireError 422), so a refused body leaves the targets as they were.
+
+    A server and its workers both move their copies of the published weights with this one
+    function: the same fp32 additions in the same order, hence bit-identical copies."""
+    tensors, metadata = decode_frame(buffer)
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in targets.items()}
+    header = check_compressed_header(tensors, metadata, expected, codec, exact=exact)
+    readers = {}
+    for name, entry in header.compressed.items():
+        part_bytes = {part: as_bytes(tensor) for part, tensor in entry.parts.items()}
+        readers[name] = lambda part, begin, end, raw=part_bytes: raw[part][begin:end]
+        check_entry(entry, readers[name])
+    for name, tensor in header.plain.items():
+        if tensor.is_floating_point():
+            check_finite(name, tensor)
+    for name, entry in header.compressed.items():
+        fold_entry(entry, readers[name], targets[name])
+    for name, tensor in header.plain.items():
+        targets[name].copy_(tensor)
 
 
 def decode_entry(entry: CompressedEntry, read: PartReader) -> torch.Tensor:

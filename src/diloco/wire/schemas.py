@@ -146,6 +146,7 @@ class Settings(_Response):
     upload_dtype: WireFloatName
     download_dtype: WireFloatName
     upload_codec: str = "fp32"  # docs/protocol.md, Compressed bodies
+    download_codec: str = "fp32"  # not fp32: results are coded deltas (Delta downloads)
     codec_block: int = 128
     topk_chunk: int = 128
     error_feedback_beta: float = 0.0

@@ -8,12 +8,14 @@ the anchor on rank 0, then rank 0's values are broadcast.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from diloco.algorithm import pseudo_gradient, to_fp32_masters
+from diloco.algorithm.codecs import Codec
+from diloco.wire.compressed import apply_delta
 from diloco.worker import distributed
 
 
@@ -59,6 +61,21 @@ class Anchor:
         if names is None:
             return pseudo_gradient(self.tensors, local)
         return pseudo_gradient({n: self.tensors[n] for n in names}, {n: local[n] for n in names})
+
+    def values_after(
+        self,
+        delta: bytearray,
+        names: Sequence[str],
+        codec: Codec,
+        coded: Collection[str],
+    ) -> dict[str, torch.Tensor]:
+        """The new global values of `names` when the server sent a coded delta against our
+        anchor: anchor + D(body) for coded tensors, the sent value for the others, computed
+        with the server's own function so that they equal its published copy bit for bit.
+        New tensors: the anchor itself changes when they are adopted."""
+        targets = {name: self.tensors[name].clone() for name in names}
+        apply_delta(delta, targets, codec, exact={n for n in names if n not in coded})
+        return targets
 
     def adopt(self, tensors: Mapping[str, torch.Tensor], round_number: int) -> None:
         """New global weights become the model and (this is rank 0) the fp32 CPU anchor."""

@@ -76,6 +76,7 @@ class Weights:
     body: bytearray
     round: int  # what they start: the round (sync), the version (async, streaming)
     fragment_rounds: list[int] | None = None  # streaming: each fragment's round
+    delta_from: int | None = None  # the body is a coded delta against this round's weights
 
 
 def _weights(reply: Reply) -> Weights:
@@ -91,7 +92,17 @@ def _weights(reply: Reply) -> Weights:
                 f"X-Diloco-Fragment-Rounds is not a list of integers (got {rounds!r})",
                 url=reply.url,
             ) from None
-    return Weights(reply.body, _round_header(reply), fragment_rounds)
+    delta = reply.headers.get("X-Diloco-Delta-From")
+    try:
+        delta_from = None if delta is None else int(delta)
+    except ValueError:
+        raise ServerError(
+            reply.status,
+            "invalid_response",
+            f"X-Diloco-Delta-From is not an integer (got {delta!r})",
+            url=reply.url,
+        ) from None
+    return Weights(reply.body, _round_header(reply), fragment_rounds, delta_from)
 
 
 class DiLoCoClient:
@@ -283,8 +294,11 @@ class DiLoCoClient:
         *,
         fragment: int = 0,
         into: bytearray | None = None,
-    ) -> tuple[bytearray, int] | None:
-        """Long-poll round `round`'s result: (weights, next round), or None while it is open.
+        have: int | None = None,
+    ) -> Weights | None:
+        """Long-poll round `round`'s result (the weights and the round they start), or None
+        while it is open. `have`: the round of our anchor, so that a server with a download
+        codec may answer with a coded delta against it (`delta_from` then says so).
 
         In streaming mode `fragment` names the fragment whose round this is, and the weights
         are that fragment's tensors; in async mode `round` is the version the arrival was for.
@@ -297,6 +311,8 @@ class DiLoCoClient:
         query = {"worker_id": worker_id, "wait": f"{wait:g}"}
         if fragment:
             query["fragment"] = str(int(fragment))
+        if have is not None:
+            query["have"] = str(int(have))
         reply = self._call(
             "wait_result",
             "GET",
@@ -314,8 +330,7 @@ class DiLoCoClient:
                 waiting = None
             self.last_waiting = waiting if isinstance(waiting, dict) else {}
             return None
-        reply = success(reply)
-        return reply.body, _round_header(reply)
+        return _weights(success(reply))
 
     def register_dataset(
         self, worker_id: str, dataset_id: str, length: int, shuffle_seed: int, unit_size: int

@@ -92,6 +92,9 @@ class ServerSession:
         self.result_wait = result_wait
         self.plan: list[list[str]] | None = None
         self.reuse_downloads = True
+        # With a download codec: (delta body, fragment) -> the new values of the fragment's
+        # tensors, computed from our anchor (the worker's Anchor.values_after).
+        self.apply_delta: Callable[[bytearray, int], dict[str, torch.Tensor]] | None = None
         self.rebases = 0
         self._register_lock = threading.Lock()
         self._download: bytearray | None = None  # the last weights' buffer, loaded already
@@ -284,6 +287,7 @@ class ServerSession:
                     wait=self.result_wait,
                     fragment=fragment,
                     into=self._reusable_download(),
+                    have=round_number if self.apply_delta is not None else None,
                 )
             except ServerError as exc:
                 if exc.kind == "unknown_worker":
@@ -297,9 +301,18 @@ class ServerSession:
                     return self._from_current_weights(fragment)
                 raise
             if got is not None:
-                result, next_round = got
-                self._downloaded(result)
-                return Exchanged(decode_tensors(result), next_round)
+                self._downloaded(got.body)
+                if got.delta_from is not None:
+                    if self.apply_delta is None or got.delta_from != round_number:
+                        raise ServerError(
+                            200,
+                            "invalid_response",
+                            f"a delta against round {got.delta_from}, but our anchor is at "
+                            f"round {round_number}"
+                            + ("" if self.apply_delta else " and we asked for none"),
+                        )
+                    return Exchanged(self.apply_delta(got.body, fragment), got.round)
+                return Exchanged(decode_tensors(got.body), got.round)
 
     # ----------------------------------------------------------------- whole weights
 

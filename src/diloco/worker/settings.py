@@ -46,6 +46,7 @@ class WorkerSettings:
     outer_optimizer: dict
     weighting: str = "uniform"  # "tokens": the worker counts tokens if its loop reports none
     upload_codec: Codec = field(default_factory=Codec)  # how pseudo-gradients are coded
+    download_codec: Codec = field(default_factory=Codec)  # not fp32: results may be deltas
     error_feedback_beta: float = 0.0  # e <- beta e + g before coding; 0: no error feedback
 
     def __post_init__(self) -> None:
@@ -95,6 +96,11 @@ class WorkerSettings:
                 weighting=str(settings.get("weighting", "uniform")),
                 upload_codec=parse_codec(
                     str(settings.get("upload_codec", "fp32")),
+                    block=int(settings.get("codec_block", 128)),
+                    chunk=int(settings.get("topk_chunk", 128)),
+                ),
+                download_codec=parse_codec(
+                    str(settings.get("download_codec", "fp32")),
                     block=int(settings.get("codec_block", 128)),
                     chunk=int(settings.get("topk_chunk", 128)),
                 ),

@@ -170,6 +170,8 @@ class DiLoCoWorker:
         )
         if self.resumed is not None:
             self._uploads.restore(self.resumed.residual, self.resumed.extra.get("residual_key"))
+        if self._session is not None and not self.settings.download_codec.is_identity:
+            self._session.apply_delta = self._values_after_delta
         if self.settings.mode == "streaming":
             assert self.fragment_plan is not None
             if self._session is not None:
@@ -388,6 +390,14 @@ class DiLoCoWorker:
         if result.rebase_rounds is None:
             self._units.reported(units)
         return result
+
+    def _values_after_delta(self, body: bytearray, fragment: int) -> dict[str, torch.Tensor]:
+        """A result sent as a coded delta (--download-codec): the new values from our anchor."""
+        names = (
+            list(self._anchor.tensors) if self.streamer is None else self.fragment_plan[fragment]
+        )
+        coded = self._uploads.coded_names  # trainable tensors: coded both ways
+        return self._anchor.values_after(body, names, self.settings.download_codec, coded)
 
     def _share_result(self, result: Exchanged | None) -> None:
         if result is not None:
