@@ -133,7 +133,7 @@ def _round_worker(url, index, state, rounds, barrier, times) -> None:
             # As DiLoCoWorker does: the new weights land in the last round's buffer.
             while (got := client.wait_result(r, worker_id, wait=60, into=weights)) is None:
                 pass
-            weights = got[0]
+            weights = got.body
             times[r * 8 + index] = time.perf_counter() - started
 
 
