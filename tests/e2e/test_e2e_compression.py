@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_e2e_async import async_config
 from test_e2e_sync import simulated_run
 
 from diloco.checkpoints import CheckpointStore
+from diloco.sim import prepare, simulate
+from diloco.worker import DiLoCoWorker
 from processes import global_weights, start_worker, wait_all
 
 STREAMING = ("--mode", "streaming", "--fragments", "2", "--delay", "1", "--alpha", "0.5")
@@ -106,3 +109,54 @@ def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weight
         assert rounds >= 3
         # One full download to join; every round after that a delta.
         assert report["bytes_received"] < full + rounds * full / 3
+
+
+@pytest.mark.slow
+def test_async_compressed_arrivals_match_the_simulator_and_deltas_reach_the_last_arrival(
+    server_process, small_corpus: bytes
+) -> None:
+    """Async mode, the simulator's arrivals replayed by two in-process DiLoCoWorkers: int8
+    uploads with error feedback end where the simulator does; with int8 delta downloads too,
+    the worker that arrived last holds the server's published weights bit for bit."""
+    config = async_config(upload_codec="int8", codec_block=64)
+    simulated = simulate(config, corpus=small_corpus)
+    arrivals = [(w, n) for w, n, _ in simulated.arrivals]
+    for download in ("fp32", "int8"):
+        server = server_process(
+            "--mode",
+            "async",
+            "--sync-every",
+            "4",
+            "--dn-period",
+            "2",
+            "--upload-codec",
+            "int8",
+            "--codec-block",
+            "64",
+            "--download-codec",
+            download,
+        )
+        setup = prepare(config, small_corpus)
+        budgets = simulated.local_steps_per_worker
+        replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(2)]
+        workers = [
+            DiLoCoWorker(r.model, r.optimizer, server.url, worker_id=f"w{w}", heartbeat=False)
+            for w, r in enumerate(replicas)
+        ]
+        for w, steps in arrivals:
+            for _ in range(steps):
+                replicas[w].train_step()
+            if steps < config.sync_every:
+                workers[w].sync()
+        last = workers[arrivals[-1][0]]
+        anchor = {n: t.clone() for n, t in last.anchor.items()}
+        for worker in workers:
+            worker.close(final_sync=False)
+        real, version = global_weights(server.url)
+        assert version == len(arrivals)
+        if download == "fp32":
+            for name, tensor in simulated.final_state.items():
+                torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        else:  # the published weights, which the last arrival's delta brought to its anchor
+            for name, tensor in real.items():
+                assert torch.equal(anchor[name], tensor), name
