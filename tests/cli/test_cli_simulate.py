@@ -80,6 +80,23 @@ def test_int8_uploads_are_counted_and_reported(tmp_path: Path, corpus_file: Path
     assert document["bytes_received_per_worker"] == 2 * 4 * 42_880
 
 
+def test_int8_delta_downloads_are_counted_and_labelled(tmp_path: Path, corpus_file: Path) -> None:
+    path = tmp_path / "down.json"
+    result = run_cli(
+        "simulate",
+        *("--mode", "diloco", "--workers", "2", "--sync-every", "2", "--steps", "4"),
+        *("--upload-codec", "int8", "--download-codec", "int8", "--codec-block", "64"),
+        *("--corpus", str(corpus_file), "--json", str(path)),
+        *TINY,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "down int8" in result.stdout
+    document = json.loads(path.read_text())
+    assert document["config"]["download_codec"] == "int8"
+    # Each round's download is the int8 delta: the same 42,880 codes and 678 scales as an upload.
+    assert document["bytes_received_per_worker"] == 2 * (42_880 + 4 * 678)
+
+
 def test_plot_is_written(tmp_path: Path, corpus_file: Path) -> None:
     png = tmp_path / "curve.png"
     result = run_cli(
@@ -127,6 +144,8 @@ BAD_INPUTS = [
     (["--topk-chunk", "1"], "chunk size must be a positive power of two in [2, 65536], got 1"),
     (["--error-feedback-beta", "1"], "error_feedback_beta must be in [0, 1)"),
     (["--mode", "ddp", "--upload-codec", "int8"], "upload_codec int8 applies to modes diloco"),
+    (["--download-codec", "int5"], "unknown codec 'int5'; allowed: fp32, bf16, int8"),
+    (["--mode", "single", "--download-codec", "int8"], "mode single has no global weights"),
 ]
 
 

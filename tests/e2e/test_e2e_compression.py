@@ -8,6 +8,7 @@ and the workers must have moved the bytes the codec promises.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -72,11 +73,17 @@ def test_compressed_uploads_through_the_real_server_match_the_simulator(
     ids=["int8-sync", "topk-int2-streaming"],
 )
 def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weights(
-    server_process, corpus_file: Path, tmp_path: Path, codec: str, mode_options: tuple
+    server_process,
+    corpus_file: Path,
+    small_corpus: bytes,
+    tmp_path: Path,
+    codec: str,
+    mode_options: tuple,
 ) -> None:
     """--download-codec: each result is a coded delta against the weights every worker holds;
     at the end each worker's anchor (in its checkpoint) equals the server's published weights
-    bit for bit, and the downloads were a fraction of full fp32 weights."""
+    bit for bit, those equal what `diloco simulate --download-codec` ends on, and the
+    downloads were a fraction of full fp32 weights."""
     options = ("--upload-codec", codec, "--download-codec", codec, "--sync-every", "4")
     server = server_process(*options, *mode_options, "--min-workers", "2")
     workers = [
@@ -109,6 +116,12 @@ def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weight
         assert rounds >= 3
         # One full download to join; every round after that a delta.
         assert report["bytes_received"] < full + rounds * full / 3
+    sim_mode = dict(mode="streaming", fragments=2, delay=1, alpha=0.5) if mode_options else {}
+    simulated = simulated_run(
+        small_corpus, workers=2, steps=12, upload_codec=codec, download_codec=codec, **sim_mode
+    )
+    for name, tensor in simulated.final_state.items():
+        torch.testing.assert_close(published[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow
@@ -160,3 +173,7 @@ def test_async_compressed_arrivals_match_the_simulator_and_deltas_reach_the_last
         else:  # the published weights, which the last arrival's delta brought to its anchor
             for name, tensor in real.items():
                 assert torch.equal(anchor[name], tensor), name
+            coded = simulate(replace(config, download_codec="int8"), corpus=small_corpus)
+            assert [(w, n) for w, n, _ in coded.arrivals] == arrivals
+            for name, tensor in coded.final_state.items():
+                torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

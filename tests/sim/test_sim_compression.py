@@ -15,6 +15,8 @@ import torch
 import diloco.sim.runner as runner
 from diloco.algorithm import TensorKind
 from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.fragments import plan_fragments
+from diloco.models import GPT, block_prefixes
 from diloco.server.settings import ServerSettings
 from diloco.sim import SimConfig, simulate
 from diloco.sim.compression import UploadCodec
@@ -369,3 +371,73 @@ def test_error_feedback_recovers_what_top_k_leaves_out(small_corpus: bytes) -> N
         for beta in (0.0, 0.95)
     }
     assert losses[0.95] < losses[0.0] - 0.1
+
+
+# ------------------------------------------------------------------ delta downloads
+
+
+def test_delta_download_bytes_are_the_codec_s_in_every_mode(small_corpus: bytes) -> None:
+    per_step = sum(int8_bytes(n, 128) for n in TINY_SIZES)
+    sync = simulate(tiny(upload_codec="int8", download_codec="int8"), corpus=small_corpus)
+    assert sync.bytes_received_per_worker == 2 * per_step  # two rounds of int8 deltas
+    streaming = simulate(
+        tiny(mode="streaming", download_codec="int8", fragments=2, sync_every=4),
+        corpus=small_corpus,
+    )
+    # H = 4, two fragments: fragment 0 merges at steps 2 and 6, fragment 1 at 4 and 8; at the
+    # end fragment 0 (trained since step 6) syncs once more. Each sync downloads its
+    # fragment's int8 delta: every tensor twice, fragment 0's tensors three times.
+    torch.manual_seed(3)
+    model = GPT(TINY_MODEL)
+    sizes = [(n, t.numel()) for n, t in model.state_dict().items()]
+    first = plan_fragments(sizes, 2, block_prefixes(model))[0]
+    first_bytes = sum(int8_bytes(n, 128) for name, n in sizes if name in first)
+    assert 0 < first_bytes < per_step
+    assert streaming.bytes_received_per_worker == 2 * per_step + first_bytes
+    # Async, equal speeds, one grace window per round: each arrival's worker holds the weights
+    # the step started from, so every download is a delta.
+    grace = simulate(
+        tiny(mode="async", async_delay=1, grace=0.5, download_codec="int8"), corpus=small_corpus
+    )
+    assert grace.outer_steps == 2
+    assert grace.bytes_received_per_worker == 2 * per_step
+
+
+def test_async_arrivals_one_step_late_download_full_weights(small_corpus: bytes) -> None:
+    """Without a grace window each arrival is its own step (versions 1 to 4). Only the first
+    arrival holds the version its step starts from (0): w1 then holds 0 when step 2 starts
+    from 1, w0 holds 1 when step 3 starts from 2, w1 holds 2 when step 4 starts from 3, so
+    those three download the weights whole."""
+    result = simulate(tiny(mode="async", async_delay=1, download_codec="int8"), corpus=small_corpus)
+    per_step = sum(int8_bytes(n, 128) for n in TINY_SIZES)
+    assert len(result.arrivals) == 4 and result.outer_steps == 4
+    expected = (per_step + 3 * 4 * TINY_PARAMETERS) / 2  # per worker
+    assert result.bytes_received_per_worker == expected
+
+
+def test_published_weights_move_on_the_int8_grid_of_the_step(small_corpus: bytes) -> None:
+    """One round: the workers' weights are P1 = P0 + D(C(M1 - P0)), so each block of 128
+    values of P1 - P0 is a whole multiple of its own absmax / 127, and within half of one
+    such step of the fp32 run's masters M1."""
+    exact = simulate(tiny(steps=4), corpus=small_corpus)
+    coded = simulate(tiny(steps=4, download_codec="int8"), corpus=small_corpus)
+    torch.manual_seed(3)  # the seed's initial weights, built as the simulator builds them
+    initial = GPT(TINY_MODEL).state_dict()
+    moved = 0
+    for name, p1 in coded.final_state.items():
+        p0 = initial[name].float().flatten()
+        m1 = exact.final_state[name].float().flatten()
+        delta = m1 - p0
+        step_p = p1.flatten() - p0
+        for lo in range(0, delta.numel(), 128):
+            d = delta[lo : lo + 128]
+            step = d.abs().max() / 127
+            if step == 0:
+                assert torch.equal(step_p[lo : lo + 128], torch.zeros_like(d))
+                continue
+            codes = step_p[lo : lo + 128] / step
+            # atol: fp32 rounding of p0 + c s
+            assert torch.allclose(codes, codes.round(), atol=0.02), name
+            assert (p1.flatten()[lo : lo + 128] - m1[lo : lo + 128]).abs().max() <= 0.52 * step
+            moved += 1
+    assert moved > 300

@@ -59,11 +59,12 @@ def _upload_label(config: SimConfig) -> str:
     if config.mode in ("single", "ddp"):
         return "-"
     codec = config.upload
-    if codec.is_identity:
+    if codec.is_identity and config.download.is_identity:
         return str(codec)
+    down = "" if config.download.is_identity else f", down {config.download}"
     if config.error_feedback_beta == 0:
-        return f"{codec}, no EF"
-    return f"{codec}, EF {config.error_feedback_beta:g}"
+        return f"{codec}, no EF{down}"
+    return f"{codec}, EF {config.error_feedback_beta:g}{down}"
 
 
 ROW_COLUMNS = [
@@ -117,6 +118,11 @@ def simulate_command(
         help="Pseudo-gradient codec, as the server's: fp32, bf16, int8, int4, int2, topk:F or "
         "topk:F+VALUES (e.g. topk:0.03+int2: the largest 3% per chunk, 2-bit values).",
     ),
+    download_codec: str = typer.Option(
+        "fp32",
+        help="Weights download codec, as the server's: fp32 sends full weights; any other "
+        "codec each step's coded change of the published weights, which workers then hold.",
+    ),
     codec_block: int = typer.Option(
         128, help="Values per quantization scale of int8/int4/int2 (a power of two, 8-65536)."
     ),
@@ -164,6 +170,7 @@ def simulate_command(
             grace=grace,
             staleness_weighting=staleness_weighting,
             upload_codec=upload_codec,
+            download_codec=download_codec,
             codec_block=codec_block,
             topk_chunk=topk_chunk,
             error_feedback_beta=error_feedback_beta,

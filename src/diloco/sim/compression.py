@@ -1,5 +1,6 @@
-"""Pseudo-gradient uploads as the real worker codes them (issue 12): the server's upload codec,
-error feedback kept by each simulated worker, and the exact bytes of every upload.
+"""Uploads and downloads as the real system codes them (issue 12): the server's upload codec,
+error feedback kept by each simulated worker, delta downloads of the published weights, and
+the exact bytes of every transfer.
 
 For each *trainable* floating tensor of its pseudo-gradient g a worker keeps a residual e and
 sends C(e) after e <- beta e + g, then keeps e <- e - D(C(e)), what the server did not get;
@@ -26,7 +27,14 @@ from collections.abc import Mapping
 import torch
 
 from diloco.algorithm import TensorKind
-from diloco.algorithm.codecs import Codec, decode, encode, encoded_nbytes, error_feedback_step
+from diloco.algorithm.codecs import (
+    Codec,
+    decode,
+    decode_into,
+    encode,
+    encoded_nbytes,
+    error_feedback_step,
+)
 
 # The dtype of an integer or bool tensor's pseudo-gradient (algorithm.pseudo_gradient).
 INTEGER_GRADIENT = torch.int64
@@ -108,3 +116,53 @@ class WorkerUplink:
                 residual = self.residual[name] = torch.zeros(g.shape, dtype=torch.float32)
             encoded, _ = error_feedback_step(residual, g, beta, codec)
         return decode(encoded, codec).view(g.shape)
+
+
+class Downlink:
+    """The published weights P that workers hold, as the server's --download-codec keeps them.
+
+    fp32: P is the masters themselves and every download is the full fp32 weights. Any other
+    codec: each step codes masters - P for its tensors and P moves by exactly what was coded
+    (P += D(C(masters - P)), the server's published copy), so workers train from P, not from
+    the masters; a worker whose anchor is not the P before the step downloads P whole.
+    Trainable float tensors are coded; the others go as their value (server/published_copy.py).
+    """
+
+    def __init__(
+        self, codec: Codec, kinds: Mapping[str, TensorKind], masters: Mapping[str, torch.Tensor]
+    ) -> None:
+        self.codec = codec
+        self.coded = {
+            name
+            for name, t in masters.items()
+            if t.is_floating_point()
+            and TensorKind(kinds.get(name, "frozen")) is TensorKind.TRAINABLE
+        }
+        self.masters = masters
+        self.published = (
+            masters if codec.is_identity else {n: t.clone() for n, t in masters.items()}
+        )
+
+    def publish(self, names: list[str]) -> None:
+        """After an outer step on `names`: move P by the step's coded delta."""
+        if self.codec.is_identity:
+            return
+        for name in names:
+            target, master = self.published[name], self.masters[name]
+            if name in self.coded:
+                decode_into(encode(torch.sub(master, target), self.codec), self.codec, target)
+            else:
+                target.copy_(master)
+
+    def delta_nbytes(self, names: list[str]) -> int:
+        """Bytes of one step's download of `names` for a worker that holds the P before it."""
+        total = 0
+        for name in names:
+            tensor = self.published[name]
+            if not tensor.is_floating_point():
+                continue  # the simulator counts floating tensors only (SimSetup.tensor_bytes)
+            if self.codec.is_identity or name not in self.coded:
+                total += tensor.numel() * 4
+            else:
+                total += encoded_nbytes(tensor.numel(), self.codec)
+        return total

@@ -47,6 +47,7 @@ class SimConfig:
     staleness_weighting: str = "none"
     # Pseudo-gradient compression, as the server's settings of the same names (sim/compression.py)
     upload_codec: str = "fp32"
+    download_codec: str = "fp32"  # not fp32: workers get coded deltas of the published weights
     codec_block: int = 128
     topk_chunk: int = 128
     error_feedback_beta: float = DEFAULT_ERROR_FEEDBACK_BETA
@@ -97,6 +98,13 @@ class SimConfig:
         """As the server's: the codec spec is stored in its canonical spelling."""
         codec = parse_codec(self.upload_codec, block=self.codec_block, chunk=self.topk_chunk)
         object.__setattr__(self, "upload_codec", str(codec))
+        download = parse_codec(self.download_codec, block=self.codec_block, chunk=self.topk_chunk)
+        object.__setattr__(self, "download_codec", str(download))
+        if not download.is_identity and self.mode in ("single", "ddp"):
+            raise ValueError(
+                f"download_codec {download} applies to modes diloco, streaming and async only "
+                f"(mode {self.mode} has no global weights to download)"
+            )
         beta = self.error_feedback_beta
         beta_ok = isinstance(beta, (int, float)) and not isinstance(beta, bool)
         if not (beta_ok and math.isfinite(beta) and 0 <= beta < 1):
@@ -108,6 +116,11 @@ class SimConfig:
                 f"upload_codec {codec} applies to modes diloco, streaming and async only "
                 f"(mode {self.mode} sends no pseudo-gradients)"
             )
+
+    @property
+    def download(self) -> Codec:
+        """The codec of the published weights' deltas (fp32: full weights)."""
+        return parse_codec(self.download_codec, block=self.codec_block, chunk=self.topk_chunk)
 
     @property
     def upload(self) -> Codec:

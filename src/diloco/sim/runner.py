@@ -3,7 +3,8 @@
 Each mode is a function over shared set-up (`SimSetup`); they differ only in when replicas
 exchange what. Byte counts are what the real system would move over the network: uploads are
 coded with the run's upload codec, with error feedback per worker (sim/compression.py);
-downloads are the fp32 global weights.
+downloads are the fp32 global weights, or with a download codec each step's coded delta of the
+published weights, which workers then train from (as the server's --download-codec).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from diloco.algorithm.dylu import MAX_SPEED_RATIO
 from diloco.data import BatchSampler, load_named_corpus, split_train_val, worker_shard
 from diloco.evaluation import Evaluator
 from diloco.models import GPT, block_prefixes
-from diloco.sim.compression import UploadCodec, WorkerUplink
+from diloco.sim.compression import Downlink, UploadCodec, WorkerUplink
 from diloco.sim.config import SimConfig
 from diloco.training import Replica
 
@@ -133,6 +134,10 @@ class SimSetup:
             c.weight_decay,
         )
 
+    def downlink(self, masters: dict[str, torch.Tensor]) -> Downlink:
+        """The published weights workers hold (the masters themselves without a codec)."""
+        return Downlink(self.config.download, self.kinds, masters)
+
     def uplinks(self) -> list[WorkerUplink]:
         """One uplink per worker: each keeps its own error-feedback residuals."""
         return [self.upload.uplink() for _ in range(self.config.effective_workers)]
@@ -218,7 +223,10 @@ def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
     uplinks = setup.uplinks()
     optimizer = setup.outer_optimizer()
     masters = to_fp32_masters(setup.initial)
-    curve = [(0, setup.evaluator.loss(masters))]
+    downlink = setup.downlink(masters)
+    published = downlink.published  # what workers hold: the masters, or P (--download-codec)
+    names = list(masters)
+    curve = [(0, setup.evaluator.loss(published))]
     done = 0
     rounds = 0
     for end in _round_ends(c.steps, c.sync_every):
@@ -229,24 +237,25 @@ def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
                 progress(1)
             contributions.append(
                 Contribution(
-                    uplinks[w].send(pseudo_gradient(masters, replica.state())),
+                    uplinks[w].send(pseudo_gradient(published, replica.state())),
                     tokens=(end - done) * c.batch_size * c.seq_len,
                     worker=str(w),
                 )
             )
         outer_step(masters, contributions, optimizer, setup.kinds)
+        downlink.publish(names)
         for replica in replicas:
-            replica.load(masters)
+            replica.load(published)
         done = end
         rounds += 1
         if _eval_due(end, c.eval_interval, c.steps):
-            curve.append((end, setup.evaluator.loss(masters)))
+            curve.append((end, setup.evaluator.loss(published)))
     return ModeOutcome(
-        masters,
+        published,
         curve,
         outer_steps=rounds,
         bytes_sent=rounds * setup.upload_model_bytes,
-        bytes_received=rounds * setup.model_bytes,
+        bytes_received=rounds * downlink.delta_nbytes(names),
         peak_sync_bytes=setup.model_bytes,
         local_steps=[c.steps] * len(replicas),
         uplinks=uplinks,
@@ -272,7 +281,9 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
     uplinks = setup.uplinks()
     optimizer = setup.outer_optimizer()
     masters = to_fp32_masters(setup.initial)
-    curve = [(0, setup.evaluator.loss(masters))]
+    downlink = setup.downlink(masters)
+    published = downlink.published  # what workers hold: the masters, or P (--download-codec)
+    curve = [(0, setup.evaluator.loss(published))]
     pending: dict[int, list[tuple[int, dict[str, torch.Tensor]]]] = {}
     last_merge = [0] * len(fragments)
     syncs = 0
@@ -286,15 +297,17 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
         contributions = []
         for w, replica in enumerate(replicas):
             local = replica.state()
-            gradient = pseudo_gradient({n: masters[n] for n in names}, {n: local[n] for n in names})
+            anchor = {n: published[n] for n in names}
+            gradient = pseudo_gradient(anchor, {n: local[n] for n in names})
             contributions.append(Contribution(uplinks[w].send(gradient), worker=str(w)))
         outer_step(masters, contributions, optimizer, setup.kinds)
+        downlink.publish(names)
         fragment_bytes = sum(setup.tensor_bytes.get(n, 0) for n in names)
         sent += sum(setup.upload_bytes[n] for n in names)
-        received += fragment_bytes
+        received += downlink.delta_nbytes(names)
         peak = max(peak, fragment_bytes)
         syncs += 1
-        return {n: masters[n].clone() for n in names}
+        return {n: published[n].clone() for n in names}
 
     def merge(f: int, snapshot: dict[str, torch.Tensor], alpha: float, step: int) -> None:
         for replica in replicas:
@@ -311,16 +324,16 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
         for f, snapshot in pending.pop(step, []):
             merge(f, snapshot, c.alpha, step)
         if _eval_due(step, c.eval_interval, c.steps) and step != c.steps:
-            curve.append((step, setup.evaluator.loss(masters)))
+            curve.append((step, setup.evaluator.loss(published)))
     for due in sorted(pending):  # sent, but due after the last step: merged now
         for f, snapshot in pending.pop(due):
             merge(f, snapshot, c.alpha, c.steps)
     for f in range(len(fragments)):
         if last_merge[f] < c.steps or c.alpha > 0:  # local values are not the global ones
             merge(f, sync_fragment(f), 0.0, c.steps)
-    curve.append((c.steps, setup.evaluator.loss(masters)))
+    curve.append((c.steps, setup.evaluator.loss(published)))
     return ModeOutcome(
-        masters,
+        published,
         curve,
         outer_steps=syncs,
         bytes_sent=sent,
@@ -367,11 +380,15 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
     optimizer = _delayed_nesterov(c)
     grace = GraceWindow(c.grace)
     masters = to_fp32_masters(setup.initial)
+    downlink = setup.downlink(masters)
+    published = downlink.published  # what workers hold: the masters, or P (--download-codec)
+    names = list(masters)
     replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(k)]
     uplinks = setup.uplinks()
     anchors = [{n: t.clone() for n, t in masters.items()} for _ in range(k)]
     anchor_versions = [0] * k
-    curve = [(0, setup.evaluator.loss(masters))]
+    received = 0.0
+    curve = [(0, setup.evaluator.loss(published))]
     events: list[tuple[float, int, int]] = []
 
     def schedule(w: int, now: float) -> None:
@@ -393,7 +410,7 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
         # one arrival pending at most).
         closes = grace.closes_at(opened, window[-1][0], all_arrived=not events)
         while next_eval < min(closes * fastest, c.steps):
-            curve.append((next_eval, setup.evaluator.loss(masters)))
+            curve.append((next_eval, setup.evaluator.loss(published)))
             next_eval += c.eval_interval
         contributions = []
         for when, w, n in window:
@@ -410,22 +427,26 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
             order.append((w, n, when))
         # A window is a round of its arrivals: the same outer_step, with Delayed Nesterov.
         outer_step(masters, contributions, optimizer, setup.kinds)
+        downlink.publish(names)
+        for _, w, _ in window:  # the step's delta for an anchor at its start, else P whole
+            delta = anchor_versions[w] == version
+            received += downlink.delta_nbytes(names) if delta else setup.model_bytes
         version += 1
         for _, w, _ in window:
-            replicas[w].load(masters)
-            anchors[w] = {name: t.clone() for name, t in masters.items()}
+            replicas[w].load(published)
+            anchors[w] = {name: t.clone() for name, t in published.items()}
             anchor_versions[w] = version
             schedule(w, closes)
     while next_eval < c.steps:
-        curve.append((next_eval, setup.evaluator.loss(masters)))
+        curve.append((next_eval, setup.evaluator.loss(published)))
         next_eval += c.eval_interval
-    curve.append((c.steps, setup.evaluator.loss(masters)))
+    curve.append((c.steps, setup.evaluator.loss(published)))
     return ModeOutcome(
-        masters,
+        published,
         curve,
         outer_steps=version,
         bytes_sent=len(order) * setup.upload_model_bytes / k,
-        bytes_received=len(order) * setup.model_bytes / k,
+        bytes_received=received / k,
         peak_sync_bytes=setup.model_bytes,
         local_steps=[r.steps_done for r in replicas],
         arrivals=order,
