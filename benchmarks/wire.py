@@ -7,12 +7,20 @@ run on 127.0.0.1:
   (b) a raw loopback TCP transfer of the same bytes: each of K clients sends 100 MB to one
       server process and receives 100 MB back;
   (c) torch.distributed gloo all_reduce of the same tensor between K processes;
+  (d) per codec pair (--codecs UPLOAD/DOWNLOAD), a round as a real worker sees it: every
+      round a new pseudo-gradient becomes its upload body (`UploadCoder`, error feedback
+      included), and the answer is applied to the worker's fp32 anchor (`apply_delta` for a
+      coded delta, a copy out of full weights otherwise), all inside the clock; with the bytes
+      each worker sent and received per round (the client's counters), where the time went
+      (encode, submit, wait, apply; the server's commit from its /metrics) and the server's
+      peak memory;
 plus the server's peak resident memory per K (VmHWM) against the model's fp32 size, and the
 outer step (the coordinator's apply_running_mean with Nesterov, and apply_mean beside it)
 against one in-place pass over the same memory. Writes benchmarks/results/wire.md and .json.
 
-    python benchmarks/wire.py                      # full (about 2-4 minutes on 2 cores)
+    python benchmarks/wire.py                      # full (about 5-10 minutes on 2 cores)
     python benchmarks/wire.py --parameters 1000000 --workers 1,2 --rounds 2 --out-dir /tmp/w
+    python benchmarks/wire.py --codecs fp32/fp32,int8/int8,topk:0.03+int2/int8
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -39,6 +48,7 @@ from diloco.algorithm import (
     apply_mean,
     apply_running_mean,
 )
+from diloco.algorithm.codecs import parse_codec
 from diloco.algorithm.tensors import finite_bound
 from diloco.console import (
     check_output_path,
@@ -50,11 +60,15 @@ from diloco.console import (
     write_json,
 )
 from diloco.server.launch import start_server, stop_process
-from diloco.wire import encode_tensors, specs_of
+from diloco.wire import decode_tensors, encode_tensors, specs_of
+from diloco.wire.compressed import apply_delta
 from diloco.worker import DiLoCoClient, RetryPolicy
+from diloco.worker.upload_coder import UploadCoder
 
 RESULTS = Path(__file__).parent / "results"
 TENSORS = 10
+DEFAULT_CODECS = "fp32/fp32,int8/fp32,int8/int8,topk:0.03+int2/topk:0.03+int2"
+PHASES = ("encode", "submit", "wait", "apply")  # a codec round's parts, as a worker sees them
 CONTEXT = mp.get_context("fork")  # children inherit the tensors; nothing is pickled
 
 
@@ -92,12 +106,13 @@ def timed_group(target, make_args, workers: int, rounds: int, others=()) -> dict
 
 
 def _server(
-    init: Path | None, workers: int, scratch: Path, memory_bodies: int = 0
+    init: Path | None, workers: int, scratch: Path, memory_bodies: int = 0, *codec_args: str
 ) -> tuple[subprocess.Popen, str]:
-    port_file = scratch / f"port-{workers}-{init is not None}"
+    port_file = Path(tempfile.mkdtemp(dir=scratch)) / "port"
     return start_server(
         port_file,
         *(["--init", str(init)] if init is not None else []),
+        *codec_args,
         "--min-workers",
         str(workers),
         "--memory-bodies",
@@ -163,6 +178,158 @@ def server_rounds(
     return {
         **timing,
         "server_idle_rss_mb": idle_kb / 1024,
+        "server_peak_rss_mb": peak_kb / 1024,
+    }
+
+
+# ------------------------------------------------------------------ (d) codecs, worker work in
+
+
+def codec_pairs(text: str) -> list[tuple[str, str]]:
+    """`--codecs`: comma-separated UPLOAD/DOWNLOAD pairs, each codec as the server spells it."""
+    pairs = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        upload, slash, download = item.strip().partition("/")
+        if not slash:
+            raise fail(f"--codecs takes UPLOAD/DOWNLOAD pairs (e.g. int8/int8), got {item!r}")
+        try:
+            pairs.append((str(parse_codec(upload)), str(parse_codec(download))))
+        except ValueError as exc:
+            raise fail(f"--codecs: {exc}") from None
+    if not pairs:
+        raise fail("--codecs must not be empty")
+    return pairs
+
+
+def _gradient_source(state, index: int) -> dict[str, torch.Tensor]:
+    """A worker's own noise (its seed), shifted every round into a new pseudo-gradient."""
+    generator = torch.Generator().manual_seed(1000 + index)
+    return {n: torch.randn(t.shape, generator=generator) * 1e-3 for n, t in state.items()}
+
+
+def _pseudo_gradient(source: dict[str, torch.Tensor], r: int) -> dict[str, torch.Tensor]:
+    return {n: torch.roll(t, 7919 * (r + 1) % t.numel()) for n, t in source.items()}
+
+
+def _codec_worker(url, index, state, rounds, barrier, shared, times) -> None:
+    """A worker's rounds with the server's codecs, its own work inside the clock.
+
+    Each round: a new pseudo-gradient (made before the clock) becomes the upload body with
+    error feedback (`UploadCoder`), goes up, and the answer moves the worker's fp32 anchor:
+    `apply_delta` when it is a coded delta against round r (asked with have=r), a copy out of
+    the full weights otherwise. At the end the anchor is compared with the server's published
+    weights, which it must equal bit for bit.
+    """
+    torch.set_num_threads(1)
+    specs = specs_of(state, dict.fromkeys(state, "trainable"))
+    source = _gradient_source(state, index)
+    with DiLoCoClient(url, retry=RetryPolicy(attempts=3), read_timeout=600) as client:
+        settings = client.info()["settings"]
+        block, chunk = int(settings["codec_block"]), int(settings["topk_chunk"])
+        upload = parse_codec(settings["upload_codec"], block=block, chunk=chunk)
+        download = parse_codec(settings["download_codec"], block=block, chunk=chunk)
+        coder = UploadCoder(upload, float(settings["error_feedback_beta"]), specs)
+        exact = set(state) - coder.coded_names
+        worker_id = client.register(f"bench{index}", [s.to_json() for s in specs])["worker_id"]
+        buffer, have = client.get_weights()
+        anchor = {n: t.to(torch.float32, copy=True) for n, t in decode_tensors(buffer).items()}
+        for r in range(rounds):
+            gradient = _pseudo_gradient(source, r)
+            before = client.stats
+            barrier.wait()
+            started = time.perf_counter()
+            body = coder.body(gradient)
+            encoded = time.perf_counter()
+            client.submit(r, worker_id, body)
+            submitted = time.perf_counter()
+            ask = None if download.is_identity else have
+            while (got := client.wait_result(r, worker_id, wait=60, into=buffer, have=ask)) is None:
+                pass
+            received = time.perf_counter()
+            if got.delta_from is not None:
+                if got.delta_from != have:
+                    raise RuntimeError(f"a delta against {got.delta_from}, our anchor is {have}")
+                apply_delta(got.body, anchor, download, exact=exact)
+            else:
+                for name, tensor in decode_tensors(got.body).items():
+                    anchor[name].copy_(tensor)
+            ended = time.perf_counter()
+            buffer, have = got.body, got.round
+            after = client.stats
+            slot = r * 8 + index
+            times[slot] = ended - started
+            for phase, seconds in zip(
+                PHASES,
+                (encoded - started, submitted - encoded, received - submitted, ended - received),
+                strict=True,
+            ):
+                shared[phase][slot] = seconds
+            shared["up_bytes"][slot] = after.bytes_sent - before.bytes_sent
+            shared["down_bytes"][slot] = after.bytes_received - before.bytes_received
+            shared["up_body"][slot] = len(body)
+            shared["down_body"][slot] = len(got.body)
+            shared["delta"][slot] = float(got.delta_from is not None)
+            del body, gradient
+        published = decode_tensors(client.get_weights()[0])
+        shared["anchor_equal"][index] = float(
+            all(torch.equal(anchor[n], published[n]) for n in anchor)
+        )
+
+
+def _server_metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return math.nan
+
+
+def codec_rounds(
+    init: Path,
+    state,
+    workers: int,
+    rounds: int,
+    scratch: Path,
+    memory_bodies: int,
+    pair: tuple[str, str],
+    codec_args: list[str],
+) -> dict:
+    upload, download = pair
+    args = ["--upload-codec", upload, "--download-codec", download, *codec_args]
+    process, url = _server(init, workers, scratch, memory_bodies, *args)
+    names = [*PHASES, "up_bytes", "down_bytes", "up_body", "down_body", "delta"]
+    shared = {name: CONTEXT.Array("d", rounds * 8) for name in names}
+    shared["anchor_equal"] = CONTEXT.Array("d", 8)
+    try:
+        barrier = CONTEXT.Barrier(workers)
+        timing = timed_group(
+            _codec_worker, lambda i: (url, i, state, rounds, barrier, shared), workers, rounds
+        )
+        peak_kb = _memory_kb(process.pid, "VmHWM")
+        commit_s = _server_metric(url, "diloco_outer_step_seconds_sum")
+        commits = _server_metric(url, "diloco_outer_step_seconds_count")
+    finally:
+        stop_process(process)
+
+    def each(name: str) -> list[float]:
+        return [shared[name][r * 8 + i] for r in range(rounds) for i in range(workers)]
+
+    return {
+        "upload_codec": upload,
+        "download_codec": download,
+        "workers": workers,
+        **timing,
+        "phase_median_seconds": {phase: statistics.median(each(phase)) for phase in PHASES},
+        "server_commit_mean_seconds": commit_s / commits if commits else None,
+        "up_bytes_per_worker_round": statistics.median(each("up_bytes")),
+        "down_bytes_per_worker_round": statistics.median(each("down_bytes")),
+        "up_body_bytes": statistics.median(each("up_body")),
+        "down_body_bytes": statistics.median(each("down_body")),
+        "delta_downloads": int(sum(each("delta"))),
+        "downloads": rounds * workers,
+        "anchors_equal_published": all(shared["anchor_equal"][i] == 1.0 for i in range(workers)),
         "server_peak_rss_mb": peak_kb / 1024,
     }
 
@@ -302,19 +469,36 @@ def main(
     memory_bodies: int = typer.Option(
         0, help="The server's --memory-bodies (0, its default: every upload is spooled)."
     ),
+    codecs: str = typer.Option(
+        DEFAULT_CODECS,
+        help="Comma-separated UPLOAD/DOWNLOAD codec pairs measured with the worker's own work "
+        "(download fp32: full weights; any other: coded deltas). Empty: none.",
+    ),
+    codec_block: int = typer.Option(128, help="The server's --codec-block."),
+    topk_chunk: int = typer.Option(128, help="The server's --topk-chunk."),
+    error_feedback_beta: float = typer.Option(0.95, help="The server's --error-feedback-beta."),
 ) -> None:
     check_output_path(out_dir / "wire.json", "--out-dir")
     counts = number_list(workers, "--workers")
     if any(k < 1 or k > 8 for k in counts) or parameters < TENSORS or rounds < 1:
         raise fail("--workers must be in [1, 8], --parameters >= 10 and --rounds >= 1")
+    pairs = codec_pairs(codecs) if codecs.strip() else []
+    codec_args = [
+        *("--codec-block", str(codec_block), "--topk-chunk", str(topk_chunk)),
+        *("--error-feedback-beta", str(error_feedback_beta)),
+    ]
     state = make_state(parameters)
     model_mb = sum(t.numel() * 4 for t in state.values()) / 1e6
     size = sum(t.numel() * 4 for t in state.values())
-    rows, results = [], []
+    rows, results, codec_rows, codec_results = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="diloco-wire-") as scratch:
         init = Path(scratch) / "init.safetensors"
         save_file(state, str(init))
         baseline_mb = runtime_baseline_mb(Path(scratch))
+
+        def model_multiple(peak_mb: float) -> str:
+            return f"{(peak_mb - baseline_mb) * 1.048576 / model_mb:.2f}x"
+
         for k in counts:
             err.print(f"K={k}: server round, raw TCP, gloo all_reduce")
             real = server_rounds(init, state, k, rounds, Path(scratch), memory_bodies)
@@ -332,9 +516,17 @@ def main(
                     f"{real['median_round_seconds'] / gloo_s:.2f}x" if gloo_s else "-",
                     f"{real['median_round_seconds'] / tcp['median_round_seconds']:.2f}x",
                     f"{real['server_peak_rss_mb']:.0f}",
-                    f"{(real['server_peak_rss_mb'] - baseline_mb) * 1.048576 / model_mb:.2f}x",
+                    model_multiple(real["server_peak_rss_mb"]),
                 ]
             )
+            for pair in pairs:
+                err.print(f"K={k}: codecs {pair[0]} up, {pair[1]} down, worker work included")
+                coded = codec_rounds(
+                    init, state, k, rounds, Path(scratch), memory_bodies, pair, codec_args
+                )
+                coded["gloo_ratio"] = coded["median_round_seconds"] / gloo_s if gloo_s else None
+                codec_results.append(coded)
+                codec_rows.append(_codec_row(coded, model_multiple))
     outer = outer_step_against_memory_pass(state)
     columns = [
         "K",
@@ -349,6 +541,8 @@ def main(
     out.print(
         summary_table(f"wire: {parameters:,} fp32 parameters ({model_mb:.0f} MB)", columns, rows)
     )
+    if codec_rows:
+        out.print(summary_table("codecs, a real worker's round", CODEC_COLUMNS, codec_rows))
     ratio = outer["outer_step_seconds"] / outer["memory_pass_seconds"]
     out.print(
         f"outer step {outer['outer_step_seconds']:.4f} s, one memory pass "
@@ -360,24 +554,110 @@ def main(
         "model_mb": model_mb,
         "rounds": rounds,
         "results": results,
+        "codecs": [f"{u}/{d}" for u, d in pairs],
+        "codec_settings": {
+            "codec_block": codec_block,
+            "topk_chunk": topk_chunk,
+            "error_feedback_beta": error_feedback_beta,
+        },
+        "codec_results": codec_results,
         "runtime_baseline_rss_mb": baseline_mb,
         "memory_bodies": memory_bodies,
         "outer_step": outer,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
     }
+    target = _target_line(codec_results, document)
+    if target:
+        out.print(target)
     write_json(out_dir / "wire.json", document)
-    (out_dir / "wire.md").write_text(_markdown(document, columns, rows, ratio))
+    (out_dir / "wire.md").write_text(_markdown(document, columns, rows, ratio, codec_rows, target))
     err.print(f"wrote {out_dir}/wire.md and wire.json")
 
 
-def _markdown(document: dict, columns: list[str], rows: list[list[object]], ratio: float) -> str:
+CODEC_COLUMNS = [
+    "up / down",
+    "K",
+    "round s",
+    "round / gloo",
+    "up MB",
+    "down MB",
+    "encode ms",
+    "submit ms",
+    "wait ms",
+    "apply ms",
+    "server commit ms",
+    "deltas",
+    "server peak RSS MB",
+    "(peak - runtime) / model",
+]
+
+
+def _codec_row(coded: dict, model_multiple) -> list[object]:
+    phase = coded["phase_median_seconds"]
+    commit = coded["server_commit_mean_seconds"]
+    ratio = coded["gloo_ratio"]
+    return [
+        f"{coded['upload_codec']} / {coded['download_codec']}",
+        coded["workers"],
+        f"{coded['median_round_seconds']:.3f}",
+        f"{ratio:.2f}x" if ratio else "-",
+        f"{coded['up_bytes_per_worker_round'] / 1e6:.2f}",
+        f"{coded['down_bytes_per_worker_round'] / 1e6:.2f}",
+        *(f"{phase[p] * 1000:.1f}" for p in PHASES),
+        f"{commit * 1000:.1f}" if commit is not None else "-",
+        f"{coded['delta_downloads']}/{coded['downloads']}",
+        f"{coded['server_peak_rss_mb']:.0f}",
+        model_multiple(coded["server_peak_rss_mb"]),
+    ]
+
+
+def _target_line(codec_results: list[dict], document: dict) -> str:
+    """The issue's target: int8 up with int8 deltas down at or under 1.0x gloo (K = 2, 4),
+    the server's peak memory under 5x the fp32 model."""
+    int8 = [
+        c
+        for c in codec_results
+        if c["upload_codec"] == "int8" and c["download_codec"] == "int8" and c["gloo_ratio"]
+    ]
+    if not int8:
+        return ""
+    baseline = document["runtime_baseline_rss_mb"]
+    parts = []
+    for c in int8:
+        memory = (c["server_peak_rss_mb"] - baseline) * 1.048576 / document["model_mb"]
+        parts.append(f"K = {c['workers']}: {c['gloo_ratio']:.2f}x gloo, memory {memory:.2f}x model")
+    met = all(c["gloo_ratio"] <= 1.0 for c in int8)
+    memory_ok = all(
+        (c["server_peak_rss_mb"] - baseline) * 1.048576 / document["model_mb"] < 5 for c in int8
+    )
+    return (
+        f"Target (int8 up, int8 deltas down, <= 1.0x the gloo fp32 all_reduce; server peak "
+        f"< 5x the model): {'; '.join(parts)}. Time: {'met' if met else 'missed'}; "
+        f"memory: {'met' if memory_ok else 'missed'}."
+    )
+
+
+def _markdown(
+    document: dict,
+    columns: list[str],
+    rows: list[list[object]],
+    ratio: float,
+    codec_rows: list[list[object]],
+    target: str,
+) -> str:
     outer = document["outer_step"]
+    codecs = ",".join(document["codecs"])
+    command = (
+        f"python benchmarks/wire.py --rounds {document['rounds']} "
+        f"--memory-bodies {document['memory_bodies']}"
+        + (f" --codecs {codecs}" if codecs != DEFAULT_CODECS else "")
+    )
+    settings = document["codec_settings"]
     lines = [
         "# Wire: a round through the server against raw TCP and gloo all_reduce",
         "",
-        f"Command: `python benchmarks/wire.py --rounds {document['rounds']} "
-        f"--memory-bodies {document['memory_bodies']}` "
+        f"Command: `{command}` "
         f"({document['parameters']:,} fp32 parameters, "
         f"{document['model_mb']:.0f} MB; median of {document['rounds']} rounds; "
         f"{document['machine']}, torch {document['torch']}; everything on 127.0.0.1).",
@@ -385,7 +665,8 @@ def _markdown(document: dict, columns: list[str], rows: list[list[object]], rati
         "- server round: every worker pushes a 100 MB pseudo-gradient and pulls the new "
         "weights through `diloco server` (barrier over all K, outer Nesterov step, the result "
         "served from the masters' own buffer), into the buffer its last weights came in (as "
-        "`DiLoCoWorker` does);",
+        "`DiLoCoWorker` does); the body is encoded before the clock starts and the weights "
+        "are not decoded (the transport alone);",
         "- raw TCP: each of K clients sends the same bytes to one process and gets them back;",
         "- gloo: `torch.distributed.all_reduce` of the same fp32 tensor between K processes;",
         "- peak RSS: the server process's VmHWM over the whole run; the last column subtracts "
@@ -406,6 +687,46 @@ def _markdown(document: dict, columns: list[str], rows: list[list[object]], rati
         f"{outer['apply_mean_seconds'] / outer['memory_pass_seconds']:.2f}x.",
         "",
     ]
+    if codec_rows:
+        lines += [
+            "## Codecs: a round as a real worker sees it",
+            "",
+            f"Server `--upload-codec UP --download-codec DOWN --codec-block "
+            f"{settings['codec_block']} --topk-chunk {settings['topk_chunk']} "
+            f"--error-feedback-beta {settings['error_feedback_beta']:g}`; one torch thread per "
+            "worker. Every round each worker gets a new pseudo-gradient (its own seeded noise, "
+            "shifted; made before the clock), and inside the clock:",
+            "",
+            "- encode: `UploadCoder.body` (error feedback: e = beta e + g, code e, "
+            "e -= D(C(e)); fp32: the plain body);",
+            "- submit: the POST, answered once the server has spooled, scanned and folded it;",
+            "- wait: the long poll until the round commits (barrier, outer step, for a coded "
+            "download the delta's encode and P += D(delta)) and the answer's download, with "
+            "have = the anchor's round so that a coded download is a delta;",
+            "- apply: `apply_delta` into the worker's fp32 anchor, or a copy out of the full "
+            "weights (fp32 down);",
+            "- round s: the slowest worker's encode to apply, median over rounds; round / gloo "
+            "against the gloo fp32 all_reduce of the same K above; phases are medians over "
+            "every worker and round;",
+            "- up / down MB: bytes each worker sent and received per round (the client's "
+            "counters: bodies, JSON answers included); server commit: the mean of the "
+            "server's `diloco_outer_step_seconds` (outer step, delta encode and P's update, "
+            "the journal); deltas: downloads that came as a delta (every worker ended with "
+            "an anchor equal to the server's published weights bit for bit: "
+            + (
+                "yes"
+                if all(c["anchors_equal_published"] for c in document["codec_results"])
+                else "NO"
+            )
+            + ").",
+            "",
+            "| " + " | ".join(CODEC_COLUMNS) + " |",
+            "|" + "---|" * len(CODEC_COLUMNS),
+            *["| " + " | ".join(str(c) for c in row) + " |" for row in codec_rows],
+            "",
+        ]
+        if target:
+            lines += [target, ""]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""The wire benchmark stays runnable: a small model, one and two workers, one round."""
+"""The wire benchmark stays runnable: a small model, one and two workers, one codec pair."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from processes import run_benchmark
 def test_reduced_wire_benchmark_measures_every_path(tmp_path: Path) -> None:
     result = run_benchmark(
         "wire.py",
-        *("--parameters", "200000", "--workers", "1,2", "--rounds", "1"),
-        *("--out-dir", str(tmp_path)),
+        *("--parameters", "200000", "--workers", "1,2", "--rounds", "2"),
+        *("--codecs", "int8/int8", "--out-dir", str(tmp_path)),
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -25,11 +25,38 @@ def test_reduced_wire_benchmark_measures_every_path(tmp_path: Path) -> None:
         assert entry["raw_tcp"]["median_round_seconds"] > 0
         assert entry["server"]["server_peak_rss_mb"] >= entry["server"]["server_idle_rss_mb"] > 0
     assert document["outer_step"]["outer_step_seconds"] > 0
+
+    assert document["codecs"] == ["int8/int8"]
+    coded_one, coded_two = document["codec_results"]
+    assert [c["workers"] for c in (coded_one, coded_two)] == [1, 2]
+    for coded in (coded_one, coded_two):
+        assert coded["upload_codec"] == coded["download_codec"] == "int8"
+        assert coded["median_round_seconds"] > 0
+        assert all(seconds > 0 for seconds in coded["phase_median_seconds"].values())
+        assert coded["server_commit_mean_seconds"] > 0
+        # int8 with block 128: 1 byte per element and one fp32 scale per 128, both ways
+        # (every round's download a delta against the anchor) plus the header: ~1/4 of fp32.
+        for direction in ("up", "down"):
+            sent = coded[f"{direction}_bytes_per_worker_round"]
+            assert 200_000 * 1.03 < sent < 200_000 * 1.05, (direction, sent)
+            assert coded[f"{direction}_body_bytes"] <= sent
+        assert coded["delta_downloads"] == coded["downloads"] == 2 * coded["workers"]
+        assert coded["anchors_equal_published"] is True
+        assert coded["server_peak_rss_mb"] > 0
+    assert coded_one["gloo_ratio"] is None and coded_two["gloo_ratio"] > 0
     table = (tmp_path / "wire.md").read_text()
     assert "| 1 |" in table and "| 2 |" in table and "Outer step" in table
+    assert "| int8 / int8 | 2 |" in table and "Target (int8 up" in table
 
 
 def test_bad_worker_counts_are_one_line(tmp_path: Path) -> None:
     result = run_benchmark("wire.py", "--workers", "0,2", "--out-dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--workers must be in [1, 8]" in result.stderr
+
+
+def test_bad_codec_pairs_are_one_line(tmp_path: Path) -> None:
+    for codecs, message in (("int8", "UPLOAD/DOWNLOAD pairs"), ("int8/int7", "int7")):
+        result = run_benchmark("wire.py", "--codecs", codecs, "--out-dir", str(tmp_path))
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert message in result.stderr
