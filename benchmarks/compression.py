@@ -5,8 +5,10 @@ worker, Shakespeare): sync DiLoCo with each upload codec (fp32, bf16, int8, int4
 topk:0.03+int2, topk:0.01+int2), each with error feedback (beta 0.95, the server's default) and
 without (beta 0), beside data-parallel; a sweep of beta for topk:0.03+int2; and outer SGD
 with lr 1 (--outer-variants) for that codec and for fp32: SparseLoCo (Sarfi et al. 2025) has
-no outer momentum, its error feedback plays that part. Upload bytes are the
-exact bytes of the real system's bodies (sim/compression.py); downloads are fp32 weights.
+no outer momentum, its error feedback plays that part; and delta downloads (--downloads
+UP/DOWN pairs: workers hold the published weights the server moves by each step's coded
+delta, as `diloco server --download-codec`). Bytes are the exact bytes of the real system's
+bodies (sim/compression.py); downloads are fp32 weights except in the delta-download runs.
 Targets (issue 12): int8 + EF within 0.5 % of fp32 DiLoCo's eval loss; topk:0.03+int2 + EF
 within 1 % of it with at least 100x fewer upload bytes. Writes <out>/compression.md, .json, .png.
 
@@ -71,6 +73,8 @@ def _label(config: SimConfig) -> str:
     if not codec.is_identity:
         beta = config.error_feedback_beta
         text += f", EF {beta:g}" if beta else ", no EF"
+    if not config.download.is_identity:
+        text += f", down {config.download}"
     if (config.outer_optimizer, config.outer_lr) != ("nesterov", 0.7):
         text += f", outer {config.outer_optimizer} lr {config.outer_lr:g}"
     return text
@@ -88,6 +92,10 @@ def main(
         "sgd:1",
         help="Extra runs of the sweep codec (EF at --beta) and of fp32 under other outer "
         "optimizers, as OPTIMIZER:LR items (sgd:1 is SparseLoCo's: EF is the momentum).",
+    ),
+    downloads: str = typer.Option(
+        "int8/int8,topk:0.03+int2/int8",
+        help="UPLOAD/DOWNLOAD codec pairs run with delta downloads (EF at --beta); empty: none.",
     ),
     codec_block: int = typer.Option(128, help="Values per quantization scale."),
     topk_chunk: int = typer.Option(128, help="Elements per top-k chunk."),
@@ -111,6 +119,7 @@ def main(
     specs = [s.strip() for s in codecs.split(",") if s.strip()]
     betas = number_list(sweep_betas, "--sweep-betas", float)
     variants = _outer_variants(outer_variants)
+    pairs = _download_pairs(downloads)
     try:
         require_matplotlib()
         data = load_named_corpus(corpus)
@@ -128,7 +137,7 @@ def main(
             codec_block=codec_block,
             topk_chunk=topk_chunk,
         )
-        plan = _plan(base, specs, beta, sweep_codec, betas, variants)
+        plan = _plan(base, specs, beta, sweep_codec, betas, variants, pairs)
         for _, config in plan:
             validate_algorithm_settings(config)
     except (ValueError, CorpusError) as exc:
@@ -177,9 +186,11 @@ def _plan(
     sweep_codec: str,
     betas: list[float],
     variants: list[tuple[str, float]],
+    pairs: list[tuple[str, str]] = (),
 ) -> list[tuple[list[str], SimConfig]]:
-    """(parts, config) of every run, each (codec, beta, outer) once: ddp, the grid (fp32 once:
-    its error feedback is the identity's, nothing), the beta sweep, the outer variants."""
+    """(parts, config) of every run, each (codec, beta, outer, download) once: ddp, the grid
+    (fp32 once: its error feedback is the identity's, nothing), the beta sweep, the outer
+    variants, the delta downloads."""
     plan: dict[tuple, tuple[list[str], SimConfig]] = {}
 
     def add(part: str, config: SimConfig) -> None:
@@ -190,6 +201,7 @@ def _plan(
             0.0 if codec.is_identity else config.error_feedback_beta,
             config.outer_optimizer,
             config.outer_lr,
+            str(config.download),
         )
         if key in plan:
             plan[key][0].append(part)
@@ -207,7 +219,21 @@ def _plan(
         outer = dict(outer_optimizer=optimizer, outer_lr=outer_lr)
         add("outer", SimConfig(upload_codec="fp32", **outer, **base))
         add("outer", SimConfig(upload_codec=sweep_codec, error_feedback_beta=beta, **outer, **base))
+    for upload, download in pairs:
+        coded = dict(upload_codec=upload, download_codec=download, error_feedback_beta=beta)
+        add("download", SimConfig(**coded, **base))
     return list(plan.values())
+
+
+def _download_pairs(text: str) -> list[tuple[str, str]]:
+    """--downloads "int8/int8,topk:0.03+int2/int8" as (upload, download) pairs."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        upload, slash, download = part.partition("/")
+        if not slash or not upload.strip() or not download.strip():
+            raise fail(f"--downloads takes UPLOAD/DOWNLOAD codec pairs, got {part!r}")
+        pairs.append((upload.strip(), download.strip()))
+    return pairs
 
 
 # ------------------------------------------------------------------ tables, reading, plot
@@ -231,6 +257,7 @@ def _rows(runs: list[dict], ddp: dict, fp32: dict) -> list[list[object]]:
                 f"{100 * (loss / fp32['final_eval_loss'] - 1):+.2f} %",
                 f"{loss / ddp['final_eval_loss']:.3f}",
                 f"{sent / 1e6:,.3f}",
+                f"{run['bytes_received_per_worker'] / 1e6:,.3f}",
                 f"{fp32['bytes_sent_per_worker'] / sent:,.1f}x",
                 f"{ddp['bytes_sent_per_worker'] / sent:,.0f}x",
                 f"{run['wall_seconds']:.0f}",
@@ -245,6 +272,7 @@ COLUMNS = [
     "vs fp32 DiLoCo",
     "loss / ddp",
     "MB up per worker",
+    "MB down per worker",
     "fewer up bytes than fp32 DiLoCo",
     "fewer than ddp",
     "seconds",
@@ -255,12 +283,14 @@ def write_results(document: dict, out_dir: Path) -> None:
     """Print the tables and write compression.json, .md and .png from one results document."""
     setup, runs = document["setup"], document["runs"]
     ddp, fp32 = _reference(runs)
-    parts = {part: [r for r in runs if part in r["parts"]] for part in ("grid", "sweep", "outer")}
+    names = ("grid", "sweep", "outer", "download")
+    parts = {part: [r for r in runs if part in r["parts"]] for part in names}
     tables = {part: _rows(chosen, ddp, fp32) for part, chosen in parts.items() if chosen}
     titles = {
         "grid": "1. upload codecs, with and without error feedback",
         "sweep": f"2. error-feedback beta, {setup['sweep_codec']}",
         "outer": "3. outer optimizer",
+        "download": "4. delta downloads (--download-codec), error feedback on uploads",
     }
     for part, rows in tables.items():
         out.print(summary_table(titles[part], COLUMNS, rows))
@@ -279,7 +309,8 @@ def _find(runs: list[dict], codec: str, beta: float) -> dict | None:
         config = run["config"]
         default_outer = (config["outer_optimizer"], config["outer_lr"]) == ("nesterov", 0.7)
         same = run["upload_codec"] == codec and run["error_feedback_beta"] == beta
-        if run["mode"] == "diloco" and same and default_outer:
+        full_down = config.get("download_codec", "fp32") == "fp32"
+        if run["mode"] == "diloco" and same and default_outer and full_down:
             return run
     return None
 
@@ -358,6 +389,19 @@ def _reading(parts: dict[str, list[dict]], fp32: dict) -> list[str]:
             f"({100 * (sparse['final_eval_loss'] / fp32['final_eval_loss'] - 1):+.2f} % against "
             "fp32 DiLoCo with the default outer Nesterov)."
         )
+    for run in parts.get("download", []):
+        full = _find(
+            parts["grid"] + parts["sweep"], run["upload_codec"], run["error_feedback_beta"]
+        )
+        if full is None:
+            continue
+        lines.append(
+            f"- {run['label']}: {run['final_eval_loss']:.4f} against "
+            f"{full['final_eval_loss']:.4f} with full fp32 downloads "
+            f"({run['final_eval_loss'] - full['final_eval_loss']:+.4f} nats), "
+            f"{full['bytes_received_per_worker'] / run['bytes_received_per_worker']:,.1f}x "
+            "fewer download bytes."
+        )
     return lines
 
 
@@ -428,7 +472,7 @@ def _markdown(
     reading: list[str],
 ) -> str:
     lines = [
-        "# Compression: upload codecs with and without error feedback (simulator)",
+        "# Compression: codecs with and without error feedback (simulator)",
         "",
         f"Command: `{setup['command']}`",
         "",
@@ -445,8 +489,9 @@ def _markdown(
         "e <- beta e + g, send C(e), e <- e - D(C(e)); beta 0 is none",
         "- bytes: upload bytes per worker over the whole run, the tensor data of the real "
         "bodies (codes, scales, packed indices; headers left out); downloads are fp32 weights "
-        "in every DiLoCo run. ddp counts a ring all-reduce of fp32 gradients every step "
-        "(2 (K - 1) / K of the model per worker and direction)",
+        "in every DiLoCo run but those of part 4 (each step's coded delta). ddp counts a "
+        "ring all-reduce of fp32 gradients every step (2 (K - 1) / K of the model per worker "
+        "and direction)",
         f"- machine: {setup['machine']}, torch {setup['torch']}; whole benchmark "
         f"{setup['total_seconds']} s",
         "",
