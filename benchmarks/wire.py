@@ -477,12 +477,20 @@ def main(
     codec_block: int = typer.Option(128, help="The server's --codec-block."),
     topk_chunk: int = typer.Option(128, help="The server's --topk-chunk."),
     error_feedback_beta: float = typer.Option(0.95, help="The server's --error-feedback-beta."),
+    links: str = typer.Option(
+        "1000,100",
+        help="Link speeds in Mbit/s for the projection of each round onto slower links "
+        "(empty: none).",
+    ),
 ) -> None:
     check_output_path(out_dir / "wire.json", "--out-dir")
     counts = number_list(workers, "--workers")
     if any(k < 1 or k > 8 for k in counts) or parameters < TENSORS or rounds < 1:
         raise fail("--workers must be in [1, 8], --parameters >= 10 and --rounds >= 1")
     pairs = codec_pairs(codecs) if codecs.strip() else []
+    link_speeds = number_list(links, "--links", float) if links.strip() else []
+    if any(not math.isfinite(v) or v <= 0 for v in link_speeds):
+        raise fail("--links takes positive speeds in Mbit/s")
     codec_args = [
         *("--codec-block", str(codec_block), "--topk-chunk", str(topk_chunk)),
         *("--error-feedback-beta", str(error_feedback_beta)),
@@ -527,6 +535,7 @@ def main(
                 coded["gloo_ratio"] = coded["median_round_seconds"] / gloo_s if gloo_s else None
                 codec_results.append(coded)
                 codec_rows.append(_codec_row(coded, model_multiple))
+    projections = project_onto_links(results, codec_results, size, link_speeds)
     outer = outer_step_against_memory_pass(state)
     columns = [
         "K",
@@ -561,18 +570,63 @@ def main(
             "error_feedback_beta": error_feedback_beta,
         },
         "codec_results": codec_results,
+        "link_projections": projections,
         "runtime_baseline_rss_mb": baseline_mb,
         "memory_bodies": memory_bodies,
         "outer_step": outer,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
     }
+    if projections:
+        out.print(summary_table("projected onto slower links", *_projection_table(projections)))
     target = _target_line(codec_results, document)
     if target:
         out.print(target)
     write_json(out_dir / "wire.json", document)
     (out_dir / "wire.md").write_text(_markdown(document, columns, rows, ratio, codec_rows, target))
     err.print(f"wrote {out_dir}/wire.md and wire.json")
+
+
+def project_onto_links(
+    results: list[dict], codec_results: list[dict], size: int, links: list[float]
+) -> list[dict]:
+    """Each measured round moved onto links of `links` Mbit/s (full duplex, one per machine):
+    the loopback round plus the time its bytes need on the busiest link. Through the server
+    that is the server's own link, which carries all K uploads and then all K downloads:
+    K (up + down) / B. A gloo ring all_reduce sends and receives 2 (K - 1) / K of the model
+    on every worker's link at once: 2 (K - 1) / K S / B. A model, not a measurement: it leaves
+    out latency, TCP's ramp-up and any overlap of compute with transfer."""
+    gloo = {r["workers"]: r["gloo"]["median_round_seconds"] for r in results if r["gloo"]}
+    rows = []
+    for mbit in links:
+        rate = mbit * 1e6 / 8  # bytes per second
+        for k, gloo_s in gloo.items():
+            ring = gloo_s + 2 * (k - 1) / k * size / rate
+            pairs = {}
+            for coded in codec_results:
+                if coded["workers"] != k:
+                    continue
+                moved = k * (
+                    coded["up_bytes_per_worker_round"] + coded["down_bytes_per_worker_round"]
+                )
+                seconds = coded["median_round_seconds"] + moved / rate
+                pair = f"{coded['upload_codec']}/{coded['download_codec']}"
+                pairs[pair] = {"round_seconds": seconds, "gloo_ratio": seconds / ring}
+            rows.append({"link_mbit": mbit, "workers": k, "gloo_seconds": ring, "pairs": pairs})
+    return rows
+
+
+def _projection_table(projections: list[dict]) -> tuple[list[str], list[list[object]]]:
+    names = list(dict.fromkeys(n for p in projections for n in p["pairs"]))
+    columns = ["link Mbit/s", "K", "gloo fp32 all_reduce s", *(f"{n} s (x gloo)" for n in names)]
+    rows = []
+    for p in projections:
+        cells = []
+        for name in names:
+            got = p["pairs"].get(name)
+            cells.append(f"{got['round_seconds']:.2f} ({got['gloo_ratio']:.2f}x)" if got else "-")
+        rows.append([f"{p['link_mbit']:g}", p["workers"], f"{p['gloo_seconds']:.2f}", *cells])
+    return columns, rows
 
 
 CODEC_COLUMNS = [
@@ -727,6 +781,26 @@ def _markdown(
         ]
         if target:
             lines += [target, ""]
+    projections = document["link_projections"]
+    if projections:
+        columns, rows = _projection_table(projections)
+        lines += [
+            "## Projected onto slower links",
+            "",
+            "Loopback moves bytes at memory speed, so there coding costs more CPU time than "
+            "it saves in transfer. On a real link of B bit/s per machine (full duplex) a "
+            "round through the server also waits for its busiest link, the server's, which "
+            "carries all K uploads and then all K downloads: the measured round + K (up + "
+            "down) / B; a gloo ring all_reduce moves 2 (K - 1) / K of the model over every "
+            "worker's link at once: the measured all_reduce + 2 (K - 1) / K S / B. A model, "
+            "not a measurement (no latency, no TCP ramp-up, no overlap of compute and "
+            "transfer); up and down bytes are the measured ones above.",
+            "",
+            "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns),
+            *["| " + " | ".join(str(c) for c in row) + " |" for row in rows],
+            "",
+        ]
     return "\n".join(lines)
 
 

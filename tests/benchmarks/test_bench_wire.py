@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from processes import run_benchmark
 
 
@@ -44,9 +46,27 @@ def test_reduced_wire_benchmark_measures_every_path(tmp_path: Path) -> None:
         assert coded["anchors_equal_published"] is True
         assert coded["server_peak_rss_mb"] > 0
     assert coded_one["gloo_ratio"] is None and coded_two["gloo_ratio"] > 0
+    # Projections onto 1000 and 100 Mbit/s (the default --links), K = 2 only (gloo needs 2):
+    # the ring moves 2 (K - 1) / K of the 800,000-byte model per worker, the server's link
+    # K (up + down) bytes.
+    projections = document["link_projections"]
+    assert [(p["link_mbit"], p["workers"]) for p in projections] == [(1000, 2), (100, 2)]
+    gloo_s = document["results"][1]["gloo"]["median_round_seconds"]
+    for projection in projections:
+        rate = projection["link_mbit"] * 1e6 / 8
+        assert projection["gloo_seconds"] == pytest.approx(gloo_s + 800_000 / rate)
+        moved = 2 * (
+            coded_two["up_bytes_per_worker_round"] + coded_two["down_bytes_per_worker_round"]
+        )
+        got = projection["pairs"]["int8/int8"]
+        assert got["round_seconds"] == pytest.approx(
+            coded_two["median_round_seconds"] + moved / rate
+        )
+        assert got["gloo_ratio"] == pytest.approx(got["round_seconds"] / projection["gloo_seconds"])
     table = (tmp_path / "wire.md").read_text()
     assert "| 1 |" in table and "| 2 |" in table and "Outer step" in table
     assert "| int8 / int8 | 2 |" in table and "Target (int8 up" in table
+    assert "## Projected onto slower links" in table and "| 100 | 2 |" in table
 
 
 def test_bad_worker_counts_are_one_line(tmp_path: Path) -> None:
@@ -56,7 +76,12 @@ def test_bad_worker_counts_are_one_line(tmp_path: Path) -> None:
 
 
 def test_bad_codec_pairs_are_one_line(tmp_path: Path) -> None:
-    for codecs, message in (("int8", "UPLOAD/DOWNLOAD pairs"), ("int8/int7", "int7")):
-        result = run_benchmark("wire.py", "--codecs", codecs, "--out-dir", str(tmp_path))
+    cases = (
+        (("--codecs", "int8"), "UPLOAD/DOWNLOAD pairs"),
+        (("--codecs", "int8/int7"), "int7"),
+        (("--links", "100,-1"), "--links takes positive speeds"),
+    )
+    for args, message in cases:
+        result = run_benchmark("wire.py", *args, "--out-dir", str(tmp_path))
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert message in result.stderr
