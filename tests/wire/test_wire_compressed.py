@@ -19,6 +19,7 @@ from diloco.algorithm.codecs import Codec, Layout, decode, encode, parse_codec
 from diloco.wire import WireError, decode_tensors, encode_tensors
 from diloco.wire.bitpack import pack, padding_is_zero, unpack
 from diloco.wire.compressed import (
+    apply_delta,
     check_compressed_header,
     check_entry,
     codec_metadata,
@@ -649,3 +650,36 @@ def test_error_messages_name_the_tensor() -> None:
     assert re.search(r"tensor 'w' part 'scales': block 0 has scale nan", error.error)
     assert error.to_body()["detail"] == {"tensor": "w", "part": "scales", "block": 0}
     assert struct.calcsize("<f") == 4
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int2", "bf16", "topk:0.03+int2", "topk:0.5"])
+def test_a_sender_s_fold_while_coding_moves_its_copy_as_a_receiver_s_fold_of_the_body(
+    spec: str,
+) -> None:
+    """The server's published weights and a worker's residual move while the body is coded
+    (`fold_into`); a receiver moves its copy by folding the finished body. Both must end
+    bit for bit equal, and the residual must be what the receiver did not get."""
+    codec = parse_codec(spec, block=64, chunk=64)
+    generator = torch.Generator().manual_seed(11)
+    sent = {
+        "w": torch.randn(3, 700, generator=generator),  # spans of several pieces, a tail block
+        "b": torch.randn(37, generator=generator),
+    }
+    start = {n: torch.randn(t.shape, generator=generator) for n, t in sent.items()}
+    sender = {n: t.clone() for n, t in start.items()}
+    body = encode_compressed(sent, codec, fold_into=sender)
+    receiver = {n: t.clone() for n, t in start.items()}
+    apply_delta(body, receiver, codec)
+    moved = 0
+    for name in sent:
+        assert torch.equal(sender[name], receiver[name]), name
+        moved += int((sender[name] != start[name]).sum())
+    assert moved > 0
+    # Error feedback: e folded with weight -1 while coding e is e - D(C(e)).
+    residual = {n: t.clone() for n, t in sent.items()}
+    body = encode_compressed(residual, codec, fold_into=residual, weight=-1.0)
+    decoded = decode_compressed(
+        body, {n: (tuple(t.shape), t.dtype) for n, t in sent.items()}, codec
+    )
+    for name, tensor in sent.items():
+        assert torch.equal(residual[name], tensor - decoded[name]), name

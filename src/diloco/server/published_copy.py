@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable, Mapping
 import torch
 
 from diloco.algorithm.codecs import Codec
-from diloco.wire.compressed import apply_delta, compressed_frame, write_entry
+from diloco.wire.compressed import compressed_frame, write_entry
 from diloco.wire.layout import FrameBuffer, FrameLayout
 
 
@@ -54,18 +54,24 @@ class PublishedCopy:
 
     def advance(self, masters: Mapping[str, torch.Tensor], names: Iterable[str]) -> bytearray:
         """Code masters - P for `names` (one step's tensors), move P by exactly what the body
-        says, and return the body. One tensor's difference exists at a time."""
+        says, and return the body. One tensor's difference exists at a time.
+
+        P moves as each piece is coded (`write_entry(fold_into=P)`): the same `decode_into`
+        of the same pieces that a worker's `apply_delta` runs on this body, so P and every
+        anchor stay bit-identical, without reading back and re-checking our own body."""
         published = self._writable()
         names = list(names)
         exact = {n for n in names if n not in self.coded}
         shapes = {n: (tuple(published[n].shape), published[n].dtype) for n in names}
         body, views = compressed_frame(shapes, self.codec, exact)
         for name in names:
+            target = published[name]
             if name in exact:
-                value = masters[name].to(published[name].dtype)
+                value = masters[name].to(target.dtype)
+                write_entry(views, name, value, self.codec, exact)
+                target.copy_(value)
             else:
-                value = torch.sub(masters[name], published[name])
-            write_entry(views, name, value, self.codec, exact)
+                value = torch.sub(masters[name], target)
+                write_entry(views, name, value, self.codec, exact, fold_into=target)
             del value
-        apply_delta(body, {n: published[n] for n in names}, self.codec, exact=exact)
         return body

@@ -88,17 +88,25 @@ __all__ = [
 
 
 def encode_compressed(
-    tensors: Mapping[str, torch.Tensor], codec: Codec, exact: Collection[str] = frozenset()
+    tensors: Mapping[str, torch.Tensor],
+    codec: Codec,
+    exact: Collection[str] = frozenset(),
+    *,
+    fold_into: Mapping[str, torch.Tensor] | None = None,
+    weight: float = 1.0,
 ) -> bytearray:
     """A safetensors body of `tensors`: floating ones not in `exact` coded by `codec` as parts,
-    the others as plain entries (their own dtype). The codec is in the header's metadata."""
+    the others as plain entries (their own dtype). The codec is in the header's metadata.
+    `fold_into` (name -> fp32 tensor): each gets weight * what its entry decodes to, as
+    `write_parts` does (error feedback: the residual loses what was sent)."""
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     buffer, views = compressed_frame(shapes, codec, exact)
+    folds = fold_into or {}
     for name, tensor in tensors.items():
-        write_entry(views, name, tensor, codec, exact)
+        write_entry(views, name, tensor, codec, exact, fold_into=folds.get(name), weight=weight)
     return buffer
 
 
@@ -130,27 +138,48 @@ def write_entry(
     tensor: torch.Tensor,
     codec: Codec,
     exact: Collection[str] = frozenset(),
+    *,
+    fold_into: torch.Tensor | None = None,
+    weight: float = 1.0,
 ) -> None:
-    """Write `tensor` into its entries of a `compressed_frame` body: coded parts, or plain."""
+    """Write `tensor` into its entries of a `compressed_frame` body: coded parts, or plain
+    (`fold_into`: see `write_parts`; coded entries only)."""
     if is_compressed(name, tensor.dtype, exact):
         parts = {part: views.get(f"{name}{SEPARATOR}{part}") for part in PARTS}
-        write_parts(tensor, codec, parts)
+        write_parts(tensor, codec, parts, fold_into=fold_into, weight=weight)
     elif tensor.numel():
         views[name].copy_(tensor.detach())
 
 
-def write_parts(x: torch.Tensor, codec: Codec, parts: Mapping[str, torch.Tensor | None]) -> None:
+def write_parts(
+    x: torch.Tensor,
+    codec: Codec,
+    parts: Mapping[str, torch.Tensor | None],
+    *,
+    fold_into: torch.Tensor | None = None,
+    weight: float = 1.0,
+) -> None:
     """Code `x` into `parts` (1-D tensors of the shapes and dtypes of `part_specs`), piece by
-    piece, so that no full-size temporary is made."""
+    piece, so that no full-size temporary is made.
+
+    `fold_into` (contiguous fp32, x's size; may be x itself): += weight * each piece's decoded
+    values, with the very `decode_into` of each piece that a receiver's `fold_entry` runs on
+    the same span, so a sender's copy moves bit for bit as a receiver's does, without reading
+    the body back (the server's published weights; a worker's error-feedback residual)."""
     flat = x.detach().reshape(-1)
     codes = parts[CODES]
     assert codes is not None
+    folded = fold_into.view(-1) if fold_into is not None else None
     if not codec.is_quantized and not codec.is_sparse:
         codes.copy_(flat)  # fp32 / bf16: one (casting) copy
+        if folded is not None:
+            folded.add_(codes.float(), alpha=weight)
         return
     scales, indices = parts.get(SCALES), parts.get(INDICES)
     for span in Layout(flat.numel(), codec).spans(piece_elements(flat.device)):
         piece = encode(flat[span.start : span.stop], codec)
+        if folded is not None:
+            decode_into(piece, codec, folded[span.start : span.stop], weight)
         if codec.is_quantized:
             assert scales is not None and piece.scales is not None
             pack(piece.codes, codec.bits, out=codes[slice(*span.code_bytes)])

@@ -5,8 +5,9 @@ other codec loses something, and error feedback keeps it: for each trainable ten
 holds a residual e and sends, every round, the coding of e <- beta e + g, then keeps
 e <- e - D(C(e)), what the server did not get (Seide et al. 2014; Karimireddy et al. 2019; the
 decay beta as in SparseLoCo, Sarfi et al. 2025). D is applied to the body itself with the
-server's own decoder, so the residual is exactly what the server's fold will miss. beta = 0
-turns it off (nothing is kept). Buffers and frozen tensors always go exact.
+server's own decoder (`decode_into` of each piece as it is coded), so the residual is exactly
+what the server's fold will miss. beta = 0 turns it off (nothing is kept). Buffers and frozen
+tensors always go exact.
 
 The residual belongs to one model, fragment plan and codec: `key` names them, and a residual
 saved under another key (a restart with another model, plan or server setting) is dropped
@@ -25,7 +26,7 @@ import torch
 from diloco.algorithm import TensorKind
 from diloco.algorithm.codecs import Codec
 from diloco.wire import TensorSpec, decode_tensors, encode_tensors, fingerprint
-from diloco.wire.compressed import decode_compressed, encode_compressed
+from diloco.wire.compressed import encode_compressed
 
 log = logging.getLogger("diloco.worker")
 
@@ -72,12 +73,10 @@ class UploadCoder:
                 source[name] = self._accumulate(name, gradient[name])
         if codec.is_quantized or codec.is_sparse:
             exact = set(gradient) - set(coded)
-            body = encode_compressed(source, codec, exact=exact)
-            if self.keeps_residual:
-                expected = {n: (tuple(t.shape), t.dtype) for n, t in gradient.items()}
-                sent = decode_compressed(body, expected, codec, exact=exact)
-                self._subtract(coded, sent)
-            return body
+            # e <- e - D(C(e)) as each piece is coded: the decode_into the server's fold
+            # runs on the same pieces of this body, so e is exactly what the server missed.
+            residual = {n: source[n] for n in coded} if self.keeps_residual else None
+            return encode_compressed(source, codec, exact=exact, fold_into=residual, weight=-1.0)
         body = encode_tensors(source, float_dtype=torch.bfloat16)  # dense bf16: a plain body
         if self.keeps_residual:
             self._subtract(coded, decode_tensors(body))
