@@ -54,7 +54,8 @@ class PublishedCopy:
 
     def advance(self, masters: Mapping[str, torch.Tensor], names: Iterable[str]) -> bytearray:
         """Code masters - P for `names` (one step's tensors), move P by exactly what the body
-        says, and return the body. One tensor's difference exists at a time.
+        says, and return the body. One tensor's difference exists at a time, in one scratch
+        buffer of the largest tensor's size.
 
         P moves as each piece is coded (`write_entry(fold_into=P)`): the same `decode_into`
         of the same pieces that a worker's `apply_delta` runs on this body, so P and every
@@ -64,6 +65,8 @@ class PublishedCopy:
         exact = {n for n in names if n not in self.coded}
         shapes = {n: (tuple(published[n].shape), published[n].dtype) for n in names}
         body, views = compressed_frame(shapes, self.codec, exact)
+        coded = [published[n].numel() for n in names if n not in exact]
+        scratch = torch.empty(max(coded, default=0), dtype=torch.float32)  # each difference
         for name in names:
             target = published[name]
             if name in exact:
@@ -71,7 +74,8 @@ class PublishedCopy:
                 write_entry(views, name, value, self.codec, exact)
                 target.copy_(value)
             else:
-                value = torch.sub(masters[name], target)
+                value = scratch[: target.numel()].view(target.shape)
+                torch.sub(masters[name], target, out=value)
                 write_entry(views, name, value, self.codec, exact, fold_into=target)
             del value
         return body
