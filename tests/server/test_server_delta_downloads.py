@@ -7,11 +7,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from diloco.algorithm.codecs import parse_codec
 from diloco.server.coordinator import Coordinator
+from diloco.server.errors import Rejection
 from diloco.server.journal import RoundJournal
+from diloco.server.published_copy import PublishedCopy
 from diloco.server.results import RoundResult
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
@@ -26,8 +29,8 @@ START = {"w": torch.zeros(3)}
 SPECS = specs_of(START, {"w": "trainable"})
 
 
-def coordinator(state: Path) -> Coordinator:
-    return Coordinator(SETTINGS, journal=RoundJournal(StateStore(state), SETTINGS))
+def coordinator(state: Path, **journal) -> Coordinator:
+    return Coordinator(SETTINGS, journal=RoundJournal(StateStore(state), SETTINGS, **journal))
 
 
 def result(c: Coordinator, round_number: int, have: int | None) -> RoundResult:
@@ -91,3 +94,105 @@ def test_p_is_durable_and_a_restarted_server_serves_it_whole(tmp_path: Path) -> 
         c.submit("a", 1, {"w": torch.zeros(3)})
     assert result(first, 1, have=1).body == result(second, 1, have=1).body
     assert torch.equal(first.model.published_tensors["w"], second.model.published_tensors["w"])
+
+
+def test_after_a_rollback_a_round_number_alone_earns_no_delta(tmp_path: Path) -> None:
+    """--durability interval: a restart rolls back to the last checkpoint and the same round
+    numbers happen again with other weights. A worker that still holds the first timeline's
+    round 3 must not get a delta meant for the second timeline's round 3: until this process
+    has itself sent it a result, its anchor could be either, so it gets P whole."""
+    interval = dict(durability="interval", checkpoint_every=2)
+    first = coordinator(tmp_path / "state", **interval)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    for r, g in enumerate(([-8.0, 0.0, 0.0], [0.0, -8.0, 0.0], [0.0, 0.0, -8.0])):
+        first.submit("a", r, {"w": torch.tensor(g)})
+    assert first.round_number == 3  # round 2 is past the last checkpoint (taken at 2)
+    shutil.copytree(tmp_path / "state", tmp_path / "copy")  # as kill -9 leaves it
+
+    second = coordinator(tmp_path / "copy", **interval)
+    assert second.round_number == 2  # rolled back
+    second.submit("a", 2, {"w": torch.tensor([0.0, 0.0, 4.0])})  # another round 2
+    second.submit("a", 3, {"w": torch.zeros(3)})
+    # P was [8, 8, 8] in the first timeline at round 3 and is [8, 8, -4] in this one.
+    assert first.model.published_tensors["w"].tolist() == [8.0, 8.0, 8.0]
+    assert second.model.published_tensors["w"].tolist() == [8.0, 8.0, -4.0]
+    whole = result(second, 3, have=3)
+    assert whole.delta_from is None
+    assert decode_tensors(bytes(whole.body))["w"].tolist() == [8.0, 8.0, -4.0]
+    # Sent round 4 by this process, the worker's next result is a delta again.
+    second.submit("a", 4, {"w": torch.zeros(3)})
+    assert result(second, 4, have=4).delta_from == 4
+
+    # With durability "round" nothing is ever rolled back: the round names the weights.
+    third = coordinator(tmp_path / "round")
+    third.register("a", SPECS, 1)
+    third.upload_initial("a", START)
+    third.submit("a", 0, {"w": torch.tensor([-8.0, 0.0, 0.0])})
+    shutil.copytree(tmp_path / "round", tmp_path / "round-copy")
+    fourth = coordinator(tmp_path / "round-copy")
+    fourth.submit("a", 1, {"w": torch.zeros(3)})
+    assert result(fourth, 1, have=1).delta_from == 1
+
+
+def test_after_a_restart_a_fragment_never_gets_another_fragment_s_delta(tmp_path: Path) -> None:
+    """Streaming, two fragments (a, then b). After a restart fragment a commits first; a
+    worker still waiting for fragment b's result of the round before the restart gets b's
+    current weights whole, not the delta of a's step (which names other tensors)."""
+    settings = ServerSettings(
+        mode="streaming",
+        sync_every=4,
+        fragments=2,
+        delay=1,
+        outer_optimizer="sgd",
+        outer_lr=1.0,
+        download_codec="int8",
+        codec_block=8,
+    )
+    start = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    specs = specs_of(start, {"a": "trainable", "b": "trainable"})
+
+    def streaming(state: Path) -> Coordinator:
+        return Coordinator(settings, journal=RoundJournal(StateStore(state), settings))
+
+    first = streaming(tmp_path / "state")
+    first.register("w", specs, 1)
+    first.upload_initial("w", start)
+    assert first.model.plan == [["a"], ["b"]]
+    first.submit("w", 0, {"a": torch.tensor([-1.0, 0.0, 0.0])}, fragment=0)
+    first.submit("w", 0, {"b": torch.tensor([0.0, -2.0, 0.0])}, fragment=1)
+    shutil.copytree(tmp_path / "state", tmp_path / "copy")
+
+    second = streaming(tmp_path / "copy")
+    second.submit("w", 1, {"a": torch.tensor([0.0, 0.0, -4.0])}, fragment=0)
+    late = second.wait_result(0, "w", 0.0, fragment=1, have=0)
+    assert isinstance(late, RoundResult) and late.delta_from is None
+    assert decode_tensors(bytes(late.body))["b"].tolist() == [0.0, 2.0, 0.0]
+
+
+def test_a_failure_while_coding_the_delta_stops_serving_until_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P may be half moved when coding fails (memory, say): serving it, or a delta from it,
+    could hand workers weights a restart would not have. The server answers 503 instead and a
+    restart resumes from the last checkpoint, where P and the masters agree."""
+    c = coordinator(tmp_path / "state")
+    c.register("a", SPECS, 1)
+    c.upload_initial("a", START)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no room for the delta body")
+
+    monkeypatch.setattr(PublishedCopy, "advance", out_of_memory)
+    with pytest.raises(Rejection) as refused:
+        c.submit("a", 0, {"w": torch.tensor([-127.0, -2.5, 0.75])})
+    assert refused.value.status == 503
+    assert "coding the download delta of round 1 failed: no room" in str(refused.value)
+    with pytest.raises(Rejection) as weights:
+        c.weights()
+    assert weights.value.status == 503
+    monkeypatch.undo()
+    shutil.copytree(tmp_path / "state", tmp_path / "copy")  # as kill -9 leaves it
+    again = coordinator(tmp_path / "copy")
+    assert again.round_number == 0
+    assert again.model.published_tensors["w"].tolist() == [0.0, 0.0, 0.0]

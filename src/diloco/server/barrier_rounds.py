@@ -269,11 +269,12 @@ class BarrierRounds:
         assert c.model.plan is not None
         if len(self.rounds) == 1:
             return c.model.current_weights(self.fragment_rounds())
+        names = c.model.plan[fragment]
         return Published(
             next_round,
-            c.model.encode(c.model.plan[fragment]),
+            c.model.encode(names),
             fragment=fragment,
-            delta=c.model.fragment_delta(c.model.version),
+            delta=c.model.fragment_delta(c.model.version, names),
         )
 
     def waiting(self, round_number: int, fragment: int) -> Waiting:

@@ -107,6 +107,13 @@ class Coordinator:
         self.registrar = Registrar(
             settings, clock, self.model, self.membership, self.journal, self.engine, self.metrics
         )
+        # Delta downloads after a restart that may have rolled back (durability "interval"):
+        # the rounds past the restored one happen again, on another timeline, and a worker
+        # still holding an anchor of the old one names the same round. A delta then goes only
+        # to a worker that this process itself brought to that round: (worker, fragment) ->
+        # the round of the last result it was sent.
+        self._rollback_possible = False
+        self._sent_rounds: dict[tuple[str, int], int] = {}
         self._restore(initial)
 
     def _restore(self, initial: Mapping[str, torch.Tensor] | None) -> None:
@@ -126,6 +133,7 @@ class Coordinator:
             self._readmit(restored.live_workers)
             self.engine.start(restored.fragment_rounds, self.started_at)
             self.metrics.round.set(self.model.version)
+            self._rollback_possible = self.journal.durability == "interval"
         elif initial is not None:
             self._adopt_weights(initial, kinds=None)
         else:
@@ -463,14 +471,24 @@ class Coordinator:
                 outcome = self.engine.poll_result(round_number, fragment, worker_id, self.clock())
                 if outcome is not None:
                     if isinstance(outcome, RoundResult):
-                        outcome = outcome.for_anchor(have)
+                        outcome = outcome.for_anchor(self._vouched(worker_id, fragment, have))
                         self.traffic.sent(len(outcome.body))
+                        if self._rollback_possible and worker_id is not None:
+                            self._sent_rounds[(worker_id, fragment)] = outcome.round
                     return outcome
                 now = self.clock()
                 remaining = deadline - now
                 if remaining <= 0 or self.closing:
                     return self.engine.waiting(round_number, fragment)
                 self._lock.wait(timeout=min(remaining, self.engine.wake_within(now)))
+
+    def _vouched(self, worker_id: str | None, fragment: int, have: int | None) -> int | None:
+        """`have` if it can only name our own timeline's weights (see `_sent_rounds`)."""
+        if not self._rollback_possible:
+            return have
+        if worker_id is None or self._sent_rounds.get((worker_id, fragment)) != have:
+            return None
+        return have
 
     # ----------------------------------------------------------------- the end
 

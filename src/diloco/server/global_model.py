@@ -83,7 +83,8 @@ class GlobalModel:
         self.published: Published | None = None  # the current full weights, encoded once
         # --download-codec: P, what every worker holds, and the delta of the last step
         self.copy: PublishedCopy | None = None
-        self.delta: tuple[int, bytearray] | None = None  # (the version it leads to, its body)
+        # (the version it leads to, the step's tensors, its body)
+        self.delta: tuple[int, frozenset[str], bytearray] | None = None
         self.broken: str | None = None  # why it refuses to be read, until restarted
 
     # ----------------------------------------------------------------- what it is
@@ -185,8 +186,13 @@ class GlobalModel:
                 policy=self.settings.policy,
             )
         if self.copy is not None:
+            copy, masters = self.copy, self.frames.masters
             step_names = list(self.specs) if names is None else list(names)
-            self.delta = (new_version, self.copy.advance(self.frames.masters, step_names))
+
+            def code_delta() -> None:  # P half moved is as unsafe to serve as a failed write
+                self.delta = (new_version, frozenset(step_names), copy.advance(masters, step_names))
+
+            self.durably(f"coding the download delta of round {new_version}", code_delta)
         self.durably(f"writing the checkpoint of round {new_version}", write)
         self.version = new_version
 
@@ -206,7 +212,7 @@ class GlobalModel:
         assert self.frames is not None
         if self.published is None or self.published.round != self.version:
             whole = self.plan is not None and len(self.plan) == 1  # a fragment's is partial
-            delta = self.fragment_delta(self.version) if whole else None
+            delta = self.fragment_delta(self.version, self.plan[0]) if whole else None
             self.published = Published(
                 self.version,
                 self.frames.result() if self.copy is None else self.copy.current,
@@ -225,7 +231,10 @@ class GlobalModel:
         out = {n: masters[n].to(self.wire_dtype(n, masters[n])) for n in names}
         return encode_tensors(out, float_dtype=self.settings.download_dtype)
 
-    def fragment_delta(self, version: int) -> bytearray | None:
-        """The delta body of the step that made `version` (a streaming fragment's commit),
-        if it is the last one."""
-        return self.delta[1] if self.delta and self.delta[0] == version else None
+    def fragment_delta(self, version: int, names: Sequence[str]) -> bytearray | None:
+        """The delta body of the step that made `version` from the tensors `names` (a
+        streaming fragment's), if that is the last step: after a restart the last step may
+        be another fragment's, whose delta is no answer for this one."""
+        if self.delta is None or self.delta[0] != version or self.delta[1] != frozenset(names):
+            return None
+        return self.delta[2]
