@@ -56,6 +56,31 @@ def test_top_k_error_feedback_sends_what_accumulated_and_keeps_the_rest():
     assert set(coder.residual) == {"w"}
 
 
+def test_a_body_the_server_never_folded_in_leaves_the_residual_as_it_was():
+    """Answered `committed` (the round closed without it), a rebase, a failed streaming
+    sync: the server got nothing of the body, so the residual returns to what it was before
+    it; a folded body's residual stands."""
+    coder = UploadCoder(parse_codec("topk:0.25", chunk=4), 0.5, SPECS)
+    coder.body(gradient([1, 3, -2, 0.5]))
+    coder.settle(folded=False)  # the very first body: nothing was kept before it
+    assert coder.residual == {}
+    coder.body(gradient([1, 3, -2, 0.5]))
+    coder.settle(folded=True)
+    assert coder.residual["w"].tolist() == [1, 0, -2, 0.5]
+    # Not folded: e goes back to [1, 0, -2, 0.5], not 0.5 e + g - sent = [1.5, 1, 0, 1.25]
+    # minus the 1.5 that went.
+    coder.body(gradient([1, 1, 1, 1]))
+    assert coder.residual["w"].tolist() == [0, 1, 0, 1.25]
+    coder.settle(folded=False)
+    assert coder.residual["w"].tolist() == [1, 0, -2, 0.5]
+    # The fragment goes again later with a pseudo-gradient that holds the first one too:
+    # e = 0.5 [1, 0, -2, 0.5] + [2, 2, 2, 2] = [2.5, 2, 1, 2.25]: 2.5 goes.
+    again = sent(coder.body(gradient([2, 2, 2, 2])), coder)
+    coder.settle(folded=True)
+    assert again["w"].tolist() == [2.5, 0, 0, 0]
+    assert coder.residual["w"].tolist() == [0, 2, 1, 2.25]
+
+
 def test_without_error_feedback_nothing_is_kept():
     coder = UploadCoder(parse_codec("topk:0.25", chunk=4), 0.0, SPECS)
     assert not coder.keeps_residual

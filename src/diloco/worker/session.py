@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,9 @@ class Exchanged:
     tensors: dict[str, torch.Tensor]
     round: int  # sync: the next round; streaming: the fragment's next round; async: a version
     rebase_rounds: list[int] | None = None  # the server was behind: full weights, its rounds
+    # Whether the server folded our pseudo-gradient in ("accepted" or "duplicate"): not when
+    # the round had committed without it ("committed") or on a rebase
+    folded: bool = True
 
 
 def describe_wait(round_number: int, fragment: int, seconds: float, waiting: Mapping) -> str:
@@ -96,6 +99,7 @@ class ServerSession:
         # tensors, computed from our anchor (the worker's Anchor.values_after).
         self.apply_delta: Callable[[bytearray, int], dict[str, torch.Tensor]] | None = None
         self.rebases = 0
+        self._last_submit_status = ""  # of the exchange under way (one at a time)
         self._register_lock = threading.Lock()
         self._download: bytearray | None = None  # the last weights' buffer, loaded already
 
@@ -211,9 +215,12 @@ class ServerSession:
         progress = dict(progress or {})
         try:
             self._submit(body, units, round_number, fragment, tokens, progress)
-            return self._await_result(
+            got = self._await_result(
                 body, units, round_number, fragment, cancelled, tokens, progress
             )
+            if self._last_submit_status == "committed":
+                return replace(got, folded=False)
+            return got
         except ServerError as exc:
             if exc.kind != "future_round":
                 raise
@@ -231,7 +238,7 @@ class ServerSession:
         assert self.worker_id is not None
         while True:
             try:
-                self.client.submit(
+                answer = self.client.submit(
                     round_number,
                     self.worker_id,
                     body,
@@ -240,6 +247,7 @@ class ServerSession:
                     units=units,
                     progress=progress,
                 )
+                self._last_submit_status = str(answer.get("status"))
                 return
             except ServerError as exc:
                 detail = exc.detail if isinstance(exc.detail, dict) else {}
@@ -363,6 +371,7 @@ class ServerSession:
             decode_tensors(weights.body),
             weights.round,
             rebase_rounds=weights.fragment_rounds or [weights.round],
+            folded=False,
         )
 
     # ----------------------------------------------------------------- leaving

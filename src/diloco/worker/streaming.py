@@ -61,6 +61,7 @@ class FragmentOutcome:
     tensors: dict[str, torch.Tensor] | None = None  # G'_f (or every tensor, on a rebase)
     next_round: int | None = None
     rebase_rounds: list[int] | None = None  # the server was behind: its full state and rounds
+    folded: bool = False  # the server folded our body in (its error feedback stands)
     error: BaseException | None = None
 
 
@@ -193,6 +194,7 @@ class FragmentStreamer:
             if got.rebase_rounds is not None:
                 outcome.rebase_rounds = got.rebase_rounds
             outcome.tensors, outcome.next_round = got.tensors, got.round
+            outcome.folded = got.folded
         except BaseException as exc:  # reported at the merge, on the training thread
             outcome.error = exc
 
@@ -205,6 +207,8 @@ class FragmentStreamer:
         started = time.monotonic()
         header = distributed.lead(lambda: self._wait(flight), distributed.broadcast_json)
         self.pace.blocked_seconds += time.monotonic() - started
+        if self.session is not None:  # the leader's error feedback: was the body folded in?
+            self.uploads.settle(header["status"] == "merged" and flight.outcome.folded)
         if header["status"] == "failed":
             self.failures += 1
             log.warning(

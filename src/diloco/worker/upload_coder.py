@@ -45,6 +45,9 @@ class UploadCoder:
         self.beta = float(beta)
         self.coded_names = {s.name for s in specs if s.kind == TensorKind.TRAINABLE.value}
         self.residual: dict[str, torch.Tensor] = {}
+        # The residuals before the body under way: what they go back to if the server never
+        # folds it in (see `settle`); None when nothing is pending.
+        self._before: dict[str, torch.Tensor | None] | None = None
         identity = {
             "codec": str(codec),
             "block": codec.block,
@@ -69,6 +72,9 @@ class UploadCoder:
         coded = [n for n, t in gradient.items() if n in self.coded_names and t.is_floating_point()]
         source = dict(gradient)
         if self.keeps_residual:
+            self._before = {
+                n: None if self.residual.get(n) is None else self.residual[n].clone() for n in coded
+            }
             for name in coded:
                 source[name] = self._accumulate(name, gradient[name])
         if codec.is_quantized or codec.is_sparse:
@@ -81,6 +87,20 @@ class UploadCoder:
         if self.keeps_residual:
             self._subtract(coded, decode_tensors(body))
         return body
+
+    def settle(self, folded: bool) -> None:
+        """The server's answer to the last body: folded in ("accepted", "duplicate"), the
+        residuals stand; not folded (the round committed without it, a rebase dropped it, a
+        streaming sync failed and its fragment goes again later), they go back to what they
+        were before it, so that no part of a pseudo-gradient is lost or sent twice."""
+        before, self._before = self._before, None
+        if folded or before is None:
+            return
+        for name, tensor in before.items():
+            if tensor is None:
+                self.residual.pop(name, None)
+            else:
+                self.residual[name] = tensor
 
     def _accumulate(self, name: str, gradient: torch.Tensor) -> torch.Tensor:
         """e <- beta e + g, in the residual's own fp32 memory (a new one if it has none)."""

@@ -384,9 +384,14 @@ class DiLoCoWorker:
             samples = self._units.drain_trace()
             if samples is not None:
                 self.sample_trace.record(self.worker_id, self.round, samples)
-        result = session.exchange(
-            body, units, self.round, tokens=self._tokens.in_round, progress=progress
-        )
+        try:
+            result = session.exchange(
+                body, units, self.round, tokens=self._tokens.in_round, progress=progress
+            )
+        except BaseException:
+            self._uploads.settle(folded=False)
+            raise
+        self._uploads.settle(result.folded)
         if result.rebase_rounds is None:
             self._units.reported(units)
         return result
