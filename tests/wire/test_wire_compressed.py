@@ -4,6 +4,7 @@ by hand in the test."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -20,6 +21,7 @@ from diloco.wire import WireError, decode_tensors, encode_tensors
 from diloco.wire.bitpack import pack, padding_is_zero, unpack
 from diloco.wire.compressed import (
     apply_delta,
+    check_codec_metadata,
     check_compressed_header,
     check_entry,
     codec_metadata,
@@ -683,3 +685,14 @@ def test_a_sender_s_fold_while_coding_moves_its_copy_as_a_receiver_s_fold_of_the
     )
     for name, tensor in sent.items():
         assert torch.equal(residual[name], tensor - decoded[name]), name
+
+
+def test_a_codec_mismatch_repeats_only_a_little_of_the_sender_s_metadata() -> None:
+    codec = parse_codec("int8", block=64)
+    metadata = {f"diloco.x{i:03d}": "v" * 5000 for i in range(300)}
+    with pytest.raises(WireError) as refused:
+        check_codec_metadata(metadata, codec)
+    got = refused.value.detail["got"]
+    assert len(got) == 8  # of 300 keys
+    assert all(len(k) <= 64 and len(v) == 64 for k, v in got.items())
+    assert len(json.dumps(refused.value.to_body())) < 4000

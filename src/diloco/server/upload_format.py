@@ -28,7 +28,11 @@ import torch
 from diloco.algorithm import TensorKind
 from diloco.server.settings import ServerSettings
 from diloco.wire import SpooledTensors, TensorSpec, WireError, check_tensors
-from diloco.wire.compressed_header import CompressedHeader, check_compressed_header
+from diloco.wire.compressed_header import (
+    CompressedHeader,
+    check_compressed_header,
+    echo_metadata,
+)
 from diloco.wire.compressed_pieces import CompressedPieces
 from diloco.wire.spool import PieceBody
 
@@ -97,6 +101,7 @@ class UploadFormat:
         got = {key: value for key, value in metadata.items() if key.startswith(_CODEC_PREFIX)}
         if not got:
             return
+        got = echo_metadata(got)
         coded = got.get("diloco.codec", "an unnamed codec")
         raise WireError(
             422,

@@ -121,6 +121,16 @@ def malformed_compressed(error: str, **detail: Any) -> WireError:
     return WireError(422, "malformed_compressed", error, **detail)
 
 
+ECHO_KEYS, ECHO_CHARS = 8, 64  # how much of a sender's metadata an error body repeats
+
+
+def echo_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The sender's diloco.* metadata as an error repeats it: a few keys, each key and value
+    cut short, so that a header full of metadata does not come back as a huge answer."""
+    keys = sorted(metadata)[:ECHO_KEYS]
+    return {str(k)[:ECHO_CHARS]: str(metadata[k])[:ECHO_CHARS] for k in keys}
+
+
 def _describe(metadata: Mapping[str, str]) -> str:
     if not metadata:
         return "no codec (the header has no diloco.* metadata)"
@@ -137,6 +147,7 @@ def check_codec_metadata(metadata: Mapping[str, str] | None, codec: Codec) -> No
     want = codec_metadata(codec)
     got = {k: v for k, v in (metadata or {}).items() if k.startswith(_META_PREFIX)}
     if got != want:
+        got = echo_metadata(got)
         raise WireError(
             422,
             "codec_mismatch",
