@@ -146,6 +146,12 @@ class Codec:
         return f"topk:{self.fraction!r}{suffix}"
 
 
+# The smallest range of a top-k tensor that decodes on its own is a group of whole chunks
+# whose kept values fill whole blocks; a receiver decodes at least one group at a time, so
+# its size bounds the memory of decoding piece by piece (2^20 fp32 values: 4 MiB).
+MAX_GROUP_ELEMENTS = 1 << 20
+
+
 def parse_codec(text: str, *, block: int = 128, chunk: int = 128) -> Codec:
     """A codec from its spec ("int8", "topk:0.03+int2", "bfloat16"...); case and surrounding
     spaces do not matter. A bare "topk:F" keeps fp32 values. ValueError names what is wrong."""
@@ -172,7 +178,15 @@ def parse_codec(text: str, *, block: int = 128, chunk: int = 128) -> Codec:
         ) from None
     if not (math.isfinite(fraction) and 0 < fraction <= 1):
         raise ValueError(f"top-k fraction must be in (0, 1], got {fraction_text.strip()}")
-    return Codec(values, fraction, block, chunk)
+    codec = Codec(values, fraction, block, chunk)
+    group = Layout(0, codec).group_elements
+    if group > MAX_GROUP_ELEMENTS:
+        raise ValueError(
+            f"{text.strip()} with block {block} and chunk {chunk} decodes in groups of "
+            f"{group} values (block / gcd(k, block) chunks of {chunk}); at most "
+            f"{MAX_GROUP_ELEMENTS} are allowed: choose a smaller block or chunk"
+        )
+    return codec
 
 
 # ------------------------------------------------------------------ where everything sits
