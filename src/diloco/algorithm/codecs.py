@@ -9,9 +9,8 @@ A codec is a value codec, optionally after a top-k selection:
   - `int2`: 2 bits have 4 levels and a zero level would waste one, so int2 is mid-rise: the
     levels are (c - 1.5) * s for c in 0..3, with s = absmax / 1.5 and
     c = clamp(floor(x / s + 2), 0, 3) (nearest level; a value on a boundary goes up). A block
-    whose scale is 0 has codes 2 and decodes to 0. This is our documented equivalent of the
-    2-bit scheme of SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706): absmax-scaled levels
-    +-0.5 s and +-1.5 s spread evenly over [-absmax, absmax].
+    whose scale is 0 has codes 2 and decodes to 0. Our documented equivalent of SparseLoCo's
+    2-bit scheme (Sarfi et al. 2025, arXiv 2508.15706): levels +-0.5 s, +-1.5 s.
   - `topk:F` (+ a value codec, `topk:0.03+int2`): the flat vector is cut into chunks of `chunk`
     elements (the last may be shorter); each chunk keeps its k largest |x|, with
     k = max(1, min(chunk, round(F * chunk))) (Python's round of the binary64 product, half to
@@ -30,8 +29,7 @@ scale NaN or Inf, which every receiver refuses.
 
 The work is done on pieces of about a MiB (whole blocks and chunks, see `Layout`) so that each
 vectorized pass stays in cache; no Python loop runs over elements, blocks or chunks (top-k's
-selection loops over the k ranks, at most 16, each pass over all chunks at once). The same code
-runs on CPU and CUDA.
+selection loops over the k ranks, at most 16, all chunks at once). Same code on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -146,9 +144,7 @@ class Codec:
         return f"topk:{self.fraction!r}{suffix}"
 
 
-# The smallest range of a top-k tensor that decodes on its own is a group of whole chunks
-# whose kept values fill whole blocks; a receiver decodes at least one group at a time, so
-# its size bounds the memory of decoding piece by piece (2^20 fp32 values: 4 MiB).
+# A receiver decodes a top-k tensor at least one group (Layout.group_elements) at a time.
 MAX_GROUP_ELEMENTS = 1 << 20
 
 
@@ -179,12 +175,10 @@ def parse_codec(text: str, *, block: int = 128, chunk: int = 128) -> Codec:
     if not (math.isfinite(fraction) and 0 < fraction <= 1):
         raise ValueError(f"top-k fraction must be in (0, 1], got {fraction_text.strip()}")
     codec = Codec(values, fraction, block, chunk)
-    group = Layout(0, codec).group_elements
-    if group > MAX_GROUP_ELEMENTS:
+    if (group := Layout(0, codec).group_elements) > MAX_GROUP_ELEMENTS:
         raise ValueError(
-            f"{text.strip()} with block {block} and chunk {chunk} decodes in groups of "
-            f"{group} values (block / gcd(k, block) chunks of {chunk}); at most "
-            f"{MAX_GROUP_ELEMENTS} are allowed: choose a smaller block or chunk"
+            f"{text.strip()} with block {block} and chunk {chunk} decodes in groups of {group} "
+            f"values; at most {MAX_GROUP_ELEMENTS} are allowed: choose a smaller block or chunk"
         )
     return codec
 
