@@ -15,6 +15,19 @@ from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoClient, RetryPolicy
 from tiny import TINY_CLI
 
+
+def sampled(cases: list, ids: list[str], every: int = 3) -> list:
+    """Parametrize `cases` (tuples of arguments) with every `every`-th case in the default
+    suite and the rest marked slow (`make test-slow` runs them all): each case of a CLI's
+    bad-input list starts a process, and the default suite must stay within its budget."""
+    import pytest
+
+    return [
+        pytest.param(*case, id=name, marks=() if i % every == 0 else (pytest.mark.slow,))
+        for i, (case, name) in enumerate(zip(cases, ids, strict=True))
+    ]
+
+
 STARTED: list[subprocess.Popen] = []  # every worker process a test started (see reap_workers)
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from processes import run_benchmark
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_reduced_convergence_benchmark_writes_table_json_and_plot(
     tmp_path: Path, corpus_file: Path
 ) -> None:

@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from processes import run_benchmark
 
 
@@ -13,6 +15,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return run_benchmark("durability.py", *args, timeout=300)
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_reduced_durability_benchmark_times_every_part(tmp_path: Path) -> None:
     result = run(
         "--parameters", "100000", "--rounds", "3", "--checkpoint-every", "2",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from processes import run_benchmark
 
 PARTS = {
@@ -19,6 +21,7 @@ PARTS = {
 }
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_reduced_round_parts_benchmark_times_every_part(tmp_path: Path) -> None:
     result = run_benchmark(
         "round_parts.py",

@@ -7,6 +7,8 @@ import math
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from processes import run_benchmark
 
 SMOKE = [
@@ -19,6 +21,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return run_benchmark("simulated_modes.py", *args, timeout=240, one_thread=True)
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_reduced_simulated_modes_benchmark_writes_sane_figures(tmp_path: Path) -> None:
     result = run(*SMOKE, "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]

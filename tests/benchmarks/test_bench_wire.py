@@ -10,6 +10,7 @@ import pytest
 from processes import run_benchmark
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_reduced_wire_benchmark_measures_every_path(tmp_path: Path) -> None:
     result = run_benchmark(
         "wire.py",
@@ -75,6 +76,7 @@ def test_bad_worker_counts_are_one_line(tmp_path: Path) -> None:
     assert "--workers must be in [1, 8]" in result.stderr
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_bad_codec_pairs_are_one_line(tmp_path: Path) -> None:
     cases = (
         (("--codecs", "int8"), "UPLOAD/DOWNLOAD pairs"),

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from processes import sampled
+
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -73,42 +75,45 @@ def test_status_of_an_unreachable_server_is_one_line() -> None:
     one_error_line(result, 1, "cannot read the status")
 
 
+WORKER_BAD_INPUTS = [
+    (["--steps", "0"], 2, "steps must be a positive integer"),
+    (
+        ["--data-dispatch", "static", "--shard", "2", "--num-shards", "2"],
+        2,
+        "shard must be in [0, 2)",
+    ),
+    (["--shard", "1", "--num-shards", "2"], 2, "are for --data-dispatch static"),
+    (["--data-dispatch", "round-robin"], 2, "--data-dispatch must be server or static"),
+    (["--unit-size", "0"], 2, "unit_size must be a positive integer"),
+    (["--max-retry-delay", "0"], 2, "--max-retry-delay must be > 0"),
+    (["--corpus", "/nonexistent/corpus.txt"], 2, "does not exist"),
+    (["--token-file", "/nonexistent/token"], 2, "--token-file"),
+    (["--json", "/nonexistent/dir/w.json"], 2, "--json directory does not exist"),
+    (["--give-up-after", "-1"], 2, "--give-up-after must be >= 0"),
+    (["--max-upload-mbps", "0"], 2, "upload rate must be > 0 megabits per second"),
+    (["--fragment-timeout", "-1"], 2, "fragment_timeout must be > 0 seconds, got -1.0"),
+    ([], 1, "could not join"),  # nobody listens on the port
+]
+
+WORKER_BAD_INPUT_IDS = [
+    "steps",
+    "shard",
+    "shard-without-static",
+    "dispatch",
+    "unit-size",
+    "retry-delay",
+    "corpus",
+    "token-file",
+    "json",
+    "give-up",
+    "upload-cap",
+    "fragment-timeout",
+    "unreachable",
+]
+
+
 @pytest.mark.parametrize(
-    ("args", "code", "needle"),
-    [
-        (["--steps", "0"], 2, "steps must be a positive integer"),
-        (
-            ["--data-dispatch", "static", "--shard", "2", "--num-shards", "2"],
-            2,
-            "shard must be in [0, 2)",
-        ),
-        (["--shard", "1", "--num-shards", "2"], 2, "are for --data-dispatch static"),
-        (["--data-dispatch", "round-robin"], 2, "--data-dispatch must be server or static"),
-        (["--unit-size", "0"], 2, "unit_size must be a positive integer"),
-        (["--max-retry-delay", "0"], 2, "--max-retry-delay must be > 0"),
-        (["--corpus", "/nonexistent/corpus.txt"], 2, "does not exist"),
-        (["--token-file", "/nonexistent/token"], 2, "--token-file"),
-        (["--json", "/nonexistent/dir/w.json"], 2, "--json directory does not exist"),
-        (["--give-up-after", "-1"], 2, "--give-up-after must be >= 0"),
-        (["--max-upload-mbps", "0"], 2, "upload rate must be > 0 megabits per second"),
-        (["--fragment-timeout", "-1"], 2, "fragment_timeout must be > 0 seconds, got -1.0"),
-        ([], 1, "could not join"),  # nobody listens on the port
-    ],
-    ids=[
-        "steps",
-        "shard",
-        "shard-without-static",
-        "dispatch",
-        "unit-size",
-        "retry-delay",
-        "corpus",
-        "token-file",
-        "json",
-        "give-up",
-        "upload-cap",
-        "fragment-timeout",
-        "unreachable",
-    ],
+    ("args", "code", "needle"), sampled(WORKER_BAD_INPUTS, WORKER_BAD_INPUT_IDS)
 )
 def test_worker_bad_input_is_one_line(
     args: list[str], code: int, needle: str, corpus_file: Path

@@ -64,8 +64,6 @@ KILL_POINTS = [
 ]
 CI_SAMPLE = {
     "mid-upload",
-    "inside the barrier (one of two in)",
-    "during the checkpoint write",
     "checkpoint durable, SQLite not yet",
 }
 

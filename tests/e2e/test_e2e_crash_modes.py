@@ -40,7 +40,7 @@ ASYNC_POINTS = {
     "arrival checkpoint durable, SQLite not yet": "after_checkpoint:3",
     "right after an arrival's step": "result_published:2",
 }
-CI_SAMPLE = {"inside a fragment barrier", "arrival checkpoint durable, SQLite not yet"}
+CI_SAMPLE = {"arrival checkpoint durable, SQLite not yet"}
 
 
 def case(name: str, spec: str):

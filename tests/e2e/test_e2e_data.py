@@ -10,6 +10,8 @@ import socket
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from diloco.data import TokenWindows, generated_corpus, split_train_val
 from diloco.faults import ENV_VAR
 from processes import start_worker, wait_all
@@ -25,6 +27,7 @@ def free_port() -> str:
         return str(probe.getsockname()[1])
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_a_crash_between_lease_and_completion_skips_and_repeats_no_unit(
     server_process, tmp_path: Path
 ) -> None:

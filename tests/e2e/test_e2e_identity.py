@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from diloco.worker import DiLoCoClient, RetryPolicy
 from processes import start_worker, wait_all
 
@@ -14,6 +16,7 @@ ENROLL = "enroll-token-0123456789"
 TOKEN_ENV = {"DILOCO_TOKEN": ENROLL}
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_a_resumed_worker_keeps_its_credential_and_enrolls_again_where_it_is_unknown(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:

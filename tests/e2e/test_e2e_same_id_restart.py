@@ -8,10 +8,13 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from diloco.worker import DiLoCoClient, RetryPolicy
 from processes import start_worker, wait_all
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_a_same_id_restart_waits_for_the_eviction_then_trains(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:

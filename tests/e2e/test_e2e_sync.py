@@ -64,6 +64,7 @@ def contributed(status: dict, worker_id: str) -> int:
     return counts.get(worker_id, 0)
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_survivor_continues_after_a_worker_is_killed(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
@@ -104,6 +105,7 @@ def test_survivor_continues_after_a_worker_is_killed(
     client.close()
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_kill_9_of_the_server_loses_no_round(
     server_process, corpus_file: Path, small_corpus: bytes, tmp_path: Path
 ) -> None:

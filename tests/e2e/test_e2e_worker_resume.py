@@ -9,12 +9,15 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
+
 from diloco.worker import DiLoCoClient, RetryPolicy
 from processes import start_worker, wait_all
 
 STEPS, SYNC_EVERY = 24, 4
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_a_killed_worker_resumes_from_its_checkpoint(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:

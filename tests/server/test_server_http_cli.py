@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pytest
 import torch
 import urllib3
 from safetensors.torch import save_file
@@ -73,7 +74,11 @@ def test_sigterm_stops_the_server_with_exit_code_0(server_process):
     assert "Traceback" not in log
 
 
-def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
+@pytest.mark.parametrize(
+    "part",
+    [pytest.param("sample", id="sample"), pytest.param("rest", id="rest", marks=pytest.mark.slow)],
+)  # every third case in the default suite (each starts a process), all with -m slow
+def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
     """Each fails before listening: exit code 2, one `error:` line on stderr, no traceback."""
     not_safetensors = tmp_path / "weights.safetensors"
     not_safetensors.write_bytes(b"this is a text file, not a safetensors file\n")
@@ -177,6 +182,7 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path):
             "--checkpoint-every must be >= 1",
         ),
     }
+    cases = {k: v for i, (k, v) in enumerate(cases.items()) if (i % 3 == 0) == (part == "sample")}
     outcomes = run_all(  # all at once: each pays the interpreter's start-up
         {
             label: ["server", "--host", "127.0.0.1", "--port", "0", *args]  # binds nothing fixed
