@@ -33,6 +33,25 @@ def async_config(**overrides) -> SimConfig:
     return SimConfig(**settings)
 
 
+def replay_arrivals(url: str, config: SimConfig, simulated, corpus: bytes) -> list[DiLoCoWorker]:
+    """The simulator's arrival order replayed by one in-process DiLoCoWorker per simulated
+    worker: each trains the steps of its next arrival (the H-th step's hook sends and adopts
+    the result; a shorter last window syncs by hand). The workers are left open."""
+    setup = prepare(config, corpus)
+    budgets = simulated.local_steps_per_worker
+    replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(config.workers)]
+    workers = [
+        DiLoCoWorker(r.model, r.optimizer, url, worker_id=f"w{w}", heartbeat=False)
+        for w, r in enumerate(replicas)
+    ]
+    for w, steps, _ in simulated.arrivals:
+        for _ in range(steps):
+            replicas[w].train_step()
+        if steps < config.sync_every:
+            workers[w].sync()
+    return workers
+
+
 def metric(url: str, name: str) -> float:
     with DiLoCoClient(url, retry=RetryPolicy(attempts=3)) as client:
         reply = client._call("metrics", "GET", "/metrics")
@@ -50,18 +69,7 @@ def test_async_through_the_real_server_matches_the_simulator(server_process, sma
     # (after w0, as the simulator breaks ties by worker) and at t = 12 with 2 steps left.
     assert [(w, n) for w, n, _ in simulated.arrivals] == [(0, 4), (0, 4), (1, 4), (0, 4), (1, 2)]
     server = server_process("--mode", "async", "--sync-every", "4", "--dn-period", "2")
-    setup = prepare(config, small_corpus)
-    budgets = simulated.local_steps_per_worker
-    replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(2)]
-    workers = [
-        DiLoCoWorker(r.model, r.optimizer, server.url, worker_id=f"w{w}", heartbeat=False)
-        for w, r in enumerate(replicas)
-    ]
-    for w, steps, _ in simulated.arrivals:
-        for _ in range(steps):
-            replicas[w].train_step()  # the 4th step's hook sends and adopts the result
-        if steps < config.sync_every:
-            workers[w].sync()  # the last, partial window
+    workers = replay_arrivals(server.url, config, simulated, small_corpus)
     for worker in workers:
         worker.close(final_sync=False)
     real, version = global_weights(server.url)

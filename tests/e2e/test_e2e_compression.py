@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_e2e_async import async_config
+from test_e2e_async import async_config, replay_arrivals
 from test_e2e_sync import simulated_run
 
 from diloco.checkpoints import CheckpointStore
-from diloco.sim import prepare, simulate
-from diloco.worker import DiLoCoWorker
+from diloco.sim import simulate
 from processes import global_weights, start_worker, wait_all
 
 STREAMING = ("--mode", "streaming", "--fragments", "2", "--delay", "1", "--alpha", "0.5")
@@ -150,18 +149,7 @@ def test_async_compressed_arrivals_match_the_simulator_and_deltas_reach_the_last
             "--download-codec",
             download,
         )
-        setup = prepare(config, small_corpus)
-        budgets = simulated.local_steps_per_worker
-        replicas = [setup.replica(w, total_steps=budgets[w]) for w in range(2)]
-        workers = [
-            DiLoCoWorker(r.model, r.optimizer, server.url, worker_id=f"w{w}", heartbeat=False)
-            for w, r in enumerate(replicas)
-        ]
-        for w, steps in arrivals:
-            for _ in range(steps):
-                replicas[w].train_step()
-            if steps < config.sync_every:
-                workers[w].sync()
+        workers = replay_arrivals(server.url, config, simulated, small_corpus)
         last = workers[arrivals[-1][0]]
         anchor = {n: t.clone() for n, t in last.anchor.items()}
         for worker in workers:

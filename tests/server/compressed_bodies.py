@@ -14,7 +14,7 @@ from diloco.algorithm.codecs import Codec
 from diloco.wire import decode_tensors, encode_tensors
 from diloco.wire.compressed import encode_compressed
 from diloco.wire.frames import decode_frame
-from diloco.wire.layout import FrameLayout
+from frames import frame_of
 
 # w and b are trainable (sent compressed); f is a float buffer and n an int32 buffer (sent
 # exact, as plain entries).
@@ -95,15 +95,7 @@ def entries(data: bytes | bytearray) -> tuple[dict[str, torch.Tensor], dict[str,
 
 def rebuild(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytes:
     """A body of exactly these entries and metadata."""
-    plan = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
-    layout = FrameLayout.plan(plan, metadata=metadata)
-    buffer = bytearray(layout.size)
-    frame = torch.frombuffer(buffer, dtype=torch.uint8)
-    layout.write_header(frame)
-    for name, view in layout.views(frame).items():
-        if view.numel():
-            view.copy_(tensors[name].reshape(view.shape))
-    return bytes(buffer)
+    return bytes(frame_of(tensors, metadata))
 
 
 def plain(values: dict[str, torch.Tensor]) -> bytes:

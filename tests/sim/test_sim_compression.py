@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from test_sim_modes import tiny
 
 import diloco.sim.runner as runner
 from diloco.algorithm import TensorKind
@@ -21,23 +22,6 @@ from diloco.server.settings import ServerSettings
 from diloco.sim import SimConfig, simulate
 from diloco.sim.compression import UploadCodec
 from tiny import TINY_MODEL
-
-
-def tiny(**overrides) -> SimConfig:
-    base = dict(
-        workers=2,
-        sync_every=4,
-        steps=8,
-        batch_size=4,
-        seq_len=32,
-        model=TINY_MODEL,
-        warmup=2,
-        eval_batches=2,
-        seed=3,
-    )
-    base.update(overrides)
-    return SimConfig(**base)
-
 
 # The tiny GPT (width 32, depth 2, context 32, 256 byte values), tensor by tensor, by hand:
 # token and position embeddings, per block LayerNorm (2 x 32), qkv (96 x 32 and 96), proj

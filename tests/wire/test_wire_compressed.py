@@ -32,7 +32,7 @@ from diloco.wire.compressed import (
     read_span,
 )
 from diloco.wire.frames import decode_frame, read_frame_header
-from diloco.wire.layout import FrameLayout
+from frames import frame_of
 
 INT2_8 = Codec("int2", block=8)
 TOPK_HALF = Codec("int2", 0.5, block=8, chunk=4)
@@ -44,15 +44,7 @@ def expect(shape: tuple[int, ...], dtype: torch.dtype = torch.float32):
 
 def body_of(entries: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytearray:
     """A body of exactly these entries (already coded parts, or plain tensors)."""
-    plan = {name: (tuple(t.shape), t.dtype) for name, t in entries.items()}
-    layout = FrameLayout.plan(plan, metadata=metadata)
-    buffer = bytearray(layout.size)
-    body = torch.frombuffer(buffer, dtype=torch.uint8)
-    layout.write_header(body)
-    for name, view in layout.views(body).items():
-        if view.numel():
-            view.copy_(entries[name])
-    return buffer
+    return frame_of(entries, metadata)
 
 
 def parts_of(body: bytearray) -> dict[str, torch.Tensor]:

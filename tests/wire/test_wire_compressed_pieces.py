@@ -16,8 +16,8 @@ from diloco.wire import WireError
 from diloco.wire.compressed import check_compressed_header, decode_compressed, encode_compressed
 from diloco.wire.compressed_pieces import CompressedPieces
 from diloco.wire.frames import decode_frame, read_frame_header
-from diloco.wire.layout import FrameLayout
 from diloco.wire.spool import SpooledTensors, SpoolFiles
+from frames import frame_of
 
 CODECS = ["int8", "int4", "int2", "topk:0.03+int2", "topk:0.1", "topk:0.5+bf16"]
 
@@ -94,14 +94,7 @@ def body_with(codec: Codec, change) -> tuple[bytes, dict]:
     parts, metadata = decode_frame(data)
     parts = {name: t.clone() for name, t in parts.items()}
     change(parts)
-    layout = FrameLayout.plan({n: (tuple(t.shape), t.dtype) for n, t in parts.items()}, metadata)
-    buffer = bytearray(layout.size)
-    frame = torch.frombuffer(buffer, dtype=torch.uint8)
-    layout.write_header(frame)
-    for name, view in layout.views(frame).items():
-        if view.numel():
-            view.copy_(parts[name])
-    return bytes(buffer), expected_of(values)
+    return bytes(frame_of(parts, metadata)), expected_of(values)
 
 
 def test_a_bad_scale_in_the_last_span_is_refused_and_a_first_fold_leaves_nothing() -> None:

@@ -428,9 +428,9 @@ def run_async(setup: SimSetup, progress: Progress) -> ModeOutcome:
         # A window is a round of its arrivals: the same outer_step, with Delayed Nesterov.
         outer_step(masters, contributions, optimizer, setup.kinds)
         downlink.publish(names)
+        delta_bytes = downlink.delta_nbytes(names)
         for _, w, _ in window:  # the step's delta for an anchor at its start, else P whole
-            delta = anchor_versions[w] == version
-            received += downlink.delta_nbytes(names) if delta else setup.model_bytes
+            received += delta_bytes if anchor_versions[w] == version else setup.model_bytes
         version += 1
         for _, w, _ in window:
             replicas[w].load(published)
