@@ -15,9 +15,11 @@ def require_matplotlib() -> None:
 
 
 def _label(run: dict) -> str:
+    """Mode, H and K; a sweep's runs add their swept settings (`overrides`)."""
+    swept = "".join(f", {k.replace('_', '-')}={v}" for k, v in run.get("overrides", {}).items())
     if run["mode"] in ("ddp", "single"):
-        return f"{run['mode']} (K={run['workers']})"
-    return f"{run['mode']} H={run['sync_every']} (K={run['workers']})"
+        return f"{run['mode']} (K={run['workers']}{swept})"
+    return f"{run['mode']} H={run['sync_every']} (K={run['workers']}{swept})"
 
 
 def plot_runs(runs: Sequence[dict], path: str | Path, title: str = "") -> None:

@@ -147,6 +147,11 @@ BAD_INPUTS = [
     (["--mode", "ddp", "--upload-codec", "int8"], "upload_codec int8 applies to modes diloco"),
     (["--download-codec", "int5"], "unknown codec 'int5'; allowed: fp32, bf16, int8"),
     (["--mode", "single", "--download-codec", "int8"], "mode single has no global weights"),
+    (["--sweep", "bogus=1,2"], "--sweep 'bogus' is not a setting; sweepable: mode, workers"),
+    (["--sweep", "outer-lr=0.5,x"], "--sweep outer-lr: 'x' is not a number"),
+    (["--sweep", "outer-lr=0.5,-1", "--json", "{tmp}/no.json"], "lr must be > 0"),
+    (["--sweep", "mode=diloco,bogus"], "unknown mode 'bogus'"),
+    (["--sweep", "outer-lr=0.5,1", "--jobs", "0"], "--jobs must be a positive integer, got 0"),
 ]
 
 
@@ -171,6 +176,36 @@ def test_bad_input_gives_one_line_and_exit_2(
     assert lines[0].startswith("error:"), lines
     assert needle in lines[0]
     assert not (tmp_path / "no").exists()
+    assert not (tmp_path / "no.json").exists()
+
+
+def test_a_sweep_runs_each_value_and_marks_the_lowest_loss(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    common = ["--workers", "2", "--sync-every", "2", "--steps", "4", "--corpus", str(corpus_file)]
+    path = tmp_path / "sweep.json"
+    result = run_cli(
+        "simulate", *common, "--sweep", "outer-lr=0.3,1.0", "--jobs", "2",
+        "--json", str(path), *TINY,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    document = json.loads(path.read_text())
+    assert document["sweep"] == {"outer_lr": [0.3, 1.0]}
+    assert [run["overrides"] for run in document["runs"]] == [{"outer_lr": 0.3}, {"outer_lr": 1.0}]
+    # Each run equals the same settings given without --sweep
+    losses = []
+    for run, lr in zip(document["runs"], ("0.3", "1.0"), strict=True):
+        alone_path = tmp_path / f"alone-{lr}.json"
+        alone = run_cli("simulate", *common, "--outer-lr", lr, "--json", str(alone_path), *TINY)
+        assert alone.returncode == 0, alone.stderr
+        expected = json.loads(alone_path.read_text())["final_eval_loss"]
+        assert run["final_eval_loss"] == pytest.approx(expected, rel=1e-4)
+        losses.append(expected)
+    best = 0 if losses[0] < losses[1] else 1
+    assert document["best"] == {"outer_lr": [0.3, 1.0][best]}
+    best_line = next(line for line in result.stdout.splitlines() if "<- best" in line)
+    assert best_line.split()[1] == ["0.3", "1.0"][best]
+    assert "lowest eval loss" in result.stdout
 
 
 def test_demo_runs_a_real_server_and_workers(tmp_path: Path, corpus_file: Path) -> None:

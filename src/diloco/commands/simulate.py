@@ -20,8 +20,10 @@ from diloco.console import (
 )
 from diloco.data import CorpusError, load_named_corpus
 from diloco.models import GPTConfig
-from diloco.sim import MODES, SimConfig, SimResult, prepare, run, total_inner_steps
+from diloco.sim import MODES, SimConfig, prepare, run, total_inner_steps
 from diloco.sim.config import DEFAULT_ERROR_FEEDBACK_BETA
+from diloco.sim.jobs import run_configs
+from diloco.sim.sweep import best_index, parse_sweeps
 
 
 def _parse_speeds(text: str | None) -> tuple[float, ...]:
@@ -30,28 +32,60 @@ def _parse_speeds(text: str | None) -> tuple[float, ...]:
     return tuple(number_list(text, "--speeds", float))
 
 
-def _run(config: SimConfig, corpus: bytes, label: str) -> SimResult:
+def _run(config: SimConfig, corpus: bytes, label: str) -> dict:
     """Prepare (which raises on bad input), then train under a progress bar."""
     setup = prepare(config, corpus)
     with progress_bar(label, total_inner_steps(config)) as advance:
-        return run(setup, progress=advance)
+        return run(setup, progress=advance).to_json()
 
 
-def _result_row(result: SimResult) -> list[object]:
-    c = result.config
-    row: list[object] = [
+def _config(options: dict) -> SimConfig:
+    """The run that the command's options describe (ValueError on a bad setting)."""
+    o = dict(options)
+    model = GPTConfig(context=o["seq_len"], width=o.pop("width"), depth=o.pop("depth"),
+                      heads=o.pop("heads"))  # fmt: skip
+    return SimConfig(**{**o, "model": model, "speeds": _parse_speeds(o["speeds"])})
+
+
+def _report_sweep(
+    grid: list[dict], configs: list[SimConfig], documents: list[dict], json_path: Path | None
+) -> list[dict]:
+    """One row per run, swept settings first; the lowest eval loss is marked.
+
+    Returns the runs' documents with their swept settings (`overrides`), as written to --json.
+    """
+    keys = list(grid[0])
+    best = best_index([d["final_eval_loss"] for d in documents])
+    rows = [
+        [*(overrides[k] for k in keys), *_result_row(c, d), "<- best" if i == best else ""]
+        for i, (overrides, c, d) in enumerate(zip(grid, configs, documents, strict=True))
+    ]
+    columns = [k.replace("_", "-") for k in keys] + ROW_COLUMNS + [""]
+    out.print(summary_table(f"diloco simulate: sweep of {len(rows)} runs", columns, rows))
+    described = ", ".join(f"{k.replace('_', '-')}={v}" for k, v in grid[best].items())
+    out.print(f"lowest eval loss: {documents[best]['final_eval_loss']:.4f} with {described}")
+    runs = [{"overrides": o, **d} for o, d in zip(grid, documents, strict=True)]
+    if json_path is not None:
+        swept = {k: list(dict.fromkeys(o[k] for o in grid)) for k in keys}
+        write_json(json_path, {"sweep": swept, "best": grid[best], "runs": runs})
+        err.print(f"wrote {json_path}")
+    return runs
+
+
+def _result_row(c: SimConfig, result: dict) -> list[object]:
+    """One table row from a run's settings and its `--json` document."""
+    return [
         c.mode,
         c.effective_workers,
         c.sync_every if c.mode not in ("single", "ddp") else "-",
         _upload_label(c),
         c.steps,
-        f"{result.final_eval_loss:.4f}",
-        result.outer_steps,
-        megabytes(result.bytes_sent_per_worker),
-        megabytes(result.bytes_received_per_worker),
-        f"{result.wall_seconds:.1f}",
+        f"{result['final_eval_loss']:.4f}",
+        result["outer_steps"],
+        megabytes(result["bytes_sent_per_worker"]),
+        megabytes(result["bytes_received_per_worker"]),
+        f"{result['wall_seconds']:.1f}",
     ]
-    return row
 
 
 def _upload_label(config: SimConfig) -> str:
@@ -142,57 +176,59 @@ def simulate_command(
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     seed: int = typer.Option(0, help="Seed for weights, shards and batches."),
     eval_every: int = typer.Option(0, help="Inner steps between evals (0 = every round)."),
+    sweep: list[str] = typer.Option(
+        None,
+        help="KEY=V1,V2,...: run once per value of any option above (e.g. outer-lr=0.5,0.7,1.0); "
+        "several --sweep options make their grid. The table marks the lowest eval loss.",
+    ),
+    jobs: int = typer.Option(
+        1, help="Runs of a sweep trained side by side, each in its own process (<= cores)."
+    ),
     json_path: Path = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: Path = typer.Option(None, help="Draw eval loss vs steps and vs bytes to this PNG."),
 ) -> None:
     """Train K replicas in one process and report loss and bytes moved."""
+    options = {
+        key: value
+        for key, value in locals().items()
+        if key not in ("sweep", "jobs", "json_path", "plot")
+    }
     check_output_path(json_path, "--json")
     check_output_path(plot, "--plot")
+    if jobs < 1:
+        raise fail(f"--jobs must be a positive integer, got {jobs}")
     try:
         if plot is not None:
             from diloco.plotting import require_matplotlib
 
             require_matplotlib()
-        config = SimConfig(
-            mode=mode,
-            workers=workers,
-            sync_every=sync_every,
-            steps=steps,
-            outer_optimizer=outer_optimizer,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            fragments=fragments,
-            delay=delay,
-            alpha=alpha,
-            speeds=_parse_speeds(speeds),
-            dylu=dylu,
-            async_delay=async_delay,
-            grace=grace,
-            staleness_weighting=staleness_weighting,
-            upload_codec=upload_codec,
-            download_codec=download_codec,
-            codec_block=codec_block,
-            topk_chunk=topk_chunk,
-            error_feedback_beta=error_feedback_beta,
-            lr=lr,
-            warmup=warmup,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            model=GPTConfig(context=seq_len, width=width, depth=depth, heads=heads),
-            corpus=corpus,
-            seed=seed,
-            eval_every=eval_every,
-        )
+        grid = parse_sweeps(sweep or [], options)
+        configs = [_config({**options, **overrides}) for overrides in grid]
         data = _load_corpus_or_fail(corpus)
-        result = _run(config, data, f"{mode} K={config.effective_workers}")
+        if not sweep:
+            documents = [_run(configs[0], data, f"{mode} K={configs[0].effective_workers}")]
+        else:
+            for config in configs:  # every run's settings fail before the first one trains
+                prepare(config, data)
+            total = sum(total_inner_steps(c) for c in configs)
+            with progress_bar(f"sweep: {len(configs)} runs", total) as advance:
+                documents = run_configs(configs, jobs, advance, data)
+    except typer.Exit:
+        raise
     except ValueError as exc:  # CorpusError is a ValueError too
         raise fail(str(exc)) from None
-    out.print(summary_table("diloco simulate", ROW_COLUMNS, [_result_row(result)]))
-    if json_path is not None:
-        write_json(json_path, result.to_json())
-        err.print(f"wrote {json_path}")
+    except RuntimeError as exc:  # a child process of --jobs failed
+        raise fail(f"a sweep run failed: {exc}", code=1) from None
+    if sweep:
+        documents = _report_sweep(grid, configs, documents, json_path)
+    else:
+        row = _result_row(configs[0], documents[0])
+        out.print(summary_table("diloco simulate", ROW_COLUMNS, [row]))
+        if json_path is not None:
+            write_json(json_path, documents[0])
+            err.print(f"wrote {json_path}")
     if plot is not None:
         from diloco.plotting import plot_runs
 
-        plot_runs([result.to_json()], plot)
+        plot_runs(documents, plot)
         err.print(f"wrote {plot}")

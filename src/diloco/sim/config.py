@@ -149,3 +149,12 @@ class SimConfig:
         data = asdict(self)
         data["speeds"] = list(self.worker_speeds)
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SimConfig:
+        """The inverse of `to_dict` (a sweep's child process gets its run this way, as JSON)."""
+        fields = dict(data)
+        fields["model"] = GPTConfig(**fields["model"])
+        # to_dict writes every worker's speed; only async runs take them as a setting
+        fields["speeds"] = tuple(fields["speeds"]) if fields["mode"] == "async" else ()
+        return cls(**fields)
