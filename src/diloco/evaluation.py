@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from diloco.data import eval_batches
-from diloco.models import GPT, GPTConfig
+from diloco.models import ModelSpec
 
 
 class Evaluator:
@@ -15,13 +15,14 @@ class Evaluator:
 
     def __init__(
         self,
-        model_config: GPTConfig,
+        model_config: ModelSpec,
         val_tokens: torch.Tensor,
         batch_size: int,
         seq_len: int,
         max_batches: int,
     ) -> None:
-        self.model = GPT(model_config)
+        self.spec = model_config
+        self.model = model_config.build()
         self.batches = eval_batches(val_tokens, batch_size, seq_len, max_batches)
 
     @torch.no_grad()
@@ -30,6 +31,5 @@ class Evaluator:
         self.model.eval()
         total = 0.0
         for x, y in self.batches:
-            _, loss = self.model(x, y)
-            total += float(loss)
+            total += float(self.spec.loss(self.model, x, y))
         return total / len(self.batches)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from diloco.data import BatchSampler
-from diloco.models import GPT, GPTConfig
+from diloco.models import ModelSpec
 
 
 def inner_lr(step: int, base_lr: float, warmup: int, total: int) -> float:
@@ -35,7 +35,7 @@ class Replica:
 
     def __init__(
         self,
-        model_config: GPTConfig,
+        model_config: ModelSpec,
         initial_state: Mapping[str, torch.Tensor],
         sampler: BatchSampler,
         lr: float,
@@ -43,7 +43,8 @@ class Replica:
         total_steps: int,
         weight_decay: float,
     ) -> None:
-        self.model = GPT(model_config)
+        self.spec = model_config
+        self.model = model_config.build()
         self.model.load_state_dict(initial_state)
         self.optimizer = make_inner_optimizer(self.model, lr, weight_decay)
         self.sampler = sampler
@@ -60,7 +61,7 @@ class Replica:
 
     def loss_and_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> float:
         self.model.train()
-        _, loss = self.model(x, y)
+        loss = self.spec.loss(self.model, x, y)
         (loss * scale).backward()
         return loss.item()
 

@@ -17,6 +17,7 @@ def test_reduced_convergence_benchmark_writes_table_json_and_plot(
     result = run_benchmark(
         "convergence.py",
         *("--steps", "12", "--sync-every", "3,6", "--width", "32", "--depth", "2"),
+        *("--outer-lr", "0.5,1.0", "--eval-every", "6"),
         *("--seq-len", "32", "--batch-size", "4", "--corpus", str(corpus_file)),
         *("--out-dir", str(tmp_path)),
         timeout=240,
@@ -24,16 +25,25 @@ def test_reduced_convergence_benchmark_writes_table_json_and_plot(
     assert result.returncode == 0, result.stderr
     document = json.loads((tmp_path / "convergence.json").read_text())
     runs = document["runs"]
-    assert [r["mode"] for r in runs] == ["ddp", "single", "diloco", "diloco"]
-    assert [r["sync_every"] for r in runs[2:]] == [3, 6]
+    assert [r["mode"] for r in runs] == ["ddp", "single"] + ["diloco"] * 4
+    assert [(r["sync_every"], r["config"]["outer_lr"]) for r in runs[2:]] == [
+        (3, 0.5), (3, 1.0), (6, 0.5), (6, 1.0)
+    ]  # fmt: skip
     assert all(r["steps"] == 12 for r in runs)
+    assert [point[0] for point in runs[2]["eval_curve"]] == [0, 6, 12]
     assert runs[1]["workers"] == 1 and runs[1]["bytes_sent_per_worker"] == 0
     ddp_bytes = runs[0]["bytes_sent_per_worker"]
     # K = 4: ddp moves 1.5 models per step, DiLoCo one model per H steps.
     assert ddp_bytes / runs[2]["bytes_sent_per_worker"] == 1.5 * 3
-    assert ddp_bytes / runs[3]["bytes_sent_per_worker"] == 1.5 * 6
+    assert ddp_bytes / runs[4]["bytes_sent_per_worker"] == 1.5 * 6
     table = (tmp_path / "convergence.md").read_text()
-    assert table.count("\n| diloco (K=4) |") == 2 and "\n| ddp (K=4) |" in table
+    assert table.count("\n| diloco (K=4) |") == 4 and "\n| ddp (K=4) |" in table
+    # One best outer lr per H, the lower of its two losses
+    for pair in (runs[2:4], runs[4:6]):
+        best = min(pair, key=lambda r: r["final_eval_loss"])
+        assert f"{best['final_eval_loss']:.4f} (best)" in table
+        assert f"H={best['sync_every']} (best outer lr {best['config']['outer_lr']})" in table
+    assert table.count("(best)") == 2
     assert "\n| single (K=1) |" in table and "no traffic" in table
     assert (tmp_path / "convergence.png").read_bytes()[:4] == b"\x89PNG"
     assert "Reading (generated from the numbers above)" in table

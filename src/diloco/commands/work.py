@@ -38,7 +38,8 @@ from diloco.data import (
     worker_shard,
 )
 from diloco.evaluation import Evaluator
-from diloco.models import GPT, GPTConfig
+from diloco.models import GPTConfig, ModelSpec
+from diloco.models.causal_lm import CausalLMConfig
 from diloco.training import Replica
 from diloco.worker import (
     AuthError,
@@ -60,6 +61,19 @@ def _dataset_id(corpus: bytes, seq_len: int) -> str:
 def _sampler_seed(seed: int, shard: int) -> int:
     """The simulator's seeding, so that a real run and `diloco simulate` see the same batches."""
     return seed * 1000 + shard + 1
+
+
+def _model_spec(path: Path | None, seq_len: int, width: int, depth: int, heads: int) -> ModelSpec:
+    """The bundled GPT, or the transformers model of --model-config (ValueError naming why not)."""
+    if path is None:
+        return GPTConfig(context=seq_len, width=width, depth=depth, heads=heads)
+    spec = CausalLMConfig.from_file(path)
+    if spec.context is not None and seq_len > spec.context:
+        raise ValueError(
+            f"--seq-len {seq_len} is longer than the model takes ({spec.context} positions "
+            f"in {path})"
+        )
+    return spec
 
 
 def worker_command(
@@ -84,6 +98,12 @@ def worker_command(
     width: int = typer.Option(64, help="Model width (must match the other workers)."),
     depth: int = typer.Option(4, help="Transformer blocks."),
     heads: int = typer.Option(4, help="Attention heads."),
+    model_config: Path = typer.Option(
+        None,
+        help="Train any transformers causal LM instead of the bundled GPT: a config.json "
+        "(model_type and its fields; vocab_size >= 256 for byte tokens), random weights from "
+        "--seed, nothing downloaded. --width, --depth and --heads are then not used.",
+    ),
     eval_batches: int = typer.Option(8, help="Validation batches for the final eval loss."),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,
@@ -129,7 +149,7 @@ def worker_command(
     check_ca_file(ca_file)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = GPTConfig(context=seq_len, width=width, depth=depth, heads=heads)
+        config = _model_spec(model_config, seq_len, width, depth, heads)
         corpus_bytes = load_named_corpus(corpus)
         split = split_train_val(corpus_bytes)
         sampler = BatchSampler(
@@ -142,7 +162,7 @@ def worker_command(
     except (ValueError, CorpusError) as exc:
         raise fail(str(exc)) from None
     torch.manual_seed(seed)
-    initial = GPT(config).state_dict()
+    initial = config.build().state_dict()
     replica = Replica(config, initial, sampler, lr, warmup, steps, weight_decay=0.1)
     if give_up_after < 0:
         raise fail(f"--give-up-after must be >= 0 seconds, got {give_up_after}")

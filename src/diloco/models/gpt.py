@@ -44,6 +44,15 @@ class GPTConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def build(self) -> nn.Module:
+        """A fresh GPT of this shape (seed torch first for the same weights everywhere)."""
+        return GPT(self)
+
+    @staticmethod
+    def loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross entropy of a model this config built."""
+        return model(tokens, targets)[1]
+
 
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention through PyTorch's fused kernel."""

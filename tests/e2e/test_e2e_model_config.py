@@ -1,0 +1,162 @@
+"""`diloco worker --model-config`: a transformers causal LM from its config, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.models.causal_lm import CausalLMConfig, ModelConfigError
+from processes import global_weights, sampled, start_worker, wait_all
+
+pytest.importorskip("transformers")
+
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+GPT2_TIED = {
+    "model_type": "gpt2",
+    "vocab_size": 256,
+    "n_embd": 32,
+    "n_layer": 1,
+    "n_head": 2,
+    "n_positions": 32,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
+
+
+def write_config(tmp_path: Path, fields: dict | list | str, name: str = "model.json") -> Path:
+    path = tmp_path / name
+    path.write_text(fields if isinstance(fields, str) else json.dumps(fields))
+    return path
+
+
+def test_the_same_seed_builds_the_same_weights_and_an_untrained_loss_near_ln_256(
+    tmp_path: Path,
+) -> None:
+    spec = CausalLMConfig.from_file(write_config(tmp_path, LLAMA))
+    assert spec.context == 64
+    states = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        states.append(spec.build().state_dict())
+    assert states[0].keys() == states[1].keys()
+    for name, tensor in states[0].items():
+        assert torch.equal(tensor, states[1][name]), name
+    # Hand-computed shapes: head_dim 32 / 4 = 8, two key/value heads -> 16 rows
+    assert states[0]["model.layers.0.self_attn.k_proj.weight"].shape == (16, 32)
+    assert states[0]["model.embed_tokens.weight"].shape == (256, 32)
+    assert states[0]["lm_head.weight"].shape == (256, 32)
+    torch.manual_seed(11)
+    model = spec.build()
+    tokens = torch.randint(0, 256, (4, 17))
+    loss = spec.loss(model, tokens[:, :-1], tokens[:, 1:])
+    # Small random init: the next byte is about uniform over 256 values
+    assert abs(loss.item() - math.log(256)) < 0.2
+
+
+def test_the_shipped_example_configs_build(tmp_path: Path) -> None:
+    for path in sorted(EXAMPLES.glob("*.json")):
+        spec = CausalLMConfig.from_file(path)
+        assert spec.context is not None and spec.context >= 64, path
+
+
+def test_two_workers_train_a_llama_config_through_a_real_server(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path, LLAMA)
+    server = server_process("--sync-every", "3", "--min-workers", "2")
+    extra = ("--model-config", str(config))
+    workers = [
+        start_worker(server.url, f"w{i}", i, 2, 6, corpus_file, tmp_path, extra=extra)
+        for i in range(2)
+    ]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    weights, round_number = global_weights(server.url)
+    assert round_number == 2
+    torch.manual_seed(5)  # the workers' --seed
+    initial = CausalLMConfig.from_file(config).build().state_dict()
+    assert weights.keys() == initial.keys()
+    assert any(not torch.equal(weights[k], initial[k]) for k in initial)
+    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+    assert [r["rounds"] for r in reports] == [2, 2]
+    assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
+    assert reports[0]["final_eval_loss"] < math.log(256) - 0.1
+
+
+@pytest.mark.slow  # in `make test-slow`; the llama run above is the default suite's sample
+def test_tied_gpt2_embeddings_stay_tied_through_rounds(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path, GPT2_TIED)
+    server = server_process("--sync-every", "2", "--min-workers", "2")
+    extra = ("--model-config", str(config))
+    workers = [
+        start_worker(server.url, f"w{i}", i, 2, 4, corpus_file, tmp_path, extra=extra)
+        for i in range(2)
+    ]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    weights, round_number = global_weights(server.url)
+    assert round_number == 2
+    # Both names of the one tied tensor get the same pseudo-gradient, so they stay equal
+    assert torch.equal(weights["transformer.wte.weight"], weights["lm_head.weight"])
+
+
+BAD_CONFIGS = [
+    (None, "cannot read it"),
+    ("{not json", "is not JSON"),
+    ([1, 2], "must be a JSON object with a 'model_type'"),
+    ({"vocab_size": 256}, "must be a JSON object with a 'model_type'"),
+    ({"model_type": "bogus"}, "model_type 'bogus' is not a causal LM that this transformers knows"),
+    ({**LLAMA, "vocab_size": 100}, "vocab_size must be >= 256 to hold byte tokens, got 100"),
+    ({**LLAMA, "hidden_size": 33}, "is not a multiple of the number of attention heads"),
+    ({**LLAMA, "max_position_embeddings": 16}, "--seq-len 32 is longer than the model takes (16"),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"), sampled(BAD_CONFIGS, [needle[:30] for _, needle in BAD_CONFIGS])
+)
+def test_a_bad_model_config_is_one_line_and_exit_2(
+    fields, needle: str, tmp_path: Path, corpus_file: Path
+) -> None:
+    path = tmp_path / "missing.json" if fields is None else write_config(tmp_path, fields)
+    result = subprocess.run(
+        [sys.executable, "-m", "diloco.cli", "worker", "--server", "http://127.0.0.1:9",
+         "--steps", "2", "--seq-len", "32", "--corpus", str(corpus_file),
+         "--model-config", str(path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --"), result.stderr
+    assert needle in lines[0]
+
+
+def test_bad_configs_raise_model_config_errors_in_process(tmp_path: Path) -> None:
+    for fields, needle in BAD_CONFIGS[:-1]:  # the last one is the worker's --seq-len check
+        path = tmp_path / "missing.json" if fields is None else write_config(tmp_path, fields)
+        with pytest.raises(ModelConfigError) as caught:
+            CausalLMConfig.from_file(path)
+        assert needle in str(caught.value)
