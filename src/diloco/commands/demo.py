@@ -27,24 +27,33 @@ from diloco.console import (
     write_json,
 )
 from diloco.data import CorpusError, load_named_corpus
+from diloco.models import GPTConfig
 from diloco.server.launch import diloco_command, start_server, stop_process
 from diloco.server.settings import ServerSettings
-from diloco.sim import SimConfig, simulate
+from diloco.sim import SimConfig, total_inner_steps
+from diloco.sim.jobs import run_configs
 from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
 
 FP32_BYTES = 4
 DEMO_MODES = ("sync", "streaming", "async")
+# The demo's model and batch: small enough that 2 workers, one worker alone and data-parallel
+# all train in about 2 minutes on 2 cores, and that DiLoCo gets enough outer steps to show its
+# gain (benchmarks/results/demo.md measures these defaults).
+DEMO_MODEL = {"width": 64, "depth": 2, "heads": 4, "seq_len": 64, "batch_size": 8}
+DEMO_STEPS = 1000
+DEMO_H = {"sync": 20, "streaming": 20, "async": 20}
 
 
 def demo_command(
     workers: int = typer.Option(2, help="Worker processes K."),
-    steps: int = typer.Option(300, help="Inner steps per worker."),
+    steps: int = typer.Option(DEMO_STEPS, help="Inner steps per worker."),
     mode: str = typer.Option(
         "sync",
         help="sync, streaming (4 fragments, tau 1, alpha 0.5) or async (DyLU, 2 s grace window).",
     ),
     sync_every: int = typer.Option(
-        None, help="H: inner steps per round (default 25; streaming: 24, so 4 fragments fit)."
+        None,
+        help=f"H: inner steps per round (default {DEMO_H['sync']}; streaming: a multiple of 4).",
     ),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     seed: int = typer.Option(0, help="Seed of weights and batches."),
@@ -55,7 +64,7 @@ def demo_command(
     if mode not in DEMO_MODES:
         raise fail(f"--mode must be one of {', '.join(DEMO_MODES)}, got {mode!r}")
     if sync_every is None:
-        sync_every = 24 if mode == "streaming" else 25
+        sync_every = DEMO_H[mode]
     require_positive(workers=workers, steps=steps, sync_every=sync_every)
     try:
         mode_args = _mode_args(mode, workers, sync_every)
@@ -102,6 +111,7 @@ def demo_command(
                             "--corpus",
                             str(corpus_path),
                             "--no-progress",
+                            *_model_args(),
                             "--json",
                             str(Path(scratch) / f"w{w}.json"),
                         ),
@@ -126,6 +136,11 @@ def demo_command(
                 stop_process(process)
             stop_process(server)
     _report(reports, data, workers, steps, sync_every, corpus, seed, json_path, mode)
+
+
+def _model_args() -> list[str]:
+    """The demo's model and batch as `diloco worker` options."""
+    return [a for k, v in DEMO_MODEL.items() for a in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def _mode_args(mode: str, workers: int, sync_every: int) -> list[str]:
@@ -168,6 +183,20 @@ def _follow(url: str, processes: list[subprocess.Popen], total_steps: int) -> No
         advance(max(0, total_steps - done))
 
 
+def _baselines(data: bytes, workers: int, steps: int, corpus: str, seed: int) -> tuple[dict, dict]:
+    """One worker alone and data-parallel over the same workers, trained side by side in the
+    simulator on the demo's model (the same recipe as `diloco worker`)."""
+    model = GPTConfig(context=DEMO_MODEL["seq_len"], width=DEMO_MODEL["width"],
+                      depth=DEMO_MODEL["depth"], heads=DEMO_MODEL["heads"])  # fmt: skip
+    common = dict(workers=workers, steps=steps, corpus=corpus, seed=seed, model=model,
+                  seq_len=DEMO_MODEL["seq_len"], batch_size=DEMO_MODEL["batch_size"])  # fmt: skip
+    configs = [SimConfig(mode="single", **common), SimConfig(mode="ddp", **common)]
+    total = sum(total_inner_steps(c) for c in configs)
+    with progress_bar("baselines: one worker alone, data-parallel", total) as advance:
+        single, ddp = run_configs(configs, jobs=2, progress=advance, corpus=data)
+    return single, ddp
+
+
 def _report(
     reports: list[dict],
     data: bytes,
@@ -179,11 +208,8 @@ def _report(
     json_path: Path | None,
     mode: str = "sync",
 ) -> None:
-    err.print("training one worker alone for the same steps (baseline)")
-    single = simulate(
-        SimConfig(mode="single", workers=1, steps=steps, corpus=corpus, seed=seed), corpus=data
-    )
-    model_bytes = single.parameters * FP32_BYTES
+    single, ddp = _baselines(data, workers, steps, corpus, seed)
+    model_bytes = single["parameters"] * FP32_BYTES
     ddp_bytes = 2 * (workers - 1) / workers * model_bytes * steps
     diloco_loss = reports[0]["final_eval_loss"]
     sent = sum(r["bytes_sent"] for r in reports) / workers
@@ -196,10 +222,10 @@ def _report(
             megabytes(sent),
             megabytes(received),
         ],
-        ["one worker alone", f"{single.final_eval_loss:.4f}", "-", "0", "0"],
+        ["one worker alone", f"{single['final_eval_loss']:.4f}", "-", "0", "0"],
         [
-            f"data-parallel, {workers} workers (bytes only)",
-            "-",
+            f"data-parallel, {workers} workers",
+            f"{ddp['final_eval_loss']:.4f}",
             steps,
             megabytes(ddp_bytes),
             megabytes(ddp_bytes),
@@ -207,7 +233,7 @@ def _report(
     ]
     out.print(
         summary_table(
-            f"diloco demo: {steps} inner steps per worker, {single.parameters:,}-parameter GPT",
+            f"diloco demo: {steps} inner steps per worker, {single['parameters']:,}-parameter GPT",
             [
                 "run",
                 "final eval loss",
@@ -218,9 +244,13 @@ def _report(
             rows,
         )
     )
+    gain = single["final_eval_loss"] - diloco_loss
     out.print(
-        f"DiLoCo moved {ddp_bytes / max(sent, 1):,.0f}x fewer bytes than data-parallel "
-        f"would have for the same steps."
+        f"DiLoCo's {workers} workers ended {abs(gain):.3f} nats "
+        f"{'below' if gain > 0 else 'above'} one worker alone and "
+        f"{diloco_loss - ddp['final_eval_loss']:+.3f} from data-parallel, and moved "
+        f"{ddp_bytes / max(sent, 1):,.0f}x fewer bytes than data-parallel would have for the "
+        "same steps."
     )
     if json_path is not None:
         write_json(
@@ -231,7 +261,8 @@ def _report(
                 "steps": steps,
                 "sync_every": sync_every,
                 "diloco_final_eval_loss": diloco_loss,
-                "single_final_eval_loss": single.final_eval_loss,
+                "single_final_eval_loss": single["final_eval_loss"],
+                "ddp_final_eval_loss": ddp["final_eval_loss"],
                 "rounds": reports[0]["rounds"],
                 "bytes_sent_per_worker": sent,
                 "bytes_received_per_worker": received,

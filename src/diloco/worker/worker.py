@@ -82,11 +82,14 @@ class DiLoCoWorker:
         fragment_timeout: float | None = None,
         max_upload_mbps: float | None = None,
         ca_file: str | os.PathLike[str] | None = None,
+        save_every_round: bool = True,
     ) -> None:
-        """`checkpoint_dir`: after every round the worker saves its inner optimizer (and
-        `scheduler`) state, RNG state, step, round, session and data position there, and a
-        worker started on the same directory resumes from it under the same id (see
-        diloco.worker.checkpoint); a saved state that does not fit is ignored with a warning.
+        """`checkpoint_dir`: after every round (unless `save_every_round` is False: then only
+        when `save_checkpoint` is called, e.g. with a trainer's own checkpoints) the worker
+        saves its inner optimizer (and `scheduler`) state, RNG state, step, round, session and
+        data position there, and a worker started on the same directory resumes from it under
+        the same id (see diloco.worker.checkpoint); a saved state that does not fit is ignored
+        with a warning.
 
         `fragment_timeout` (streaming): the longest a merge waits for its fragment's sync
         before it gives up on it for this window (keeping the old anchor); None waits as long
@@ -121,6 +124,8 @@ class DiLoCoWorker:
             else None
         )
         self._closed = False
+        self._scheduler = scheduler
+        self._save_every_round = save_every_round
         self.local_step = 0
         self.rounds = 0
         self.last_loss: float | None = None
@@ -191,6 +196,7 @@ class DiLoCoWorker:
                 uploads=self._uploads,
             )
         self._skip_rounds_missed()
+        self._resume_mid_round()
         self._hook = optimizer.register_step_post_hook(self._after_step)
         if self.settings.weighting == "tokens":  # token weighting needs counts: count them
             self._tokens.count_forwards(self.model)
@@ -286,9 +292,42 @@ class DiLoCoWorker:
             "the server is %d round(s) past our checkpoint: skipping %d steps", missed, ahead
         )
 
-    def save_checkpoint(self) -> None:
-        """Save the worker's state now (done after every round when checkpoint_dir is set)."""
-        if self._checkpointer is None or self.worker_id is None:
+    def _resume_mid_round(self) -> None:
+        """A checkpoint taken inside a round (a trainer's own cadence) holds steps trained since
+        the anchor. Joining put the server's weights in the model; while the server is still at
+        our anchor's round those are our anchor, so the trained steps go back in and the round
+        goes on where it was. If the server has moved on, they are dropped (with a warning)."""
+        saved = self.resumed
+        if saved is None or saved.steps_in_round == 0 or self.settings.mode == "streaming":
+            return
+        if self.round != saved.anchor_round:
+            log.warning(
+                "the server is at round %d, our checkpoint inside round %d: its %d step(s) "
+                "into that round are dropped",
+                self.round,
+                saved.anchor_round,
+                saved.steps_in_round,
+            )
+            return
+        state = self.model.state_dict()
+        with torch.no_grad():
+            for name, target in state.items():
+                target.copy_(saved.model[name])
+        self._schedule.steps_in_round = saved.steps_in_round
+
+    def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> None:
+        """Save the worker's state now (done after every round when checkpoint_dir is set),
+        into `directory` if given (a trainer's checkpoint folder; mid-round is fine: the
+        anchor, the steps into the round and the residual are saved with the model)."""
+        checkpointer = self._checkpointer
+        if directory is not None:
+            if distributed.group_size() > 1:
+                raise ValueError(
+                    "saving a worker checkpoint is for single-process workers; under "
+                    "torch.distributed the other ranks' state is not saved"
+                )
+            checkpointer = Checkpointer(directory, self.model, self.optimizer, self._scheduler)
+        if checkpointer is None or self.worker_id is None:
             return
         extra: dict[str, Any] = {**self._leader_session().identity(), "rounds": self.rounds}
         data_state = self._units.state()
@@ -297,7 +336,7 @@ class DiLoCoWorker:
         residual, residual_key = self._uploads.state()
         if residual_key is not None:
             extra["residual_key"] = residual_key
-        self._checkpointer.save(
+        checkpointer.save(
             worker_id=self.worker_id,
             anchor=self.anchor,
             anchor_round=self.round,
@@ -360,7 +399,7 @@ class DiLoCoWorker:
             started, before = time.monotonic(), self._pace.blocked_seconds
             self.streamer.flush()  # its merges count their waits; the whole flush counts once
             self._pace.blocked_seconds = before + (time.monotonic() - started)
-            self.save_checkpoint()
+            self._saved_round()
             return
         if self._schedule.steps_in_round == 0:
             return
@@ -371,7 +410,12 @@ class DiLoCoWorker:
         self._schedule.round_done()
         self._tokens.round_done()
         self._pace.window_done(self.local_step)
-        self.save_checkpoint()
+        self._saved_round()
+
+    def _saved_round(self) -> None:
+        """A round (or a streaming cycle) ended: checkpoint it, unless saves are the caller's."""
+        if self._save_every_round:
+            self.save_checkpoint()
 
     def _exchange_round(self) -> Exchanged:
         session = self._leader_session()
@@ -414,7 +458,7 @@ class DiLoCoWorker:
         """A fragment's window ended: a speed sample; a checkpoint once a cycle."""
         self._pace.window_done(self.local_step)
         if self.streamer is not None and fragment == self.streamer.last_fragment:
-            self.save_checkpoint()
+            self._saved_round()
 
     # ----------------------------------------------------------------- reporting and exit
 

@@ -1,0 +1,121 @@
+"""A transformers `Trainer` as one DiLoCo worker: a tiny GPT-2 (random init) on a text file's bytes.
+
+Start a server, then one of these per worker (each on its own machine, or all on one):
+
+    diloco server --sync-every 50 --min-workers 2
+    python examples/transformers_trainer.py --server http://127.0.0.1:8470 --worker-id w0 \
+        --corpus input.txt --output-dir run-w0 --steps 500
+    # after a crash: the same command with --resume continues from the last checkpoint
+
+Nothing is downloaded: the model is built from examples/model_configs/gpt2-tiny.json (any
+causal LM config with vocab_size >= 256 works, --model-config) and trained on bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from diloco.data import TokenWindows, load_named_corpus, split_train_val
+from diloco.integrations.transformers import DiLoCoCallback, DiLoCoCallbackError
+from diloco.models.causal_lm import CausalLMConfig, ModelConfigError
+from diloco.worker import ServerError, ServerUnavailable
+
+HERE = Path(__file__).resolve().parent
+
+
+class ByteWindows(torch.utils.data.Dataset):
+    """The corpus's windows as the Trainer wants them: input ids, labels shifted by the model."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        self.windows = TokenWindows(tokens, seq_len)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        x, _ = self.windows[index]
+        return {"input_ids": x, "labels": x}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", required=True)
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--corpus", default="shakespeare", help="a text file, or shakespeare")
+    parser.add_argument("--model-config", default=str(HERE / "model_configs" / "gpt2-tiny.json"))
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--steps", type=int, default=500, help="optimizer steps (max_steps)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--save-steps", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0, help="the same on every worker")
+    parser.add_argument("--resume", action="store_true", help="from the newest checkpoint")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    options = parser.parse_args()
+
+    try:
+        spec = CausalLMConfig.from_file(options.model_config)
+        split = split_train_val(load_named_corpus(options.corpus))
+        train, val = (ByteWindows(t, options.seq_len) for t in (split.train, split.val))
+    except (ModelConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    torch.manual_seed(options.seed)  # every worker builds the same initial weights
+    model = spec.build()
+    args = TrainingArguments(
+        output_dir=options.output_dir,
+        max_steps=options.steps,
+        per_device_train_batch_size=options.batch_size,
+        per_device_eval_batch_size=options.batch_size,
+        gradient_accumulation_steps=options.grad_accum,
+        learning_rate=options.lr,
+        warmup_steps=min(50, options.steps // 10),
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        save_steps=options.save_steps,
+        logging_steps=max(1, min(10, options.steps // 5)),
+        seed=options.seed,
+        data_seed=options.seed,
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+    )
+    callback = DiLoCoCallback(options.server, options.worker_id)
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
+                      callbacks=[callback])  # fmt: skip
+    initial_loss = trainer.evaluate()["eval_loss"]
+    try:
+        trainer.train(resume_from_checkpoint=True if options.resume else None)
+    except DiLoCoCallbackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ServerError, ServerUnavailable) as exc:
+        print(f"error: the server failed us: {exc}", file=sys.stderr)
+        return 1
+    final_loss = trainer.evaluate()["eval_loss"]
+    figures = {
+        "initial_eval_loss": initial_loss,
+        "final_eval_loss": final_loss,
+        "global_step": trainer.state.global_step,
+        "resumed_from": callback.resumed_from,
+        "worker": callback.worker_stats,
+    }
+    print(f"eval loss {initial_loss:.4f} -> {final_loss:.4f} (ln 256 = {math.log(256):.4f}), "
+          f"{figures['worker']['rounds']} rounds")  # fmt: skip
+    if options.json:
+        Path(options.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

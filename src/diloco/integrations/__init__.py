@@ -1,0 +1,1 @@
+"""Adapters that make a training framework's run one DiLoCo worker (each imports its framework)."""

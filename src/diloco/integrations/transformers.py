@@ -1,0 +1,181 @@
+"""DiLoCo inside a transformers `Trainer`: one callback turns the Trainer's run into a worker.
+
+    trainer = Trainer(model, args, train_dataset=..., callbacks=[DiLoCoCallback(URL, "w0")])
+    trainer.train()                    # or train(resume_from_checkpoint=True)
+
+The callback attaches once the Trainer has built its optimizer (`on_train_begin`) and hooks
+the torch optimizer inside the Trainer's wrappers, so H counts optimizer steps whatever the
+gradient accumulation. Every checkpoint the Trainer writes gets the worker's state beside it
+(`checkpoint-N/diloco/`: anchor, steps into the round, error-feedback residual, identity, in
+safetensors and JSON), taken at that very step; `resume_from_checkpoint` restores it with the
+Trainer's own, so a resumed run continues the same DiLoCo run. The Trainer's end syncs a last
+partial round, so the model it saves is the global one. Under torchrun the process group is
+one worker (rank 0 talks to the server); its worker state is not saved with the checkpoints
+then, and a resumed group rejoins from the server's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.faults import crash_point
+from diloco.worker import DiLoCoWorker, distributed
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "diloco.integrations.transformers needs transformers: pip install 'diloco[transformers]'"
+    ) from exc
+
+log = logging.getLogger("diloco.integrations.transformers")
+STATE_DIR = "diloco"  # inside each checkpoint-N folder
+RUN_FILE = "trainer_run.json"  # the Trainer settings a resume must keep
+
+
+class DiLoCoCallbackError(ValueError):
+    """The Trainer cannot run as a DiLoCo worker as set up; the message names the cause."""
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside the Trainer's wrappers (accelerate's AcceleratedOptimizer
+    keeps it in `.optimizer`): its step hook fires once per real optimizer step."""
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer) or not hasattr(
+        inner, "register_step_post_hook"
+    ):
+        raise DiLoCoCallbackError(
+            f"cannot hook the Trainer's optimizer ({type(optimizer).__name__}): DiLoCo needs a "
+            "torch.optim.Optimizer (its step hook counts H); DeepSpeed's own optimizers are not"
+        )
+    return inner
+
+
+def _run_settings(args: Any) -> dict:
+    return {
+        "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
+        "per_device_train_batch_size": int(args.per_device_train_batch_size),
+    }
+
+
+class DiLoCoCallback(TrainerCallback):
+    """Makes a `transformers.Trainer` one DiLoCo worker of the server at `server_url`.
+
+    `worker_options` go to `DiLoCoWorker` (retry, ca_file, max_upload_mbps, heartbeat, ...).
+    After training, `worker_stats` holds the worker's figures (rounds, bytes, blocked time).
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        worker_id: str | None = None,
+        token: str | None = None,
+        **worker_options: Any,
+    ) -> None:
+        for reserved in ("checkpoint_dir", "scheduler", "save_every_round"):
+            if reserved in worker_options:
+                raise DiLoCoCallbackError(
+                    f"{reserved} is the callback's to set (the Trainer's checkpoints hold the "
+                    "worker state)"
+                )
+        self.server_url = server_url
+        self.worker_id = worker_id
+        self.token = token
+        self.worker_options = worker_options
+        self.worker: DiLoCoWorker | None = None
+        self.worker_stats: dict | None = None
+        self.resumed_from: str | None = None
+
+    # ----------------------------------------------------------------- Trainer events
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None,
+                       lr_scheduler=None, **kwargs):  # fmt: skip
+        if self.worker is not None:
+            return
+        if optimizer is None or model is None:
+            raise DiLoCoCallbackError(
+                "the Trainer has no optimizer yet: DiLoCoCallback attaches in on_train_begin, "
+                "once Trainer.train() has built it (pass the callback to Trainer(callbacks=...))"
+            )
+        inner = torch_optimizer(optimizer)
+        resume = self._saved_state(args, state)
+        if resume is not None:
+            self._check_same_settings(resume, args)
+            self.resumed_from = str(resume)
+        self.worker = DiLoCoWorker(
+            model,
+            inner,
+            self.server_url,
+            self.worker_id,
+            self.token,
+            checkpoint_dir=resume,
+            scheduler=lr_scheduler,
+            save_every_round=False,
+            **self.worker_options,
+        )
+        if resume is not None and self.worker.local_step != state.global_step:
+            raise DiLoCoCallbackError(
+                f"the worker state in {resume} is at step {self.worker.local_step}, the "
+                f"Trainer's checkpoint at step {state.global_step}"
+            )
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.worker is not None and logs and isinstance(logs.get("loss"), (int, float)):
+            self.worker.report(loss=float(logs["loss"]))
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.worker is None:
+            return
+        if distributed.group_size() > 1:
+            log.warning("under torch.distributed the worker state is not saved with checkpoints")
+            return
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        self.worker.save_checkpoint(folder / STATE_DIR)
+        (folder / STATE_DIR / RUN_FILE).write_text(json.dumps(_run_settings(args)))
+        crash_point("trainer_checkpoint_saved")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.worker is None:
+            return
+        worker, self.worker = self.worker, None
+        worker.close()  # a last partial round: the Trainer ends on the global weights
+        self.worker_stats = worker.stats()
+
+    # ----------------------------------------------------------------- resuming
+
+    @staticmethod
+    def _saved_state(args: Any, state: Any) -> Path | None:
+        """The worker state saved with the checkpoint the Trainer resumed from, if any: the
+        Trainer names checkpoints after their step, and has restored that step by now."""
+        if not state.global_step:
+            return None
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        saved = folder / STATE_DIR
+        if not saved.is_dir():
+            if folder.is_dir():
+                log.warning("%s holds no DiLoCo worker state: joining afresh", folder)
+            return None
+        return saved
+
+    @staticmethod
+    def _check_same_settings(saved: Path, args: Any) -> None:
+        path = saved / RUN_FILE
+        try:
+            before = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise DiLoCoCallbackError(f"cannot read {path}: {exc}") from None
+        now = _run_settings(args)
+        changed = [f"{k} {before.get(k)} -> {v}" for k, v in now.items() if before.get(k) != v]
+        if changed:
+            raise DiLoCoCallbackError(
+                f"the run in {saved.parent} was saved with other Trainer settings "
+                f"({', '.join(changed)}): H counts optimizer steps, so a resume must keep them"
+            )

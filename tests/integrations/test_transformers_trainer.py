@@ -1,0 +1,140 @@
+"""The transformers Trainer as a DiLoCo worker: examples/transformers_trainer.py against a real
+server, with a kill -9 after a Trainer checkpoint and a resume that must continue the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from diloco.integrations.transformers import (
+    DiLoCoCallback,
+    DiLoCoCallbackError,
+    torch_optimizer,
+)
+from processes import STARTED, global_weights
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformers_trainer.py"
+
+
+def trainer_worker(
+    url: str, worker_id: str, out: Path, *extra: str, corpus: Path, crash_at: str | None = None
+) -> subprocess.Popen:
+    """The example script as a worker process; its log lands in `out`/<id>.log."""
+    env = {k: v for k, v in os.environ.items() if k != "DILOCO_CRASH_AT"}
+    if crash_at:
+        env["DILOCO_CRASH_AT"] = crash_at
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--server", url, "--worker-id", worker_id,
+         "--corpus", str(corpus), "--steps", "6", "--save-steps", "3", "--batch-size", "4",
+         "--seq-len", "32", "--output-dir", str(out / worker_id),
+         "--json", str(out / f"{worker_id}.json"), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=(out / f"{worker_id}.log").open("ab"),
+        env=env,
+    )  # fmt: skip
+    STARTED.append(process)
+    return process
+
+
+def finished(process: subprocess.Popen, out: Path, worker_id: str, code: int = 0) -> None:
+    assert process.wait(timeout=240) == code, (out / f"{worker_id}.log").read_text()[-3000:]
+
+
+def test_two_trainers_train_one_model_through_a_real_server(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    server = server_process("--sync-every", "3", "--min-workers", "2")
+    workers = {w: trainer_worker(server.url, w, tmp_path, corpus=corpus_file) for w in ("a", "b")}
+    for worker_id, process in workers.items():
+        finished(process, tmp_path, worker_id)
+    reports = [json.loads((tmp_path / f"{w}.json").read_text()) for w in workers]
+    _, round_number = global_weights(server.url)
+    assert round_number == 2  # 6 optimizer steps at H = 3
+    assert [r["worker"]["rounds"] for r in reports] == [2, 2]
+    assert [r["global_step"] for r in reports] == [6, 6]
+    # Both Trainers end on the global weights: the same eval loss, well below the start
+    assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
+    assert reports[0]["final_eval_loss"] < reports[0]["initial_eval_loss"] - 0.5
+    saved = tmp_path / "a" / "checkpoint-3" / "diloco"
+    assert json.loads((saved / "trainer_run.json").read_text()) == {
+        "gradient_accumulation_steps": 1,
+        "per_device_train_batch_size": 4,
+    }
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint_and_ends_as_an_unbroken_run(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    """H = 2 and a checkpoint at step 3: the kill -9 lands in the middle of round 2."""
+    broken_dir, unbroken_dir = tmp_path / "broken", tmp_path / "unbroken"
+    broken_dir.mkdir(), unbroken_dir.mkdir()
+    broken = server_process("--sync-every", "2", "--min-workers", "1")
+    unbroken = server_process("--sync-every", "2", "--min-workers", "1")
+
+    killed = trainer_worker(broken.url, "w", broken_dir, corpus=corpus_file,
+                            crash_at="trainer_checkpoint_saved:1")  # fmt: skip
+    finished(killed, broken_dir, "w", code=-signal.SIGKILL)
+    assert global_weights(broken.url)[1] == 1  # round 1 (steps 1-2) committed, round 2 not
+
+    # A resume with other Trainer settings is refused, and changes nothing
+    refused = trainer_worker(broken.url, "w", broken_dir, "--resume", "--grad-accum", "2",
+                             corpus=corpus_file)  # fmt: skip
+    finished(refused, broken_dir, "w", code=2)
+    log = (broken_dir / "w.log").read_text()
+    assert "gradient_accumulation_steps 1 -> 2" in log and "Traceback" not in log
+
+    resumed = trainer_worker(broken.url, "w", broken_dir, "--resume", corpus=corpus_file)
+    straight = trainer_worker(unbroken.url, "w", unbroken_dir, corpus=corpus_file)
+    finished(resumed, broken_dir, "w")
+    finished(straight, unbroken_dir, "w")
+    report = json.loads((broken_dir / "w.json").read_text())
+    assert report["resumed_from"].endswith("checkpoint-3/diloco")
+    after, round_after = global_weights(broken.url)
+    expected, round_expected = global_weights(unbroken.url)
+    assert round_after == round_expected == 3  # rounds end at steps 2, 4, 6: none repeated
+    assert after.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(after[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Args:
+    output_dir = "/nonexistent"
+    gradient_accumulation_steps = 1
+    per_device_train_batch_size = 1
+
+
+class _State:
+    global_step = 0
+
+
+def test_a_trainer_without_an_optimizer_yet_is_named() -> None:
+    callback = DiLoCoCallback("http://127.0.0.1:9")
+    with pytest.raises(DiLoCoCallbackError, match="the Trainer has no optimizer yet"):
+        callback.on_train_begin(_Args(), _State(), None, model=torch.nn.Linear(2, 2))
+
+
+def test_an_optimizer_that_cannot_be_hooked_is_named() -> None:
+    with pytest.raises(DiLoCoCallbackError, match=r"cannot hook the Trainer's optimizer \(dict\)"):
+        torch_optimizer({"lr": 1.0})
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+    class Wrapper:  # as accelerate's AcceleratedOptimizer keeps the real one
+        optimizer = inner
+
+    assert torch_optimizer(Wrapper()) is inner
+    assert torch_optimizer(inner) is inner
+
+
+def test_options_the_callback_owns_are_refused() -> None:
+    with pytest.raises(DiLoCoCallbackError, match="checkpoint_dir is the callback's to set"):
+        DiLoCoCallback("http://127.0.0.1:9", checkpoint_dir="/tmp/x")
