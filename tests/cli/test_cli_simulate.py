@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from diloco.models import GPTConfig
+from diloco.sim import SimConfig, simulate
 from processes import sampled
 from tiny import TINY_CLI
 
@@ -226,6 +228,14 @@ def test_demo_runs_a_real_server_and_workers(tmp_path: Path, corpus_file: Path) 
     assert result.returncode == 0, result.stderr
     assert "one worker alone" in result.stdout and "fewer bytes" in result.stdout
     document = json.loads(path.read_text())
+    # The baselines train the workers' model and batch: the same runs as `diloco simulate`
+    model = GPTConfig(context=64, width=64, depth=2, heads=4)
+    for mode in ("single", "ddp"):
+        alone = simulate(
+            SimConfig(mode=mode, workers=2, steps=6, model=model, batch_size=8, seq_len=64,
+                      corpus=str(corpus_file)),
+        )  # fmt: skip
+        assert document[f"{mode}_final_eval_loss"] == pytest.approx(alone.final_eval_loss, rel=1e-4)
     assert document["rounds"] == 2
     reports = document["worker_reports"]
     assert [r["worker_id"] for r in reports] == ["w0", "w1"]
@@ -256,11 +266,12 @@ def test_demo_in_streaming_mode_syncs_fragments(tmp_path: Path, corpus_file: Pat
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     document = json.loads(path.read_text())
-    # P = 4, S = 2, tau = 1: fragments sent at 1, 3, 5, 7; the flush syncs all 4 once more
-    # (alpha 0.5 leaves local residue in every merge), so both end on the global model.
-    assert document["mode"] == "streaming" and document["rounds"] == 8
+    # P = 2 (the demo model's 2 blocks), S = 4, tau = 1: fragment 0 is sent at step 3 and
+    # fragment 1 at step 7; the flush syncs both once more (alpha 0.5 leaves local residue in
+    # every merge), so both workers end on the global model.
+    assert document["mode"] == "streaming" and document["rounds"] == 4
     reports = document["worker_reports"]
-    assert [r["fragment_rounds"] for r in reports] == [[2, 2, 2, 2], [2, 2, 2, 2]]
+    assert [r["fragment_rounds"] for r in reports] == [[2, 2], [2, 2]]
     assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
 
 
@@ -269,8 +280,8 @@ def test_demo_in_streaming_mode_syncs_fragments(tmp_path: Path, corpus_file: Pat
     [
         (["--mode", "bogus"], "error: --mode must be one of sync, streaming, async, got 'bogus'"),
         (
-            ["--mode", "streaming", "--sync-every", "6"],
-            "error: sync_every H must be divisible by fragments P, got H = 6, P = 4",
+            ["--mode", "streaming", "--sync-every", "7"],
+            "error: sync_every H must be divisible by fragments P, got H = 7, P = 2",
         ),
     ],
 )

@@ -8,6 +8,7 @@ worker for the same steps (in-process, no network) to show what the K - 1 extra 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -38,7 +39,7 @@ FP32_BYTES = 4
 DEMO_MODES = ("sync", "streaming", "async")
 # The demo's model and batch: small enough that 2 workers, one worker alone and data-parallel
 # all train in about 2 minutes on 2 cores, and that DiLoCo gets enough outer steps to show its
-# gain (benchmarks/results/demo.md measures these defaults).
+# gain (README, "Quick start", shows the table these defaults give).
 DEMO_MODEL = {"width": 64, "depth": 2, "heads": 4, "seq_len": 64, "batch_size": 8}
 DEMO_STEPS = 1000
 DEMO_H = {"sync": 20, "streaming": 20, "async": 20}
@@ -49,11 +50,12 @@ def demo_command(
     steps: int = typer.Option(DEMO_STEPS, help="Inner steps per worker."),
     mode: str = typer.Option(
         "sync",
-        help="sync, streaming (4 fragments, tau 1, alpha 0.5) or async (DyLU, 2 s grace window).",
+        help="sync, streaming (a fragment per block: 2, tau 1, alpha 0.5) or async (DyLU, 2 s "
+        "grace window).",
     ),
     sync_every: int = typer.Option(
         None,
-        help=f"H: inner steps per round (default {DEMO_H['sync']}; streaming: a multiple of 4).",
+        help=f"H: inner steps per round (default {DEMO_H['sync']}; streaming: a multiple of 2).",
     ),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     seed: int = typer.Option(0, help="Seed of weights and batches."),
@@ -117,6 +119,7 @@ def demo_command(
                         ),
                         stdout=subprocess.DEVNULL,
                         stderr=log,
+                        env=_worker_env(workers),
                     )
                 )
             _follow(url, processes, steps * workers)
@@ -129,6 +132,8 @@ def demo_command(
             reports = [
                 json.loads((Path(scratch) / f"w{w}.json").read_text()) for w in range(workers)
             ]
+        except typer.Exit:  # a worker's own one-line failure, already printed
+            raise
         except (RuntimeError, ServerError, ServerUnavailable) as exc:
             raise fail(f"demo failed: {exc}", code=1) from None
         finally:
@@ -136,6 +141,13 @@ def demo_command(
                 stop_process(process)
             stop_process(server)
     _report(reports, data, workers, steps, sync_every, corpus, seed, json_path, mode)
+
+
+def _worker_env(workers: int) -> dict[str, str]:
+    """The K workers share this machine: each gets its share of the cores as torch threads
+    (two 2-thread workers on 2 cores spend much of their time waiting on each other)."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 def _model_args() -> list[str]:
@@ -152,7 +164,9 @@ def _mode_args(mode: str, workers: int, sync_every: int) -> list[str]:
         # The recommended async setting (README): DyLU, and a grace window that makes the
         # arrivals of one wave a single plain-Nesterov step.
         return ["--mode", "async", *h, "--dylu", "--grace-seconds", "2", "--dn-period", "1"]
-    settings = ServerSettings(mode="streaming", sync_every=sync_every, fragments=4, delay=1)
+    settings = ServerSettings(
+        mode="streaming", sync_every=sync_every, fragments=DEMO_MODEL["depth"], delay=1
+    )
     return [
         "--mode",
         "streaming",
