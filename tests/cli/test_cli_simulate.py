@@ -27,6 +27,7 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # in `make test-slow`; tests/sim count the bytes of each mode in process
 def test_ddp_against_diloco_h50_moves_at_least_40x_fewer_bytes(
     tmp_path: Path, corpus_file: Path
 ) -> None:

@@ -50,6 +50,7 @@ def finished(process: subprocess.Popen, out: Path, worker_id: str, code: int = 0
     assert process.wait(timeout=240) == code, (out / f"{worker_id}.log").read_text()[-3000:]
 
 
+@pytest.mark.slow  # in `make test-slow`; the resume test below is the default suite's sample
 def test_two_trainers_train_one_model_through_a_real_server(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
