@@ -4,10 +4,7 @@ server, with a kill -9 after a Trainer checkpoint and a resume that must continu
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,38 +13,18 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from example_runs import example_worker, finished
+
 from diloco.integrations.transformers import (
     DiLoCoCallback,
     DiLoCoCallbackError,
     torch_optimizer,
 )
-from processes import STARTED, global_weights
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "transformers_trainer.py"
+from processes import global_weights
 
 
-def trainer_worker(
-    url: str, worker_id: str, out: Path, *extra: str, corpus: Path, crash_at: str | None = None
-) -> subprocess.Popen:
-    """The example script as a worker process; its log lands in `out`/<id>.log."""
-    env = {k: v for k, v in os.environ.items() if k != "DILOCO_CRASH_AT"}
-    if crash_at:
-        env["DILOCO_CRASH_AT"] = crash_at
-    process = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--server", url, "--worker-id", worker_id,
-         "--corpus", str(corpus), "--steps", "6", "--save-steps", "3", "--batch-size", "4",
-         "--seq-len", "32", "--output-dir", str(out / worker_id),
-         "--json", str(out / f"{worker_id}.json"), *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=(out / f"{worker_id}.log").open("ab"),
-        env=env,
-    )  # fmt: skip
-    STARTED.append(process)
-    return process
-
-
-def finished(process: subprocess.Popen, out: Path, worker_id: str, code: int = 0) -> None:
-    assert process.wait(timeout=240) == code, (out / f"{worker_id}.log").read_text()[-3000:]
+def trainer_worker(url: str, worker_id: str, out: Path, *extra: str, **kwargs):
+    return example_worker("transformers_trainer.py", url, worker_id, out, *extra, **kwargs)
 
 
 @pytest.mark.slow  # in `make test-slow`; the resume test below is the default suite's sample

@@ -1,0 +1,161 @@
+"""DiLoCo inside a Lightning `Trainer`: one callback turns the fit into a worker.
+
+    trainer = L.Trainer(max_steps=..., callbacks=[DiLoCoCallback(URL, "w0"), ModelCheckpoint(...)])
+    trainer.fit(module)                 # after a crash: trainer.fit(module, ckpt_path="last")
+
+The callback attaches in `on_train_start`, once Lightning has built and (on a resume) restored
+the optimizer, and hooks that torch optimizer, so H counts optimizer steps whatever
+`accumulate_grad_batches` is. Each checkpoint Lightning writes carries, in this callback's
+state, where the worker's state of that very step was saved (`state_dir`/step-N: anchor,
+steps into the round, error-feedback residual, identity, as safetensors and JSON; Lightning's
+own file holds only that path and the run's settings); `fit(ckpt_path=...)` restores it. The
+end of the fit syncs a last partial round, so the module ends on the global weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from diloco.faults import crash_point
+from diloco.integrations.transformers import DiLoCoCallbackError, torch_optimizer
+from diloco.worker import DiLoCoWorker, distributed
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "diloco.integrations.lightning needs Lightning: pip install 'diloco[lightning]'"
+    ) from exc
+
+__all__ = ["DiLoCoCallback", "DiLoCoCallbackError"]
+
+
+def _run_settings(trainer: Any) -> dict:
+    return {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
+
+
+class DiLoCoCallback(Callback):
+    """Makes a Lightning fit one DiLoCo worker of the server at `server_url`.
+
+    `state_dir` (default: <trainer.default_root_dir>/diloco-worker) receives the worker state
+    at each checkpoint; `worker_options` go to `DiLoCoWorker` (retry, ca_file, ...).
+    After the fit, `worker_stats` holds the worker's figures (rounds, bytes, blocked time).
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        worker_id: str | None = None,
+        token: str | None = None,
+        state_dir: str | Path | None = None,
+        **worker_options: Any,
+    ) -> None:
+        for reserved in ("checkpoint_dir", "scheduler", "save_every_round"):
+            if reserved in worker_options:
+                raise DiLoCoCallbackError(
+                    f"{reserved} is the callback's to set (Lightning's checkpoints hold the "
+                    "worker state)"
+                )
+        self.server_url = server_url
+        self.worker_id = worker_id
+        self.token = token
+        self.state_dir = None if state_dir is None else Path(state_dir)
+        self.worker_options = worker_options
+        self.worker: DiLoCoWorker | None = None
+        self.worker_stats: dict | None = None
+        self.resumed_from: str | None = None
+        self._restored: dict | None = None
+        self._saved_at: int | None = None
+        self._trainer: Any = None
+
+    # ----------------------------------------------------------------- Lightning events
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.worker is not None:
+            return
+        optimizers = list(trainer.optimizers)
+        if len(optimizers) != 1:
+            raise DiLoCoCallbackError(
+                f"DiLoCo hooks one inner optimizer; configure_optimizers gave {len(optimizers)}"
+            )
+        inner = torch_optimizer(optimizers[0])
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        resume = self._resume_dir(trainer)
+        self.worker = DiLoCoWorker(
+            pl_module,
+            inner,
+            self.server_url,
+            self.worker_id,
+            self.token,
+            checkpoint_dir=resume,
+            scheduler=schedulers[0] if len(schedulers) == 1 else None,
+            save_every_round=False,
+            **self.worker_options,
+        )
+        if resume is not None and self.worker.local_step != trainer.global_step:
+            raise DiLoCoCallbackError(
+                f"the worker state in {resume} is at step {self.worker.local_step}, "
+                f"Lightning's checkpoint at step {trainer.global_step}"
+            )
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._saved_at is not None:  # the checkpoint file of the last step is written now
+            self._saved_at = None
+            crash_point("lightning_checkpoint_saved")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self.worker is not None and loss is not None and hasattr(loss, "item"):
+            self.worker.report(loss=float(loss.item()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.worker is None:
+            return
+        worker, self.worker = self.worker, None
+        worker.close()  # a last partial round: the module ends on the global weights
+        self.worker_stats = worker.stats()
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """Called as Lightning writes a checkpoint: the worker state of this step goes to
+        state_dir/step-N, and the checkpoint keeps where, with the run's settings."""
+        if self.worker is None or self._trainer is None:
+            return {}
+        if distributed.group_size() > 1:
+            return {}  # under torch.distributed the other ranks' state is not saved
+        step = self._trainer.global_step
+        directory = self._state_root(self._trainer) / f"step-{step}"
+        self.worker.save_checkpoint(directory)
+        self._saved_at = step
+        return {"dir": str(directory), "step": step, **_run_settings(self._trainer)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._restored = dict(state_dict) or None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
+
+    def _state_root(self, trainer: Any) -> Path:
+        return self.state_dir or Path(trainer.default_root_dir) / "diloco-worker"
+
+    def _resume_dir(self, trainer: Any) -> Path | None:
+        saved = self._restored
+        if not saved:
+            return None
+        now = _run_settings(trainer)
+        changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+        if changed:
+            raise DiLoCoCallbackError(
+                f"the checkpoint was saved with other Trainer settings ({', '.join(changed)}): "
+                "H counts optimizer steps, so a resume must keep them"
+            )
+        directory = Path(saved["dir"])
+        if not directory.is_dir():
+            raise DiLoCoCallbackError(
+                f"the checkpoint's worker state {directory} is gone; start the worker afresh "
+                "(without ckpt_path) or restore that folder"
+            )
+        self.resumed_from = str(directory)
+        return directory

@@ -1,0 +1,42 @@
+"""The examples/ trainer scripts as worker processes, for the integration tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from processes import STARTED
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def example_worker(
+    script: str,
+    url: str,
+    worker_id: str,
+    out: Path,
+    *extra: str,
+    corpus: Path,
+    crash_at: str | None = None,
+) -> subprocess.Popen:
+    """examples/`script` as a worker: 6 steps, a checkpoint every 3; its log in out/<id>.log."""
+    env = {k: v for k, v in os.environ.items() if k != "DILOCO_CRASH_AT"}
+    if crash_at:
+        env["DILOCO_CRASH_AT"] = crash_at
+    process = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / script), "--server", url, "--worker-id", worker_id,
+         "--corpus", str(corpus), "--steps", "6", "--save-steps", "3", "--batch-size", "4",
+         "--seq-len", "32", "--output-dir", str(out / worker_id),
+         "--json", str(out / f"{worker_id}.json"), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=(out / f"{worker_id}.log").open("ab"),
+        env=env,
+    )  # fmt: skip
+    STARTED.append(process)
+    return process
+
+
+def finished(process: subprocess.Popen, out: Path, worker_id: str, code: int = 0) -> None:
+    assert process.wait(timeout=240) == code, (out / f"{worker_id}.log").read_text()[-3000:]

@@ -1,0 +1,87 @@
+"""A Lightning Trainer as a DiLoCo worker: examples/lightning_trainer.py against a real server,
+with a kill -9 right after a checkpoint and a resume that must continue the same run."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from example_runs import example_worker, finished
+
+from diloco.integrations.lightning import DiLoCoCallback, DiLoCoCallbackError
+from processes import global_weights
+
+
+def lightning_worker(url: str, worker_id: str, out: Path, *extra: str, **kwargs):
+    return example_worker("lightning_trainer.py", url, worker_id, out, *extra, **kwargs)
+
+
+def test_two_lightning_fits_train_one_model_through_a_real_server(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    server = server_process("--sync-every", "3", "--min-workers", "2")
+    workers = {w: lightning_worker(server.url, w, tmp_path, corpus=corpus_file) for w in "ab"}
+    for worker_id, process in workers.items():
+        finished(process, tmp_path, worker_id)
+    reports = [json.loads((tmp_path / f"{w}.json").read_text()) for w in workers]
+    assert global_weights(server.url)[1] == 2  # 6 optimizer steps at H = 3
+    assert [r["worker"]["rounds"] for r in reports] == [2, 2]
+    assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
+    assert reports[0]["final_eval_loss"] < reports[0]["initial_eval_loss"] - 0.5
+
+
+@pytest.mark.slow  # in `make test-slow`; the Trainer's resume test is the default suite's sample
+def test_a_killed_fit_resumes_from_its_checkpoint_and_ends_as_an_unbroken_run(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    """H = 2, gradient accumulation 2, a checkpoint at step 3: the kill lands inside round 2."""
+    broken_dir, unbroken_dir = tmp_path / "broken", tmp_path / "unbroken"
+    broken_dir.mkdir(), unbroken_dir.mkdir()
+    broken = server_process("--sync-every", "2", "--min-workers", "1")
+    unbroken = server_process("--sync-every", "2", "--min-workers", "1")
+    accumulate = ("--grad-accum", "2")
+
+    killed = lightning_worker(broken.url, "w", broken_dir, *accumulate, corpus=corpus_file,
+                              crash_at="lightning_checkpoint_saved:1")  # fmt: skip
+    finished(killed, broken_dir, "w", code=-signal.SIGKILL)
+    assert global_weights(broken.url)[1] == 1  # round 1 (steps 1-2) committed, round 2 not
+
+    refused = lightning_worker(broken.url, "w", broken_dir, "--resume", corpus=corpus_file)
+    finished(refused, broken_dir, "w", code=2)
+    log = (broken_dir / "w.log").read_text()
+    assert "accumulate_grad_batches 2 -> 1" in log and "Traceback" not in log
+
+    resumed = lightning_worker(broken.url, "w", broken_dir, "--resume", *accumulate,
+                               corpus=corpus_file)  # fmt: skip
+    straight = lightning_worker(unbroken.url, "w", unbroken_dir, *accumulate, corpus=corpus_file)
+    finished(resumed, broken_dir, "w")
+    finished(straight, unbroken_dir, "w")
+    report = json.loads((broken_dir / "w.json").read_text())
+    assert report["resumed_from"].endswith("diloco-worker/step-3")
+    after, round_after = global_weights(broken.url)
+    expected, round_expected = global_weights(unbroken.url)
+    assert round_after == round_expected == 3
+    for name, tensor in expected.items():
+        torch.testing.assert_close(after[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_options_the_callback_owns_are_refused() -> None:
+    with pytest.raises(DiLoCoCallbackError, match="save_every_round is the callback's to set"):
+        DiLoCoCallback("http://127.0.0.1:9", save_every_round=True)
+
+
+def test_a_resume_whose_worker_state_is_gone_is_named(tmp_path: Path) -> None:
+    class Trainer:
+        accumulate_grad_batches = 1
+
+    callback = DiLoCoCallback("http://127.0.0.1:9")
+    callback.load_state_dict({"dir": str(tmp_path / "gone"), "step": 3,
+                              "accumulate_grad_batches": 1})  # fmt: skip
+    with pytest.raises(DiLoCoCallbackError, match=r"worker state .*gone is gone"):
+        callback._resume_dir(Trainer())
