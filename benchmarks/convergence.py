@@ -36,7 +36,7 @@ from diloco.data import CorpusError, load_named_corpus
 from diloco.models import GPTConfig
 from diloco.plotting import plot_runs
 from diloco.sim import SimConfig, prepare, total_inner_steps
-from diloco.sim.jobs import run_configs
+from diloco.sim.jobs import run_configs, threads_per_job
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -115,7 +115,8 @@ def main(
         "eval_every": eval_every,
         "jobs": jobs,
         "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "machine": f"{platform.machine()}, {jobs} runs at a time with "
+        f"{threads_per_job(jobs) if jobs > 1 else torch.get_num_threads()} torch thread(s) each",
         "total_seconds": round(total_seconds, 1),
     }
     write_results({"setup": setup, "runs": runs}, out_dir)

@@ -48,6 +48,19 @@ def write_config(tmp_path: Path, fields: dict | list | str, name: str = "model.j
     return path
 
 
+def two_workers(server_process, config: Path, h: int, steps: int, corpus: Path, out: Path):
+    """A real server at H = h and two `diloco worker --model-config` processes; the global
+    weights and round at the end."""
+    server = server_process("--sync-every", str(h), "--min-workers", "2")
+    extra = ("--model-config", str(config))
+    workers = [start_worker(server.url, f"w{i}", i, 2, steps, corpus, out, extra=extra)
+               for i in range(2)]  # fmt: skip
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (out / f"w{i}.log").read_text()
+    return global_weights(server.url)
+
+
 def test_the_same_seed_builds_the_same_weights_and_an_untrained_loss_near_ln_256(
     tmp_path: Path,
 ) -> None:
@@ -82,16 +95,7 @@ def test_two_workers_train_a_llama_config_through_a_real_server(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
     config = write_config(tmp_path, LLAMA)
-    server = server_process("--sync-every", "3", "--min-workers", "2")
-    extra = ("--model-config", str(config))
-    workers = [
-        start_worker(server.url, f"w{i}", i, 2, 6, corpus_file, tmp_path, extra=extra)
-        for i in range(2)
-    ]
-    wait_all(workers)
-    for i, worker in enumerate(workers):
-        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
-    weights, round_number = global_weights(server.url)
+    weights, round_number = two_workers(server_process, config, 3, 6, corpus_file, tmp_path)
     assert round_number == 2
     torch.manual_seed(5)  # the workers' --seed
     initial = CausalLMConfig.from_file(config).build().state_dict()
@@ -108,16 +112,7 @@ def test_tied_gpt2_embeddings_stay_tied_through_rounds(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
     config = write_config(tmp_path, GPT2_TIED)
-    server = server_process("--sync-every", "2", "--min-workers", "2")
-    extra = ("--model-config", str(config))
-    workers = [
-        start_worker(server.url, f"w{i}", i, 2, 4, corpus_file, tmp_path, extra=extra)
-        for i in range(2)
-    ]
-    wait_all(workers)
-    for i, worker in enumerate(workers):
-        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
-    weights, round_number = global_weights(server.url)
+    weights, round_number = two_workers(server_process, config, 2, 4, corpus_file, tmp_path)
     assert round_number == 2
     # Both names of the one tied tensor get the same pseudo-gradient, so they stay equal
     assert torch.equal(weights["transformer.wte.weight"], weights["lm_head.weight"])

@@ -102,7 +102,7 @@ def test_a_trainer_without_an_optimizer_yet_is_named() -> None:
 
 
 def test_an_optimizer_that_cannot_be_hooked_is_named() -> None:
-    with pytest.raises(DiLoCoCallbackError, match=r"cannot hook the Trainer's optimizer \(dict\)"):
+    with pytest.raises(DiLoCoCallbackError, match=r"cannot hook the trainer's optimizer \(dict\)"):
         torch_optimizer({"lr": 1.0})
     inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
 

@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from diloco.faults import crash_point
-from diloco.integrations.transformers import DiLoCoCallbackError, torch_optimizer
+from diloco.integrations.common import (
+    DiLoCoCallbackError,
+    changed_settings,
+    refuse_owned_options,
+    torch_optimizer,
+)
 from diloco.worker import DiLoCoWorker, distributed
 
 try:
@@ -51,12 +56,7 @@ class DiLoCoCallback(Callback):
         state_dir: str | Path | None = None,
         **worker_options: Any,
     ) -> None:
-        for reserved in ("checkpoint_dir", "scheduler", "save_every_round"):
-            if reserved in worker_options:
-                raise DiLoCoCallbackError(
-                    f"{reserved} is the callback's to set (Lightning's checkpoints hold the "
-                    "worker state)"
-                )
+        refuse_owned_options(worker_options, "Lightning")
         self.server_url = server_url
         self.worker_id = worker_id
         self.token = token
@@ -145,7 +145,7 @@ class DiLoCoCallback(Callback):
         if not saved:
             return None
         now = _run_settings(trainer)
-        changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+        changed = changed_settings(saved, now)
         if changed:
             raise DiLoCoCallbackError(
                 f"the checkpoint was saved with other Trainer settings ({', '.join(changed)}): "

@@ -21,9 +21,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from diloco.faults import crash_point
+from diloco.integrations.common import (
+    DiLoCoCallbackError,
+    changed_settings,
+    refuse_owned_options,
+    torch_optimizer,
+)
 from diloco.worker import DiLoCoWorker, distributed
 
 try:
@@ -34,29 +38,10 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         "diloco.integrations.transformers needs transformers: pip install 'diloco[transformers]'"
     ) from exc
 
+__all__ = ["DiLoCoCallback", "DiLoCoCallbackError", "torch_optimizer"]
 log = logging.getLogger("diloco.integrations.transformers")
 STATE_DIR = "diloco"  # inside each checkpoint-N folder
 RUN_FILE = "trainer_run.json"  # the Trainer settings a resume must keep
-
-
-class DiLoCoCallbackError(ValueError):
-    """The Trainer cannot run as a DiLoCo worker as set up; the message names the cause."""
-
-
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside the Trainer's wrappers (accelerate's AcceleratedOptimizer
-    keeps it in `.optimizer`): its step hook fires once per real optimizer step."""
-    inner = optimizer
-    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
-        inner = inner.optimizer
-    if not isinstance(inner, torch.optim.Optimizer) or not hasattr(
-        inner, "register_step_post_hook"
-    ):
-        raise DiLoCoCallbackError(
-            f"cannot hook the Trainer's optimizer ({type(optimizer).__name__}): DiLoCo needs a "
-            "torch.optim.Optimizer (its step hook counts H); DeepSpeed's own optimizers are not"
-        )
-    return inner
 
 
 def _run_settings(args: Any) -> dict:
@@ -80,12 +65,7 @@ class DiLoCoCallback(TrainerCallback):
         token: str | None = None,
         **worker_options: Any,
     ) -> None:
-        for reserved in ("checkpoint_dir", "scheduler", "save_every_round"):
-            if reserved in worker_options:
-                raise DiLoCoCallbackError(
-                    f"{reserved} is the callback's to set (the Trainer's checkpoints hold the "
-                    "worker state)"
-                )
+        refuse_owned_options(worker_options, "the Trainer")
         self.server_url = server_url
         self.worker_id = worker_id
         self.token = token
@@ -173,7 +153,7 @@ class DiLoCoCallback(TrainerCallback):
         except (OSError, ValueError) as exc:
             raise DiLoCoCallbackError(f"cannot read {path}: {exc}") from None
         now = _run_settings(args)
-        changed = [f"{k} {before.get(k)} -> {v}" for k, v in now.items() if before.get(k) != v]
+        changed = changed_settings(before, now)
         if changed:
             raise DiLoCoCallbackError(
                 f"the run in {saved.parent} was saved with other Trainer settings "

@@ -1,0 +1,46 @@
+"""What every framework callback shares: its error, the optimizer it hooks, the options it owns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# DiLoCoWorker options a callback sets itself (the framework's checkpoints hold the state)
+OWNED_OPTIONS = ("checkpoint_dir", "scheduler", "save_every_round")
+
+
+class DiLoCoCallbackError(ValueError):
+    """The trainer cannot run as a DiLoCo worker as set up; the message names the cause."""
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrappers (accelerate's AcceleratedOptimizer and
+    Lightning's LightningOptimizer keep it in `.optimizer`): its step hook fires once per real
+    optimizer step, whatever the gradient accumulation."""
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer) or not hasattr(
+        inner, "register_step_post_hook"
+    ):
+        raise DiLoCoCallbackError(
+            f"cannot hook the trainer's optimizer ({type(optimizer).__name__}): DiLoCo needs a "
+            "torch.optim.Optimizer (its step hook counts H); DeepSpeed's own optimizers are not"
+        )
+    return inner
+
+
+def refuse_owned_options(worker_options: dict[str, Any], framework: str) -> None:
+    """A callback's DiLoCoWorker options may not include the ones it sets itself."""
+    for owned in OWNED_OPTIONS:
+        if owned in worker_options:
+            raise DiLoCoCallbackError(
+                f"{owned} is the callback's to set ({framework}'s checkpoints hold the worker "
+                "state)"
+            )
+
+
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """'name before -> now' for each run setting a resume must keep but does not."""
+    return [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
