@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from processes import run_benchmark
 
 SMOKE = [
@@ -15,6 +17,7 @@ SMOKE = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow  # in `make test-slow`; the benchmark is unchanged since its results were measured
 def test_reduced_compression_benchmark_writes_tables_json_and_plot(
     tmp_path: Path, corpus_file: Path
 ) -> None:

@@ -93,6 +93,7 @@ def test_bad_settings_are_one_clear_error(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # in `make test-slow`; its sibling keeps the bad settings in the default suite
 def test_bad_options_and_results_files_are_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text("{}")
     (tmp_path / "broken.json").write_text("{not json")

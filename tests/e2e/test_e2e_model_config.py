@@ -91,6 +91,7 @@ def test_the_shipped_example_configs_build(tmp_path: Path) -> None:
         assert spec.context is not None and spec.context >= 64, path
 
 
+@pytest.mark.slow  # make test-slow; the Trainer resume test trains an HF model through a server
 def test_two_workers_train_a_llama_config_through_a_real_server(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:

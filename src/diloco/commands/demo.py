@@ -206,8 +206,9 @@ def _baselines(data: bytes, workers: int, steps: int, corpus: str, seed: int) ->
                   seq_len=DEMO_MODEL["seq_len"], batch_size=DEMO_MODEL["batch_size"])  # fmt: skip
     configs = [SimConfig(mode="single", **common), SimConfig(mode="ddp", **common)]
     total = sum(total_inner_steps(c) for c in configs)
+    jobs = 2 if total >= 1000 else 1  # a child process pays ~2 s of imports: only for real runs
     with progress_bar("baselines: one worker alone, data-parallel", total) as advance:
-        single, ddp = run_configs(configs, jobs=2, progress=advance, corpus=data)
+        single, ddp = run_configs(configs, jobs=jobs, progress=advance, corpus=data)
     return single, ddp
 
 
