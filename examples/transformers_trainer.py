@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -110,10 +111,17 @@ def main() -> int:
         "resumed_from": callback.resumed_from,
         "worker": callback.worker_stats,
     }
-    print(f"eval loss {initial_loss:.4f} -> {final_loss:.4f} (ln 256 = {math.log(256):.4f}), "
-          f"{figures['worker']['rounds']} rounds")  # fmt: skip
-    if options.json:
-        Path(options.json).write_text(json.dumps(figures, indent=2))
+    if trainer.is_world_process_zero():  # under torchrun the group is one worker: one report
+        print(f"eval loss {initial_loss:.4f} -> {final_loss:.4f} (ln 256 = "
+              f"{math.log(256):.4f}), {figures['worker']['rounds']} rounds")  # fmt: skip
+        if options.json:
+            Path(options.json).write_text(json.dumps(figures, indent=2))
+    if torch.distributed.is_initialized():
+        # PyTorch 2.13 on CPU: a process that ran DDP over gloo can abort at interpreter exit
+        # after all its work is done ("terminate called without an active exception").
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

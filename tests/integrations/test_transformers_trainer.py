@@ -4,7 +4,10 @@ server, with a kill -9 after a Trainer checkpoint and a resume that must continu
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +16,14 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from example_runs import example_worker, finished
+from example_runs import EXAMPLES, example_worker, finished
 
 from diloco.integrations.transformers import (
     DiLoCoCallback,
     DiLoCoCallbackError,
     torch_optimizer,
 )
+from diloco.worker import DiLoCoClient, RetryPolicy
 from processes import global_weights
 
 
@@ -116,3 +120,28 @@ def test_an_optimizer_that_cannot_be_hooked_is_named() -> None:
 def test_options_the_callback_owns_are_refused() -> None:
     with pytest.raises(DiLoCoCallbackError, match="checkpoint_dir is the callback's to set"):
         DiLoCoCallback("http://127.0.0.1:9", checkpoint_dir="/tmp/x")
+
+
+@pytest.mark.slow  # in `make test-slow`: torchrun starts 2 more interpreters
+def test_a_trainer_under_torchrun_is_one_worker(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    server = server_process("--sync-every", "3", "--min-workers", "1")
+    port = str(20000 + os.getpid() % 20000)
+    group = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", port, str(EXAMPLES / "transformers_trainer.py"),
+         "--server", server.url, "--worker-id", "g0", "--corpus", str(corpus_file),
+         "--steps", "6", "--save-steps", "3", "--batch-size", "4", "--seq-len", "32",
+         "--output-dir", str(tmp_path / "g0"), "--json", str(tmp_path / "g0.json")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert group.returncode == 0, group.stderr[-3000:]
+    report = json.loads((tmp_path / "g0.json").read_text())  # rank 0 alone writes it
+    assert report["worker"]["rounds"] == 2 and report["global_step"] == 6
+    assert report["final_eval_loss"] < report["initial_eval_loss"] - 0.5
+    with DiLoCoClient(server.url, retry=RetryPolicy(attempts=3), read_timeout=30) as client:
+        workers = client.status()["workers"]
+    # The two ranks are one worker: one registration, in both rounds
+    assert [(w["worker_id"], w["rounds_contributed"]) for w in workers] == [("g0", 2)]
+    assert global_weights(server.url)[1] == 2

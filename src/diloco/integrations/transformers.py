@@ -73,6 +73,7 @@ class DiLoCoCallback(TrainerCallback):
         self.worker: DiLoCoWorker | None = None
         self.worker_stats: dict | None = None
         self.resumed_from: str | None = None
+        self._warned_unsaved = False
 
     # ----------------------------------------------------------------- Trainer events
 
@@ -115,7 +116,12 @@ class DiLoCoCallback(TrainerCallback):
         if self.worker is None:
             return
         if distributed.group_size() > 1:
-            log.warning("under torch.distributed the worker state is not saved with checkpoints")
+            if not self._warned_unsaved and distributed.rank() == 0:
+                log.warning(
+                    "under torch.distributed the worker state is not saved with checkpoints: "
+                    "a resumed group rejoins from the server's weights"
+                )
+            self._warned_unsaved = True
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         self.worker.save_checkpoint(folder / STATE_DIR)
