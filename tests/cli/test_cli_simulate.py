@@ -150,6 +150,7 @@ BAD_INPUTS = [
     (["--mode", "ddp", "--upload-codec", "int8"], "upload_codec int8 applies to modes diloco"),
     (["--download-codec", "int5"], "unknown codec 'int5'; allowed: fp32, bf16, int8"),
     (["--mode", "single", "--download-codec", "int8"], "mode single has no global weights"),
+    (["--model-config", "{tmp}/missing.json"], "--model-config {tmp}/missing.json: cannot read it"),
     (["--sweep", "bogus=1,2"], "--sweep 'bogus' is not a setting; sweepable: mode, workers"),
     (["--sweep", "outer-lr=0.5,x"], "--sweep outer-lr: 'x' is not a number"),
     (["--sweep", "outer-lr=0.5,-1", "--json", "{tmp}/no.json"], "lr must be > 0"),
@@ -177,7 +178,7 @@ def test_bad_input_gives_one_line_and_exit_2(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error:"), lines
-    assert needle in lines[0]
+    assert needle.format(tmp=tmp_path) in lines[0]
     assert not (tmp_path / "no").exists()
     assert not (tmp_path / "no.json").exists()
 

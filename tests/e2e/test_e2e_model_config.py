@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from diloco.models.causal_lm import CausalLMConfig, ModelConfigError
+from diloco.sim import SimConfig, simulate
 from processes import global_weights, sampled, start_worker, wait_all
 
 pytest.importorskip("transformers")
@@ -156,3 +157,24 @@ def test_bad_configs_raise_model_config_errors_in_process(tmp_path: Path) -> Non
         with pytest.raises(ModelConfigError) as caught:
             CausalLMConfig.from_file(path)
         assert needle in str(caught.value)
+
+
+def test_the_simulator_trains_a_model_config_and_counts_its_bytes(
+    tmp_path: Path, small_corpus: bytes
+) -> None:
+    config = str(write_config(tmp_path, LLAMA))
+    common = dict(workers=1, steps=4, batch_size=4, seq_len=32, warmup=1, model_config=config)
+    plain = simulate(SimConfig(mode="single", **common), corpus=small_corpus)
+    # DiLoCo with K = 1, H = 1 and outer SGD at lr 1 is plain training (DiLoCo paper, Sec. 2)
+    diloco = simulate(
+        SimConfig(mode="diloco", sync_every=1, outer_optimizer="sgd", outer_lr=1.0,
+                  outer_momentum=0.0, **common),
+        corpus=small_corpus,
+    )  # fmt: skip
+    assert diloco.final_eval_loss == pytest.approx(plain.final_eval_loss, abs=1e-5)
+    assert plain.final_eval_loss < math.log(256)
+    # By hand: embeddings and head 2 x 256 x 32; per layer q, o 32 x 32, k, v 16 x 32, three
+    # MLP matrices 48 x 32 and two norms of 32; the final norm 32
+    parameters = 2 * 256 * 32 + 2 * (2 * 1024 + 2 * 512 + 3 * 1536 + 2 * 32) + 32
+    assert diloco.parameters == parameters == 31_904
+    assert diloco.bytes_sent_per_worker == 4 * 4 * parameters  # 4 rounds of fp32

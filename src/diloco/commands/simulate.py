@@ -173,6 +173,11 @@ def simulate_command(
     width: int = typer.Option(64, help="Model width."),
     depth: int = typer.Option(4, help="Transformer blocks."),
     heads: int = typer.Option(4, help="Attention heads."),
+    model_config: str = typer.Option(
+        None,
+        help="Train any transformers causal LM from this config.json instead of the bundled "
+        "GPT (as `diloco worker --model-config`); --width, --depth and --heads are then unused.",
+    ),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     seed: int = typer.Option(0, help="Seed for weights, shards and batches."),
     eval_every: int = typer.Option(0, help="Inner steps between evals (0 = every round)."),

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 from diloco.algorithm import STALENESS_WEIGHTINGS
 from diloco.algorithm.codecs import Codec, parse_codec
-from diloco.models import GPTConfig
+from diloco.models import GPTConfig, ModelSpec
+from diloco.models.causal_lm import CausalLMConfig
 
 MODES = ("single", "ddp", "diloco", "streaming", "async")
 # The server's default (server/settings.py; a test keeps the two equal).
@@ -34,6 +35,8 @@ class SimConfig:
     batch_size: int = 16
     seq_len: int = 64
     model: GPTConfig = field(default_factory=lambda: GPTConfig(context=64, width=64, depth=4))
+    # A transformers causal-LM config file to train instead of `model` (models/causal_lm.py)
+    model_config: str | None = None
     corpus: str | None = None
     seed: int = 0
     eval_every: int = 0
@@ -65,10 +68,9 @@ class SimConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.seq_len > self.model.context:
-            raise ValueError(
-                f"seq_len ({self.seq_len}) must be <= the model context ({self.model.context})"
-            )
+        context = self.model.context if self.model_config is None else self.spec.context
+        if context is not None and self.seq_len > context:
+            raise ValueError(f"seq_len ({self.seq_len}) must be <= the model context ({context})")
         if self.speeds:
             if self.mode != "async":
                 raise ValueError("speeds apply to --mode async only")
@@ -116,6 +118,13 @@ class SimConfig:
                 f"upload_codec {codec} applies to modes diloco, streaming and async only "
                 f"(mode {self.mode} sends no pseudo-gradients)"
             )
+
+    @property
+    def spec(self) -> ModelSpec:
+        """What each replica trains: the bundled GPT, or the model of `model_config`."""
+        if self.model_config is None:
+            return self.model
+        return CausalLMConfig.from_file(self.model_config)
 
     @property
     def download(self) -> Codec:

@@ -34,7 +34,7 @@ from diloco.algorithm import (
 from diloco.algorithm.dylu import MAX_SPEED_RATIO
 from diloco.data import BatchSampler, load_named_corpus, split_train_val, worker_shard
 from diloco.evaluation import Evaluator
-from diloco.models import GPT, block_prefixes
+from diloco.models import block_prefixes
 from diloco.sim.compression import Downlink, UploadCodec, WorkerUplink
 from diloco.sim.config import SimConfig
 from diloco.training import Replica
@@ -94,11 +94,12 @@ class SimSetup:
     def __init__(self, config: SimConfig, corpus: bytes) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        template = GPT(config.model)
+        self.spec = config.spec
+        template = self.spec.build()
         self.initial = {k: v.detach().clone() for k, v in template.state_dict().items()}
         self.kinds = classify_tensors(template)
         self.blocks = block_prefixes(template)
-        self.parameters = template.num_parameters()
+        self.parameters = sum(p.numel() for p in template.parameters())
         self.tensor_bytes = {
             k: v.numel() * FP32_BYTES for k, v in self.initial.items() if v.is_floating_point()
         }
@@ -119,13 +120,13 @@ class SimSetup:
             for w in range(workers)
         ]
         self.evaluator = Evaluator(
-            config.model, split.val, config.batch_size, config.seq_len, config.eval_batches
+            self.spec, split.val, config.batch_size, config.seq_len, config.eval_batches
         )
 
     def replica(self, worker: int, total_steps: int | None = None) -> Replica:
         c = self.config
         return Replica(
-            c.model,
+            self.spec,
             self.initial,
             self.samplers[worker],
             c.lr,
