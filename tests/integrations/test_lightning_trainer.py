@@ -63,7 +63,7 @@ def test_a_killed_fit_resumes_from_its_checkpoint_and_ends_as_an_unbroken_run(
     finished(resumed, broken_dir, "w")
     finished(straight, unbroken_dir, "w")
     report = json.loads((broken_dir / "w.json").read_text())
-    assert report["resumed_from"].endswith("diloco-worker/step-3")
+    assert report["resumed_from"].endswith("diloco-w/step-3")
     after, round_after = global_weights(broken.url)
     expected, round_expected = global_weights(unbroken.url)
     assert round_after == round_expected == 3
@@ -79,6 +79,7 @@ def test_options_the_callback_owns_are_refused() -> None:
 def test_a_resume_whose_worker_state_is_gone_is_named(tmp_path: Path) -> None:
     class Trainer:
         accumulate_grad_batches = 1
+        global_step = 3
 
     callback = DiLoCoCallback("http://127.0.0.1:9")
     callback.load_state_dict({"dir": str(tmp_path / "gone"), "step": 3,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ def test_two_trainers_train_one_model_through_a_real_server(
     assert json.loads((saved / "trainer_run.json").read_text()) == {
         "gradient_accumulation_steps": 1,
         "per_device_train_batch_size": 4,
+        "global_step": 3,
     }
 
 
@@ -145,3 +147,38 @@ def test_a_trainer_under_torchrun_is_one_worker(
     # The two ranks are one worker: one registration, in both rounds
     assert [(w["worker_id"], w["rounds_contributed"]) for w in workers] == [("g0", 2)]
     assert global_weights(server.url)[1] == 2
+
+
+@pytest.mark.slow  # in `make test-slow`
+def test_a_resume_from_an_older_checkpoint_rejoins_the_run_the_server_went_on_with(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    """Killed at its second checkpoint (step 6, round 3 committed), resumed from the first
+    (step 3, inside round 2): the server is past that round, so the worker takes its weights,
+    drops the step trained into the old round (saying so) and goes on."""
+    server = server_process("--sync-every", "2", "--min-workers", "1")
+    steps = ("--steps", "8")
+    killed = trainer_worker(server.url, "w", tmp_path, *steps, corpus=corpus_file,
+                            crash_at="trainer_checkpoint_saved:2")  # fmt: skip
+    finished(killed, tmp_path, "w", code=-signal.SIGKILL)
+    assert global_weights(server.url)[1] == 3  # rounds end at steps 2, 4, 6
+    shutil.rmtree(tmp_path / "w" / "checkpoint-6")  # as if that checkpoint were never written
+    resumed = trainer_worker(server.url, "w", tmp_path, *steps, "--resume", corpus=corpus_file)
+    finished(resumed, tmp_path, "w")
+    report = json.loads((tmp_path / "w.json").read_text())
+    assert report["resumed_from"].endswith("checkpoint-3/diloco") and report["global_step"] == 8
+    assert "step(s) into that round are dropped" in (tmp_path / "w.log").read_text()
+    # Steps 4-8 from the server's round-3 weights: rounds end at steps 5 and 7, then 8
+    assert global_weights(server.url)[1] == 6
+
+
+def test_load_best_model_at_end_is_refused_before_joining() -> None:
+    class Args(_Args):
+        load_best_model_at_end = True
+
+    callback = DiLoCoCallback("http://127.0.0.1:9")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(DiLoCoCallbackError, match="load_best_model_at_end loads an old local"):
+        callback.on_train_begin(Args(), _State(), None, model=model, optimizer=optimizer)
+    assert callback.worker is None

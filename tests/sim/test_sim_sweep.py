@@ -19,6 +19,7 @@ OPTIONS = {
     "dylu": False,
     "upload_codec": "fp32",
     "speeds": "",
+    "model_config": None,
     "corpus": "shakespeare",
 }
 
@@ -33,6 +34,11 @@ def test_one_axis_gives_one_run_per_value_typed_like_the_option() -> None:
         {"upload_codec": "topk:0.03+int2"},
     ]
     assert parse_sweeps([], OPTIONS) == [{}]
+    # An option unset by default takes text, except the numeric ones (outer momentum)
+    assert parse_sweeps(["model-config=a.json,b.json"], OPTIONS) == [
+        {"model_config": "a.json"},
+        {"model_config": "b.json"},
+    ]
 
 
 def test_two_axes_make_their_grid_with_the_first_axis_outermost() -> None:

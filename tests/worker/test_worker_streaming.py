@@ -205,3 +205,18 @@ def test_streaming_reports_a_work_unit_once_every_fragment_has_synced_since(live
             (1, [3]),
             (0, [4]),
         ]
+
+
+def test_tied_tensors_are_refused_in_streaming_mode() -> None:
+    from diloco.worker.worker import _refuse_tied_tensors
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 2)
+            self.head = torch.nn.Linear(2, 4, bias=False)
+            self.head.weight = self.embed.weight
+
+    with pytest.raises(ValueError, match=r"tied tensors \(embed.weight, head.weight share"):
+        _refuse_tied_tensors(Tied())
+    _refuse_tied_tensors(torch.nn.Linear(2, 2))  # untied: nothing to say

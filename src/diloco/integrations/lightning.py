@@ -43,7 +43,7 @@ def _run_settings(trainer: Any) -> dict:
 class DiLoCoCallback(Callback):
     """Makes a Lightning fit one DiLoCo worker of the server at `server_url`.
 
-    `state_dir` (default: <trainer.default_root_dir>/diloco-worker) receives the worker state
+    `state_dir` (default: <trainer.default_root_dir>/diloco-<worker id>) receives the worker state
     at each checkpoint; `worker_options` go to `DiLoCoWorker` (retry, ca_file, ...).
     After the fit, `worker_stats` holds the worker's figures (rounds, bytes, blocked time).
     """
@@ -93,11 +93,19 @@ class DiLoCoCallback(Callback):
             save_every_round=False,
             **self.worker_options,
         )
-        if resume is not None and self.worker.local_step != trainer.global_step:
+        if resume is not None and self.worker.resumed is None:
+            self.worker.close(final_sync=False)
+            self.worker = None
             raise DiLoCoCallbackError(
-                f"the worker state in {resume} is at step {self.worker.local_step}, "
-                f"Lightning's checkpoint at step {trainer.global_step}"
+                f"the worker state in {resume} does not fit this model and optimizer (the log "
+                "says why); resume from a checkpoint of this run, or start afresh"
             )
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """A failed fit leaves the run: no partial round, no heartbeats holding a barrier."""
+        if self.worker is not None:
+            worker, self.worker = self.worker, None
+            worker.close(final_sync=False)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._saved_at is not None:  # the checkpoint file of the last step is written now
@@ -126,7 +134,7 @@ class DiLoCoCallback(Callback):
         if distributed.group_size() > 1:
             return {}  # under torch.distributed the other ranks' state is not saved
         step = self._trainer.global_step
-        directory = self._state_root(self._trainer) / f"step-{step}"
+        directory = (self._state_root(self._trainer) / f"step-{step}").resolve()
         self.worker.save_checkpoint(directory)
         self._saved_at = step
         return {"dir": str(directory), "step": step, **_run_settings(self._trainer)}
@@ -138,7 +146,9 @@ class DiLoCoCallback(Callback):
         self._trainer = trainer
 
     def _state_root(self, trainer: Any) -> Path:
-        return self.state_dir or Path(trainer.default_root_dir) / "diloco-worker"
+        """One folder per worker id, so workers started in one directory never share it."""
+        worker_id = self.worker.worker_id if self.worker is not None else self.worker_id
+        return self.state_dir or Path(trainer.default_root_dir) / f"diloco-{worker_id}"
 
     def _resume_dir(self, trainer: Any) -> Path | None:
         saved = self._restored
@@ -150,6 +160,11 @@ class DiLoCoCallback(Callback):
             raise DiLoCoCallbackError(
                 f"the checkpoint was saved with other Trainer settings ({', '.join(changed)}): "
                 "H counts optimizer steps, so a resume must keep them"
+            )
+        if saved.get("step") != trainer.global_step:
+            raise DiLoCoCallbackError(
+                f"the worker state {saved.get('dir')} was saved at step {saved.get('step')}, "
+                f"Lightning resumed at step {trainer.global_step}"
             )
         directory = Path(saved["dir"])
         if not directory.is_dir():

@@ -86,10 +86,16 @@ class DiLoCoCallback(TrainerCallback):
                 "the Trainer has no optimizer yet: DiLoCoCallback attaches in on_train_begin, "
                 "once Trainer.train() has built it (pass the callback to Trainer(callbacks=...))"
             )
+        if getattr(args, "load_best_model_at_end", False):
+            raise DiLoCoCallbackError(
+                "load_best_model_at_end loads an old local checkpoint before the final sync, "
+                "which would send it to the server as this worker's last update; turn it off "
+                "(the model a DiLoCo run ends on is the global one)"
+            )
         inner = torch_optimizer(optimizer)
         resume = self._saved_state(args, state)
         if resume is not None:
-            self._check_same_settings(resume, args)
+            self._check_same_settings(resume, args, state)
             self.resumed_from = str(resume)
         self.worker = DiLoCoWorker(
             model,
@@ -102,10 +108,12 @@ class DiLoCoCallback(TrainerCallback):
             save_every_round=False,
             **self.worker_options,
         )
-        if resume is not None and self.worker.local_step != state.global_step:
+        if resume is not None and self.worker.resumed is None:
+            self.worker.close(final_sync=False)
+            self.worker = None
             raise DiLoCoCallbackError(
-                f"the worker state in {resume} is at step {self.worker.local_step}, the "
-                f"Trainer's checkpoint at step {state.global_step}"
+                f"the worker state in {resume} does not fit this model and optimizer (the log "
+                "says why); resume from a checkpoint of this run, or start afresh"
             )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -124,8 +132,11 @@ class DiLoCoCallback(TrainerCallback):
             self._warned_unsaved = True
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        (folder / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        # The Trainer's step, not the hook's count: fp16 overflow skips steps the hook never sees
+        run = {**_run_settings(args), "global_step": int(state.global_step)}
+        (folder / STATE_DIR / RUN_FILE).write_text(json.dumps(run))
         self.worker.save_checkpoint(folder / STATE_DIR)
-        (folder / STATE_DIR / RUN_FILE).write_text(json.dumps(_run_settings(args)))
         crash_point("trainer_checkpoint_saved")
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -146,18 +157,27 @@ class DiLoCoCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         saved = folder / STATE_DIR
         if not saved.is_dir():
-            if folder.is_dir():
-                log.warning("%s holds no DiLoCo worker state: joining afresh", folder)
+            log.warning(
+                "no DiLoCo worker state in %s (the Trainer resumed at step %d; a checkpoint "
+                "outside output_dir is not looked for): joining afresh from the server's weights",
+                folder,
+                state.global_step,
+            )
             return None
         return saved
 
     @staticmethod
-    def _check_same_settings(saved: Path, args: Any) -> None:
+    def _check_same_settings(saved: Path, args: Any, state: Any) -> None:
         path = saved / RUN_FILE
         try:
             before = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise DiLoCoCallbackError(f"cannot read {path}: {exc}") from None
+        if before.get("global_step") != state.global_step:
+            raise DiLoCoCallbackError(
+                f"the worker state in {saved} was saved at step {before.get('global_step')}, "
+                f"the Trainer resumed at step {state.global_step}"
+            )
         now = _run_settings(args)
         changed = changed_settings(before, now)
         if changed:

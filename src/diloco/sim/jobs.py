@@ -81,19 +81,20 @@ def _run_child(
     config_path, result_path = stem.with_suffix(".config.json"), stem.with_suffix(".result.json")
     config_path.write_text(json.dumps(config.to_dict()))
     command = [sys.executable, "-m", "diloco.sim.jobs", str(config_path), str(result_path)]
-    with subprocess.Popen(
-        [*command, str(threads_per_job(jobs))],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as child:
-        assert child.stdout is not None and child.stderr is not None
+    log_path = stem.with_suffix(".log")
+    with (
+        log_path.open("w") as log,  # a file, not a pipe: a chatty child never blocks on it
+        subprocess.Popen(
+            [*command, str(threads_per_job(jobs))], stdout=subprocess.PIPE, stderr=log, text=True
+        ) as child,
+    ):
+        assert child.stdout is not None
         for line in child.stdout:
             kind, _, count = line.partition(" ")
             if kind == "progress" and count.strip().isdigit():
                 with lock:
                     advance(int(count))
-        errors = child.stderr.read().strip().splitlines()
+    errors = log_path.read_text().strip().splitlines()
     if child.returncode != 0 or not result_path.exists():
         raise RuntimeError(errors[-1] if errors else f"exit code {child.returncode}")
     return json.loads(result_path.read_text())

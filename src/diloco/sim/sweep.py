@@ -17,9 +17,15 @@ _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
 
+# Options whose default is None, by the type their values take (any other such option: text)
+UNSET_KINDS: dict[str, type] = {"outer_momentum": float}
+
+
 def _value(key: str, text: str, current: object) -> object:
-    """One swept value in the type of the option's current value (None counts as a float)."""
+    """One swept value in the type of the option's current value (UNSET_KINDS for None)."""
     text = text.strip()
+    if current is None and UNSET_KINDS.get(key.replace("-", "_")) is not float:
+        return text
     try:
         if isinstance(current, bool):
             lowered = text.lower()

@@ -62,6 +62,22 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
 
 
+def _refuse_tied_tensors(model: nn.Module) -> None:
+    """Streaming merges fragments one at a time: two names of one tensor (GPT-2's tied input
+    and output embeddings) may sit in two fragments, and each merge would move both."""
+    names_by_storage: dict[tuple[int, int], list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        names_by_storage.setdefault(key, []).append(name)
+    tied = [names for names in names_by_storage.values() if len(names) > 1]
+    if tied:
+        raise ValueError(
+            f"streaming mode cannot sync tied tensors ({', '.join(tied[0])} share memory) as "
+            "separate fragments; untie them (transformers: tie_word_embeddings false) or use "
+            "sync or async mode"
+        )
+
+
 class DiLoCoWorker:
     """One DiLoCo worker (one process, or one torch.distributed group led by rank 0)."""
 
@@ -162,6 +178,8 @@ class DiLoCoWorker:
         info = distributed.lead(lambda: self._leader_session().info(), distributed.broadcast_json)
         self.settings = WorkerSettings.from_info(info, server_url)
         self.settings.check_supported()
+        if self.settings.mode == "streaming":
+            _refuse_tied_tensors(self.model)
         self._schedule = (DyLU if self.settings.dylu else EveryH)(self.settings.sync_every)
         self._anchor = Anchor(
             self.model, leader=self.is_leader, download_dtype=self.settings.download_dtype
