@@ -16,6 +16,7 @@ from diloco.console import (
     out,
     progress_bar,
     summary_table,
+    warn,
     write_json,
 )
 from diloco.data import CorpusError, load_named_corpus
@@ -202,6 +203,8 @@ def simulate_command(
     check_output_path(plot, "--plot")
     if jobs < 1:
         raise fail(f"--jobs must be a positive integer, got {jobs}")
+    if jobs > 1 and not sweep:
+        warn("--jobs applies to the runs of a --sweep; this one run trains in this process")
     try:
         if plot is not None:
             from diloco.plotting import require_matplotlib
