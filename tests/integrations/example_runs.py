@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from processes import STARTED
+import torch
+
+from processes import STARTED, global_weights
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -36,6 +38,16 @@ def example_worker(
     )  # fmt: skip
     STARTED.append(process)
     return process
+
+
+def assert_same_global_weights(url: str, expected_url: str, rounds: int) -> None:
+    """Both servers at `rounds` with the same global weights (allclose: thread order)."""
+    after, round_after = global_weights(url)
+    expected, round_expected = global_weights(expected_url)
+    assert round_after == round_expected == rounds
+    assert after.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(after[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def finished(process: subprocess.Popen, out: Path, worker_id: str, code: int = 0) -> None:

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from example_runs import EXAMPLES, example_worker, finished
+from example_runs import EXAMPLES, assert_same_global_weights, example_worker, finished
 
 from diloco.integrations.transformers import (
     DiLoCoCallback,
@@ -83,12 +83,8 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_ends_as_an_unbroken_ru
     finished(straight, unbroken_dir, "w")
     report = json.loads((broken_dir / "w.json").read_text())
     assert report["resumed_from"].endswith("checkpoint-3/diloco")
-    after, round_after = global_weights(broken.url)
-    expected, round_expected = global_weights(unbroken.url)
-    assert round_after == round_expected == 3  # rounds end at steps 2, 4, 6: none repeated
-    assert after.keys() == expected.keys()
-    for name, tensor in expected.items():
-        torch.testing.assert_close(after[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # rounds end at steps 2, 4 and 6 on both servers: none repeated, none lost
+    assert_same_global_weights(broken.url, unbroken.url, rounds=3)
 
 
 class _Args:
@@ -170,6 +166,19 @@ def test_a_resume_from_an_older_checkpoint_rejoins_the_run_the_server_went_on_wi
     assert "step(s) into that round are dropped" in (tmp_path / "w.log").read_text()
     # Steps 4-8 from the server's round-3 weights: rounds end at steps 5 and 7, then 8
     assert global_weights(server.url)[1] == 6
+
+
+def test_worker_state_saved_at_another_step_is_refused(tmp_path: Path) -> None:
+    saved = tmp_path / "checkpoint-3" / "diloco"
+    saved.mkdir(parents=True)
+    settings = {"gradient_accumulation_steps": 1, "per_device_train_batch_size": 1}
+    (saved / "trainer_run.json").write_text(json.dumps({**settings, "global_step": 2}))
+
+    class State:
+        global_step = 3
+
+    with pytest.raises(DiLoCoCallbackError, match="saved at step 2, the Trainer resumed at step 3"):
+        DiLoCoCallback._check_same_settings(saved, _Args(), State())
 
 
 def test_load_best_model_at_end_is_refused_before_joining() -> None:

@@ -42,7 +42,7 @@ DEMO_MODES = ("sync", "streaming", "async")
 # gain (README, "Quick start", shows the table these defaults give).
 DEMO_MODEL = {"width": 64, "depth": 2, "heads": 4, "seq_len": 64, "batch_size": 8}
 DEMO_STEPS = 1000
-DEMO_H = {"sync": 20, "streaming": 20, "async": 20}
+DEMO_H = 20  # every mode (streaming: a multiple of the demo model's 2 fragments)
 
 
 def demo_command(
@@ -55,7 +55,7 @@ def demo_command(
     ),
     sync_every: int = typer.Option(
         None,
-        help=f"H: inner steps per round (default {DEMO_H['sync']}; streaming: a multiple of 2).",
+        help=f"H: inner steps per round (default {DEMO_H}; streaming: a multiple of 2).",
     ),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     seed: int = typer.Option(0, help="Seed of weights and batches."),
@@ -66,7 +66,7 @@ def demo_command(
     if mode not in DEMO_MODES:
         raise fail(f"--mode must be one of {', '.join(DEMO_MODES)}, got {mode!r}")
     if sync_every is None:
-        sync_every = DEMO_H[mode]
+        sync_every = DEMO_H
     require_positive(workers=workers, steps=steps, sync_every=sync_every)
     try:
         mode_args = _mode_args(mode, workers, sync_every)

@@ -41,6 +41,19 @@ def refuse_owned_options(worker_options: dict[str, Any], framework: str) -> None
             )
 
 
+def check_resumed(worker: Any, resume: Any) -> None:
+    """A worker asked to resume from `resume` that ignored it (the state did not fit) leaves
+    the run at once, and the callback says so, instead of training from the server's weights
+    under a Trainer that restored other ones."""
+    if resume is None or worker.resumed is not None:
+        return
+    worker.close(final_sync=False)
+    raise DiLoCoCallbackError(
+        f"the worker state in {resume} does not fit this model and optimizer (the log says "
+        "why); resume from a checkpoint of this run, or start afresh"
+    )
+
+
 def changed_settings(saved: dict, now: dict) -> list[str]:
     """'name before -> now' for each run setting a resume must keep but does not."""
     return [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]

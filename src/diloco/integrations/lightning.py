@@ -21,6 +21,7 @@ from diloco.faults import crash_point
 from diloco.integrations.common import (
     DiLoCoCallbackError,
     changed_settings,
+    check_resumed,
     refuse_owned_options,
     torch_optimizer,
 )
@@ -93,13 +94,9 @@ class DiLoCoCallback(Callback):
             save_every_round=False,
             **self.worker_options,
         )
-        if resume is not None and self.worker.resumed is None:
-            self.worker.close(final_sync=False)
-            self.worker = None
-            raise DiLoCoCallbackError(
-                f"the worker state in {resume} does not fit this model and optimizer (the log "
-                "says why); resume from a checkpoint of this run, or start afresh"
-            )
+        worker, self.worker = self.worker, None
+        check_resumed(worker, resume)
+        self.worker = worker
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """A failed fit leaves the run: no partial round, no heartbeats holding a barrier."""

@@ -25,6 +25,7 @@ from diloco.faults import crash_point
 from diloco.integrations.common import (
     DiLoCoCallbackError,
     changed_settings,
+    check_resumed,
     refuse_owned_options,
     torch_optimizer,
 )
@@ -108,13 +109,9 @@ class DiLoCoCallback(TrainerCallback):
             save_every_round=False,
             **self.worker_options,
         )
-        if resume is not None and self.worker.resumed is None:
-            self.worker.close(final_sync=False)
-            self.worker = None
-            raise DiLoCoCallbackError(
-                f"the worker state in {resume} does not fit this model and optimizer (the log "
-                "says why); resume from a checkpoint of this run, or start afresh"
-            )
+        worker, self.worker = self.worker, None
+        check_resumed(worker, resume)
+        self.worker = worker
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.worker is not None and logs and isinstance(logs.get("loss"), (int, float)):

@@ -64,8 +64,9 @@ class CausalLMConfig:
     @property
     def context(self) -> int | None:
         """The longest sequence the model takes, or None if its config sets no limit."""
+        config = self.transformers_config()
         for name in POSITION_FIELDS:
-            value = getattr(self.transformers_config(), name, None)
+            value = getattr(config, name, None)
             if isinstance(value, int):
                 return value
         return None

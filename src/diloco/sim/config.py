@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -13,6 +14,13 @@ from diloco.models.causal_lm import CausalLMConfig
 MODES = ("single", "ddp", "diloco", "streaming", "async")
 # The server's default (server/settings.py; a test keeps the two equal).
 DEFAULT_ERROR_FEEDBACK_BETA = 0.95
+
+
+@functools.lru_cache(maxsize=16)
+def _read_model_config(path: str) -> CausalLMConfig:
+    """Reading checks the file by building the model once: a sweep or a run's several uses of
+    `spec` pay that once per file, not once per access."""
+    return CausalLMConfig.from_file(path)
 
 
 @dataclass(frozen=True)
@@ -124,7 +132,7 @@ class SimConfig:
         """What each replica trains: the bundled GPT, or the model of `model_config`."""
         if self.model_config is None:
             return self.model
-        return CausalLMConfig.from_file(self.model_config)
+        return _read_model_config(self.model_config)
 
     @property
     def download(self) -> Codec:
