@@ -8,11 +8,13 @@ them blocked in a collective. JSON travels as UTF-8 bytes in a uint8 tensor: no 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from diloco.wire.specs import TensorSpec, fingerprint, first_difference
 
 T = TypeVar("T")
 _OK, _FAILED = 0, 1
@@ -33,14 +35,15 @@ def rank() -> int:
     return dist.get_rank() if group_size() > 1 else 0
 
 
-def _device() -> torch.device:
+def comm_device() -> torch.device:
+    """Where tensors must be for the group's collectives (NCCL: the current GPU)."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def _broadcast_bytes(payload: bytes | None) -> bytes:
-    device = _device()
+    device = comm_device()
     size = torch.tensor(
         [len(payload) if payload is not None else 0], dtype=torch.int64, device=device
     )
@@ -82,14 +85,14 @@ def lead(action: Callable[[], T], share: Callable[[T | None], Any]) -> Any:
 
 
 def _broadcast_status(status: int, message: bytes) -> None:
-    word = torch.tensor([status], dtype=torch.int64, device=_device())
+    word = torch.tensor([status], dtype=torch.int64, device=comm_device())
     dist.broadcast(word, src=0)
     if status != _OK:
         _broadcast_bytes(message)
 
 
 def _receive_status() -> tuple[int, bytes]:
-    word = torch.tensor([0], dtype=torch.int64, device=_device())
+    word = torch.tensor([0], dtype=torch.int64, device=comm_device())
     dist.broadcast(word, src=0)
     status = int(word.item())
     return status, (_broadcast_bytes(None) if status != _OK else b"")
@@ -109,3 +112,41 @@ def broadcast_tensors_(tensors: dict[str, torch.Tensor]) -> None:
         return
     for name in sorted(tensors):
         dist.broadcast(tensors[name], src=0)
+
+
+def check_same_model(specs: Sequence[TensorSpec], sharded: bool) -> None:
+    """Every rank of the group must hold the model rank 0 holds, sharded the same way (FSDP
+    or not), else every rank raises.
+
+    Checked once before any other collective: ranks that disagree would otherwise send
+    tensors of other sizes and block each other forever. The rank that differs names the
+    first differing tensor; the others name the rank.
+    """
+    if group_size() == 1:
+        return
+    word = bytearray.fromhex(fingerprint(specs)) + bytes([int(sharded)])
+    mine = torch.frombuffer(word, dtype=torch.uint8).to(comm_device())
+    everyone = [torch.empty_like(mine) for _ in range(group_size())]
+    dist.all_gather(everyone, mine)
+    differing = [r for r, other in enumerate(everyone) if not torch.equal(other, everyone[0])]
+    if not differing:
+        return
+    ranks = ", ".join(map(str, differing))
+    if all(torch.equal(other[:-1], everyone[0][:-1]) for other in everyone):
+        raise ValueError(
+            f"rank(s) {ranks} of the worker's group shard the model differently from rank 0 "
+            f"(rank 0 {'does' if everyone[0][-1] else 'does not'} use FSDP); every rank must "
+            "wrap the model the same way"
+        )
+    reference = broadcast_json([spec.to_json() for spec in specs] if rank() == 0 else None)
+    if rank() in differing:
+        expected = [TensorSpec.from_json(entry) for entry in reference]
+        difference = first_difference(expected, list(specs)) or "it is sharded differently"
+        raise ValueError(
+            f"rank {rank()} of the worker's group holds another model than rank 0: "
+            f"{difference}; every rank must build the same model"
+        )
+    raise ValueError(
+        f"rank(s) {ranks} of the worker's group hold another model than rank 0 (see their "
+        "error for the first difference); every rank must build the same model"
+    )

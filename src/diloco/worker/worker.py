@@ -13,7 +13,7 @@ same (worker, round, fragment) key, and an eviction re-registers under the same 
 progress is never thrown away.
 
 The worker is a facade over one part per job: `ServerSession` (join, submit, await, rebase),
-`Anchor` (the global weights the model started from), a schedule (`EveryH`, `DyLU`, or the
+`Anchor` (the global weights the model started from; `ShardedAnchor` under FSDP2), a schedule (`EveryH`, `DyLU`, or the
 `FragmentStreamer`'s windows), `TokenTally`, `UnitReports` (work units), `Pace` (blocked
 time, window speeds), `Checkpointer` and `Heartbeat`. It wires them together and owns the
 optimizer hook, the step count and the report.
@@ -42,6 +42,7 @@ from diloco.worker.retry import RetryPolicy
 from diloco.worker.schedule import DyLU, EveryH
 from diloco.worker.session import Exchanged, ServerSession
 from diloco.worker.settings import WorkerSettings
+from diloco.worker.sharded import ShardedAnchor, check_sharded_settings, is_sharded
 from diloco.worker.streaming import FragmentStreamer
 from diloco.worker.tokens import TokenTally
 from diloco.worker.trace import SampleTrace
@@ -127,6 +128,8 @@ class DiLoCoWorker:
         self.worker_id = worker_id
         self.is_leader = distributed.rank() == 0
         self.specs = specs_of(self.model.state_dict(), classify_tensors(self.model))
+        self.sharded = is_sharded(self.model)  # FSDP2: each rank holds rows of each tensor
+        distributed.check_same_model(self.specs, self.sharded)
         self.client = (
             DiLoCoClient(
                 server_url,
@@ -178,13 +181,16 @@ class DiLoCoWorker:
         info = distributed.lead(lambda: self._leader_session().info(), distributed.broadcast_json)
         self.settings = WorkerSettings.from_info(info, server_url)
         self.settings.check_supported()
+        if self.sharded:
+            check_sharded_settings(self.settings)
         if self.settings.mode == "streaming":
             _refuse_tied_tensors(self.model)
         self._schedule = (DyLU if self.settings.dylu else EveryH)(self.settings.sync_every)
-        self._anchor = Anchor(
+        self._anchor = (ShardedAnchor if self.sharded else Anchor)(
             self.model, leader=self.is_leader, download_dtype=self.settings.download_dtype
         )
-        self.worker_id = distributed.lead(self._join, self._share_join)
+        initial = self._gathered(self._anchor.local_values) if self.sharded else None
+        self.worker_id = distributed.lead(lambda: self._join(initial), self._share_join)
         self._uploads = UploadCoder(
             self.settings.upload_codec,
             self.settings.error_feedback_beta,
@@ -242,7 +248,8 @@ class DiLoCoWorker:
 
     @property
     def anchor(self) -> dict[str, torch.Tensor]:
-        """The fp32 CPU copy of the global weights the model last started from (rank 0)."""
+        """The fp32 CPU copy of the global weights the model last started from (rank 0; an
+        FSDP-sharded worker keeps each rank's own rows, and rank 0 the replicated tensors)."""
         return self._anchor.tensors
 
     @property
@@ -367,11 +374,17 @@ class DiLoCoWorker:
 
     # ----------------------------------------------------------------- joining
 
-    def _join(self) -> str:
-        """Register; the first worker uploads its weights; everyone starts from the server's."""
+    def _gathered(self, pieces: Any) -> bytearray | None:
+        """A sharded worker's body of `pieces()` from every rank (on rank 0; None elsewhere)."""
+        assert isinstance(self._anchor, ShardedAnchor)
+        return self._anchor.gather_body(pieces())
+
+    def _join(self, initial: bytearray | None = None) -> str:
+        """Register; the first worker uploads its weights (`initial`, when a sharded group
+        gathered them); everyone starts from the server's."""
         session = self._leader_session()
         weights = session.join(
-            lambda: encode_tensors(self.model.state_dict()),
+            lambda: initial if initial is not None else encode_tensors(self.model.state_dict()),
             self.settings.heartbeat_timeout,
             self.settings.heartbeat_interval,
         )
@@ -422,7 +435,8 @@ class DiLoCoWorker:
         if self._schedule.steps_in_round == 0:
             return
         started = time.monotonic()
-        distributed.lead(self._exchange_round, self._share_result)
+        body = self._gathered(self._anchor.pseudo_gradient) if self.sharded else None
+        distributed.lead(lambda: self._exchange_round(body), self._share_result)
         self._pace.blocked_seconds += time.monotonic() - started
         self.rounds += 1
         self._schedule.round_done()
@@ -435,11 +449,13 @@ class DiLoCoWorker:
         if self._save_every_round:
             self.save_checkpoint()
 
-    def _exchange_round(self) -> Exchanged:
+    def _exchange_round(self, body: bytearray | None = None) -> Exchanged:
+        """Send this round's pseudo-gradient (`body` when a sharded group gathered it)."""
         session = self._leader_session()
-        gradient = self._anchor.pseudo_gradient()
-        body = self._uploads.body(gradient)
-        del gradient
+        if body is None:
+            gradient = self._anchor.pseudo_gradient()
+            body = self._uploads.body(gradient)
+            del gradient
         units = self._units.to_report()
         progress = self._units.progress()
         if self.sample_trace is not None and self.worker_id is not None:

@@ -1,0 +1,127 @@
+"""An FSDP2 group is one worker: each rank uploads its rows, and bad groups fail on every rank.
+
+The run checks use outer SGD with lr 1 and one worker, where the global weights after each
+round are exactly the worker's local weights: so the expected weights are plain SGD on the
+same batches, computed here with torch alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.server.settings import ServerSettings
+from diloco.wire import decode_tensors
+from diloco.worker import DiLoCoClient
+
+if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+    pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6", allow_module_level=True)
+
+SCRIPT = Path(__file__).with_name("fsdp_worker_script.py")
+STEPS = 5  # H = 2: rounds after steps 2 and 4, and close() syncs step 5
+
+
+def run_group(url: str, variant: str, out: Path, ranks: int = 2) -> list[dict]:
+    """The script under torchrun (`plain`: one process); every rank's report, by rank."""
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    result = subprocess.run(
+        [*launcher, str(SCRIPT), url, variant, str(STEPS), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(ranks)]
+    assert [report["rank"] for report in reports] == list(range(ranks))
+    return reports
+
+
+def server_weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
+    with DiLoCoClient(url) as client:
+        body, round_number = client.get_weights()
+    return {name: t.clone() for name, t in decode_tensors(body).items()}, round_number
+
+
+def plain_sgd() -> dict[str, torch.Tensor]:
+    """The script's model and batches trained without diloco or FSDP: 5 SGD steps, lr 0.1."""
+    torch.manual_seed(0)
+    first, last = torch.nn.Linear(5, 7), torch.nn.Linear(7, 1)
+    params = [*first.parameters(), *last.parameters()]
+    generator = torch.Generator().manual_seed(100)
+    for _ in range(STEPS):
+        x = torch.randn(4, 5, generator=generator)
+        last(torch.relu(first(x))).pow(2).mean().backward()
+        with torch.no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+                p.grad = None
+    return {"first.weight": first.weight, "first.bias": first.bias,
+            "last.weight": last.weight, "last.bias": last.bias}  # fmt: skip
+
+
+def test_an_fsdp_group_with_an_empty_shard_ends_on_the_weights_of_plain_sgd(
+    live_server, tmp_path: Path
+) -> None:
+    """`last` has one row: rank 1 holds none of it, and sends and takes nothing for it."""
+    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)
+    expected = plain_sgd()
+    for variant, ranks in (("fsdp", 2), ("plain", 1)):
+        with live_server(settings) as server:
+            lines = run_group(server.url, variant, tmp_path, ranks)
+            weights, round_number = server_weights(server.url)
+        assert [line["error"] for line in lines] == [None] * ranks
+        assert round_number == 3 and all(line["rounds"] == 3 for line in lines)
+        assert int(weights["seen"]) == STEPS  # rank 0's int buffer, exact
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value.detach(), msg=f"{variant} {name}")
+        for line in lines:  # every rank took its rows of the new weights back
+            for name, value in line["state"].items():
+                torch.testing.assert_close(torch.tensor(value), weights[name], msg=name)
+
+
+@pytest.mark.parametrize(
+    ("variant", "rank_0_says", "rank_1_says"),
+    [
+        ("disagree", "rank(s) 1 of the worker's group hold another model than rank 0",
+         "rank 1 of the worker's group holds another model than rank 0: tensor 'first.bias' "
+         "has shape [8], the model has [7]"),
+        ("half", "rank(s) 1 of the worker's group shard the model differently from rank 0 "
+         "(rank 0 does use FSDP)", "shard the model differently"),
+        ("hsdp", "a DiLoCo worker takes fully_shard's layout: rows split (Shard(0)) over a 1-D "
+         "mesh of all 2 ranks", "is a DTensor placed (Replicate(), Shard(dim=0))"),
+    ],
+)  # fmt: skip
+def test_a_group_that_cannot_be_one_worker_fails_on_every_rank_before_joining(
+    live_server, tmp_path: Path, variant: str, rank_0_says: str, rank_1_says: str
+) -> None:
+    with live_server(ServerSettings(sync_every=2)) as server:
+        lines = run_group(server.url, variant, tmp_path)
+        assert server.coordinator.status()["workers"] == []  # nothing reached the run
+    assert rank_0_says in lines[0]["error"], lines[0]["error"]
+    assert rank_1_says in lines[1]["error"], lines[1]["error"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        (ServerSettings(mode="streaming", sync_every=2, fragments=2),
+         "the server runs streaming mode; an FSDP-sharded worker syncs in sync or async mode"),
+        (ServerSettings(sync_every=2, upload_codec="int8"),
+         "the server sets upload codec int8; an FSDP-sharded worker sends and takes plain"),
+    ],
+)  # fmt: skip
+def test_settings_a_sharded_worker_cannot_follow_fail_on_every_rank(
+    live_server, tmp_path: Path, settings: ServerSettings, says: str
+) -> None:
+    with live_server(settings) as server:
+        lines = run_group(server.url, "fsdp", tmp_path)
+        assert server.coordinator.status()["workers"] == []
+    assert all(says in line["error"] for line in lines), lines
