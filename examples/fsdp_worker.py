@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,6 +44,20 @@ def wrap(model: torch.nn.Module, how: str, device: torch.device) -> torch.nn.Mod
         ids = [device.index] if device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return model
+
+
+def peak_rss_mb(distributed: bool) -> list[float]:
+    """Every rank's peak resident memory so far, in MB (Linux reports ru_maxrss in KiB)."""
+    mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if not distributed:
+        return [mine]
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    )
+    value = torch.tensor([mine], dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, value)
+    return [float(v) for v in everyone]
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -72,9 +88,11 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0, help="the same on every worker")
     parser.add_argument("--json", default=None, help="rank 0 writes the figures here")
+    parser.add_argument("--state", action="store_true", help="and the final weights in --json")
     options = parser.parse_args()
     distributed = options.wrap != "none"
     if distributed:
@@ -92,7 +110,7 @@ def main() -> int:
         split = split_train_val(load_named_corpus(options.corpus))
         val = eval_batches(split.val, options.batch_size, options.seq_len, 4)
         torch.manual_seed(options.seed)  # every rank and worker: the same initial weights
-        spec = GPTConfig(context=options.seq_len, width=options.width, depth=2,
+        spec = GPTConfig(context=options.seq_len, width=options.width, depth=options.depth,
                          heads=options.heads)  # fmt: skip
         model = wrap(spec.build().to(device), options.wrap, device)
     except ValueError as exc:
@@ -108,6 +126,7 @@ def main() -> int:
     share = options.batch_size // ranks
     mine = slice(rank * share, (rank + 1) * share)
     initial = eval_loss(spec, model, val, device)
+    started = time.monotonic()
     try:
         for _ in range(options.steps):
             x, y = sampler.next_batch()
@@ -120,16 +139,20 @@ def main() -> int:
     except (ServerError, ServerUnavailable, LeaderFailed) as exc:
         print(f"error: the server failed us: {exc}", file=sys.stderr)
         return 1
+    seconds = time.monotonic() - started
+    peaks = peak_rss_mb(distributed)  # before the full state below is gathered for the report
     final = eval_loss(spec, model, val, device)
-    state = full_state(model)
+    state = full_state(model) if options.state else None  # every rank gathers, rank 0 keeps
     if rank == 0:
         stats = worker.stats()
         print(f"eval loss {initial:.4f} -> {final:.4f}, {stats['rounds']} rounds on {ranks} "
               f"rank(s) ({options.wrap})")  # fmt: skip
         if options.json:
             figures = {"wrap": options.wrap, "ranks": ranks, "initial_eval_loss": initial,
-                       "final_eval_loss": final, "worker": stats,
-                       "state": {n: t.tolist() for n, t in state.items()}}  # fmt: skip
+                       "final_eval_loss": final, "train_seconds": seconds,
+                       "peak_rss_mb": peaks, "worker": stats,
+                       "parameters": sum(t.numel() for t in model.state_dict().values()),
+                       "state": state and {n: t.tolist() for n, t in state.items()}}  # fmt: skip
             Path(options.json).write_text(json.dumps(figures))
     if distributed:
         dist.barrier()

@@ -34,7 +34,7 @@ def run_example(url: str, wrap: str, out: Path) -> dict:
     report = out / f"{wrap}.json"
     result = subprocess.run(
         [*launcher, str(EXAMPLES / "fsdp_worker.py"), "--server", url, "--wrap", wrap,
-         "--worker-id", wrap, "--json", str(report), *SMALL],
+         "--worker-id", wrap, "--json", str(report), "--state", *SMALL],
         capture_output=True, text=True, timeout=240, check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

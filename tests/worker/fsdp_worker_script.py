@@ -21,20 +21,23 @@ from diloco.worker import DiLoCoWorker
 
 
 class Tiny(nn.Module):
-    def __init__(self, hidden: int = 7) -> None:
+    def __init__(self, rank: int, hidden: int = 7) -> None:
         super().__init__()
         self.first = nn.Linear(5, hidden)
         self.last = nn.Linear(hidden, 1)  # one row: rank 1 of 2 holds nothing of it
         self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.count = 1 + 100 * rank  # ranks count differently: only rank 0's value may last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen += 1  # once per step on every rank
+        self.seen += self.count
         return self.last(torch.relu(self.first(x)))
 
 
 def build(variant: str, rank: int) -> nn.Module:
     torch.manual_seed(0)
-    model = Tiny(hidden=8 if variant == "disagree" and rank == 1 else 7)
+    model = Tiny(rank, hidden=8 if variant == "disagree" and rank == 1 else 7)
+    if variant == "dtype" and rank == 1:
+        model = model.double()
     if variant == "plain" or (variant == "half" and rank == 1):
         return model
     from torch.distributed.fsdp import fully_shard
@@ -66,13 +69,15 @@ def main(url: str, variant: str, steps: int, out: Path) -> None:
     model = build(variant, rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     report: dict = {"rank": rank, "error": None}
+    checkpoints = out / "checkpoint" if variant == "checkpoint" else None
     try:
-        worker = DiLoCoWorker(model, optimizer, url, worker_id="group", heartbeat=False)
+        worker = DiLoCoWorker(model, optimizer, url, worker_id="group", heartbeat=False,
+                              checkpoint_dir=checkpoints)  # fmt: skip
         generator = torch.Generator().manual_seed(100)  # the same global batches everywhere
-        share = 4 // ranks
+        share = 12 // ranks
         for _ in range(steps):
-            x = torch.randn(4, 5, generator=generator)[rank * share : (rank + 1) * share]
-            model(x).pow(2).mean().backward()
+            x = torch.randn(12, 5, generator=generator)[rank * share : (rank + 1) * share]
+            model(x.to(next(model.parameters()).dtype)).pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
         worker.close()

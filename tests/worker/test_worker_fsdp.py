@@ -8,6 +8,8 @@ same batches, computed here with torch alone.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,18 +29,27 @@ STEPS = 5  # H = 2: rounds after steps 2 and 4, and close() syncs step 5
 
 
 def run_group(url: str, variant: str, out: Path, ranks: int = 2) -> list[dict]:
-    """The script under torchrun (`plain`: one process); every rank's report, by rank."""
+    """The script under torchrun (`plain`: one process); every rank's report, by rank.
+
+    torchrun and its ranks get a session of their own, killed whole if they outlive the
+    timeout (a hang must fail the test, not leave ranks behind)."""
     launcher = [sys.executable]
-    if ranks > 1:
+    if variant != "plain":
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    result = subprocess.run(
+    process = subprocess.Popen(
         [*launcher, str(SCRIPT), url, variant, str(STEPS), str(out)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
-        check=False,
+        start_new_session=True,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    try:
+        _, stderr = process.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    assert process.returncode == 0, stderr[-3000:]
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(ranks)]
     assert [report["rank"] for report in reports] == list(range(ranks))
     return reports
@@ -57,7 +68,7 @@ def plain_sgd() -> dict[str, torch.Tensor]:
     params = [*first.parameters(), *last.parameters()]
     generator = torch.Generator().manual_seed(100)
     for _ in range(STEPS):
-        x = torch.randn(4, 5, generator=generator)
+        x = torch.randn(12, 5, generator=generator)
         last(torch.relu(first(x))).pow(2).mean().backward()
         with torch.no_grad():
             for p in params:
@@ -67,24 +78,53 @@ def plain_sgd() -> dict[str, torch.Tensor]:
             "last.weight": last.weight, "last.bias": last.bias}  # fmt: skip
 
 
-def test_an_fsdp_group_with_an_empty_shard_ends_on_the_weights_of_plain_sgd(
+SLOW = pytest.mark.slow  # in `make test-slow`; the default suite keeps one case of each kind
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)])
+def test_an_fsdp_group_ends_on_the_weights_of_plain_sgd(
+    live_server, tmp_path: Path, ranks: int
+) -> None:
+    """`last` has one row: from 2 ranks on, rank 1 and up hold none of it, and send and take
+    nothing for it; the int buffer `seen` counts 1 per step on rank 0 and 101, 201 on the
+    others, so only a broadcast of rank 0's value leaves every rank at 5."""
+    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)
+    with live_server(settings) as server:
+        lines = run_group(server.url, "fsdp", tmp_path, ranks)
+        weights, round_number = server_weights(server.url)
+    assert [line["error"] for line in lines] == [None] * ranks
+    assert round_number == 3 and all(line["rounds"] == 3 for line in lines)
+    assert int(weights["seen"]) == STEPS  # rank 0's int buffer, exact
+    for name, value in plain_sgd().items():
+        torch.testing.assert_close(weights[name], value.detach(), msg=name)
+    for line in lines:  # every rank took its rows of the new weights back
+        for name, value in line["state"].items():
+            torch.testing.assert_close(torch.tensor(value), weights[name], msg=name)
+
+
+def test_bf16_uploads_with_error_feedback_and_bf16_downloads_match_one_process(
     live_server, tmp_path: Path
 ) -> None:
-    """`last` has one row: rank 1 holds none of it, and sends and takes nothing for it."""
-    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)
-    expected = plain_sgd()
+    """Each rank codes its own rows to bf16 and keeps their residual; the one-process worker
+    codes whole tensors. Equal up to a bf16 rounding that float order can flip."""
+    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0,
+                              upload_codec="bf16", download_dtype=torch.bfloat16)  # fmt: skip
+    runs = {}
     for variant, ranks in (("fsdp", 2), ("plain", 1)):
+        out = tmp_path / variant
+        out.mkdir()
         with live_server(settings) as server:
-            lines = run_group(server.url, variant, tmp_path, ranks)
-            weights, round_number = server_weights(server.url)
-        assert [line["error"] for line in lines] == [None] * ranks
-        assert round_number == 3 and all(line["rounds"] == 3 for line in lines)
-        assert int(weights["seen"]) == STEPS  # rank 0's int buffer, exact
-        for name, value in expected.items():
-            torch.testing.assert_close(weights[name], value.detach(), msg=f"{variant} {name}")
-        for line in lines:  # every rank took its rows of the new weights back
-            for name, value in line["state"].items():
-                torch.testing.assert_close(torch.tensor(value), weights[name], msg=name)
+            lines = run_group(server.url, variant, out, ranks)
+            runs[variant], round_number = server_weights(server.url)
+        assert [line["error"] for line in lines] == [None] * ranks and round_number == 3
+        for line in lines:
+            for name, value in line["state"].items():  # the bf16 download, on every rank
+                served = runs[variant][name]
+                torch.testing.assert_close(torch.tensor(value).to(served.dtype), served)
+    for name, value in runs["plain"].items():
+        assert runs["fsdp"][name].dtype == value.dtype == torch.bfloat16 or name == "seen"
+        torch.testing.assert_close(runs["fsdp"][name].double(), value.double(), rtol=0,
+                                   atol=4e-3, msg=name)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -93,10 +133,15 @@ def test_an_fsdp_group_with_an_empty_shard_ends_on_the_weights_of_plain_sgd(
         ("disagree", "rank(s) 1 of the worker's group hold another model than rank 0",
          "rank 1 of the worker's group holds another model than rank 0: tensor 'first.bias' "
          "has shape [8], the model has [7]"),
-        ("half", "rank(s) 1 of the worker's group shard the model differently from rank 0 "
-         "(rank 0 does use FSDP)", "shard the model differently"),
-        ("hsdp", "a DiLoCo worker takes fully_shard's layout: rows split (Shard(0)) over a 1-D "
-         "mesh of all 2 ranks", "is a DTensor placed (Replicate(), Shard(dim=0))"),
+        pytest.param("half", "rank(s) 1 of the worker's group shard the model differently "
+                     "from rank 0 (rank 0 does use FSDP)", "shard the model differently",
+                     marks=SLOW),
+        pytest.param("dtype", "rank(s) 1 of the worker's group hold another model than rank 0",
+                     "tensor 'first.bias' is torch.float64, rank 0 has torch.float32",
+                     marks=SLOW),
+        pytest.param("hsdp", "a DiLoCo worker takes fully_shard's layout: rows split "
+                     "(Shard(0)) over a 1-D mesh of all 2 ranks",
+                     "a DiLoCo worker takes fully_shard's layout", marks=SLOW),
     ],
 )  # fmt: skip
 def test_a_group_that_cannot_be_one_worker_fails_on_every_rank_before_joining(
@@ -112,10 +157,14 @@ def test_a_group_that_cannot_be_one_worker_fails_on_every_rank_before_joining(
 @pytest.mark.parametrize(
     ("settings", "says"),
     [
-        (ServerSettings(mode="streaming", sync_every=2, fragments=2),
-         "the server runs streaming mode; an FSDP-sharded worker syncs in sync or async mode"),
+        pytest.param(ServerSettings(mode="streaming", sync_every=2, fragments=2),
+                     "the server runs streaming mode; an FSDP-sharded worker syncs in sync or "
+                     "async mode", marks=SLOW),
         (ServerSettings(sync_every=2, upload_codec="int8"),
-         "the server sets upload codec int8; an FSDP-sharded worker sends and takes plain"),
+         "the server sets upload codec int8; an FSDP-sharded worker sends fp32 or bf16"),
+        pytest.param(ServerSettings(sync_every=2, download_codec="int8"),
+                     "the server sets download codec int8; an FSDP-sharded worker sends fp32 "
+                     "or bf16", marks=SLOW),
     ],
 )  # fmt: skip
 def test_settings_a_sharded_worker_cannot_follow_fail_on_every_rank(
@@ -125,3 +174,12 @@ def test_settings_a_sharded_worker_cannot_follow_fail_on_every_rank(
         lines = run_group(server.url, "fsdp", tmp_path)
         assert server.coordinator.status()["workers"] == []
     assert all(says in line["error"] for line in lines), lines
+
+
+def test_a_sharded_worker_refuses_a_checkpoint_dir_even_on_one_rank(
+    live_server, tmp_path: Path
+) -> None:
+    """Its state dict holds DTensors; the worker checkpoint saves plain tensors."""
+    with live_server(ServerSettings(sync_every=2)) as server:
+        (line,) = run_group(server.url, "checkpoint", tmp_path, ranks=1)
+    assert "checkpoint_dir is for single-process, unsharded workers" in line["error"]

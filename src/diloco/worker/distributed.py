@@ -7,6 +7,7 @@ them blocked in a collective. JSON travels as UTF-8 bytes in a uint8 tensor: no 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from diloco.wire.specs import TensorSpec, fingerprint, first_difference
+from diloco.wire.specs import TensorSpec, first_difference
 
 T = TypeVar("T")
 _OK, _FAILED = 0, 1
@@ -124,7 +125,10 @@ def check_same_model(specs: Sequence[TensorSpec], sharded: bool) -> None:
     """
     if group_size() == 1:
         return
-    word = bytearray.fromhex(fingerprint(specs)) + bytes([int(sharded)])
+    # Exact dtypes (the wire's fingerprint counts every float as one): ranks in other
+    # dtypes would send each other tensors of other byte sizes.
+    exact = json.dumps(sorted([s.name, list(s.shape), str(s.dtype)] for s in specs)).encode()
+    word = bytearray(hashlib.sha256(exact).digest()) + bytes([int(sharded)])
     mine = torch.frombuffer(word, dtype=torch.uint8).to(comm_device())
     everyone = [torch.empty_like(mine) for _ in range(group_size())]
     dist.all_gather(everyone, mine)
@@ -141,7 +145,7 @@ def check_same_model(specs: Sequence[TensorSpec], sharded: bool) -> None:
     reference = broadcast_json([spec.to_json() for spec in specs] if rank() == 0 else None)
     if rank() in differing:
         expected = [TensorSpec.from_json(entry) for entry in reference]
-        difference = first_difference(expected, list(specs)) or "it is sharded differently"
+        difference = first_difference(expected, list(specs)) or _first_dtype(expected, specs)
         raise ValueError(
             f"rank {rank()} of the worker's group holds another model than rank 0: "
             f"{difference}; every rank must build the same model"
@@ -150,3 +154,12 @@ def check_same_model(specs: Sequence[TensorSpec], sharded: bool) -> None:
         f"rank(s) {ranks} of the worker's group hold another model than rank 0 (see their "
         "error for the first difference); every rank must build the same model"
     )
+
+
+def _first_dtype(expected: Sequence[TensorSpec], got: Sequence[TensorSpec]) -> str:
+    """The first tensor whose exact dtype differs (first_difference lets floats match)."""
+    want = {spec.name: spec.dtype for spec in expected}
+    for spec in sorted(got, key=lambda spec: spec.name):
+        if want.get(spec.name) != spec.dtype:
+            return f"tensor {spec.name!r} is {spec.dtype}, rank 0 has {want.get(spec.name)}"
+    return "the models differ"

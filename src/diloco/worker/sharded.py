@@ -87,7 +87,8 @@ class ShardLayout:
         for index, name in enumerate(self.sharded):
             shape = tuple(state[name].shape)
             per_rank = tuple(rank_counts[index] for rank_counts in counts)
-            if not shape or sum(per_rank) != shape[0]:
+            empty = state[name].numel() == 0  # FSDP2 keeps no rows of it: a 0-byte slot
+            if not shape or (sum(per_rank) != shape[0] and not empty):
                 raise ValueError(
                     f"tensor {name!r} of shape {list(shape)}: its ranks hold {list(per_rank)} "
                     "rows, which do not add up to the whole tensor"
@@ -112,12 +113,15 @@ def check_sharded_settings(settings: WorkerSettings) -> None:
             "the server runs streaming mode; an FSDP-sharded worker syncs in sync or async "
             "mode (use DDP, or one process, for streaming)"
         )
-    codecs = {"upload": settings.upload_codec, "download": settings.download_codec}
-    coded = [f"{way} codec {codec}" for way, codec in codecs.items() if not codec.is_identity]
+    upload, download = settings.upload_codec, settings.download_codec
+    coded = [f"upload codec {upload}"] if upload.is_quantized or upload.is_sparse else []
+    if not download.is_identity:
+        coded.append(f"download codec {download}")
     if coded:
         raise ServerSettingsError(
-            f"the server sets {' and '.join(coded)}; an FSDP-sharded worker sends and takes "
-            "plain tensors (the codecs' blocks and error feedback span whole tensors)"
+            f"the server sets {' and '.join(coded)}; an FSDP-sharded worker sends fp32 or "
+            "bf16 tensors and takes plain weights (a quantized or sparse codec's blocks and a "
+            "coded download's delta span whole tensors)"
         )
 
 
@@ -152,24 +156,20 @@ class ShardedAnchor:
 
     def gather_body(self, pieces: Mapping[str, torch.Tensor]) -> bytearray | None:
         """Rank 0: the safetensors body of the whole model from every rank's `pieces` (its
-        rows of each sharded tensor; rank 0 also gives the replicated ones), with each rank's
-        rows received straight into their place. Other ranks send and get None."""
+        rows of each sharded tensor, in the dtype they travel in; rank 0 also gives the
+        replicated ones), with each rank's rows received straight into their place. Other
+        ranks send and get None.
+
+        Rank 0 plans and allocates the body before any rows move, and says whether that
+        worked (`distributed.lead`), so a failure there reaches every rank as an error."""
+        body = distributed.lead(lambda: self._new_body(pieces), lambda prepared: prepared)
         rows = self.layout.rows
         if not self.leader:
             for name in self.layout.sharded:
                 if rows[name].counts[distributed.rank()]:
                     dist.send(_on_comm_device(pieces[name]), dst=0)
             return None
-        entries = {name: (rows[name].shape, pieces[name].dtype) for name in self.layout.sharded}
-        for name in self.layout.replicated:
-            entries[name] = (tuple(pieces[name].shape), pieces[name].dtype)
-        frame = FrameLayout.plan(entries)
-        buffer = bytearray(frame.size)
-        body = torch.frombuffer(buffer, dtype=torch.uint8)
-        frame.write_header(body)
-        views = frame.views(body)
-        for name in self.layout.replicated:
-            views[name].copy_(pieces[name])
+        buffer, views = body
         for name in self.layout.sharded:
             split = rows[name]
             for rank, (start, count) in enumerate(zip(split.starts, split.counts, strict=True)):
@@ -182,6 +182,23 @@ class ShardedAnchor:
                     _receive_into(target, src=rank)
         return buffer
 
+    def _new_body(
+        self, pieces: Mapping[str, torch.Tensor]
+    ) -> tuple[bytearray, dict[str, torch.Tensor]]:
+        """Rank 0's body for `pieces`: its header written, the replicated tensors in place."""
+        rows = self.layout.rows
+        entries = {name: (rows[name].shape, pieces[name].dtype) for name in self.layout.sharded}
+        for name in self.layout.replicated:
+            entries[name] = (tuple(pieces[name].shape), pieces[name].dtype)
+        frame = FrameLayout.plan(entries)
+        buffer = bytearray(frame.size)
+        body = torch.frombuffer(buffer, dtype=torch.uint8)
+        frame.write_header(body)
+        views = frame.views(body)
+        for name in self.layout.replicated:
+            views[name].copy_(pieces[name])
+        return buffer, views
+
     # ----------------------------------------------------------------- download
 
     def adopt(self, tensors: Mapping[str, torch.Tensor], round_number: int) -> None:
@@ -191,10 +208,11 @@ class ShardedAnchor:
 
     def share(self) -> None:
         """Every rank's shards (and the replicated tensors) become rank 0's new weights: in
-        the model, and as this rank's fp32 CPU anchor."""
+        the model, and as this rank's fp32 CPU anchor. Rank 0 first checks that it has every
+        tensor in its shape and says so (`distributed.lead`), before any rows move."""
         incoming, self._incoming = self._incoming, None
+        distributed.lead(lambda: self._check_incoming(incoming), lambda _: None)
         state = self.model.state_dict()
-        new_anchor: dict[str, torch.Tensor] = {}
         for name in self.layout.sharded:
             split = self.layout.rows[name]
             local = _local(state[name])
@@ -212,16 +230,32 @@ class ShardedAnchor:
                     _receive_into(mine, src=0)
             with torch.no_grad():
                 local.copy_(mine)
-            new_anchor[name] = mine
+            self._keep(name, mine)
         if self.leader:
             assert incoming is not None
             with torch.no_grad():
                 for name in self.layout.replicated:
                     state[name].copy_(incoming[name])
-                    new_anchor[name] = incoming[name]
+                    self._keep(name, incoming[name])
         distributed.broadcast_tensors_({n: state[n] for n in self.layout.replicated})
-        self.tensors = updated_anchor(self.tensors, new_anchor)
         self.round = distributed.broadcast_json(self.round)
+
+    def _check_incoming(self, incoming: Mapping[str, torch.Tensor] | None) -> None:
+        """Rank 0: the server's weights hold every tensor of the model, in its shape."""
+        assert incoming is not None, "share() before adopt()"
+        state = self.model.state_dict()
+        for name in self.layout.sharded + self.layout.replicated:
+            if name not in incoming or tuple(incoming[name].shape) != tuple(state[name].shape):
+                got = tuple(incoming[name].shape) if name in incoming else "nothing"
+                raise ValueError(
+                    f"the server's weights give tensor {name!r} {got}, the model has "
+                    f"{tuple(state[name].shape)}"
+                )
+
+    def _keep(self, name: str, values: torch.Tensor) -> None:
+        """`values` as this tensor's fp32 CPU anchor, in its old memory where it fits."""
+        old = {name: self.tensors[name]} if name in self.tensors else {}
+        self.tensors.update(updated_anchor(old, {name: values}))
 
     def _wire_dtype(self, local: torch.Tensor) -> torch.dtype:
         """The dtype a shard travels in from rank 0: the server's download dtype for floats."""

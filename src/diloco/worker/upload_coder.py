@@ -25,7 +25,7 @@ import torch
 
 from diloco.algorithm import TensorKind
 from diloco.algorithm.codecs import Codec
-from diloco.wire import TensorSpec, decode_tensors, encode_tensors, fingerprint
+from diloco.wire import TensorSpec, encode_tensors, fingerprint
 from diloco.wire.compressed import encode_compressed
 
 log = logging.getLogger("diloco.worker")
@@ -64,29 +64,50 @@ class UploadCoder:
         """Whether anything is carried between rounds (a lossy codec and beta > 0)."""
         return self.beta > 0 and not self.codec.is_identity
 
+    def dense(self, gradient: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors a dense codec (fp32, bf16) sends for `gradient`, each in the dtype it
+        travels in; updates the residuals. Element by element, so a rank of an FSDP group
+        can code its own rows of each tensor (see worker/sharded.py)."""
+        codec = self.codec
+        if codec.is_quantized or codec.is_sparse:
+            raise ValueError(f"codec {codec} does not send dense tensors")
+        if codec.is_identity:
+            return {n: t.float() if t.is_floating_point() else t for n, t in gradient.items()}
+        coded = [n for n, t in gradient.items() if n in self.coded_names and t.is_floating_point()]
+        source = dict(gradient)
+        if self.keeps_residual:
+            self._remember(coded)
+            for name in coded:
+                source[name] = self._accumulate(name, gradient[name])
+        sent = {n: t.bfloat16() if t.is_floating_point() else t for n, t in source.items()}
+        if self.keeps_residual:
+            self._subtract(coded, sent)
+        return sent
+
     def body(self, gradient: Mapping[str, torch.Tensor]) -> bytearray:
         """The body that uploads `gradient` (anchor - local); updates the residuals."""
         codec = self.codec
         if codec.is_identity:
             return encode_tensors(gradient, float_dtype=torch.float32)
+        if not (codec.is_quantized or codec.is_sparse):
+            return encode_tensors(self.dense(gradient))  # dense bf16: a plain body
         coded = [n for n, t in gradient.items() if n in self.coded_names and t.is_floating_point()]
         source = dict(gradient)
         if self.keeps_residual:
-            self._before = {
-                n: None if self.residual.get(n) is None else self.residual[n].clone() for n in coded
-            }
+            self._remember(coded)
             for name in coded:
                 source[name] = self._accumulate(name, gradient[name])
-        if codec.is_quantized or codec.is_sparse:
-            exact = set(gradient) - set(coded)
-            # e <- e - D(C(e)) as each piece is coded: the decode_into the server's fold
-            # runs on the same pieces of this body, so e is exactly what the server missed.
-            residual = {n: source[n] for n in coded} if self.keeps_residual else None
-            return encode_compressed(source, codec, exact=exact, fold_into=residual, weight=-1.0)
-        body = encode_tensors(source, float_dtype=torch.bfloat16)  # dense bf16: a plain body
-        if self.keeps_residual:
-            self._subtract(coded, decode_tensors(body))
-        return body
+        exact = set(gradient) - set(coded)
+        # e <- e - D(C(e)) as each piece is coded: the decode_into the server's fold runs on
+        # the same pieces of this body, so e is exactly what the server missed.
+        residual = {n: source[n] for n in coded} if self.keeps_residual else None
+        return encode_compressed(source, codec, exact=exact, fold_into=residual, weight=-1.0)
+
+    def _remember(self, coded: Sequence[str]) -> None:
+        """The residuals before this body, for `settle` to put back if it is never folded."""
+        self._before = {
+            n: None if self.residual.get(n) is None else self.residual[n].clone() for n in coded
+        }
 
     def settle(self, folded: bool) -> None:
         """The server's answer to the last body: folded in ("accepted", "duplicate"), the

@@ -13,10 +13,10 @@ same (worker, round, fragment) key, and an eviction re-registers under the same 
 progress is never thrown away.
 
 The worker is a facade over one part per job: `ServerSession` (join, submit, await, rebase),
-`Anchor` (the global weights the model started from; `ShardedAnchor` under FSDP2), a schedule (`EveryH`, `DyLU`, or the
-`FragmentStreamer`'s windows), `TokenTally`, `UnitReports` (work units), `Pace` (blocked
-time, window speeds), `Checkpointer` and `Heartbeat`. It wires them together and owns the
-optimizer hook, the step count and the report.
+`Anchor` (the global weights the model started from; `ShardedAnchor` under FSDP2), a schedule
+(`EveryH`, `DyLU`, or the `FragmentStreamer`'s windows), `TokenTally`, `UnitReports` (work
+units), `Pace` (blocked time, window speeds), `Checkpointer` and `Heartbeat`. It wires them
+together and owns the optimizer hook, the step count and the report.
 """
 
 from __future__ import annotations
@@ -158,10 +158,11 @@ class DiLoCoWorker:
         self.resumed: WorkerCheckpoint | None = None
         self._checkpointer: Checkpointer | None = None
         if checkpoint_dir is not None:
-            if distributed.group_size() > 1:
+            if distributed.group_size() > 1 or self.sharded:
                 raise ValueError(
-                    "checkpoint_dir is for single-process workers; under torch.distributed "
-                    "save each rank's state with your trainer's own checkpointing"
+                    "checkpoint_dir is for single-process, unsharded workers; under "
+                    "torch.distributed or FSDP save each rank's state with your trainer's own "
+                    "checkpointing"
                 )
             self._checkpointer = Checkpointer(checkpoint_dir, self.model, optimizer, scheduler)
             self._resume(self._checkpointer)
@@ -189,7 +190,9 @@ class DiLoCoWorker:
         self._anchor = (ShardedAnchor if self.sharded else Anchor)(
             self.model, leader=self.is_leader, download_dtype=self.settings.download_dtype
         )
-        initial = self._gathered(self._anchor.local_values) if self.sharded else None
+        # A sharded group gathers its weights for the server only when it has none yet.
+        first = self.sharded and info.get("model_fingerprint") is None
+        initial = self._gathered(self._anchor.local_values) if first else None
         self.worker_id = distributed.lead(lambda: self._join(initial), self._share_join)
         self._uploads = UploadCoder(
             self.settings.upload_codec,
@@ -346,10 +349,10 @@ class DiLoCoWorker:
         anchor, the steps into the round and the residual are saved with the model)."""
         checkpointer = self._checkpointer
         if directory is not None:
-            if distributed.group_size() > 1:
+            if distributed.group_size() > 1 or self.sharded:
                 raise ValueError(
-                    "saving a worker checkpoint is for single-process workers; under "
-                    "torch.distributed the other ranks' state is not saved"
+                    "saving a worker checkpoint is for single-process, unsharded workers; "
+                    "under torch.distributed or FSDP the ranks' own state is not saved"
                 )
             checkpointer = Checkpointer(directory, self.model, self.optimizer, self._scheduler)
         if checkpointer is None or self.worker_id is None:
@@ -384,7 +387,7 @@ class DiLoCoWorker:
         gathered them); everyone starts from the server's."""
         session = self._leader_session()
         weights = session.join(
-            lambda: initial if initial is not None else encode_tensors(self.model.state_dict()),
+            lambda: self._initial_body(initial),
             self.settings.heartbeat_timeout,
             self.settings.heartbeat_interval,
         )
@@ -395,6 +398,17 @@ class DiLoCoWorker:
         log.info("worker %s joined at round %d", session.worker_id, weights.round)
         assert session.worker_id is not None
         return session.worker_id
+
+    def _initial_body(self, gathered: bytearray | None) -> bytearray:
+        """The weights this worker offers as the run's first (a sharded group's, gathered)."""
+        if gathered is not None:
+            return gathered
+        if self.sharded:
+            raise ValueError(
+                "the server had global weights when this worker started and has none now "
+                "(restarted without --state-dir?); start the worker again"
+            )
+        return encode_tensors(self.model.state_dict())
 
     def _share_join(self, worker_id: str | None) -> str:
         self._anchor.share()
@@ -435,8 +449,12 @@ class DiLoCoWorker:
         if self._schedule.steps_in_round == 0:
             return
         started = time.monotonic()
-        body = self._gathered(self._anchor.pseudo_gradient) if self.sharded else None
-        distributed.lead(lambda: self._exchange_round(body), self._share_result)
+        body = self._gathered(self._sharded_upload) if self.sharded else None
+        try:
+            distributed.lead(lambda: self._exchange_round(body), self._share_result)
+        except distributed.LeaderFailed:
+            self._uploads.settle(folded=False)  # rank 0 settled its own rows already
+            raise
         self._pace.blocked_seconds += time.monotonic() - started
         self.rounds += 1
         self._schedule.round_done()
@@ -482,10 +500,18 @@ class DiLoCoWorker:
         coded = self._uploads.coded_names  # trainable tensors: coded both ways
         return self._anchor.values_after(body, names, self.settings.download_codec, coded)
 
+    def _sharded_upload(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of the upload (and its own rows' error-feedback residual)."""
+        return self._uploads.dense(self._anchor.pseudo_gradient())
+
     def _share_result(self, result: Exchanged | None) -> None:
         if result is not None:
             self._anchor.adopt(result.tensors, result.round)
         self._anchor.share()
+        if self.sharded:  # each rank keeps the residual of its own rows: settle it
+            folded = distributed.broadcast_json(None if result is None else result.folded)
+            if not self.is_leader:
+                self._uploads.settle(folded)
         self._schedule.window = distributed.broadcast_json(self._schedule.next_window())
 
     def _fragment_merged(self, fragment: int) -> None:
