@@ -102,6 +102,26 @@ def test_an_fsdp_group_ends_on_the_weights_of_plain_sgd(
             torch.testing.assert_close(torch.tensor(value), weights[name], msg=name)
 
 
+def test_a_group_joining_a_run_that_already_has_weights_starts_from_them(
+    live_server, tmp_path: Path
+) -> None:
+    """A server started from the script's initial weights (built here): the group skips the
+    gather of its own weights and takes the server's rows, and ends where plain SGD does."""
+    torch.manual_seed(0)
+    first, last = torch.nn.Linear(5, 7), torch.nn.Linear(7, 1)
+    initial = {"first.weight": first.weight, "first.bias": first.bias,
+               "last.weight": last.weight, "last.bias": last.bias}  # fmt: skip
+    initial = {name: t.detach().clone() for name, t in initial.items()}
+    initial["seen"] = torch.zeros((), dtype=torch.int64)
+    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)
+    with live_server(settings, initial) as server:
+        lines = run_group(server.url, "fsdp", tmp_path)
+        weights, round_number = server_weights(server.url)
+    assert [line["error"] for line in lines] == [None, None] and round_number == 3
+    for name, value in plain_sgd().items():
+        torch.testing.assert_close(weights[name], value.detach(), msg=name)
+
+
 def test_bf16_uploads_with_error_feedback_and_bf16_downloads_match_one_process(
     live_server, tmp_path: Path
 ) -> None:
