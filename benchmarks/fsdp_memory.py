@@ -68,7 +68,14 @@ def main(
     out_dir: Path = typer.Option(RESULTS, help="Where fsdp_memory.md and .json go."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the results here."),
 ) -> None:
+    check_output_path(out_dir / "fsdp_memory.json", "--out-dir")
     check_output_path(json_path, "--json")
+    for option, value in (("--width", width), ("--depth", depth), ("--steps", steps),
+                          ("--sync-every", sync_every)):  # fmt: skip
+        if value < 1:
+            raise fail(f"{option} must be at least 1, got {value}")
+    if width % 8:
+        raise fail(f"--width must be a multiple of 8 (the model's heads), got {width}")
     args = ["--steps", str(steps), "--batch-size", "2", "--seq-len", "64", "--width",
             str(width), "--depth", str(depth), "--heads", "8"]  # fmt: skip
     runs = {}

@@ -19,6 +19,7 @@ def test_every_benchmark_is_listed() -> None:
         "compression.py",
         "convergence.py",
         "durability.py",
+        "fsdp_memory.py",
         "round_parts.py",
         "simulated_modes.py",
         "utilization.py",
