@@ -128,6 +128,8 @@ BAD_INPUTS = [
     (["--workers", "0"], "workers must be a positive integer"),
     (["--steps", "0"], "steps must be a positive integer"),
     (["--sync-every", "0"], "sync_every must be a positive integer"),
+    (["--aggregation", "trimmed_mean:0.7"], "the trimmed fraction F must be in [0, 0.5), got 0.7"),
+    (["--hostile", "evil"], "hostile must be one of none, scale100, sign_flip, noise"),
     (["--corpus", "{tmp}/missing.txt"], "does not exist"),
     (["--corpus", "{tmp}/empty.txt"], "empty"),
     (["--corpus", "{tmp}/tiny.txt"], "fewer than one training sequence"),

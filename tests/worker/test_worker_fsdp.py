@@ -102,6 +102,7 @@ def test_an_fsdp_group_ends_on_the_weights_of_plain_sgd(
             torch.testing.assert_close(torch.tensor(value), weights[name], msg=name)
 
 
+@SLOW
 def test_a_group_joining_a_run_that_already_has_weights_starts_from_them(
     live_server, tmp_path: Path
 ) -> None:
@@ -196,6 +197,7 @@ def test_settings_a_sharded_worker_cannot_follow_fail_on_every_rank(
     assert all(says in line["error"] for line in lines), lines
 
 
+@SLOW
 def test_a_sharded_worker_refuses_a_checkpoint_dir_even_on_one_rank(
     live_server, tmp_path: Path
 ) -> None:

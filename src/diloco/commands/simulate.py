@@ -167,6 +167,14 @@ def simulate_command(
         help="Each worker keeps what compression left out: e = beta e + g, send C(e), "
         "e -= D(C(e)); in [0, 1), 0 turns error feedback off.",
     ),
+    aggregation: str = typer.Option(
+        "mean",
+        help="How a round's pseudo-gradients combine: mean, clipped_mean, trimmed_mean:F "
+        "(0 <= F < 0.5) or median; the robust ones refuse norms over 10x the median.",
+    ),
+    hostile: str = typer.Option(
+        "none", help="The last worker sends its update scale100, sign_flip, or noise (or none)."
+    ),
     lr: float = typer.Option(3e-3, help="Inner AdamW peak learning rate."),
     warmup: int = typer.Option(50, help="Inner learning-rate warm-up steps."),
     batch_size: int = typer.Option(16, help="Sequences per inner step per worker."),

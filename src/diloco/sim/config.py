@@ -8,8 +8,10 @@ from dataclasses import asdict, dataclass, field
 
 from diloco.algorithm import STALENESS_WEIGHTINGS
 from diloco.algorithm.codecs import Codec, parse_codec
+from diloco.algorithm.robust import Aggregation
 from diloco.models import GPTConfig, ModelSpec
 from diloco.models.causal_lm import CausalLMConfig
+from diloco.sim.hostile import check_hostile
 
 MODES = ("single", "ddp", "diloco", "streaming", "async")
 # The server's default (server/settings.py; a test keeps the two equal).
@@ -62,6 +64,9 @@ class SimConfig:
     codec_block: int = 128
     topk_chunk: int = 128
     error_feedback_beta: float = DEFAULT_ERROR_FEEDBACK_BETA
+    # Robust aggregation (algorithm/robust.py) and a bad last worker (sim/hostile.py)
+    aggregation: str = "mean"
+    hostile: str = "none"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -103,6 +108,12 @@ class SimConfig:
         if self.staleness_weighting != "none" and self.mode != "async":
             raise ValueError("staleness_weighting applies to --mode async only")
         self._check_codec_settings()
+        object.__setattr__(self, "aggregation", str(Aggregation.parse(self.aggregation)))
+        check_hostile(self.hostile)
+        if (self.aggregation != "mean" or self.hostile != "none") and self.mode != "diloco":
+            raise ValueError(
+                "aggregation and hostile apply to --mode diloco in the simulator (sync rounds)"
+            )
 
     def _check_codec_settings(self) -> None:
         """As the server's: the codec spec is stored in its canonical spelling."""

@@ -35,6 +35,7 @@ from diloco.algorithm.dylu import MAX_SPEED_RATIO
 from diloco.data import BatchSampler, load_named_corpus, split_train_val, worker_shard
 from diloco.evaluation import Evaluator
 from diloco.models import block_prefixes
+from diloco.sim.aggregation import SyncAggregation
 from diloco.sim.compression import Downlink, UploadCodec, WorkerUplink
 from diloco.sim.config import SimConfig
 from diloco.training import Replica
@@ -63,6 +64,8 @@ class SimResult:
     # Each worker's error-feedback residuals at the end (what its checkpoint would hold);
     # empty dicts when none is kept (fp32, or beta 0)
     residuals: list[dict[str, torch.Tensor]] = field(default_factory=list, repr=False)
+    # pseudo-gradients a robust --aggregation refused as outliers
+    refused_contributions: int = 0
 
     def to_json(self) -> dict:
         c = self.config
@@ -84,6 +87,9 @@ class SimResult:
             "local_steps_per_worker": self.local_steps_per_worker,
             "wall_seconds": self.wall_seconds,
             "arrivals": [list(a) for a in self.arrivals],
+            "aggregation": c.aggregation,
+            "hostile": c.hostile,
+            "refused_contributions": self.refused_contributions,
             "config": c.to_dict(),
         }
 
@@ -159,6 +165,7 @@ class ModeOutcome:
     local_steps: list[int] = field(default_factory=list)
     arrivals: list[tuple[int, int, float]] = field(default_factory=list)
     uplinks: list[WorkerUplink] = field(default_factory=list)
+    refused: int = 0
 
 
 def _eval_due(step: int, interval: int, total: int) -> bool:
@@ -228,6 +235,7 @@ def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
     published = downlink.published  # what workers hold: the masters, or P (--download-codec)
     names = list(masters)
     curve = [(0, setup.evaluator.loss(published))]
+    combine = SyncAggregation(c.aggregation, c.hostile, len(replicas), c.seed)
     done = 0
     rounds = 0
     for end in _round_ends(c.steps, c.sync_every):
@@ -236,14 +244,15 @@ def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
             for _ in range(end - done):
                 replica.train_step()
                 progress(1)
+            gradient = combine.sent(w, pseudo_gradient(published, replica.state()), setup.kinds)
             contributions.append(
                 Contribution(
-                    uplinks[w].send(pseudo_gradient(published, replica.state())),
+                    uplinks[w].send(gradient),
                     tokens=(end - done) * c.batch_size * c.seq_len,
                     worker=str(w),
                 )
             )
-        outer_step(masters, contributions, optimizer, setup.kinds)
+        combine.apply(masters, contributions, optimizer, setup.kinds)
         downlink.publish(names)
         for replica in replicas:
             replica.load(published)
@@ -260,6 +269,7 @@ def run_diloco(setup: SimSetup, progress: Progress) -> ModeOutcome:
         peak_sync_bytes=setup.model_bytes,
         local_steps=[c.steps] * len(replicas),
         uplinks=uplinks,
+        refused=combine.refused,
     )
 
 
@@ -512,6 +522,7 @@ def run(setup: SimSetup, progress: Progress | None = None) -> SimResult:
         final_state=outcome.final_state,
         arrivals=outcome.arrivals,
         residuals=[dict(uplink.residual) for uplink in outcome.uplinks],
+        refused_contributions=outcome.refused,
     )
 
 

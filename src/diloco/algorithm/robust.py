@@ -1,0 +1,187 @@
+"""Robust aggregation of one round's pseudo-gradients against bad or hostile workers.
+
+`mean` is DiLoCo's plain average. The robust rules screen first: the norm of each
+pseudo-gradient (L2 over the trainable tensors) is compared with a reference, the median of
+the norms of recent accepted pseudo-gradients and of this round's; one more than
+`outlier_ratio` times the reference is refused, with its reason. What is left is combined by
+
+  - `clipped_mean`: each pseudo-gradient scaled by min(1, clip_multiple x reference / norm),
+    then averaged (norm bounding, as in Sun et al. 2019, "Can You Really Backdoor Federated
+    Learning?", with a median reference so that one worker cannot move the bound);
+  - `trimmed_mean:F`: per element, the floor(F K) largest and floor(F K) smallest of the K
+    values dropped and the rest averaged (Yin et al. 2018, "Byzantine-Robust Distributed
+    Learning: Towards Optimal Statistical Rates"); F in [0, 0.5);
+  - `median`: the per-element median (the same paper); for an even K the mean of the two
+    middle values, so that K = 2 is the plain mean.
+
+Buffers, frozen and integer tensors are not trained by the outer optimizer: they take the
+plain mean of the accepted contributions under every rule. Uniform weights only: a token count
+is a claim the worker makes, and a hostile one could claim any.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diloco.algorithm._checks import require_positive
+from diloco.algorithm.tensors import TensorDict, TensorKind
+
+AGGREGATIONS = ("mean", "clipped_mean", "trimmed_mean", "median")
+DEFAULT_CLIP_MULTIPLE = 2.0
+DEFAULT_OUTLIER_RATIO = 10.0
+NORM_HISTORY = 32  # accepted norms the reference remembers
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """One rule and its settings; `parse` reads `--aggregation` text."""
+
+    rule: str = "mean"
+    trim: float = 0.0  # trimmed_mean's F
+    clip_multiple: float = DEFAULT_CLIP_MULTIPLE
+    outlier_ratio: float = DEFAULT_OUTLIER_RATIO
+
+    @classmethod
+    def parse(
+        cls,
+        text: str,
+        clip_multiple: float = DEFAULT_CLIP_MULTIPLE,
+        outlier_ratio: float = DEFAULT_OUTLIER_RATIO,
+    ) -> Aggregation:
+        """`mean`, `clipped_mean`, `trimmed_mean:F` (0 <= F < 0.5) or `median`."""
+        rule, _, argument = str(text).partition(":")
+        if rule not in AGGREGATIONS:
+            raise ValueError(
+                f"aggregation must be one of mean, clipped_mean, trimmed_mean:F, median; "
+                f"got {text!r}"
+            )
+        trim = 0.0
+        if rule == "trimmed_mean":
+            try:
+                trim = float(argument)
+            except ValueError:
+                raise ValueError(
+                    f"trimmed_mean takes its trimmed fraction F as trimmed_mean:F with "
+                    f"0 <= F < 0.5, got {text!r}"
+                ) from None
+            if not (math.isfinite(trim) and 0 <= trim < 0.5):
+                raise ValueError(f"the trimmed fraction F must be in [0, 0.5), got {argument}")
+        elif argument:
+            raise ValueError(f"aggregation {rule} takes no argument, got {text!r}")
+        require_positive("clip multiple", clip_multiple)
+        if not (isinstance(outlier_ratio, (int, float)) and outlier_ratio > 1):
+            raise ValueError(f"outlier ratio must be > 1, got {outlier_ratio!r}")
+        return cls(rule, trim, float(clip_multiple), float(outlier_ratio))
+
+    def __str__(self) -> str:
+        return f"trimmed_mean:{self.trim:g}" if self.rule == "trimmed_mean" else self.rule
+
+    @property
+    def screens(self) -> bool:
+        """Whether norms are compared at all (every rule but the plain mean)."""
+        return self.rule != "mean"
+
+
+def update_norm(gradient: Mapping[str, torch.Tensor], kinds: Mapping[str, TensorKind]) -> float:
+    """The L2 norm of a pseudo-gradient over its trainable floating tensors (fp64 sum)."""
+    total = 0.0
+    for name, tensor in gradient.items():
+        if kinds.get(name) is TensorKind.TRAINABLE and tensor.is_floating_point():
+            total += float(tensor.double().pow(2).sum())
+    return math.sqrt(total)
+
+
+@dataclass(frozen=True)
+class Screened:
+    """The round's verdict: a scale per contribution (0 for a refused one) and the reasons."""
+
+    scales: list[float]
+    refused: dict[int, str]
+    reference: float | None
+
+
+class NormHistory:
+    """The norms of the last accepted pseudo-gradients, the reference's memory."""
+
+    def __init__(self, size: int = NORM_HISTORY, norms: Iterable[float] = ()) -> None:
+        self.norms: deque[float] = deque(norms, maxlen=size)
+
+    def reference(self, current: Sequence[float]) -> float | None:
+        """The median of the remembered norms and `current` (None with nothing to go on)."""
+        pool = [*self.norms, *current]
+        return statistics.median(pool) if pool else None
+
+    def screen(self, norms: Sequence[float], aggregation: Aggregation) -> Screened:
+        """Refuse outliers and, under clipped_mean, scale the rest; remember what is kept."""
+        scales = [1.0] * len(norms)
+        refused: dict[int, str] = {}
+        if not aggregation.screens:
+            return Screened(scales, refused, None)
+        reference = self.reference(norms)
+        if reference is not None and reference > 0:
+            limit = aggregation.outlier_ratio * reference
+            for index, norm in enumerate(norms):
+                if not math.isfinite(norm) or norm > limit:
+                    scales[index] = 0.0
+                    refused[index] = (
+                        f"pseudo-gradient norm {norm:.4g} is more than "
+                        f"{aggregation.outlier_ratio:g}x the median norm {reference:.4g}"
+                    )
+                elif aggregation.rule == "clipped_mean":
+                    bound = aggregation.clip_multiple * reference
+                    scales[index] = min(1.0, bound / norm) if norm > 0 else 1.0
+        self.norms.extend(n for i, n in enumerate(norms) if i not in refused)
+        return Screened(scales, refused, reference)
+
+
+def aggregate(
+    gradients: Sequence[Mapping[str, torch.Tensor]],
+    kinds: Mapping[str, TensorKind],
+    aggregation: Aggregation,
+    scales: Sequence[float] | None = None,
+) -> TensorDict:
+    """The round's combined pseudo-gradient (fp32) from the contributions whose scale is > 0.
+
+    Every contribution must carry the same names (a sync round, or one streaming fragment).
+    """
+    scales = list(scales) if scales is not None else [1.0] * len(gradients)
+    kept = [(g, s) for g, s in zip(gradients, scales, strict=True) if s > 0]
+    if not kept:
+        return {}
+    names = list(kept[0][0])
+    combined: TensorDict = {}
+    for name in names:
+        values = [g[name].to(torch.float32) * s for g, s in kept]
+        trainable = kinds.get(name) is TensorKind.TRAINABLE and values[0].is_floating_point()
+        if not trainable or aggregation.rule in ("mean", "clipped_mean"):
+            combined[name] = torch.stack(values).mean(dim=0)
+        elif aggregation.rule == "median":
+            combined[name] = _median(torch.stack(values))
+        else:
+            combined[name] = _trimmed_mean(torch.stack(values), aggregation.trim)
+    return combined
+
+
+def _median(stacked: torch.Tensor) -> torch.Tensor:
+    """Per-element median over dim 0; the mean of the two middle values for an even count."""
+    ordered = stacked.sort(dim=0).values
+    count = ordered.shape[0]
+    if count % 2:
+        return ordered[count // 2].clone()
+    return (ordered[count // 2 - 1] + ordered[count // 2]) / 2
+
+
+def _trimmed_mean(stacked: torch.Tensor, trim: float) -> torch.Tensor:
+    """Per-element mean of the values left after dropping floor(trim K) from each end."""
+    count = stacked.shape[0]
+    cut = math.floor(trim * count)
+    if cut == 0:
+        return stacked.mean(dim=0)
+    ordered = stacked.sort(dim=0).values
+    return ordered[cut : count - cut].mean(dim=0)
