@@ -20,6 +20,7 @@ def test_every_benchmark_is_listed() -> None:
         "convergence.py",
         "durability.py",
         "fsdp_memory.py",
+        "fuzz.py",
         "robust_aggregation.py",
         "round_parts.py",
         "simulated_modes.py",

@@ -731,6 +731,11 @@ def test_openapi_is_served_behind_the_token_and_lists_the_routes(live_server):
         assert {"protocol_version", "worker_id", "tensors"} <= set(properties)
         heartbeat_body = paths["/v1/workers/{worker_id}/heartbeat"]["post"]["requestBody"]
         assert "step" in heartbeat_body["content"]["application/json"]["schema"]["properties"]
+        # A nested model is written out where it is used: a "#/$defs/..." reference would
+        # point at the document's root, which has no $defs (clients could not resolve it).
+        assert "#/$defs/" not in response.data.decode()
+        tensors = properties["tensors"]["items"]
+        assert {"name", "shape", "dtype", "kind"} <= set(tensors["properties"])
         # The rest of the API needs the token too.
         anonymous.rejects(anonymous.call("GET", "/v1/info"), 401, "unauthorized")
 

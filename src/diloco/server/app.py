@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,13 +54,31 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 def _json_schema(model: type[BaseModel]) -> dict:
-    """Document a body the route parses itself (so the protocol's error order holds)."""
+    """Document a body the route parses itself (so the protocol's error order holds).
+
+    Pydantic points nested models at "#/$defs/NAME", which inside an OpenAPI document would
+    mean a `$defs` at the document's root, where there is none: they are inlined instead."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema()}},
+            "content": {"application/json": {"schema": _inline_refs(schema, definitions)}},
         }
     }
+
+
+def _inline_refs(node: Any, definitions: dict[str, Any]) -> Any:
+    """`node` with every {"$ref": "#/$defs/NAME"} replaced by that definition (no cycles)."""
+    if isinstance(node, list):
+        return [_inline_refs(item, definitions) for item in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        resolved = _inline_refs(definitions[ref.removeprefix("#/$defs/")], definitions)
+        return {**resolved, **{k: v for k, v in node.items() if k != "$ref"}}
+    return {key: _inline_refs(value, definitions) for key, value in node.items()}
 
 
 def _error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
