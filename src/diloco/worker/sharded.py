@@ -14,8 +14,10 @@ replicated, as under DDP: rank 0's values are uploaded and the new ones are broa
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,10 +29,12 @@ from diloco.worker import distributed
 from diloco.worker.anchor import updated_anchor
 from diloco.worker.settings import ServerSettingsError, WorkerSettings
 
-try:  # torch >= 2.5 (DTensor public); older torch has no FSDP2 to shard with anyway
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover - torch < 2.5
-    DTensor = Shard = None  # type: ignore[assignment,misc]
+
+def _dtensor_module() -> Any:
+    """torch.distributed.tensor if something imported it, else None: a model holds DTensors
+    only after that import (fully_shard does it), and importing it here would cost every
+    worker and CLI start about a second."""
+    return sys.modules.get("torch.distributed.tensor")
 
 
 @dataclass(frozen=True)
@@ -42,13 +46,18 @@ class ShardRows:
     counts: tuple[int, ...]
 
 
+def _is_dtensor(tensor: object) -> bool:
+    module = _dtensor_module()
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any state-dict entry of `model` is a DTensor (FSDP2 or another DTensor plan)."""
-    return DTensor is not None and any(isinstance(t, DTensor) for t in model.state_dict().values())
+    return any(_is_dtensor(t) for t in model.state_dict().values())
 
 
 def _check_placement(name: str, tensor: torch.Tensor) -> None:
@@ -57,7 +66,7 @@ def _check_placement(name: str, tensor: torch.Tensor) -> None:
     mesh = tensor.device_mesh  # type: ignore[attr-defined]
     rows_over_group = (
         len(placements) == 1
-        and isinstance(placements[0], Shard)
+        and isinstance(placements[0], _dtensor_module().Shard)
         and placements[0].dim == 0
         and mesh.ndim == 1
         and mesh.size() == distributed.group_size()
@@ -75,7 +84,7 @@ class ShardLayout:
 
     def __init__(self, model: nn.Module) -> None:
         state = model.state_dict()
-        self.sharded = sorted(n for n, t in state.items() if isinstance(t, DTensor))
+        self.sharded = sorted(n for n, t in state.items() if _is_dtensor(t))
         self.replicated = sorted(
             n for n, t in state.items() if isinstance(t, torch.Tensor) and n not in self.sharded
         )
