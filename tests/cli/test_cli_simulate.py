@@ -84,6 +84,7 @@ def test_int8_uploads_are_counted_and_reported(tmp_path: Path, corpus_file: Path
     assert document["bytes_received_per_worker"] == 2 * 4 * 42_880
 
 
+@pytest.mark.slow  # the int8 upload case above is the default suite's sample
 def test_int8_delta_downloads_are_counted_and_labelled(tmp_path: Path, corpus_file: Path) -> None:
     path = tmp_path / "down.json"
     result = run_cli(
@@ -284,7 +285,11 @@ def test_demo_in_streaming_mode_syncs_fragments(tmp_path: Path, corpus_file: Pat
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--mode", "bogus"], "error: --mode must be one of sync, streaming, async, got 'bogus'"),
+        pytest.param(
+            ["--mode", "bogus"],
+            "error: --mode must be one of sync, streaming, async, got 'bogus'",
+            marks=pytest.mark.slow,
+        ),
         (
             ["--mode", "streaming", "--sync-every", "7"],
             "error: sync_every H must be divisible by fragments P, got H = 7, P = 2",

@@ -30,7 +30,7 @@ TOKEN = "fuzz-enrollment-token"
 WORKER, DATASET = "fuzz-worker", "fuzz-data"
 KNOWN = (("worker_id", WORKER), ("dataset_id", DATASET), ("round_number", 0),
          ("protocol_version", PROTOCOL_VERSION))  # fmt: skip
-EXAMPLES = 40
+EXAMPLES = 25
 
 SCHEMA = schemathesis.openapi.from_dict(create_app(Coordinator(ServerSettings()), TOKEN).openapi())
 OPERATIONS = {

@@ -38,7 +38,9 @@ def torchrun(url: str, token: str, steps: int) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("mode", ["sync", "streaming"])
+# sync in the slow suite: tests/integrations/test_fsdp_worker.py runs a DDP group (and FSDP)
+# against one process in the default one
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "streaming"])
 def test_ddp_group_is_one_worker_and_ranks_agree(live_server, mode: str) -> None:
     """Streaming (P = 2 over weight and bias, alpha 0.5): rank 0 syncs each fragment, every
     rank merges the broadcast G' into its own local values; 6 steps are fragment syncs at
