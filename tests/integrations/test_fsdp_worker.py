@@ -42,7 +42,10 @@ def run_example(url: str, wrap: str, out: Path) -> dict:
     return json.loads(report.read_text())
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+# Both modes in `make test-slow` (about 20 s each): the default suite's FSDP samples are in
+# tests/worker/test_worker_fsdp.py (a group against plain SGD written out by hand).
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_fsdp_ddp_and_one_process_end_on_the_same_global_weights(
     server_process, tmp_path: Path, mode: str
 ) -> None:

@@ -123,6 +123,7 @@ def test_a_group_joining_a_run_that_already_has_weights_starts_from_them(
         torch.testing.assert_close(weights[name], value.detach(), msg=name)
 
 
+@SLOW
 def test_bf16_uploads_with_error_feedback_and_bf16_downloads_match_one_process(
     live_server, tmp_path: Path
 ) -> None:
