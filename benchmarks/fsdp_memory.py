@@ -21,7 +21,7 @@ from pathlib import Path
 
 import typer
 
-from diloco.console import check_output_path, fail, out, summary_table, write_json
+from diloco.console import check_output_path, fail, markdown_table, out, summary_table, write_json
 from diloco.server.launch import start_server, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,9 +108,7 @@ def main(
     }
     write_json(out_dir / "fsdp_memory.json", document)
     command = f"Command: `python benchmarks/fsdp_memory.py` ({document['machine']})"
-    lines = [f"# {title}", "", command, "", "| " + " | ".join(columns) + " |",
-             "|" + "---|" * len(columns)]  # fmt: skip
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines = [f"# {title}", "", command, "", *markdown_table(columns, rows)]
     (out_dir / "fsdp_memory.md").write_text("\n".join(lines) + "\n")
     if json_path is not None:
         write_json(json_path, document)

@@ -22,7 +22,7 @@ import typer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco.console import check_output_path, fail, out, summary_table, write_json
+from diloco.console import check_output_path, fail, markdown_table, out, summary_table, write_json
 from diloco.server.launch import start_server, stop_process
 from diloco.wire import PROTOCOL_HEADER, PROTOCOL_VERSION, encode_tensors
 from diloco.worker import DiLoCoClient
@@ -122,9 +122,8 @@ def main(
     document = {"examples": examples, "seconds": round(seconds, 1),
                 "machine": f"{os.cpu_count()} cores", "routes": routes}  # fmt: skip
     write_json(out_dir / "fuzz.json", document)
-    lines = [f"# {title}", "", f"Command: `python benchmarks/fuzz.py --examples {examples}`", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]  # fmt: skip
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    command = f"Command: `python benchmarks/fuzz.py --examples {examples}`"
+    lines = [f"# {title}", "", command, "", *markdown_table(columns, rows)]
     (out_dir / "fuzz.md").write_text("\n".join(lines) + "\n")
     if bad:
         raise fail(f"{bad} request(s) got a 5xx or no answer; see {out_dir / 'fuzz.json'}", code=1)

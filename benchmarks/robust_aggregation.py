@@ -19,7 +19,15 @@ from pathlib import Path
 import torch
 import typer
 
-from diloco.console import check_output_path, fail, out, progress_bar, summary_table, write_json
+from diloco.console import (
+    check_output_path,
+    fail,
+    markdown_table,
+    out,
+    progress_bar,
+    summary_table,
+    write_json,
+)
 from diloco.data import CorpusError, load_named_corpus
 from diloco.models import GPTConfig
 from diloco.sim import SimConfig, prepare, total_inner_steps
@@ -77,10 +85,9 @@ def main(
                 for (a, r), run in zip(cases, runs, strict=True)]  # fmt: skip
     document = {"setup": setup, "runs": labelled}
     write_json(out_dir / "robust_aggregation.json", document)
-    lines = [f"# {title}", "", "Command: `python benchmarks/robust_aggregation.py` "
-             f"({document['setup']['total_seconds']:.0f} s)", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]  # fmt: skip
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    command = (f"Command: `python benchmarks/robust_aggregation.py` "
+               f"({document['setup']['total_seconds']:.0f} s)")  # fmt: skip
+    lines = [f"# {title}", "", command, "", *markdown_table(columns, rows)]
     (out_dir / "robust_aggregation.md").write_text("\n".join(lines) + "\n")
 
 

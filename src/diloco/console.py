@@ -95,6 +95,12 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
         yield lambda n=1: progress.advance(task, n)
 
 
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """The lines of a Markdown table (a benchmark's .md beside its summary table)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
 def summary_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> Table:
     table = Table(title=title, title_justify="left")
     for i, column in enumerate(columns):

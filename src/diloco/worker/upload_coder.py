@@ -73,12 +73,7 @@ class UploadCoder:
             raise ValueError(f"codec {codec} does not send dense tensors")
         if codec.is_identity:
             return {n: t.float() if t.is_floating_point() else t for n, t in gradient.items()}
-        coded = [n for n, t in gradient.items() if n in self.coded_names and t.is_floating_point()]
-        source = dict(gradient)
-        if self.keeps_residual:
-            self._remember(coded)
-            for name in coded:
-                source[name] = self._accumulate(name, gradient[name])
+        coded, source = self._with_residuals(gradient)
         sent = {n: t.bfloat16() if t.is_floating_point() else t for n, t in source.items()}
         if self.keeps_residual:
             self._subtract(coded, sent)
@@ -91,17 +86,25 @@ class UploadCoder:
             return encode_tensors(gradient, float_dtype=torch.float32)
         if not (codec.is_quantized or codec.is_sparse):
             return encode_tensors(self.dense(gradient))  # dense bf16: a plain body
+        coded, source = self._with_residuals(gradient)
+        exact = set(gradient) - set(coded)
+        # e <- e - D(C(e)) as each piece is coded: the decode_into the server's fold runs on
+        # the same pieces of this body, so e is exactly what the server missed.
+        residual = {n: source[n] for n in coded} if self.keeps_residual else None
+        return encode_compressed(source, codec, exact=exact, fold_into=residual, weight=-1.0)
+
+    def _with_residuals(
+        self, gradient: Mapping[str, torch.Tensor]
+    ) -> tuple[list[str], dict[str, torch.Tensor]]:
+        """The coded names, and what is coded for each: e <- beta e + g where a residual is
+        kept (remembered first, for `settle`), else the gradient itself."""
         coded = [n for n, t in gradient.items() if n in self.coded_names and t.is_floating_point()]
         source = dict(gradient)
         if self.keeps_residual:
             self._remember(coded)
             for name in coded:
                 source[name] = self._accumulate(name, gradient[name])
-        exact = set(gradient) - set(coded)
-        # e <- e - D(C(e)) as each piece is coded: the decode_into the server's fold runs on
-        # the same pieces of this body, so e is exactly what the server missed.
-        residual = {n: source[n] for n in coded} if self.keeps_residual else None
-        return encode_compressed(source, codec, exact=exact, fold_into=residual, weight=-1.0)
+        return coded, source
 
     def _remember(self, coded: Sequence[str]) -> None:
         """The residuals before this body, for `settle` to put back if it is never folded."""
