@@ -15,6 +15,7 @@ import torch
 
 from diloco.data import generated_corpus
 from diloco.server.coordinator import Coordinator
+from diloco.server.credentials import Credentials
 from diloco.server.launch import start_server, stop_process
 from diloco.server.runner import CoordinatorServer, build_server
 from diloco.server.settings import ServerSettings
@@ -46,7 +47,7 @@ class RunningServer:
 def serve_in_thread(
     settings: ServerSettings | None = None,
     initial: dict[str, torch.Tensor] | None = None,
-    token: str | None = None,
+    token: str | Credentials | None = None,
 ) -> Iterator[RunningServer]:
     coordinator = Coordinator(settings or ServerSettings(), initial)
     server = build_server(coordinator, "127.0.0.1", 0, token, log_level="warning")

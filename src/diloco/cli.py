@@ -1,9 +1,10 @@
-"""The `diloco` command: server, worker, status, demo, simulate."""
+"""The `diloco` command: server, worker, status, admin, demo, simulate."""
 
 from __future__ import annotations
 
 import typer
 
+from diloco.commands.admin import admin_app
 from diloco.commands.demo import demo_command
 from diloco.commands.serve import server_command
 from diloco.commands.simulate import simulate_command
@@ -19,6 +20,7 @@ app = typer.Typer(
 app.command("server")(server_command)
 app.command("worker")(worker_command)
 app.command("status")(status_command)
+app.add_typer(admin_app, name="admin")
 app.command("demo")(demo_command)
 app.command("simulate")(simulate_command)
 

@@ -6,7 +6,8 @@ worker, its initial weights and a dataset, and the requests carry that worker's 
 the protocol header, so they get past authentication. In half of the generated requests the
 worker id, dataset id and round number are replaced by ones the server knows, so that they
 reach each route's deeper checks instead of stopping at "unknown worker". The schema is the
-app's own (`app.openapi()`, what /openapi.json serves), read at collection so that each route
+app's own (`app.openapi()`, what /openapi.json serves); the admin routes but stop get an admin
+token instead, read at collection so that each route
 is a test of its own; each gets `EXAMPLES` requests (derandomized: the same ones every run).
 """
 
@@ -22,11 +23,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 from diloco.server.app import create_app  # noqa: E402
 from diloco.server.coordinator import Coordinator  # noqa: E402
+from diloco.server.credentials import Credentials  # noqa: E402
 from diloco.server.settings import ServerSettings  # noqa: E402
 from diloco.wire import PROTOCOL_HEADER, PROTOCOL_VERSION, encode_tensors  # noqa: E402
 from diloco.worker import DiLoCoClient  # noqa: E402
 
 TOKEN = "fuzz-enrollment-token"
+ADMIN = "fuzz-admin-token-0123456789"
 WORKER, DATASET = "fuzz-worker", "fuzz-data"
 KNOWN = (("worker_id", WORKER), ("dataset_id", DATASET), ("round_number", 0),
          ("protocol_version", PROTOCOL_VERSION))  # fmt: skip
@@ -41,7 +44,8 @@ OPERATIONS = {
 @pytest.fixture
 def server(live_server):
     """A server with WORKER registered (its credential in the headers), weights and DATASET."""
-    with live_server(ServerSettings(sync_every=2), None, TOKEN) as running:
+    credentials = Credentials([TOKEN], {ADMIN: "admin"})
+    with live_server(ServerSettings(sync_every=2), None, credentials) as running:
         with DiLoCoClient(running.url, TOKEN) as client:
             spec = {"name": "w", "shape": [3, 2], "dtype": "float32", "kind": "trainable"}
             answer = client.register(WORKER, [spec])
@@ -76,6 +80,10 @@ def _short_wait(generated: object) -> object:
 @pytest.mark.parametrize("label", sorted(OPERATIONS))
 def test_no_request_gets_a_server_error(server, label: str) -> None:
     url, headers = server
+    if label.split()[1].startswith("/v1/admin/") and label != "POST /v1/admin/stop":
+        # The admin routes with the admin token, so requests reach their checks (stop would
+        # end the server under the fuzz: it keeps the worker's credential, a 403).
+        headers = {**headers, "Authorization": f"Bearer {ADMIN}"}
 
     @given(case=OPERATIONS[label].as_strategy(), known=st.booleans())
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

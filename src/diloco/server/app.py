@@ -9,9 +9,9 @@ loop keeps receiving uploads and heartbeats while a commit (outer step, checkpoi
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,9 +21,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from diloco import __version__, faults
+from diloco.server.admin_routes import add_admin_routes
 from diloco.server.coordinator import Coordinator
 from diloco.server.credentials import Caller, Credentials
 from diloco.server.errors import Rejection
+from diloco.server.request_json import json_body
 from diloco.server.results import RoundResult
 from diloco.wire import (
     MAX_COUNT,
@@ -40,7 +42,6 @@ from diloco.wire import (
     check_length,
     check_protocol_header,
     parse_content_length,
-    parse_request,
     parse_unit_reports,
     read_body,
     spool_body,
@@ -49,8 +50,6 @@ from diloco.wire.frames import decode_frame
 
 TENSORS = "application/octet-stream"
 log = logging.getLogger("diloco.server")
-MAX_JSON_BYTES = 16 * 1024 * 1024  # a registration lists every tensor; 16 MiB is ~100k of them
-Model = TypeVar("Model", bound=BaseModel)
 
 
 def _json_schema(model: type[BaseModel]) -> dict:
@@ -113,10 +112,15 @@ async def require_admin(request: Request) -> None:
     caller_of(request).require_admin()
 
 
-def create_app(coordinator: Coordinator, credentials: Credentials | str | None = None) -> FastAPI:
+def create_app(
+    coordinator: Coordinator,
+    credentials: Credentials | str | None = None,
+    request_stop: Callable[[], None] | None = None,
+) -> FastAPI:
     """The HTTP face of one coordinator, behind `credentials` on every route but /healthz.
 
     A plain string is an enrollment token (scopes: `server/credentials.py`); None is open.
+    `request_stop` starts a graceful shutdown (`POST /v1/admin/stop`).
     """
     if not isinstance(credentials, Credentials):
         credentials = Credentials([credentials] if credentials else [])
@@ -286,10 +290,6 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
     async def info() -> dict:
         return await run_in_threadpool(coordinator.info)
 
-    async def json_body(request: Request, model: type[Model]) -> Model:
-        length = parse_content_length(request.headers.get("content-length"))
-        return parse_request(model, await read_body(request.stream(), length, MAX_JSON_BYTES))
-
     @app.post("/v1/workers", dependencies=authed, openapi_extra=_json_schema(RegisterRequest))
     async def register(request: Request) -> dict:
         message = await json_body(request, RegisterRequest)
@@ -449,6 +449,15 @@ def create_app(coordinator: Coordinator, credentials: Credentials | str | None =
     @app.get("/v1/status", dependencies=authed)
     async def status() -> dict:
         return await run_in_threadpool(coordinator.status)
+
+    add_admin_routes(
+        app,
+        coordinator.admin,
+        credentials,
+        [*authed, Depends(require_admin)],
+        caller_of,
+        request_stop,
+    )
 
     @app.get("/metrics", dependencies=authed)
     async def prometheus() -> Response:

@@ -75,6 +75,10 @@ class AsyncArrivals:
     def overdue(self, now: float) -> list[str]:
         return []  # no barrier: a hung worker holds nobody up
 
+    def on_resume(self, paused_for: float, now: float) -> None:
+        """Arrivals held while paused went into one window: it is applied now, as one step."""
+        self._try_commit(now)
+
     def wake_within(self, now: float) -> float:
         """A long-poll wakes by the window's deadline, which it may then close itself."""
         if self.window is None or self.window.first_submission_at is None:

@@ -85,6 +85,8 @@ class BarrierRounds:
     def overdue(self, now: float) -> list[str]:
         timeout = self.c.settings.effective_barrier_timeout
         assert timeout is not None
+        if self.c.paused():
+            return []  # the barrier's clock stops while an admin holds the rounds
         late: set[str] = set()
         for current in self.rounds:
             if current.barrier_expired(now, timeout):
@@ -93,6 +95,15 @@ class BarrierRounds:
 
     def wake_within(self, now: float) -> float:
         return 1.0
+
+    def on_resume(self, paused_for: float, now: float) -> None:
+        """The barriers' clocks skip the pause; rounds that filled up meanwhile commit now."""
+        for current in self.rounds:
+            current.opened_at += paused_for
+            if current.first_submission_at is not None:
+                current.first_submission_at += paused_for
+        for fragment in range(len(self.rounds)):
+            self._try_commit(fragment, now)
 
     # ----------------------------------------------------------------- submissions
 
@@ -163,9 +174,10 @@ class BarrierRounds:
         if (
             c.model.masters is None
             or c.model.broken is not None
+            or c.paused()
             or not current.ready(c.settings.min_workers)
         ):
-            return  # (a broken server commits nothing until restarted)
+            return  # (a broken server commits nothing until restarted; a paused one, resumed)
         assert current.running is not None and c.model.plan is not None
         started = time.perf_counter()
         running = current.running  # stays the round's until the step is durable
@@ -234,7 +246,7 @@ class BarrierRounds:
             return result.lend()
         timeout = c.settings.effective_barrier_timeout
         assert timeout is not None
-        if current.barrier_expired(now, timeout):
+        if not c.paused() and current.barrier_expired(now, timeout):
             raise Rejection(
                 504,
                 "barrier_timeout",

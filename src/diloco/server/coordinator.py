@@ -24,6 +24,8 @@ import torch
 
 from diloco import faults
 from diloco.algorithm import RunningMean
+from diloco.server.admin import AdminActions
+from diloco.server.control import RunControl
 from diloco.server.dispatch import DataDispatch
 from diloco.server.engine_context import EngineContext
 from diloco.server.engines import AsyncArrivals, BarrierRounds, RoundEngine
@@ -69,13 +71,20 @@ class Coordinator:
         self.clock = clock
         self.started_at = clock()
         self._lock = threading.Condition()
+        # Without a state dir the same journal keeps its tables in memory and writes no files.
+        self.journal = journal or RoundJournal(StateStore(None), settings)
+        # Before the model: an outer lr an admin set is the optimizer's from the start.
+        self.control = RunControl(
+            self.journal.state,
+            settings,
+            clock,
+            command_line_wins=self.journal.override_settings,
+        )
         self.model = GlobalModel(settings)
         self.membership = Membership()
         self.traffic = Traffic(self.metrics)
         self.rounds_committed = 0
         self.closing = False
-        # Without a state dir the same journal keeps its tables in memory and writes no files.
-        self.journal = journal or RoundJournal(StateStore(None), settings)
         self.pool = self.journal.pool
         self.dispatch = DataDispatch(self.pool, self.journal.state)
         self.last_commit: CommitRecord | None = None
@@ -91,6 +100,7 @@ class Coordinator:
             commit=self._commit_step,
             publish=self._published,
             closing=lambda: self.closing,
+            paused=lambda: self.control.paused,
         )
         self.engine: RoundEngine = (
             AsyncArrivals(context) if settings.mode == "async" else BarrierRounds(context)
@@ -105,7 +115,25 @@ class Coordinator:
             lambda: self.closing,
         )
         self.registrar = Registrar(
-            settings, clock, self.model, self.membership, self.journal, self.engine, self.metrics
+            settings,
+            clock,
+            self.model,
+            self.membership,
+            self.journal,
+            self.engine,
+            self.metrics,
+            is_banned=self.control.is_banned,
+        )
+        self.admin = AdminActions(
+            self._lock,
+            self.control,
+            self.model,
+            self.membership,
+            self.registrar,
+            self.engine,
+            self.journal.state,
+            self.metrics,
+            clock,
         )
         # Delta downloads after a restart that may have rolled back (durability "interval"):
         # the rounds past the restored one happen again, on another timeline, and a worker
@@ -209,6 +237,7 @@ class Coordinator:
                 "rounds_per_hour": self.rounds_committed / uptime * 3600.0,
                 "datasets": self.dispatch.progress(),
                 "uptime_seconds": uptime,
+                **self.admin.state_of(),  # paused, outer_lr, banned
             }
 
     # ----------------------------------------------------------------- membership

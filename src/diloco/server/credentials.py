@@ -174,6 +174,10 @@ class IssuedTable:
         with self._connect() as db:
             return list(db.execute("SELECT worker_id, sha256 FROM credentials"))
 
+    def delete(self, worker_id: str) -> None:
+        with self._connect() as db:
+            db.execute("DELETE FROM credentials WHERE worker_id = ?", (worker_id,))
+
     def save(self, worker_id: str, sha256: str) -> None:
         with self._connect() as db:
             db.execute(
@@ -316,3 +320,17 @@ class Credentials:
             self._issued[key] = worker_id
             self._by_worker[worker_id] = key
         return secret
+
+    def revoke(self, worker_id: str) -> bool:
+        """The credential issued to `worker_id` stops working (a ban); False if it had none.
+
+        A `worker:ID` token of the tokens file is the operator's own and stays: a banned id
+        cannot register with it anyway."""
+        with self._lock:
+            key = self._by_worker.pop(worker_id, None)
+            if key is None:
+                return False
+            self._issued.pop(key, None)
+            if self._table is not None:
+                self._table.delete(worker_id)
+        return True

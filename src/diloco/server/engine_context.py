@@ -35,10 +35,12 @@ class EngineContext:
     commit: Callable[[RunningMean, CommitRecord, Sequence[int]], None]  # step, make durable
     publish: Callable[[str, float], None]  # after a step's result is out: log, wake polls
     closing: Callable[[], bool]  # the server is shutting down
+    paused: Callable[[], bool]  # an admin paused rounds: submissions fold in, nothing commits
 
     def stopped(self) -> bool:
-        """No step may commit: shutting down, or broken by a failed write until restarted."""
-        return self.closing() or self.model.broken is not None
+        """No step may commit: shutting down, paused by an admin, or broken by a failed write
+        until restarted."""
+        return self.closing() or self.paused() or self.model.broken is not None
 
     def check_units(self, submission: Submission) -> None:
         """422 unless every unit the submission reports is the worker's (reads only)."""

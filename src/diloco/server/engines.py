@@ -58,6 +58,10 @@ class RoundEngine(Protocol):
         """How long a long-poll may sleep before something may be due."""
         ...
 
+    def on_resume(self, paused_for: float, now: float) -> None:
+        """An admin resumed rounds after `paused_for` seconds: commit what is ready."""
+        ...
+
     def admit(self, submission: Submission) -> dict | None:
         """Decide what a submission is, before its values are read: an answer when there is
         nothing to fold (already applied, a duplicate), None to fold it; raises Rejection."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco import faults
+from diloco.server.control import OUTER_LR
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
 from diloco.server.workunit_ledger import UnitLedger
@@ -275,7 +276,12 @@ class RoundJournal:
             self.state.audit("registered", worker_id=worker_id, round=round_number)
 
     def worker_left(
-        self, worker_id: str, round_number: int, reason: str, keep_units: set[int] = frozenset()
+        self,
+        worker_id: str,
+        round_number: int,
+        event: str,
+        keep_units: set[int] = frozenset(),
+        **detail: object,
     ) -> int:
         """Membership ends: its unfinished work units go back to the pool.
 
@@ -285,7 +291,9 @@ class RoundJournal:
         with self.state.transaction():
             self.state.save_worker(worker_id, None, live=False)
             released = self.pool.release_worker(worker_id, keep=keep_units)
-            self.state.audit(reason, worker_id=worker_id, round=round_number, released=released)
+            self.state.audit(
+                event, worker_id=worker_id, round=round_number, released=released, **detail
+            )
         return released
 
     def close(self, reason: str = "shutdown") -> None:
@@ -355,6 +363,10 @@ class RoundJournal:
 
     def _check_settings(self, stored: dict) -> None:
         current = self.settings.to_wire()
+        admin_lr = self.state.get_meta(OUTER_LR)
+        if admin_lr is not None and isinstance(stored.get("outer_optimizer"), dict):
+            # An admin changed the lr after this checkpoint: that change is the run's lr now.
+            stored = {**stored, "outer_optimizer": {**stored["outer_optimizer"], "lr": admin_lr}}
         conflicts = [
             f"{key}: {stored[key]!r} in the state dir, {current.get(key)!r} now"
             for key in sorted(stored)

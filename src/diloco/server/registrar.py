@@ -44,7 +44,9 @@ class Registrar:
         journal: RoundJournal,
         engine: RoundEngine,
         metrics: ServerMetrics,
+        is_banned: Callable[[str], bool] = lambda _worker_id: False,
     ) -> None:
+        self.is_banned = is_banned  # ids an admin banned (`RunControl`)
         self.settings = settings
         self.clock = clock
         self.model = model
@@ -80,6 +82,14 @@ class Registrar:
                 f"field 'worker_id' must match {WORKER_ID_PATTERN}",
                 field="worker_id",
                 got=worker_id,
+            )
+        if worker_id is not None and self.is_banned(worker_id):
+            raise Rejection(
+                403,
+                "worker_banned",
+                f"worker id {worker_id!r} was banned by an admin "
+                "(`diloco admin unban` lets it register again)",
+                worker_id=worker_id,
             )
         self.model.require_healthy()
         now = self.clock()
@@ -171,9 +181,10 @@ class Registrar:
             self.metrics.evictions.inc()
         return stale + overdue
 
-    def remove(self, worker_id: str, reason: str) -> None:
+    def remove(self, worker_id: str, event: str, **detail: object) -> None:
+        """Membership ends (audited as `event`, with `detail`); the open rounds go on."""
         self.membership.depart(worker_id)
         keep = self.engine.units_of(worker_id)
-        self.journal.worker_left(worker_id, self.model.version, reason, keep_units=keep)
+        self.journal.worker_left(worker_id, self.model.version, event, keep_units=keep, **detail)
         self.metrics.live_workers.set(len(self.membership.live_ids()))
         self.engine.on_leave(worker_id, self.clock())

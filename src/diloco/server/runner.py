@@ -182,8 +182,13 @@ def build_server(
     """`credentials`: who may call what (a string is one enrollment token, None is open);
     `tls`: serve HTTPS with this certificate chain and key (TLS sits under the HTTP protocol,
     in asyncio's transport, so DilocoHttpProtocol sees the same bytes either way)."""
+    built: list[CoordinatorServer] = []
+
+    def request_stop() -> None:  # POST /v1/admin/stop: as SIGTERM, drain then flush
+        built[0].should_exit = True
+
     config = uvicorn.Config(
-        create_app(coordinator, credentials),
+        create_app(coordinator, credentials, request_stop),
         host=host,
         port=port,
         http=DilocoHttpProtocol,  # parser errors answered as JSON, after the whole requests
@@ -194,7 +199,8 @@ def build_server(
         ssl_certfile=None if tls is None else str(tls.cert),
         ssl_keyfile=None if tls is None else str(tls.key),
     )
-    return CoordinatorServer(config, EvictionTicker(coordinator), port_file)
+    built.append(CoordinatorServer(config, EvictionTicker(coordinator), port_file))
+    return built[0]
 
 
 def serve(

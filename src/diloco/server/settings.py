@@ -14,7 +14,7 @@ from diloco.algorithm import (
     DelayedNesterov,
     OuterOptimizer,
 )
-from diloco.algorithm._checks import require_fraction
+from diloco.algorithm._checks import require_fraction, require_positive
 from diloco.algorithm.codecs import Codec, parse_codec
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.wire import dtype_name
@@ -209,6 +209,14 @@ class ServerSettings:
                     f"staleness_weighting must be one of {', '.join(STALENESS_WEIGHTINGS)}, "
                     f"got {self.staleness_weighting!r}"
                 )
+
+    def change_outer_lr(self, lr: float) -> None:
+        """The one setting an operator may change mid-run (`diloco admin set-outer-lr`).
+
+        Changed in place, so every part of the server that holds these settings sees the same
+        value at once (and /v1/info and the next checkpoint state it); the caller sets the
+        live optimizer's lr. Validated like the constructor's."""
+        object.__setattr__(self, "outer_lr", require_positive("outer_lr", lr))
 
     @property
     def effective_barrier_timeout(self) -> float | None:

@@ -418,13 +418,18 @@ class StateStore:
             (time.time(), event, worker_id, round, json.dumps(detail, sort_keys=True)),
         )
 
-    def audit_log(self, event: str | None = None) -> list[dict]:
-        query = "SELECT id, at, event, worker_id, round, detail FROM audit"
-        rows = (
-            self.conn.execute(query + " WHERE event = ? ORDER BY id", (event,))
-            if event is not None
-            else self.conn.execute(query + " ORDER BY id")
-        )
+    def audit_log(
+        self, event: str | None = None, *, after: int = 0, limit: int | None = None
+    ) -> list[dict]:
+        """Rows with an id above `after` (of `event` only, if given), oldest first."""
+        query = "SELECT id, at, event, worker_id, round, detail FROM audit WHERE id > ?"
+        arguments: list[Any] = [after]
+        if event is not None:
+            query += " AND event = ?"
+            arguments.append(event)
+        query += " ORDER BY id LIMIT ?"
+        arguments.append(-1 if limit is None else limit)
+        rows = self.conn.execute(query, arguments)
         return [
             {"id": i, "at": at, "event": e, "worker_id": w, "round": r, "detail": json.loads(d)}
             for i, at, e, w, r, d in rows

@@ -31,11 +31,13 @@ __all__ = [
     "DatasetRequest",
     "DeregisterResponse",
     "ErrorBody",
+    "EvictRequest",
     "HealthResponse",
     "HeartbeatRequest",
     "HeartbeatResponse",
     "InfoResponse",
     "LeaseRequest",
+    "OuterLrRequest",
     "OuterOptimizerSummary",
     "RegisterRequest",
     "RegisterResponse",
@@ -302,6 +304,22 @@ class StatusResponse(_Response):
     bytes_out: int
     rounds_per_hour: float
     uptime_seconds: float
+    paused: bool = False  # an admin holds the outer steps (`diloco admin pause`)
+    outer_lr: float | None = None  # the outer lr of the next step (an admin may change it)
+    banned: list[str] = []  # worker ids an admin banned
+
+
+class EvictRequest(_Request):
+    """`POST /v1/admin/workers/{id}/evict` (admin scope)."""
+
+    ban: StrictBool = False  # also refuse the id's registrations (and revoke its credential)
+    reason: Annotated[StrictStr, Field(max_length=500)] = ""  # kept in the audit log
+
+
+class OuterLrRequest(_Request):
+    """`PUT /v1/admin/outer-lr` (admin scope): the outer lr of every later step."""
+
+    outer_lr: Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False, strict=True)]
 
 
 class ErrorBody(_Response):

@@ -1,0 +1,168 @@
+"""The operator's actions on a live run (the admin routes and `diloco admin`).
+
+Each action takes the coordinator's lock, is written and audited before it takes effect
+(`RunControl`), and answers what it changed. Pausing holds outer steps, not workers: they keep
+training and submitting (a submission folds into its round as always), and each waits for its
+round's result until the rounds resume; a barrier's timeout does not run while paused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from diloco.server.control import RunControl
+from diloco.server.engines import RoundEngine
+from diloco.server.errors import Rejection
+from diloco.server.global_model import GlobalModel
+from diloco.server.membership import Membership
+from diloco.server.metrics import ServerMetrics
+from diloco.server.registrar import Registrar
+from diloco.server.store import StateStore
+from diloco.wire import WORKER_ID_PATTERN, encode_tensors, is_worker_id
+
+MAX_AUDIT_ROWS = 1000
+
+
+class AdminActions:
+    """Pause, resume, the outer lr, evictions and bans, the masters, the audit log."""
+
+    def __init__(
+        self,
+        lock: threading.Condition,
+        control: RunControl,
+        model: GlobalModel,
+        membership: Membership,
+        registrar: Registrar,
+        engine: RoundEngine,
+        state: StateStore,
+        metrics: ServerMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self._lock = lock
+        self.control = control
+        self.model = model
+        self.membership = membership
+        self.registrar = registrar
+        self.engine = engine
+        self.state = state
+        self.metrics = metrics
+        self.clock = clock
+
+    def pause(self, by: str) -> dict:
+        with self._lock:
+            changed = self.control.pause(by, self.model.version)
+            return {"paused": True, "changed": changed, "round": self.model.version}
+
+    def resume(self, by: str) -> dict:
+        with self._lock:
+            paused_for = self.control.resume(by, self.model.version)
+            if paused_for is not None:
+                self.engine.on_resume(paused_for, self.clock())
+                self._lock.notify_all()  # results that committed now wake their long-polls
+            return {
+                "paused": False,
+                "changed": paused_for is not None,
+                "paused_seconds": paused_for,
+                "round": self.model.version,
+            }
+
+    def set_outer_lr(self, lr: float, by: str) -> dict:
+        with self._lock:
+            try:
+                previous = self.control.set_outer_lr(lr, by, self.model.version)
+            except ValueError as exc:
+                raise Rejection(422, "invalid_request", str(exc), field="outer_lr") from None
+            self.model.optimizer.lr = self.control.settings.outer_lr
+            return {
+                "outer_lr": self.model.optimizer.lr,
+                "previous": previous,
+                # The step of this round (or fragment window) is the first to use it.
+                "from_round": self.model.version,
+            }
+
+    def evict(self, worker_id: str, by: str, *, ban: bool = False, reason: str = "") -> dict:
+        """Take a live worker out of the run now (it may register again unless banned).
+
+        Its open round goes on without it; its unfinished work units go back to the pool.
+        A ban also stands for an id that is not live (it cannot register again)."""
+        _check_id(worker_id)
+        with self._lock:
+            live = self.membership.is_live(worker_id)
+            if not live and not ban:
+                raise Rejection(
+                    404,
+                    "unknown_worker",
+                    f"worker {worker_id!r} is not live; nothing to evict (--ban bans an id "
+                    "that is not live)",
+                    worker_id=worker_id,
+                )
+            if ban:
+                self.control.ban(worker_id, by, self.model.version, reason)
+            if live:
+                self.registrar.remove(worker_id, "admin_evicted", by=by, reason=reason)
+                self.metrics.evictions.inc()
+                self._lock.notify_all()  # a barrier that waited on it may have committed
+            return {"worker_id": worker_id, "evicted": live, "banned": ban}
+
+    def unban(self, worker_id: str, by: str) -> dict:
+        _check_id(worker_id)
+        with self._lock:
+            if not self.control.unban(worker_id, by, self.model.version):
+                raise Rejection(
+                    404,
+                    "not_banned",
+                    f"worker id {worker_id!r} is not banned",
+                    worker_id=worker_id,
+                )
+            return {"worker_id": worker_id, "banned": False}
+
+    def masters_body(self) -> tuple[bytearray, int]:
+        """The fp32 masters (int and bool buffers in their dtype) as safetensors bytes, and
+        their version: encoded under the lock, so no step lands halfway through the copy."""
+        with self._lock:
+            self.model.require_healthy()
+            masters = self.model.masters
+            if masters is None:
+                raise Rejection(
+                    404,
+                    "no_weights",
+                    "the global weights do not exist yet (no worker has sent them)",
+                )
+            return encode_tensors(masters), self.model.version
+
+    def stop(self, by: str, supported: bool) -> dict:
+        """Audit a graceful stop (the HTTP server then drains and the state is flushed)."""
+        if not supported:
+            raise Rejection(
+                501,
+                "stop_unavailable",
+                "this server was not started by `diloco server`; stop its process instead",
+            )
+        with self._lock:
+            self.state.audit("stop_requested", round=self.model.version, by=by)
+            return {"stopping": True, "round": self.model.version}
+
+    def audit_log(self, after: int = 0, limit: int = MAX_AUDIT_ROWS) -> list[dict]:
+        """Audit rows with an id above `after`, oldest first, at most `limit`."""
+        with self._lock:
+            return self.state.audit_log(after=after, limit=limit)
+
+    def state_of(self) -> dict:
+        """The operator's switches, for /v1/status."""
+        return {
+            "paused": self.control.paused,
+            "outer_lr": self.control.settings.outer_lr,
+            "banned": sorted(self.control.banned),
+        }
+
+
+def _check_id(worker_id: str) -> None:
+    if not is_worker_id(worker_id):
+        raise Rejection(
+            422,
+            "invalid_request",
+            f"{worker_id!r} is not a worker id (it must match {WORKER_ID_PATTERN})",
+            field="worker_id",
+            got=worker_id,
+        )

@@ -1,0 +1,30 @@
+"""`diloco admin` on bad input: one `error:` line and no traceback; exit 2 for input the
+command can refuse before calling anyone, 1 for a server it cannot reach."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from processes import run_all
+
+DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens there
+
+
+def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing")
+    cases = {
+        "zero lr": (["set-outer-lr", DOWN, "0"], 2, "LR must be a positive finite number"),
+        "nan lr": (["set-outer-lr", DOWN, "nan"], 2, "LR must be a positive finite number"),
+        "lr not a number": (["set-outer-lr", DOWN, "fast"], 2, "Invalid value for 'lr'"),
+        "missing token file": (["pause", DOWN, "--token-file", missing], 2, "cannot be read"),
+        "audit limit": (["audit", DOWN, "--limit", "0"], 2, "--limit must be between 1 and 1000"),
+        "audit after": (["audit", DOWN, "--after", "-1"], 2, "--after must be >= 0"),
+        "weights dir": (["weights", DOWN, f"{missing}/w.safetensors"], 2, "does not exist"),
+        "not a url": (["resume", "ftp://x"], 2, "http"),
+        "server down": (["pause", DOWN], 1, "127.0.0.1:9"),
+    }
+    outcomes = run_all({label: ["admin", *args] for label, (args, _, _) in cases.items()})
+    for label, (_, code, needle) in cases.items():
+        returncode, _, stderr = outcomes[label]
+        assert returncode == code, (label, stderr)
+        assert needle in stderr and "Traceback" not in stderr, (label, stderr)
