@@ -15,8 +15,9 @@ the norms of recent accepted pseudo-gradients and of this round's; one more than
     middle values, so that K = 2 is the plain mean.
 
 Buffers, frozen and integer tensors are not trained by the outer optimizer: they take the
-plain mean of the accepted contributions under every rule. Uniform weights only: a token count
-is a claim the worker makes, and a hostile one could claim any.
+mean of the accepted contributions under every rule (each scaled as its contribution is, so
+that a clipped worker moves them no more than it moves the weights). Uniform weights only: a
+token count is a claim the worker makes, and a hostile one could claim any.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ class NormHistory:
         pool = [*self.norms, *current]
         return statistics.median(pool) if pool else None
 
-    def screen(self, norms: Sequence[float], aggregation: Aggregation) -> Screened:
-        """Refuse outliers and, under clipped_mean, scale the rest; remember what is kept."""
+    def verdict(self, norms: Sequence[float], aggregation: Aggregation) -> Screened:
+        """Which of one round's pseudo-gradients (their `norms`) are refused as outliers and,
+        under clipped_mean, how much each of the rest is scaled; remembers nothing."""
         scales = [1.0] * len(norms)
         refused: dict[int, str] = {}
         if not aggregation.screens:
@@ -136,8 +138,19 @@ class NormHistory:
                 elif aggregation.rule == "clipped_mean":
                     bound = aggregation.clip_multiple * reference
                     scales[index] = min(1.0, bound / norm) if norm > 0 else 1.0
-        self.norms.extend(n for i, n in enumerate(norms) if i not in refused)
         return Screened(scales, refused, reference)
+
+    def remember(self, norms: Iterable[float]) -> None:
+        """The norms of pseudo-gradients a step used (not the refused ones)."""
+        self.norms.extend(norms)
+
+    def screen(self, norms: Sequence[float], aggregation: Aggregation) -> Screened:
+        """`verdict`, then remember the norms it kept (the simulator: its rounds always
+        commit)."""
+        screened = self.verdict(norms, aggregation)
+        if aggregation.screens:
+            self.remember(n for i, n in enumerate(norms) if i not in screened.refused)
+        return screened
 
 
 def aggregate(

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO
 from diloco.commands.options import TokenFileOption, TokenOption, read_token
 from diloco.console import err, fail
 from diloco.server.credentials import TokensFileError, load_tokens_file
@@ -71,6 +72,18 @@ def server_command(
     outer_lr: float = typer.Option(0.7, help="Outer learning rate."),
     outer_momentum: float = typer.Option(None, help="Outer momentum (default 0.9; sgd: 0)."),
     weighting: str = typer.Option("uniform", help="uniform or tokens."),
+    aggregation: str = typer.Option(
+        "mean",
+        help="How pseudo-gradients combine: mean, or clipped_mean (each scaled down to "
+        "--clip-multiple x the median recent norm; over --outlier-ratio x it refused, "
+        "audited). Sync and streaming rounds decide at their barrier, async at each arrival.",
+    ),
+    clip_multiple: float = typer.Option(
+        DEFAULT_CLIP_MULTIPLE, help="clipped_mean: the clip bound, in median norms."
+    ),
+    outlier_ratio: float = typer.Option(
+        DEFAULT_OUTLIER_RATIO, help="Robust aggregation: refuse norms over this x the median."
+    ),
     upload_dtype: str = typer.Option("fp32", help="Pseudo-gradient dtype: fp32 or bf16."),
     download_dtype: str = typer.Option("fp32", help="Global weights dtype: fp32 or bf16."),
     upload_codec: str = typer.Option(
@@ -192,6 +205,9 @@ def server_command(
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             weighting=weighting,
+            aggregation=aggregation,
+            clip_multiple=clip_multiple,
+            outlier_ratio=outlier_ratio,
             upload_dtype=parse_wire_dtype(upload_dtype),
             download_dtype=parse_wire_dtype(download_dtype),
             upload_codec=upload_codec,

@@ -216,6 +216,9 @@ def create_app(
     settings = coordinator.settings
     in_memory = {"bodies": 0}  # tensor bodies held in RAM right now (one event loop: no lock)
     spool_files = SpoolFiles(settings.spool_dir)  # kept between uploads: no new file per body
+    # Robust aggregation in sync and streaming mode holds each submission until its round
+    # decides: on disk, never in RAM, whatever --memory-bodies says.
+    held_by_rounds = settings.robust.screens and settings.mode != "async"
 
     @asynccontextmanager
     async def tensors_from(
@@ -232,7 +235,7 @@ def create_app(
         """
         length = parse_content_length(request.headers.get("content-length"))
         check_length(length, settings.max_body_bytes)
-        if may_spool and in_memory["bodies"] >= settings.memory_bodies:
+        if may_spool and (held_by_rounds or in_memory["bodies"] >= settings.memory_bodies):
             try:
                 chunks = request.stream()
                 if faults.ENABLED:

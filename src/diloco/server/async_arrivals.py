@@ -12,6 +12,7 @@ worker's anchor and now) is recorded per submission and may scale the pseudo-gra
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -21,8 +22,11 @@ from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import RoundResult, Waiting
 from diloco.server.rounds import Round, ValueScan, fold
+from diloco.server.screening import screened_record
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
+
+log = logging.getLogger("diloco.server")
 
 
 class AsyncArrivals:
@@ -125,7 +129,26 @@ class AsyncArrivals:
         if window is None:
             window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
         scale = staleness_scale(staleness, c.settings.staleness_weighting)
-        fold(window, submission, checked, c.model.sums_storage(), now, scale)
+        refusal = None
+        if c.screen.on:
+            # Each arrival against the history and the window's own: decided now, not later.
+            assert isinstance(checked, ValueScan) and checked.norm is not None
+            verdict = c.screen.verdict(0, [*window.norms.values(), checked.norm])
+            last = len(window.norms)
+            refusal = verdict.refused.get(last)
+            clip = verdict.scales[last]
+        if refusal is not None:
+            if window.running is None:
+                window.open_sums(c.model.sums_storage())  # a step that changes nothing
+            window.record_refused(submission, refusal, now)
+            log.warning("%s's pseudo-gradient refused: %s", worker_id, refusal)
+        else:
+            if c.screen.on:
+                scale *= clip
+                window.norms[worker_id] = float(checked.norm)
+                if clip < 1.0:
+                    window.clipped[worker_id] = clip
+            fold(window, submission, checked, c.model.sums_storage(), now, scale)
         self.window = window
         self.anchors[worker_id] = round_number
         c.metrics.staleness.observe(staleness)
@@ -191,8 +214,10 @@ class AsyncArrivals:
             seconds=time.perf_counter() - started,
             # Staleness of each: the window opened at the current version, its anchor before.
             submissions=[(w, self.anchors[w], window.number - self.anchors[w]) for w in submitters],
+            **screened_record(c.screen, 0, window),
         )
         c.commit(running, record, self.fragment_rounds_after(record))
+        c.screen.remember(0, window.norms.values())
         self.window = None
         self.anchors.clear()
         c.model.current_weights(

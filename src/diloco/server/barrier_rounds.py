@@ -10,6 +10,7 @@ joins late takes part from the next round of each fragment.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -18,8 +19,12 @@ from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import Published, RoundResult, Waiting
 from diloco.server.rounds import Round, ValueScan, fold
+from diloco.server.screening import screened_record
 from diloco.server.submission import Submission
-from diloco.wire.spool import CheckedPieces
+from diloco.wire import WireError
+from diloco.wire.spool import CheckedPieces, PieceBody
+
+log = logging.getLogger("diloco.server")
 
 
 class BarrierRounds:
@@ -142,13 +147,19 @@ class BarrierRounds:
         return None
 
     def folds_first(self, fragment: int) -> bool:
-        return self.rounds[fragment].running is None
+        """A round's first submission may be checked while it is folded, unless the round
+        holds its submissions (robust aggregation: every one is scanned for its norm)."""
+        return not self.c.screen.on and self.rounds[fragment].running is None
 
     def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         c = self.c
         now = c.clock()
         current = self.rounds[submission.fragment]
-        fold(current, submission, checked, c.model.sums_storage(), now)
+        if c.screen.on:
+            assert isinstance(checked, ValueScan) and checked.norm is not None
+            current.hold(submission, checked, now)  # folded when the round decides
+        else:
+            fold(current, submission, checked, c.model.sums_storage(), now)
         c.book(submission, current, now)
         self._try_commit(submission.fragment, now)
         return self._answer("accepted", submission.round, submission.fragment)
@@ -178,8 +189,10 @@ class BarrierRounds:
             or not current.ready(c.settings.min_workers)
         ):
             return  # (a broken server commits nothing until restarted; a paused one, resumed)
-        assert current.running is not None and c.model.plan is not None
         started = time.perf_counter()
+        if c.screen.on:
+            self._fold_held(current, fragment, now)
+        assert current.running is not None and c.model.plan is not None
         running = current.running  # stays the round's until the step is durable
         record = CommitRecord(
             round=c.model.version,
@@ -192,8 +205,10 @@ class BarrierRounds:
             fragment=fragment,
             fragment_round=current.number if len(self.rounds) > 1 else None,
             submissions=[(w, current.number, 0) for w in sorted(current.submitters)],
+            **screened_record(c.screen, fragment, current),
         )
         c.commit(running, record, self.fragment_rounds_after(record))
+        c.screen.remember(fragment, current.norms.values())
         current.running = None  # used up by the step
         self._fragment_rounds[fragment] = current.number + 1
         self.results[fragment] = None  # free the old body before encoding the new one
@@ -209,6 +224,39 @@ class BarrierRounds:
             f"{', '.join(sorted(current.submitters))}",
             started,
         )
+
+    def _fold_held(self, current: Round, fragment: int, now: float) -> None:
+        """Screen the round's held submissions as one (their norms against the median of
+        recent ones) and fold each with its scale; the refused add nothing. In worker order,
+        so that the sums do not depend on arrival order."""
+        c = self.c
+        held = sorted(current.held, key=lambda pair: pair[0].worker_id)
+        current.held = []
+        verdict = c.screen.verdict(fragment, [scan.norm or 0.0 for _, scan in held])
+        if current.running is None:
+            current.open_sums(c.model.sums_storage())
+        for index, (submission, scan) in enumerate(held):
+            worker_id = submission.worker_id
+            try:
+                if index in verdict.refused:
+                    current.refused[worker_id] = verdict.refused[index]
+                    continue
+                scale = verdict.scales[index]
+                try:
+                    fold(current, submission, scan, {}, now, scale, record=False)
+                except WireError as error:  # its sum could overflow: refused, as an outlier
+                    current.refused[worker_id] = error.error
+                    continue
+                current.norms[worker_id] = float(scan.norm or 0.0)
+                if scale < 1.0:
+                    current.clipped[worker_id] = scale
+            finally:
+                if isinstance(submission.tensors, PieceBody):
+                    submission.tensors.release()
+        for worker_id, reason in current.refused.items():
+            log.warning(
+                "round %d: %s's pseudo-gradient refused: %s", current.number, worker_id, reason
+            )
 
     # ----------------------------------------------------------------- results
 

@@ -38,6 +38,7 @@ from diloco.server.metrics import ServerMetrics, Traffic
 from diloco.server.registrar import Registrar
 from diloco.server.results import RoundResult, Waiting
 from diloco.server.rounds import Round
+from diloco.server.screening import RobustScreen
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
 from diloco.wire import (
@@ -88,6 +89,7 @@ class Coordinator:
         self.pool = self.journal.pool
         self.dispatch = DataDispatch(self.pool, self.journal.state)
         self.last_commit: CommitRecord | None = None
+        self.screen = RobustScreen(settings.robust, settings.fragments)
         context = EngineContext(
             settings=settings,
             clock=clock,
@@ -101,6 +103,7 @@ class Coordinator:
             publish=self._published,
             closing=lambda: self.closing,
             paused=lambda: self.control.paused,
+            screen=self.screen,
         )
         self.engine: RoundEngine = (
             AsyncArrivals(context) if settings.mode == "async" else BarrierRounds(context)
@@ -155,6 +158,7 @@ class Coordinator:
             self.model.set_specs(restored.specs, kinds_known=True)
             self.model.adopt(restored.masters, restored.round, restored.published)
             self.model.optimizer.load_state_dict(restored.optimizer_state)
+            self.screen.restore(restored.norm_history or [])
             # The workers live at the crash are members again: the restored round waits for
             # them (a missing one is evicted after the heartbeat timeout, as always), so a
             # lone early resubmission cannot commit a round that others were part of.

@@ -16,6 +16,7 @@ from diloco.server.journal import CommitRecord
 from diloco.server.membership import Membership
 from diloco.server.metrics import ServerMetrics
 from diloco.server.rounds import Round
+from diloco.server.screening import RobustScreen
 from diloco.server.settings import ServerSettings
 from diloco.server.submission import Submission
 
@@ -36,6 +37,7 @@ class EngineContext:
     publish: Callable[[str, float], None]  # after a step's result is out: log, wake polls
     closing: Callable[[], bool]  # the server is shutting down
     paused: Callable[[], bool]  # an admin paused rounds: submissions fold in, nothing commits
+    screen: RobustScreen  # robust aggregation: norms, clipping, refusals (off under "mean")
 
     def stopped(self) -> bool:
         """No step may commit: shutting down, paused by an admin, or broken by a failed write

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
 import torch
 
 from diloco import faults
-from diloco.algorithm.tensors import finite_bound
+from diloco.algorithm.tensors import TensorKind, finite_bound
 from diloco.server.engines import RoundEngine
 from diloco.server.errors import Rejection, rejection_of
 from diloco.server.global_model import GlobalModel
@@ -36,25 +36,40 @@ from diloco.wire.compressed_header import SEPARATOR
 from diloco.wire.spool import CheckedPieces, PieceBody
 
 
-def scan_values(tensors: Tensors) -> ValueScan:
+def scan_values(tensors: Tensors, norm_of: Collection[str] | None = None) -> ValueScan:
     """Rejection (422) for NaN or Inf; else a bound of the values' magnitude and the tensor
     that sets it, which lets a round refuse what could overflow its sums and know them
-    finite without scanning them again."""
+    finite without scanning them again. With `norm_of` (robust aggregation), also the L2
+    norm over those tensors, in the same pass."""
+    squares = 0.0 if norm_of is not None else None
+
+    def add_squares(name: str, values: torch.Tensor) -> None:
+        nonlocal squares
+        if squares is not None and name in norm_of:  # type: ignore[operator]
+            squares += float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+
     try:
-        if isinstance(tensors, PieceBody):
-            bound = tensors.check_values()
-            return ValueScan(bound, tensors.largest)
-        scan = ValueScan(0.0)
-        for name, tensor in tensors.items():
-            bound = finite_bound(tensor)
-            if bound is None:
-                check_finite(name, tensor)  # raises, naming the tensor and the count
-                bound = math.inf
-            if bound > scan.bound or scan.largest is None:
-                scan = ValueScan(max(bound, scan.bound), name)
-        return scan
+        if isinstance(tensors, PieceBody) and norm_of is None:
+            scan = ValueScan(tensors.check_values(), tensors.largest)
+        elif isinstance(tensors, PieceBody):
+            checked = tensors.checked_pieces()
+            for name, _, piece in checked:
+                add_squares(name, piece)
+            tensors.largest = checked.largest
+            scan = ValueScan(checked.bound, checked.largest)
+        else:
+            scan = ValueScan(0.0)
+            for name, tensor in tensors.items():
+                bound = finite_bound(tensor)
+                if bound is None:
+                    check_finite(name, tensor)  # raises, naming the tensor and the count
+                    bound = math.inf
+                if bound > scan.bound or scan.largest is None:
+                    scan = ValueScan(max(bound, scan.bound), name)
+                add_squares(name, tensor)
     except WireError as error:
         raise rejection_of(error) from None
+    return scan if squares is None else replace(scan, norm=math.sqrt(squares))
 
 
 class Intake:
@@ -78,6 +93,7 @@ class Intake:
         self.traffic = traffic
         self.closing = closing
         self.format = UploadFormat(settings)
+        self.robust = settings.robust.screens
 
     def submit(
         self,
@@ -111,7 +127,7 @@ class Intake:
                 # The first contribution of its round: its sums are new, so it can be checked
                 # while it is folded, in one read of the file; a refusal half way changes nothing.
                 return self._accept(submission, body.checked_pieces())
-        scan = scan_values(body)  # outside the lock
+        scan = scan_values(body, self._norm_names(fragment))  # outside the lock
         with self.lock:
             # The state may have moved on during the scan (a commit, a retry that won); the
             # layout (names, shapes, dtypes against fixed specs) cannot have.
@@ -172,6 +188,20 @@ class Intake:
             if opened is not tensors:
                 submission = replace(submission, tensors=opened)
         return submission
+
+    def _norm_names(self, fragment: int) -> set[str] | None:
+        """The tensors a robust aggregation's norm is over (the fragment's trainable floats);
+        None under the plain mean, which takes no norm."""
+        if not self.robust:
+            return None
+        specs, plan = self.model.specs, self.model.plan
+        assert specs is not None and plan is not None
+        return {
+            name
+            for name in plan[fragment]
+            if specs[name].kind == TensorKind.TRAINABLE.value
+            and specs[name].dtype.is_floating_point
+        }
 
     def require_round_and_fragment(self, round_number: int, fragment: int) -> None:
         """422 for a round outside [0, MAX_COUNT], or a fragment the plan does not have (once

@@ -57,6 +57,12 @@ class CommitRecord:
     # of workers that left, which go back to the pool with their prefix.
     progress: dict[int, int] = field(default_factory=dict)
     released: list[int] = field(default_factory=list)
+    # Robust aggregation: the norms the step used, the scales it clipped to, its refusals
+    # (worker -> reason), and every fragment's norm history after the step (for a restart).
+    norms: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    norm_history: list[list[float]] | None = None
 
     def to_json(self) -> dict:
         return {
@@ -70,6 +76,10 @@ class CommitRecord:
             "submissions": [list(s) for s in self.submissions],
             "progress": {str(unit): count for unit, count in self.progress.items()},
             "released": list(self.released),
+            "norms": dict(self.norms),
+            "clipped": dict(self.clipped),
+            "refused": dict(self.refused),
+            "norm_history": self.norm_history,
         }
 
     @classmethod
@@ -86,6 +96,14 @@ class CommitRecord:
             submissions=[(str(w), int(r), int(st)) for w, r, st in data.get("submissions", [])],
             progress={int(u): int(n) for u, n in data.get("progress", {}).items()},
             released=[int(u) for u in data.get("released", [])],
+            norms={str(w): float(n) for w, n in data.get("norms", {}).items()},
+            clipped={str(w): float(n) for w, n in data.get("clipped", {}).items()},
+            refused={str(w): str(r) for w, r in data.get("refused", {}).items()},
+            norm_history=(
+                None
+                if data.get("norm_history") is None
+                else [[float(n) for n in norms] for norms in data["norm_history"]]
+            ),
         )
 
     def apply_to(self, pool: UnitLedger) -> None:
@@ -96,7 +114,25 @@ class CommitRecord:
         pool.release_units(self.released)
 
     def store_in(self, state: StateStore) -> None:
-        """The SQLite row of this step and of each pseudo-gradient it used."""
+        """The SQLite row of this step and of each pseudo-gradient it used; its refusals and
+        clippings in the audit log."""
+        for worker_id, reason in sorted(self.refused.items()):
+            state.audit(
+                "contribution_refused",
+                worker_id=worker_id,
+                round=self.round,
+                fragment=self.fragment,
+                reason=reason,
+            )
+        for worker_id, scale in sorted(self.clipped.items()):
+            state.audit(
+                "contribution_clipped",
+                worker_id=worker_id,
+                round=self.round,
+                fragment=self.fragment,
+                scale=scale,
+                norm=self.norms.get(worker_id),
+            )
         state.record_commit(
             self.round,
             self.contributors,
@@ -118,6 +154,7 @@ class RestoredState:
     live_workers: list[tuple[str, str | None]]  # (worker_id, session)
     fragment_rounds: list[int]  # streaming: each fragment's round; else [round]
     published: dict[str, torch.Tensor] | None = None  # P, with --download-codec
+    norm_history: list[list[float]] | None = None  # robust aggregation's, per fragment
 
 
 class RoundJournal:
@@ -359,6 +396,7 @@ class RoundJournal:
                 int(r) for r in loaded.metadata.get("fragment_rounds", [round_number])
             ],
             published=dict(loaded.tensors["published"]) if "published" in loaded.tensors else None,
+            norm_history=None if record is None else record.norm_history,
         )
 
     def _check_settings(self, stored: dict) -> None:

@@ -34,6 +34,12 @@ class Round:
     units: dict[str, list[int]] = field(default_factory=dict)  # worker -> units it finished
     # worker -> {unit: samples of it trained so far}: prefixes recorded when the round commits
     progress: dict[str, dict[int, int]] = field(default_factory=dict)
+    # Robust aggregation: submissions held (bodies kept) until the round decides at its
+    # commit; then the norms it used, the scales below 1 it clipped to, the refusals.
+    held: list[tuple[Submission, ValueScan]] = field(default_factory=list)
+    norms: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
 
     def units_of(self, worker_id: str) -> set[int]:
         """Units reported (finished or in part) with a submission in this round: they complete
@@ -90,10 +96,27 @@ class Round:
         now: float,
         scale: float = 1.0,
         max_abs: float = math.inf,
+        record: bool = True,
     ) -> None:
-        """`scale` shrinks a stale async pseudo-gradient; `max_abs` bounds its values."""
+        """`scale` shrinks a stale async pseudo-gradient (or clips one); `max_abs` bounds its
+        values; `record`: False for a held submission, recorded when it arrived."""
         self._running().add(contribution, scale=scale, max_abs=max_abs)
-        self._record(worker_id, fragment, contribution.tokens, now)
+        if record:
+            self._record(worker_id, fragment, contribution.tokens, now)
+
+    def hold(self, submission: Submission, scan: ValueScan, now: float) -> None:
+        """Keep a submission (and its body) to fold when the round decides (robust
+        aggregation); it counts as submitted now."""
+        if isinstance(submission.tensors, PieceBody):
+            submission.tensors.hold()  # the request's close() then leaves the file open
+        self.held.append((submission, scan))
+        self._record(submission.worker_id, submission.fragment, submission.tokens, now)
+
+    def record_refused(self, submission: Submission, reason: str, now: float) -> None:
+        """A submission screened out: it counts as submitted (its barrier place, its units)
+        but adds nothing."""
+        self.refused[submission.worker_id] = reason
+        self._record(submission.worker_id, submission.fragment, submission.tokens, now)
 
     def add_pieces(
         self,
@@ -105,11 +128,13 @@ class Round:
         now: float,
         scale: float = 1.0,
         max_abs: float | Callable[[], float] = math.inf,
+        record: bool = True,
     ) -> None:
         """A contribution read back from disk a piece at a time (see wire.spool); `max_abs`
         bounds its values' magnitude (from the scan), so the round can know its sums finite."""
         self._running().add_pieces(shapes, pieces, tokens, scale=scale, max_abs=max_abs)
-        self._record(worker_id, fragment, tokens, now)
+        if record:
+            self._record(worker_id, fragment, tokens, now)
 
     def _running(self) -> RunningMean:
         if self.running is None:
@@ -163,6 +188,7 @@ class ValueScan:
 
     bound: float
     largest: str | None = None
+    norm: float | None = None  # L2 over the trainable float tensors (robust aggregation)
 
 
 def fold(
@@ -172,9 +198,11 @@ def fold(
     storage: dict[str, torch.Tensor],
     now: float,
     scale: float = 1.0,
+    record: bool = True,
 ) -> None:
     """Add a pseudo-gradient to a round's running mean (from RAM, or a piece at a time: a
-    spooled body, a compressed one decoded span by span).
+    spooled body, a compressed one decoded span by span). `record`: False for a submission
+    the round held (recorded as submitted when it arrived).
 
     `checked` is what the scan of its values found, or, when this fold opens the round's
     sums (written over `storage`), a reader that checks them as they are folded: its
@@ -209,11 +237,14 @@ def fold(
                 now,
                 scale,
                 max_abs,
+                record,
             )
         else:
             bound = checked.bound if isinstance(checked, ValueScan) else math.inf
             contribution = Contribution(tensors, submission.tokens, submission.worker_id)
-            target.add(submission.worker_id, submission.fragment, contribution, now, scale, bound)
+            target.add(
+                submission.worker_id, submission.fragment, contribution, now, scale, bound, record
+            )
     except WireError:
         if opened:
             target.running = None

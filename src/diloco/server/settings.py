@@ -17,6 +17,7 @@ from diloco.algorithm import (
 from diloco.algorithm._checks import require_fraction, require_positive
 from diloco.algorithm.codecs import Codec, parse_codec
 from diloco.algorithm.fragments import StreamingSchedule
+from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO, Aggregation
 from diloco.wire import dtype_name
 
 SERVER_MODES = ("sync", "streaming", "async")
@@ -69,6 +70,11 @@ class ServerSettings:
     grace_seconds: float = 0.0
     staleness_weighting: str = "none"
     dylu: bool = False
+    # Robust aggregation (algorithm/robust.py): mean, or clipped_mean with outliers refused;
+    # the clip bound and the outlier threshold are multiples of the median recent norm.
+    aggregation: str = "mean"
+    clip_multiple: float = DEFAULT_CLIP_MULTIPLE
+    outlier_ratio: float = DEFAULT_OUTLIER_RATIO
     # Server-side only (not sent to workers): how many tensor bodies may sit in RAM at once;
     # other uploads are written to `spool_dir` (the system temp dir if None) as they arrive.
     # 0 (the default) spools every submission: memory then stays ~4x the model for any K.
@@ -109,6 +115,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be float32 or bfloat16, got {getattr(self, name)}")
         self._check_codec_settings()
         self._check_mode_settings()
+        self._check_aggregation()
         self.make_outer_optimizer()  # raises for a bad kind, lr, momentum, period or c
 
     def _check_codec_settings(self) -> None:
@@ -210,6 +217,26 @@ class ServerSettings:
                     f"got {self.staleness_weighting!r}"
                 )
 
+    def _check_aggregation(self) -> None:
+        rule = self.robust.rule  # raises for an unknown rule, a bad F, multiple or ratio
+        if rule in ("trimmed_mean", "median"):
+            raise ValueError(
+                f"aggregation {self.aggregation} combines the pseudo-gradients element by "
+                "element, which the server does not do yet (it folds each into one running "
+                "sum); the server takes mean or clipped_mean, and `diloco simulate "
+                "--aggregation` runs all four"
+            )
+        if self.robust.screens and self.weighting != "uniform":
+            raise ValueError(
+                f"aggregation {rule} weighs every pseudo-gradient alike (a token count is a "
+                f"claim a hostile worker could inflate); got weighting {self.weighting!r}"
+            )
+
+    @property
+    def robust(self) -> Aggregation:
+        """The aggregation rule with its clip multiple and outlier ratio."""
+        return Aggregation.parse(self.aggregation, self.clip_multiple, self.outlier_ratio)
+
     def change_outer_lr(self, lr: float) -> None:
         """The one setting an operator may change mid-run (`diloco admin set-outer-lr`).
 
@@ -258,6 +285,9 @@ class ServerSettings:
             "min_workers": self.min_workers,
             "max_body_bytes": self.max_body_bytes,
             "outer_optimizer": self.make_outer_optimizer().describe(),
+            "aggregation": self.aggregation,
+            "clip_multiple": float(self.clip_multiple),
+            "outlier_ratio": float(self.outlier_ratio),
         }
 
 

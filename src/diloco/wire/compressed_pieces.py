@@ -125,3 +125,11 @@ class CompressedPieces(PieceBody):
         """The file goes back with its spooled body (whoever closes that first). Idempotent."""
         if self.source is not None:
             self.source.close()
+
+    def hold(self) -> None:
+        if self.source is not None:
+            self.source.hold()
+
+    def release(self) -> None:
+        if self.source is not None:
+            self.source.release()

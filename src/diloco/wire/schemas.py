@@ -165,6 +165,9 @@ class Settings(_Response):
     min_workers: int
     max_body_bytes: int
     outer_optimizer: OuterOptimizerSummary
+    aggregation: str = "mean"  # the server's; a worker needs nothing of it
+    clip_multiple: float = 2.0
+    outlier_ratio: float = 10.0
 
 
 class InfoResponse(_Response):

@@ -119,6 +119,14 @@ class PieceBody:
     def close(self) -> None:
         """Done with the body. Idempotent."""
 
+    def hold(self) -> None:
+        """Someone keeps the body past the request that brought it (a round that folds it
+        when it commits): `close()` then leaves it open, and `release()` closes it."""
+
+    def release(self) -> None:
+        """The holder is done: close the body for good."""
+        self.close()
+
 
 class SpooledTensors(PieceBody):
     """A safetensors body in a temporary file; `pieces()` reads it back in bounded memory.
@@ -143,6 +151,7 @@ class SpooledTensors(PieceBody):
         self.metadata = dict(metadata or {})  # the header's __metadata__ (a codec's, say)
         self._files = files
         self.closed = False
+        self.held = False  # see hold()
         self.largest: str | None = None
 
     @property
@@ -197,11 +206,19 @@ class SpooledTensors(PieceBody):
             raise OSError(f"spool file ended early (bytes {begin}+ of the data section)")
 
     def close(self) -> None:
-        """Done with the body: its file goes back to its `SpoolFiles`. Idempotent."""
-        if self.closed:
+        """Done with the body: its file goes back to its `SpoolFiles` (unless it is held).
+        Idempotent."""
+        if self.closed or self.held:
             return
         self.closed = True
         self._files.give_back(self.file)
+
+    def hold(self) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        self.close()
 
 
 class CheckedPieces:

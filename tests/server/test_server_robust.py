@@ -1,0 +1,131 @@
+"""Robust aggregation on the server (`--aggregation clipped_mean`), checked against values
+worked by hand from the rule (algorithm/robust.py's docstring): a pseudo-gradient whose L2
+norm is over 10x the median of recent norms (this round's and the last 32 accepted) is
+refused; one over 2x it is scaled down to 2x. Outer SGD at lr 1, so each step moves the
+weights by minus the mean of what it used.
+
+The pseudo-gradients are multiples of (0.6, 0.8), whose norm is 1: g = k (0.6, 0.8) has
+norm k, so every median and scale below is plain arithmetic on the k's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.server.coordinator import Coordinator
+from diloco.server.journal import RoundJournal
+from diloco.server.settings import ServerSettings
+from diloco.server.store import StateStore
+from diloco.wire import TensorSpec
+
+SPECS = [
+    TensorSpec("w", (2,), torch.float32, "trainable"),
+    TensorSpec("count", (), torch.int64, "int_buffer"),
+]
+UNIT = torch.tensor([0.6, 0.8])
+
+
+def make(state: Path | None = None, **settings) -> Coordinator:
+    settings = {"outer_optimizer": "sgd", "outer_lr": 1.0, "aggregation": "clipped_mean",
+                **settings}  # fmt: skip
+    if settings.get("mode") == "async":
+        settings.update(outer_optimizer="nesterov", outer_momentum=0.0)
+    journal = RoundJournal(StateStore(state), ServerSettings(**settings))
+    restored = state is not None and any((state / "checkpoints").glob("gen-*"))
+    initial = {"w": torch.tensor([10.0, 10.0]), "count": torch.tensor(0)}
+    c = Coordinator(journal.settings, None if restored else initial, journal=journal)
+    for worker in ("a", "b", "c"):
+        if not c.membership.is_live(worker):
+            c.register(worker, SPECS, 1)
+    return c
+
+
+def send(c: Coordinator, worker: str, round_number: int, k: float) -> dict:
+    return c.submit(worker, round_number, {"w": k * UNIT, "count": torch.tensor(0)})
+
+
+def w(c: Coordinator) -> list[float]:
+    return c.masters["w"].tolist()
+
+
+def test_a_sync_round_refuses_an_outlier_and_clips_a_large_norm(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    for worker, k in (("a", 1.0), ("b", 1.2), ("c", 50.0)):
+        send(c, worker, 0, k)
+    # Median of (1, 1.2, 50) is 1.2: 50 > 12 is refused; the mean of 1 and 1.2 is 1.1.
+    assert w(c) == pytest.approx([10 - 1.1 * 0.6, 10 - 1.1 * 0.8], abs=1e-6)
+    for worker, k in (("a", 1.0), ("b", 3.0), ("c", 2.0)):
+        send(c, worker, 1, k)
+    # History (1, 1.2) and this round's (1, 3, 2): median 1.2, bound 2.4; b's 3 scaled by 0.8.
+    # Mean of 1, 2.4 and 2 is 1.8.
+    assert w(c) == pytest.approx([9.34 - 1.8 * 0.6, 9.12 - 1.8 * 0.8], abs=1e-5)
+    (refused,) = c.journal.state.audit_log("contribution_refused")
+    assert (refused["worker_id"], refused["round"]) == ("c", 0)
+    assert refused["detail"]["reason"] == (
+        "pseudo-gradient norm 50 is more than 10x the median norm 1.2"
+    )
+    (clipped,) = c.journal.state.audit_log("contribution_clipped")
+    assert (clipped["worker_id"], clipped["round"]) == ("b", 1)
+    assert clipped["detail"]["scale"] == pytest.approx(0.8)
+    assert clipped["detail"]["norm"] == pytest.approx(3.0)
+    c.journal.state.close()
+
+
+def test_the_norm_history_survives_a_restart(tmp_path: Path) -> None:
+    first = make(tmp_path)
+    for worker, k in (("a", 1.0), ("b", 1.2), ("c", 50.0)):
+        send(first, worker, 0, k)
+    first.journal.state.close()  # as kill -9 leaves it
+    again = make(tmp_path)
+    for worker, k in (("a", 1.0), ("b", 3.0), ("c", 2.0)):
+        send(again, worker, 1, k)
+    # The same 7.1 as without the restart; with the history forgotten the median would be 2,
+    # nothing clipped, and w[0] = 9.34 - 2 x 0.6 = 8.14.
+    assert w(again) == pytest.approx([9.34 - 1.8 * 0.6, 9.12 - 1.8 * 0.8], abs=1e-5)
+    again.journal.state.close()
+
+
+def test_a_round_whose_every_pseudo_gradient_is_refused_changes_nothing() -> None:
+    c = make(outer_optimizer="momentum", outer_momentum=0.5)
+    for round_number in range(4):  # history: twelve norms of 1
+        for worker in ("a", "b", "c"):
+            send(c, worker, round_number, 1.0)
+    before, momentum = w(c), c.model.optimizer.state_dict()
+    for worker in ("a", "b", "c"):
+        send(c, worker, 4, 1e6)  # median 1 (twelve 1s, three 1e6): all over 10, all refused
+    assert c.round_number == 5
+    assert w(c) == before
+    after = c.model.optimizer.state_dict()
+    assert after.keys() == momentum.keys() and all(
+        torch.equal(after[k], momentum[k]) for k in after
+    )
+    assert [e["worker_id"] for e in c.journal.state.audit_log("contribution_refused")] == [
+        "a",
+        "b",
+        "c",
+    ]
+
+
+def test_async_arrivals_are_screened_one_by_one() -> None:
+    c = make(mode="async")
+    send(c, "a", 0, 1.0)  # alone: median 1, kept
+    send(c, "b", 0, 1.2)  # median of (1, 1.2) = 1.1, bound 2.2: kept
+    send(c, "c", 0, 50.0)  # median of (1, 1.2, 50) = 1.2: refused, a step that changes nothing
+    assert c.version == 3
+    assert w(c) == pytest.approx([10 - 2.2 * 0.6, 10 - 2.2 * 0.8], abs=1e-5)
+    send(c, "a", 1, 3.0)  # median of (1, 1.2, 3) = 1.2, bound 2.4: scaled to 2.4
+    assert w(c) == pytest.approx([10 - 4.6 * 0.6, 10 - 4.6 * 0.8], abs=1e-5)
+    assert [e["worker_id"] for e in c.journal.state.audit_log("contribution_refused")] == ["c"]
+    assert [e["worker_id"] for e in c.journal.state.audit_log("contribution_clipped")] == ["a"]
+
+
+def test_the_plain_mean_screens_nothing() -> None:
+    c = make(aggregation="mean")
+    for worker, k in (("a", 1.0), ("b", 1.2), ("c", 50.0)):
+        send(c, worker, 0, k)
+    mean = (1.0 + 1.2 + 50.0) / 3
+    assert w(c) == pytest.approx([10 - mean * 0.6, 10 - mean * 0.8], abs=1e-5)
+    assert c.journal.state.audit_log("contribution_refused") == []
