@@ -58,3 +58,15 @@ def test_a_clipped_mean_server_refuses_clips_and_remembers_across_a_kill(
     screened = [(e["event"], e["worker_id"], e["round"]) for e in events
                 if e["event"].startswith("contribution_")]  # fmt: skip
     assert screened == [("contribution_refused", "c", 0), ("contribution_clipped", "b", 1)]
+
+
+def test_a_median_server_reads_each_held_body_tensor_by_tensor(
+    server_process, tmp_path: Path
+) -> None:
+    server = server_process("--init", str(init_file(tmp_path)), "--aggregation", "median", *SGD)
+    api = Api(server.url)
+    for worker in ("a", "b", "c"):
+        api.ok("POST", "/v1/workers", json_body=registration(worker))
+    for worker, value in (("a", 1.0), ("b", 2.0), ("c", 9.0)):
+        assert api.submit(worker, gradient(value)).status == 200
+    assert weights_value(api) == pytest.approx(10 - 2.0, abs=1e-6)  # the median, 2

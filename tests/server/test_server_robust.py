@@ -129,3 +129,52 @@ def test_the_plain_mean_screens_nothing() -> None:
     mean = (1.0 + 1.2 + 50.0) / 3
     assert w(c) == pytest.approx([10 - mean * 0.6, 10 - mean * 0.8], abs=1e-5)
     assert c.journal.state.audit_log("contribution_refused") == []
+
+
+ELEMENTWISE = {  # (values per element); norms 5.48, 2.24, 9.54, 4.58, 3.74: none refused
+    "a": [1.0, 5.0, -2.0],
+    "b": [2.0, 1.0, 0.0],
+    "c": [9.0, 3.0, 1.0],
+    "d": [4.0, -1.0, 2.0],
+    "e": [3.0, 2.0, 1.0],
+}
+WIDE = [TensorSpec("w", (3,), torch.float32, "trainable")]
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected"),
+    [
+        # Per element, sorted: [1, 2, 3, 4, 9], [-1, 1, 2, 3, 5], [-2, 0, 1, 1, 2].
+        ("median", [10 - 3, 10 - 2, 10 - 1]),
+        # trimmed_mean:0.2 of 5 drops one from each end: (2+3+4)/3, (1+2+3)/3, (0+1+1)/3.
+        ("trimmed_mean:0.2", [10 - 3, 10 - 2, 10 - 2 / 3]),
+    ],
+)
+def test_elementwise_rules_combine_what_screening_keeps(aggregation: str, expected) -> None:
+    settings = ServerSettings(outer_optimizer="sgd", outer_lr=1.0, aggregation=aggregation)
+    c = Coordinator(settings, {"w": torch.full((3,), 10.0)})
+    workers = {**ELEMENTWISE, "f": [1000.0, 1000.0, 1000.0]}  # norm 1732: over 10x 5.03
+    for worker in workers:
+        c.register(worker, WIDE, 1)
+    for worker, values in workers.items():
+        c.submit(worker, 0, {"w": torch.tensor(values)})
+    assert c.masters["w"].tolist() == pytest.approx(expected, abs=1e-6)
+    assert [e["worker_id"] for e in c.journal.state.audit_log("contribution_refused")] == ["f"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"aggregation": "median", "mode": "async"}, "mode async applies each arrival alone"),
+        ({"aggregation": "trimmed_mean:0.1", "upload_codec": "int8"}, "compressed uploads"),
+        ({"aggregation": "clipped_mean", "weighting": "tokens"}, "weighs every pseudo-gradient"),
+        ({"aggregation": "trimmed_mean:0.5"}, "must be in [0, 0.5)"),
+        ({"aggregation": "mode"}, "aggregation must be one of mean, clipped_mean"),
+        ({"aggregation": "clipped_mean", "clip_multiple": -1.0}, "clip multiple must be > 0"),
+        ({"aggregation": "clipped_mean", "outlier_ratio": 1.0}, "outlier ratio must be > 1"),
+    ],
+)
+def test_bad_aggregation_settings_are_refused(settings: dict, needle: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        ServerSettings(**settings)
+    assert needle in str(caught.value)

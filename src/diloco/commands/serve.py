@@ -74,9 +74,11 @@ def server_command(
     weighting: str = typer.Option("uniform", help="uniform or tokens."),
     aggregation: str = typer.Option(
         "mean",
-        help="How pseudo-gradients combine: mean, or clipped_mean (each scaled down to "
-        "--clip-multiple x the median recent norm; over --outlier-ratio x it refused, "
-        "audited). Sync and streaming rounds decide at their barrier, async at each arrival.",
+        help="How pseudo-gradients combine: mean; clipped_mean (each scaled down to "
+        "--clip-multiple x the median recent norm); trimmed_mean:F or median (element by "
+        "element; sync and streaming, plain uploads). The robust rules refuse norms over "
+        "--outlier-ratio x the median (audited); rounds decide at their barrier, async at "
+        "each arrival.",
     ),
     clip_multiple: float = typer.Option(
         DEFAULT_CLIP_MULTIPLE, help="clipped_mean: the clip bound, in median norms."

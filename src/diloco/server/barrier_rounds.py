@@ -10,7 +10,6 @@ joins late takes part from the next round of each fragment.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 
@@ -19,12 +18,9 @@ from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import Published, RoundResult, Waiting
 from diloco.server.rounds import Round, ValueScan, fold
-from diloco.server.screening import screened_record
+from diloco.server.screening import decide_round, screened_record
 from diloco.server.submission import Submission
-from diloco.wire import WireError
-from diloco.wire.spool import CheckedPieces, PieceBody
-
-log = logging.getLogger("diloco.server")
+from diloco.wire.spool import CheckedPieces
 
 
 class BarrierRounds:
@@ -191,7 +187,9 @@ class BarrierRounds:
             return  # (a broken server commits nothing until restarted; a paused one, resumed)
         started = time.perf_counter()
         if c.screen.on:
-            self._fold_held(current, fragment, now)
+            assert c.model.plan is not None and c.model.specs is not None
+            specs = {name: c.model.specs[name] for name in c.model.plan[fragment]}
+            decide_round(c.screen, current, fragment, c.model.sums_storage(), specs, now)
         assert current.running is not None and c.model.plan is not None
         running = current.running  # stays the round's until the step is durable
         record = CommitRecord(
@@ -224,39 +222,6 @@ class BarrierRounds:
             f"{', '.join(sorted(current.submitters))}",
             started,
         )
-
-    def _fold_held(self, current: Round, fragment: int, now: float) -> None:
-        """Screen the round's held submissions as one (their norms against the median of
-        recent ones) and fold each with its scale; the refused add nothing. In worker order,
-        so that the sums do not depend on arrival order."""
-        c = self.c
-        held = sorted(current.held, key=lambda pair: pair[0].worker_id)
-        current.held = []
-        verdict = c.screen.verdict(fragment, [scan.norm or 0.0 for _, scan in held])
-        if current.running is None:
-            current.open_sums(c.model.sums_storage())
-        for index, (submission, scan) in enumerate(held):
-            worker_id = submission.worker_id
-            try:
-                if index in verdict.refused:
-                    current.refused[worker_id] = verdict.refused[index]
-                    continue
-                scale = verdict.scales[index]
-                try:
-                    fold(current, submission, scan, {}, now, scale, record=False)
-                except WireError as error:  # its sum could overflow: refused, as an outlier
-                    current.refused[worker_id] = error.error
-                    continue
-                current.norms[worker_id] = float(scan.norm or 0.0)
-                if scale < 1.0:
-                    current.clipped[worker_id] = scale
-            finally:
-                if isinstance(submission.tensors, PieceBody):
-                    submission.tensors.release()
-        for worker_id, reason in current.refused.items():
-            log.warning(
-                "round %d: %s's pseudo-gradient refused: %s", current.number, worker_id, reason
-            )
 
     # ----------------------------------------------------------------- results
 

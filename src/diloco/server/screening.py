@@ -1,21 +1,34 @@
 """Robust aggregation on the server: which pseudo-gradients a step uses, and how scaled.
 
-Under `--aggregation clipped_mean` every pseudo-gradient's L2 norm (over its trainable float
-tensors, taken when its values are scanned) is compared with the median of recent norms
-(algorithm/robust.py): one more than `--outlier-ratio` times it is refused, one more than
-`--clip-multiple` times it is scaled down to that bound. Sync and streaming rounds hold their
-submissions (spooled on disk) until the barrier is complete and decide for the whole round at
-once, as the simulator does; async mode decides at each arrival, against the history and the
-open window. The history (per fragment) advances only with a committed step and is written
-with it (the commit record in the checkpoint), so a restart screens exactly as before.
+Under every rule but `mean`, each pseudo-gradient's L2 norm (over its trainable float tensors,
+taken when its values are scanned) is compared with the median of recent norms
+(algorithm/robust.py): one more than `--outlier-ratio` times it is refused, and under
+clipped_mean one more than `--clip-multiple` times it is scaled down to that bound. Under
+trimmed_mean:F and median (sync and streaming, plain uploads) the kept ones are then combined
+element by element, one tensor at a time (K copies of one tensor in memory, never of the
+model), with algorithm/robust.py's `aggregate`, and the result is folded as the step's one
+pseudo-gradient. Sync and streaming rounds hold their submissions (spooled on disk) until the
+barrier is complete and decide for the whole round at once, as the simulator does; async
+mode decides at each arrival, against the history and the open window. The history (per
+fragment) advances only with a committed step and is written with it (the commit record in
+the checkpoint), so a restart screens exactly as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from diloco.algorithm.robust import Aggregation, NormHistory, Screened
-from diloco.server.rounds import Round
+import torch
+
+from diloco.algorithm.robust import Aggregation, NormHistory, Screened, aggregate
+from diloco.algorithm.tensors import TensorKind
+from diloco.server.rounds import Round, ValueScan, fold
+from diloco.server.submission import Submission
+from diloco.wire import TensorSpec, WireError
+from diloco.wire.spool import PieceBody, SpooledTensors
+
+log = logging.getLogger("diloco.server")
 
 
 class RobustScreen:
@@ -29,6 +42,11 @@ class RobustScreen:
     def on(self) -> bool:
         """Whether norms are screened at all (every rule but the plain mean)."""
         return self.aggregation.screens
+
+    @property
+    def elementwise(self) -> bool:
+        """trimmed_mean or median: a round's pseudo-gradients combine element by element."""
+        return self.aggregation.rule in ("trimmed_mean", "median")
 
     def verdict(self, fragment: int, norms: Sequence[float]) -> Screened:
         return self.histories[fragment].verdict(norms, self.aggregation)
@@ -61,3 +79,85 @@ def screened_record(screen: RobustScreen, fragment: int, decided: Round) -> dict
         "refused": dict(decided.refused),
         "norm_history": after.snapshot(),
     }
+
+
+def decide_round(
+    screen: RobustScreen,
+    current: Round,
+    fragment: int,
+    storage: dict[str, torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+    now: float,
+) -> None:
+    """Screen a complete round's held submissions as one (their norms against the median of
+    recent ones) and fold what they make into its sums: each kept one with its scale
+    (clipped_mean), or their element-wise combination (trimmed_mean, median). In worker-id
+    order, so that the sums do not depend on arrival order. Every held body is released."""
+    held = sorted(current.held, key=lambda pair: pair[0].worker_id)
+    current.held = []
+    try:
+        verdict = screen.verdict(fragment, [scan.norm or 0.0 for _, scan in held])
+        if current.running is None:
+            current.open_sums(storage)
+        kept: list[tuple[Submission, ValueScan, float]] = []
+        for index, (submission, scan) in enumerate(held):
+            if index in verdict.refused:
+                current.refused[submission.worker_id] = verdict.refused[index]
+            else:
+                kept.append((submission, scan, verdict.scales[index]))
+        if screen.elementwise:
+            _fold_combined(screen.aggregation, current, kept, specs)
+        else:
+            for submission, scan, scale in kept:
+                try:
+                    fold(current, submission, scan, storage, now, scale, record=False)
+                except WireError as error:  # its sum could overflow: refused, as an outlier
+                    current.refused[submission.worker_id] = error.error
+        for submission, scan, scale in kept:
+            if submission.worker_id not in current.refused:
+                current.norms[submission.worker_id] = float(scan.norm or 0.0)
+                if scale < 1.0:
+                    current.clipped[submission.worker_id] = scale
+    finally:
+        for submission, _ in held:
+            if isinstance(submission.tensors, PieceBody):
+                submission.tensors.release()
+    for worker_id, reason in current.refused.items():
+        log.warning("round %d: %s's pseudo-gradient refused: %s", current.number, worker_id, reason)
+
+
+def _fold_combined(
+    aggregation: Aggregation,
+    current: Round,
+    kept: Sequence[tuple[Submission, ValueScan, float]],
+    specs: Mapping[str, TensorSpec],
+) -> None:
+    """Fold the element-wise combination of `kept` as one pseudo-gradient, a tensor at a time."""
+    if not kept:
+        return
+    kinds = {name: TensorKind(spec.kind) for name, spec in specs.items()}
+    scales = [scale for _, _, scale in kept]
+
+    def combined() -> Iterator[tuple[str, int, torch.Tensor]]:
+        for name, spec in specs.items():
+            values = [{name: _tensor(s.tensors, name, spec)} for s, _, _ in kept]
+            yield name, 0, aggregate(values, kinds, aggregation, scales)[name].reshape(-1)
+
+    assert current.running is not None
+    current.running.add_pieces(
+        {name: tuple(spec.shape) for name, spec in specs.items()},
+        combined(),
+        sum(s.tokens for s, _, _ in kept),
+        max_abs=max(scan.bound * scale for _, scan, scale in kept),
+    )
+
+
+def _tensor(body: object, name: str, spec: TensorSpec) -> torch.Tensor:
+    """One tensor of a held body as fp32 (read from its spool file when it is one)."""
+    if isinstance(body, SpooledTensors):
+        out = torch.empty(int(torch.Size(spec.shape).numel()), dtype=torch.float32)
+        for _, first, piece in body.pieces(names=[name]):
+            out[first : first + piece.numel()].copy_(piece)
+        return out.view(spec.shape)
+    assert isinstance(body, Mapping)
+    return body[name].to(torch.float32)

@@ -219,12 +219,17 @@ class ServerSettings:
 
     def _check_aggregation(self) -> None:
         rule = self.robust.rule  # raises for an unknown rule, a bad F, multiple or ratio
-        if rule in ("trimmed_mean", "median"):
+        if rule in ("trimmed_mean", "median") and self.mode == "async":
             raise ValueError(
-                f"aggregation {self.aggregation} combines the pseudo-gradients element by "
-                "element, which the server does not do yet (it folds each into one running "
-                "sum); the server takes mean or clipped_mean, and `diloco simulate "
-                "--aggregation` runs all four"
+                f"aggregation {self.aggregation} combines a round's pseudo-gradients element "
+                "by element, and mode async applies each arrival alone; use clipped_mean "
+                "(screened against the running median norm) or mode sync/streaming"
+            )
+        if rule in ("trimmed_mean", "median") and self.compressed_uploads:
+            raise ValueError(
+                f"aggregation {self.aggregation} reads each pseudo-gradient tensor by tensor, "
+                f"which compressed uploads (upload_codec {self.upload_codec}) do not allow; "
+                "use fp32 or bf16 uploads, or clipped_mean"
             )
         if self.robust.screens and self.weighting != "uniform":
             raise ValueError(
