@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint bench clean
+.PHONY: demo test test-slow lint bench clean browser
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,9 +15,16 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/diloco demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest
+
+# The dashboard's browser test drives Debian's chromium (no browser download at run time).
+browser:
+	@command -v chromium >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null \
+		&& { apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } \
+		|| echo "chromium is not installed (apt-get install chromium): the dashboard's browser test will be skipped"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow

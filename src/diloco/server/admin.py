@@ -148,6 +148,11 @@ class AdminActions:
         with self._lock:
             return self.state.audit_log(after=after, limit=limit)
 
+    def history(self, after: int = -1) -> dict[str, list[dict]]:
+        """The metrics history after round `after`: commits, and each live worker at each."""
+        with self._lock:
+            return self.state.metrics_history(after)
+
     def state_of(self) -> dict:
         """The operator's switches, for /v1/status."""
         return {

@@ -24,6 +24,7 @@ from diloco import __version__, faults
 from diloco.server.admin_routes import add_admin_routes
 from diloco.server.coordinator import Coordinator
 from diloco.server.credentials import Caller, Credentials
+from diloco.server.dashboard import add_dashboard, session_caller
 from diloco.server.errors import Rejection
 from diloco.server.request_json import json_body
 from diloco.server.results import RoundResult
@@ -101,9 +102,11 @@ def caller_of(request: Request) -> Caller:
     """Who sent the request: 401 for a missing or wrong secret (identified once per request)."""
     caller = getattr(request.state, "caller", None)
     if caller is None:
+        caller = session_caller(request)  # a signed-in dashboard (no Authorization header)
+    if caller is None:
         credentials: Credentials = request.app.state.credentials
         caller = credentials.identify(request.headers.get("authorization"))
-        request.state.caller = caller
+    request.state.caller = caller
     return caller
 
 
@@ -461,6 +464,15 @@ def create_app(
         caller_of,
         request_stop,
     )
+
+    def dashboard_data(after: int) -> dict:
+        return {
+            "status": coordinator.status(),
+            "settings": coordinator.settings.to_wire(),
+            "history": coordinator.admin.history(after),
+        }
+
+    add_dashboard(app, credentials, dashboard_data, caller_of, [*authed, Depends(require_admin)])
 
     @app.get("/metrics", dependencies=authed)
     async def prometheus() -> Response:

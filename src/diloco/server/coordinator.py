@@ -458,9 +458,11 @@ class Coordinator:
                     "contributions": len(record.contributors),
                     "bytes_in": self.traffic.bytes_in,
                     "bytes_out": self.traffic.bytes_out,
+                    "workers": self.membership.snapshot(self.clock()),
                 },
                 list(fragment_rounds),
                 published=model.published_tensors,
+                started=started,
             ),
             names,
         )

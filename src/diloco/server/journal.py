@@ -17,8 +17,10 @@ it with the checkpoint actually loaded (see `restore`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -248,14 +250,17 @@ class RoundJournal:
         masters: Mapping[str, torch.Tensor],
         optimizer_state: Mapping[str, torch.Tensor],
         specs: Mapping[str, TensorSpec],
-        metrics: dict[str, int | float],
+        metrics: dict[str, Any],
         fragment_rounds: list[int] | None = None,
         published: Mapping[str, torch.Tensor] | None = None,
+        started: float | None = None,
     ) -> None:
         """Make round `record.round`'s commit durable as policy says, then record it in SQLite.
 
         The checkpoint goes first: a crash between the two leaves a checkpoint whose commit
         record `restore` replays into SQLite, never a SQLite row without its weights.
+        `started`: the perf_counter() when the step began; the SQLite rows then give the
+        step's seconds (outer step, delta coding, checkpoint) instead of the record's.
         """
         new_round = record.round + 1
         if self.durable and (self.durability == "round" or new_round % self.checkpoint_every == 0):
@@ -264,6 +269,8 @@ class RoundJournal:
                 new_round, masters, optimizer_state, specs, record, fragment_rounds, published
             )
             faults.crash_point("after_checkpoint")
+        if started is not None:
+            record = replace(record, seconds=time.perf_counter() - started)
         with self.state.transaction():
             record.store_in(self.state)
             record.apply_to(self.pool)

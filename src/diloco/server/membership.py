@@ -76,6 +76,11 @@ class Membership:
         with self.lock:
             return list(self.workers.values())
 
+    def snapshot(self, now: float) -> list[dict]:
+        """Every live worker's status now (a commit's row of the metrics history)."""
+        with self.lock:
+            return [w.to_status(now) for w in self.workers.values() if w.live]
+
     def get_live(self, worker_id: str) -> WorkerRecord | None:
         record = self.workers.get(worker_id)
         return record if record is not None and record.live else None

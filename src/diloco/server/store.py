@@ -22,7 +22,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,15 @@ CREATE TABLE IF NOT EXISTS metrics (
     bytes_in INTEGER NOT NULL,
     bytes_out INTEGER NOT NULL,
     seconds REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS worker_metrics (     -- each live worker as it stood at a commit
+    round INTEGER NOT NULL,
+    worker_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    loss REAL,
+    steps_per_second REAL NOT NULL,
+    tokens INTEGER NOT NULL,
+    PRIMARY KEY (round, worker_id)
 );
 """
 
@@ -371,13 +380,49 @@ class StateStore:
         bytes_in: int,
         bytes_out: int,
         seconds: float,
+        workers: Sequence[Mapping[str, Any]] = (),
     ) -> None:
+        """A commit's row, and one per live worker (its step, loss, speed, tokens then)."""
         self.conn.execute(
             "INSERT OR REPLACE INTO metrics "
             "(round, at, live_workers, contributions, bytes_in, bytes_out, seconds) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
             (round_number, time.time(), live_workers, contributions, bytes_in, bytes_out, seconds),
         )
+        self.conn.executemany(
+            "INSERT OR REPLACE INTO worker_metrics "
+            "(round, worker_id, step, loss, steps_per_second, tokens) VALUES (?, ?, ?, ?, ?, ?)",
+            [
+                (round_number, w["worker_id"], w["step"], w["loss"], w["steps_per_second"],
+                 w["tokens"])
+                for w in workers
+            ],
+        )  # fmt: skip
+
+    def metrics_history(self, after: int = -1, limit: int = 10_000) -> dict[str, list[dict]]:
+        """The commits after round `after` (oldest first, at most `limit`) and the workers'
+        rows of the same rounds: what the dashboard draws."""
+        rows = self.conn.execute(
+            "SELECT round, at, live_workers, contributions, bytes_in, bytes_out, seconds "
+            "FROM metrics WHERE round > ? ORDER BY round LIMIT ?",
+            (after, limit),
+        ).fetchall()
+        rounds = [
+            dict(zip(("round", "at", "live_workers", "contributions", "bytes_in", "bytes_out",
+                      "seconds"), row, strict=True))
+            for row in rows
+        ]  # fmt: skip
+        last = rounds[-1]["round"] if rounds else after
+        workers = [
+            dict(zip(("round", "worker_id", "step", "loss", "steps_per_second", "tokens"), row,
+                     strict=True))
+            for row in self.conn.execute(
+                "SELECT round, worker_id, step, loss, steps_per_second, tokens FROM "
+                "worker_metrics WHERE round > ? AND round <= ? ORDER BY round, worker_id",
+                (after, last),
+            )
+        ]  # fmt: skip
+        return {"rounds": rounds, "workers": workers}
 
     def committed_rounds(self) -> list[dict]:
         rows = self.conn.execute(
@@ -409,6 +454,7 @@ class StateStore:
         self.conn.execute("DELETE FROM rounds WHERE round >= ?", (first,))
         self.conn.execute("DELETE FROM submissions WHERE version >= ?", (first,))
         self.conn.execute("DELETE FROM metrics WHERE round >= ?", (first,))
+        self.conn.execute("DELETE FROM worker_metrics WHERE round >= ?", (first,))
 
     def audit(
         self, event: str, *, worker_id: str | None = None, round: int | None = None, **detail: Any
