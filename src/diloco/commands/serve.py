@@ -160,6 +160,11 @@ def server_command(
         None, help="Serve HTTPS with this PEM certificate (chain); needs --tls-key."
     ),
     tls_key: Path = typer.Option(None, help="The PEM private key of --tls-cert."),
+    tensorboard: Path = typer.Option(
+        None,
+        help="Also write each commit's metrics (run and per-worker scalars) as TensorBoard "
+        "event files in this directory (needs diloco[tensorboard]).",
+    ),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Run the coordinator: workers register, send pseudo-gradients, get global weights.
@@ -250,6 +255,7 @@ def server_command(
             checkpoint_every=(checkpoint_every or 10) if durability == "interval" else 1,
             tokens=tokens,
             tls=tls,
+            tensorboard=tensorboard,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None

@@ -38,6 +38,7 @@ from diloco.server.metrics import ServerMetrics, Traffic
 from diloco.server.registrar import Registrar
 from diloco.server.results import RoundResult, Waiting
 from diloco.server.rounds import Round
+from diloco.server.scalars import TensorBoardScalars
 from diloco.server.screening import RobustScreen
 from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
@@ -66,8 +67,11 @@ class Coordinator:
         metrics: ServerMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         journal: RoundJournal | None = None,
+        scalars: TensorBoardScalars | None = None,
     ) -> None:
+        """`scalars`: --tensorboard's writer, given each commit's metrics (None: no file)."""
         self.settings = settings
+        self.scalars = scalars
         self.metrics = metrics or ServerMetrics()
         self.clock = clock
         self.started_at = clock()
@@ -445,6 +449,13 @@ class Coordinator:
         live = len(self.membership.live_ids())
         assert model.plan is not None
         names = model.plan[record.fragment] if len(model.plan) > 1 else None
+        metrics = {
+            "live_workers": live,
+            "contributions": len(record.contributors),
+            "bytes_in": self.traffic.bytes_in,
+            "bytes_out": self.traffic.bytes_out,
+            "workers": self.membership.snapshot(self.clock()),
+        }
         model.commit(
             running,
             record.round + 1,
@@ -453,19 +464,15 @@ class Coordinator:
                 model.masters,
                 model.optimizer.state_dict(copy=False),
                 model.specs,
-                {
-                    "live_workers": live,
-                    "contributions": len(record.contributors),
-                    "bytes_in": self.traffic.bytes_in,
-                    "bytes_out": self.traffic.bytes_out,
-                    "workers": self.membership.snapshot(self.clock()),
-                },
+                metrics,
                 list(fragment_rounds),
                 published=model.published_tensors,
                 started=started,
             ),
             names,
         )
+        if self.scalars is not None:
+            self.scalars.commit(record.round, metrics, time.perf_counter() - started)
         self.last_commit = record
         self.rounds_committed += 1
         self.metrics.rounds.inc()
@@ -559,4 +566,6 @@ class Coordinator:
                     )
             finally:
                 self.journal.close()
+                if self.scalars is not None:
+                    self.scalars.close()
             return flushed

@@ -23,6 +23,7 @@ from diloco.server.coordinator import Coordinator
 from diloco.server.credentials import Credentials
 from diloco.server.http_protocol import DilocoHttpProtocol
 from diloco.server.journal import RoundJournal
+from diloco.server.scalars import TensorBoardScalars
 from diloco.server.settings import ServerSettings
 from diloco.server.store import DATABASE_NAME, StateStore
 
@@ -218,6 +219,7 @@ def serve(
     checkpoint_every: int = 1,
     tokens: Mapping[str, str] | None = None,
     tls: TlsFiles | None = None,
+    tensorboard: Path | None = None,
 ) -> dict:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests).
 
@@ -236,7 +238,8 @@ def serve(
     database = None if state.directory is None else state.directory / DATABASE_NAME
     try:
         journal = RoundJournal(state, settings, override_settings, durability, checkpoint_every)
-        coordinator = Coordinator(settings, initial, journal=journal)
+        scalars = None if tensorboard is None else TensorBoardScalars(tensorboard)
+        coordinator = Coordinator(settings, initial, journal=journal, scalars=scalars)
         credentials = Credentials([token] if token else [], tokens, database)
     except BaseException:
         state.close()
