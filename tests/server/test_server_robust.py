@@ -67,6 +67,9 @@ def test_a_sync_round_refuses_an_outlier_and_clips_a_large_norm(tmp_path: Path) 
     assert refused["detail"]["reason"] == (
         "pseudo-gradient norm 50 is more than 10x the median norm 1.2"
     )
+    rendered = c.metrics.render().decode()
+    assert 'diloco_screened_contributions_total{outcome="refused"} 1.0' in rendered
+    assert 'diloco_screened_contributions_total{outcome="clipped"} 1.0' in rendered
     (clipped,) = c.journal.state.audit_log("contribution_clipped")
     assert (clipped["worker_id"], clipped["round"]) == ("b", 1)
     assert clipped["detail"]["scale"] == pytest.approx(0.8)

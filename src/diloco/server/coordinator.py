@@ -474,6 +474,8 @@ class Coordinator:
         if self.scalars is not None:
             self.scalars.commit(record.round, metrics, time.perf_counter() - started)
         self.last_commit = record
+        self.metrics.screened.labels(outcome="refused").inc(len(record.refused))
+        self.metrics.screened.labels(outcome="clipped").inc(len(record.clipped))
         self.rounds_committed += 1
         self.metrics.rounds.inc()
         self.metrics.round.set(model.version)

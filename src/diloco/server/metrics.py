@@ -32,6 +32,12 @@ class ServerMetrics:
             "diloco_rejected_requests_total", "Requests refused, by kind", ["kind"], registry=r
         )
         self.evictions = Counter("diloco_evictions_total", "Workers evicted", registry=r)
+        self.screened = Counter(
+            "diloco_screened_contributions_total",
+            "Pseudo-gradients robust aggregation refused or clipped, by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.staleness = Histogram(
             "diloco_staleness",
             "Async: outer steps between a worker's anchor and its arrival",
