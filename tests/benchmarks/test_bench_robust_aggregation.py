@@ -10,7 +10,7 @@ import pytest
 from processes import run_benchmark
 
 
-@pytest.mark.slow  # in `make test-slow`: 16 short simulated runs
+@pytest.mark.slow  # in `make test-slow`: 17 short simulated runs
 def test_reduced_robust_aggregation_benchmark_runs_every_case(tmp_path: Path) -> None:
     result = run_benchmark(
         "robust_aggregation.py",
@@ -21,7 +21,9 @@ def test_reduced_robust_aggregation_benchmark_runs_every_case(tmp_path: Path) ->
     assert result.returncode == 0, result.stderr[-3000:]
     runs = json.loads((tmp_path / "robust_aggregation.json").read_text())["runs"]
     cases = {(r["attack"], r["aggregation"]) for r in runs}
-    assert len(cases) == 16
+    assert len(cases) == 17
+    three = [r for r in runs if r["attack"].startswith("none, K=3")]
+    assert len(three) == 1 and three[0]["refused_contributions"] == 0
     by_case = {(r["attack"], r["aggregation"]): r for r in runs}
     # the 100x worker is an outlier in each of the 2 rounds under every robust rule
     assert by_case[("scale100", "median")]["refused_contributions"] == 2
