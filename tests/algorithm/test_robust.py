@@ -93,3 +93,22 @@ def test_bad_clip_and_outlier_settings_are_refused() -> None:
         Aggregation.parse("clipped_mean", clip_multiple=0.0)
     with pytest.raises(ValueError, match="outlier ratio must be > 1"):
         Aggregation.parse("median", outlier_ratio=1.0)
+
+
+def test_a_pseudo_gradient_pointing_away_from_the_median_is_refused() -> None:
+    from diloco.algorithm.robust import opposed
+
+    kinds = {"w": TensorKind.TRAINABLE, "b": TensorKind.FLOAT_BUFFER}
+    rows = [[1.0, 1.0], [1.0, 2.0], [2.0, 1.0], [-1.5, -1.5]]
+    gradients = [{"w": torch.tensor(r), "b": torch.tensor([-100.0])} for r in rows]
+    # Per element, sorted: [-1.5, 1, 1, 2] twice; the median (mean of the middle two) is
+    # (1, 1). The last row's cosine with it is -3 / (sqrt(4.5) sqrt(2)) = -1; the buffer,
+    # which the outer optimizer does not train, is left out.
+    assert opposed(gradients, kinds, [True] * 4) == {
+        3: "pseudo-gradient points away from the round's median direction (cosine -1.000)"
+    }
+    assert opposed(gradients, kinds, [True, True, False, True]) == {
+        # median of (1, 1, -1.5) and (1, 2, -1.5): (1, 1); still -1
+        3: "pseudo-gradient points away from the round's median direction (cosine -1.000)"
+    }
+    assert opposed(gradients, kinds, [True, False, False, True]) == {}  # 2: median = mean

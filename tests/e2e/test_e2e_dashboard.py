@@ -57,16 +57,32 @@ def test_the_dashboard_logs_in_follows_a_live_run_and_evicts_from_a_click(
 
         page.get_by_label("Admin token").fill(ADMIN)
         page.get_by_role("button", name="Sign in").click()
-        live = page.locator("#workers tbody tr:not(.gone)")
-        live.nth(1).wait_for()
-        page.wait_for_function("Number(document.body.dataset.round) >= 2")
-        seen = int(page.locator("body").get_attribute("data-round"))
+
+        # (Locators and Python-side polling only: the page's CSP forbids the eval that
+        # Playwright's wait_for_function would use, which is the point of having one.)
+        def wait_until(check, what: str) -> None:
+            for _ in range(300):
+                if check():
+                    return
+                page.wait_for_timeout(200)
+            raise AssertionError(f"the dashboard never showed {what}")
+
+        def shown_round() -> int:
+            return int(page.locator("body").get_attribute("data-round") or -1)
+
+        page.locator("#workers tbody tr:not(.gone)").nth(1).wait_for()
+        wait_until(lambda: shown_round() >= 2, "round 2")
+        seen = shown_round()
         # Live: the round it shows moves on while the page stays open.
-        page.wait_for_function(f"Number(document.body.dataset.round) > {seen}")
-        assert sorted(page.locator("#workers tbody tr").evaluate_all(
-            "rows => rows.map(r => r.dataset.worker)")) == ["w0", "w1"]  # fmt: skip
+        wait_until(lambda: shown_round() > seen, "a round after the first one it showed")
+        rows = page.locator("#workers tbody tr")
+        assert sorted(rows.nth(i).get_attribute("data-worker") for i in range(rows.count())) == [
+            "w0",
+            "w1",
+        ]
         page.locator("#rounds tbody tr").first.wait_for()
-        page.wait_for_function("document.querySelectorAll('#chart-loss .u-series').length >= 3")
+        loss_series = page.locator("#chart-loss .u-series")
+        wait_until(lambda: loss_series.count() >= 3, "a loss series per worker")
         if screenshots:
             page.wait_for_timeout(3000)  # a few more rounds on the charts
             page.screenshot(path=str(DOCS / "dashboard.png"), full_page=True)

@@ -105,6 +105,24 @@ def test_the_barrier_timeout_does_not_run_while_paused() -> None:
     assert w(c) == 12.0  # the round went on with a alone: +2
 
 
+def test_a_first_submission_made_during_a_pause_gets_the_whole_timeout_after_it() -> None:
+    c, clock = make(barrier_timeout=60.0)
+    c.admin.pause("admin")
+    clock.now += 3000
+    submit(c, "a", 0, 2.0)  # 10 s before the resume
+    clock.now += 10
+    c.admin.resume("admin")
+    for _ in range(2):  # 59 s after the resume: b is not late yet
+        clock.now += 29.5
+        c.heartbeat("a", step=1, steps_per_second=1.0, loss=None, tokens=0)
+        c.heartbeat("b", step=1, steps_per_second=1.0, loss=None, tokens=0)
+        assert c.evict_stale() == []
+    clock.now += 2  # 61 s: late, whatever the pause lasted
+    c.heartbeat("a", step=1, steps_per_second=1.0, loss=None, tokens=0)
+    c.heartbeat("b", step=1, steps_per_second=1.0, loss=None, tokens=0)
+    assert c.evict_stale() == ["b"]
+
+
 def test_async_arrivals_held_while_paused_are_applied_as_one_step_at_resume() -> None:
     c, _ = make(mode="async")
     c.admin.pause("admin")
@@ -163,7 +181,7 @@ def test_evicting_a_member_lets_its_round_commit_and_a_ban_keeps_it_out(tmp_path
     c, _ = make(tmp_path)
     submit(c, "a", 0, 2.0)
     answer = c.admin.evict("b", "admin", ban=True, reason="sends noise")
-    assert answer == {"worker_id": "b", "evicted": True, "banned": True}
+    assert answer == {"worker_id": "b", "evicted": True, "banned": True, "pending_dropped": False}
     assert (c.round_number, w(c)) == (1, 12.0)  # the round went on with a alone
     with pytest.raises(Rejection) as caught:
         c.register("b", SPECS, 1)

@@ -102,6 +102,7 @@ def test_admin_routes_refuse_other_scopes_and_bad_requests_change_nothing(
         "worker_id": "w0",
         "evicted": True,
         "banned": False,
+        "pending_dropped": False,
     }
     events = admin.ok("GET", "/v1/admin/audit?after=0&limit=1000")["events"]
     admin_events = {"paused", "outer_lr_changed", "resumed", "admin_evicted"}

@@ -28,7 +28,9 @@ SPECS = [
 UNIT = torch.tensor([0.6, 0.8])
 
 
-def make(state: Path | None = None, **settings) -> Coordinator:
+def make(
+    state: Path | None = None, workers: tuple[str, ...] = ("a", "b", "c"), **settings
+) -> Coordinator:
     settings = {"outer_optimizer": "sgd", "outer_lr": 1.0, "aggregation": "clipped_mean",
                 **settings}  # fmt: skip
     if settings.get("mode") == "async":
@@ -37,7 +39,7 @@ def make(state: Path | None = None, **settings) -> Coordinator:
     restored = state is not None and any((state / "checkpoints").glob("gen-*"))
     initial = {"w": torch.tensor([10.0, 10.0]), "count": torch.tensor(0)}
     c = Coordinator(journal.settings, None if restored else initial, journal=journal)
-    for worker in ("a", "b", "c"):
+    for worker in workers:
         if not c.membership.is_live(worker):
             c.register(worker, SPECS, 1)
     return c
@@ -181,3 +183,56 @@ def test_bad_aggregation_settings_are_refused(settings: dict, needle: str) -> No
     with pytest.raises(ValueError) as caught:
         ServerSettings(**settings)
     assert needle in str(caught.value)
+
+
+def test_banning_a_worker_drops_its_held_pseudo_gradient() -> None:
+    c = make()
+    send(c, "a", 0, 1.0)
+    send(c, "c", 0, 4.0)  # held until b is in
+    answer = c.admin.evict("c", "admin", ban=True, reason="hostile")
+    assert answer["pending_dropped"] is True and c.round_number == 0
+    send(c, "b", 0, 1.2)
+    assert w(c) == pytest.approx([10 - 1.1 * 0.6, 10 - 1.1 * 0.8], abs=1e-6)  # a and b only
+    (refused,) = c.journal.state.audit_log("contribution_refused")
+    assert (refused["worker_id"], refused["detail"]["reason"]) == ("c", "worker banned by an admin")
+
+
+def test_a_read_that_fails_while_a_round_decides_leaves_it_holding_everything(
+    monkeypatch,
+) -> None:
+    c = make()
+    send(c, "a", 0, 1.0)
+    send(c, "b", 0, 1.2)
+    import diloco.server.screening as screening
+
+    real_fold = screening.fold
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(args[1].worker_id)
+        if len(calls) == 2:
+            raise OSError("spool file ended early")
+        return real_fold(*args, **kwargs)
+
+    monkeypatch.setattr(screening, "fold", failing)
+    with pytest.raises(OSError):
+        send(c, "c", 0, 2.0)
+    current = c.round
+    assert c.round_number == 0 and current.running is None and len(current.held) == 3
+    assert current.norms == current.refused == current.clipped == {}
+    monkeypatch.setattr(screening, "fold", real_fold)
+    c.evict_stale()  # the server's next tick (each second) decides the round again
+    assert w(c) == pytest.approx([10 - 1.4 * 0.6, 10 - 1.4 * 0.8], abs=1e-6)  # mean 1, 1.2, 2
+
+
+def test_a_sign_flipped_pseudo_gradient_of_honest_norm_is_refused() -> None:
+    c = make(workers=("a", "b", "c", "d"))
+    for worker, k in (("a", 1.0), ("b", 1.2), ("c", 0.9), ("d", -1.1)):
+        send(c, worker, 0, k)
+    # Norms 1, 1.2, 0.9, 1.1: none refused or clipped (median 1.05). Per element the median
+    # of the k's is (0.9 + 1) / 2 > 0, so d's cosine with it is -1: refused. Mean of the rest:
+    # (1 + 1.2 + 0.9) / 3.
+    mean = (1.0 + 1.2 + 0.9) / 3
+    assert w(c) == pytest.approx([10 - mean * 0.6, 10 - mean * 0.8], abs=1e-6)
+    (refused,) = c.journal.state.audit_log("contribution_refused")
+    assert refused["worker_id"] == "d" and "cosine -1.000" in refused["detail"]["reason"]

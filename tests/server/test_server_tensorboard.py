@@ -59,3 +59,28 @@ def test_a_tensorboard_path_that_is_a_file_is_one_error_line(tmp_path: Path) -> 
     taken.write_text("")
     code, _, err = run_all({"tb": ["server", "--port", "0", "--tensorboard", str(taken)]})["tb"]
     assert code == 2 and "is a file, not a directory" in err and "Traceback" not in err
+
+
+def test_a_stuck_or_failing_writer_never_holds_a_commit(tmp_path: Path) -> None:
+    """tensorboardX blocks when its queue is full (a slow or full disk): commits go on."""
+    import threading
+
+    scalars = TensorBoardScalars(tmp_path / "tb")
+    stuck = threading.Event()
+    calls = []
+
+    def blocked(*args) -> None:
+        calls.append(args)
+        stuck.wait(timeout=30)
+        raise OSError("no space left on device")
+
+    scalars.writer.add_scalar = blocked
+    c = Coordinator(ServerSettings(outer_optimizer="sgd", outer_lr=1.0), {"w": torch.zeros(4)},
+                    scalars=scalars)  # fmt: skip
+    c.register("a", SPECS, 1)
+    for round_number in range(3):  # the writer is stuck in round 0's first scalar
+        c.submit("a", round_number, {"w": torch.ones(4)})
+    assert c.round_number == 3 and calls and not stuck.is_set()
+    stuck.set()  # each write now fails; logged, and the close still returns
+    c.shutdown()
+    assert c.masters["w"].tolist() == [-3.0] * 4

@@ -198,3 +198,57 @@ def _trimmed_mean(stacked: torch.Tensor, trim: float) -> torch.Tensor:
         return stacked.mean(dim=0)
     ordered = stacked.sort(dim=0).values
     return ordered[cut : count - cut].mean(dim=0)
+
+
+class OpposedCheck:
+    """Each pseudo-gradient's cosine with the round's element-wise median, accumulated a
+    tensor at a time (over the trainable float tensors): one below 0 points away from where
+    the others go. A sign-flipped update has the norm of an honest one, so no norm bound sees
+    it; this does (FLTrust, Cao et al. 2021, scores updates by their cosine with a trusted
+    direction; here the trusted direction is the round's median, so no data is needed)."""
+
+    def __init__(self, count: int) -> None:
+        self.dots = [0.0] * count
+        self.squares = [0.0] * count
+        self.median_squares = 0.0
+
+    def add(self, stacked: torch.Tensor) -> None:
+        """One tensor of every pseudo-gradient, stacked along dim 0 in a fixed order."""
+        values = stacked.to(torch.float64)
+        median = _median(values)
+        self.median_squares += float(median.pow(2).sum())
+        flat, reference = values.flatten(1), median.flatten()
+        for row in range(values.shape[0]):
+            self.dots[row] += float(flat[row] @ reference)
+            self.squares[row] += float(flat[row] @ flat[row])
+
+    def refused(self) -> dict[int, str]:
+        """{row: reason} of the pseudo-gradients with a negative cosine (none when fewer than
+        3 were given: with 2 the median is their mean)."""
+        if len(self.dots) < 3:
+            return {}
+        refused = {}
+        for row, (dot, squares) in enumerate(zip(self.dots, self.squares, strict=True)):
+            scale = math.sqrt(squares * self.median_squares)
+            cosine = dot / scale if scale > 0 else 0.0
+            if cosine < 0:
+                refused[row] = (
+                    "pseudo-gradient points away from the round's median direction "
+                    f"(cosine {cosine:.3f})"
+                )
+        return refused
+
+
+def opposed(
+    gradients: Sequence[Mapping[str, torch.Tensor]],
+    kinds: Mapping[str, TensorKind],
+    kept: Sequence[bool],
+) -> dict[int, str]:
+    """`OpposedCheck` over the kept ones of a round held in memory: {index: reason}."""
+    chosen = [i for i, keep in enumerate(kept) if keep]
+    check = OpposedCheck(len(chosen))
+    if len(chosen) >= 3:
+        for name, tensor in gradients[chosen[0]].items():
+            if kinds.get(name) is TensorKind.TRAINABLE and tensor.is_floating_point():
+                check.add(torch.stack([gradients[i][name] for i in chosen]))
+    return {chosen[row]: reason for row, reason in check.refused().items()}

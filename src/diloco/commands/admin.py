@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from diloco.commands.options import CaFileOption, check_ca_file, read_token
 from diloco.console import check_output_path, fail, megabytes, out, summary_table, write_json
@@ -75,11 +76,12 @@ def _show(title: str, answer: dict[str, Any]) -> None:
 
 
 def _cell(value: object) -> str:
+    """A table cell, its text shown as is (rich markup in a reason or an id is escaped)."""
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:g}"
-    return str(value)
+    return escape(str(value))
 
 
 @admin_app.command("pause")
@@ -230,10 +232,10 @@ def audit_command(
         [
             event["id"],
             datetime.datetime.fromtimestamp(event["at"]).isoformat(timespec="seconds"),
-            event["event"],
-            event["worker_id"] or "-",
-            "-" if event["round"] is None else event["round"],
-            ", ".join(f"{k}={v}" for k, v in event["detail"].items()) or "-",
+            _cell(event["event"]),
+            _cell(event["worker_id"]),
+            _cell(event["round"]),
+            _cell(", ".join(f"{k}={v}" for k, v in event["detail"].items()) or None),
         ]
         for event in events
     ]

@@ -170,7 +170,8 @@ def simulate_command(
     aggregation: str = typer.Option(
         "mean",
         help="How a round's pseudo-gradients combine: mean, clipped_mean, trimmed_mean:F "
-        "(0 <= F < 0.5) or median; the robust ones refuse norms over 10x the median.",
+        "(0 <= F < 0.5) or median; the robust ones refuse norms over 10x the median, and "
+        "(3 kept or more) one pointing away from the round's element-wise median.",
     ),
     hostile: str = typer.Option(
         "none", help="The last worker sends its update scale100, sign_flip, or noise (or none)."

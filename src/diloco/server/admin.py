@@ -56,14 +56,15 @@ class AdminActions:
 
     def resume(self, by: str) -> dict:
         with self._lock:
-            paused_for = self.control.resume(by, self.model.version)
-            if paused_for is not None:
-                self.engine.on_resume(paused_for, self.clock())
+            now = self.clock()
+            since = self.control.resume(by, self.model.version)
+            if since is not None:
+                self.engine.on_resume(since, now)
                 self._lock.notify_all()  # results that committed now wake their long-polls
             return {
                 "paused": False,
-                "changed": paused_for is not None,
-                "paused_seconds": paused_for,
+                "changed": since is not None,
+                "paused_seconds": None if since is None else max(0.0, now - since),
                 "round": self.model.version,
             }
 
@@ -97,13 +98,23 @@ class AdminActions:
                     "that is not live)",
                     worker_id=worker_id,
                 )
-            if ban:
-                self.control.ban(worker_id, by, self.model.version, reason)
+            dropped = False
+            with self.state.transaction():  # the ban and the departure, or neither
+                if ban:
+                    self.control.ban(worker_id, by, self.model.version, reason)
+                    # Its pseudo-gradient still held for a barrier is not applied.
+                    dropped = self.engine.drop_pending(worker_id, "worker banned by an admin")
+                if live:
+                    self.registrar.remove(worker_id, "admin_evicted", by=by, reason=reason)
             if live:
-                self.registrar.remove(worker_id, "admin_evicted", by=by, reason=reason)
                 self.metrics.evictions.inc()
                 self._lock.notify_all()  # a barrier that waited on it may have committed
-            return {"worker_id": worker_id, "evicted": live, "banned": ban}
+            return {
+                "worker_id": worker_id,
+                "evicted": live,
+                "banned": ban,
+                "pending_dropped": dropped,
+            }
 
     def unban(self, worker_id: str, by: str) -> dict:
         _check_id(worker_id)

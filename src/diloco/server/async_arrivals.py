@@ -79,13 +79,17 @@ class AsyncArrivals:
     def overdue(self, now: float) -> list[str]:
         return []  # no barrier: a hung worker holds nobody up
 
-    def on_resume(self, paused_for: float, now: float) -> None:
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        return False  # an arrival is folded into its window when it arrives
+
+    def on_resume(self, paused_since: float, now: float) -> None:
         """Arrivals held while paused went into one window: it is applied now, as one step."""
         self._try_commit(now)
 
     def wake_within(self, now: float) -> float:
-        """A long-poll wakes by the window's deadline, which it may then close itself."""
-        if self.window is None or self.window.first_submission_at is None:
+        """A long-poll wakes by the window's deadline, which it may then close itself (not
+        while paused: the resume wakes every poll)."""
+        if self.window is None or self.window.first_submission_at is None or self.c.paused():
             return 1.0
         deadline = self.grace.deadline(self.window.first_submission_at)
         return max(0.001, min(1.0, deadline - now))
@@ -129,7 +133,7 @@ class AsyncArrivals:
         if window is None:
             window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
         scale = staleness_scale(staleness, c.settings.staleness_weighting)
-        refusal = None
+        refusal, clip = None, 1.0
         if c.screen.on:
             # Each arrival against the history and the window's own: decided now, not later.
             assert isinstance(checked, ValueScan) and checked.norm is not None
@@ -143,12 +147,11 @@ class AsyncArrivals:
             window.record_refused(submission, refusal, now)
             log.warning("%s's pseudo-gradient refused: %s", worker_id, refusal)
         else:
-            if c.screen.on:
-                scale *= clip
-                window.norms[worker_id] = float(checked.norm)
+            fold(window, submission, checked, c.model.sums_storage(), now, scale * clip)
+            if c.screen.on:  # only once folded: a refused fold (422) leaves no trace
+                window.norms[worker_id] = float(checked.norm or 0.0)
                 if clip < 1.0:
                     window.clipped[worker_id] = clip
-            fold(window, submission, checked, c.model.sums_storage(), now, scale)
         self.window = window
         self.anchors[worker_id] = round_number
         c.metrics.staleness.observe(staleness)

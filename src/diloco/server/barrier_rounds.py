@@ -18,7 +18,7 @@ from diloco.server.errors import Rejection
 from diloco.server.journal import CommitRecord
 from diloco.server.results import Published, RoundResult, Waiting
 from diloco.server.rounds import Round, ValueScan, fold
-from diloco.server.screening import decide_round, screened_record
+from diloco.server.screening import decide_round, drop_held, screened_record
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
 
@@ -81,7 +81,12 @@ class BarrierRounds:
         return {unit for current in self.rounds for unit in current.units_of(worker_id)}
 
     def tick(self, now: float) -> None:
-        """Barriers move on submissions and departures only; nothing is due on time alone."""
+        """Barriers move on submissions and departures; a tick only retries a complete round
+        whose decision failed on a read (robust aggregation: see screening.decide_round)."""
+        if self.c.screen.on:
+            for fragment, current in enumerate(self.rounds):
+                if current.held:
+                    self._try_commit(fragment, now)
 
     def overdue(self, now: float) -> list[str]:
         timeout = self.c.settings.effective_barrier_timeout
@@ -97,12 +102,18 @@ class BarrierRounds:
     def wake_within(self, now: float) -> float:
         return 1.0
 
-    def on_resume(self, paused_for: float, now: float) -> None:
-        """The barriers' clocks skip the pause; rounds that filled up meanwhile commit now."""
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        dropped = [drop_held(current, worker_id, reason) for current in self.rounds]
+        return any(dropped)
+
+    def on_resume(self, paused_since: float, now: float) -> None:
+        """The barriers' clocks skip the pause (a first submission made during it counts from
+        now); rounds that filled up meanwhile commit now."""
         for current in self.rounds:
-            current.opened_at += paused_for
-            if current.first_submission_at is not None:
-                current.first_submission_at += paused_for
+            current.opened_at += max(0.0, now - max(current.opened_at, paused_since))
+            first = current.first_submission_at
+            if first is not None:
+                current.first_submission_at = first + max(0.0, now - max(first, paused_since))
         for fragment in range(len(self.rounds)):
             self._try_commit(fragment, now)
 

@@ -88,16 +88,18 @@ class RunControl:
         return True
 
     def resume(self, by: str, round_number: int) -> float | None:
-        """Let steps commit again; the seconds it was paused, or None if it was not."""
+        """Let steps commit again; when the pause began (on this clock; at the start of this
+        process if it was paused before a restart), or None if it was not paused."""
         if self.paused_since is None:
             return None
-        paused_for = max(0.0, self.clock() - self.paused_since)
+        since = self.paused_since
+        paused_for = max(0.0, self.clock() - since)
         with self.state.transaction():
             self.state.set_meta(PAUSED, False)
             self.state.audit("resumed", round=round_number, by=by, paused_seconds=paused_for)
         self.paused_since = None
         log.warning("rounds resumed by %s after %.1f s paused", by, paused_for)
-        return paused_for
+        return since
 
     # ----------------------------------------------------------------- outer lr
 

@@ -182,7 +182,8 @@ class Coordinator:
 
     def _readmit(self, workers: Sequence[tuple[str, str | None]]) -> None:
         for worker_id, session in workers:
-            self.membership.admit(worker_id, self.started_at, session)
+            if not self.control.is_banned(worker_id):
+                self.membership.admit(worker_id, self.started_at, session)
         self.metrics.live_workers.set(len(self.membership.live_ids()))
 
     # ----------------------------------------------------------------- read-only views

@@ -58,8 +58,13 @@ class RoundEngine(Protocol):
         """How long a long-poll may sleep before something may be due."""
         ...
 
-    def on_resume(self, paused_for: float, now: float) -> None:
-        """An admin resumed rounds after `paused_for` seconds: commit what is ready."""
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        """Discard a worker's pseudo-gradients not yet applied, where the engine still can
+        (rounds that hold theirs until the barrier); whether any was dropped."""
+        ...
+
+    def on_resume(self, paused_since: float, now: float) -> None:
+        """An admin resumed rounds paused since `paused_since`: commit what is ready."""
         ...
 
     def admit(self, submission: Submission) -> dict | None:

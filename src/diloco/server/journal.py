@@ -118,22 +118,25 @@ class CommitRecord:
     def store_in(self, state: StateStore) -> None:
         """The SQLite row of this step and of each pseudo-gradient it used; its refusals and
         clippings in the audit log."""
+        where = {"fragment": self.fragment}  # round: the version; a fragment's own round too
+        if self.fragment_round is not None:
+            where["fragment_round"] = self.fragment_round
         for worker_id, reason in sorted(self.refused.items()):
             state.audit(
                 "contribution_refused",
                 worker_id=worker_id,
                 round=self.round,
-                fragment=self.fragment,
                 reason=reason,
+                **where,
             )
         for worker_id, scale in sorted(self.clipped.items()):
             state.audit(
                 "contribution_clipped",
                 worker_id=worker_id,
                 round=self.round,
-                fragment=self.fragment,
                 scale=scale,
                 norm=self.norms.get(worker_id),
+                **where,
             )
         state.record_commit(
             self.round,

@@ -18,6 +18,7 @@ async def json_body(request: Request, model: type[Model], *, optional: bool = Fa
 
     `optional`: an empty body means every field's default (`curl -X POST` with no data)."""
     length = parse_content_length(request.headers.get("content-length"))
-    if optional and not length:
+    chunked = "transfer-encoding" in request.headers  # a body without a length: 411 below
+    if optional and (length == 0 or (length is None and not chunked)):
         return parse_request(model, b"{}")
     return parse_request(model, await read_body(request.stream(), length, MAX_JSON_BYTES))

@@ -7,11 +7,13 @@ clipped_mean one more than `--clip-multiple` times it is scaled down to that bou
 trimmed_mean:F and median (sync and streaming, plain uploads) the kept ones are then combined
 element by element, one tensor at a time (K copies of one tensor in memory, never of the
 model), with algorithm/robust.py's `aggregate`, and the result is folded as the step's one
-pseudo-gradient. Sync and streaming rounds hold their submissions (spooled on disk) until the
-barrier is complete and decide for the whole round at once, as the simulator does; async
-mode decides at each arrival, against the history and the open window. The history (per
-fragment) advances only with a committed step and is written with it (the commit record in
-the checkpoint), so a restart screens exactly as before.
+pseudo-gradient. In sync and streaming rounds, of the ones the norms keep (3 at least), any
+whose cosine with the round's element-wise median is negative is refused too: a sign-flipped
+update has an honest norm. Sync and streaming rounds hold their submissions (spooled on disk)
+until the barrier is complete and decide for the whole round at once, as the simulator does;
+async mode decides at each arrival, against the history and the open window. The history (per
+fragment) advances only with a committed step and is written with it (the commit record in the
+checkpoint), so a restart screens exactly as before.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from diloco.algorithm.robust import Aggregation, NormHistory, Screened, aggregate
+from diloco.algorithm.robust import Aggregation, NormHistory, OpposedCheck, Screened, aggregate
 from diloco.algorithm.tensors import TensorKind
 from diloco.server.rounds import Round, ValueScan, fold
 from diloco.server.submission import Submission
@@ -94,15 +96,17 @@ def decide_round(
     (clipped_mean), or their element-wise combination (trimmed_mean, median). In worker-id
     order, so that the sums do not depend on arrival order. Every held body is released."""
     held = sorted(current.held, key=lambda pair: pair[0].worker_id)
-    current.held = []
+    opened = current.running is None
     try:
         verdict = screen.verdict(fragment, [scan.norm or 0.0 for _, scan in held])
         if current.running is None:
             current.open_sums(storage)
+        refused = dict(verdict.refused)
+        refused.update(_opposed(held, [i not in refused for i in range(len(held))], specs))
         kept: list[tuple[Submission, ValueScan, float]] = []
         for index, (submission, scan) in enumerate(held):
-            if index in verdict.refused:
-                current.refused[submission.worker_id] = verdict.refused[index]
+            if index in refused:
+                current.refused[submission.worker_id] = refused[index]
             else:
                 kept.append((submission, scan, verdict.scales[index]))
         if screen.elementwise:
@@ -118,12 +122,36 @@ def decide_round(
                 current.norms[submission.worker_id] = float(scan.norm or 0.0)
                 if scale < 1.0:
                     current.clipped[submission.worker_id] = scale
-    finally:
-        for submission, _ in held:
-            if isinstance(submission.tensors, PieceBody):
-                submission.tensors.release()
+    except BaseException:
+        # A read that failed half way (a spool file cut short, an I/O error): the round goes
+        # back to holding everything, with no sums, so that no later event commits a part.
+        if opened:
+            current.running = None
+        for kept_ones in (current.norms, current.clipped, current.refused):
+            kept_ones.clear()
+        raise
+    current.held = []
+    for submission, _ in held:
+        if isinstance(submission.tensors, PieceBody):
+            submission.tensors.release()
     for worker_id, reason in current.refused.items():
         log.warning("round %d: %s's pseudo-gradient refused: %s", current.number, worker_id, reason)
+
+
+def _opposed(
+    held: Sequence[tuple[Submission, ValueScan]],
+    kept: Sequence[bool],
+    specs: Mapping[str, TensorSpec],
+) -> dict[int, str]:
+    """`OpposedCheck` over the kept held bodies, read a tensor at a time: {index: reason}."""
+    chosen = [i for i, keep in enumerate(kept) if keep]
+    check = OpposedCheck(len(chosen))
+    if len(chosen) < 3:
+        return {}
+    for name, spec in specs.items():
+        if spec.kind == TensorKind.TRAINABLE.value and spec.dtype.is_floating_point:
+            check.add(torch.stack([_tensor(held[i][0].tensors, name, spec) for i in chosen]))
+    return {chosen[row]: reason for row, reason in check.refused().items()}
 
 
 def _fold_combined(
@@ -161,3 +189,17 @@ def _tensor(body: object, name: str, spec: TensorSpec) -> torch.Tensor:
         return out.view(spec.shape)
     assert isinstance(body, Mapping)
     return body[name].to(torch.float32)
+
+
+def drop_held(current: Round, worker_id: str, reason: str) -> bool:
+    """Take a worker's held submission out of a round (an admin banned it): its barrier place
+    stays, its pseudo-gradient is refused with `reason`. False if it held none."""
+    mine = [pair for pair in current.held if pair[0].worker_id == worker_id]
+    if not mine:
+        return False
+    current.held = [pair for pair in current.held if pair[0].worker_id != worker_id]
+    current.refused[worker_id] = reason
+    for submission, _ in mine:
+        if isinstance(submission.tensors, PieceBody):
+            submission.tensors.release()
+    return True

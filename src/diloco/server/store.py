@@ -399,7 +399,7 @@ class StateStore:
             ],
         )  # fmt: skip
 
-    def metrics_history(self, after: int = -1, limit: int = 10_000) -> dict[str, list[dict]]:
+    def metrics_history(self, after: int = -1, limit: int = 1000) -> dict[str, list[dict]]:
         """The commits after round `after` (oldest first, at most `limit`) and the workers'
         rows of the same rounds: what the dashboard draws."""
         rows = self.conn.execute(

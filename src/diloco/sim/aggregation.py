@@ -1,9 +1,10 @@
 """How the simulated server combines a sync round, and what a bad worker sends instead.
 
-`--aggregation mean` is `outer_step`'s plain mean, as before. A robust rule screens the
-round's norms against the norm history (algorithm/robust.py), combines what is left with the
-rule, and applies it with `apply_mean`, as the server's commit does. `--hostile` makes the last
-worker send its pseudo-gradient corrupted (sim/hostile.py).
+`--aggregation mean` is `outer_step`'s plain mean, as before. A robust rule screens the round's
+norms against the norm history and refuses what points away from the round's median
+(algorithm/robust.py), combines what is left with the rule, and applies it with `apply_mean`,
+as the server's commit does. `--hostile` makes the last worker send its pseudo-gradient
+corrupted (sim/hostile.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from diloco.algorithm import Contribution, OuterOptimizer, TensorKind, apply_mean, outer_step
-from diloco.algorithm.robust import Aggregation, NormHistory, aggregate, update_norm
+from diloco.algorithm.robust import Aggregation, NormHistory, aggregate, opposed, update_norm
 from diloco.sim.hostile import corrupt
 
 HOSTILE_SEED_OFFSET = 7919  # the bad worker's noise has a stream of its own
@@ -50,8 +51,14 @@ class SyncAggregation:
             outer_step(masters, contributions, optimizer, kinds)
             return
         gradients = [c.pseudo_gradient for c in contributions]
-        screened = self.history.screen([update_norm(g, kinds) for g in gradients], self.rule)
-        self.refused += len(screened.refused)
-        combined = aggregate(gradients, kinds, self.rule, screened.scales)
+        norms = [update_norm(g, kinds) for g in gradients]
+        screened = self.history.verdict(norms, self.rule)
+        scales = list(screened.scales)
+        away = opposed(gradients, kinds, [s > 0 for s in scales])
+        for index in away:
+            scales[index] = 0.0
+        self.history.remember(n for n, scale in zip(norms, scales, strict=True) if scale > 0)
+        self.refused += len(screened.refused) + len(away)
+        combined = aggregate(gradients, kinds, self.rule, scales)
         if combined:
             apply_mean(masters, combined, optimizer, kinds)

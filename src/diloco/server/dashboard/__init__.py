@@ -16,6 +16,7 @@ form can send. A server without any secret (loopback development) needs no login
 
 from __future__ import annotations
 
+import asyncio
 import html
 import secrets
 import threading
@@ -44,6 +45,7 @@ FILES = {  # what /static serves, and as what
 COOKIE = "diloco_session"
 SESSION_SECONDS = 12 * 3600
 MAX_LOGIN_BYTES = 4096
+FAILED_LOGIN_DELAY = 1.0  # seconds before a wrong token's answer
 
 
 class DashboardSessions:
@@ -90,9 +92,18 @@ def _page(name: str, **values: str) -> str:
     return text
 
 
+# No other page may frame these (clickjacking the buttons); scripts and styles from here only.
+PAGE_HEADERS = {
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
+    "Cache-Control": "no-store",
+}
+
+
 def _login_page(message: str = "", status: int = 200) -> HTMLResponse:
     shown = f'<p class="error" role="alert">{html.escape(message)}</p>' if message else ""
-    return HTMLResponse(_page("login.html", message=shown), status_code=status)
+    page = _page("login.html", message=shown)
+    return HTMLResponse(page, status_code=status, headers=PAGE_HEADERS)
 
 
 def add_dashboard(
@@ -118,7 +129,8 @@ def add_dashboard(
     async def home(request: Request) -> Response:
         if not signed_in(request):
             return _login_page()
-        return HTMLResponse(_page("index.html", open_server="true" if credentials.open else ""))
+        page = _page("index.html", open_server="true" if credentials.open else "")
+        return HTMLResponse(page, headers=PAGE_HEADERS)
 
     @app.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
@@ -136,6 +148,7 @@ def add_dashboard(
         try:
             caller = credentials.identify(f"Bearer {token}")
         except Rejection:
+            await asyncio.sleep(FAILED_LOGIN_DELAY)  # guessing costs time
             return _login_page("Wrong token.", 401)
         if not caller.is_admin:
             return _login_page(

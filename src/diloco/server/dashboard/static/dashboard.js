@@ -5,6 +5,7 @@
 
 const PROTOCOL = { "X-Diloco-Protocol": "1" };
 const POLL_MS = 2000;
+const HISTORY_PAGE = 1000; // rounds per answer of /v1/dashboard
 const COLORS = ["#2f6fdb", "#d9480f", "#2b8a3e", "#ae3ec9", "#e67700", "#0c8599", "#c2255c", "#5f3dc4"];
 const run = { rounds: [], workers: [], last: -1, charts: {}, lossWorkers: "" };
 
@@ -152,8 +153,10 @@ function renderCharts() {
 }
 
 async function poll() {
+  let more = false; // a full page of history: fetch the next one at once
   try {
     const data = await call("GET", `/v1/dashboard?after=${run.last}`);
+    more = data.history.rounds.length >= HISTORY_PAGE;
     run.rounds.push(...data.history.rounds);
     run.workers.push(...data.history.workers);
     if (run.rounds.length) run.last = run.rounds[run.rounds.length - 1].round;
@@ -165,7 +168,7 @@ async function poll() {
   } catch (error) {
     say(error.message);
   } finally {
-    setTimeout(poll, POLL_MS);
+    setTimeout(poll, more ? 0 : POLL_MS);
   }
 }
 
