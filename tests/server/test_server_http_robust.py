@@ -63,7 +63,9 @@ def test_a_clipped_mean_server_refuses_clips_and_remembers_across_a_kill(
 def test_a_median_server_reads_each_held_body_tensor_by_tensor(
     server_process, tmp_path: Path
 ) -> None:
-    server = server_process("--init", str(init_file(tmp_path)), "--aggregation", "median", *SGD)
+    # --memory-bodies 8 would keep these bodies in RAM; held for the barrier, they go to disk.
+    server = server_process("--init", str(init_file(tmp_path)), "--aggregation", "median",
+                            "--memory-bodies", "8", *SGD)  # fmt: skip
     api = Api(server.url)
     for worker in ("a", "b", "c"):
         api.ok("POST", "/v1/workers", json_body=registration(worker))
