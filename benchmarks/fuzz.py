@@ -1,7 +1,8 @@
 """A long property-based fuzz of every HTTP route: many generated requests, no 5xx allowed.
 
 The same fuzzing as tests/server/test_server_fuzz.py (schemathesis over the app's OpenAPI
-schema, half of the requests pointed at a registered worker, its dataset and round 0), with
+schema, half of the requests pointed at a registered worker, its dataset and round 0; the
+admin routes but stop with an admin token), with
 `--examples` requests per route against a `diloco server` process. Prints and writes the
 answers' status codes per route; exits 1 if any answer was a 5xx or a request failed.
 Writes <out>/fuzz.md and .json.
@@ -29,6 +30,7 @@ from diloco.worker import DiLoCoClient
 
 RESULTS = Path(__file__).parent / "results"
 TOKEN = "fuzz-enrollment-token"
+ADMIN = "fuzz-admin-token-0123456789"
 WORKER, DATASET = "fuzz-worker", "fuzz-data"
 KNOWN = (("worker_id", WORKER), ("dataset_id", DATASET), ("round_number", 0),
          ("protocol_version", PROTOCOL_VERSION))  # fmt: skip
@@ -95,16 +97,33 @@ def main(
         raise fail(f"--examples must be at least 1, got {examples}")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as work:
+        tokens = Path(work) / "tokens"
+        tokens.write_text(f"{TOKEN} enroll\n{ADMIN} admin\n")
         server, url = start_server(Path(work) / "port", "--sync-every", "2",
-                                   env={"DILOCO_TOKEN": TOKEN})  # fmt: skip
+                                   "--tokens-file", str(tokens))  # fmt: skip
         try:
             headers = prepared(url)
-            # DELETE last: once it deregisters the worker, the rest would only meet 404s
+            # The admin routes with the admin token (but stop, which would end the server:
+            # it keeps the worker's credential, a 403); they and DELETE go last: once the
+            # worker is deregistered, evicted or banned, the rest would only meet 404s.
+            admin = {**headers, "Authorization": f"Bearer {ADMIN}"}
             found = operations(url, headers)
-            order = sorted(found, key=lambda label: (label.startswith("DELETE"), label))
+
+            def as_admin(label: str) -> bool:
+                return ("/v1/admin/" in label or "/v1/dashboard" in label) and "/stop" not in label
+
+            def last(label: str) -> tuple:
+                return ("/v1/admin/" in label, label.startswith("DELETE"), label)
+
             routes = {
-                label: fuzz_route(found[label], url, headers, examples, derandomize)
-                for label in order
+                label: fuzz_route(
+                    found[label],
+                    url,
+                    admin if as_admin(label) else headers,
+                    examples,
+                    derandomize,
+                )
+                for label in sorted(found, key=last)
             }
         finally:
             stop_process(server)

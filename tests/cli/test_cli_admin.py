@@ -5,12 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from processes import run_all
 
 DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
 
-def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "part",
+    [pytest.param("sample", id="sample"), pytest.param("rest", id="rest", marks=pytest.mark.slow)],
+)  # every third case in the default suite (each starts a process), all with -m slow
+def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path, part: str) -> None:
     missing = str(tmp_path / "missing")
     cases = {
         "zero lr": (["set-outer-lr", DOWN, "0"], 2, "LR must be a positive finite number"),
@@ -23,6 +29,8 @@ def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path) -> None:
         "not a url": (["resume", "ftp://x"], 2, "http"),
         "server down": (["pause", DOWN], 1, "127.0.0.1:9"),
     }
+    chosen = [k for i, k in enumerate(cases) if (i % 3 == 0) == (part == "sample")]
+    cases = {k: cases[k] for k in chosen}
     outcomes = run_all({label: ["admin", *args] for label, (args, _, _) in cases.items()})
     for label, (_, code, needle) in cases.items():
         returncode, _, stderr = outcomes[label]

@@ -55,10 +55,6 @@ def test_an_operator_pauses_steers_and_stops_a_live_run(
     server = server_process(*server_args(tmp_path))
     url = server.url
 
-    # The enrollment token is not an admin's: 403, exit 1, one line naming the scope.
-    code, _, err = admin("pause", url, env={"DILOCO_TOKEN": ENROLL})
-    assert code == 1 and "needs an admin token" in err and "Traceback" not in err, err
-
     assert admin("pause", url)[0] == 0
     worker = start_worker(url, "w0", 0, 1, 6, corpus_file, tmp_path, env={"DILOCO_TOKEN": ENROLL})
     # The worker trains its 2 steps and submits; the round stays open while paused.
@@ -97,6 +93,9 @@ def test_an_operator_bans_a_running_worker_reads_the_audit_and_stops_the_server(
 ) -> None:
     server = server_process(*server_args(tmp_path))
     url = server.url
+    # The enrollment token is not an admin's: 403, exit 1, one line naming the scope.
+    code, _, err = admin("set-outer-lr", url, "0.5", env={"DILOCO_TOKEN": ENROLL})
+    assert code == 1 and "needs an admin token" in err and "Traceback" not in err, err
     assert admin("set-outer-lr", url, "0.5")[0] == 0
 
     # Evicted and banned while it runs: its next call fails, and it exits naming the ban.

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from diloco.server.admin import MAX_AUDIT_ROWS, AdminActions
 from diloco.server.credentials import Caller, Credentials
-from diloco.server.request_json import json_body
+from diloco.server.request_json import json_body, json_body_schema
 from diloco.wire import MAX_COUNT, EvictRequest, OuterLrRequest
 
 TENSORS = "application/octet-stream"
@@ -45,12 +45,18 @@ def add_admin_routes(
     async def resume(request: Request) -> dict:
         return await run_in_threadpool(admin.resume, by(request))
 
-    @app.put("/v1/admin/outer-lr", dependencies=guarded)
+    @app.put(
+        "/v1/admin/outer-lr", dependencies=guarded, openapi_extra=json_body_schema(OuterLrRequest)
+    )
     async def outer_lr(request: Request) -> dict:
         ask = await json_body(request, OuterLrRequest)
         return await run_in_threadpool(admin.set_outer_lr, ask.outer_lr, by(request))
 
-    @app.post("/v1/admin/workers/{worker_id}/evict", dependencies=guarded)
+    @app.post(
+        "/v1/admin/workers/{worker_id}/evict",
+        dependencies=guarded,
+        openapi_extra=json_body_schema(EvictRequest),
+    )
     async def evict(worker_id: str, request: Request) -> dict:
         ask = await json_body(request, EvictRequest, optional=True)
         answer = await run_in_threadpool(

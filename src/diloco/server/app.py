@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -26,7 +24,7 @@ from diloco.server.coordinator import Coordinator
 from diloco.server.credentials import Caller, Credentials
 from diloco.server.dashboard import add_dashboard, session_caller
 from diloco.server.errors import Rejection
-from diloco.server.request_json import json_body
+from diloco.server.request_json import json_body, json_body_schema
 from diloco.server.results import RoundResult
 from diloco.wire import (
     MAX_COUNT,
@@ -51,34 +49,6 @@ from diloco.wire.frames import decode_frame
 
 TENSORS = "application/octet-stream"
 log = logging.getLogger("diloco.server")
-
-
-def _json_schema(model: type[BaseModel]) -> dict:
-    """Document a body the route parses itself (so the protocol's error order holds).
-
-    Pydantic points nested models at "#/$defs/NAME", which inside an OpenAPI document would
-    mean a `$defs` at the document's root, where there is none: they are inlined instead."""
-    schema = model.model_json_schema()
-    definitions = schema.pop("$defs", {})
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": _inline_refs(schema, definitions)}},
-        }
-    }
-
-
-def _inline_refs(node: Any, definitions: dict[str, Any]) -> Any:
-    """`node` with every {"$ref": "#/$defs/NAME"} replaced by that definition (no cycles)."""
-    if isinstance(node, list):
-        return [_inline_refs(item, definitions) for item in node]
-    if not isinstance(node, dict):
-        return node
-    ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/$defs/"):
-        resolved = _inline_refs(definitions[ref.removeprefix("#/$defs/")], definitions)
-        return {**resolved, **{k: v for k, v in node.items() if k != "$ref"}}
-    return {key: _inline_refs(value, definitions) for key, value in node.items()}
 
 
 def _error_response(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
@@ -296,7 +266,7 @@ def create_app(
     async def info() -> dict:
         return await run_in_threadpool(coordinator.info)
 
-    @app.post("/v1/workers", dependencies=authed, openapi_extra=_json_schema(RegisterRequest))
+    @app.post("/v1/workers", dependencies=authed, openapi_extra=json_body_schema(RegisterRequest))
     async def register(request: Request) -> dict:
         message = await json_body(request, RegisterRequest)
         caller = caller_of(request)
@@ -320,7 +290,7 @@ def create_app(
     @app.post(
         "/v1/workers/{worker_id}/heartbeat",
         dependencies=authed,
-        openapi_extra=_json_schema(HeartbeatRequest),
+        openapi_extra=json_body_schema(HeartbeatRequest),
     )
     async def heartbeat(worker_id: str, request: Request) -> dict:
         act_as(request, worker_id)
@@ -336,7 +306,7 @@ def create_app(
             beat.windows,
         )
 
-    @app.post("/v1/datasets", dependencies=authed, openapi_extra=_json_schema(DatasetRequest))
+    @app.post("/v1/datasets", dependencies=authed, openapi_extra=json_body_schema(DatasetRequest))
     async def register_dataset(request: Request) -> dict:
         ask = await json_body(request, DatasetRequest)
         act_as(request, ask.worker_id)
@@ -356,7 +326,7 @@ def create_app(
     @app.post(
         "/v1/datasets/{dataset_id}/leases",
         dependencies=authed,
-        openapi_extra=_json_schema(LeaseRequest),
+        openapi_extra=json_body_schema(LeaseRequest),
     )
     async def lease(dataset_id: str, request: Request) -> dict:
         ask = await json_body(request, LeaseRequest)
