@@ -34,7 +34,9 @@ def test_the_dashboard_logs_in_follows_a_live_run_and_evicts_from_a_click(
 ) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{ADMIN} admin\n{ENROLL} enroll\n")
-    server = server_process("--sync-every", "4", "--tokens-file", str(tokens))
+    # Heartbeats (which carry each worker's loss) every second: the loss chart fills quickly.
+    server = server_process("--sync-every", "4", "--tokens-file", str(tokens),
+                            "--heartbeat-interval", "1", "--heartbeat-timeout", "10")  # fmt: skip
     env = {"DILOCO_TOKEN": ENROLL}
     for worker in ("w0", "w1"):
         start_worker(server.url, worker, 0, 1, 100_000, corpus_file, tmp_path, env=env)
@@ -84,7 +86,7 @@ def test_the_dashboard_logs_in_follows_a_live_run_and_evicts_from_a_click(
         loss_series = page.locator("#chart-loss .u-series")
         wait_until(lambda: loss_series.count() >= 3, "a loss series per worker")
         if screenshots:
-            page.wait_for_timeout(3000)  # a few more rounds on the charts
+            page.wait_for_timeout(12_000)  # more rounds and losses on the charts
             page.screenshot(path=str(DOCS / "dashboard.png"), full_page=True)
 
         page.once("dialog", lambda dialog: dialog.accept())
