@@ -233,3 +233,15 @@ def test_a_restarted_server_is_still_paused(tmp_path: Path) -> None:
     again.admin.resume("admin")
     assert w(again) == 15.0
     again.journal.state.close()
+
+
+@pytest.mark.parametrize("download", ["fp32", "bf16"])
+def test_the_masters_download_is_fp32_whatever_workers_download(download: str) -> None:
+    dtype = torch.float32 if download == "fp32" else torch.bfloat16
+    c, _ = make(download_dtype=dtype)
+    submit(c, "a", 0, 2.0)
+    submit(c, "b", 0, 8.0625)  # mean 5.03125: w = 15.03125, 9 significant bits (bf16 has 8)
+    body, version = c.admin.masters_body()
+    masters = decode_tensors(bytes(body))
+    assert version == 1 and masters["w"].dtype == torch.float32
+    assert float(masters["w"]) == 15.03125

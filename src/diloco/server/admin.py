@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import torch
+
 from diloco.server.control import RunControl
 from diloco.server.engines import RoundEngine
 from diloco.server.errors import Rejection
@@ -128,9 +130,11 @@ class AdminActions:
                 )
             return {"worker_id": worker_id, "banned": False}
 
-    def masters_body(self) -> tuple[bytearray, int]:
+    def masters_body(self) -> tuple[bytearray | memoryview, int]:
         """The fp32 masters (int and bool buffers in their dtype) as safetensors bytes, and
-        their version: encoded under the lock, so no step lands halfway through the copy."""
+        their version. With fp32 full-weight downloads that is the body every worker gets,
+        lent without a copy; otherwise they are encoded under the lock (a model-sized copy),
+        so that no step lands halfway through it."""
         with self._lock:
             self.model.require_healthy()
             masters = self.model.masters
@@ -140,6 +144,10 @@ class AdminActions:
                     "no_weights",
                     "the global weights do not exist yet (no worker has sent them)",
                 )
+            settings = self.model.settings
+            if settings.download_dtype == torch.float32 and not settings.delta_downloads:
+                published = self.model.current_weights(self.engine.fragment_rounds()).lend()
+                return published.body, self.model.version
             return encode_tensors(masters), self.model.version
 
     def stop(self, by: str, supported: bool) -> dict:
