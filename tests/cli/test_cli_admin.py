@@ -3,6 +3,7 @@ command can refuse before calling anyone, 1 for a server it cannot reach."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,20 @@ def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path, part: str) 
         returncode, _, stderr = outcomes[label]
         assert returncode == code, (label, stderr)
         assert needle in stderr and "Traceback" not in stderr, (label, stderr)
+
+
+def test_admin_commands_steer_a_live_server(live_server, tmp_path: Path) -> None:
+    """pause, set-outer-lr, resume and audit --json against a server (open: no token)."""
+    with live_server() as server:
+        url = server.url
+        outcomes = run_all({"pause": ["admin", "pause", url]})
+        outcomes |= run_all({"lr": ["admin", "set-outer-lr", url, "0.5"]})
+        outcomes |= run_all({"resume": ["admin", "resume", url]})
+        audit = tmp_path / "audit.json"
+        outcomes |= run_all({"audit": ["admin", "audit", url, "--json", str(audit)]})
+        for label, (code, _, err) in outcomes.items():
+            assert code == 0, (label, err)
+        assert server.coordinator.settings.outer_lr == 0.5
+        assert server.coordinator.status()["paused"] is False
+    events = [e["event"] for e in json.loads(audit.read_text())]
+    assert events[-3:] == ["paused", "outer_lr_changed", "resumed"], events

@@ -49,6 +49,9 @@ def server_args(tmp_path: Path) -> tuple[str, ...]:
             "--state-dir", str(tmp_path / "state"), "--tokens-file", str(tokens))  # fmt: skip
 
 
+@pytest.mark.slow  # in `make test-slow`; the default suite has the admin routes over HTTP
+# (tests/server/test_server_http_admin.py) and `diloco admin` against a live server
+# (tests/cli/test_cli_admin.py)
 def test_an_operator_pauses_steers_and_stops_a_live_run(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
@@ -87,7 +90,7 @@ def test_an_operator_pauses_steers_and_stops_a_live_run(
     assert all(torch.equal(saved[name], served[name]) for name in served)
 
 
-@pytest.mark.slow  # in `make test-slow`; the test above is the default sample of this file
+@pytest.mark.slow  # in `make test-slow`
 def test_an_operator_bans_a_running_worker_reads_the_audit_and_stops_the_server(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
