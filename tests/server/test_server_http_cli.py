@@ -181,6 +181,15 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
             ],
             "--checkpoint-every must be >= 1",
         ),
+        "unknown aggregation": (["--aggregation", "mode"], "aggregation must be one of mean"),
+        "median in async mode": (
+            ["--mode", "async", "--aggregation", "median"],
+            "mode async applies each arrival alone",
+        ),
+        "tensorboard on a file": (
+            ["--tensorboard", str(Path(__file__))],
+            "is a file, not a directory",
+        ),
     }
     cases = {k: v for i, (k, v) in enumerate(cases.items()) if (i % 3 == 0) == (part == "sample")}
     outcomes = run_all(  # all at once: each pays the interpreter's start-up

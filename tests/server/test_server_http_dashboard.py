@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import urllib3
 from test_server_http import TIMEOUT, Api, gradient, registration
 from test_server_identity import init_file, secret_file
@@ -89,6 +90,7 @@ def test_the_login_and_the_session_cookie(server_process, tmp_path: Path) -> Non
         assert raw(url, "GET", path).status == 404, path
 
 
+@pytest.mark.slow  # in `make test-slow`: the browser test runs a server with tokens
 def test_an_open_server_shows_the_dashboard_without_a_login(server_process) -> None:
     server = server_process()
     page = raw(server.url, "GET", "/")

@@ -60,6 +60,7 @@ def test_a_clipped_mean_server_refuses_clips_and_remembers_across_a_kill(
     assert screened == [("contribution_refused", "c", 0), ("contribution_clipped", "b", 1)]
 
 
+@pytest.mark.slow  # in `make test-slow`: the test above reads held spool files tensor by tensor
 def test_a_median_server_reads_each_held_body_tensor_by_tensor(
     server_process, tmp_path: Path
 ) -> None:

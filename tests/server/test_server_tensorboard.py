@@ -54,6 +54,7 @@ def test_each_commit_writes_run_and_worker_scalars(tmp_path: Path) -> None:
     assert ("run/round_seconds", 0) not in found and ("run/round_seconds", 1) in found
 
 
+@pytest.mark.slow  # in `make test-slow`: a server process for one refused option
 def test_a_tensorboard_path_that_is_a_file_is_one_error_line(tmp_path: Path) -> None:
     taken = tmp_path / "file"
     taken.write_text("")
