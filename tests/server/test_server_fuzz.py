@@ -6,9 +6,10 @@ worker, its initial weights and a dataset, and the requests carry that worker's 
 the protocol header, so they get past authentication. In half of the generated requests the
 worker id, dataset id and round number are replaced by ones the server knows, so that they
 reach each route's deeper checks instead of stopping at "unknown worker". The schema is the
-app's own (`app.openapi()`, what /openapi.json serves); the admin routes but stop get an admin
-token instead, read at collection so that each route is a test of its own; each gets `EXAMPLES`
-requests (derandomized: the same ones every run; benchmarks/fuzz.py sends 1000 per route).
+app's own (`app.openapi()`, what /openapi.json serves), read at collection so that each route
+is a test of its own; each gets `EXAMPLES` requests (derandomized: the same ones every run;
+benchmarks/fuzz.py sends 1000 per route). The admin routes and /v1/dashboard (but stop, which
+would end the server) get an admin token instead of the worker's credential.
 """
 
 from __future__ import annotations
