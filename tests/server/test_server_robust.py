@@ -200,7 +200,9 @@ def test_banning_a_worker_drops_its_held_pseudo_gradient() -> None:
 def test_a_read_that_fails_while_a_round_decides_leaves_it_holding_everything(
     monkeypatch,
 ) -> None:
-    c = make()
+    c = make(workers=("a", "b", "c", "d"))
+    send(c, "d", 0, 1.0)
+    c.admin.evict("d", "admin", ban=True)  # its held update dropped: recorded, kept so
     send(c, "a", 0, 1.0)
     send(c, "b", 0, 1.2)
     import diloco.server.screening as screening
@@ -219,7 +221,8 @@ def test_a_read_that_fails_while_a_round_decides_leaves_it_holding_everything(
         send(c, "c", 0, 2.0)
     current = c.round
     assert c.round_number == 0 and current.running is None and len(current.held) == 3
-    assert current.norms == current.refused == current.clipped == {}
+    assert current.norms == current.clipped == {}
+    assert current.refused == {"d": "worker banned by an admin"}
     monkeypatch.setattr(screening, "fold", real_fold)
     c.evict_stale()  # the server's next tick (each second) decides the round again
     assert w(c) == pytest.approx([10 - 1.4 * 0.6, 10 - 1.4 * 0.8], abs=1e-6)  # mean 1, 1.2, 2

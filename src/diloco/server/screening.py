@@ -97,6 +97,7 @@ def decide_round(
     order, so that the sums do not depend on arrival order. Every held body is released."""
     held = sorted(current.held, key=lambda pair: pair[0].worker_id)
     opened = current.running is None
+    refused_before = dict(current.refused)  # a ban's drop (drop_held) stays recorded
     try:
         verdict = screen.verdict(fragment, [scan.norm or 0.0 for _, scan in held])
         if current.running is None:
@@ -127,8 +128,9 @@ def decide_round(
         # back to holding everything, with no sums, so that no later event commits a part.
         if opened:
             current.running = None
-        for kept_ones in (current.norms, current.clipped, current.refused):
-            kept_ones.clear()
+        current.norms.clear()
+        current.clipped.clear()
+        current.refused = refused_before
         raise
     current.held = []
     for submission, _ in held:
