@@ -47,7 +47,7 @@ def test_norm_is_l2_over_trainable_floats_only() -> None:
 def test_clipped_mean_scales_norms_above_the_multiple_of_the_median() -> None:
     history = NormHistory()
     aggregation = Aggregation.parse("clipped_mean", clip_multiple=1.0)
-    screened = history.screen([3.0, 4.0, 8.0], aggregation)
+    screened = history.verdict([3.0, 4.0, 8.0], aggregation)
     # median 4, bound 1.0 x 4: the 8 is scaled by 4 / 8; 3 and 4 are kept whole
     assert screened.reference == 4.0 and screened.scales == [1.0, 1.0, 0.5]
     assert screened.refused == {}
@@ -55,19 +55,20 @@ def test_clipped_mean_scales_norms_above_the_multiple_of_the_median() -> None:
     assert combined["w"].tolist() == [pytest.approx((3 + 4 + 4) / 3)]
 
 
-def test_an_outlier_is_refused_with_its_reason_and_not_remembered() -> None:
+def test_an_outlier_is_refused_with_its_reason_and_a_verdict_remembers_nothing() -> None:
+    # (what a step used is remembered when it commits: tests/server/test_server_robust.py)
     history = NormHistory(norms=[1.0, 1.0])
-    screened = history.screen([1.0, 1.2, 50.0], Aggregation.parse("trimmed_mean:0.25"))
+    screened = history.verdict([1.0, 1.2, 50.0], Aggregation.parse("trimmed_mean:0.25"))
     # reference: median of 1, 1, 1, 1.2, 50 = 1; 50 > 10 x 1
     assert screened.scales == [1.0, 1.0, 0.0] and list(screened.refused) == [2]
     assert "more than 10x the median norm 1" in screened.refused[2]
-    assert list(history.norms) == [1.0, 1.0, 1.0, 1.2]
-    non_finite = history.screen([1.0, math.nan], Aggregation.parse("median"))
+    assert list(history.norms) == [1.0, 1.0]
+    non_finite = history.verdict([1.0, math.nan], Aggregation.parse("median"))
     assert non_finite.scales == [1.0, 0.0]
 
 
 def test_the_plain_mean_screens_nothing() -> None:
-    screened = NormHistory().screen([1.0, 1e9], Aggregation.parse("mean"))
+    screened = NormHistory().verdict([1.0, 1e9], Aggregation.parse("mean"))
     assert screened.scales == [1.0, 1.0] and screened.refused == {}
 
 

@@ -245,3 +245,14 @@ def test_the_masters_download_is_fp32_whatever_workers_download(download: str) -
     masters = decode_tensors(bytes(body))
     assert version == 1 and masters["w"].dtype == torch.float32
     assert float(masters["w"]) == 15.03125
+
+
+def test_weights_before_any_exist_and_a_stop_nobody_can_carry_out_are_refused() -> None:
+    c = Coordinator(ServerSettings(), None)
+    with pytest.raises(Rejection) as caught:
+        c.admin.masters_body()
+    assert (caught.value.status, caught.value.kind) == (404, "no_weights")
+    with pytest.raises(Rejection) as caught:
+        c.admin.stop("admin", supported=False)  # an app not started by `diloco server`
+    assert (caught.value.status, caught.value.kind) == (501, "stop_unavailable")
+    assert c.journal.state.audit_log("stop_requested") == []

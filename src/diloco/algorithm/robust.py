@@ -89,11 +89,17 @@ class Aggregation:
         return self.rule != "mean"
 
 
+def trained(kinds: Mapping[str, TensorKind], name: str, tensor: torch.Tensor) -> bool:
+    """Whether the outer optimizer steps `name` (trainable and floating): what the rules
+    measure and combine; the rest take the mean."""
+    return kinds.get(name) is TensorKind.TRAINABLE and tensor.is_floating_point()
+
+
 def update_norm(gradient: Mapping[str, torch.Tensor], kinds: Mapping[str, TensorKind]) -> float:
     """The L2 norm of a pseudo-gradient over its trainable floating tensors (fp64 sum)."""
     total = 0.0
     for name, tensor in gradient.items():
-        if kinds.get(name) is TensorKind.TRAINABLE and tensor.is_floating_point():
+        if trained(kinds, name, tensor):
             total += float(tensor.double().pow(2).sum())
     return math.sqrt(total)
 
@@ -144,14 +150,6 @@ class NormHistory:
         """The norms of pseudo-gradients a step used (not the refused ones)."""
         self.norms.extend(norms)
 
-    def screen(self, norms: Sequence[float], aggregation: Aggregation) -> Screened:
-        """`verdict`, then remember the norms it kept (the simulator: its rounds always
-        commit)."""
-        screened = self.verdict(norms, aggregation)
-        if aggregation.screens:
-            self.remember(n for i, n in enumerate(norms) if i not in screened.refused)
-        return screened
-
 
 def aggregate(
     gradients: Sequence[Mapping[str, torch.Tensor]],
@@ -171,7 +169,7 @@ def aggregate(
     combined: TensorDict = {}
     for name in names:
         values = [g[name].to(torch.float32) * s for g, s in kept]
-        trainable = kinds.get(name) is TensorKind.TRAINABLE and values[0].is_floating_point()
+        trainable = trained(kinds, name, values[0])
         if not trainable or aggregation.rule in ("mean", "clipped_mean"):
             combined[name] = torch.stack(values).mean(dim=0)
         elif aggregation.rule == "median":
@@ -249,6 +247,6 @@ def opposed(
     check = OpposedCheck(len(chosen))
     if len(chosen) >= 3:
         for name, tensor in gradients[chosen[0]].items():
-            if kinds.get(name) is TensorKind.TRAINABLE and tensor.is_floating_point():
+            if trained(kinds, name, tensor):
                 check.add(torch.stack([gradients[i][name] for i in chosen]))
     return {chosen[row]: reason for row, reason in check.refused().items()}

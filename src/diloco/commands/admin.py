@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.markup import escape
 
-from diloco.commands.options import CaFileOption, check_ca_file, read_token
+from diloco.commands.options import CaFileOption, server_client
 from diloco.console import check_output_path, fail, megabytes, out, summary_table, write_json
 from diloco.wire import WireError, decode_tensors
-from diloco.worker import RetryPolicy, ServerError, ServerUnavailable
 from diloco.worker.admin_client import AdminClient
 
 admin_app = typer.Typer(
@@ -40,23 +39,12 @@ AdminTokenFileOption = typer.Option(
 )
 
 
-@contextmanager
 def _client(
     url: str, token: str | None, token_file: Path | None, ca_file: Path | None
-) -> Iterator[AdminClient]:
-    secret = read_token(token, token_file)
-    check_ca_file(ca_file)
-    try:
-        client = AdminClient(
-            url, secret, retry=RetryPolicy(attempts=3), read_timeout=60, ca_file=ca_file
-        )
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    with client:
-        try:
-            yield client
-        except (ServerError, ServerUnavailable) as exc:
-            raise fail(f"{url}: {exc}", code=1) from None
+) -> AbstractContextManager[AdminClient]:
+    return server_client(
+        AdminClient, url, token, token_file, ca_file, attempts=3, read_timeout=60, failure="{url}"
+    )
 
 
 def _call(

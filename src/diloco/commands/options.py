@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import typer
 
 from diloco.console import fail, warn
-from diloco.worker import tls
+from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable, tls
 from diloco.worker.auth import TOKEN_ENV
+
+Client = TypeVar("Client", bound=DiLoCoClient)
 
 CORPUS_HELP = "'shakespeare' (default, fetched once into a cache), 'generated[:SEED]', or a path"
 
@@ -64,3 +69,34 @@ def require_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise fail(f"{name} must be a positive integer, got {value}")
+
+
+@contextmanager
+def server_client(
+    kind: type[Client],
+    url: str,
+    token: str | None,
+    token_file: Path | None,
+    ca_file: Path | None,
+    *,
+    attempts: int,
+    read_timeout: float,
+    failure: str,
+) -> Iterator[Client]:
+    """A client of `kind` for a command that calls a server (`diloco status`, `diloco admin`):
+    a bad token file, CA file or URL exits 2; a call that the server refuses or that cannot
+    reach it exits 1 with `failure` (formatted with `url`) and the reason, no traceback."""
+    secret = read_token(token, token_file)
+    check_ca_file(ca_file)
+    try:
+        client = kind(
+            url, secret, retry=RetryPolicy(attempts=attempts), read_timeout=read_timeout,
+            ca_file=ca_file,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    with client:
+        try:
+            yield client
+        except (ServerError, ServerUnavailable) as exc:
+            raise fail(f"{failure.format(url=url)}: {exc}", code=1) from None

@@ -6,15 +6,9 @@ from pathlib import Path
 
 import typer
 
-from diloco.commands.options import (
-    CaFileOption,
-    TokenFileOption,
-    TokenOption,
-    check_ca_file,
-    read_token,
-)
-from diloco.console import check_output_path, fail, megabytes, out, summary_table, write_json
-from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
+from diloco.commands.options import CaFileOption, TokenFileOption, TokenOption, server_client
+from diloco.console import check_output_path, megabytes, out, summary_table, write_json
+from diloco.worker import DiLoCoClient
 
 
 def waiting_text(status: dict) -> str:
@@ -35,17 +29,11 @@ def status_command(
 ) -> None:
     """Print the round, the workers and the traffic of a running server."""
     check_output_path(json_path, "--json")
-    secret = read_token(token, token_file)
-    check_ca_file(ca_file)
-    try:
-        with DiLoCoClient(
-            url, secret, retry=RetryPolicy(attempts=2), read_timeout=10, ca_file=ca_file
-        ) as client:
-            status = client.status()
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    except (ServerError, ServerUnavailable) as exc:
-        raise fail(f"cannot read the status of {url}: {exc}", code=1) from None
+    failure = "cannot read the status of {url}"
+    with server_client(
+        DiLoCoClient, url, token, token_file, ca_file, attempts=2, read_timeout=10, failure=failure
+    ) as client:
+        status = client.status()
     out.print(
         summary_table(
             f"diloco server {url}",

@@ -426,14 +426,8 @@ def create_app(
     async def status() -> dict:
         return await run_in_threadpool(coordinator.status)
 
-    add_admin_routes(
-        app,
-        coordinator.admin,
-        credentials,
-        [*authed, Depends(require_admin)],
-        caller_of,
-        request_stop,
-    )
+    admin_only = [*authed, Depends(require_admin)]
+    add_admin_routes(app, coordinator.admin, credentials, admin_only, caller_of, request_stop)
 
     def dashboard_data(after: int) -> dict:
         return {
@@ -442,7 +436,7 @@ def create_app(
             "history": coordinator.admin.history(after),
         }
 
-    add_dashboard(app, credentials, dashboard_data, caller_of, [*authed, Depends(require_admin)])
+    add_dashboard(app, credentials, dashboard_data, caller_of, admin_only)
 
     @app.get("/metrics", dependencies=authed)
     async def prometheus() -> Response:

@@ -220,7 +220,7 @@ class AsyncArrivals:
             **screened_record(c.screen, 0, window),
         )
         c.commit(running, record, self.fragment_rounds_after(record))
-        c.screen.remember(0, window.norms.values())
+        c.screen.restore(record.norm_history or ())  # what the step made durable
         self.window = None
         self.anchors.clear()
         c.model.current_weights(

@@ -217,7 +217,7 @@ class BarrierRounds:
             **screened_record(c.screen, fragment, current),
         )
         c.commit(running, record, self.fragment_rounds_after(record))
-        c.screen.remember(fragment, current.norms.values())
+        c.screen.restore(record.norm_history or ())  # what the step made durable
         current.running = None  # used up by the step
         self._fragment_rounds[fragment] = current.number + 1
         self.results[fragment] = None  # free the old body before encoding the new one

@@ -65,11 +65,6 @@ class RunControl:
         )
         self.settings.change_outer_lr(stored)
 
-    @property
-    def stored_outer_lr(self) -> float | None:
-        """The outer lr an admin set, if any: the run's lr whatever a checkpoint says."""
-        return self.state.get_meta(OUTER_LR)
-
     # ----------------------------------------------------------------- pause
 
     @property

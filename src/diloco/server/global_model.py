@@ -125,11 +125,7 @@ class GlobalModel:
         self.published = None
         self.delta = None
         if self.settings.delta_downloads:
-            coded = {
-                n
-                for n, spec in self.specs.items()
-                if spec.kind == TensorKind.TRAINABLE.value and spec.dtype.is_floating_point
-            }
+            coded = {n for n, spec in self.specs.items() if spec.trained}
             source = published if published is not None else self.frames.masters
             self.copy = PublishedCopy(source, dtypes, self.settings.download, coded)
 

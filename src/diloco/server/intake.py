@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from diloco import faults
-from diloco.algorithm.tensors import TensorKind, finite_bound
+from diloco.algorithm.tensors import finite_bound
 from diloco.server.engines import RoundEngine
 from diloco.server.errors import Rejection, rejection_of
 from diloco.server.global_model import GlobalModel
@@ -41,20 +41,15 @@ def scan_values(tensors: Tensors, norm_of: Collection[str] | None = None) -> Val
     that sets it, which lets a round refuse what could overflow its sums and know them
     finite without scanning them again. With `norm_of` (robust aggregation), also the L2
     norm over those tensors, in the same pass."""
-    squares = 0.0 if norm_of is not None else None
-
-    def add_squares(name: str, values: torch.Tensor) -> None:
-        nonlocal squares
-        if squares is not None and name in norm_of:  # type: ignore[operator]
-            squares += float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
-
+    measured = norm_of or ()
+    squares = 0.0
     try:
         if isinstance(tensors, PieceBody) and norm_of is None:
             scan = ValueScan(tensors.check_values(), tensors.largest)
         elif isinstance(tensors, PieceBody):
             checked = tensors.checked_pieces()
             for name, _, piece in checked:
-                add_squares(name, piece)
+                squares += _squares(piece) if name in measured else 0.0
             tensors.largest = checked.largest
             scan = ValueScan(checked.bound, checked.largest)
         else:
@@ -66,10 +61,15 @@ def scan_values(tensors: Tensors, norm_of: Collection[str] | None = None) -> Val
                     bound = math.inf
                 if bound > scan.bound or scan.largest is None:
                     scan = ValueScan(max(bound, scan.bound), name)
-                add_squares(name, tensor)
+                squares += _squares(tensor) if name in measured else 0.0
     except WireError as error:
         raise rejection_of(error) from None
-    return scan if squares is None else replace(scan, norm=math.sqrt(squares))
+    return scan if norm_of is None else replace(scan, norm=math.sqrt(squares))
+
+
+def _squares(values: torch.Tensor) -> float:
+    """The sum of squares of `values`, accumulated in fp64."""
+    return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
 
 
 class Intake:
@@ -196,12 +196,7 @@ class Intake:
             return None
         specs, plan = self.model.specs, self.model.plan
         assert specs is not None and plan is not None
-        return {
-            name
-            for name in plan[fragment]
-            if specs[name].kind == TensorKind.TRAINABLE.value
-            and specs[name].dtype.is_floating_point
-        }
+        return {name for name in plan[fragment] if specs[name].trained}
 
     def require_round_and_fragment(self, round_number: int, fragment: int) -> None:
         """422 for a round outside [0, MAX_COUNT], or a fragment the plan does not have (once

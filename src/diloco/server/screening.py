@@ -53,12 +53,17 @@ class RobustScreen:
     def verdict(self, fragment: int, norms: Sequence[float]) -> Screened:
         return self.histories[fragment].verdict(norms, self.aggregation)
 
-    def remember(self, fragment: int, norms: Iterable[float]) -> None:
-        self.histories[fragment].remember(norms)
-
     def snapshot(self) -> list[list[float]]:
         """Every fragment's remembered norms, for the commit record."""
         return [list(history.norms) for history in self.histories]
+
+    def after(self, fragment: int, norms: Iterable[float]) -> list[list[float]]:
+        """`snapshot` as it will be once a step of `fragment` that used `norms` commits."""
+        histories = self.snapshot()
+        kept = NormHistory(self.histories[fragment].norms.maxlen or 0, histories[fragment])
+        kept.remember(norms)
+        histories[fragment] = list(kept.norms)
+        return histories
 
     def restore(self, histories: Sequence[Sequence[float]]) -> None:
         """The histories a checkpoint's commit record holds (fewer: the rest stay empty)."""
@@ -72,14 +77,11 @@ def screened_record(screen: RobustScreen, fragment: int, decided: Round) -> dict
     `decided`'s screened submissions: empty under the plain mean."""
     if not screen.on:
         return {}
-    after = RobustScreen(screen.aggregation, len(screen.histories))
-    after.restore(screen.snapshot())
-    after.remember(fragment, decided.norms.values())
     return {
         "norms": dict(decided.norms),
         "clipped": dict(decided.clipped),
         "refused": dict(decided.refused),
-        "norm_history": after.snapshot(),
+        "norm_history": screen.after(fragment, decided.norms.values()),
     }
 
 
@@ -151,7 +153,7 @@ def _opposed(
     if len(chosen) < 3:
         return {}
     for name, spec in specs.items():
-        if spec.kind == TensorKind.TRAINABLE.value and spec.dtype.is_floating_point:
+        if spec.trained:
             check.add(torch.stack([_tensor(held[i][0].tensors, name, spec) for i in chosen]))
     return {chosen[row]: reason for row, reason in check.refused().items()}
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from diloco.algorithm import TensorKind
-from diloco.algorithm.robust import update_norm
+from diloco.algorithm.robust import trained, update_norm
 
 HOSTILE = ("none", "scale100", "sign_flip", "noise")
 
@@ -35,18 +35,14 @@ def corrupt(
 ) -> dict[str, torch.Tensor]:
     """What a worker of `kind` sends instead of `gradient`."""
     check_hostile(kind)
-    trained = [
-        name
-        for name, tensor in gradient.items()
-        if kinds.get(name) is TensorKind.TRAINABLE and tensor.is_floating_point()
-    ]
+    moved = [name for name, tensor in gradient.items() if trained(kinds, name, tensor)]
     out = dict(gradient)
     if kind == "scale100":
-        out.update({n: gradient[n] * 100 for n in trained})
+        out.update({n: gradient[n] * 100 for n in moved})
     elif kind == "sign_flip":
-        out.update({n: -gradient[n] for n in trained})
+        out.update({n: -gradient[n] for n in moved})
     elif kind == "noise":
-        noise = {n: torch.randn(gradient[n].shape, generator=generator) for n in trained}
+        noise = {n: torch.randn(gradient[n].shape, generator=generator) for n in moved}
         scale = update_norm(gradient, kinds) / max(update_norm(noise, kinds), math.ulp(1.0))
-        out.update({n: noise[n] * scale for n in trained})
+        out.update({n: noise[n] * scale for n in moved})
     return out

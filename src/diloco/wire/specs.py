@@ -34,6 +34,12 @@ class TensorSpec:
     dtype: torch.dtype
     kind: str
 
+    @property
+    def trained(self) -> bool:
+        """Trainable and floating: what the outer optimizer steps, codecs compress and robust
+        aggregation measures (buffers, frozen and integer tensors are averaged)."""
+        return self.kind == TensorKind.TRAINABLE.value and self.dtype.is_floating_point
+
     def to_json(self) -> dict[str, Any]:
         """`{"name", "shape", "dtype", "kind"}` with the protocol's dtype name."""
         return {

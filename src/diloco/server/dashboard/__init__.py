@@ -17,6 +17,7 @@ form can send. A server without any secret (loopback development) needs no login
 from __future__ import annotations
 
 import asyncio
+import functools
 import html
 import secrets
 import threading
@@ -85,8 +86,13 @@ def session_caller(request: Request) -> Caller | None:
     return Caller(ADMIN) if sessions.valid(request.cookies.get(COOKIE)) else None
 
 
+@functools.cache
+def _template(name: str) -> str:
+    return (STATIC / name).read_text()  # once per process, not per request
+
+
 def _page(name: str, **values: str) -> str:
-    text = (STATIC / name).read_text()
+    text = _template(name)
     for key, value in values.items():
         text = text.replace("{{" + key + "}}", value)
     return text
