@@ -45,6 +45,26 @@ class ByteWindows(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x}
 
 
+@torch.no_grad()
+def eval_loss(model: torch.nn.Module, windows: ByteWindows, batch_size: int) -> float:
+    """Mean loss per window over `windows`, outside the Trainer: under torchrun a
+    Trainer.evaluate() before train() marks the model as prepared, and train() then never
+    wraps it in DDP (transformers 5.24, accelerate 1.15), so the ranks would train apart."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        ids = torch.stack(
+            [windows[i]["input_ids"] for i in range(start, min(start + batch_size, len(windows)))]
+        )
+        ids = ids.to(device)
+        total += float(model(input_ids=ids, labels=ids).loss) * len(ids)
+        count += len(ids)
+    model.train(was_training)
+    return total / count
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", required=True)
@@ -94,7 +114,7 @@ def main() -> int:
     callback = DiLoCoCallback(options.server, options.worker_id)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
                       callbacks=[callback])  # fmt: skip
-    initial_loss = trainer.evaluate()["eval_loss"]
+    initial_loss = eval_loss(model, val, options.batch_size)
     try:
         trainer.train(resume_from_checkpoint=True if options.resume else None)
     except DiLoCoCallbackError as exc:
@@ -103,7 +123,7 @@ def main() -> int:
     except (ServerError, ServerUnavailable) as exc:
         print(f"error: the server failed us: {exc}", file=sys.stderr)
         return 1
-    final_loss = trainer.evaluate()["eval_loss"]
+    final_loss = eval_loss(model, val, options.batch_size)
     figures = {
         "initial_eval_loss": initial_loss,
         "final_eval_loss": final_loss,

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -120,21 +121,34 @@ def test_options_the_callback_owns_are_refused() -> None:
         DiLoCoCallback("http://127.0.0.1:9", checkpoint_dir="/tmp/x")
 
 
+def torchrun_trainer(url: str, out: Path, corpus: Path, *extra: str, crash_at: str = ""):
+    """examples/transformers_trainer.py as a 2-rank torchrun group, worker g0 (its output in
+    out/g0, out/g0.json and out/g0.log); DILOCO_CRASH_AT reaches both ranks."""
+    env = {k: v for k, v in os.environ.items() if k != "DILOCO_CRASH_AT"}
+    if crash_at:
+        env["DILOCO_CRASH_AT"] = crash_at
+    with socket.socket() as free:  # torchrun's rendezvous port
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    with (out / "g0.log").open("ab") as log:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--master_addr", "127.0.0.1", "--master_port", port,
+             str(EXAMPLES / "transformers_trainer.py"),
+             "--server", url, "--worker-id", "g0", "--corpus", str(corpus),
+             "--steps", "6", "--save-steps", "3", "--batch-size", "4", "--seq-len", "32",
+             "--output-dir", str(out / "g0"), "--json", str(out / "g0.json"), *extra],
+            stdout=log, stderr=log, env=env, timeout=300, check=False,
+        ).returncode  # fmt: skip
+
+
 @pytest.mark.slow  # in `make test-slow`: torchrun starts 2 more interpreters
 def test_a_trainer_under_torchrun_is_one_worker(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
     server = server_process("--sync-every", "3", "--min-workers", "1")
-    port = str(20000 + os.getpid() % 20000)
-    group = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", port, str(EXAMPLES / "transformers_trainer.py"),
-         "--server", server.url, "--worker-id", "g0", "--corpus", str(corpus_file),
-         "--steps", "6", "--save-steps", "3", "--batch-size", "4", "--seq-len", "32",
-         "--output-dir", str(tmp_path / "g0"), "--json", str(tmp_path / "g0.json")],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert group.returncode == 0, group.stderr[-3000:]
+    code = torchrun_trainer(server.url, tmp_path, corpus_file)
+    assert code == 0, (tmp_path / "g0.log").read_text()[-3000:]
     report = json.loads((tmp_path / "g0.json").read_text())  # rank 0 alone writes it
     assert report["worker"]["rounds"] == 2 and report["global_step"] == 6
     assert report["final_eval_loss"] < report["initial_eval_loss"] - 0.5
@@ -143,6 +157,33 @@ def test_a_trainer_under_torchrun_is_one_worker(
     # The two ranks are one worker: one registration, in both rounds
     assert [(w["worker_id"], w["rounds_contributed"]) for w in workers] == [("g0", 2)]
     assert global_weights(server.url)[1] == 2
+
+
+@pytest.mark.slow  # in `make test-slow`: three 2-rank torchrun groups
+def test_a_killed_torchrun_group_resumes_from_the_trainer_checkpoint_as_an_unbroken_run(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    """Rank 0 saves the group's worker state with checkpoint-3 (H = 2: inside round 2); both
+    ranks die there with kill -9; the resumed group puts the step trained into round 2 back
+    on every rank and ends where an unbroken group does."""
+    broken_dir, unbroken_dir = tmp_path / "broken", tmp_path / "unbroken"
+    broken_dir.mkdir(), unbroken_dir.mkdir()
+    broken = server_process("--sync-every", "2", "--min-workers", "1")
+    unbroken = server_process("--sync-every", "2", "--min-workers", "1")
+    code = torchrun_trainer(broken.url, broken_dir, corpus_file,
+                            crash_at="trainer_checkpoint_saved:1")  # fmt: skip
+    assert code != 0
+    assert global_weights(broken.url)[1] == 1  # round 1 (steps 1-2) committed, round 2 not
+    saved = broken_dir / "g0" / "checkpoint-3" / "diloco"
+    assert json.loads((saved / "trainer_run.json").read_text())["global_step"] == 3
+    resumed = torchrun_trainer(broken.url, broken_dir, corpus_file, "--resume")
+    assert resumed == 0, (broken_dir / "g0.log").read_text()[-3000:]
+    assert torchrun_trainer(unbroken.url, unbroken_dir, corpus_file) == 0
+    report = json.loads((broken_dir / "g0.json").read_text())
+    assert report["resumed_from"].endswith("checkpoint-3/diloco")
+    assert report["worker"]["rounds"] == 3  # round 1 before the kill, 2 and 3 after it
+    assert "step(s) into that round are dropped" not in (broken_dir / "g0.log").read_text()
+    assert_same_global_weights(broken.url, unbroken.url, rounds=3)
 
 
 @pytest.mark.slow  # in `make test-slow`

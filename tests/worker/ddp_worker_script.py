@@ -12,12 +12,13 @@ import torch.distributed as dist
 from diloco.worker import DiLoCoWorker
 
 
-def main(url: str, token: str, steps: int) -> None:
+def main(url: str, token: str, steps: int, wrap: str) -> None:
+    """`wrap` "ddp", or "none": each rank trains its own copy (what no group may do)."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if wrap == "ddp" else model
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     worker = DiLoCoWorker(ddp, optimizer, url, worker_id="group", token=token or None)
     generator = torch.Generator().manual_seed(100 + rank)
@@ -42,4 +43,4 @@ def main(url: str, token: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else "ddp")

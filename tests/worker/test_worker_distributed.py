@@ -17,7 +17,7 @@ from diloco.worker import DiLoCoClient
 SCRIPT = Path(__file__).with_name("ddp_worker_script.py")
 
 
-def torchrun(url: str, token: str, steps: int) -> subprocess.CompletedProcess:
+def torchrun(url: str, token: str, steps: int, wrap: str = "ddp") -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -30,6 +30,7 @@ def torchrun(url: str, token: str, steps: int) -> subprocess.CompletedProcess:
             url,
             token,
             str(steps),
+            wrap,
         ],
         capture_output=True,
         text=True,
@@ -76,3 +77,16 @@ def test_an_error_on_rank_0_reaches_every_rank(live_server) -> None:
     assert result.returncode != 0
     assert "AuthError" in result.stderr or "401" in result.stderr
     assert "rank 0 of the DiLoCo worker failed" in result.stderr  # the follower was told
+
+
+def test_ranks_that_train_apart_are_stopped_on_every_rank_at_the_first_sync(live_server) -> None:
+    """Without DDP each rank steps on its own batches: after H = 2 steps the ranks hold other
+    weights, and rather than send rank 0's work alone every rank raises, naming a tensor;
+    nothing reaches the server."""
+    with live_server(ServerSettings(sync_every=2), token="s3cret") as server:
+        result = torchrun(server.url, "s3cret", steps=6, wrap="none")
+        assert result.returncode != 0
+        assert server.coordinator.status()["round"] == 0
+    stopped = [line for line in result.stderr.splitlines() if "ReplicasDiffer:" in line]
+    assert sorted(line[:7] for line in stopped) == ["[rank0]", "[rank1]"], result.stderr[-3000:]
+    assert all("different weights after local step 2 (first: 'bias')" in s for s in stopped)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from diloco.worker import distributed
 
 # DiLoCoWorker options a callback sets itself (the framework's checkpoints hold the state)
 OWNED_OPTIONS = ("checkpoint_dir", "scheduler", "save_every_round")
@@ -57,3 +61,15 @@ def check_resumed(worker: Any, resume: Any) -> None:
 def changed_settings(saved: dict, now: dict) -> list[str]:
     """'name before -> now' for each run setting a resume must keep but does not."""
     return [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+
+
+def resume_on_every_rank(find: Callable[[], Path | None]) -> Path | None:
+    """The saved worker state to resume, as rank 0 finds and checks it (only rank 0 saves it,
+    so only it may see the folder); every rank of a torch.distributed group gets its path, or
+    raises when rank 0 refused it."""
+
+    def share(found: Path | None) -> Path | None:
+        path = distributed.broadcast_json(None if found is None else str(found))
+        return None if path is None else Path(path)
+
+    return distributed.lead(find, share)

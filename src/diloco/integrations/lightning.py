@@ -23,9 +23,10 @@ from diloco.integrations.common import (
     changed_settings,
     check_resumed,
     refuse_owned_options,
+    resume_on_every_rank,
     torch_optimizer,
 )
-from diloco.worker import DiLoCoWorker, distributed
+from diloco.worker import DiLoCoWorker
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -82,7 +83,8 @@ class DiLoCoCallback(Callback):
             )
         inner = torch_optimizer(optimizers[0])
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        resume = self._resume_dir(trainer)
+        resume = resume_on_every_rank(lambda: self._resume_dir(trainer))
+        self.resumed_from = None if resume is None else str(resume)
         self.worker = DiLoCoWorker(
             pl_module,
             inner,
@@ -128,11 +130,9 @@ class DiLoCoCallback(Callback):
         state_dir/step-N, and the checkpoint keeps where, with the run's settings."""
         if self.worker is None or self._trainer is None:
             return {}
-        if distributed.group_size() > 1:
-            return {}  # under torch.distributed the other ranks' state is not saved
         step = self._trainer.global_step
         directory = (self._state_root(self._trainer) / f"step-{step}").resolve()
-        self.worker.save_checkpoint(directory)
+        self.worker.save_checkpoint(directory)  # a group's rank 0 saves, the others not
         self._saved_at = step
         return {"dir": str(directory), "step": step, **_run_settings(self._trainer)}
 
@@ -169,5 +169,4 @@ class DiLoCoCallback(Callback):
                 f"the checkpoint's worker state {directory} is gone; start the worker afresh "
                 "(without ckpt_path) or restore that folder"
             )
-        self.resumed_from = str(directory)
         return directory

@@ -10,8 +10,8 @@ gradient accumulation. Every checkpoint the Trainer writes gets the worker's sta
 safetensors and JSON), taken at that very step; `resume_from_checkpoint` restores it with the
 Trainer's own, so a resumed run continues the same DiLoCo run. The Trainer's end syncs a last
 partial round, so the model it saves is the global one. Under torchrun the process group is
-one worker (rank 0 talks to the server); its worker state is not saved with the checkpoints
-then, and a resumed group rejoins from the server's weights.
+one worker: rank 0 talks to the server and saves the worker state with the checkpoints; a
+resumed group continues from it (the Trainer restores every rank's model, optimizer and RNG).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from diloco.integrations.common import (
     changed_settings,
     check_resumed,
     refuse_owned_options,
+    resume_on_every_rank,
     torch_optimizer,
 )
-from diloco.worker import DiLoCoWorker, distributed
+from diloco.worker import DiLoCoWorker
 
 try:
     from transformers import TrainerCallback
@@ -74,7 +75,6 @@ class DiLoCoCallback(TrainerCallback):
         self.worker: DiLoCoWorker | None = None
         self.worker_stats: dict | None = None
         self.resumed_from: str | None = None
-        self._warned_unsaved = False
 
     # ----------------------------------------------------------------- Trainer events
 
@@ -94,9 +94,8 @@ class DiLoCoCallback(TrainerCallback):
                 "(the model a DiLoCo run ends on is the global one)"
             )
         inner = torch_optimizer(optimizer)
-        resume = self._saved_state(args, state)
+        resume = resume_on_every_rank(lambda: self._checked_state(args, state))
         if resume is not None:
-            self._check_same_settings(resume, args, state)
             self.resumed_from = str(resume)
         self.worker = DiLoCoWorker(
             model,
@@ -118,16 +117,8 @@ class DiLoCoCallback(TrainerCallback):
             self.worker.report(loss=float(logs["loss"]))
 
     def on_save(self, args, state, control, **kwargs):
-        if self.worker is None:
-            return
-        if distributed.group_size() > 1:
-            if not self._warned_unsaved and distributed.rank() == 0:
-                log.warning(
-                    "under torch.distributed the worker state is not saved with checkpoints: "
-                    "a resumed group rejoins from the server's weights"
-                )
-            self._warned_unsaved = True
-            return
+        if self.worker is None or not self.worker.is_leader:
+            return  # a group's rank 0 saves its state
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         (folder / STATE_DIR).mkdir(parents=True, exist_ok=True)
         # The Trainer's step, not the hook's count: fp16 overflow skips steps the hook never sees
@@ -144,6 +135,12 @@ class DiLoCoCallback(TrainerCallback):
         self.worker_stats = worker.stats()
 
     # ----------------------------------------------------------------- resuming
+
+    def _checked_state(self, args: Any, state: Any) -> Path | None:
+        saved = self._saved_state(args, state)
+        if saved is not None:
+            self._check_same_settings(saved, args, state)
+        return saved
 
     @staticmethod
     def _saved_state(args: Any, state: Any) -> Path | None:

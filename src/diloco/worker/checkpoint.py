@@ -75,6 +75,40 @@ class WorkerCheckpoint:
     # error-feedback residuals (worker/upload_coder.py); their key is extra["residual_key"]
     residual: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
+    def facts(self) -> dict[str, Any]:
+        """The counters a torch.distributed group's other ranks resume by (JSON)."""
+        return {
+            "worker_id": self.worker_id,
+            "local_step": self.local_step,
+            "anchor_round": self.anchor_round,
+            "steps_in_round": self.steps_in_round,
+            "tokens": self.tokens,
+            "rounds": int(self.extra.get("rounds", 0)),
+            "generation": self.generation,
+            "path": str(self.path),
+        }
+
+    @classmethod
+    def of_facts(cls, facts: Mapping[str, Any]) -> WorkerCheckpoint:
+        """What a follower rank knows of rank 0's checkpoint: its counters, no tensors."""
+        return cls(
+            worker_id=str(facts["worker_id"]),
+            local_step=int(facts["local_step"]),
+            anchor_round=int(facts["anchor_round"]),
+            steps_in_round=int(facts["steps_in_round"]),
+            tokens=int(facts["tokens"]),
+            leases=[],
+            extra={"rounds": int(facts["rounds"])},
+            generation=int(facts["generation"]),
+            path=Path(facts["path"]),
+            model={},
+            anchor={},
+            optimizer_state={},
+            scheduler_state=None,
+            rng_tensors={},
+            metadata={},
+        )
+
 
 # ----------------------------------------------------------------- saving
 

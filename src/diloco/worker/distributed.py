@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -154,6 +154,41 @@ def check_same_model(specs: Sequence[TensorSpec], sharded: bool) -> None:
         f"rank(s) {ranks} of the worker's group hold another model than rank 0 (see their "
         "error for the first difference); every rank must build the same model"
     )
+
+
+class ReplicasDiffer(RuntimeError):
+    """The ranks of one (unsharded) worker trained apart: their weights differ."""
+
+
+def check_replicas_agree(tensors: Mapping[str, torch.Tensor], step: int) -> None:
+    """Every rank of an unsharded group must hold the same trained tensors (DDP averages the
+    gradients, so the replicas stay bitwise equal); else every rank raises, naming the first
+    tensor that differs.
+
+    Ranks that train apart (a model DDP never wrapped; under torchrun, a transformers Trainer
+    whose evaluate() ran before train() is one) would send rank 0's work alone and silently
+    drop the others'. One float64 sum per tensor is compared, not the tensors themselves.
+    """
+    if group_size() == 1:
+        return
+    names = sorted(tensors)
+    device = comm_device()
+    mine = torch.stack(
+        [tensors[name].detach().sum(dtype=torch.float64).to(device) for name in names]
+    ) if names else torch.zeros(0, dtype=torch.float64, device=device)  # fmt: skip
+    leader = mine.clone()
+    dist.broadcast(leader, src=0)
+    same = (mine == leader) | (mine.isnan() & leader.isnan())
+    differs = (~same).to(torch.int64)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)  # every rank learns of any rank's
+    if bool(differs.any()):
+        first = names[int(differs.nonzero()[0])]
+        raise ReplicasDiffer(
+            f"the ranks of this DiLoCo worker hold different weights after local step {step} "
+            f"(first: {first!r}): the group must train one replica, with gradients averaged "
+            "across ranks (wrap the model in DistributedDataParallel; under torchrun, call a "
+            "transformers Trainer's evaluate() only after train(), or it never wraps the model)"
+        )
 
 
 def _first_dtype(expected: Sequence[TensorSpec], got: Sequence[TensorSpec]) -> str:

@@ -63,6 +63,15 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
 
 
+def _share_resumed(saved: WorkerCheckpoint | None) -> WorkerCheckpoint | None:
+    """Rank 0's resumed checkpoint, as the facts every rank counts by (steps, round, id):
+    the other ranks' model, optimizer and RNG are their trainer's to restore."""
+    if distributed.group_size() == 1:
+        return saved
+    facts = distributed.broadcast_json(None if saved is None else saved.facts())
+    return saved if saved is not None or facts is None else WorkerCheckpoint.of_facts(facts)
+
+
 def _refuse_tied_tensors(model: nn.Module) -> None:
     """Streaming merges fragments one at a time: two names of one tensor (GPT-2's tied input
     and output embeddings) may sit in two fragments, and each merge would move both."""
@@ -129,6 +138,8 @@ class DiLoCoWorker:
         self.is_leader = distributed.rank() == 0
         self.specs = specs_of(self.model.state_dict(), classify_tensors(self.model))
         self.sharded = is_sharded(self.model)  # FSDP2: each rank holds rows of each tensor
+        # DDP: every rank holds the one replica, checked once every H steps
+        self._replicated = distributed.group_size() > 1 and not self.sharded
         distributed.check_same_model(self.specs, self.sharded)
         self.client = (
             DiLoCoClient(
@@ -158,11 +169,12 @@ class DiLoCoWorker:
         self.resumed: WorkerCheckpoint | None = None
         self._checkpointer: Checkpointer | None = None
         if checkpoint_dir is not None:
-            if distributed.group_size() > 1 or self.sharded:
+            if self.sharded or (distributed.group_size() > 1 and save_every_round):
                 raise ValueError(
-                    "checkpoint_dir is for single-process, unsharded workers; under "
-                    "torch.distributed or FSDP save each rank's state with your trainer's own "
-                    "checkpointing"
+                    "checkpoint_dir is for unsharded workers, and under torch.distributed only "
+                    "with save_every_round=False: rank 0 then saves the worker state beside a "
+                    "trainer's own checkpoints, which restore every rank's model, optimizer "
+                    "and RNG (under FSDP the worker state is not saved)"
                 )
             self._checkpointer = Checkpointer(checkpoint_dir, self.model, optimizer, scheduler)
             self._resume(self._checkpointer)
@@ -297,7 +309,7 @@ class DiLoCoWorker:
 
     def _resume(self, checkpointer: Checkpointer) -> None:
         """Restore a saved worker (before joining, so that it registers under its old id)."""
-        saved = checkpointer.resume(self.worker_id)
+        saved = distributed.lead(lambda: checkpointer.resume(self.worker_id), _share_resumed)
         if saved is None:
             return
         self.worker_id = saved.worker_id
@@ -338,22 +350,27 @@ class DiLoCoWorker:
             )
             return
         state = self.model.state_dict()
-        with torch.no_grad():
-            for name, target in state.items():
-                target.copy_(saved.model[name])
+        if self.is_leader:  # a group's other ranks take rank 0's (they joined on its weights)
+            with torch.no_grad():
+                for name, target in state.items():
+                    target.copy_(saved.model[name])
+        distributed.broadcast_tensors_(state)
         self._schedule.steps_in_round = saved.steps_in_round
 
     def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> None:
         """Save the worker's state now (done after every round when checkpoint_dir is set),
         into `directory` if given (a trainer's checkpoint folder; mid-round is fine: the
-        anchor, the steps into the round and the residual are saved with the model)."""
+        anchor, the steps into the round and the residual are saved with the model). In a
+        torch.distributed group rank 0 saves the group's state; the other ranks do nothing."""
+        if directory is not None and self.sharded:
+            raise ValueError(
+                "saving a worker checkpoint is for unsharded workers: under FSDP each rank "
+                "holds rows of the anchor, and their state is not saved"
+            )
+        if not self.is_leader:
+            return
         checkpointer = self._checkpointer
         if directory is not None:
-            if distributed.group_size() > 1 or self.sharded:
-                raise ValueError(
-                    "saving a worker checkpoint is for single-process, unsharded workers; "
-                    "under torch.distributed or FSDP the ranks' own state is not saved"
-                )
             checkpointer = Checkpointer(directory, self.model, self.optimizer, self._scheduler)
         if checkpointer is None or self.worker_id is None:
             return
@@ -420,6 +437,10 @@ class DiLoCoWorker:
 
     def _after_step(self, *_args: object, **_kwargs: object) -> None:
         self.local_step += 1
+        if self._replicated and self.local_step % self.settings.sync_every == 0:
+            state = self.model.state_dict()
+            trained = {spec.name: state[spec.name] for spec in self.specs if spec.trained}
+            distributed.check_replicas_agree(trained, self.local_step)
         if self.streamer is not None:
             self.streamer.after_step()
             return
