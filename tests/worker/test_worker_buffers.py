@@ -120,3 +120,60 @@ def test_an_explicit_token_report_replaces_the_count() -> None:
     model.train()
     model(torch.zeros(2, 3, dtype=torch.long))
     assert seen == [6]
+
+
+def _one_step(model: TinyLM, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.arange(8).reshape(2, 4)).logsumexp(-1).mean().backward()
+    optimizer.step()  # a sync happens in here when the window is full
+    optimizer.zero_grad()
+
+
+def _fresh_worker(url: str, directory, worker_id: str = "w") -> tuple[DiLoCoWorker, TinyLM]:
+    """A worker as a restarted process builds it: a new model and optimizer, resumed from
+    `directory` (a trainer's checkpoint folder: saves are the caller's)."""
+    model = TinyLM()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    worker = DiLoCoWorker(
+        model, optimizer, url, worker_id=worker_id, checkpoint_dir=directory,
+        save_every_round=False,
+    )  # fmt: skip
+    return worker, model
+
+
+def test_a_resume_inside_a_round_keeps_the_tokens_trained_before_the_checkpoint(
+    live_server, tmp_path
+) -> None:
+    """--weighting tokens, H = 2, 2x4 tokens a step: step 1, a checkpoint, the process gone;
+    the resumed worker trains step 2 and its round carries 16 tokens (it sent 8 before the
+    round's count was saved with the checkpoint)."""
+    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", weighting="tokens")
+    with live_server(settings) as server:
+        worker, model = _fresh_worker(server.url, tmp_path)
+        _one_step(model, worker.optimizer)
+        worker.save_checkpoint()
+        worker.close(final_sync=False)
+        resumed, model = _fresh_worker(server.url, tmp_path)
+        assert resumed.resumed is not None and resumed.round == 0
+        _one_step(model, resumed.optimizer)
+        assert resumed.rounds == 1
+        committed = server.coordinator.journal.state.committed_rounds()
+        assert [(r["round"], r["tokens"]) for r in committed] == [(0, 16)]
+        resumed.close(final_sync=False)
+
+
+def test_a_resume_inside_a_round_keeps_the_window_dylu_gave_it(live_server, tmp_path) -> None:
+    """Async with DyLU at H = 4: the server had lowered this worker's window to 2 (its advice,
+    set here directly); checkpointed after 1 step, the resumed worker syncs after 1 more step,
+    not 3."""
+    settings = ServerSettings(mode="async", sync_every=4, dylu=True)
+    with live_server(settings) as server:
+        worker, model = _fresh_worker(server.url, tmp_path)
+        worker._schedule.window = 2  # what a heartbeat's advice makes of the next window
+        _one_step(model, worker.optimizer)
+        worker.save_checkpoint()
+        worker.close(final_sync=False)
+        resumed, model = _fresh_worker(server.url, tmp_path)
+        assert resumed.window_sync_every == 2
+        _one_step(model, resumed.optimizer)
+        assert resumed.rounds == 1 and resumed.window_sync_every == 4  # the next window: H
+        resumed.close(final_sync=False)

@@ -83,7 +83,9 @@ class WorkerCheckpoint:
             "anchor_round": self.anchor_round,
             "steps_in_round": self.steps_in_round,
             "tokens": self.tokens,
-            "rounds": int(self.extra.get("rounds", 0)),
+            "extra": {
+                k: self.extra[k] for k in ("rounds", "round_tokens", "window") if k in self.extra
+            },
             "generation": self.generation,
             "path": str(self.path),
         }
@@ -98,7 +100,7 @@ class WorkerCheckpoint:
             steps_in_round=int(facts["steps_in_round"]),
             tokens=int(facts["tokens"]),
             leases=[],
-            extra={"rounds": int(facts["rounds"])},
+            extra=dict(facts["extra"]),
             generation=int(facts["generation"]),
             path=Path(facts["path"]),
             model={},

@@ -80,6 +80,15 @@ class TokenTally:
         self.in_round = 0
         self._counted_in_round = 0
 
+    def round_state(self) -> dict[str, int]:
+        """This round's figures, for a checkpoint taken inside the round."""
+        return {"in_round": self.in_round, "counted_in_round": self._counted_in_round}
+
+    def resume_round(self, state: Mapping[str, Any]) -> None:
+        """A round resumed from a checkpoint inside it goes on with the tokens trained in it."""
+        self.in_round = int(state.get("in_round", 0))
+        self._counted_in_round = int(state.get("counted_in_round", 0))
+
     def stop_counting(self) -> None:
         if self._counter is not None:
             self._counter.remove()

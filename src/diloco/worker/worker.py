@@ -356,6 +356,8 @@ class DiLoCoWorker:
                     target.copy_(saved.model[name])
         distributed.broadcast_tensors_(state)
         self._schedule.steps_in_round = saved.steps_in_round
+        self._schedule.window = int(saved.extra.get("window", self._schedule.window))
+        self._tokens.resume_round(saved.extra.get("round_tokens", {}))
 
     def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> None:
         """Save the worker's state now (done after every round when checkpoint_dir is set),
@@ -374,7 +376,13 @@ class DiLoCoWorker:
             checkpointer = Checkpointer(directory, self.model, self.optimizer, self._scheduler)
         if checkpointer is None or self.worker_id is None:
             return
-        extra: dict[str, Any] = {**self._leader_session().identity(), "rounds": self.rounds}
+        extra: dict[str, Any] = {
+            **self._leader_session().identity(),
+            "rounds": self.rounds,
+            # inside a round: what it trained so far, and its H (DyLU may have lowered it)
+            "round_tokens": self._tokens.round_state(),
+            "window": self._schedule.window,
+        }
         data_state = self._units.state()
         if data_state is not None:
             extra["data"] = data_state
