@@ -1,0 +1,57 @@
+"""Error feedback through a real server: what a worker keeps when the server never used a body."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from diloco.server.settings import ServerSettings
+from diloco.worker import DiLoCoWorker
+
+
+def _worker(url: str, worker_id: str) -> tuple[DiLoCoWorker, torch.nn.Linear]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return DiLoCoWorker(model, optimizer, url, worker_id=worker_id), model
+
+
+def _step(worker: DiLoCoWorker, model: torch.nn.Linear, scale: float) -> None:
+    model(torch.full((1, 8), scale)).sum().backward()
+    worker.optimizer.step()  # H = 1: the sync happens in here
+    worker.optimizer.zero_grad()
+
+
+def test_a_body_the_round_committed_without_leaves_nothing_in_the_residual(live_server) -> None:
+    """topk:0.25 with error feedback, H = 1, two workers. Worker b trains its round only after
+    the barrier timed out on it and the round committed with a alone: the server answers its
+    late body `committed`, so none of it was used, and b's residual must hold none of it
+    either (before, b kept e - C(e) of a pseudo-gradient whose sent part was thrown away)."""
+    settings = ServerSettings(
+        sync_every=1, barrier_timeout=1.0, upload_codec="topk:0.25",
+        topk_chunk=8, error_feedback_beta=0.9, outer_optimizer="sgd", outer_lr=1.0,
+        heartbeat_interval=0.2, heartbeat_timeout=30.0,
+    )  # fmt: skip
+    with live_server(settings) as server:
+        a, model_a = _worker(server.url, "a")
+        b, model_b = _worker(server.url, "b")
+        first = threading.Thread(target=_step, args=(a, model_a, 1.0))
+        first.start()
+        deadline = time.monotonic() + 30
+        while first.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+            server.coordinator.evict_stale()  # the CLI server's eviction ticker does this
+        # a's round committed once the barrier gave up on b
+        assert not first.is_alive() and a.rounds == 1
+        assert server.coordinator.status()["round"] == 1
+        assert a._uploads.residual["weight"].count_nonzero() == 6  # 2 of 8 values went
+        _step(b, model_b, 2.0)  # b's body for round 0 arrives after the round committed
+        assert b._session._last_submit_status == "committed"
+        assert b.round == 1  # b took the round's result: a's weights
+        torch.testing.assert_close(model_b.weight, model_a.weight, rtol=0, atol=0)
+        assert b._uploads.residual == {}  # nothing of the unused body is kept
+        assert server.coordinator.status()["round"] == 1  # nothing of b's body was folded in
+        a.close(final_sync=False)
+        b.close(final_sync=False)
