@@ -15,8 +15,9 @@ progress is never thrown away.
 The worker is a facade over one part per job: `ServerSession` (join, submit, await, rebase),
 `Anchor` (the global weights the model started from; `ShardedAnchor` under FSDP2), a schedule
 (`EveryH`, `DyLU`, or the `FragmentStreamer`'s windows), `TokenTally`, `UnitReports` (work
-units), `Pace` (blocked time, window speeds), `Checkpointer` and `Heartbeat`. It wires them
-together and owns the optimizer hook, the step count and the report.
+units), `Pace` (blocked time, window speeds), `Checkpointer` (through `WorkerResumption`,
+worker/resumption.py) and `Heartbeat`. It wires them together and owns the optimizer hook,
+the step count and the report.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from diloco.worker.checkpoint import Checkpointer, WorkerCheckpoint
 from diloco.worker.client import DiLoCoClient
 from diloco.worker.heartbeat import Heartbeat
 from diloco.worker.pace import Pace
+from diloco.worker.resumption import WorkerResumption
 from diloco.worker.retry import RetryPolicy
 from diloco.worker.schedule import DyLU, EveryH
 from diloco.worker.session import Exchanged, ServerSession
@@ -63,15 +65,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(getattr(model, "module", None), nn.Module) else model
 
 
-def _share_resumed(saved: WorkerCheckpoint | None) -> WorkerCheckpoint | None:
-    """Rank 0's resumed checkpoint, as the facts every rank counts by (steps, round, id):
-    the other ranks' model, optimizer and RNG are their trainer's to restore."""
-    if distributed.group_size() == 1:
-        return saved
-    facts = distributed.broadcast_json(None if saved is None else saved.facts())
-    return saved if saved is not None or facts is None else WorkerCheckpoint.of_facts(facts)
-
-
 def _refuse_tied_tensors(model: nn.Module) -> None:
     """Streaming merges fragments one at a time: two names of one tensor (GPT-2's tied input
     and output embeddings) may sit in two fragments, and each merge would move both."""
@@ -88,7 +81,7 @@ def _refuse_tied_tensors(model: nn.Module) -> None:
         )
 
 
-class DiLoCoWorker:
+class DiLoCoWorker(WorkerResumption):
     """One DiLoCo worker (one process, or one torch.distributed group led by rank 0)."""
 
     def __init__(
@@ -304,101 +297,6 @@ class DiLoCoWorker:
     def rejoin(self) -> None:
         """Register again under the same id (after an eviction or a server restart)."""
         self._leader_session().rejoin()
-
-    # ----------------------------------------------------------------- resuming
-
-    def _resume(self, checkpointer: Checkpointer) -> None:
-        """Restore a saved worker (before joining, so that it registers under its old id)."""
-        saved = distributed.lead(lambda: checkpointer.resume(self.worker_id), _share_resumed)
-        if saved is None:
-            return
-        self.worker_id = saved.worker_id
-        self.local_step = saved.local_step
-        self._tokens.total = saved.tokens
-        self.rounds = int(saved.extra.get("rounds", 0))
-        self.resumed = saved
-
-    def _skip_rounds_missed(self) -> None:
-        """Sync mode: rounds committed while we were down already hold our work (the barrier
-        waited for us) or went on without us (we were evicted): either way we start at the
-        server's round, and our step count and data position follow it."""
-        saved = self.resumed
-        if self.settings.mode != "sync" or saved is None or self.round <= saved.anchor_round:
-            return
-        missed = self.round - saved.anchor_round
-        ahead = missed * self.settings.sync_every
-        self.local_step += ahead
-        log.warning(
-            "the server is %d round(s) past our checkpoint: skipping %d steps", missed, ahead
-        )
-
-    def _resume_mid_round(self) -> None:
-        """A checkpoint taken inside a round (a trainer's own cadence) holds steps trained since
-        the anchor. Joining put the server's weights in the model; while the server is still at
-        our anchor's round those are our anchor, so the trained steps go back in and the round
-        goes on where it was. If the server has moved on, they are dropped (with a warning)."""
-        saved = self.resumed
-        if saved is None or saved.steps_in_round == 0 or self.settings.mode == "streaming":
-            return
-        if self.round != saved.anchor_round:
-            log.warning(
-                "the server is at round %d, our checkpoint inside round %d: its %d step(s) "
-                "into that round are dropped",
-                self.round,
-                saved.anchor_round,
-                saved.steps_in_round,
-            )
-            return
-        state = self.model.state_dict()
-        if self.is_leader:  # a group's other ranks take rank 0's (they joined on its weights)
-            with torch.no_grad():
-                for name, target in state.items():
-                    target.copy_(saved.model[name])
-        distributed.broadcast_tensors_(state)
-        self._schedule.steps_in_round = saved.steps_in_round
-        self._schedule.window = int(saved.extra.get("window", self._schedule.window))
-        self._tokens.resume_round(saved.extra.get("round_tokens", {}))
-
-    def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> None:
-        """Save the worker's state now (done after every round when checkpoint_dir is set),
-        into `directory` if given (a trainer's checkpoint folder; mid-round is fine: the
-        anchor, the steps into the round and the residual are saved with the model). In a
-        torch.distributed group rank 0 saves the group's state; the other ranks do nothing."""
-        if directory is not None and self.sharded:
-            raise ValueError(
-                "saving a worker checkpoint is for unsharded workers: under FSDP each rank "
-                "holds rows of the anchor, and their state is not saved"
-            )
-        if not self.is_leader:
-            return
-        checkpointer = self._checkpointer
-        if directory is not None:
-            checkpointer = Checkpointer(directory, self.model, self.optimizer, self._scheduler)
-        if checkpointer is None or self.worker_id is None:
-            return
-        extra: dict[str, Any] = {
-            **self._leader_session().identity(),
-            "rounds": self.rounds,
-            # inside a round: what it trained so far, and its H (DyLU may have lowered it)
-            "round_tokens": self._tokens.round_state(),
-            "window": self._schedule.window,
-        }
-        data_state = self._units.state()
-        if data_state is not None:
-            extra["data"] = data_state
-        residual, residual_key = self._uploads.state()
-        if residual_key is not None:
-            extra["residual_key"] = residual_key
-        checkpointer.save(
-            worker_id=self.worker_id,
-            anchor=self.anchor,
-            anchor_round=self.round,
-            local_step=self.local_step,
-            steps_in_round=self._schedule.steps_in_round,
-            tokens=self._tokens.total,
-            extra=extra,
-            residual=residual,
-        )
 
     # ----------------------------------------------------------------- joining
 
