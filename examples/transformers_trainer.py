@@ -14,6 +14,7 @@ causal LM config with vocab_size >= 256 works, --model-config) and trained on by
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -80,6 +81,14 @@ def main() -> int:
     parser.add_argument("--save-steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0, help="the same on every worker")
     parser.add_argument("--resume", action="store_true", help="from the newest checkpoint")
+    parser.add_argument(
+        "--data-dispatch",
+        choices=("local", "server"),
+        default="local",
+        help="server: train the work units the server leases (each sample "
+        "once across the workers); local: this Trainer's own shuffled order",
+    )
+    parser.add_argument("--unit-size", type=int, default=256, help="samples per work unit")
     parser.add_argument("--json", default=None, help="write the figures here")
     options = parser.parse_args()
 
@@ -110,10 +119,16 @@ def main() -> int:
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
+        ignore_data_skip=options.data_dispatch == "server",  # the worker resumes the data
     )
     callback = DiLoCoCallback(options.server, options.worker_id)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
                       callbacks=[callback])  # fmt: skip
+    if options.data_dispatch == "server":
+        # every worker names the same bytes and window length with the same id
+        digest = hashlib.sha256(split.train.numpy().tobytes()).hexdigest()[:16]
+        callback.lease_data(trainer, f"bytes-{digest}-w{options.seq_len}",
+                            unit_size=options.unit_size)  # fmt: skip
     initial_loss = eval_loss(model, val, options.batch_size)
     try:
         trainer.train(resume_from_checkpoint=True if options.resume else None)

@@ -3,10 +3,13 @@ server's final weights as a test reads them."""
 
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -147,3 +150,22 @@ def run_all(
                 process.kill()
                 process.wait(timeout=10)
     return outcomes
+
+
+def applied_samples(traces: list[Path], state: Path) -> Counter:
+    """How often each (epoch, index) sample went into the global model: the workers' traces
+    (DILOCO_TRACE_SAMPLES) joined with the server's submissions table."""
+    with sqlite3.connect(state / "state.sqlite") as db:
+        applied = set(db.execute("SELECT worker_id, round FROM submissions"))
+    seen: dict[tuple[str, int], list] = {}
+    for trace in traces:
+        for line in trace.read_text().splitlines():
+            entry = json.loads(line)
+            # A resumed worker that sends a round again trains the same samples; the server
+            # keeps the first arrival, so the first line of a (worker, round) is the one.
+            seen.setdefault((entry["worker"], entry["round"]), entry["samples"])
+    counts: Counter = Counter()
+    for key, samples in seen.items():
+        if key in applied:
+            counts.update((epoch, index) for epoch, index in samples)
+    return counts

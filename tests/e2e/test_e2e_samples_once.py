@@ -6,38 +6,19 @@ submissions table says which (worker, round) pseudo-gradients an outer step appl
 
 from __future__ import annotations
 
-import json
 import signal
 import sqlite3
 import time
-from collections import Counter
 from pathlib import Path
 
 from diloco.data import TokenWindows, generated_corpus, split_train_val
 from diloco.worker import DiLoCoClient, RetryPolicy
 from diloco.worker.trace import TRACE_ENV_VAR
-from processes import start_worker, wait_all
+from processes import applied_samples, start_worker, wait_all
 from tiny import TINY_MODEL
 
 UNIT_SIZE = 7  # batches of 4 end inside units: parts of units are reported
 SYNC_EVERY = 3
-
-
-def applied_samples(traces: list[Path], state: Path) -> Counter:
-    with sqlite3.connect(state / "state.sqlite") as db:
-        applied = set(db.execute("SELECT worker_id, round FROM submissions"))
-    seen: dict[tuple[str, int], list] = {}
-    for trace in traces:
-        for line in trace.read_text().splitlines():
-            entry = json.loads(line)
-            # A resumed worker that sends a round again trains the same samples; the server
-            # keeps the first arrival, so the first line of a (worker, round) is the one.
-            seen.setdefault((entry["worker"], entry["round"]), entry["samples"])
-    counts: Counter = Counter()
-    for key, samples in seen.items():
-        if key in applied:
-            counts.update((epoch, index) for epoch, index in samples)
-    return counts
 
 
 def test_every_sample_of_an_epoch_is_applied_once_under_kills_resumes_and_exits(

@@ -22,9 +22,11 @@ def example_worker(
     *extra: str,
     corpus: Path,
     crash_at: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    """examples/`script` as a worker: 6 steps, a checkpoint every 3; its log in out/<id>.log."""
-    env = {k: v for k, v in os.environ.items() if k != "DILOCO_CRASH_AT"}
+    """examples/`script` as a worker: 6 steps, a checkpoint every 3; its log in out/<id>.log;
+    `env` adds to the environment."""
+    env = {**{k: v for k, v in os.environ.items() if k != "DILOCO_CRASH_AT"}, **(env or {})}
     if crash_at:
         env["DILOCO_CRASH_AT"] = crash_at
     process = subprocess.Popen(

@@ -177,3 +177,25 @@ def test_a_resume_inside_a_round_keeps_the_window_dylu_gave_it(live_server, tmp_
         _one_step(model, resumed.optimizer)
         assert resumed.rounds == 1 and resumed.window_sync_every == 4  # the next window: H
         resumed.close(final_sync=False)
+
+
+def test_a_resume_inside_a_round_keeps_the_tokens_the_loop_reported(live_server, tmp_path) -> None:
+    """As above, but the loop reports its tokens (10 a step) after each step: the counter's
+    figure is replaced by the report before and after the resume, and the round carries 20."""
+    settings = ServerSettings(sync_every=2, outer_optimizer="sgd", weighting="tokens")
+    with live_server(settings) as server:
+        worker, model = _fresh_worker(server.url, tmp_path)
+        _one_step(model, worker.optimizer)
+        worker.report(tokens=10)
+        worker.save_checkpoint()
+        worker.close(final_sync=False)
+        resumed, model = _fresh_worker(server.url, tmp_path)
+        model(torch.arange(8).reshape(2, 4)).logsumexp(-1).mean().backward()
+        resumed.report(tokens=10)  # reported before the step that syncs
+        resumed.optimizer.step()
+        resumed.optimizer.zero_grad()
+        assert resumed.rounds == 1
+        committed = server.coordinator.journal.state.committed_rounds()
+        assert [(r["round"], r["tokens"]) for r in committed] == [(0, 20)]
+        assert resumed._heartbeat_report()["tokens"] == 20  # the run's total, as reported
+        resumed.close(final_sync=False)

@@ -325,3 +325,73 @@ def test_a_leased_dataset_yields_one_epoch_of_samples_and_refuses_worker_process
     loader = DataLoader(LeasedDataset(data, sampler(client, "w1")), batch_size=10, num_workers=1)
     with pytest.raises(RuntimeError, match="num_workers > 0"):
         next(iter(loader))
+
+
+# ----------------------------------------------------------------------- counting what trained
+
+
+def test_counting_trained_samples_reports_and_saves_what_was_trained_not_fetched(
+    server, client
+) -> None:
+    """A loop that reads ahead (accelerate fetches the next batch early) hands out samples it
+    has not trained: with count_trained the units, the prefix and the checkpoint follow
+    `trained(n)`, and a resume hands the fetched-but-untrained samples out again."""
+    leased = sampler(client, lease_count=2, count_trained=True)
+    leased.trace = []
+    stream = iter(leased)
+    fetched = take(stream, UNIT + 10)  # all of unit 1 and 10 of unit 2 fetched
+    assert leased.finished_units() == [] and leased.progress() == {}  # nothing trained
+    leased.trained(UNIT - 1)
+    assert leased.finished_units() == [] and leased.progress() == {1: UNIT - 1}
+    leased.trained(1)  # the last sample of unit 1 trained
+    assert leased.finished_units() == [1] and leased.progress() == {}
+    leased.trained(4)
+    assert leased.progress() == {2: 4}
+    assert leased.drain_trace() == [(0, index) for index in fetched[: UNIT + 4]]
+
+    saved = json.loads(json.dumps(leased.state_dict()))
+    assert [u["unit_id"] for u in saved["queue"]] == [2] and saved["offset"] == 4
+    assert saved["finished"] == [1] and saved["trace"] == []
+    resumed = sampler(client, count_trained=True)
+    resumed.load_state_dict(saved)
+    # the 6 samples of unit 2 fetched but never trained come out again, then the rest
+    assert take(iter(resumed), 6) == fetched[UNIT + 4 :]
+
+    # trained more than was fetched: counted up to what was fetched, with a warning
+    leased.trained(1000)
+    assert leased.progress() == {2: 10}
+
+
+def test_a_resume_that_drops_its_round_goes_back_to_the_round_start(server, client) -> None:
+    """The saved round began after unit 1; the checkpoint is 20 samples into unit 2. When the
+    worker drops the round's steps (the server went on), the sampler resumes where the round
+    began: the 20 samples of unit 2 are trained again, not lost."""
+
+    class Resumed:  # what LeasedSampler.for_worker reads of a DiLoCoWorker
+        def __init__(self, saved: dict, dropped: bool) -> None:
+            self.client, self.worker_id, self.sample_trace = client, "w0", None
+            self.resumed = type("Saved", (), {"extra": {"data": saved}})()
+            self.dropped_round = dropped
+            self.data = None
+
+        def rejoin(self) -> None:
+            raise AssertionError("not evicted")
+
+    first = LeasedSampler.for_worker(
+        Resumed({}, False), "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT, lease_count=2,
+        count_trained=True,
+    )  # fmt: skip
+    stream = iter(first)
+    take(stream, UNIT + 20)
+    first.trained(UNIT)
+    first.round_started()  # a sync after unit 1
+    first.trained(20)
+    saved = json.loads(json.dumps(first.state_dict()))
+    assert saved["round_start"]["offset"] == 0 and saved["offset"] == 20
+    options = {"shuffle_seed": SEED, "unit_size": UNIT, "count_trained": True}
+    kept = LeasedSampler.for_worker(Resumed(saved, False), "ds", LENGTH, **options)
+    assert kept.progress() == {2: 20}
+    dropped = LeasedSampler.for_worker(Resumed(saved, True), "ds", LENGTH, **options)
+    assert dropped.progress() == {} and dropped.finished_units() == [1]
+    second_unit = next(u for u in saved["queue"] if u["unit_id"] == 2)["indices"]
+    assert take(iter(dropped), 20) == second_unit[:20]

@@ -2,8 +2,9 @@
 
 Each shard owns whole units of the model, so that no tensor's outer step is split between two
 processes: whole fragments in streaming mode (a fragment's rounds then live on one shard and
-need no agreement with the others), whole tensors otherwise. Units go to shards balanced by
-bytes, so that every shard's link carries about 1/S of each round.
+need no agreement on outer steps), whole tensors otherwise. Units go to shards balanced by
+bytes, so that each shard's link carries about 1/S of each round when no one unit is larger
+than that.
 """
 
 from __future__ import annotations

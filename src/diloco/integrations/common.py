@@ -72,4 +72,7 @@ def resume_on_every_rank(find: Callable[[], Path | None]) -> Path | None:
         path = distributed.broadcast_json(None if found is None else str(found))
         return None if path is None else Path(path)
 
-    return distributed.lead(find, share)
+    try:
+        return distributed.lead(find, share)
+    except distributed.LeaderFailed as exc:  # the other ranks fail as rank 0 did
+        raise DiLoCoCallbackError(str(exc)) from None

@@ -14,6 +14,7 @@ end of the fit syncs a last partial round, so the module ends on the global weig
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 
 __all__ = ["DiLoCoCallback", "DiLoCoCallbackError"]
+log = logging.getLogger("diloco.integrations.lightning")
 
 
 def _run_settings(trainer: Any) -> dict:
@@ -70,6 +72,7 @@ class DiLoCoCallback(Callback):
         self._restored: dict | None = None
         self._saved_at: int | None = None
         self._trainer: Any = None
+        self._warned_sharded = False
 
     # ----------------------------------------------------------------- Lightning events
 
@@ -129,6 +132,14 @@ class DiLoCoCallback(Callback):
         """Called as Lightning writes a checkpoint: the worker state of this step goes to
         state_dir/step-N, and the checkpoint keeps where, with the run's settings."""
         if self.worker is None or self._trainer is None:
+            return {}
+        if self.worker.sharded:  # FSDP2: each rank holds rows of the anchor; not saved
+            if self.worker.is_leader and not self._warned_sharded:
+                log.warning(
+                    "the worker state of an FSDP-sharded group is not saved with checkpoints: "
+                    "a resumed fit rejoins from the server's weights"
+                )
+            self._warned_sharded = True
             return {}
         step = self._trainer.global_step
         directory = (self._state_root(self._trainer) / f"step-{step}").resolve()

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from diloco.faults import crash_point
 from diloco.integrations.common import (
@@ -31,6 +34,8 @@ from diloco.integrations.common import (
     torch_optimizer,
 )
 from diloco.worker import DiLoCoWorker
+from diloco.worker.data import LeasedSampler
+from diloco.worker.tokens import TokenCounter, batch_samples
 
 try:
     from transformers import TrainerCallback
@@ -51,6 +56,36 @@ def _run_settings(args: Any) -> dict:
         "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
         "per_device_train_batch_size": int(args.per_device_train_batch_size),
     }
+
+
+class LeasedTrainSampler(torch.utils.data.Sampler[int]):
+    """The Trainer's sampler for server-leased data. The Trainer builds its dataloader before
+    the callback has a worker and iterates it only after, so the worker's `LeasedSampler` is
+    bound in `on_train_begin`. One iteration runs epoch after epoch: the server shares each
+    epoch's units among the workers, and the Trainer stops at max_steps."""
+
+    def __init__(self, length: int, dataset_id: str) -> None:
+        self.length = length
+        self.dataset_id = dataset_id
+        self.leased: LeasedSampler | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        if self.leased is None:
+            raise DiLoCoCallbackError(
+                "the leased sampler has no worker yet: iterate the Trainer's train dataloader "
+                "only inside Trainer.train(), with the DiLoCoCallback among its callbacks"
+            )
+        empty_epochs = 0
+        while empty_epochs < 2:  # one empty iteration is an epoch boundary; two, no data
+            handed_out = False
+            for index in self.leased:
+                handed_out = True
+                yield index
+            empty_epochs = 0 if handed_out else empty_epochs + 1
+        raise RuntimeError(f"dataset {self.dataset_id!r} gave no work units in a new epoch")
 
 
 class DiLoCoCallback(TrainerCallback):
@@ -75,6 +110,52 @@ class DiLoCoCallback(TrainerCallback):
         self.worker: DiLoCoWorker | None = None
         self.worker_stats: dict | None = None
         self.resumed_from: str | None = None
+        self._leased: LeasedTrainSampler | None = None
+        self._lease_options: dict[str, Any] = {}
+        self._sample_counter: TokenCounter | None = None
+        self._warned_sharded = False
+
+    def lease_data(
+        self,
+        trainer: Any,
+        dataset_id: str,
+        *,
+        unit_size: int = 256,
+        shuffle_seed: int = 0,
+        lease_count: int = 1,
+    ) -> None:
+        """Train `trainer` on the work units the server leases of its train_dataset (the
+        same `dataset_id` on every worker), so that each sample is trained once across the run.
+
+        The samples count as trained when the model's training forwards consume them, not when
+        the dataloader fetches them ahead; the worker's state in each checkpoint keeps the
+        position, and a resume continues from it, so the Trainer must not skip batches itself
+        (`TrainingArguments(ignore_data_skip=True)`). One process per worker; set max_steps.
+        """
+        args = trainer.args
+        if not args.ignore_data_skip:
+            raise DiLoCoCallbackError(
+                "leased data needs TrainingArguments(ignore_data_skip=True): on a resume the "
+                "Trainer skips batches by drawing them from the sampler, which would hand out "
+                "leased samples untrained (the worker's checkpoint resumes the data itself)"
+            )
+        if args.world_size > 1:
+            raise DiLoCoCallbackError(
+                "leased data is for a single-process Trainer: under torchrun only rank 0 talks "
+                "to the server"
+            )
+        try:
+            length = len(trainer.train_dataset)
+        except TypeError:
+            raise DiLoCoCallbackError(
+                "leased data needs a train_dataset with a length (a map-style dataset)"
+            ) from None
+        self._leased = LeasedTrainSampler(length, dataset_id)
+        self._lease_options = {
+            "unit_size": unit_size, "shuffle_seed": shuffle_seed, "lease_count": lease_count
+        }  # fmt: skip
+        leased = self._leased
+        trainer._get_train_sampler = lambda *_args, **_kwargs: leased  # the Trainer's hook
 
     # ----------------------------------------------------------------- Trainer events
 
@@ -111,13 +192,41 @@ class DiLoCoCallback(TrainerCallback):
         worker, self.worker = self.worker, None
         check_resumed(worker, resume)
         self.worker = worker
+        if self._leased is not None:
+            self._bind_leased_data(worker, model)
+
+    def _bind_leased_data(self, worker: DiLoCoWorker, model: Any) -> None:
+        assert self._leased is not None
+        if worker.settings.mode == "streaming":
+            worker.close(final_sync=False)
+            self.worker = None
+            raise DiLoCoCallbackError(
+                "leased data with the Trainer is for sync and async servers: a streaming "
+                "server takes whole units only"
+            )
+        sampler = LeasedSampler.for_worker(
+            worker, self._leased.dataset_id, self._leased.length, count_trained=True,
+            **self._lease_options,
+        )  # fmt: skip
+        self._leased.leased = sampler
+        self._sample_counter = TokenCounter(model, sampler.trained, batch_samples)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.worker is not None and logs and isinstance(logs.get("loss"), (int, float)):
             self.worker.report(loss=float(logs["loss"]))
 
     def on_save(self, args, state, control, **kwargs):
-        if self.worker is None or not self.worker.is_leader:
+        if self.worker is None:
+            return
+        if self.worker.sharded:  # FSDP2: each rank holds rows of the anchor; not saved
+            if not self._warned_sharded and self.worker.is_leader:
+                log.warning(
+                    "the worker state of an FSDP-sharded group is not saved with checkpoints: "
+                    "a resumed group rejoins from the server's weights"
+                )
+            self._warned_sharded = True
+            return
+        if not self.worker.is_leader:
             return  # a group's rank 0 saves its state
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         (folder / STATE_DIR).mkdir(parents=True, exist_ok=True)
@@ -133,6 +242,9 @@ class DiLoCoCallback(TrainerCallback):
         worker, self.worker = self.worker, None
         worker.close()  # a last partial round: the Trainer ends on the global weights
         self.worker_stats = worker.stats()
+        if self._sample_counter is not None:
+            self._sample_counter.remove()
+            self._sample_counter = None
 
     # ----------------------------------------------------------------- resuming
 

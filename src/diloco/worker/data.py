@@ -12,12 +12,19 @@ The sampler runs in the training process (DataLoader iterates samplers in the ma
 with worker processes), and the DiLoCoWorker reads `finished_units()` from the same thread at
 its sync, so there is no cross-process state. One sampler per worker; under torch.distributed
 only rank 0 holds a client, so use it in single-process workers.
+
+With `count_trained=True` the sampler reports what was trained, not what was handed out: the
+training loop calls `trained(n)` as it consumes samples (the transformers callback counts its
+model's training forwards), and units finish, prefixes are reported and checkpoints are taken
+as of that count. A loop that reads ahead (accelerate fetches the next batch early, DataLoader
+workers prefetch) then neither reports nor loses the samples it fetched but never trained.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -67,6 +74,9 @@ class LeasingWorker(Protocol):
     @property
     def resumed(self) -> SavedWorker | None: ...
 
+    @property
+    def dropped_round(self) -> bool: ...  # the resumed round's steps were dropped
+
     def rejoin(self) -> None: ...
 
 
@@ -88,6 +98,7 @@ class LeasedSampler(Sampler[int]):
         shuffle_seed: int = 0,
         unit_size: int = 256,
         lease_count: int = 1,
+        count_trained: bool = False,
     ) -> None:
         if isinstance(lease_count, bool) or not isinstance(lease_count, int) or lease_count < 1:
             raise ValueError(f"lease_count must be an integer >= 1, got {lease_count!r}")
@@ -107,6 +118,11 @@ class LeasedSampler(Sampler[int]):
         self.rejoin: Callable[[], None] | None = None  # re-register after an eviction
         self.trace: list[tuple[int, int]] | None = None  # (epoch, index) handed out, if traced
         self.epoch = int(self.dataset.get("epoch", 0))
+        # count_trained: the samples handed out and not yet trained, oldest first, as
+        # (unit, position in it); units finish as `trained` consumes them
+        self.count_trained = count_trained
+        self._in_flight: deque[tuple[dict, int]] = deque()
+        self._round_start: dict | None = None  # count_trained: the state as the round began
 
     @classmethod
     def for_worker(
@@ -124,10 +140,15 @@ class LeasedSampler(Sampler[int]):
         resumed = worker.resumed
         saved = None if resumed is None else resumed.extra.get("data")
         if saved is not None and saved.get("dataset_id") == dataset_id:
+            if worker.dropped_round and saved.get("round_start") is not None:
+                # The steps trained into the saved round were dropped (the server went on):
+                # so were the samples they trained, which the round's start still holds.
+                saved = saved["round_start"]
             sampler.load_state_dict(saved)  # the leases it held stay leased to the same id
             # Rounds may have committed since the checkpoint (with our submission in them, or
             # without us after an eviction): the server's leases say what is left to train.
             sampler.reconcile(client.leases(worker.worker_id, dataset_id)["units"])
+        sampler.round_started()
         return sampler
 
     def __iter__(self) -> Iterator[int]:
@@ -146,18 +167,49 @@ class LeasedSampler(Sampler[int]):
             indices = unit["indices"]
             index = indices[self._offset] if self._offset < len(indices) else None
             with self._lock:
+                if index is not None and self.count_trained:
+                    self._in_flight.append((unit, self._offset))
                 self._offset += 1
                 if self._offset >= len(indices):
                     # Its last index goes out now: finished before the caller gets it, so a
                     # sync right after this batch reports it (not a generator step later).
                     self._queue.pop(0)
                     self._offset = 0
-                    if int(unit["unit_id"]) not in self._finished:
-                        self._finished.append(int(unit["unit_id"]))
+                    if not self.count_trained:
+                        self._finish(unit)
             if index is not None:
-                if self.trace is not None:
+                if self.trace is not None and not self.count_trained:
                     self.trace.append((int(unit["epoch"]), int(index)))
                 yield index
+
+    def _finish(self, unit: dict) -> None:
+        if int(unit["unit_id"]) not in self._finished:
+            self._finished.append(int(unit["unit_id"]))
+
+    def round_started(self) -> None:
+        """A round begins (count_trained): a checkpoint inside it keeps the position it began
+        at, for a resume that drops the round's steps."""
+        if self.count_trained:
+            state = self.state_dict()
+            state.pop("round_start", None)
+            self._round_start = state
+
+    def trained(self, samples: int) -> None:
+        """`samples` more of those handed out were trained, in the order they went out
+        (count_trained only)."""
+        with self._lock:
+            if samples > len(self._in_flight):
+                log.warning(
+                    "%d samples trained, but only %d were handed out and not yet trained",
+                    samples,
+                    len(self._in_flight),
+                )
+            for _ in range(min(samples, len(self._in_flight))):
+                unit, position = self._in_flight.popleft()
+                if self.trace is not None:
+                    self.trace.append((int(unit["epoch"]), int(unit["indices"][position])))
+                if position == len(unit["indices"]) - 1:
+                    self._finish(unit)
 
     def _lease(self, next_epoch: bool) -> dict:
         try:
@@ -195,23 +247,45 @@ class LeasedSampler(Sampler[int]):
         (counted from the unit's first sample). Reported with a submission, the committed
         round records that prefix, and only the rest is ever leased again."""
         with self._lock:
-            if not self._queue or self._offset == 0:
+            queue, offset = self._trained_position()
+            if not queue or offset == 0:
                 return {}
-            unit = self._queue[0]
-            return {int(unit["unit_id"]): int(unit.get("start", 0)) + self._offset}
+            unit = queue[0]
+            return {int(unit["unit_id"]): int(unit.get("start", 0)) + offset}
+
+    def _trained_position(self) -> tuple[list[dict], int]:
+        """The units not yet wholly trained and the samples of the first one trained: what a
+        report and a checkpoint speak of (with count_trained, samples handed out but not yet
+        trained go back in front)."""
+        if not self._in_flight:
+            return self._queue, self._offset
+        units: list[dict] = []
+        for unit, _ in self._in_flight:
+            if not any(unit is seen for seen in units):
+                units.append(unit)
+        pending = [u for u in units if not any(u is live for live in self._queue)]
+        return pending + self._queue, self._in_flight[0][1]
 
     def reconcile(self, leased: Sequence[dict]) -> None:
         """Take the server's view of our leases (after a resume): units it no longer leases
         to us (completed, or released at an eviction) are dropped, and every unit restarts
-        at the samples it still has to train; units leased to us since the checkpoint
-        follow ours."""
+        at the samples it still has to train, as the server counts them (its `start`), less
+        those trained since that the resumed model holds (a checkpoint inside a round);
+        units leased to us since the checkpoint follow ours."""
         held = {int(unit["unit_id"]): dict(unit) for unit in leased}
         with self._lock:
+            current = self._queue[0] if self._queue else None
             self._finished = [u for u in self._finished if u in held]
             order = [int(u["unit_id"]) for u in self._queue if int(u["unit_id"]) in held]
             order += [u for u in sorted(held) if u not in order and u not in self._finished]
             self._queue = [held[u] for u in order if held[u]["indices"]]
-            self._offset = 0
+            offset, self._offset = self._offset, 0
+            if current is not None and self._queue:
+                first = self._queue[0]
+                if int(first["unit_id"]) == int(current["unit_id"]):
+                    recorded = int(first.get("start", 0)) - int(current.get("start", 0))
+                    self._offset = max(0, min(offset - recorded, len(first["indices"]) - 1))
+            self._in_flight.clear()
 
     def reported(self, units: Sequence[int]) -> None:
         """The round that carried `units` committed: they are completed on the server."""
@@ -228,20 +302,27 @@ class LeasedSampler(Sampler[int]):
             if self._queue and int(self._queue[0]["unit_id"]) in gone:
                 self._offset = 0
             self._queue = [u for u in self._queue if int(u["unit_id"]) not in gone]
+            self._in_flight = deque(e for e in self._in_flight if int(e[0]["unit_id"]) not in gone)
 
     # ----------------------------------------------------------------- worker checkpoint
 
     def state_dict(self) -> dict:
         """JSON-able: the leases held, the position in the current one, what is unreported."""
         with self._lock:
-            return {
+            queue, offset = self._trained_position()
+            state = {
                 "dataset_id": self.dataset_id,
-                "queue": [dict(unit) for unit in self._queue],
-                "offset": self._offset,
+                "queue": [dict(unit) for unit in queue],
+                "offset": offset,
                 "finished": list(self._finished),
                 "open_next_epoch": self._open_next_epoch,
                 "epoch": self.epoch,
             }
+            if self.count_trained:
+                state["round_start"] = self._round_start
+                if self.trace is not None:
+                    state["trace"] = [list(sample) for sample in self.trace]  # trained, unsent
+            return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("dataset_id") != self.dataset_id:
@@ -255,6 +336,9 @@ class LeasedSampler(Sampler[int]):
             self._finished = [int(u) for u in state["finished"]]
             self._open_next_epoch = bool(state["open_next_epoch"])
             self.epoch = int(state["epoch"])
+            self._in_flight.clear()
+            if self.trace is not None and "trace" in state:
+                self.trace = [(int(e), int(i)) for e, i in state["trace"]]
 
 
 class LeasedBatches:

@@ -156,6 +156,23 @@ def check_same_model(specs: Sequence[TensorSpec], sharded: bool) -> None:
     )
 
 
+def check_same_choice(name: str, chosen: bool) -> None:
+    """Every rank of the group must make the same yes/no choice (an option that decides
+    which collectives follow), else every rank raises naming the ranks that differ."""
+    if group_size() == 1:
+        return
+    mine = torch.tensor([int(chosen)], dtype=torch.int64, device=comm_device())
+    everyone = [torch.empty_like(mine) for _ in range(group_size())]
+    dist.all_gather(everyone, mine)
+    choices = [bool(flag.item()) for flag in everyone]
+    if len(set(choices)) > 1:
+        given = [r for r, flag in enumerate(choices) if flag]
+        raise ValueError(
+            f"{name} was given on rank(s) {', '.join(map(str, given))} only; every rank of "
+            "the worker's group must be given it, or none"
+        )
+
+
 class ReplicasDiffer(RuntimeError):
     """The ranks of one (unsharded) worker trained apart: their weights differ."""
 
@@ -163,23 +180,23 @@ class ReplicasDiffer(RuntimeError):
 def check_replicas_agree(tensors: Mapping[str, torch.Tensor], step: int) -> None:
     """Every rank of an unsharded group must hold the same trained tensors (DDP averages the
     gradients, so the replicas stay bitwise equal); else every rank raises, naming the first
-    tensor that differs.
+    tensor that differs. Called before each sync, on every rank.
 
     Ranks that train apart (a model DDP never wrapped; under torchrun, a transformers Trainer
     whose evaluate() ran before train() is one) would send rank 0's work alone and silently
-    drop the others'. One float64 sum per tensor is compared, not the tensors themselves.
+    drop the others'. Each tensor is fingerprinted by the sum of its bits read as integers:
+    exact, and the same whatever order a device sums in.
     """
     if group_size() == 1:
         return
     names = sorted(tensors)
     device = comm_device()
-    mine = torch.stack(
-        [tensors[name].detach().sum(dtype=torch.float64).to(device) for name in names]
-    ) if names else torch.zeros(0, dtype=torch.float64, device=device)  # fmt: skip
+    mine = torch.zeros(len(names), dtype=torch.int64, device=device)
+    for position, name in enumerate(names):
+        mine[position] = _bits_sum(tensors[name]).to(device)
     leader = mine.clone()
     dist.broadcast(leader, src=0)
-    same = (mine == leader) | (mine.isnan() & leader.isnan())
-    differs = (~same).to(torch.int64)
+    differs = (mine != leader).to(torch.int64)
     dist.all_reduce(differs, op=dist.ReduceOp.MAX)  # every rank learns of any rank's
     if bool(differs.any()):
         first = names[int(differs.nonzero()[0])]
@@ -189,6 +206,15 @@ def check_replicas_agree(tensors: Mapping[str, torch.Tensor], step: int) -> None
             "across ranks (wrap the model in DistributedDataParallel; under torchrun, call a "
             "transformers Trainer's evaluate() only after train(), or it never wraps the model)"
         )
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum (int64, wrapping) of a float tensor's bit patterns read as integers."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(_BITS[flat.element_size()]).sum(dtype=torch.int64)
 
 
 def _first_dtype(expected: Sequence[TensorSpec], got: Sequence[TensorSpec]) -> str:

@@ -50,6 +50,7 @@ class WorkerResumption:
     local_step: int
     rounds: int
     resumed: WorkerCheckpoint | None
+    dropped_round: bool
     settings: WorkerSettings
     _checkpointer: Checkpointer | None
     _scheduler: Any
@@ -103,6 +104,7 @@ class WorkerResumption:
         if saved is None or saved.steps_in_round == 0 or self.settings.mode == "streaming":
             return
         if self.round != saved.anchor_round:
+            self.dropped_round = True
             log.warning(
                 "the server is at round %d, our checkpoint inside round %d: its %d step(s) "
                 "into that round are dropped",

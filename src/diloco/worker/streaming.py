@@ -94,6 +94,7 @@ class FragmentStreamer:
         pace: Pace,
         on_merged: Callable[[int], None],
         uploads: UploadCoder,
+        before_send: Callable[[], None] = lambda: None,
     ) -> None:
         if len(plan) != settings.fragments or len(fragment_rounds) != settings.fragments:
             raise ValueError(
@@ -106,6 +107,7 @@ class FragmentStreamer:
         )
         self.alpha = settings.alpha
         self.uploads = uploads
+        self.before_send = before_send  # every rank, before a fragment's values leave
         self.fragment_rounds = list(fragment_rounds)
         self.fragment_timeout = fragment_timeout
         self.session = session
@@ -145,6 +147,7 @@ class FragmentStreamer:
 
     def send(self, fragment: int) -> None:
         """Start the fragment's sync in the background (rank 0 talks; others wait for merge)."""
+        self.before_send()
         if self.in_flight is not None:  # cannot happen with tau < S; never two at once
             self.merge(self.in_flight.outcome.fragment)
         outcome = FragmentOutcome(fragment, self.fragment_rounds[fragment])

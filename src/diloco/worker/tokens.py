@@ -31,17 +31,35 @@ def batch_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     return 0
 
 
-class TokenCounter:
-    """A forward pre-hook on the model that calls `add(n)` for every training forward."""
+def batch_samples(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """Samples in one forward's input: the first dimension of its first tensor (the
+    preferred inputs first); 0 when no input is a tensor."""
+    tensors = [kwargs[k] for k in PREFERRED_INPUTS if isinstance(kwargs.get(k), torch.Tensor)]
+    tensors += [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        return int(tensor.shape[0]) if tensor.dim() else 1
+    return 0
 
-    def __init__(self, model: nn.Module, add: Callable[[int], None]) -> None:
+
+class TokenCounter:
+    """A forward pre-hook on the model that calls `add(measure(input))` for every training
+    forward (tokens by default; `batch_samples` counts samples)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        add: Callable[[int], None],
+        measure: Callable[[tuple, dict], int] = batch_tokens,
+    ) -> None:
         self._model = model
         self._add = add
+        self._measure = measure
         self._handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
 
     def _count(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._model.training and torch.is_grad_enabled():
-            self._add(batch_tokens(args, kwargs))
+            self._add(self._measure(args, kwargs))
 
     def remove(self) -> None:
         self._handle.remove()
@@ -68,6 +86,7 @@ class TokenTally:
             self._counter = None
             self.in_round -= self._counted_in_round
             self.total -= self._counted_in_round
+            self._counted_in_round = 0
         self.in_round += tokens
         self.total += tokens
 

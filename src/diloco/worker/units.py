@@ -54,6 +54,12 @@ class UnitReports:
         if self.source is not None:
             self.source.forget(units)
 
+    def round_started(self) -> None:
+        """A round begins: a source that keeps its position at round starts takes it."""
+        started = getattr(self.source, "round_started", None)
+        if callable(started):
+            started()
+
     def drain_trace(self) -> list[tuple[int, int]] | None:
         """The samples handed out since the last call, from a traced source; else None."""
         drain = getattr(self.source, "drain_trace", None)

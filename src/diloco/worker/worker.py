@@ -108,7 +108,9 @@ class DiLoCoWorker(WorkerResumption):
         saves its inner optimizer (and `scheduler`) state, RNG state, step, round, session and
         data position there, and a worker started on the same directory resumes from it under
         the same id (see diloco.worker.checkpoint); a saved state that does not fit is ignored
-        with a warning.
+        with a warning. In a torch.distributed group every rank passes it (with
+        save_every_round False): rank 0 saves and loads the state, and the other ranks'
+        model, optimizer and RNG are their trainer's to restore.
 
         `fragment_timeout` (streaming): the longest a merge waits for its fragment's sync
         before it gives up on it for this window (keeping the old anchor); None waits as long
@@ -131,7 +133,7 @@ class DiLoCoWorker(WorkerResumption):
         self.is_leader = distributed.rank() == 0
         self.specs = specs_of(self.model.state_dict(), classify_tensors(self.model))
         self.sharded = is_sharded(self.model)  # FSDP2: each rank holds rows of each tensor
-        # DDP: every rank holds the one replica, checked once every H steps
+        # DDP: every rank holds the one replica, checked before each sync
         self._replicated = distributed.group_size() > 1 and not self.sharded
         distributed.check_same_model(self.specs, self.sharded)
         self.client = (
@@ -160,7 +162,9 @@ class DiLoCoWorker(WorkerResumption):
         self.fragment_plan: list[list[str]] | None = None
         self.fragment_rounds: list[int] = []
         self.resumed: WorkerCheckpoint | None = None
+        self.dropped_round = False  # a resume inside a round the server had gone past
         self._checkpointer: Checkpointer | None = None
+        distributed.check_same_choice("checkpoint_dir", checkpoint_dir is not None)
         if checkpoint_dir is not None:
             if self.sharded or (distributed.group_size() > 1 and save_every_round):
                 raise ValueError(
@@ -226,6 +230,7 @@ class DiLoCoWorker(WorkerResumption):
                 pace=self._pace,
                 on_merged=self._fragment_merged,
                 uploads=self._uploads,
+                before_send=self._check_replicas,
             )
         self._skip_rounds_missed()
         self._resume_mid_round()
@@ -343,10 +348,6 @@ class DiLoCoWorker(WorkerResumption):
 
     def _after_step(self, *_args: object, **_kwargs: object) -> None:
         self.local_step += 1
-        if self._replicated and self.local_step % self.settings.sync_every == 0:
-            state = self.model.state_dict()
-            trained = {spec.name: state[spec.name] for spec in self.specs if spec.trained}
-            distributed.check_replicas_agree(trained, self.local_step)
         if self.streamer is not None:
             self.streamer.after_step()
             return
@@ -375,6 +376,7 @@ class DiLoCoWorker(WorkerResumption):
             return
         if self._schedule.steps_in_round == 0:
             return
+        self._check_replicas()
         started = time.monotonic()
         body = self._gathered(self._sharded_upload) if self.sharded else None
         try:
@@ -386,8 +388,16 @@ class DiLoCoWorker(WorkerResumption):
         self.rounds += 1
         self._schedule.round_done()
         self._tokens.round_done()
+        self._units.round_started()
         self._pace.window_done(self.local_step)
         self._saved_round()
+
+    def _check_replicas(self) -> None:
+        """Before any values leave: every rank of an unsharded group holds one replica."""
+        if self._replicated:
+            state = self.model.state_dict()
+            trained = {spec.name: state[spec.name] for spec in self.specs if spec.trained}
+            distributed.check_replicas_agree(trained, self.local_step)
 
     def _saved_round(self) -> None:
         """A round (or a streaming cycle) ended: checkpoint it, unless saves are the caller's."""
