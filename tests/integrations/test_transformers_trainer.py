@@ -290,3 +290,37 @@ def test_load_best_model_at_end_is_refused_before_joining() -> None:
     with pytest.raises(DiLoCoCallbackError, match="load_best_model_at_end loads an old local"):
         callback.on_train_begin(Args(), _State(), None, model=model, optimizer=optimizer)
     assert callback.worker is None
+
+
+def test_leased_data_refuses_what_it_cannot_serve(live_server) -> None:
+    from types import SimpleNamespace
+
+    from diloco.server.settings import ServerSettings
+
+    callback = DiLoCoCallback("http://127.0.0.1:9", "w")
+    args = SimpleNamespace(ignore_data_skip=False, world_size=1)
+    trainer = SimpleNamespace(args=args, train_dataset=[0, 1, 2])
+    with pytest.raises(DiLoCoCallbackError, match=r"ignore_data_skip=True\): on a resume"):
+        callback.lease_data(trainer, "ds")
+    args.ignore_data_skip, args.world_size = True, 2
+    with pytest.raises(DiLoCoCallbackError, match="single-process Trainer"):
+        callback.lease_data(trainer, "ds")
+    args.world_size, trainer.train_dataset = 1, iter([0, 1, 2])
+    with pytest.raises(DiLoCoCallbackError, match="a train_dataset with a length"):
+        callback.lease_data(trainer, "ds")
+    assert not hasattr(trainer, "_get_train_sampler")  # nothing was put in the Trainer
+
+    # A streaming server takes whole units only: refused once the worker has joined, and
+    # the worker leaves again
+    settings = ServerSettings(mode="streaming", sync_every=2, fragments=1)
+    with live_server(settings) as server:
+        callback = DiLoCoCallback(server.url, "w")
+        trainer.train_dataset = list(range(10))
+        callback.lease_data(trainer, "ds")
+        assert len(trainer._get_train_sampler()) == 10
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(DiLoCoCallbackError, match="streaming server takes whole units"):
+            callback.on_train_begin(_Args(), _State(), None, model=model, optimizer=optimizer)
+        assert callback.worker is None
+        assert [w["live"] for w in server.coordinator.status()["workers"]] in ([], [False])
