@@ -12,6 +12,7 @@ restored the step), so a resumed fit trains exactly the batches an unbroken one 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,13 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from diloco.data import BatchSampler, eval_batches, load_named_corpus, split_train_val
+from diloco.data import (
+    BatchSampler,
+    TokenWindows,
+    eval_batches,
+    load_named_corpus,
+    split_train_val,
+)
 from diloco.integrations.lightning import DiLoCoCallback, DiLoCoCallbackError
 from diloco.models import GPTConfig
 from diloco.training import inner_lr, make_inner_optimizer
@@ -43,9 +50,9 @@ class StepBatches(torch.utils.data.IterableDataset):
 
 
 class ByteGPT(L.LightningModule):
-    def __init__(self, options: argparse.Namespace, train: torch.Tensor) -> None:
+    def __init__(self, options: argparse.Namespace, train: torch.Tensor, leased=None) -> None:
         super().__init__()
-        self.options, self.train_tokens = options, train
+        self.options, self.train_tokens, self.leased = options, train, leased
         torch.manual_seed(options.seed)  # every worker builds the same initial weights
         self.spec = GPTConfig(context=options.seq_len, width=64, depth=2, heads=4)
         self.model = self.spec.build()
@@ -65,6 +72,10 @@ class ByteGPT(L.LightningModule):
 
     def train_dataloader(self):
         o = self.options
+        if self.leased is not None:  # the server's work units of the windows, in its order
+            windows = TokenWindows(self.train_tokens, o.seq_len)
+            return torch.utils.data.DataLoader(windows, batch_size=o.batch_size,
+                                               sampler=self.leased)  # fmt: skip
         passes = o.steps * o.grad_accum
         start = self.trainer.global_step * o.grad_accum  # restored by now on a resume
         data = StepBatches(self.train_tokens, o.batch_size, o.seq_len, o.seed, start, passes)
@@ -91,6 +102,14 @@ def main() -> int:
     parser.add_argument("--save-steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0, help="the same on every worker")
     parser.add_argument("--resume", action="store_true", help="from the last checkpoint")
+    parser.add_argument(
+        "--data-dispatch",
+        choices=("local", "server"),
+        default="local",
+        help="server: train the work units the server leases (each sample "
+        "once across the workers); local: batches drawn by step, seeded",
+    )
+    parser.add_argument("--unit-size", type=int, default=256, help="samples per work unit")
     parser.add_argument("--json", default=None, help="write the figures here")
     options = parser.parse_args()
     try:
@@ -99,10 +118,17 @@ def main() -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    module = ByteGPT(options, split.train)
+    callback = DiLoCoCallback(options.server, options.worker_id)
+    leased = None
+    if options.data_dispatch == "server":
+        # every worker names the same bytes and window length with the same id
+        digest = hashlib.sha256(split.train.numpy().tobytes()).hexdigest()[:16]
+        windows = len(TokenWindows(split.train, options.seq_len))
+        leased = callback.leased_sampler(f"bytes-{digest}-w{options.seq_len}", windows,
+                                         unit_size=options.unit_size)  # fmt: skip
+    module = ByteGPT(options, split.train, leased)
     initial = eval_loss(module, val)
     module.model.train()
-    callback = DiLoCoCallback(options.server, options.worker_id)
     checkpoints = ModelCheckpoint(dirpath=Path(options.output_dir) / "checkpoints",
                                   every_n_train_steps=options.save_steps, save_top_k=-1,
                                   save_last=True)  # fmt: skip

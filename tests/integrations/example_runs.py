@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from processes import STARTED, global_weights
+from diloco.data import TokenWindows, generated_corpus, split_train_val
+from diloco.worker import DiLoCoClient, RetryPolicy
+from diloco.worker.trace import TRACE_ENV_VAR
+from processes import STARTED, applied_samples, global_weights
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -54,3 +61,55 @@ def assert_same_global_weights(url: str, expected_url: str, rounds: int) -> None
 
 def finished(process: subprocess.Popen, out: Path, worker_id: str, code: int = 0) -> None:
     assert process.wait(timeout=240) == code, (out / f"{worker_id}.log").read_text()[-3000:]
+
+
+def assert_leased_samples_once(
+    script: str, server_process: Callable, tmp_path: Path, crash_at: str
+) -> None:
+    """Two workers of examples/`script` on server-leased work units of 7 windows, batches of
+    4, H = 2. Worker v (16 steps) is killed with kill -9 at `crash_at` (its step-3
+    checkpoint, inside round 2, with the next batch fetched ahead), evicted, and resumed;
+    w stops after 5 steps, inside a unit. Every window of epoch 0 goes into the global model
+    exactly once (the workers' sample traces joined with the server's record of the
+    submissions each step applied), and each submission carries exactly the samples of the
+    steps it trained: none fetched ahead and never trained."""
+    corpus = tmp_path / "small.txt"
+    corpus.write_bytes(generated_corpus(num_bytes=1_500, seed=3))
+    windows = len(TokenWindows(split_train_val(corpus.read_bytes()).train, 32))
+    state = tmp_path / "state"
+    server = server_process(
+        "--state-dir", str(state), "--sync-every", "2",
+        "--heartbeat-interval", "0.3", "--heartbeat-timeout", "2",
+    )  # fmt: skip
+
+    def worker(worker_id: str, steps: int, *extra: str, crash: str | None = None):
+        trace = tmp_path / f"{worker_id}-{len(list(tmp_path.glob('*.trace')))}.trace"
+        return example_worker(script, server.url, worker_id, tmp_path, "--data-dispatch",
+                              "server", "--unit-size", "7", "--steps", str(steps), *extra,
+                              corpus=corpus, crash_at=crash,
+                              env={TRACE_ENV_VAR: str(trace)})  # fmt: skip
+
+    victim = worker("v", 16, crash=crash_at)
+    leaver = worker("w", 5)
+    finished(victim, tmp_path, "v", code=-signal.SIGKILL)
+    with DiLoCoClient(server.url, retry=RetryPolicy(attempts=3), read_timeout=10) as client:
+        deadline = time.monotonic() + 60
+        while any(w["worker_id"] == "v" and w["live"] for w in client.status()["workers"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)  # evicted: its leases go back to the pool
+    resumed = worker("v", 16, "--resume")
+    finished(leaver, tmp_path, "w")
+    finished(resumed, tmp_path, "v")
+    # 4 samples a step: w's 5 steps (rounds end at steps 2, 4 and its last, 5), v's steps 1-2
+    # before the kill, and after the resume its steps 4-16, with step 3 (trained before the
+    # checkpoint) when the server was still in that round, so that the resume kept it
+    dropped = "step(s) into that round are dropped" in (tmp_path / "v.log").read_text()
+    sent = {
+        trace.name: sum(len(json.loads(line)["samples"]) for line in trace.open())
+        for trace in tmp_path.glob("*.trace")
+    }
+    assert sorted(sent.values()) == [8, 4 * 5, 4 * (13 if dropped else 14)], (dropped, sent)
+    counts = applied_samples(sorted(tmp_path.glob("*.trace")), state)
+    epoch0 = {index: n for (epoch, index), n in counts.items() if epoch == 0}
+    assert sorted(epoch0) == list(range(windows)), "every window of epoch 0 was trained"
+    assert {index: n for index, n in epoch0.items() if n != 1} == {}, "none twice"

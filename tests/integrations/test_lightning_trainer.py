@@ -11,7 +11,12 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from example_runs import assert_same_global_weights, example_worker, finished
+from example_runs import (
+    assert_leased_samples_once,
+    assert_same_global_weights,
+    example_worker,
+    finished,
+)
 
 from diloco.integrations.lightning import DiLoCoCallback, DiLoCoCallbackError
 from processes import global_weights
@@ -64,6 +69,17 @@ def test_a_killed_fit_resumes_from_its_checkpoint_and_ends_as_an_unbroken_run(
     report = json.loads((broken_dir / "w.json").read_text())
     assert report["resumed_from"].endswith("diloco-w/step-3")
     assert_same_global_weights(broken.url, unbroken.url, rounds=3)
+
+
+def test_leased_data_trains_every_sample_once_through_two_fits_a_kill_and_a_resume(
+    server_process, tmp_path: Path
+) -> None:
+    """Fit v is killed as its step-3 checkpoint is written, when Lightning has fetched the
+    next batch already (see example_runs.assert_leased_samples_once)."""
+    assert_leased_samples_once(
+        "lightning_trainer.py", server_process, tmp_path, "lightning_checkpoint_saved:1"
+    )
+    assert json.loads((tmp_path / "v.json").read_text())["resumed_from"].endswith("step-3")
 
 
 def test_options_the_callback_owns_are_refused() -> None:

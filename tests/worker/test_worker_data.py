@@ -395,3 +395,73 @@ def test_a_resume_that_drops_its_round_goes_back_to_the_round_start(server, clie
     assert dropped.progress() == {} and dropped.finished_units() == [1]
     second_unit = next(u for u in saved["queue"] if u["unit_id"] == 2)["indices"]
     assert take(iter(dropped), 20) == second_unit[:20]
+
+
+def test_a_resume_inside_a_round_whose_leases_were_released_drops_the_round(
+    live_server, windows, tmp_path
+) -> None:
+    """H = 2, units of 8 windows, batches of 4 counted as trained. Step 1 trains unit 1's
+    first 4 windows; a checkpoint; the worker leaves (its leases go back to the pool, as at
+    an eviction). The server is still in round 0, but the resumed worker must not keep step
+    1: its 4 windows are free for anyone again. So it drops the step and, being alone, is
+    leased unit 1 again and trains those 4 windows first."""
+
+    def start() -> tuple[DiLoCoWorker, Bigram, LeasedSampler]:
+        model = Bigram()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="w", heartbeat=False,
+                              checkpoint_dir=tmp_path, save_every_round=False)  # fmt: skip
+        leased = LeasedSampler.for_worker(
+            worker, "windows", len(windows), unit_size=8, count_trained=True
+        )
+        return worker, model, leased
+
+    def step(worker: DiLoCoWorker, model: Bigram, stream: Iterator[int]) -> list[int]:
+        indices = take(stream, 4)
+        x = torch.stack([windows[i][0] for i in indices])
+        y = torch.stack([windows[i][1] for i in indices])
+        worker.data.trained(len(indices))  # what a framework callback counts
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        worker.optimizer.step()
+        worker.optimizer.zero_grad()
+        return indices
+
+    with live_server(ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)) as server:
+        worker, model, leased = start()
+        first = step(worker, model, iter(leased))
+        worker.save_checkpoint()
+        worker.close(final_sync=False)
+        (pool,) = server.coordinator.data_progress()
+        assert pool["leased"] == 0  # leaving gave unit 1 back
+
+        resumed, model, leased = start()
+        assert resumed.dropped_round and resumed.round == 0
+        assert resumed._schedule.steps_in_round == 0  # the round starts afresh
+        stream = iter(leased)
+        assert step(resumed, model, stream) == first  # unit 1 again, from its start
+        step(resumed, model, stream)  # the round's 2 steps: 8 windows, unit 1 whole
+        assert resumed.rounds == 1
+        rounds = server.coordinator.journal.state.committed_rounds()
+        assert [r["units"] for r in rounds] == [[1]]
+        resumed.close(final_sync=False)
+
+
+def test_a_new_iteration_hands_out_again_what_the_last_fetched_and_never_trained(
+    server, client
+) -> None:
+    """A framework's epoch ends with a batch fetched ahead; its next epoch iterates afresh.
+    The fetched, untrained samples come out first, so none is skipped untrained."""
+    from diloco.integrations.common import LeasedTrainSampler, samples_in
+
+    deferred = LeasedTrainSampler(LENGTH, "ds", {})
+    deferred.leased = sampler(client, lease_count=2, count_trained=True)
+    first = iter(deferred)
+    fetched = take(first, 10)
+    deferred.trained(6)
+    again = take(iter(deferred), 6)  # the framework's next epoch
+    assert again[:4] == fetched[6:] and again[4:] == take(iter(order(0)[10:12]), 2)
+    assert deferred.leased.progress() == {1: 6}
+
+    assert samples_in((torch.zeros(4, 3), torch.zeros(4))) == 4
+    assert samples_in({"input_ids": torch.zeros(5, 2, dtype=torch.long)}) == 5
+    assert samples_in([[], (torch.zeros(()),)]) == 1 and samples_in("text") == 0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diloco.worker import distributed
+from diloco.worker.data import LeasedSampler
 
 # DiLoCoWorker options a callback sets itself (the framework's checkpoints hold the state)
 OWNED_OPTIONS = ("checkpoint_dir", "scheduler", "save_every_round")
@@ -76,3 +77,73 @@ def resume_on_every_rank(find: Callable[[], Path | None]) -> Path | None:
         return distributed.lead(find, share)
     except distributed.LeaderFailed as exc:  # the other ranks fail as rank 0 did
         raise DiLoCoCallbackError(str(exc)) from None
+
+
+class LeasedTrainSampler(torch.utils.data.Sampler[int]):
+    """A framework's sampler for server-leased data. Frameworks build their train dataloader
+    before the callback has a worker and iterate it only after, so the worker's
+    `LeasedSampler` is bound (`bind`) when training starts.
+
+    One iteration runs epoch after epoch of the server's (it shares each epoch's units among
+    the workers; the framework stops at max_steps). Each new iteration first hands out again
+    what the last one fetched and never trained: a dataloader's read-ahead dies with its
+    iterator at the framework's epoch end. Samples count as trained through `trained(n)`, as
+    the framework consumes them.
+    """
+
+    def __init__(self, length: int, dataset_id: str, options: Mapping[str, Any]) -> None:
+        self.length = length
+        self.dataset_id = dataset_id
+        self.options = dict(options)
+        self.leased: LeasedSampler | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def bind(self, worker: Any) -> LeasedSampler:
+        """The worker's sampler, counting trained samples; refused on a streaming server."""
+        if worker.settings.mode == "streaming":
+            raise DiLoCoCallbackError(
+                "leased data through a framework callback is for sync and async servers: a "
+                "streaming server takes whole units only"
+            )
+        self.leased = LeasedSampler.for_worker(
+            worker, self.dataset_id, self.length, count_trained=True, **self.options
+        )
+        return self.leased
+
+    def trained(self, samples: int) -> None:
+        if self.leased is not None:
+            self.leased.trained(samples)
+
+    def __iter__(self) -> Iterator[int]:
+        leased = self.leased
+        if leased is None:
+            raise DiLoCoCallbackError(
+                "the leased sampler has no worker yet: iterate the train dataloader only "
+                "inside the framework's training, with the DiLoCoCallback among its callbacks"
+            )
+        leased.give_back_untrained()
+        empty_epochs = 0
+        while empty_epochs < 2:  # one empty iteration is an epoch boundary; two, no data
+            handed_out = False
+            for index in leased:
+                handed_out = True
+                yield index
+            empty_epochs = 0 if handed_out else empty_epochs + 1
+        raise RuntimeError(f"dataset {self.dataset_id!r} gave no work units in a new epoch")
+
+
+def samples_in(batch: Any) -> int:
+    """Samples in a batch as a framework passes it: the first dimension of its first tensor
+    (in a tuple, list or dict, depth first); 0 when it holds none."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = samples_in(item)
+            if found:
+                return found
+    return 0

@@ -21,10 +21,12 @@ from typing import Any
 from diloco.faults import crash_point
 from diloco.integrations.common import (
     DiLoCoCallbackError,
+    LeasedTrainSampler,
     changed_settings,
     check_resumed,
     refuse_owned_options,
     resume_on_every_rank,
+    samples_in,
     torch_optimizer,
 )
 from diloco.worker import DiLoCoWorker
@@ -73,6 +75,26 @@ class DiLoCoCallback(Callback):
         self._saved_at: int | None = None
         self._trainer: Any = None
         self._warned_sharded = False
+        self._leased: LeasedTrainSampler | None = None
+
+    def leased_sampler(
+        self,
+        dataset_id: str,
+        length: int,
+        *,
+        unit_size: int = 256,
+        shuffle_seed: int = 0,
+        lease_count: int = 1,
+    ) -> LeasedTrainSampler:
+        """A sampler for the module's train DataLoader (`sampler=`) over the work units the
+        server leases of a map-style dataset of `length` samples (the same `dataset_id` on
+        every worker), so that each sample is trained once across the run. A sample counts
+        as trained when its batch starts training (not when Lightning fetches it ahead); the
+        worker state in each checkpoint keeps the position, and `fit(ckpt_path=...)`
+        continues from it. One process per worker; set max_steps."""
+        options = {"unit_size": unit_size, "shuffle_seed": shuffle_seed, "lease_count": lease_count}
+        self._leased = LeasedTrainSampler(length, dataset_id, options)
+        return self._leased
 
     # ----------------------------------------------------------------- Lightning events
 
@@ -101,6 +123,17 @@ class DiLoCoCallback(Callback):
         )
         worker, self.worker = self.worker, None
         check_resumed(worker, resume)
+        if self._leased is not None:
+            try:
+                if trainer.world_size > 1:
+                    raise DiLoCoCallbackError(
+                        "leased data is for a single-process fit: under torch.distributed "
+                        "only rank 0 talks to the server"
+                    )
+                self._leased.bind(worker)
+            except DiLoCoCallbackError:
+                worker.close(final_sync=False)
+                raise
         self.worker = worker
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -113,6 +146,8 @@ class DiLoCoCallback(Callback):
         if self._saved_at is not None:  # the checkpoint file of the last step is written now
             self._saved_at = None
             crash_point("lightning_checkpoint_saved")
+        if self._leased is not None:
+            self._leased.trained(samples_in(batch))  # its samples are trained from here on
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from diloco.faults import crash_point
 from diloco.integrations.common import (
     DiLoCoCallbackError,
+    LeasedTrainSampler,
     changed_settings,
     check_resumed,
     refuse_owned_options,
@@ -34,7 +32,6 @@ from diloco.integrations.common import (
     torch_optimizer,
 )
 from diloco.worker import DiLoCoWorker
-from diloco.worker.data import LeasedSampler
 from diloco.worker.tokens import TokenCounter, batch_samples
 
 try:
@@ -56,36 +53,6 @@ def _run_settings(args: Any) -> dict:
         "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
         "per_device_train_batch_size": int(args.per_device_train_batch_size),
     }
-
-
-class LeasedTrainSampler(torch.utils.data.Sampler[int]):
-    """The Trainer's sampler for server-leased data. The Trainer builds its dataloader before
-    the callback has a worker and iterates it only after, so the worker's `LeasedSampler` is
-    bound in `on_train_begin`. One iteration runs epoch after epoch: the server shares each
-    epoch's units among the workers, and the Trainer stops at max_steps."""
-
-    def __init__(self, length: int, dataset_id: str) -> None:
-        self.length = length
-        self.dataset_id = dataset_id
-        self.leased: LeasedSampler | None = None
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __iter__(self) -> Iterator[int]:
-        if self.leased is None:
-            raise DiLoCoCallbackError(
-                "the leased sampler has no worker yet: iterate the Trainer's train dataloader "
-                "only inside Trainer.train(), with the DiLoCoCallback among its callbacks"
-            )
-        empty_epochs = 0
-        while empty_epochs < 2:  # one empty iteration is an epoch boundary; two, no data
-            handed_out = False
-            for index in self.leased:
-                handed_out = True
-                yield index
-            empty_epochs = 0 if handed_out else empty_epochs + 1
-        raise RuntimeError(f"dataset {self.dataset_id!r} gave no work units in a new epoch")
 
 
 class DiLoCoCallback(TrainerCallback):
@@ -111,7 +78,6 @@ class DiLoCoCallback(TrainerCallback):
         self.worker_stats: dict | None = None
         self.resumed_from: str | None = None
         self._leased: LeasedTrainSampler | None = None
-        self._lease_options: dict[str, Any] = {}
         self._sample_counter: TokenCounter | None = None
         self._warned_sharded = False
 
@@ -150,11 +116,8 @@ class DiLoCoCallback(TrainerCallback):
             raise DiLoCoCallbackError(
                 "leased data needs a train_dataset with a length (a map-style dataset)"
             ) from None
-        self._leased = LeasedTrainSampler(length, dataset_id)
-        self._lease_options = {
-            "unit_size": unit_size, "shuffle_seed": shuffle_seed, "lease_count": lease_count
-        }  # fmt: skip
-        leased = self._leased
+        options = {"unit_size": unit_size, "shuffle_seed": shuffle_seed, "lease_count": lease_count}
+        leased = self._leased = LeasedTrainSampler(length, dataset_id, options)
         trainer._get_train_sampler = lambda *_args, **_kwargs: leased  # the Trainer's hook
 
     # ----------------------------------------------------------------- Trainer events
@@ -197,18 +160,13 @@ class DiLoCoCallback(TrainerCallback):
 
     def _bind_leased_data(self, worker: DiLoCoWorker, model: Any) -> None:
         assert self._leased is not None
-        if worker.settings.mode == "streaming":
-            worker.close(final_sync=False)
+        try:
+            sampler = self._leased.bind(worker)
+        except DiLoCoCallbackError:
             self.worker = None
-            raise DiLoCoCallbackError(
-                "leased data with the Trainer is for sync and async servers: a streaming "
-                "server takes whole units only"
-            )
-        sampler = LeasedSampler.for_worker(
-            worker, self._leased.dataset_id, self._leased.length, count_trained=True,
-            **self._lease_options,
-        )  # fmt: skip
-        self._leased.leased = sampler
+            worker.close(final_sync=False)
+            raise
+        # a sample is trained when a training forward of the model consumes it
         self._sample_counter = TokenCounter(model, sampler.trained, batch_samples)
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -186,6 +186,16 @@ class LeasedSampler(Sampler[int]):
         if int(unit["unit_id"]) not in self._finished:
             self._finished.append(int(unit["unit_id"]))
 
+    def give_back_untrained(self) -> None:
+        """A new iteration begins (count_trained): what the last one handed out and nothing
+        trained (a dataloader's read-ahead, abandoned with its iterator) comes out again
+        first, in its order."""
+        with self._lock:
+            if self._in_flight:
+                queue, offset = self._trained_position()
+                self._queue, self._offset = list(queue), offset
+                self._in_flight.clear()
+
     def round_started(self) -> None:
         """A round begins (count_trained): a checkpoint inside it keeps the position it began
         at, for a resume that drops the round's steps."""

@@ -20,6 +20,7 @@ from diloco.worker.checkpoint import Checkpointer, WorkerCheckpoint
 if TYPE_CHECKING:
     from torch import nn
 
+    from diloco.worker.client import DiLoCoClient
     from diloco.worker.schedule import EveryH
     from diloco.worker.session import ServerSession
     from diloco.worker.settings import WorkerSettings
@@ -37,6 +38,10 @@ def _share_resumed(saved: WorkerCheckpoint | None) -> WorkerCheckpoint | None:
         return saved
     facts = distributed.broadcast_json(None if saved is None else saved.facts())
     return saved if saved is not None or facts is None else WorkerCheckpoint.of_facts(facts)
+
+
+def _share_flag(flag: bool | None) -> bool:
+    return bool(distributed.broadcast_json(flag))
 
 
 class WorkerResumption:
@@ -58,6 +63,7 @@ class WorkerResumption:
     _tokens: TokenTally
     _units: UnitReports
     _uploads: UploadCoder
+    client: DiLoCoClient | None
 
     @property
     def round(self) -> int:
@@ -99,7 +105,8 @@ class WorkerResumption:
         """A checkpoint taken inside a round (a trainer's own cadence) holds steps trained since
         the anchor. Joining put the server's weights in the model; while the server is still at
         our anchor's round those are our anchor, so the trained steps go back in and the round
-        goes on where it was. If the server has moved on, they are dropped (with a warning)."""
+        goes on where it was. If the server has moved on, they are dropped (with a warning);
+        so are they when the server gave the round's leased samples to others meanwhile."""
         saved = self.resumed
         if saved is None or saved.steps_in_round == 0 or self.settings.mode == "streaming":
             return
@@ -113,6 +120,16 @@ class WorkerResumption:
                 saved.steps_in_round,
             )
             return
+        if distributed.lead(lambda: self._round_samples_released(saved), _share_flag):
+            self.dropped_round = True
+            log.warning(
+                "we were evicted while down and our leased units went back to the pool: the "
+                "%d step(s) of our checkpoint inside round %d are dropped, or others would "
+                "train their samples again",
+                saved.steps_in_round,
+                saved.anchor_round,
+            )
+            return
         state = self.model.state_dict()
         if self.is_leader:  # a group's other ranks take rank 0's (they joined on its weights)
             with torch.no_grad():
@@ -122,6 +139,17 @@ class WorkerResumption:
         self._schedule.steps_in_round = saved.steps_in_round
         self._schedule.window = int(saved.extra.get("window", self._schedule.window))
         self._tokens.resume_round(saved.extra.get("round_tokens", {}))
+
+    def _round_samples_released(self, saved: WorkerCheckpoint) -> bool:
+        """The saved round trained leased samples (a source that counts what it trained)
+        and the server no longer leases us any unit: it evicted us, so they are in the pool."""
+        data = saved.extra.get("data")
+        if not data or data.get("round_start") is None or self.client is None:
+            return False
+        if not (data.get("queue") or data.get("finished")):
+            return False
+        assert self.worker_id is not None
+        return not self.client.leases(self.worker_id, data["dataset_id"])["units"]
 
     def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> None:
         """Save the worker's state now (done after every round when checkpoint_dir is set),
