@@ -39,7 +39,7 @@ def trainer_worker(url: str, worker_id: str, out: Path, *extra: str, **kwargs):
     return example_worker("transformers_trainer.py", url, worker_id, out, *extra, **kwargs)
 
 
-@pytest.mark.slow  # in `make test-slow`; the resume test below is the default suite's sample
+@pytest.mark.slow  # in `make test-slow`; the leased-data test is the default suite's sample
 def test_two_trainers_train_one_model_through_a_real_server(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
@@ -63,6 +63,7 @@ def test_two_trainers_train_one_model_through_a_real_server(
     }
 
 
+@pytest.mark.slow  # in `make test-slow`; the leased-data kill and resume is the default's sample
 def test_a_killed_trainer_resumes_from_its_checkpoint_and_ends_as_an_unbroken_run(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
