@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -78,7 +79,8 @@ class ByteGPT(L.LightningModule):
                                                sampler=self.leased)  # fmt: skip
         passes = o.steps * o.grad_accum
         start = self.trainer.global_step * o.grad_accum  # restored by now on a resume
-        data = StepBatches(self.train_tokens, o.batch_size, o.seq_len, o.seed, start, passes)
+        seed = o.seed + self.global_rank  # the ranks of a DDP group train different batches
+        data = StepBatches(self.train_tokens, o.batch_size, o.seq_len, seed, start, passes)
         return torch.utils.data.DataLoader(data, batch_size=None)
 
 
@@ -110,6 +112,12 @@ def main() -> int:
         "once across the workers); local: batches drawn by step, seeded",
     )
     parser.add_argument("--unit-size", type=int, default=256, help="samples per work unit")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="processes of this worker (DDP under torchrun when above 1)",
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     options = parser.parse_args()
     try:
@@ -139,7 +147,8 @@ def main() -> int:
         callbacks=[callback, checkpoints],
         default_root_dir=options.output_dir,
         accelerator="auto",
-        devices=1,
+        devices=options.devices,
+        strategy="ddp" if options.devices > 1 else "auto",
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -160,9 +169,16 @@ def main() -> int:
         "resumed_from": callback.resumed_from,
         "worker": callback.worker_stats,
     }
-    print(f"eval loss {initial:.4f} -> {final:.4f}, {figures['worker']['rounds']} rounds")
-    if options.json:
-        Path(options.json).write_text(json.dumps(figures, indent=2))
+    if trainer.is_global_zero:  # under torchrun the group is one worker: one report
+        print(f"eval loss {initial:.4f} -> {final:.4f}, {figures['worker']['rounds']} rounds")
+        if options.json:
+            Path(options.json).write_text(json.dumps(figures, indent=2))
+    if torch.distributed.is_initialized():
+        # PyTorch 2.13 on CPU: a process that ran DDP over gloo can abort at interpreter exit
+        # after all its work is done ("terminate called without an active exception").
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

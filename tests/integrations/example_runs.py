@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,3 +114,26 @@ def assert_leased_samples_once(
     epoch0 = {index: n for (epoch, index), n in counts.items() if epoch == 0}
     assert sorted(epoch0) == list(range(windows)), "every window of epoch 0 was trained"
     assert {index: n for index, n in epoch0.items() if n != 1} == {}, "none twice"
+
+
+def torchrun_example(
+    script: str, url: str, out: Path, corpus: Path, *extra: str, crash_at: str = ""
+) -> int:
+    """examples/`script` as a 2-rank torchrun group, worker g0 (its output in out/g0,
+    out/g0.json and out/g0.log); DILOCO_CRASH_AT reaches both ranks. The exit code."""
+    env = {k: v for k, v in os.environ.items() if k != "DILOCO_CRASH_AT"}
+    if crash_at:
+        env["DILOCO_CRASH_AT"] = crash_at
+    with socket.socket() as free:  # torchrun's rendezvous port
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    with (out / "g0.log").open("ab") as log:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--master_addr", "127.0.0.1", "--master_port", port,
+             str(EXAMPLES / script),
+             "--server", url, "--worker-id", "g0", "--corpus", str(corpus),
+             "--steps", "6", "--save-steps", "3", "--batch-size", "4", "--seq-len", "32",
+             "--output-dir", str(out / "g0"), "--json", str(out / "g0.json"), *extra],
+            stdout=log, stderr=log, env=env, timeout=300, check=False,
+        ).returncode  # fmt: skip

@@ -16,6 +16,7 @@ from example_runs import (
     assert_same_global_weights,
     example_worker,
     finished,
+    torchrun_example,
 )
 
 from diloco.integrations.lightning import DiLoCoCallback, DiLoCoCallbackError
@@ -81,6 +82,36 @@ def test_leased_data_trains_every_sample_once_through_two_fits_a_kill_and_a_resu
         "lightning_trainer.py", server_process, tmp_path, "lightning_checkpoint_saved:1"
     )
     assert json.loads((tmp_path / "v.json").read_text())["resumed_from"].endswith("step-3")
+
+
+@pytest.mark.slow  # in `make test-slow`: three 2-rank torchrun groups
+def test_a_killed_ddp_fit_resumes_from_its_checkpoint_as_an_unbroken_one(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    """A 2-rank DDP fit under torchrun is one worker: rank 0 saves the worker state with the
+    step-3 checkpoint (H = 2: inside round 2) and dies with kill -9 as it is written; the
+    resumed group ends where an unbroken group does, every rank on the same weights."""
+    broken_dir, unbroken_dir = tmp_path / "broken", tmp_path / "unbroken"
+    broken_dir.mkdir(), unbroken_dir.mkdir()
+    broken = server_process("--sync-every", "2", "--min-workers", "1")
+    unbroken = server_process("--sync-every", "2", "--min-workers", "1")
+    ddp = ("--devices", "2")
+    code = torchrun_example("lightning_trainer.py", broken.url, broken_dir, corpus_file, *ddp,
+                            crash_at="lightning_checkpoint_saved:1")  # fmt: skip
+    assert code != 0
+    assert global_weights(broken.url)[1] == 1  # round 1 (steps 1-2) committed, round 2 not
+    resumed = torchrun_example(
+        "lightning_trainer.py", broken.url, broken_dir, corpus_file, *ddp, "--resume"
+    )
+    assert resumed == 0, (broken_dir / "g0.log").read_text()[-3000:]
+    straight = torchrun_example(
+        "lightning_trainer.py", unbroken.url, unbroken_dir, corpus_file, *ddp
+    )
+    assert straight == 0, (unbroken_dir / "g0.log").read_text()[-3000:]
+    report = json.loads((broken_dir / "g0.json").read_text())
+    assert report["resumed_from"].endswith("step-3")
+    assert report["worker"]["rounds"] == 3  # round 1 before the kill, 2 and 3 after it
+    assert_same_global_weights(broken.url, unbroken.url, rounds=3)
 
 
 def test_options_the_callback_owns_are_refused() -> None:

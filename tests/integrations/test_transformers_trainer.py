@@ -4,12 +4,8 @@ server, with a kill -9 after a Trainer checkpoint and a resume that must continu
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,11 +15,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from example_runs import (
-    EXAMPLES,
     assert_leased_samples_once,
     assert_same_global_weights,
     example_worker,
     finished,
+    torchrun_example,
 )
 
 from diloco.integrations.transformers import (
@@ -141,24 +137,7 @@ def test_options_the_callback_owns_are_refused() -> None:
 
 
 def torchrun_trainer(url: str, out: Path, corpus: Path, *extra: str, crash_at: str = ""):
-    """examples/transformers_trainer.py as a 2-rank torchrun group, worker g0 (its output in
-    out/g0, out/g0.json and out/g0.log); DILOCO_CRASH_AT reaches both ranks."""
-    env = {k: v for k, v in os.environ.items() if k != "DILOCO_CRASH_AT"}
-    if crash_at:
-        env["DILOCO_CRASH_AT"] = crash_at
-    with socket.socket() as free:  # torchrun's rendezvous port
-        free.bind(("127.0.0.1", 0))
-        port = str(free.getsockname()[1])
-    with (out / "g0.log").open("ab") as log:
-        return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_addr", "127.0.0.1", "--master_port", port,
-             str(EXAMPLES / "transformers_trainer.py"),
-             "--server", url, "--worker-id", "g0", "--corpus", str(corpus),
-             "--steps", "6", "--save-steps", "3", "--batch-size", "4", "--seq-len", "32",
-             "--output-dir", str(out / "g0"), "--json", str(out / "g0.json"), *extra],
-            stdout=log, stderr=log, env=env, timeout=300, check=False,
-        ).returncode  # fmt: skip
+    return torchrun_example("transformers_trainer.py", url, out, corpus, *extra, crash_at=crash_at)
 
 
 @pytest.mark.slow  # in `make test-slow`: torchrun starts 2 more interpreters

@@ -4,6 +4,7 @@ back here by hand (TFRecord framing: length, its CRC, the Event protobuf, its CR
 from __future__ import annotations
 
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -79,9 +80,14 @@ def test_a_stuck_or_failing_writer_never_holds_a_commit(tmp_path: Path) -> None:
     c = Coordinator(ServerSettings(outer_optimizer="sgd", outer_lr=1.0), {"w": torch.zeros(4)},
                     scalars=scalars)  # fmt: skip
     c.register("a", SPECS, 1)
-    for round_number in range(3):  # the writer is stuck in round 0's first scalar
+    c.submit("a", 0, {"w": torch.ones(4)})
+    deadline = time.monotonic() + 30
+    while not calls:  # the writer thread takes round 0's first scalar, and is stuck there
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for round_number in (1, 2):
         c.submit("a", round_number, {"w": torch.ones(4)})
-    assert c.round_number == 3 and calls and not stuck.is_set()
+    assert c.round_number == 3 and len(calls) == 1 and not stuck.is_set()
     stuck.set()  # each write now fails; logged, and the close still returns
     c.shutdown()
     assert c.masters["w"].tolist() == [-3.0] * 4
