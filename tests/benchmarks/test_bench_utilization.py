@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, sampled
 
 SMALL = [
     "--steps", "24", "--sync-every", "24", "--fragments", "4", "--width", "16",
@@ -46,18 +46,20 @@ def test_a_small_utilization_run_measures_every_mode(tmp_path: Path) -> None:
     assert "--batch-size 2" in table and all(f"| {mode} | loopback |" in table for mode in MODES)
 
 
+BAD_OPTIONS = [
+    (["--links", "10 Gbit/s"], "--links must name some of"),
+    (["--sync-every", "20"], "H / P > 5"),
+    (["--depth", "2"], "--depth >= --fragments"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--workers", "0"], "--workers and --batch-size must be >= 1"),
+    (["--fragments", "0"], "--fragments 0: each must be >= 1"),
+    (["--steps", "0", "--width", "-1"], "--steps 0, --width -1: each must be >= 1"),
+]
+
+
 @pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--links", "10 Gbit/s"], "--links must name some of"),
-        (["--sync-every", "20"], "H / P > 5"),
-        (["--depth", "2"], "--depth >= --fragments"),
-        (["--batch-size", "0"], "--batch-size must be >= 1"),
-        (["--workers", "0"], "--workers and --batch-size must be >= 1"),
-        (["--fragments", "0"], "--fragments 0: each must be >= 1"),
-        (["--steps", "0", "--width", "-1"], "--steps 0, --width -1: each must be >= 1"),
-    ],
-)
+    "args, message", sampled(BAD_OPTIONS, [" ".join(args) for args, _ in BAD_OPTIONS])
+)  # every third case in the default suite (each starts a process), all with -m slow
 def test_bad_options_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     result = run(*args, "--out-dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
