@@ -120,6 +120,8 @@ def main() -> int:
     )
     parser.add_argument("--json", default=None, help="write the figures here")
     options = parser.parse_args()
+    if options.data_dispatch == "server" and options.devices > 1:
+        parser.error("--data-dispatch server is for one process per worker (--devices 1)")
     try:
         split = split_train_val(load_named_corpus(options.corpus))
         val = eval_batches(split.val, options.batch_size, options.seq_len, 8)

@@ -465,3 +465,24 @@ def test_a_new_iteration_hands_out_again_what_the_last_fetched_and_never_trained
     assert samples_in((torch.zeros(4, 3), torch.zeros(4))) == 4
     assert samples_in({"input_ids": torch.zeros(5, 2, dtype=torch.long)}) == 5
     assert samples_in([[], (torch.zeros(()),)]) == 1 and samples_in("text") == 0
+
+
+def test_a_unit_whose_last_sample_was_fetched_but_not_trained_comes_back_whole(
+    server, client
+) -> None:
+    """Unit 1's last 2 samples and unit 2's first 2 went out with a read-ahead; 62 were
+    trained. Unit 1 is not finished, and the next iteration hands out those 4 again, in
+    order, before anything new; unit 1 finishes once they are trained."""
+    from diloco.integrations.common import LeasedTrainSampler
+
+    deferred = LeasedTrainSampler(LENGTH, "ds", {})
+    leased = deferred.leased = sampler(client, lease_count=2, count_trained=True)
+    fetched = take(iter(deferred), UNIT + 2)
+    deferred.trained(UNIT - 2)
+    assert leased.finished_units() == [] and leased.progress() == {1: UNIT - 2}
+    again = iter(deferred)
+    assert take(again, 4) == fetched[UNIT - 2 :]
+    deferred.trained(2)
+    assert leased.finished_units() == [1] and leased.progress() == {}
+    deferred.trained(2)
+    assert leased.progress() == {2: 2}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ import torch
 
 from diloco.worker import distributed
 from diloco.worker.data import LeasedSampler
+
+log = logging.getLogger("diloco.integrations")
 
 # DiLoCoWorker options a callback sets itself (the framework's checkpoints hold the state)
 OWNED_OPTIONS = ("checkpoint_dir", "scheduler", "save_every_round")
@@ -96,6 +99,7 @@ class LeasedTrainSampler(torch.utils.data.Sampler[int]):
         self.dataset_id = dataset_id
         self.options = dict(options)
         self.leased: LeasedSampler | None = None
+        self._warned_empty = False
 
     def __len__(self) -> int:
         return self.length
@@ -113,8 +117,15 @@ class LeasedTrainSampler(torch.utils.data.Sampler[int]):
         return self.leased
 
     def trained(self, samples: int) -> None:
-        if self.leased is not None:
-            self.leased.trained(samples)
+        if self.leased is None:
+            return
+        if samples == 0 and not self._warned_empty:
+            self._warned_empty = True
+            log.warning(
+                "a training batch held no tensor to count samples by: leased samples count "
+                "as trained only by the first dimension of a batch's first tensor"
+            )
+        self.leased.trained(samples)
 
     def __iter__(self) -> Iterator[int]:
         leased = self.leased

@@ -131,7 +131,7 @@ class DiLoCoCallback(Callback):
                         "only rank 0 talks to the server"
                     )
                 self._leased.bind(worker)
-            except DiLoCoCallbackError:
+            except BaseException:  # refused, or the server failed us: leave the run
                 worker.close(final_sync=False)
                 raise
         self.worker = worker

@@ -162,7 +162,7 @@ class DiLoCoCallback(TrainerCallback):
         assert self._leased is not None
         try:
             sampler = self._leased.bind(worker)
-        except DiLoCoCallbackError:
+        except BaseException:  # refused, or the server failed us: leave the run
             self.worker = None
             worker.close(final_sync=False)
             raise

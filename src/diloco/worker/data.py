@@ -233,9 +233,11 @@ class LeasedSampler(Sampler[int]):
         # the units queued here are no longer ours. Come back under the same id and lease anew.
         log.warning("evicted while leasing work units; registering again")
         self.rejoin()
-        with self._lock:
+        with self._lock:  # queued, in flight or finished and unreported: none is ours now
             self._queue.clear()
             self._offset = 0
+            self._in_flight.clear()
+            self._finished.clear()
         return self.client.lease(
             self._worker_id(), self.dataset_id, self.lease_count, next_epoch=next_epoch
         )

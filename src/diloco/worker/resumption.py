@@ -16,6 +16,7 @@ import torch
 
 from diloco.worker import distributed
 from diloco.worker.checkpoint import Checkpointer, WorkerCheckpoint
+from diloco.worker.errors import ServerError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -141,15 +142,24 @@ class WorkerResumption:
         self._tokens.resume_round(saved.extra.get("round_tokens", {}))
 
     def _round_samples_released(self, saved: WorkerCheckpoint) -> bool:
-        """The saved round trained leased samples (a source that counts what it trained)
-        and the server no longer leases us any unit: it evicted us, so they are in the pool."""
+        """The saved round trained leased samples, and the server no longer leases us some
+        unit they came from (it evicted us and gave our units to the pool; within one round
+        none of ours completes), or no longer knows the dataset."""
         data = saved.extra.get("data")
-        if not data or data.get("round_start") is None or self.client is None:
+        if not data or self.client is None:
             return False
-        if not (data.get("queue") or data.get("finished")):
+        ours = {int(unit["unit_id"]) for unit in data.get("queue", [])}
+        ours |= {int(unit) for unit in data.get("finished", [])}
+        if not ours:
             return False
         assert self.worker_id is not None
-        return not self.client.leases(self.worker_id, data["dataset_id"])["units"]
+        try:
+            held = self.client.leases(self.worker_id, data["dataset_id"])["units"]
+        except ServerError as exc:
+            if exc.kind == "unknown_dataset":
+                return True
+            raise
+        return not ours <= {int(unit["unit_id"]) for unit in held}
 
     def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> None:
         """Save the worker's state now (done after every round when checkpoint_dir is set),
