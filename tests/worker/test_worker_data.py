@@ -451,9 +451,10 @@ def test_a_new_iteration_hands_out_again_what_the_last_fetched_and_never_trained
 ) -> None:
     """A framework's epoch ends with a batch fetched ahead; its next epoch iterates afresh.
     The fetched, untrained samples come out first, so none is skipped untrained."""
-    from diloco.integrations.common import LeasedTrainSampler, samples_in
+    from diloco.integrations.common import LeasedTrainSampler
+    from diloco.worker.tokens import samples_in
 
-    deferred = LeasedTrainSampler(LENGTH, "ds", {})
+    deferred = LeasedTrainSampler(LENGTH, "ds")
     deferred.leased = sampler(client, lease_count=2, count_trained=True)
     first = iter(deferred)
     fetched = take(first, 10)
@@ -475,7 +476,7 @@ def test_a_unit_whose_last_sample_was_fetched_but_not_trained_comes_back_whole(
     order, before anything new; unit 1 finishes once they are trained."""
     from diloco.integrations.common import LeasedTrainSampler
 
-    deferred = LeasedTrainSampler(LENGTH, "ds", {})
+    deferred = LeasedTrainSampler(LENGTH, "ds")
     leased = deferred.leased = sampler(client, lease_count=2, count_trained=True)
     fetched = take(iter(deferred), UNIT + 2)
     deferred.trained(UNIT - 2)

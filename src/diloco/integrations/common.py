@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,26 +94,37 @@ class LeasedTrainSampler(torch.utils.data.Sampler[int]):
     the framework consumes them.
     """
 
-    def __init__(self, length: int, dataset_id: str, options: Mapping[str, Any]) -> None:
+    def __init__(self, length: int, dataset_id: str, **options: Any) -> None:
+        """`options` go to LeasedSampler (unit_size, shuffle_seed, lease_count)."""
         self.length = length
         self.dataset_id = dataset_id
-        self.options = dict(options)
+        self.options = options
         self.leased: LeasedSampler | None = None
         self._warned_empty = False
 
     def __len__(self) -> int:
         return self.length
 
-    def bind(self, worker: Any) -> LeasedSampler:
-        """The worker's sampler, counting trained samples; refused on a streaming server."""
-        if worker.settings.mode == "streaming":
-            raise DiLoCoCallbackError(
-                "leased data through a framework callback is for sync and async servers: a "
-                "streaming server takes whole units only"
+    def bind(self, worker: Any, processes: int = 1) -> LeasedSampler:
+        """The worker's sampler, counting trained samples. Refused on a streaming server or
+        for a worker of several `processes`; on any failure the worker leaves the run."""
+        try:
+            if processes > 1:
+                raise DiLoCoCallbackError(
+                    "leased data is for one process per worker: under torch.distributed only "
+                    "rank 0 talks to the server"
+                )
+            if worker.settings.mode == "streaming":
+                raise DiLoCoCallbackError(
+                    "leased data through a framework callback is for sync and async servers: "
+                    "a streaming server takes whole units only"
+                )
+            self.leased = LeasedSampler.for_worker(
+                worker, self.dataset_id, self.length, count_trained=True, **self.options
             )
-        self.leased = LeasedSampler.for_worker(
-            worker, self.dataset_id, self.length, count_trained=True, **self.options
-        )
+        except BaseException:  # refused, or the server failed us: leave the run
+            worker.close(final_sync=False)
+            raise
         return self.leased
 
     def trained(self, samples: int) -> None:
@@ -143,18 +154,3 @@ class LeasedTrainSampler(torch.utils.data.Sampler[int]):
                 yield index
             empty_epochs = 0 if handed_out else empty_epochs + 1
         raise RuntimeError(f"dataset {self.dataset_id!r} gave no work units in a new epoch")
-
-
-def samples_in(batch: Any) -> int:
-    """Samples in a batch as a framework passes it: the first dimension of its first tensor
-    (in a tuple, list or dict, depth first); 0 when it holds none."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            found = samples_in(item)
-            if found:
-                return found
-    return 0

@@ -26,10 +26,10 @@ from diloco.integrations.common import (
     check_resumed,
     refuse_owned_options,
     resume_on_every_rank,
-    samples_in,
     torch_optimizer,
 )
 from diloco.worker import DiLoCoWorker
+from diloco.worker.tokens import samples_in
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -92,8 +92,10 @@ class DiLoCoCallback(Callback):
         as trained when its batch starts training (not when Lightning fetches it ahead); the
         worker state in each checkpoint keeps the position, and `fit(ckpt_path=...)`
         continues from it. One process per worker; set max_steps."""
-        options = {"unit_size": unit_size, "shuffle_seed": shuffle_seed, "lease_count": lease_count}
-        self._leased = LeasedTrainSampler(length, dataset_id, options)
+        self._leased = LeasedTrainSampler(
+            length, dataset_id, unit_size=unit_size, shuffle_seed=shuffle_seed,
+            lease_count=lease_count,
+        )  # fmt: skip
         return self._leased
 
     # ----------------------------------------------------------------- Lightning events
@@ -124,16 +126,7 @@ class DiLoCoCallback(Callback):
         worker, self.worker = self.worker, None
         check_resumed(worker, resume)
         if self._leased is not None:
-            try:
-                if trainer.world_size > 1:
-                    raise DiLoCoCallbackError(
-                        "leased data is for a single-process fit: under torch.distributed "
-                        "only rank 0 talks to the server"
-                    )
-                self._leased.bind(worker)
-            except BaseException:  # refused, or the server failed us: leave the run
-                worker.close(final_sync=False)
-                raise
+            self._leased.bind(worker, trainer.world_size)
         self.worker = worker
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

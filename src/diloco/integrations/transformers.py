@@ -116,8 +116,10 @@ class DiLoCoCallback(TrainerCallback):
             raise DiLoCoCallbackError(
                 "leased data needs a train_dataset with a length (a map-style dataset)"
             ) from None
-        options = {"unit_size": unit_size, "shuffle_seed": shuffle_seed, "lease_count": lease_count}
-        leased = self._leased = LeasedTrainSampler(length, dataset_id, options)
+        leased = self._leased = LeasedTrainSampler(
+            length, dataset_id, unit_size=unit_size, shuffle_seed=shuffle_seed,
+            lease_count=lease_count,
+        )  # fmt: skip
         trainer._get_train_sampler = lambda *_args, **_kwargs: leased  # the Trainer's hook
 
     # ----------------------------------------------------------------- Trainer events
@@ -160,12 +162,9 @@ class DiLoCoCallback(TrainerCallback):
 
     def _bind_leased_data(self, worker: DiLoCoWorker, model: Any) -> None:
         assert self._leased is not None
-        try:
-            sampler = self._leased.bind(worker)
-        except BaseException:  # refused, or the server failed us: leave the run
-            self.worker = None
-            worker.close(final_sync=False)
-            raise
+        self.worker = None  # bind makes the worker leave if it fails
+        sampler = self._leased.bind(worker)
+        self.worker = worker
         # a sample is trained when a training forward of the model consumes it
         self._sample_counter = TokenCounter(model, sampler.trained, batch_samples)
 

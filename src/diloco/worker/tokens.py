@@ -31,15 +31,25 @@ def batch_tokens(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     return 0
 
 
-def batch_samples(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
-    """Samples in one forward's input: the first dimension of its first tensor (the
-    preferred inputs first); 0 when no input is a tensor."""
-    tensors = [kwargs[k] for k in PREFERRED_INPUTS if isinstance(kwargs.get(k), torch.Tensor)]
-    tensors += [a for a in args if isinstance(a, torch.Tensor)]
-    tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    for tensor in tensors:
-        return int(tensor.shape[0]) if tensor.dim() else 1
+def samples_in(batch: Any) -> int:
+    """Samples in a batch as a framework passes it: the first dimension of its first tensor
+    (in a tuple, list or dict, depth first); 0 when it holds none."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = samples_in(item)
+            if found:
+                return found
     return 0
+
+
+def batch_samples(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """Samples in one forward's input (the preferred inputs first), as `samples_in`."""
+    preferred = [kwargs[k] for k in PREFERRED_INPUTS if k in kwargs]
+    return samples_in([*preferred, *args, *kwargs.values()])
 
 
 class TokenCounter:
