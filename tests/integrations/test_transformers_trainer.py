@@ -264,3 +264,17 @@ def test_leased_data_refuses_what_it_cannot_serve(live_server) -> None:
             callback.on_train_begin(_Args(), _State(), None, model=model, optimizer=optimizer)
         assert callback.worker is None
         assert [w["live"] for w in server.coordinator.status()["workers"]] in ([], [False])
+
+
+def test_binding_leased_data_to_a_worker_of_several_processes_is_refused_and_it_leaves() -> None:
+    from types import SimpleNamespace
+
+    from diloco.integrations.common import LeasedTrainSampler
+
+    closed: list[bool] = []
+    worker = SimpleNamespace(
+        settings=SimpleNamespace(mode="sync"), close=lambda final_sync: closed.append(final_sync)
+    )
+    with pytest.raises(DiLoCoCallbackError, match="one process per worker"):
+        LeasedTrainSampler(10, "ds").bind(worker, processes=2)
+    assert closed == [False]  # the worker left the run, with no last sync
