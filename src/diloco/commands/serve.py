@@ -165,6 +165,14 @@ def server_command(
         help="Also write each commit's metrics (run and per-worker scalars) as TensorBoard "
         "event files in this directory (needs diloco[tensorboard]).",
     ),
+    shard: int = typer.Option(
+        None, help="Sharded servers: this process is shard I (0 decides rounds); needs --shard-url."
+    ),
+    shard_url: list[str] = typer.Option(
+        None,
+        help="Sharded servers: every shard's URL, in shard order (repeat the option); each "
+        "shard owns whole tensors, balanced by bytes. Sync mode, plain uploads (issue 15).",
+    ),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Run the coordinator: workers register, send pseudo-gradients, get global weights.
@@ -188,6 +196,8 @@ def server_command(
         raise fail(f"--port must be in [0, 65535], got {port}")
     if spool_dir is not None and not spool_dir.is_dir():
         raise fail(f"--spool-dir is not a directory: {spool_dir}")
+    if (shard is None) != (not shard_url):
+        raise fail("--shard and --shard-url go together: give both or neither")
     if not max_body_mib > 0:
         raise fail(f"--max-body-mib must be > 0, got {max_body_mib}")
     try:
@@ -229,6 +239,8 @@ def server_command(
             max_body_bytes=int(max_body_mib * 1024 * 1024),
             memory_bodies=memory_bodies,
             spool_dir=str(spool_dir) if spool_dir is not None else None,
+            shard=0 if shard is None else shard,
+            shard_urls=tuple(shard_url or ()),
         )
         if keep_checkpoints < 1:
             raise ValueError(f"--keep-checkpoints must be >= 1, got {keep_checkpoints}")

@@ -26,6 +26,7 @@ from diloco.server.dashboard import add_dashboard, session_caller
 from diloco.server.errors import Rejection
 from diloco.server.request_json import json_body, json_body_schema
 from diloco.server.results import RoundResult
+from diloco.server.shard_routes import add_shard_routes
 from diloco.wire import (
     MAX_COUNT,
     PROTOCOL_HEADER,
@@ -191,7 +192,8 @@ def create_app(
     spool_files = SpoolFiles(settings.spool_dir)  # kept between uploads: no new file per body
     # Robust aggregation in sync and streaming mode holds each submission until its round
     # decides: on disk, never in RAM, whatever --memory-bodies says.
-    held_by_rounds = settings.robust.screens and settings.mode != "async"
+    # So do sharded servers, until shard 0 decides the round.
+    held_by_rounds = (settings.robust.screens and settings.mode != "async") or settings.shards > 1
 
     @asynccontextmanager
     async def tensors_from(
@@ -425,6 +427,9 @@ def create_app(
     @app.get("/v1/status", dependencies=authed)
     async def status() -> dict:
         return await run_in_threadpool(coordinator.status)
+
+    if coordinator.shard is not None:
+        add_shard_routes(app, coordinator.shard, authed, act_as)
 
     admin_only = [*authed, Depends(require_admin)]
     add_admin_routes(app, coordinator.admin, credentials, admin_only, caller_of, request_stop)

@@ -44,7 +44,7 @@ class BarrierRounds:
             )
         self._fragment_rounds = [int(r) for r in fragment_rounds]
         live = self.c.membership.live_ids()
-        self.rounds = [Round(r, set(live), settings.weighting, now) for r in self._fragment_rounds]
+        self.rounds = [self._new_round(r, set(live), now) for r in self._fragment_rounds]
         self.results = [None] * settings.fragments
 
     def fragment_rounds(self) -> list[int]:
@@ -197,10 +197,7 @@ class BarrierRounds:
         ):
             return  # (a broken server commits nothing until restarted; a paused one, resumed)
         started = time.perf_counter()
-        if c.screen.on:
-            assert c.model.plan is not None and c.model.specs is not None
-            specs = {name: c.model.specs[name] for name in c.model.plan[fragment]}
-            decide_round(c.screen, current, fragment, c.model.sums_storage(), specs, now)
+        self._decide(fragment, current, now)
         assert current.running is not None and c.model.plan is not None
         running = current.running  # stays the round's until the step is durable
         record = CommitRecord(
@@ -224,8 +221,8 @@ class BarrierRounds:
         self.results[fragment] = self._encode_result(fragment, current.number + 1)
         for when in current.submitted.values():
             c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
-        self.rounds[fragment] = Round(
-            current.number + 1, c.membership.live_ids(), c.settings.weighting, now
+        self.rounds[fragment] = self._new_round(
+            current.number + 1, set(c.membership.live_ids()), now
         )
         what = f"round {current.number}{self._of(fragment)}"
         c.publish(
@@ -233,6 +230,19 @@ class BarrierRounds:
             f"{', '.join(sorted(current.submitters))}",
             started,
         )
+
+    def _new_round(self, number: int, members: set[str], now: float) -> Round:
+        """A fragment's next round (sharded servers open their own kind)."""
+        return Round(number, members, self.c.settings.weighting, now)
+
+    def _decide(self, fragment: int, current: Round, now: float) -> None:
+        """Fold what a complete round held into its sums (robust aggregation holds every
+        submission until here; a plain mean folded each one as it came)."""
+        c = self.c
+        if c.screen.on:
+            assert c.model.plan is not None and c.model.specs is not None
+            specs = {name: c.model.specs[name] for name in c.model.plan[fragment]}
+            decide_round(c.screen, current, fragment, c.model.sums_storage(), specs, now)
 
     # ----------------------------------------------------------------- results
 

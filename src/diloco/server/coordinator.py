@@ -28,7 +28,7 @@ from diloco.server.admin import AdminActions
 from diloco.server.control import RunControl
 from diloco.server.dispatch import DataDispatch
 from diloco.server.engine_context import EngineContext
-from diloco.server.engines import AsyncArrivals, BarrierRounds, RoundEngine
+from diloco.server.engines import RoundEngine, engine_for
 from diloco.server.errors import Rejection, rejection_of
 from diloco.server.global_model import GlobalModel, specs_of
 from diloco.server.intake import Intake, book
@@ -41,6 +41,9 @@ from diloco.server.rounds import Round
 from diloco.server.scalars import TensorBoardScalars
 from diloco.server.screening import RobustScreen
 from diloco.server.settings import ServerSettings
+from diloco.server.shard_commit import ShardCommit
+from diloco.server.shard_peers import ShardPeers
+from diloco.server.shard_rounds import FollowerRounds, LeaderRounds
 from diloco.server.store import StateStore
 from diloco.wire import (
     PROTOCOL_VERSION,
@@ -68,8 +71,10 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         journal: RoundJournal | None = None,
         scalars: TensorBoardScalars | None = None,
+        peers: ShardPeers | None = None,
     ) -> None:
-        """`scalars`: --tensorboard's writer, given each commit's metrics (None: no file)."""
+        """`scalars`: --tensorboard's writer, given each commit's metrics (None: no file);
+        `peers`: the other shards of a sharded run (server/shard_peers.py)."""
         self.settings = settings
         self.scalars = scalars
         self.metrics = metrics or ServerMetrics()
@@ -109,9 +114,7 @@ class Coordinator:
             paused=lambda: self.control.paused,
             screen=self.screen,
         )
-        self.engine: RoundEngine = (
-            AsyncArrivals(context) if settings.mode == "async" else BarrierRounds(context)
-        )
+        self.engine: RoundEngine = engine_for(context)
         self.intake = Intake(
             self._lock,
             settings,
@@ -131,6 +134,18 @@ class Coordinator:
             self.metrics,
             is_banned=self.control.is_banned,
         )
+        # Sharded servers: confirmations and decisions across shards (None: one server).
+        self.shard: ShardCommit | None = None
+        if isinstance(self.engine, (LeaderRounds, FollowerRounds)):
+            self.shard = ShardCommit(
+                self._lock,
+                self.engine,
+                self.membership,
+                self.journal,
+                peers,
+                clock,
+                self.model.require_healthy,
+            )
         self.admin = AdminActions(
             self._lock,
             self.control,
@@ -221,6 +236,7 @@ class Coordinator:
                 "fragment_plan": self.model.plan if has_weights else None,
                 "model_fingerprint": self.model.fingerprint if has_weights else None,
                 "settings": self.settings.to_wire(),
+                "shards": None if self.shard is None else self.shard.info(self.model.specs),
             }
 
     def status(self) -> dict:
@@ -270,7 +286,8 @@ class Coordinator:
         """Evict the silent and the overdue (see `Registrar.evict_stale`); then the engine's
         timed work (an async grace window's deadline)."""
         with self._lock:
-            evicted = self.registrar.evict_stale()
+            # a follower shard evicts nobody: membership is shard 0's
+            evicted = self.registrar.evict_stale() if self.settings.leads else []
             self.engine.tick(self.clock())
             return evicted
 

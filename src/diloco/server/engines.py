@@ -12,13 +12,25 @@ from typing import Protocol
 
 from diloco.server.async_arrivals import AsyncArrivals
 from diloco.server.barrier_rounds import BarrierRounds
+from diloco.server.engine_context import EngineContext
 from diloco.server.journal import CommitRecord
 from diloco.server.results import RoundResult, Waiting
 from diloco.server.rounds import Round, ValueScan
+from diloco.server.shard_rounds import FollowerRounds, LeaderRounds
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
 
-__all__ = ["AsyncArrivals", "BarrierRounds", "RoundEngine"]
+__all__ = ["AsyncArrivals", "BarrierRounds", "RoundEngine", "engine_for"]
+
+
+def engine_for(context: EngineContext) -> RoundEngine:
+    """The mode's engine; sharded servers hold slices until shard 0 decides each round."""
+    settings = context.settings
+    if settings.mode == "async":
+        return AsyncArrivals(context)
+    if settings.shards > 1:
+        return LeaderRounds(context) if settings.leads else FollowerRounds(context)
+    return BarrierRounds(context)
 
 
 class RoundEngine(Protocol):

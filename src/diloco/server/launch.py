@@ -4,10 +4,11 @@ benchmarks and the tests, which all need a real server process and its URL."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -64,3 +65,53 @@ def stop_process(process: subprocess.Popen, grace: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=5)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` ports the OS says are free now (held open together, so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def start_shards(
+    directory: Path,
+    count: int,
+    *args: str,
+    per_shard: Callable[[int], Sequence[str]] = lambda _shard: (),
+    output: Callable[[int], IO[bytes] | int] = lambda _shard: subprocess.DEVNULL,
+    timeout: float = 120.0,
+) -> list[tuple[subprocess.Popen, str]]:
+    """Start `count` shard servers on 127.0.0.1 (shard 0 first), each with `args` and its own
+    `per_shard(i)` options (a --state-dir); returns (process, URL) of each, in shard order."""
+    ports = free_ports(count)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    shared = [option for url in urls for option in ("--shard-url", url)]
+    started: list[tuple[subprocess.Popen, str]] = []
+    try:
+        for shard, port in enumerate(ports):
+            process, url = start_server(
+                directory / f"shard-{shard}.port",
+                *args,
+                "--port",
+                str(port),
+                "--shard",
+                str(shard),
+                *shared,
+                *per_shard(shard),
+                output=output(shard),
+                timeout=timeout,
+            )
+            started.append((process, url))
+    except BaseException:
+        for process, _ in started:
+            stop_process(process)
+        raise
+    return started

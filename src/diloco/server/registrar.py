@@ -28,6 +28,7 @@ from diloco.wire import (
     first_difference,
     is_worker_id,
 )
+from diloco.wire.shard_layout import shard_layout
 
 log = logging.getLogger("diloco.server")
 
@@ -93,6 +94,7 @@ class Registrar:
             )
         self.model.require_healthy()
         now = self.clock()
+        specs = self._own_part(specs)
         self._check_model(specs)
         worker_id = worker_id or f"w-{uuid.uuid4().hex[:8]}"
         holder = self.membership.get_live(worker_id)
@@ -124,6 +126,20 @@ class Registrar:
         self.engine.on_register(worker_id)
         self.metrics.live_workers.set(len(self.membership.live_ids()))
         return self._registration(worker_id)
+
+    def _own_part(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+        """A shard keeps the tensors the layout gives it of the worker's whole model."""
+        shards = self.settings.shards
+        if shards == 1:
+            return list(specs)
+        try:
+            layout = shard_layout(list(specs), shards)
+        except ValueError as exc:
+            raise Rejection(
+                422, "shards_do_not_fit", f"this model cannot be split into shards: {exc}"
+            ) from None
+        owned = set(layout[self.settings.shard])
+        return [spec for spec in specs if spec.name in owned]
 
     def _check_model(self, specs: Sequence[TensorSpec]) -> None:
         """422 if a registering worker's model is not the run's (once the run has one)."""

@@ -25,6 +25,7 @@ from diloco.server.http_protocol import DilocoHttpProtocol
 from diloco.server.journal import RoundJournal
 from diloco.server.scalars import TensorBoardScalars
 from diloco.server.settings import ServerSettings
+from diloco.server.shard_start import ShardStart
 from diloco.server.store import DATABASE_NAME, StateStore
 
 # Long-polls hold a thread each while they wait for a barrier; allow many workers.
@@ -234,12 +235,17 @@ def serve(
     return_large_frees_to_the_os()
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     initial = load_initial_weights(init) if init is not None else None
+    sharding = ShardStart(settings, token, initial, durability) if settings.shards > 1 else None
+    if sharding is not None:
+        initial = sharding.own_part(initial)
+        sharding.check_against_shard_0()
     state = StateStore(state_dir, keep_checkpoints)
     database = None if state.directory is None else state.directory / DATABASE_NAME
     try:
         journal = RoundJournal(state, settings, override_settings, durability, checkpoint_every)
         scalars = None if tensorboard is None else TensorBoardScalars(tensorboard)
-        coordinator = Coordinator(settings, initial, journal=journal, scalars=scalars)
+        peers = None if sharding is None else sharding.peers
+        coordinator = Coordinator(settings, initial, journal=journal, scalars=scalars, peers=peers)
         credentials = Credentials([token] if token else [], tokens, database)
     except BaseException:
         state.close()
@@ -253,5 +259,10 @@ def serve(
             host,
         )
     server = build_server(coordinator, host, port, credentials, log_level, port_file, tls)
-    server.run()
+    follower = None if sharding is None else sharding.follow(coordinator)
+    try:
+        server.run()
+    finally:
+        if follower is not None:
+            follower.stop()
     return {"round": coordinator.round_number, "flushed": server.flushed_at_shutdown}

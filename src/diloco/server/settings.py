@@ -80,6 +80,10 @@ class ServerSettings:
     # 0 (the default) spools every submission: memory then stays ~4x the model for any K.
     memory_bodies: int = 0
     spool_dir: str | None = None
+    # Sharded servers (issue 15): this process is shard `shard` of the shards at `shard_urls`
+    # (shard 0 leads: membership and each round's decision); empty: one server, no shards.
+    shard: int = 0
+    shard_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in SERVER_MODES:
@@ -116,6 +120,7 @@ class ServerSettings:
         self._check_codec_settings()
         self._check_mode_settings()
         self._check_aggregation()
+        self._check_shards()
         self.make_outer_optimizer()  # raises for a bad kind, lr, momentum, period or c
 
     def _check_codec_settings(self) -> None:
@@ -265,6 +270,47 @@ class ServerSettings:
             )
         return OuterOptimizer(self.outer_optimizer, lr=self.outer_lr, momentum=self.outer_momentum)
 
+    @property
+    def shards(self) -> int:
+        """How many server shards hold the model (1: one server)."""
+        return max(1, len(self.shard_urls))
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process decides rounds: one server, or shard 0 of several."""
+        return self.shard == 0
+
+    def _check_shards(self) -> None:
+        """Sharded servers run sync mode with plain uploads and downloads (what is built)."""
+        count = len(self.shard_urls)
+        if count == 0:
+            if self.shard != 0:
+                raise ValueError("shard needs the URLs of every shard (shard_urls)")
+            return
+        if count < 2:
+            raise ValueError(f"shard_urls must name at least 2 shards, got {count}")
+        if len(set(self.shard_urls)) != count:
+            raise ValueError(f"shard_urls must be distinct, got {list(self.shard_urls)}")
+        if isinstance(self.shard, bool) or not isinstance(self.shard, int):
+            raise ValueError(f"shard must be an integer, got {self.shard!r}")
+        if not 0 <= self.shard < count:
+            raise ValueError(
+                f"shard must be in [0, {count - 1}] for {count} shards, got {self.shard}"
+            )
+        unsupported = {
+            "mode": (self.mode, "sync"),
+            "aggregation": (self.aggregation, "mean"),
+            "upload_codec": (self.upload_codec, "fp32 or bf16"),
+            "download_codec": (self.download_codec, "fp32"),
+        }
+        for name, (value, allowed) in unsupported.items():
+            ok = value in ("fp32", "bf16") if name == "upload_codec" else value == allowed
+            if not ok:
+                raise ValueError(
+                    f"sharded servers run {name} {allowed} (the cross-shard commit is built "
+                    f"for sync rounds of plain bodies), got {value!r}"
+                )
+
     def to_wire(self) -> dict:
         """The `settings` object of /v1/info (docs/protocol.md)."""
         return {
@@ -293,6 +339,8 @@ class ServerSettings:
             "aggregation": self.aggregation,
             "clip_multiple": float(self.clip_multiple),
             "outlier_ratio": float(self.outlier_ratio),
+            # only when sharded: one server's settings stay as protocol.md lists them
+            **({"shards": list(self.shard_urls)} if self.shard_urls else {}),
         }
 
 

@@ -305,6 +305,14 @@ class StateStore:
 
     # ----------------------------------------------------------------- rounds and history
 
+    def contributors_of(self, round_number: int) -> list[str] | None:
+        """The workers whose pseudo-gradients the committed outer step `round_number` used
+        (None if it has not committed): a sharded run's decision of that round."""
+        row = self.conn.execute(
+            "SELECT contributors FROM rounds WHERE round = ?", (round_number,)
+        ).fetchone()
+        return None if row is None else list(json.loads(row[0]))
+
     def record_commit(
         self,
         round_number: int,

@@ -286,6 +286,12 @@ class DiLoCoClient:
         self._transport.count_upload(memoryview(body).nbytes)
         return answer
 
+    def confirm(self, round: int, worker_id: str) -> dict[str, Any]:
+        """Sharded servers: tell shard 0 that every shard holds our slice of `round`."""
+        return self._json_call(
+            "confirm", "POST", f"/v1/rounds/{int(round)}/confirm", query={"worker_id": worker_id}
+        )
+
     def wait_result(
         self,
         round: int,

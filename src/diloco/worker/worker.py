@@ -37,6 +37,7 @@ from diloco.worker import distributed
 from diloco.worker.anchor import Anchor
 from diloco.worker.checkpoint import Checkpointer, WorkerCheckpoint
 from diloco.worker.client import DiLoCoClient
+from diloco.worker.sharded_client import connect
 from diloco.worker.heartbeat import Heartbeat
 from diloco.worker.pace import Pace
 from diloco.worker.resumption import WorkerResumption
@@ -137,7 +138,7 @@ class DiLoCoWorker(WorkerResumption):
         self._replicated = distributed.group_size() > 1 and not self.sharded
         distributed.check_same_model(self.specs, self.sharded)
         self.client = (
-            DiLoCoClient(
+            connect(
                 server_url,
                 token,
                 retry=retry or RetryPolicy(),
@@ -241,7 +242,7 @@ class DiLoCoWorker(WorkerResumption):
         if self._session is not None and heartbeat:
             assert self.client is not None
             beat_client = DiLoCoClient(
-                server_url,
+                self.client.base_url,  # shard 0 of sharded servers
                 auth=self.client.auth,  # one credential: re-registering renews it for both
                 retry=RetryPolicy(attempts=1),
                 ca_file=ca_file,

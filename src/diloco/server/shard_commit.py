@@ -1,0 +1,179 @@
+"""A shard's part in the cross-shard commit of sync rounds (server/shard_rounds.py).
+
+Shard 0 confirms a worker once every other shard holds its slice of the round (asked outside
+the lock, so a slow shard holds back nobody else's calls) and answers the decisions it made;
+every shard answers whether it holds a slice; the other shards apply shard 0's decisions.
+No HTTP here: the peers are an injected `ShardPeers`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+from diloco.server.errors import Rejection
+from diloco.server.journal import RoundJournal
+from diloco.server.membership import Membership
+from diloco.server.shard_peers import PeerUnavailable, ShardPeers
+from diloco.server.shard_rounds import FollowerRounds, LeaderRounds
+from diloco.wire import TensorSpec
+
+MAX_DECISION_WAIT = 60.0
+
+
+class ShardCommit:
+    """Confirmations and decisions across shards, under the coordinator's lock."""
+
+    def __init__(
+        self,
+        lock: threading.Condition,
+        engine: LeaderRounds | FollowerRounds,
+        membership: Membership,
+        journal: RoundJournal,
+        peers: ShardPeers | None,
+        clock: Callable[[], float],
+        require_healthy: Callable[[], None],
+    ) -> None:
+        self.lock = lock
+        self.engine = engine
+        self.membership = membership
+        self.journal = journal
+        self.peers = peers
+        self.clock = clock
+        self.require_healthy = require_healthy
+        self.whole_model: str | None = None  # the --init model's fingerprint, if started so
+
+    def info(self, specs: Mapping[str, TensorSpec] | None) -> dict:
+        """Where the model's parts live, for a worker that knows one shard's URL: every
+        shard's URL, and the tensors this one owns (once the model is known)."""
+        settings = self.journal.settings
+        return {
+            "index": settings.shard,
+            "urls": list(settings.shard_urls),
+            "owned": None if specs is None else list(specs),
+            "whole_model": self.whole_model,
+        }
+
+    def open_round(self) -> int | None:
+        """The round this shard has open (None before the weights exist)."""
+        with self.lock:
+            return self.engine.open_number()
+
+    @property
+    def leads(self) -> bool:
+        return isinstance(self.engine, LeaderRounds)
+
+    def _open_round(self) -> int:
+        number = self.engine.open_number()
+        if number is None:
+            raise Rejection(409, "no_weights", "no global weights yet; nothing to confirm")
+        return number
+
+    def confirm(self, worker_id: str, round_number: int) -> dict:
+        """Shard 0: `worker_id` says every shard holds its slice of `round_number`; checked
+        with each shard, it then counts for the round's barrier. 409 `not_prepared` names the
+        shards that lack it (send it there again, then confirm again)."""
+        if not self.leads:
+            raise Rejection(
+                409, "not_shard_0", "confirmations go to shard 0, which decides the rounds"
+            )
+        with self.lock:
+            self.require_healthy()
+            self.membership.require_live(worker_id).last_seen = self.clock()
+            current = self._open_round()
+            if round_number < current:
+                return {"status": "committed", "round": round_number, "current_round": current}
+            if round_number > current:
+                raise Rejection(
+                    409,
+                    "future_round",
+                    f"round {round_number} has not started; the current round is {current}",
+                    current_round=current,
+                )
+            tokens = self.engine.holds(worker_id, round_number)
+            if tokens is None:
+                raise Rejection(
+                    409,
+                    "not_submitted",
+                    f"shard 0 holds no slice of round {round_number} from {worker_id!r}; "
+                    "submit it, then confirm",
+                    round=round_number,
+                    worker_id=worker_id,
+                )
+        assert self.peers is not None
+        try:  # outside the lock: other workers' calls go on meanwhile
+            missing = self.peers.missing_slices(round_number, worker_id, tokens)
+        except PeerUnavailable as exc:
+            raise Rejection(
+                503, "shard_unavailable", f"a shard cannot be reached: {exc}", round=round_number
+            ) from None
+        if missing:
+            raise Rejection(
+                409,
+                "not_prepared",
+                f"shard(s) {', '.join(map(str, missing))} hold no slice of round {round_number} "
+                f"from {worker_id!r} with {tokens} tokens; submit it there, then confirm",
+                shards=missing,
+                round=round_number,
+                worker_id=worker_id,
+            )
+        with self.lock:
+            if self.engine.open_number() != round_number:
+                return {"status": "committed", "round": round_number}
+            if self.engine.holds(worker_id, round_number) != tokens:
+                raise Rejection(
+                    409,
+                    "not_submitted",
+                    f"shard 0 no longer holds {worker_id!r}'s slice of round {round_number}",
+                    round=round_number,
+                    worker_id=worker_id,
+                )
+            return self.engine.confirm(worker_id, round_number)
+
+    def prepared(self, round_number: int, worker_id: str) -> dict:
+        """Whether this shard holds `worker_id`'s slice of `round_number`, with its tokens."""
+        with self.lock:
+            tokens = self.engine.holds(worker_id, round_number)
+            return {
+                "round": round_number,
+                "current_round": self.engine.open_number(),
+                "worker_id": worker_id,
+                "prepared": tokens is not None,
+                "tokens": tokens,
+            }
+
+    def decision(self, round_number: int, wait: float) -> dict:
+        """Shard 0: the contributors of round `round_number` once it committed (durable
+        before this can answer), long-polling up to `wait` seconds while it is open."""
+        if not self.leads:
+            raise Rejection(409, "not_shard_0", "decisions are shard 0's")
+        wait = min(max(0.0, wait), MAX_DECISION_WAIT)
+        with self.lock:
+            deadline = self.clock() + wait
+            while True:
+                contributors = self.journal.state.contributors_of(round_number)
+                if contributors is not None:
+                    return {
+                        "status": "decided",
+                        "round": round_number,
+                        "contributors": contributors,
+                    }
+                current = self.engine.open_number()
+                if current is not None and round_number > current:
+                    raise Rejection(
+                        409,
+                        "future_round",
+                        f"round {round_number} has not started; the current round is {current}",
+                        current_round=current,
+                    )
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return {"status": "waiting", "round": round_number}
+                self.lock.wait(timeout=min(remaining, 1.0))
+
+    def apply_decision(self, round_number: int, contributors: list[str]) -> None:
+        """A follower: shard 0 decided `round_number`; commit it when its slices are here."""
+        assert isinstance(self.engine, FollowerRounds)
+        with self.lock:
+            if self.engine.apply_decision(round_number, contributors):
+                self.lock.notify_all()

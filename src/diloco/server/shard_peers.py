@@ -1,0 +1,156 @@
+"""What a shard asks the other shards: server-to-server calls on loopback or a cluster link.
+
+Shard 0 asks every other shard whether it holds a worker's slice of a round (before the
+worker counts for the barrier); the other shards ask shard 0 for each round's decision, and
+compare their settings with shard 0's when they start. Every call has a timeout; a shard that
+does not answer is a `PeerUnavailable`, which the caller turns into a retryable 503.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlencode
+
+import urllib3
+
+from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
+
+log = logging.getLogger("diloco.server")
+CALL_TIMEOUT = 10.0  # seconds to connect, and to read beyond a long-poll's own wait
+
+
+class PeerUnavailable(Exception):
+    """A shard did not answer (down, restarting, or refusing): the step waits for it."""
+
+
+class ShardPeers:
+    """Calls of the other shards' /v1/shard routes, authenticated as an enrolled reader."""
+
+    def __init__(self, urls: Sequence[str], index: int, token: str | None = None) -> None:
+        self.urls = [url.rstrip("/") for url in urls]
+        self.index = index
+        self._headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._pool = urllib3.PoolManager(num_pools=len(urls), maxsize=8, retries=False)
+
+    def _get(self, shard: int, path: str, query: Mapping[str, Any], wait: float = 0.0) -> dict:
+        url = f"{self.urls[shard]}{path}?{urlencode(query)}"
+        timeout = urllib3.Timeout(connect=CALL_TIMEOUT, read=CALL_TIMEOUT + wait)
+        try:
+            response = self._pool.request("GET", url, headers=self._headers, timeout=timeout)
+        except urllib3.exceptions.HTTPError as exc:
+            raise PeerUnavailable(
+                f"shard {shard} at {self.urls[shard]} did not answer: {exc}"
+            ) from None
+        try:
+            body = json.loads(response.data or b"{}")
+        except ValueError:
+            body = {}
+        if response.status >= 300 or not isinstance(body, dict):
+            raise PeerUnavailable(
+                f"shard {shard} at {self.urls[shard]} answered {response.status}: "
+                f"{body.get('message') if isinstance(body, dict) else response.data[:200]!r}"
+            )
+        return body
+
+    def missing_slices(self, round_number: int, worker_id: str, tokens: int) -> list[int]:
+        """The other shards that do not hold `worker_id`'s slice of `round_number` with
+        `tokens` (shard 0's call, before it confirms the worker)."""
+        missing = []
+        for shard in range(len(self.urls)):
+            if shard == self.index:
+                continue
+            held = self._get(
+                shard, "/v1/shard/prepared", {"round": round_number, "worker_id": worker_id}
+            )
+            if not held.get("prepared") or held.get("tokens") != tokens:
+                missing.append(shard)
+        return missing
+
+    def decision(self, round_number: int, wait: float) -> list[str] | None:
+        """Shard 0's decision of `round_number` (its contributors), or None while open."""
+        answer = self._get(0, f"/v1/shard/decisions/{round_number}", {"wait": wait}, wait)
+        contributors = answer.get("contributors")
+        if answer.get("status") != "decided" or not isinstance(contributors, list):
+            return None
+        return [str(worker) for worker in contributors]
+
+    def leader_info(self) -> dict:
+        return self._get(0, "/v1/info", {})
+
+    def close(self) -> None:
+        self._pool.clear()
+
+
+def settings_difference(mine: Mapping[str, Any], leader: Mapping[str, Any]) -> str | None:
+    """The first setting that differs between two shards' /v1/info settings, in words."""
+    for key in sorted(set(mine) | set(leader)):
+        if mine.get(key) != leader.get(key):
+            return f"{key} is {mine.get(key)!r} here and {leader.get(key)!r} on shard 0"
+    return None
+
+
+def wait_for_leader(peers: ShardPeers, settings: Mapping[str, Any], timeout: float) -> dict:
+    """Shard 0's /v1/info once it answers (up to `timeout` seconds); ValueError naming the
+    first setting that differs from ours, so a shard started otherwise refuses to start."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info = peers.leader_info()
+            break
+        except PeerUnavailable as exc:
+            if time.monotonic() > deadline:
+                raise ValueError(f"shard 0 did not answer within {timeout:g} s ({exc})") from None
+            time.sleep(0.2)
+    difference = settings_difference(settings, info.get("settings") or {})
+    if difference is not None:
+        raise ValueError(f"this shard's settings differ from shard 0's: {difference}")
+    return info
+
+
+class DecisionFollower(threading.Thread):
+    """A follower shard's loop: long-poll shard 0 for the decision of our open round and hand
+    it to `apply`; unanswered calls are retried after a short pause."""
+
+    def __init__(
+        self,
+        peers: ShardPeers,
+        open_round: Callable[[], int | None],
+        apply: Callable[[int, list[str]], None],
+        wait: float = 10.0,
+    ) -> None:
+        super().__init__(name="diloco-shard-decisions", daemon=True)
+        self.peers = peers
+        self.open_round = open_round
+        self.apply = apply
+        self.wait = wait
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        told = 0.0
+        while not self.stopped.is_set():
+            round_number = self.open_round()
+            if round_number is None:
+                self.stopped.wait(0.2)
+                continue
+            try:
+                contributors = self.peers.decision(round_number, self.wait)
+            except PeerUnavailable as exc:
+                if time.monotonic() - told > 30:
+                    told = time.monotonic()
+                    log.warning("waiting for shard 0's decision of round %d: %s", round_number, exc)
+                self.stopped.wait(0.5)
+                continue
+            if contributors is not None:
+                self.apply(round_number, contributors)
+                # still open: a decided slice is missing here until its worker sends it again
+                self.stopped.wait(0.2 if self.open_round() == round_number else 0.0)
+
+    def stop(self) -> None:
+        self.stopped.set()

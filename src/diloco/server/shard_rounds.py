@@ -1,0 +1,172 @@
+"""Sync rounds across sharded servers: shard 0 decides each round, every shard applies it.
+
+Each shard holds its slice of every submission (spooled, not yet folded) until the round is
+decided. A worker confirms on shard 0 once every shard holds its slices; shard 0's barrier
+waits for its members' confirmations, and the round's decision is the set of confirmed
+workers. Shard 0 folds exactly their slices, in worker-id order, steps, and writes the
+decision with the step (its `rounds` row, durable before any shard can read it). The other
+shards fold exactly the decided slices, in the same order, when they learn the decision
+(server/shard_peers.py); a slice of a worker left out is dropped, so a step is applied on
+every shard with the same submissions or on none. docs/architecture.md has the proof sketch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco.server.barrier_rounds import BarrierRounds
+from diloco.server.errors import Rejection
+from diloco.server.results import RoundResult
+from diloco.server.rounds import Round, ValueScan, fold
+from diloco.server.submission import Submission
+from diloco.wire.spool import CheckedPieces, PieceBody
+
+
+@dataclass
+class LeaderRound(Round):
+    """Shard 0's round: a member is in once it confirmed that every shard holds its slices."""
+
+    confirmed: set[str] = field(default_factory=set)
+
+    def waiting_for(self) -> list[str]:
+        return sorted(self.members - self.confirmed)
+
+    def ready(self, min_workers: int) -> bool:
+        return not self.waiting_for() and len(self.confirmed) >= max(1, min_workers)
+
+
+@dataclass
+class FollowerRound(Round):
+    """Another shard's round: it commits when shard 0's decision names who is in."""
+
+    decided: list[str] | None = None
+
+    def waiting_for(self) -> list[str]:
+        if self.decided is None:
+            return []
+        return sorted(set(self.decided) - self.submitters)
+
+    def ready(self, min_workers: int) -> bool:
+        return self.decided is not None and not self.waiting_for()
+
+
+def _fold_only(current: Round, chosen: set[str], storage: dict, now: float) -> None:
+    """Fold the held slices of `chosen` in worker-id order; drop every other one (its place,
+    units and progress too: it is not part of this step). Bodies are released."""
+    held = sorted(current.held, key=lambda pair: pair[0].worker_id)
+    for submission, scan in held:
+        worker_id = submission.worker_id
+        if worker_id in chosen:
+            fold(current, submission, scan, storage, now, record=False)
+        else:
+            current.submitted.pop((worker_id, submission.fragment), None)
+            current.units.pop(worker_id, None)
+            current.progress.pop(worker_id, None)
+    current.held = []
+    for submission, _ in held:
+        if isinstance(submission.tensors, PieceBody):
+            submission.tensors.release()
+    if current.running is None:  # nobody chosen: the step changes nothing
+        current.open_sums(storage)
+
+
+class _HeldRounds(BarrierRounds):
+    """Every slice is held until the round's decision (shared by both sides)."""
+
+    def folds_first(self, fragment: int) -> bool:
+        return False  # scanned, then held: nothing is folded before the decision
+
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        assert isinstance(checked, ValueScan)
+        c = self.c
+        now = c.clock()
+        current = self.rounds[submission.fragment]
+        current.hold(submission, checked, now)
+        c.book(submission, current, now)
+        self._try_commit(submission.fragment, now)
+        return self._answer("accepted", submission.round, submission.fragment)
+
+    def holds(self, worker_id: str, round_number: int) -> int | None:
+        """The tokens of `worker_id`'s held slice of the open round `round_number`, or None."""
+        current = self.rounds[0] if self.rounds else None
+        if current is None or current.number != round_number:
+            return None
+        for submission, _ in current.held:
+            if submission.worker_id == worker_id:
+                return submission.tokens
+        return None
+
+    def open_number(self) -> int | None:
+        return self.rounds[0].number if self.rounds else None
+
+
+class LeaderRounds(_HeldRounds):
+    """Shard 0: membership, confirmations, and each round's decision."""
+
+    def _new_round(self, number: int, members: set[str], now: float) -> Round:
+        return LeaderRound(number, members, self.c.settings.weighting, now)
+
+    def confirm(self, worker_id: str, round_number: int) -> dict:
+        """`worker_id`'s slices of the open round are held on every shard (checked by the
+        caller): it counts for the barrier, and the round may now be decided."""
+        current = self.rounds[0]
+        assert isinstance(current, LeaderRound)
+        current.confirmed.add(worker_id)
+        self._try_commit(0, self.c.clock())
+        return self._answer("accepted", round_number, 0)
+
+    def _decide(self, fragment: int, current: Round, now: float) -> None:
+        assert isinstance(current, LeaderRound)
+        _fold_only(current, current.confirmed, self.c.model.sums_storage(), now)
+
+
+class FollowerRounds(_HeldRounds):
+    """Shards 1..S-1: hold slices; commit a round when shard 0's decision arrives."""
+
+    def _new_round(self, number: int, members: set[str], now: float) -> Round:
+        return FollowerRound(number, set(), self.c.settings.weighting, now)
+
+    def on_register(self, worker_id: str) -> None:
+        """Membership is shard 0's: a follower's rounds wait for decisions, not members."""
+
+    def overdue(self, now: float) -> list[str]:
+        return []  # shard 0 evicts; a follower never does
+
+    def apply_decision(self, round_number: int, contributors: list[str]) -> bool:
+        """Shard 0 decided `round_number` with `contributors`: commit it once every decided
+        slice is here (now, or when the missing ones are sent again). False if it is not the
+        open round (already applied, or not reached)."""
+        current = self.rounds[0] if self.rounds else None
+        if current is None or current.number != round_number:
+            return False
+        assert isinstance(current, FollowerRound)
+        if current.decided is None:
+            current.decided = sorted(contributors)
+            self._try_commit(0, self.c.clock())
+        return True
+
+    def _decide(self, fragment: int, current: Round, now: float) -> None:
+        assert isinstance(current, FollowerRound) and current.decided is not None
+        _fold_only(current, set(current.decided), self.c.model.sums_storage(), now)
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None:
+        """The result once the decision is applied; a decided worker whose slice this shard
+        lacks (lost in a restart) is told to send it again. No barrier timeout: shard 0's."""
+        if self.rounds and round_number == self.rounds[0].number:
+            current = self.rounds[0]
+            assert isinstance(current, FollowerRound)
+            missing = worker_id is not None and worker_id in current.waiting_for()
+            if missing and not self.c.closing():
+                raise Rejection(
+                    409,
+                    "not_submitted",
+                    f"round {round_number} was decided with {worker_id!r}, whose slice this "
+                    "shard does not hold (it restarted since); submit it again",
+                    round=round_number,
+                    fragment=fragment,
+                    worker_id=worker_id,
+                )
+            return None
+        return super().poll_result(round_number, fragment, worker_id, now)

@@ -1,0 +1,46 @@
+"""The routes of sharded servers (docs/protocol.md, "Sharded servers"): a worker's
+confirmation on shard 0, and the two questions shards ask each other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Path, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from diloco.server.shard_commit import MAX_DECISION_WAIT, ShardCommit
+from diloco.wire import MAX_COUNT
+
+
+def add_shard_routes(
+    app: FastAPI,
+    shard: ShardCommit,
+    authed: Sequence[Any],
+    act_as: Callable[[Request, str], None],
+) -> None:
+    @app.post("/v1/rounds/{round_number}/confirm", dependencies=list(authed))
+    async def confirm(
+        request: Request,
+        round_number: int = Path(..., ge=0, le=MAX_COUNT),
+        worker_id: str = Query(..., max_length=200),
+    ) -> dict:
+        """Shard 0: every shard holds the worker's slice of the round; count it in."""
+        act_as(request, worker_id)
+        return await run_in_threadpool(shard.confirm, worker_id, round_number)
+
+    @app.get("/v1/shard/prepared", dependencies=list(authed))
+    async def prepared(
+        round: int = Query(..., ge=0, le=MAX_COUNT),
+        worker_id: str = Query(..., max_length=200),
+    ) -> dict:
+        """Whether this shard holds the worker's slice of the round (asked by shard 0)."""
+        return await run_in_threadpool(shard.prepared, round, worker_id)
+
+    @app.get("/v1/shard/decisions/{round_number}", dependencies=list(authed))
+    async def decision(
+        round_number: int = Path(..., ge=0, le=MAX_COUNT),
+        wait: float = Query(0.0, ge=0.0, le=MAX_DECISION_WAIT),
+    ) -> dict:
+        """Shard 0: who the round's step used, once it is durable (asked by the others)."""
+        return await run_in_threadpool(shard.decision, round_number, wait)

@@ -1,0 +1,308 @@
+"""A worker's client of sharded servers: one DiLoCoClient per shard, used as one.
+
+The session (worker/session.py) calls it as it calls one server's client. A body is cut into
+each shard's tensors (the layout every shard computes, wire/shard_layout.py) and the parts
+go out in parallel; results and weights come back in parallel and are joined into one body.
+A submission counts only once shard 0 confirmed that every shard holds its slice, and a
+result is taken only once every shard has applied the round, so the worker never holds a
+model made of two versions (docs/architecture.md, "Sharded servers").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from diloco.wire import TensorSpec, decode_tensors, encode_tensors
+from diloco.wire.shard_layout import shard_layout, split_by_layout
+from diloco.worker.client import DiLoCoClient, Weights
+from diloco.worker.errors import ServerError
+from diloco.worker.transport import Body, ClientStats
+
+log = logging.getLogger("diloco.worker")
+T = TypeVar("T")
+CONFIRM_TRIES = 20  # resending slices a shard lost (it restarted) before giving up
+SAME_VERSION_SECONDS = 120.0  # how long weights may differ in version across shards
+
+
+@dataclass
+class _Pending:
+    """The slices of the submission under way, kept to send again to a shard that lost one."""
+
+    round: int
+    worker_id: str
+    parts: list[bytearray]
+    tokens: int
+
+
+class ShardedClient:
+    """The DiLoCoClient calls a session makes, spread over every shard."""
+
+    def __init__(self, clients: Sequence[DiLoCoClient]) -> None:
+        self.clients = list(clients)
+        self.leader = self.clients[0]
+        self.auth = self.leader.auth  # the heartbeat's: heartbeats go to shard 0
+        self.base_url = self.leader.base_url
+        self.last_waiting: dict[str, Any] = {}
+        self.layout: list[list[str]] | None = None
+        self._pending: _Pending | None = None
+        self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="diloco-shard")
+
+    # ----------------------------------------------------------------- helpers
+
+    def _each(self, call: Callable[[int, DiLoCoClient], T], shards: Sequence[int] = ()) -> list[T]:
+        """`call` on every shard (or on `shards`) in parallel; the first failure is raised
+        once all have ended (a retry then finds the others done: every call is idempotent)."""
+        chosen = list(shards) or list(range(len(self.clients)))
+        futures = [self._pool.submit(call, s, self.clients[s]) for s in chosen]
+        errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        return [f.result() for f in futures]
+
+    def set_model(self, specs: Sequence[TensorSpec]) -> None:
+        self.layout = shard_layout(list(specs), len(self.clients))
+
+    def _split(self, body: Body) -> list[bytearray]:
+        assert self.layout is not None, "register first: the layout comes from the model"
+        parts = split_by_layout(decode_tensors(bytearray(body)), self.layout)
+        return [encode_tensors(part) for part in parts]
+
+    @staticmethod
+    def _join(bodies: Sequence[bytearray]) -> bytearray:
+        joined: dict = {}
+        for body in bodies:
+            joined.update(decode_tensors(body))
+        return encode_tensors(joined)
+
+    # ----------------------------------------------------------------- identity and counters
+
+    @property
+    def credential(self) -> str | None:
+        return self.leader.credential
+
+    @credential.setter
+    def credential(self, value: str | None) -> None:
+        self.leader.credential = value  # the other shards enroll again with the token
+
+    @property
+    def stats(self) -> ClientStats:
+        """Every shard's counters added up (the largest upload: the largest one slice)."""
+        snapshots = [client.stats for client in self.clients]
+        merged: dict[str, float] = {}
+        for snap in snapshots:
+            for key, seconds in snap.blocked_by_operation.items():
+                merged[key] = merged.get(key, 0.0) + seconds
+        return ClientStats(
+            bytes_sent=sum(snap.bytes_sent for snap in snapshots),
+            bytes_received=sum(snap.bytes_received for snap in snapshots),
+            blocked_seconds=max(snap.blocked_seconds for snap in snapshots),  # in parallel
+            retries=sum(snap.retries for snap in snapshots),
+            blocked_by_operation=merged,
+            largest_upload=max(snap.largest_upload for snap in snapshots),
+        )
+
+    # ----------------------------------------------------------------- shard 0's routes
+
+    def info(self) -> dict[str, Any]:
+        return self.leader.info()
+
+    def healthz(self) -> dict[str, Any]:
+        return self.leader.healthz()
+
+    def status(self) -> dict[str, Any]:
+        return self.leader.status()
+
+    def heartbeat(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.leader.heartbeat(*args, **kwargs)
+
+    def register_dataset(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.leader.register_dataset(*args, **kwargs)
+
+    def lease(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.leader.lease(*args, **kwargs)
+
+    def leases(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.leader.leases(*args, **kwargs)
+
+    # ----------------------------------------------------------------- every shard
+
+    def register(
+        self,
+        worker_id: str | None,
+        tensors: list[dict[str, Any]],
+        protocol_version: int | None = None,
+        *,
+        session: str | None = None,
+    ) -> dict[str, Any]:
+        """Shard 0 admits us (and names us); the others then register the same id."""
+        self.set_model([TensorSpec.from_json(t) for t in tensors])
+        extra = {} if protocol_version is None else {"protocol_version": protocol_version}
+        first = self.leader.register(worker_id, tensors, session=session, **extra)
+        named = first["worker_id"]
+        rest = self._each(
+            lambda _s, client: client.register(named, tensors, session=session, **extra),
+            range(1, len(self.clients)),
+        )
+        needs = [bool(first["needs_initial_weights"])] + [r["needs_initial_weights"] for r in rest]
+        self._needs_initial = needs
+        return {**first, "needs_initial_weights": any(needs)}
+
+    def upload_initial(self, worker_id: str, body: Body) -> dict[str, Any]:
+        """Shard 0 takes the first weights it gets; only the worker it took them from sends
+        the other shards theirs, so no shard starts from another worker's model."""
+        parts = self._split(body)
+        if self._needs_initial[0]:
+            answer = self.leader.upload_initial(worker_id, parts[0])
+            if answer.get("status") == "exists":
+                return answer
+        elif any(self._needs_initial):
+            return {"status": "exists"}  # shard 0's winner sends the rest
+        needy = [s for s in range(1, len(self.clients)) if self._needs_initial[s]]
+        self._each(lambda s, client: client.upload_initial(worker_id, parts[s]), needy)
+        return {"status": "accepted"}
+
+    def get_weights_detail(self, into: bytearray | None = None) -> Weights:
+        """Every shard's weights at one version: a shard still applying the last decision
+        (or still waiting for its first weights) is asked again."""
+        deadline = time.monotonic() + SAME_VERSION_SECONDS
+        while True:
+            try:
+                got = self._each(lambda _s, client: client.get_weights_detail())
+            except ServerError as exc:
+                if exc.kind != "no_weights" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                continue
+            rounds = {weights.round for weights in got}
+            if len(rounds) == 1:
+                return Weights(self._join([w.body for w in got]), got[0].round)
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    200,
+                    "shards_apart",
+                    f"the shards' weights stayed at different versions {sorted(rounds)} for "
+                    f"{SAME_VERSION_SECONDS:g} s",
+                )
+            time.sleep(0.05)
+
+    def submit(
+        self,
+        round: int,
+        worker_id: str,
+        body: Body,
+        *,
+        fragment: int = 0,
+        tokens: int = 0,
+        units: Sequence[int] = (),
+        progress: Mapping[int, int] | None = None,
+    ) -> dict[str, Any]:
+        """Every shard's slice in parallel (work units go to shard 0), then the confirmation
+        on shard 0: its answer is the submission's ("committed": the round went on without
+        us)."""
+        parts = self._split(body)
+        self._pending = _Pending(round, worker_id, parts, tokens)
+
+        def send(shard: int, client: DiLoCoClient) -> dict[str, Any]:
+            reports = {"units": units, "progress": progress} if shard == 0 else {}
+            return client.submit(round, worker_id, parts[shard], tokens=tokens, **reports)
+
+        answers = self._each(send)
+        if answers[0].get("status") == "committed":
+            return answers[0]
+        for _ in range(CONFIRM_TRIES):
+            try:
+                return self.leader.confirm(round, worker_id)
+            except ServerError as exc:
+                detail = exc.detail if isinstance(exc.detail, dict) else {}
+                if exc.kind != "not_prepared":
+                    raise
+                lost = [int(s) for s in detail.get("shards", [])]
+                log.warning("shard(s) %s lost our slice of round %d; sending again", lost, round)
+                self._each(send, lost)
+        raise ServerError(409, "not_prepared", f"shards kept losing our slice of round {round}")
+
+    def wait_result(
+        self,
+        round: int,
+        worker_id: str,
+        wait: float = 30.0,
+        *,
+        fragment: int = 0,
+        into: bytearray | None = None,
+        have: int | None = None,
+    ) -> Weights | None:
+        """Shard 0's result (None while the round is open), then every other shard's."""
+        first = self.leader.wait_result(round, worker_id, wait)
+        self.last_waiting = self.leader.last_waiting
+        if first is None:
+            return None
+        rest = self._each(
+            lambda s, _client: self._follower_result(s, round, worker_id, wait),
+            range(1, len(self.clients)),
+        )
+        return Weights(self._join([first.body, *[w.body for w in rest]]), first.round)
+
+    def _follower_result(self, shard: int, round: int, worker_id: str, wait: float) -> Weights:
+        """A shard's result of a round shard 0 decided; a slice it lost goes again."""
+        client = self.clients[shard]
+        while True:
+            try:
+                got = client.wait_result(round, worker_id, wait)
+            except ServerError as exc:
+                pending = self._pending
+                if exc.kind != "not_submitted" or pending is None or pending.round != round:
+                    raise
+                log.warning("shard %d lost our slice of round %d; sending again", shard, round)
+                client.submit(round, worker_id, pending.parts[shard], tokens=pending.tokens)
+                continue
+            if got is not None:
+                return got
+
+    def deregister(self, worker_id: str) -> dict[str, Any]:
+        answers = self._each(lambda _s, client: client.deregister(worker_id))
+        return answers[0]
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self._pool.shutdown(wait=False)
+
+    @property
+    def closed(self) -> bool:
+        return self.leader.closed
+
+
+def shard_urls(info: Mapping[str, Any]) -> list[str] | None:
+    """The shards' URLs a server's /v1/info states (None: one server)."""
+    shards = info.get("shards")
+    if not isinstance(shards, Mapping):
+        return None
+    urls = shards.get("urls")
+    if not isinstance(urls, list) or len(urls) < 2 or not all(isinstance(u, str) for u in urls):
+        raise ServerError(200, "invalid_response", f"/v1/info states shards without URLs: {shards}")
+    return list(urls)
+
+
+def connect(server_url: str, token: str | None, **options: Any) -> DiLoCoClient | ShardedClient:
+    """A client of the server at `server_url`; of every shard when it is one of several
+    (its /v1/info names them all: a worker needs one URL). `max_upload_mbps` is the link's
+    cap, shared by the parallel uploads."""
+    client = DiLoCoClient(server_url, token, **options)
+    try:
+        urls = shard_urls(client.info())
+    except BaseException:
+        client.close()
+        raise
+    if urls is None:
+        return client
+    client.close()
+    cap = options.get("max_upload_mbps")
+    if cap is not None:
+        options = {**options, "max_upload_mbps": cap / len(urls)}
+    return ShardedClient([DiLoCoClient(url, token, **options) for url in urls])

@@ -1,0 +1,68 @@
+"""Sharded servers as a user runs them: S `diloco server --shard I` processes, real workers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.server.launch import start_shards, stop_process
+from processes import start_worker, wait_all
+
+from e2e.test_e2e_sync import simulated_run
+
+
+@pytest.fixture
+def shards(tmp_path: Path):
+    started: list = []
+
+    def start(count: int, *args: str, state: bool = False):
+        logs = [tmp_path / f"shard-{i}.log" for i in range(count)]
+        per_shard = (lambda i: ("--state-dir", str(tmp_path / f"state-{i}"))) if state else None
+        launched = start_shards(
+            tmp_path,
+            count,
+            *args,
+            per_shard=per_shard or (lambda _i: ()),
+            output=lambda i: logs[i].open("ab"),
+        )
+        started.extend(process for process, _ in launched)
+        return [url for _, url in launched]
+
+    yield start
+    for process in started:
+        stop_process(process)
+
+
+def joined_weights(urls: list[str]) -> tuple[dict[str, torch.Tensor], list[int]]:
+    from processes import global_weights
+
+    tensors: dict[str, torch.Tensor] = {}
+    rounds = []
+    for url in urls:
+        part, round_number = global_weights(url)
+        assert not set(part) & set(tensors), "two shards own the same tensor"
+        tensors.update(part)
+        rounds.append(round_number)
+    return tensors, rounds
+
+
+def test_two_shards_and_two_workers_match_the_simulator(
+    shards, corpus_file: Path, small_corpus: bytes, tmp_path: Path
+) -> None:
+    """The sharded run computes the same outer steps as the simulator's one model."""
+    urls = shards(2, "--sync-every", "4", "--min-workers", "2")
+    workers = [start_worker(urls[1], f"w{i}", i, 2, 10, corpus_file, tmp_path) for i in range(2)]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    real, rounds = joined_weights(urls)
+    assert rounds == [3, 3]
+    simulated = simulated_run(small_corpus, workers=2, steps=10)
+    assert real.keys() == simulated.final_state.keys()
+    for name, tensor in simulated.final_state.items():
+        torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+    assert [r["rounds"] for r in reports] == [3, 3]
