@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from diloco.server.launch import start_shards, stop_process
-from processes import start_worker, wait_all
-
 from e2e.test_e2e_sync import simulated_run
+from processes import start_worker, wait_all
 
 
 @pytest.fixture

@@ -37,7 +37,6 @@ from diloco.worker import distributed
 from diloco.worker.anchor import Anchor
 from diloco.worker.checkpoint import Checkpointer, WorkerCheckpoint
 from diloco.worker.client import DiLoCoClient
-from diloco.worker.sharded_client import connect
 from diloco.worker.heartbeat import Heartbeat
 from diloco.worker.pace import Pace
 from diloco.worker.resumption import WorkerResumption
@@ -46,6 +45,7 @@ from diloco.worker.schedule import DyLU, EveryH
 from diloco.worker.session import Exchanged, ServerSession
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.sharded import ShardedAnchor, check_sharded_settings, is_sharded
+from diloco.worker.sharded_client import connect
 from diloco.worker.streaming import FragmentStreamer
 from diloco.worker.tokens import TokenTally
 from diloco.worker.trace import SampleTrace
