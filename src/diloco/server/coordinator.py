@@ -236,7 +236,8 @@ class Coordinator:
                 "fragment_plan": self.model.plan if has_weights else None,
                 "model_fingerprint": self.model.fingerprint if has_weights else None,
                 "settings": self.settings.to_wire(),
-                "shards": None if self.shard is None else self.shard.info(self.model.specs),
+                # sharded servers only: where every part of the model lives
+                **({} if self.shard is None else {"shards": self.shard.info(self.model.specs)}),
             }
 
     def status(self) -> dict:

@@ -1,0 +1,230 @@
+"""Sharded servers over raw HTTP: two shard coordinators behind real uvicorn, in threads.
+
+Expected weights are worked out by hand from the outer update (PyTorch SGD semantics:
+buf = g on the first step; nesterov: G -= lr (g + mu buf)). The layout by hand: tensors in
+name order, largest first to the lighter shard: a (16 B) -> shard 0, b (8 B) -> shard 1,
+c (4 B) -> shard 1.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import urllib3
+from safetensors.torch import load, save
+
+from diloco.server.coordinator import Coordinator
+from diloco.server.launch import free_ports
+from diloco.server.runner import build_server
+from diloco.server.settings import ServerSettings
+from diloco.server.shard_peers import DecisionFollower, ShardPeers
+
+INITIAL = {
+    "a": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+    "b": torch.tensor([10.0, -10.0]),
+    "c": torch.tensor([0.5]),
+}
+OWNED = [["a"], ["b", "c"]]
+SPECS = [
+    {"name": n, "shape": list(t.shape), "dtype": "float32", "kind": "trainable"}
+    for n, t in INITIAL.items()
+]
+HTTP = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=5, read=30))
+PROTOCOL = {"X-Diloco-Protocol": "1"}
+
+
+def call(url: str, method: str, path: str, body: bytes | None = None, **fields) -> tuple:
+    query = "&".join(f"{k}={v}" for k, v in fields.items())
+    content = {"Content-Type": "application/octet-stream"} if body is not None else {}
+    if method == "POST" and path == "/v1/workers":
+        content = {"Content-Type": "application/json"}
+    response = HTTP.request(
+        method, f"{url}{path}?{query}", body=body, headers={**PROTOCOL, **content}
+    )
+    return response.status, response.data
+
+
+def json_of(answer: tuple) -> dict:
+    return json.loads(answer[1])
+
+
+@pytest.fixture
+def two_shards() -> Iterator[list[tuple[str, Coordinator]]]:
+    ports = free_ports(2)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    started, threads, followers = [], [], []
+    for shard, port in enumerate(ports):
+        settings = ServerSettings(
+            outer_optimizer="nesterov",
+            outer_lr=0.5,
+            outer_momentum=0.9,
+            min_workers=1,
+            shard=shard,
+            shard_urls=tuple(urls),
+        )
+        initial = {name: INITIAL[name].clone() for name in OWNED[shard]}
+        peers = ShardPeers(urls, shard)
+        coordinator = Coordinator(settings, initial, peers=peers)
+        server = build_server(coordinator, "127.0.0.1", port, None, log_level="warning")
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while server.bound_port is None:
+            time.sleep(0.01)
+        if shard:
+            follower = DecisionFollower(
+                peers, coordinator.shard.open_round, coordinator.shard.apply_decision, wait=2
+            )
+            follower.start()
+            followers.append(follower)
+        started.append((urls[shard], coordinator, server))
+        threads.append(thread)
+    yield [(url, coordinator) for url, coordinator, _ in started]
+    for follower in followers:
+        follower.stop()
+    for _, _, server in started:
+        server.should_exit = True
+    for thread in threads:
+        thread.join(timeout=15)
+
+
+def register(urls: list[str], worker_id: str) -> None:
+    body = json.dumps({"protocol_version": 1, "worker_id": worker_id, "tensors": SPECS}).encode()
+    for url in urls:
+        status, data = call(url, "POST", "/v1/workers", body)
+        assert status == 200, data
+
+
+def submit(url: str, worker_id: str, tensors: dict[str, torch.Tensor]) -> tuple:
+    return call(url, "POST", "/v1/rounds/0/submissions", save(tensors), worker_id=worker_id)
+
+
+def weights(url: str) -> tuple[dict[str, torch.Tensor], int]:
+    response = HTTP.request("GET", f"{url}/v1/weights")
+    assert response.status == 200, response.data
+    return load(response.data), int(response.headers["X-Diloco-Round"])
+
+
+G = {  # pseudo-gradients of w1 and w2
+    "w1": {"a": torch.tensor([1.0, 0.0, -1.0, 2.0]), "b": torch.tensor([2.0, 4.0]),
+           "c": torch.tensor([1.0])},
+    "w2": {"a": torch.tensor([3.0, 2.0, 1.0, 0.0]), "b": torch.tensor([0.0, -4.0]),
+           "c": torch.tensor([-3.0])},
+}  # fmt: skip
+
+
+def test_info_on_any_shard_names_every_shard_and_what_each_owns(two_shards) -> None:
+    urls = [url for url, _ in two_shards]
+    for shard, url in enumerate(urls):
+        info = json_of(call(url, "GET", "/v1/info"))
+        assert info["shards"]["urls"] == urls
+        assert info["shards"]["index"] == shard
+        assert info["shards"]["owned"] == OWNED[shard]
+
+
+def test_a_round_commits_on_every_shard_only_once_all_hold_every_slice(two_shards) -> None:
+    (url0, leader), (url1, follower) = two_shards
+    register([url0, url1], "w1")
+    register([url0, url1], "w2")
+    for worker in ("w1", "w2"):
+        status, data = submit(url0, worker, {"a": G[worker]["a"]})
+        assert status == 200, data
+    status, data = submit(url1, "w1", {n: G["w1"][n] for n in ("b", "c")})
+    assert status == 200, data
+    assert json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1"))["status"] == (
+        "accepted"
+    )
+    # w2 reached shard 0 only: its confirmation names shard 1, and nothing commits anywhere
+    status, data = call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w2")
+    assert status == 409, data
+    refusal = json.loads(data)
+    assert refusal["kind"] == "not_prepared" and refusal["detail"]["shards"] == [1]
+    time.sleep(0.5)
+    assert leader.version == 0 and follower.version == 0
+    assert json_of(call(url0, "GET", "/v1/status"))["waiting_for"] == ["w2"]
+
+    status, data = submit(url1, "w2", {n: G["w2"][n] for n in ("b", "c")})
+    assert status == 200, data
+    assert json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w2"))["status"] == (
+        "accepted"
+    )
+    # mean g: a [2, 1, 0, 1], b [1, 0], c [-1]; nesterov lr 0.5, mu 0.9, first step buf = g:
+    # G -= 0.5 * (g + 0.9 g) = G - 0.95 g
+    expected = {
+        "a": torch.tensor([1.0 - 1.9, 2.0 - 0.95, 3.0, 4.0 - 0.95]),
+        "b": torch.tensor([10.0 - 0.95, -10.0]),
+        "c": torch.tensor([0.5 + 0.95]),
+    }
+    deadline = time.monotonic() + 20
+    while follower.version < 1:
+        assert time.monotonic() < deadline, "shard 1 never applied shard 0's decision"
+        time.sleep(0.05)
+    got0, round0 = weights(url0)
+    got1, round1 = weights(url1)
+    assert (round0, round1) == (1, 1)
+    assert set(got0) == {"a"} and set(got1) == {"b", "c"}
+    for name, tensor in {**got0, **got1}.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+    decision = json_of(call(url0, "GET", "/v1/shard/decisions/0"))
+    assert decision == {"status": "decided", "round": 0, "contributors": ["w1", "w2"]}
+
+
+def test_a_slice_of_a_worker_left_out_is_dropped_on_every_shard(two_shards) -> None:
+    """w2's slice reaches shard 1 but w2 never confirms and leaves: the step is w1's alone
+    on both shards (b moves by 0.95 g_w1, not by the mean with w2's)."""
+    (url0, leader), (url1, follower) = two_shards
+    register([url0, url1], "w1")
+    register([url0, url1], "w2")
+    assert submit(url1, "w2", {n: G["w2"][n] for n in ("b", "c")})[0] == 200
+    assert submit(url0, "w1", {"a": G["w1"]["a"]})[0] == 200
+    assert submit(url1, "w1", {n: G["w1"][n] for n in ("b", "c")})[0] == 200
+    assert call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1")[0] == 200
+    assert call(url0, "DELETE", "/v1/workers/w2")[0] == 200  # w2 leaves shard 0's barrier
+    deadline = time.monotonic() + 20
+    while follower.version < 1:
+        assert time.monotonic() < deadline, "shard 1 never applied shard 0's decision"
+        time.sleep(0.05)
+    got1, _ = weights(url1)
+    torch.testing.assert_close(got1["b"], torch.tensor([10.0 - 1.9, -10.0 - 3.8]))
+    torch.testing.assert_close(got1["c"], torch.tensor([0.5 - 0.95]))
+    got0, _ = weights(url0)
+    torch.testing.assert_close(got0["a"], torch.tensor([1.0 - 0.95, 2.0, 3.0 + 0.95, 4.0 - 1.9]))
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "fields", "status", "kind"),
+    [
+        ("GET", "/v1/shard/decisions/99", {}, 409, "future_round"),
+        ("GET", "/v1/shard/decisions/-1", {}, 422, "invalid_request"),
+        ("GET", "/v1/shard/decisions/99999999999999999999999", {}, 422, "invalid_request"),
+        ("GET", "/v1/shard/decisions/0", {"wait": "1e9"}, 422, "invalid_request"),
+        ("GET", "/v1/shard/prepared", {"round": "0"}, 422, "invalid_request"),
+        ("GET", "/v1/shard/prepared", {"round": "x", "worker_id": "w1"}, 422, "invalid_request"),
+        ("POST", "/v1/rounds/0/confirm", {"worker_id": "ghost"}, 404, "unknown_worker"),
+        ("POST", "/v1/rounds/0/confirm", {}, 422, "invalid_request"),
+    ],
+)
+def test_bad_shard_requests_are_refused_and_change_nothing(
+    two_shards, method, path, fields, status, kind
+) -> None:
+    (url0, leader), (url1, _) = two_shards
+    got, data = call(url0, method, path, **fields)
+    assert got == status, data
+    assert json.loads(data)["kind"] == kind
+    assert leader.version == 0
+
+
+def test_confirmations_and_decisions_are_shard_0s(two_shards) -> None:
+    (url0, _), (url1, follower) = two_shards
+    register([url0, url1], "w1")
+    status, data = call(url1, "POST", "/v1/rounds/0/confirm", worker_id="w1")
+    assert (status, json.loads(data)["kind"]) == (409, "not_shard_0")
+    status, data = call(url1, "GET", "/v1/shard/decisions/0")
+    assert (status, json.loads(data)["kind"]) == (409, "not_shard_0")
+    status, data = call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1")
+    assert (status, json.loads(data)["kind"]) == (409, "not_submitted")
+    assert follower.version == 0
