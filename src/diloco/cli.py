@@ -1,10 +1,11 @@
-"""The `diloco` command: server, worker, status, admin, demo, simulate."""
+"""The `diloco` command: server, cluster, worker, status, admin, demo, simulate."""
 
 from __future__ import annotations
 
 import typer
 
 from diloco.commands.admin import admin_app
+from diloco.commands.cluster import cluster_command
 from diloco.commands.demo import demo_command
 from diloco.commands.serve import server_command
 from diloco.commands.simulate import simulate_command
@@ -18,6 +19,9 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("server")(server_command)
+app.command("cluster", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+    cluster_command
+)
 app.command("worker")(worker_command)
 app.command("status")(status_command)
 app.add_typer(admin_app, name="admin")

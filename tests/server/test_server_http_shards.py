@@ -176,7 +176,7 @@ def test_a_round_commits_on_every_shard_only_once_all_hold_every_slice(two_shard
 def test_a_slice_of_a_worker_left_out_is_dropped_on_every_shard(two_shards) -> None:
     """w2's slice reaches shard 1 but w2 never confirms and leaves: the step is w1's alone
     on both shards (b moves by 0.95 g_w1, not by the mean with w2's)."""
-    (url0, leader), (url1, follower) = two_shards
+    (url0, _), (url1, follower) = two_shards
     register([url0, url1], "w1")
     register([url0, url1], "w2")
     assert submit(url1, "w2", {n: G["w2"][n] for n in ("b", "c")})[0] == 200
@@ -211,7 +211,7 @@ def test_a_slice_of_a_worker_left_out_is_dropped_on_every_shard(two_shards) -> N
 def test_bad_shard_requests_are_refused_and_change_nothing(
     two_shards, method, path, fields, status, kind
 ) -> None:
-    (url0, leader), (url1, _) = two_shards
+    (url0, leader), _ = two_shards
     got, data = call(url0, method, path, **fields)
     assert got == status, data
     assert json.loads(data)["kind"] == kind

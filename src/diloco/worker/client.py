@@ -147,6 +147,7 @@ class DiLoCoClient:
         )
         self.auth = self._transport.auth
         self.base_url = self._transport.base_url
+        self.max_upload_mbps = max_upload_mbps
         # The last "waiting" answer of a result long-poll: who the round waits for
         # (`waiting_for`, `more_submissions_needed`), for a caller that reports a long wait.
         self.last_waiting: dict[str, Any] = {}

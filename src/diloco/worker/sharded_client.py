@@ -289,20 +289,21 @@ def shard_urls(info: Mapping[str, Any]) -> list[str] | None:
     return list(urls)
 
 
-def connect(server_url: str, token: str | None, **options: Any) -> DiLoCoClient | ShardedClient:
-    """A client of the server at `server_url`; of every shard when it is one of several
-    (its /v1/info names them all: a worker needs one URL). `max_upload_mbps` is the link's
-    cap, shared by the parallel uploads."""
-    client = DiLoCoClient(server_url, token, **options)
-    try:
-        urls = shard_urls(client.info())
-    except BaseException:
-        client.close()
-        raise
+def clients_of_shards(
+    info: Mapping[str, Any],
+    client: DiLoCoClient,
+    connect: Callable[[str, float | None], DiLoCoClient],
+) -> ShardedClient | None:
+    """None for one server; for sharded servers (their /v1/info names every shard, so a
+    worker needs one URL) a client of each, made by `connect(url, upload cap)`: the link's
+    cap is shared by the parallel uploads. `client` (the first one's) is closed then."""
+    urls = shard_urls(info)
     if urls is None:
-        return client
+        return None
+    cap = client.max_upload_mbps
     client.close()
-    cap = options.get("max_upload_mbps")
-    if cap is not None:
-        options = {**options, "max_upload_mbps": cap / len(urls)}
-    return ShardedClient([DiLoCoClient(url, token, **options) for url in urls])
+    sharded = ShardedClient(
+        [connect(url, None if cap is None else cap / len(urls)) for url in urls]
+    )
+    sharded.credential = client.credential  # one a checkpoint brought back, for shard 0
+    return sharded

@@ -45,7 +45,7 @@ from diloco.worker.schedule import DyLU, EveryH
 from diloco.worker.session import Exchanged, ServerSession
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.sharded import ShardedAnchor, check_sharded_settings, is_sharded
-from diloco.worker.sharded_client import connect
+from diloco.worker.sharded_client import ShardedClient, clients_of_shards
 from diloco.worker.streaming import FragmentStreamer
 from diloco.worker.tokens import TokenTally
 from diloco.worker.trace import SampleTrace
@@ -137,17 +137,17 @@ class DiLoCoWorker(WorkerResumption):
         # DDP: every rank holds the one replica, checked before each sync
         self._replicated = distributed.group_size() > 1 and not self.sharded
         distributed.check_same_model(self.specs, self.sharded)
-        self.client = (
-            connect(
-                server_url,
-                token,
-                retry=retry or RetryPolicy(),
-                on_retry=_log_retry,
-                max_upload_mbps=max_upload_mbps,
-                ca_file=ca_file,
-            )
-            if self.is_leader
-            else None
+        client_options = {
+            "retry": retry or RetryPolicy(),
+            "on_retry": _log_retry,
+            "max_upload_mbps": max_upload_mbps,
+            "ca_file": ca_file,
+        }
+        self._connect = lambda url, cap: DiLoCoClient(
+            url, token, **{**client_options, "max_upload_mbps": cap}
+        )
+        self.client: DiLoCoClient | ShardedClient | None = (
+            self._connect(server_url, max_upload_mbps) if self.is_leader else None
         )
         self._closed = False
         self._scheduler = scheduler
@@ -189,7 +189,7 @@ class DiLoCoWorker(WorkerResumption):
             else None
         )
 
-        info = distributed.lead(lambda: self._leader_session().info(), distributed.broadcast_json)
+        info = distributed.lead(self._server_info, distributed.broadcast_json)
         self.settings = WorkerSettings.from_info(info, server_url)
         self.settings.check_supported()
         if self.sharded:
@@ -299,6 +299,16 @@ class DiLoCoWorker(WorkerResumption):
         """Rank 0's session (the other ranks never talk to the server)."""
         assert self._session is not None
         return self._session
+
+    def _server_info(self) -> dict:
+        """The server's /v1/info; sharded servers: from then on the client is every shard's."""
+        session = self._leader_session()
+        info = session.info()
+        assert isinstance(self.client, DiLoCoClient)
+        sharded = clients_of_shards(info, self.client, self._connect)
+        if sharded is not None:
+            self.client = session.client = sharded  # type: ignore[assignment]
+        return info
 
     def rejoin(self) -> None:
         """Register again under the same id (after an eviction or a server restart)."""

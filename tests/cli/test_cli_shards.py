@@ -1,0 +1,111 @@
+"""`diloco server --shard` and `diloco cluster` as a user runs them: refusals in one line."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cli.test_cli_worker_status import one_error_line, run_cli
+from diloco.server.launch import free_ports, start_server, stop_process
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--shard", "0"), "--shard and --shard-url go together"),
+        (("--shard-url", "http://127.0.0.1:1", "--shard-url", "http://127.0.0.1:2"),
+         "--shard and --shard-url go together"),
+        (("--shard", "0", "--shard-url", "http://127.0.0.1:1"), "at least 2 shards"),
+        (("--shard", "2", "--shard-url", "http://127.0.0.1:1", "--shard-url",
+          "http://127.0.0.1:2"), "shard must be in [0, 1]"),
+        (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
+          "http://127.0.0.1:1"), "must be distinct"),
+        (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
+          "http://127.0.0.1:2", "--mode", "async"), "sharded servers run mode sync"),
+        (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
+          "http://127.0.0.1:2", "--upload-codec", "int8"), "upload_codec fp32 or bf16"),
+        (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
+          "http://127.0.0.1:2", "--aggregation", "median"), "aggregation mean"),
+    ],
+)  # fmt: skip
+def test_bad_shard_options_are_refused_in_one_line(args: tuple[str, ...], needle: str) -> None:
+    one_error_line(run_cli("server", "--port", "0", *args), 2, needle)
+
+
+def test_sharded_servers_need_durability_round(tmp_path: Path) -> None:
+    urls = ("--shard-url", "http://127.0.0.1:1", "--shard-url", "http://127.0.0.1:2")
+    result = run_cli(
+        "server", "--shard", "0", *urls, "--durability", "interval",
+        "--state-dir", str(tmp_path),
+    )  # fmt: skip
+    one_error_line(result, 2, "sharded servers need --durability round")
+
+
+def test_a_shard_started_with_other_settings_refuses_to_start(tmp_path: Path) -> None:
+    """Shard 1 compares its settings with shard 0's and names the first that differs."""
+    ports = free_ports(2)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    shared = [option for url in urls for option in ("--shard-url", url)]
+    leader, _ = start_server(
+        tmp_path / "port-0", "--port", str(ports[0]), "--shard", "0", *shared,
+        "--sync-every", "4",
+    )  # fmt: skip
+    try:
+        result = run_cli(
+            "server", "--port", str(ports[1]), "--shard", "1", *shared, "--sync-every", "5"
+        )
+        one_error_line(result, 2, "sync_every is 5 here and 4 on shard 0")
+    finally:
+        stop_process(leader)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--shards", "1"), "--shards must be in [2, 64]"),
+        (("--shards", "65"), "--shards must be in [2, 64]"),
+        (("--shards", "2", "--port", "9000"), "--port is set by `diloco cluster`"),
+        (("--shards", "2", "--shard-url", "http://x:1"), "--shard-url is set by"),
+        (("--shards", "2", "--mode", "streaming"), "a shard did not start"),
+    ],
+)
+def test_bad_cluster_options_are_refused_in_one_line(
+    args: tuple[str, ...], needle: str, tmp_path: Path
+) -> None:
+    result = run_cli("cluster", "--log-dir", str(tmp_path), *args)
+    one_error_line(result, 2, needle)
+
+
+def test_cluster_starts_every_shard_and_stops_them_on_sigint(tmp_path: Path) -> None:
+    import signal
+    import sys
+    import time
+
+    import urllib3
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "diloco.cli", "cluster", "--shards", "3", "--state-dir",
+         str(tmp_path), "--sync-every", "7"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        ports = []
+        while len(ports) < 3:
+            assert time.monotonic() < deadline and process.poll() is None
+            ports = [p.read_text().strip() for p in sorted(tmp_path.glob("shard-*.port"))]
+            time.sleep(0.2)
+        http = urllib3.PoolManager(retries=urllib3.Retry(10, backoff_factor=0.2))
+        infos = [http.request("GET", f"http://127.0.0.1:{port}/v1/info").json() for port in ports]
+        assert [info["shards"]["index"] for info in infos] == [0, 1, 2]
+        assert all(info["settings"]["sync_every"] == 7 for info in infos)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    assert "cluster stopped; shard exit codes [0, 0, 0]" in stderr
+    assert all((tmp_path / f"shard-{i}" / "state.sqlite").exists() for i in range(3))
