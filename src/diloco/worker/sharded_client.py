@@ -220,9 +220,10 @@ class ShardedClient:
                 return self.leader.confirm(round, worker_id)
             except ServerError as exc:
                 detail = exc.detail if isinstance(exc.detail, dict) else {}
-                if exc.kind != "not_prepared":
+                if exc.kind not in ("not_prepared", "not_submitted"):
                     raise
-                lost = [int(s) for s in detail.get("shards", [])]
+                # not_submitted: shard 0 itself lost our slice (it restarted since)
+                lost = [int(s) for s in detail.get("shards", [0])]
                 log.warning("shard(s) %s lost our slice of round %d; sending again", lost, round)
                 self._each(send, lost)
         raise ServerError(409, "not_prepared", f"shards kept losing our slice of round {round}")
