@@ -194,6 +194,7 @@ def main(
     tensors: int = typer.Option(16, help="Tensors of the model."),
     elements: int = typer.Option(16384, help="Values per tensor (about)."),
     json_path: Path = typer.Option(RESULTS / "scale.json", "--json", help="Results file."),
+    logs: Path = typer.Option(None, help="Keep the servers' logs and state here."),
     role_worker: str = typer.Option(None, hidden=True),
 ) -> None:
     if role_worker is not None:
@@ -211,7 +212,8 @@ def main(
         raise fail("--workers and --rounds must be >= 1, --procs in [1, --workers]")
     rows, measured = [], []
     with tempfile.TemporaryDirectory(prefix="diloco-scale-") as temporary:
-        work = Path(temporary)
+        work = Path(temporary) if logs is None else logs
+        work.mkdir(parents=True, exist_ok=True)
         init = work / "init.safetensors"
         weights = model(tensors, elements)
         save_file(weights, str(init))

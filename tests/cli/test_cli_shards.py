@@ -9,11 +9,9 @@ import pytest
 
 from cli.test_cli_worker_status import one_error_line, run_cli
 from diloco.server.launch import free_ports, start_server, stop_process
+from processes import sampled
 
-
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [
+SERVER_CASES = [
         (("--shard", "0"), "--shard and --shard-url go together"),
         (("--shard-url", "http://127.0.0.1:1", "--shard-url", "http://127.0.0.1:2"),
          "--shard and --shard-url go together"),
@@ -28,12 +26,24 @@ from diloco.server.launch import free_ports, start_server, stop_process
           "http://127.0.0.1:2", "--upload-codec", "int8"), "upload_codec fp32 or bf16"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
           "http://127.0.0.1:2", "--aggregation", "median"), "aggregation mean"),
-    ],
-)  # fmt: skip
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    sampled(SERVER_CASES, [f"{i}-{needle}" for i, (_, needle) in enumerate(SERVER_CASES)], 3),
+)
 def test_bad_shard_options_are_refused_in_one_line(args: tuple[str, ...], needle: str) -> None:
     one_error_line(run_cli("server", "--port", "0", *args), 2, needle)
 
 
+@pytest.mark.slow  # one line of the same refusal path as the sampled cases
+def test_sharded_servers_need_a_state_dir() -> None:
+    urls = ("--shard-url", "http://127.0.0.1:1", "--shard-url", "http://127.0.0.1:2")
+    one_error_line(run_cli("server", "--shard", "0", *urls), 2, "sharded servers need --state-dir")
+
+
+@pytest.mark.slow  # one line of the same refusal path as the sampled cases
 def test_sharded_servers_need_durability_round(tmp_path: Path) -> None:
     urls = ("--shard-url", "http://127.0.0.1:1", "--shard-url", "http://127.0.0.1:2")
     result = run_cli(
@@ -50,31 +60,35 @@ def test_a_shard_started_with_other_settings_refuses_to_start(tmp_path: Path) ->
     shared = [option for url in urls for option in ("--shard-url", url)]
     leader, _ = start_server(
         tmp_path / "port-0", "--port", str(ports[0]), "--shard", "0", *shared,
-        "--sync-every", "4",
+        "--sync-every", "4", "--state-dir", str(tmp_path / "s0"),
     )  # fmt: skip
     try:
         result = run_cli(
-            "server", "--port", str(ports[1]), "--shard", "1", *shared, "--sync-every", "5"
-        )
+            "server", "--port", str(ports[1]), "--shard", "1", *shared, "--sync-every", "5",
+            "--state-dir", str(tmp_path / "s1"),
+        )  # fmt: skip
         one_error_line(result, 2, "sync_every is 5 here and 4 on shard 0")
     finally:
         stop_process(leader)
 
 
+CLUSTER_CASES = [
+    (("--shards", "1"), "--shards must be in [2, 64]"),
+    (("--shards", "65"), "--shards must be in [2, 64]"),
+    (("--shards", "2", "--port", "9000"), "--port is set by `diloco cluster`"),
+    (("--shards", "2", "--shard-url", "http://x:1"), "--shard-url is set by"),
+    (("--shards", "2", "--mode", "streaming"), "a shard did not start"),
+]
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [
-        (("--shards", "1"), "--shards must be in [2, 64]"),
-        (("--shards", "65"), "--shards must be in [2, 64]"),
-        (("--shards", "2", "--port", "9000"), "--port is set by `diloco cluster`"),
-        (("--shards", "2", "--shard-url", "http://x:1"), "--shard-url is set by"),
-        (("--shards", "2", "--mode", "streaming"), "a shard did not start"),
-    ],
+    sampled(CLUSTER_CASES, [" ".join(args) for args, _ in CLUSTER_CASES], every=2),
 )
 def test_bad_cluster_options_are_refused_in_one_line(
     args: tuple[str, ...], needle: str, tmp_path: Path
 ) -> None:
-    result = run_cli("cluster", "--log-dir", str(tmp_path), *args)
+    result = run_cli("cluster", "--state-dir", str(tmp_path), *args)
     one_error_line(result, 2, needle)
 
 
@@ -109,3 +123,32 @@ def test_cluster_starts_every_shard_and_stops_them_on_sigint(tmp_path: Path) -> 
     assert process.returncode == 0, stderr
     assert "cluster stopped; shard exit codes [0, 0, 0]" in stderr
     assert all((tmp_path / f"shard-{i}" / "state.sqlite").exists() for i in range(3))
+
+
+@pytest.mark.slow  # its sibling in the default suite: other settings refused
+def test_a_shard_started_on_another_init_model_refuses_to_start(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(4), "b": torch.zeros(2)}, str(tmp_path / "one.safetensors"))
+    save_file({"a": torch.zeros(4), "b": torch.zeros(3)}, str(tmp_path / "two.safetensors"))
+    ports = free_ports(2)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    shared = [option for url in urls for option in ("--shard-url", url)]
+    leader, _ = start_server(
+        tmp_path / "port-0", "--port", str(ports[0]), "--shard", "0", *shared,
+        "--init", str(tmp_path / "one.safetensors"), "--state-dir", str(tmp_path / "s0"),
+    )  # fmt: skip
+    try:
+        result = run_cli(
+            "server", "--port", str(ports[1]), "--shard", "1", *shared,
+            "--init", str(tmp_path / "two.safetensors"), "--state-dir", str(tmp_path / "s1"),
+        )  # fmt: skip
+        one_error_line(result, 2, "this shard's --init model (fingerprint")
+        result = run_cli(
+            "server", "--port", str(ports[1]), "--shard", "1", *shared,
+            "--state-dir", str(tmp_path / "s1"),
+        )  # fmt: skip
+        one_error_line(result, 2, "this shard was started without --init and shard 0 with")
+    finally:
+        stop_process(leader)

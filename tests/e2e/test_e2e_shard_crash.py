@@ -202,3 +202,40 @@ def test_random_shards_killed_at_random_moments_end_as_unbroken(
     for name, tensor in unbroken.items():
         assert torch.equal(weights[name], tensor), name
     check_applied_once(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_shard_that_stops_answering_holds_every_shard_at_one_version(
+    unbroken, corpus_file: Path, tmp_path: Path
+) -> None:
+    """Shard 1 frozen (SIGSTOP) for 6 s mid-run: workers retry it, shard 0 commits no round
+    its slices are missing from (no partial step), and after SIGCONT the run ends as an
+    unbroken one."""
+    from diloco.worker import DiLoCoClient, RetryPolicy
+
+    shards = Shards(tmp_path)
+    try:
+        workers = train(shards.urls[0], corpus_file, tmp_path)
+        with DiLoCoClient(shards.urls[0], retry=RetryPolicy(attempts=3)) as client:
+            deadline = time.monotonic() + 120
+            while client.status()["round"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            shards.processes[1].send_signal(signal.SIGSTOP)
+            frozen_at = client.status()["round"]
+            versions = set()
+            for _ in range(30):
+                time.sleep(0.2)
+                versions.add(client.status()["round"])
+            # at most the round shard 1 had already confirmed slices of can commit
+            assert max(versions) <= frozen_at + 1, versions
+            shards.processes[1].send_signal(signal.SIGCONT)
+        finish(workers, tmp_path)
+        weights, rounds = shards.weights()
+    finally:
+        shards.processes[1].send_signal(signal.SIGCONT)
+        shards.stop()
+    assert rounds == [ROUNDS] * SHARDS
+    for name, tensor in unbroken.items():
+        assert torch.equal(weights[name], tensor), name
+    check_applied_once(tmp_path)

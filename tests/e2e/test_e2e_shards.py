@@ -52,7 +52,7 @@ def test_two_shards_and_two_workers_match_the_simulator(
     shards, corpus_file: Path, small_corpus: bytes, tmp_path: Path
 ) -> None:
     """The sharded run computes the same outer steps as the simulator's one model."""
-    urls = shards(2, "--sync-every", "4", "--min-workers", "2")
+    urls = shards(2, "--sync-every", "4", "--min-workers", "2", state=True)
     workers = [start_worker(urls[1], f"w{i}", i, 2, 10, corpus_file, tmp_path) for i in range(2)]
     wait_all(workers)
     for i, worker in enumerate(workers):

@@ -38,13 +38,17 @@ HTTP = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=5, rea
 PROTOCOL = {"X-Diloco-Protocol": "1"}
 
 
-def call(url: str, method: str, path: str, body: bytes | None = None, **fields) -> tuple:
+def call(
+    url: str, method: str, path: str, body: bytes | None = None, secret: str | None = None,
+    **fields,
+) -> tuple:  # fmt: skip
     query = "&".join(f"{k}={v}" for k, v in fields.items())
     content = {"Content-Type": "application/octet-stream"} if body is not None else {}
-    if method == "POST" and path == "/v1/workers":
+    if method == "POST" and (path == "/v1/workers" or path.startswith("/v1/admin")):
         content = {"Content-Type": "application/json"}
+    auth = {"Authorization": f"Bearer {secret}"} if secret else {}
     response = HTTP.request(
-        method, f"{url}{path}?{query}", body=body, headers={**PROTOCOL, **content}
+        method, f"{url}{path}?{query}", body=body, headers={**PROTOCOL, **content, **auth}
     )
     return response.status, response.data
 
@@ -55,6 +59,18 @@ def json_of(answer: tuple) -> dict:
 
 @pytest.fixture
 def two_shards() -> Iterator[list[tuple[str, Coordinator]]]:
+    yield from started_shards(None)
+
+
+@pytest.fixture
+def two_shards_with_token() -> Iterator[list[tuple[str, Coordinator]]]:
+    yield from started_shards(TOKEN)
+
+
+TOKEN = "enroll-secret-0123456789"
+
+
+def started_shards(token: str | None) -> Iterator[list[tuple[str, Coordinator]]]:
     ports = free_ports(2)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     started, threads, followers = [], [], []
@@ -68,9 +84,9 @@ def two_shards() -> Iterator[list[tuple[str, Coordinator]]]:
             shard_urls=tuple(urls),
         )
         initial = {name: INITIAL[name].clone() for name in OWNED[shard]}
-        peers = ShardPeers(urls, shard)
+        peers = ShardPeers(urls, shard, token)
         coordinator = Coordinator(settings, initial, peers=peers)
-        server = build_server(coordinator, "127.0.0.1", port, None, log_level="warning")
+        server = build_server(coordinator, "127.0.0.1", port, token, log_level="warning")
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         while server.bound_port is None:
@@ -228,3 +244,89 @@ def test_confirmations_and_decisions_are_shard_0s(two_shards) -> None:
     status, data = call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1")
     assert (status, json.loads(data)["kind"]) == (409, "not_submitted")
     assert follower.version == 0
+
+
+def wait_version(coordinator: Coordinator, version: int) -> None:
+    deadline = time.monotonic() + 20
+    while coordinator.version < version:
+        assert time.monotonic() < deadline, "a shard never reached the version"
+        time.sleep(0.05)
+
+
+def test_a_worker_banned_after_it_confirmed_is_left_out_on_every_shard(two_shards) -> None:
+    """w2 confirms, then an admin bans it before w1 is in: both shards step with w1's slices
+    alone (0.95 g_w1), and the decision names w1 only."""
+    (url0, _), (url1, follower) = two_shards
+    register([url0, url1], "w1")
+    register([url0, url1], "w2")
+    for worker in ("w1", "w2"):
+        assert submit(url0, worker, {"a": G[worker]["a"]})[0] == 200
+        assert submit(url1, worker, {n: G[worker][n] for n in ("b", "c")})[0] == 200
+    assert call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w2")[0] == 200
+    ban = json.dumps({"ban": True, "reason": "test"}).encode()
+    status, data = call(url0, "POST", "/v1/admin/workers/w2/evict", ban)
+    assert status == 200, data
+    assert call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1")[0] == 200
+    wait_version(follower, 1)
+    got0, _ = weights(url0)
+    got1, _ = weights(url1)
+    torch.testing.assert_close(got0["a"], torch.tensor([1.0 - 0.95, 2.0, 3.0 + 0.95, 4.0 - 1.9]))
+    torch.testing.assert_close(got1["b"], torch.tensor([10.0 - 1.9, -10.0 - 3.8]))
+    torch.testing.assert_close(got1["c"], torch.tensor([0.5 - 0.95]))
+    assert json_of(call(url0, "GET", "/v1/shard/decisions/0"))["contributors"] == ["w1"]
+
+
+def test_a_confirmation_retried_after_its_round_committed_says_it_was_used(two_shards) -> None:
+    (url0, _), (url1, follower) = two_shards
+    register([url0, url1], "w1")
+    register([url0, url1], "w2")
+    assert submit(url0, "w1", {"a": G["w1"]["a"]})[0] == 200
+    assert submit(url1, "w1", {n: G["w1"][n] for n in ("b", "c")})[0] == 200
+    assert call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1")[0] == 200
+    assert call(url0, "DELETE", "/v1/workers/w2")[0] == 200  # round 0 commits with w1 alone
+    wait_version(follower, 1)
+    again = json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1"))
+    assert again["status"] == "duplicate"  # folded: the lost answer's retry must say so
+    register([url0], "w2")
+    late = json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w2"))
+    assert late["status"] == "committed"  # not in round 0's decision
+
+
+def test_a_follower_takes_a_new_session_only_when_shard_0_holds_it(two_shards) -> None:
+    """A worker restarted without its checkpoint registers under a new session: shard 0
+    evicted the old one and admits it; the follower (which never evicts) takes the new
+    session once shard 0 vouches for it, and refuses a session shard 0 does not hold."""
+    (url0, _), (url1, _) = two_shards
+
+    def join(url: str, session: str) -> tuple:
+        message = {"protocol_version": 1, "worker_id": "w1", "tensors": SPECS, "session": session}
+        return call(url, "POST", "/v1/workers", json.dumps(message).encode())
+
+    assert join(url0, "old-session")[0] == 200
+    assert join(url1, "old-session")[0] == 200
+    status, data = join(url1, "new-session")  # shard 0 still holds the old one
+    assert (status, json.loads(data)["kind"]) == (409, "worker_id_taken")
+    assert call(url0, "DELETE", "/v1/workers/w1")[0] == 200  # shard 0's eviction of it
+    assert join(url0, "new-session")[0] == 200
+    status, data = join(url1, "new-session")
+    assert status == 200, data
+    assert json.loads(data)["worker_id"] == "w1"
+
+
+def test_a_workers_own_credential_may_not_read_the_shard_routes(two_shards_with_token) -> None:
+    (url0, _), _ = two_shards_with_token
+    body = json.dumps({"protocol_version": 1, "worker_id": "w1", "tensors": SPECS}).encode()
+    status, data = call(url0, "POST", "/v1/workers", body, secret=TOKEN)
+    assert status == 200, data
+    credential = json.loads(data)["credential"]
+    for path, fields in (
+        ("/v1/shard/prepared", {"round": 0, "worker_id": "w1"}),
+        ("/v1/shard/decisions/0", {}),
+        ("/v1/shard/members", {"worker_id": "w1", "session": "x"}),
+    ):
+        status, data = call(url0, "GET", path, secret=credential, **fields)
+        assert (status, json.loads(data)["kind"]) == (403, "forbidden"), path
+        status, data = call(url0, "GET", path, secret=None, **fields)
+        assert status == 401, path
+        status, data = call(url0, "GET", path, secret=TOKEN, **fields)
+        assert status == 200, (path, data)

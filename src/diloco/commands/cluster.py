@@ -17,7 +17,7 @@ def cluster_command(
     ctx: typer.Context,
     shards: int = typer.Option(2, help="How many shard servers (each owns part of the model)."),
     state_dir: Path = typer.Option(
-        None, help="Each shard's state goes to DIR/shard-I; restarting on it resumes the run."
+        ..., help="Each shard's state goes to DIR/shard-I; restarting on it resumes the run."
     ),
     log_dir: Path = typer.Option(
         None, help="Each shard's log goes to DIR/shard-I.log (default: the state dir, if any)."
@@ -44,7 +44,7 @@ def cluster_command(
     work = logs or Path.cwd()
 
     def per_shard(shard: int) -> tuple[str, ...]:
-        return () if state_dir is None else ("--state-dir", str(state_dir / f"shard-{shard}"))
+        return ("--state-dir", str(state_dir / f"shard-{shard}"))
 
     def output(shard: int):
         return (logs / f"shard-{shard}.log").open("ab") if logs is not None else None

@@ -429,7 +429,7 @@ def create_app(
         return await run_in_threadpool(coordinator.status)
 
     if coordinator.shard is not None:
-        add_shard_routes(app, coordinator.shard, authed, act_as)
+        add_shard_routes(app, coordinator.shard, authed, act_as, caller_of)
 
     admin_only = [*authed, Depends(require_admin)]
     add_admin_routes(app, coordinator.admin, credentials, admin_only, caller_of, request_stop)

@@ -145,7 +145,9 @@ class Coordinator:
                 peers,
                 clock,
                 self.model.require_healthy,
+                lambda: self.closing,
             )
+            self.registrar.vouch = self.shard.vouch
         self.admin = AdminActions(
             self._lock,
             self.control,
@@ -394,6 +396,7 @@ class Coordinator:
                     "weights_exist",
                     "the global weights already exist; fetch /v1/weights",
                     current_round=self.model.version,
+                    initial_from=self.journal.state.get_meta("initial_from"),
                 )
             specs = self.model.specs
             assert specs is not None  # a live worker registered its specs
@@ -402,6 +405,8 @@ class Coordinator:
             except WireError as error:
                 raise rejection_of(error) from None
             self._adopt_weights(tensors, {n: s.kind for n, s in specs.items()})
+            # whose they are: sharded servers' other shards take theirs from that worker only
+            self.journal.state.set_meta("initial_from", worker_id)
             self.traffic.received(sum(t.numel() * t.element_size() for t in tensors.values()))
             return self.model.version
 

@@ -48,6 +48,8 @@ class Registrar:
         is_banned: Callable[[str], bool] = lambda _worker_id: False,
     ) -> None:
         self.is_banned = is_banned  # ids an admin banned (`RunControl`)
+        # Sharded servers' other shards: whether shard 0 holds (worker id, session) live.
+        self.vouch: Callable[[str, str], bool] = lambda _worker_id, _session: False
         self.settings = settings
         self.clock = clock
         self.model = model
@@ -100,6 +102,12 @@ class Registrar:
         holder = self.membership.get_live(worker_id)
         if holder is not None and session is not None and holder.session == session:
             holder.last_seen = now
+            return self._registration(worker_id)
+        if holder is not None and session is not None and self.vouch(worker_id, session):
+            # A follower shard: shard 0 holds the id under this new session (the worker
+            # restarted without its checkpoint, and shard 0 evicted its old self).
+            holder.session, holder.last_seen = session, now
+            self.journal.worker_joined(worker_id, session, self.model.version)
             return self._registration(worker_id)
         if holder is not None:
             raise Rejection(

@@ -235,7 +235,9 @@ def serve(
     return_large_frees_to_the_os()
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     initial = load_initial_weights(init) if init is not None else None
-    sharding = ShardStart(settings, token, initial, durability) if settings.shards > 1 else None
+    sharding = (
+        ShardStart(settings, token, initial, durability, state_dir) if settings.shards > 1 else None
+    )
     if sharding is not None:
         initial = sharding.own_part(initial)
         sharding.check_against_shard_0()
@@ -259,7 +261,11 @@ def serve(
             host,
         )
     server = build_server(coordinator, host, port, credentials, log_level, port_file, tls)
-    follower = None if sharding is None else sharding.follow(coordinator)
+    try:
+        follower = None if sharding is None else sharding.follow(coordinator)
+    except BaseException:
+        coordinator.journal.close()
+        raise
     try:
         server.run()
     finally:

@@ -33,6 +33,7 @@ class ShardCommit:
         peers: ShardPeers | None,
         clock: Callable[[], float],
         require_healthy: Callable[[], None],
+        closing: Callable[[], bool] = lambda: False,
     ) -> None:
         self.lock = lock
         self.engine = engine
@@ -41,6 +42,7 @@ class ShardCommit:
         self.peers = peers
         self.clock = clock
         self.require_healthy = require_healthy
+        self.closing = closing
         self.whole_model: str | None = None  # the --init model's fingerprint, if started so
 
     def info(self, specs: Mapping[str, TensorSpec] | None) -> dict:
@@ -82,7 +84,7 @@ class ShardCommit:
             self.membership.require_live(worker_id).last_seen = self.clock()
             current = self._open_round()
             if round_number < current:
-                return {"status": "committed", "round": round_number, "current_round": current}
+                return self._after_commit(worker_id, round_number)
             if round_number > current:
                 raise Rejection(
                     409,
@@ -119,7 +121,7 @@ class ShardCommit:
             )
         with self.lock:
             if self.engine.open_number() != round_number:
-                return {"status": "committed", "round": round_number}
+                return self._after_commit(worker_id, round_number)
             if self.engine.holds(worker_id, round_number) != tokens:
                 raise Rejection(
                     409,
@@ -129,6 +131,37 @@ class ShardCommit:
                     worker_id=worker_id,
                 )
             return self.engine.confirm(worker_id, round_number)
+
+    def _after_commit(self, worker_id: str, round_number: int) -> dict:
+        """A confirmation of a round that has committed (a retry whose answer was lost, or a
+        round that went on without us): "duplicate" when its decision used our slices, so
+        that the worker knows its pseudo-gradient was folded, else "committed"."""
+        contributors = self.journal.state.contributors_of(round_number) or []
+        status = "duplicate" if worker_id in contributors else "committed"
+        current = self.engine.open_number()
+        return {"status": status, "round": round_number, "current_round": current}
+
+    def member(self, worker_id: str, session: str) -> dict:
+        """Shard 0: whether `worker_id` is live here under `session` (asked by a shard that
+        still holds the id under an older session)."""
+        if not self.leads:
+            raise Rejection(409, "not_shard_0", "membership is shard 0's")
+        with self.lock:
+            record = self.membership.get_live(worker_id)
+            return {
+                "worker_id": worker_id,
+                "live": record is not None,
+                "session_matches": record is not None and record.session == session,
+            }
+
+    def vouch(self, worker_id: str, session: str) -> bool:
+        """A follower (lock held: a rare call, one round trip): shard 0 says so."""
+        if self.leads or self.peers is None:
+            return False
+        try:
+            return self.peers.member_session(worker_id, session)
+        except PeerUnavailable:
+            return False
 
     def prepared(self, round_number: int, worker_id: str) -> dict:
         """Whether this shard holds `worker_id`'s slice of `round_number`, with its tokens."""
@@ -167,7 +200,7 @@ class ShardCommit:
                         current_round=current,
                     )
                 remaining = deadline - self.clock()
-                if remaining <= 0:
+                if remaining <= 0 or self.closing():  # shutting down: answer at once
                     return {"status": "waiting", "round": round_number}
                 self.lock.wait(timeout=min(remaining, 1.0))
 

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlencode
 
@@ -37,7 +38,9 @@ class ShardPeers:
         self._headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._pool = urllib3.PoolManager(num_pools=len(urls), maxsize=8, retries=False)
+        # Shard 0 asks the others for every confirmation, from many request threads at once.
+        self._pool = urllib3.PoolManager(num_pools=len(urls), maxsize=64, retries=False)
+        self._asking = ThreadPoolExecutor(4 * len(urls), thread_name_prefix="diloco-peers")
 
     def _get(self, shard: int, path: str, query: Mapping[str, Any], wait: float = 0.0) -> dict:
         url = f"{self.urls[shard]}{path}?{urlencode(query)}"
@@ -61,17 +64,17 @@ class ShardPeers:
 
     def missing_slices(self, round_number: int, worker_id: str, tokens: int) -> list[int]:
         """The other shards that do not hold `worker_id`'s slice of `round_number` with
-        `tokens` (shard 0's call, before it confirms the worker)."""
-        missing = []
-        for shard in range(len(self.urls)):
-            if shard == self.index:
-                continue
-            held = self._get(
-                shard, "/v1/shard/prepared", {"round": round_number, "worker_id": worker_id}
-            )
-            if not held.get("prepared") or held.get("tokens") != tokens:
-                missing.append(shard)
-        return missing
+        `tokens` (shard 0's call, before it confirms the worker); all asked at once."""
+        others = [shard for shard in range(len(self.urls)) if shard != self.index]
+        query = {"round": round_number, "worker_id": worker_id}
+        answers = list(
+            self._asking.map(lambda s: self._get(s, "/v1/shard/prepared", query), others)
+        )
+        return [
+            shard
+            for shard, held in zip(others, answers, strict=True)
+            if not held.get("prepared") or held.get("tokens") != tokens
+        ]
 
     def decision(self, round_number: int, wait: float) -> list[str] | None:
         """Shard 0's decision of `round_number` (its contributors), or None while open."""
@@ -81,11 +84,17 @@ class ShardPeers:
             return None
         return [str(worker) for worker in contributors]
 
+    def member_session(self, worker_id: str, session: str) -> bool:
+        """Whether shard 0 holds `worker_id` live under `session`."""
+        answer = self._get(0, "/v1/shard/members", {"worker_id": worker_id, "session": session})
+        return bool(answer.get("session_matches"))
+
     def leader_info(self) -> dict:
         return self._get(0, "/v1/info", {})
 
     def close(self) -> None:
         self._pool.clear()
+        self._asking.shutdown(wait=False)
 
 
 def settings_difference(mine: Mapping[str, Any], leader: Mapping[str, Any]) -> str | None:
@@ -148,7 +157,12 @@ class DecisionFollower(threading.Thread):
                 self.stopped.wait(0.5)
                 continue
             if contributors is not None:
-                self.apply(round_number, contributors)
+                try:
+                    self.apply(round_number, contributors)
+                except Exception:  # a failed step (a disk): said, and tried again
+                    log.exception("applying shard 0's decision of round %d failed", round_number)
+                    self.stopped.wait(1.0)
+                    continue
                 # still open: a decided slice is missing here until its worker sends it again
                 self.stopped.wait(0.2 if self.open_round() == round_number else 0.0)
 

@@ -51,15 +51,19 @@ class FollowerRound(Round):
 
 
 def _fold_only(current: Round, chosen: set[str], storage: dict, now: float) -> None:
-    """Fold the held slices of `chosen` in worker-id order; drop every other one (its place,
-    units and progress too: it is not part of this step). Bodies are released."""
+    """Fold the held slices of `chosen` in worker-id order; every other submission leaves the
+    round (its place, units and progress too: it is not part of this step), so the round's
+    submitters, which its record names as the decision, are exactly what was folded: a slice
+    an admin's ban dropped from `held` is not among them. Bodies are released."""
     held = sorted(current.held, key=lambda pair: pair[0].worker_id)
+    folded = set()
     for submission, scan in held:
-        worker_id = submission.worker_id
-        if worker_id in chosen:
+        if submission.worker_id in chosen:
             fold(current, submission, scan, storage, now, record=False)
-        else:
-            current.submitted.pop((worker_id, submission.fragment), None)
+            folded.add(submission.worker_id)
+    for worker_id, fragment in list(current.submitted):
+        if worker_id not in folded:
+            del current.submitted[(worker_id, fragment)]
             current.units.pop(worker_id, None)
             current.progress.pop(worker_id, None)
     current.held = []
@@ -114,6 +118,13 @@ class LeaderRounds(_HeldRounds):
         current.confirmed.add(worker_id)
         self._try_commit(0, self.c.clock())
         return self._answer("accepted", round_number, 0)
+
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        """An admin banned the worker: its held slice is not part of any decision."""
+        for current in self.rounds:
+            if isinstance(current, LeaderRound):
+                current.confirmed.discard(worker_id)
+        return super().drop_pending(worker_id, reason)
 
     def _decide(self, fragment: int, current: Round, now: float) -> None:
         assert isinstance(current, LeaderRound)

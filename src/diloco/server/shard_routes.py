@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
+from diloco.server.credentials import Caller
+from diloco.server.errors import Rejection
 from diloco.server.shard_commit import MAX_DECISION_WAIT, ShardCommit
 from diloco.wire import MAX_COUNT
 
@@ -18,7 +20,23 @@ def add_shard_routes(
     shard: ShardCommit,
     authed: Sequence[Any],
     act_as: Callable[[Request, str], None],
+    caller_of: Callable[[Request], Caller],
 ) -> None:
+    async def not_a_worker(request: Request) -> None:
+        """What shards ask each other is not a worker's to read (their enrollment or admin
+        secret is): 403 for a worker's own credential."""
+        caller = caller_of(request)
+        if caller.worker_id is not None:
+            raise Rejection(
+                403,
+                "forbidden",
+                "the /v1/shard routes are for the shards (an enrollment or admin secret), "
+                f"not a worker's credential (scope {caller.scope})",
+                scope=caller.scope,
+            )
+
+    peers_only = [*authed, Depends(not_a_worker)]
+
     @app.post("/v1/rounds/{round_number}/confirm", dependencies=list(authed))
     async def confirm(
         request: Request,
@@ -29,7 +47,7 @@ def add_shard_routes(
         act_as(request, worker_id)
         return await run_in_threadpool(shard.confirm, worker_id, round_number)
 
-    @app.get("/v1/shard/prepared", dependencies=list(authed))
+    @app.get("/v1/shard/prepared", dependencies=peers_only)
     async def prepared(
         round: int = Query(..., ge=0, le=MAX_COUNT),
         worker_id: str = Query(..., max_length=200),
@@ -37,7 +55,14 @@ def add_shard_routes(
         """Whether this shard holds the worker's slice of the round (asked by shard 0)."""
         return await run_in_threadpool(shard.prepared, round, worker_id)
 
-    @app.get("/v1/shard/decisions/{round_number}", dependencies=list(authed))
+    @app.get("/v1/shard/members", dependencies=peers_only)
+    async def member(
+        worker_id: str = Query(..., max_length=200), session: str = Query(..., max_length=200)
+    ) -> dict:
+        """Shard 0: whether the worker is live under that session (asked by the others)."""
+        return await run_in_threadpool(shard.member, worker_id, session)
+
+    @app.get("/v1/shard/decisions/{round_number}", dependencies=peers_only)
     async def decision(
         round_number: int = Path(..., ge=0, le=MAX_COUNT),
         wait: float = Query(0.0, ge=0.0, le=MAX_DECISION_WAIT),

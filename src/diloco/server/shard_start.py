@@ -26,7 +26,13 @@ class ShardStart:
         token: str | None,
         initial: Mapping[str, torch.Tensor] | None,
         durability: str,
+        state_dir: object | None,
     ) -> None:
+        if state_dir is None:
+            raise ValueError(
+                "sharded servers need --state-dir: a shard that restarted without its state "
+                "would start over at round 0 while the others hold later rounds"
+            )
         if durability != "round":
             raise ValueError(
                 "sharded servers need --durability round: a shard that lost steps it had "
@@ -56,10 +62,28 @@ class ShardStart:
             return
         info = wait_for_leader(self.peers, self.settings.to_wire(), LEADER_WAIT_SECONDS)
         theirs = (info.get("shards") or {}).get("whole_model")
-        if self.whole_model is not None and theirs is not None and theirs != self.whole_model:
+        if (self.whole_model is None) != (theirs is None):
+            here, there = ("with", "without") if theirs is None else ("without", "with")
+            raise ValueError(
+                f"this shard was started {here} --init and shard 0 {there}: give every shard "
+                "the same --init file, or none (the first worker's weights)"
+            )
+        if theirs != self.whole_model:
             raise ValueError(
                 f"this shard's --init model (fingerprint {self.whole_model}) differs from "
                 f"shard 0's ({theirs}): every shard starts from the same file"
+            )
+
+    def _check_version(self, mine: int) -> None:
+        """A follower holds shard 0's version or the one before (shard 0 decides a round only
+        once every shard holds its slices, so no follower can be further behind); anything
+        else is state from another run, or lost: refused, naming both versions."""
+        leader = int(self.peers.leader_info().get("round", 0))
+        if mine not in (leader - 1, leader):
+            raise ValueError(
+                f"this shard's state is at round {mine} and shard 0's at round {leader}: a "
+                f"shard can only be at shard 0's round or the one before (another run's "
+                "--state-dir, or one that lost rounds?)"
             )
 
     def follow(self, coordinator: Coordinator) -> DecisionFollower | None:
@@ -68,6 +92,7 @@ class ShardStart:
         coordinator.shard.whole_model = self.whole_model
         if self.settings.leads:
             return None
+        self._check_version(coordinator.version)
         follower = DecisionFollower(
             self.peers, coordinator.shard.open_round, coordinator.shard.apply_decision
         )

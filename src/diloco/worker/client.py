@@ -235,7 +235,8 @@ class DiLoCoClient:
         if reply.status == 409:
             error = server_error(reply)
             if error.kind == "weights_exist":
-                return {"status": "exists"}
+                detail = error.detail if isinstance(error.detail, dict) else {}
+                return {"status": "exists", "initial_from": detail.get("initial_from")}
             raise error
         return _json_dict(success(reply))
 

@@ -157,12 +157,10 @@ class ShardedClient:
         """Shard 0 takes the first weights it gets; only the worker it took them from sends
         the other shards theirs, so no shard starts from another worker's model."""
         parts = self._split(body)
-        if self._needs_initial[0]:
-            answer = self.leader.upload_initial(worker_id, parts[0])
-            if answer.get("status") == "exists":
-                return answer
-        elif any(self._needs_initial):
-            return {"status": "exists"}  # shard 0's winner sends the rest
+        answer = self.leader.upload_initial(worker_id, parts[0])
+        # ours, or ours whose answer was lost (a retry then finds them there): we send the rest
+        if answer.get("status") == "exists" and answer.get("initial_from") != worker_id:
+            return answer  # another worker's weights: it sends the other shards theirs
         needy = [s for s in range(1, len(self.clients)) if self._needs_initial[s]]
         self._each(lambda s, client: client.upload_initial(worker_id, parts[s]), needy)
         return {"status": "accepted"}
@@ -215,7 +213,9 @@ class ShardedClient:
         answers = self._each(send)
         if answers[0].get("status") == "committed":
             return answers[0]
-        for _ in range(CONFIRM_TRIES):
+        for attempt in range(CONFIRM_TRIES):
+            if attempt:
+                time.sleep(min(2.0, 0.1 * 2**attempt))
             try:
                 return self.leader.confirm(round, worker_id)
             except ServerError as exc:
