@@ -23,6 +23,7 @@ def test_every_benchmark_is_listed() -> None:
         "fuzz.py",
         "robust_aggregation.py",
         "round_parts.py",
+        "scale.py",
         "simulated_modes.py",
         "utilization.py",
         "wire.py",

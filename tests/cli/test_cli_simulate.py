@@ -102,6 +102,7 @@ def test_int8_delta_downloads_are_counted_and_labelled(tmp_path: Path, corpus_fi
     assert document["bytes_received_per_worker"] == 2 * (42_880 + 4 * 678)
 
 
+@pytest.mark.slow  # the default suite keeps the simulate CLI's other runs
 def test_plot_is_written(tmp_path: Path, corpus_file: Path) -> None:
     png = tmp_path / "curve.png"
     result = run_cli(
@@ -187,6 +188,7 @@ def test_bad_input_gives_one_line_and_exit_2(
     assert not (tmp_path / "no.json").exists()
 
 
+@pytest.mark.slow  # sibling: tests/sim/test_sim_sweep.py runs sweeps in-process
 def test_a_sweep_runs_each_value_and_marks_the_lowest_loss(
     tmp_path: Path, corpus_file: Path
 ) -> None:

@@ -133,6 +133,7 @@ def test_worker_bad_input_is_one_line(
     one_error_line(result, code, needle)
 
 
+@pytest.mark.slow  # sibling: the coordinator's fingerprint_mismatch test names the tensor
 def test_worker_with_a_mismatched_model_is_refused_by_name(
     server_process, corpus_file: Path
 ) -> None:

@@ -230,7 +230,7 @@ def test_first_worker_without_init_uploads_and_first_upload_wins() -> None:
 
     assert c.upload_initial("b", {"w": scalar(7.0)}) == 0  # b is quicker: b's weights win
     late = rejected(c, lambda: c.upload_initial("a", {"w": scalar(3.0)}), 409, "weights_exist")
-    assert late.detail == {"current_round": 0}
+    assert late.detail == {"current_round": 0, "initial_from": "b"}  # whose weights won
     assert c.masters is not None and c.masters["w"].item() == 7.0
     assert decode_tensors(c.weights().body)["w"].item() == 7.0
     assert c.register("c", W_SPEC, protocol_version=1)["needs_initial_weights"] is False

@@ -307,6 +307,7 @@ def many_entries_header(entries: int) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+@pytest.mark.slow  # the other malformed-bytes edges stay in the default suite
 def test_a_huge_header_is_parsed_off_the_event_loop(server_process, tmp_path):
     """A 16.8 MiB header (280,000 entries) takes the server seconds to parse and refuse; the
     health answers on another connection meanwhile come as they would on an idle server."""

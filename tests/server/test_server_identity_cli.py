@@ -88,6 +88,7 @@ def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path, par
         assert ENROLL not in lines[0]  # a secret is never echoed
 
 
+@pytest.mark.slow  # the token-file path stays in the default suite
 def test_token_on_the_command_line_works_but_warns(server_process, tmp_path: Path) -> None:
     server = server_process("--token", ENROLL)
     warning = "--token shows in `ps`"

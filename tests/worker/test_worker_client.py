@@ -299,14 +299,14 @@ def test_401_raises_auth_error_and_is_never_retried(server: FakeServer) -> None:
 
 
 def test_upload_initial_reads_weights_exist_as_a_normal_race(server: FakeServer) -> None:
-    exists = {"error": "weights exist", "kind": "weights_exist", "detail": {}}
+    exists = {"error": "weights exist", "kind": "weights_exist", "detail": {"initial_from": "w9"}}
     taken = {"error": "id taken", "kind": "worker_id_taken", "detail": {}}
     server.script(
         Reply(200, json={"status": "stored"}), Reply(409, json=exists), Reply(409, json=taken)
     )
     with make_client(server) as client:
         assert client.upload_initial("w0", b"weights") == {"status": "stored"}
-        assert client.upload_initial("w0", b"weights") == {"status": "exists"}
+        assert client.upload_initial("w0", b"weights") == {"status": "exists", "initial_from": "w9"}
         with pytest.raises(ServerError, match="worker_id_taken"):
             client.upload_initial("w0", b"weights")
     seen = server.seen[0]

@@ -30,6 +30,7 @@ def start_server(
     The server writes the bound port to `port_file` once it listens; a server that exits or
     stays silent past `timeout` is killed and reported as a RuntimeError.
     """
+    port_file.unlink(missing_ok=True)  # a stale one would name an old server's port
     process = subprocess.Popen(
         diloco_command(
             "server",
