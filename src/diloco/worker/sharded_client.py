@@ -27,6 +27,7 @@ log = logging.getLogger("diloco.worker")
 T = TypeVar("T")
 CONFIRM_TRIES = 20  # resending slices a shard lost (it restarted) before giving up
 SAME_VERSION_SECONDS = 120.0  # how long weights may differ in version across shards
+WAIT_REPORT_SECONDS = 60.0  # a follower's result unanswered this long is logged, and again
 
 
 @dataclass
@@ -252,7 +253,19 @@ class ShardedClient:
     def _follower_result(self, shard: int, round: int, worker_id: str, wait: float) -> Weights:
         """A shard's result of a round shard 0 decided; a slice it lost goes again."""
         client = self.clients[shard]
+        started = time.monotonic()
+        next_report = started + WAIT_REPORT_SECONDS
         while True:
+            if time.monotonic() >= next_report:
+                next_report = time.monotonic() + WAIT_REPORT_SECONDS
+                log.warning(
+                    "shard %d has not applied shard 0's decision of round %d after %.0f s "
+                    "(it waits for a decided slice that a restart lost, from a worker that "
+                    "has not sent it again?)",
+                    shard,
+                    round,
+                    time.monotonic() - started,
+                )
             try:
                 got = client.wait_result(round, worker_id, wait)
             except ServerError as exc:
