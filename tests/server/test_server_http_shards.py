@@ -330,3 +330,47 @@ def test_a_workers_own_credential_may_not_read_the_shard_routes(two_shards_with_
         assert status == 401, path
         status, data = call(url0, "GET", path, secret=TOKEN, **fields)
         assert status == 200, (path, data)
+
+
+def test_a_follower_refuses_to_be_steered(two_shards) -> None:
+    """Bans, evictions, pauses and the outer lr are shard 0's: one shard alone would fold
+    other slices than the decision names."""
+    (_, _), (url1, follower) = two_shards
+    register([url1], "w1")
+    ban = json.dumps({"ban": True}).encode()
+    for path, body in (
+        ("/v1/admin/workers/w1/evict", ban),
+        ("/v1/admin/pause", None),
+    ):
+        status, data = call(url1, "POST", path, body)
+        assert (status, json.loads(data)["kind"]) == (409, "not_shard_0"), path
+    assert follower.membership.is_live("w1")
+
+
+def test_a_new_process_under_the_same_id_replaces_its_old_slices_everywhere(two_shards) -> None:
+    """w1's first process sent shard 1 a slice and died; shard 0 evicted it. Its new process
+    (another session) sends other values: shard 1 takes them in place of the old slice, and
+    the step is the new process's alone on both shards (0.95 x its g, worked by hand)."""
+    (url0, _), (url1, follower) = two_shards
+
+    def join(url: str, session: str) -> None:
+        message = {"protocol_version": 1, "worker_id": "w1", "tensors": SPECS, "session": session}
+        status, data = call(url, "POST", "/v1/workers", json.dumps(message).encode())
+        assert status == 200, data
+
+    join(url0, "first-session")
+    join(url1, "first-session")
+    assert submit(url1, "w1", {n: G["w1"][n] for n in ("b", "c")})[0] == 200
+    assert call(url0, "DELETE", "/v1/workers/w1")[0] == 200
+    join(url0, "second-session")
+    join(url1, "second-session")
+    new = G["w2"]  # the new process's pseudo-gradient
+    assert submit(url0, "w1", {"a": new["a"]})[0] == 200
+    assert submit(url1, "w1", {n: new[n] for n in ("b", "c")})[0] == 200
+    assert json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1"))["status"] == (
+        "accepted"
+    )
+    wait_version(follower, 1)
+    got1, _ = weights(url1)
+    torch.testing.assert_close(got1["b"], torch.tensor([10.0, -10.0 + 3.8]))
+    torch.testing.assert_close(got1["c"], torch.tensor([0.5 + 2.85]))

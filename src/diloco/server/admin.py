@@ -50,13 +50,27 @@ class AdminActions:
         self.state = state
         self.metrics = metrics
         self.clock = clock
+        # Sharded servers: the other shards follow shard 0's decisions, so the run is steered
+        # there (a ban or pause on one shard alone would make the shards disagree).
+        self.steered_elsewhere = False
+
+    def _require_steerable(self) -> None:
+        if self.steered_elsewhere:
+            raise Rejection(
+                409,
+                "not_shard_0",
+                "this shard follows shard 0's decisions: pause, resume, the outer lr, evictions "
+                "and bans go to shard 0",
+            )
 
     def pause(self, by: str) -> dict:
+        self._require_steerable()
         with self._lock:
             changed = self.control.pause(by, self.model.version)
             return {"paused": True, "changed": changed, "round": self.model.version}
 
     def resume(self, by: str) -> dict:
+        self._require_steerable()
         with self._lock:
             now = self.clock()
             since = self.control.resume(by, self.model.version)
@@ -71,6 +85,7 @@ class AdminActions:
             }
 
     def set_outer_lr(self, lr: float, by: str) -> dict:
+        self._require_steerable()
         with self._lock:
             try:
                 previous = self.control.set_outer_lr(lr, by, self.model.version)
@@ -89,6 +104,7 @@ class AdminActions:
 
         Its open round goes on without it; its unfinished work units go back to the pool.
         A ban also stands for an id that is not live (it cannot register again)."""
+        self._require_steerable()
         _check_id(worker_id)
         with self._lock:
             live = self.membership.is_live(worker_id)
@@ -119,6 +135,7 @@ class AdminActions:
             }
 
     def unban(self, worker_id: str, by: str) -> dict:
+        self._require_steerable()
         _check_id(worker_id)
         with self._lock:
             if not self.control.unban(worker_id, by, self.model.version):

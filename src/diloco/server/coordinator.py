@@ -159,6 +159,7 @@ class Coordinator:
             self.metrics,
             clock,
         )
+        self.admin.steered_elsewhere = not settings.leads
         # Delta downloads after a restart that may have rolled back (durability "interval"):
         # the rounds past the restored one happen again, on another timeline, and a worker
         # still holding an anchor of the old one names the same round. A delta then goes only
@@ -404,9 +405,10 @@ class Coordinator:
                 check_tensors(tensors, specs, float_dtype=None)
             except WireError as error:
                 raise rejection_of(error) from None
-            self._adopt_weights(tensors, {n: s.kind for n, s in specs.items()})
-            # whose they are: sharded servers' other shards take theirs from that worker only
+            # Whose they are, first (a crash between leaves it for the next upload to
+            # overwrite): sharded servers' other shards take theirs from that worker only.
             self.journal.state.set_meta("initial_from", worker_id)
+            self._adopt_weights(tensors, {n: s.kind for n, s in specs.items()})
             self.traffic.received(sum(t.numel() * t.element_size() for t in tensors.values()))
             return self.model.version
 

@@ -92,8 +92,8 @@ class ShardCommit:
                     f"round {round_number} has not started; the current round is {current}",
                     current_round=current,
                 )
-            tokens = self.engine.holds(worker_id, round_number)
-            if tokens is None:
+            held = self.engine.holds(worker_id, round_number)
+            if held is None:
                 raise Rejection(
                     409,
                     "not_submitted",
@@ -104,7 +104,7 @@ class ShardCommit:
                 )
         assert self.peers is not None
         try:  # outside the lock: other workers' calls go on meanwhile
-            missing = self.peers.missing_slices(round_number, worker_id, tokens)
+            missing = self.peers.missing_slices(round_number, worker_id, *held)
         except PeerUnavailable as exc:
             raise Rejection(
                 503, "shard_unavailable", f"a shard cannot be reached: {exc}", round=round_number
@@ -114,7 +114,8 @@ class ShardCommit:
                 409,
                 "not_prepared",
                 f"shard(s) {', '.join(map(str, missing))} hold no slice of round {round_number} "
-                f"from {worker_id!r} with {tokens} tokens; submit it there, then confirm",
+                f"from {worker_id!r} with {held[0]} tokens from this process; submit it there, "
+                "then confirm",
                 shards=missing,
                 round=round_number,
                 worker_id=worker_id,
@@ -122,7 +123,7 @@ class ShardCommit:
         with self.lock:
             if self.engine.open_number() != round_number:
                 return self._after_commit(worker_id, round_number)
-            if self.engine.holds(worker_id, round_number) != tokens:
+            if self.engine.holds(worker_id, round_number) != held:
                 raise Rejection(
                     409,
                     "not_submitted",
@@ -160,19 +161,23 @@ class ShardCommit:
             return False
         try:
             return self.peers.member_session(worker_id, session)
-        except PeerUnavailable:
-            return False
+        except PeerUnavailable as exc:
+            raise Rejection(
+                503, "shard_unavailable", f"shard 0 cannot be reached to vouch for it: {exc}"
+            ) from None
 
     def prepared(self, round_number: int, worker_id: str) -> dict:
         """Whether this shard holds `worker_id`'s slice of `round_number`, with its tokens."""
         with self.lock:
-            tokens = self.engine.holds(worker_id, round_number)
+            held = self.engine.holds(worker_id, round_number)
+            tokens, session = (None, None) if held is None else held
             return {
                 "round": round_number,
                 "current_round": self.engine.open_number(),
                 "worker_id": worker_id,
-                "prepared": tokens is not None,
+                "prepared": held is not None,
                 "tokens": tokens,
+                "session_digest": session,
             }
 
     def decision(self, round_number: int, wait: float) -> dict:

@@ -62,9 +62,12 @@ class ShardPeers:
             )
         return body
 
-    def missing_slices(self, round_number: int, worker_id: str, tokens: int) -> list[int]:
+    def missing_slices(
+        self, round_number: int, worker_id: str, tokens: int, session_digest: str
+    ) -> list[int]:
         """The other shards that do not hold `worker_id`'s slice of `round_number` with
-        `tokens` (shard 0's call, before it confirms the worker); all asked at once."""
+        `tokens` from the same process (session) as shard 0's (its call, before it confirms
+        the worker); all asked at once."""
         others = [shard for shard in range(len(self.urls)) if shard != self.index]
         query = {"round": round_number, "worker_id": worker_id}
         answers = list(
@@ -73,7 +76,9 @@ class ShardPeers:
         return [
             shard
             for shard, held in zip(others, answers, strict=True)
-            if not held.get("prepared") or held.get("tokens") != tokens
+            if not held.get("prepared")
+            or held.get("tokens") != tokens
+            or held.get("session_digest") != session_digest
         ]
 
     def decision(self, round_number: int, wait: float) -> list[str] | None:

@@ -12,14 +12,21 @@ every shard with the same submissions or on none. docs/architecture.md has the p
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from diloco.server.barrier_rounds import BarrierRounds
+from diloco.server.engine_context import EngineContext
 from diloco.server.errors import Rejection
 from diloco.server.results import RoundResult
 from diloco.server.rounds import Round, ValueScan, fold
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces, PieceBody
+
+
+def session_digest(session: str | None) -> str:
+    """A short digest of a registration session: equal for slices of one process."""
+    return hashlib.sha256((session or "").encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -77,6 +84,11 @@ def _fold_only(current: Round, chosen: set[str], storage: dict, now: float) -> N
 class _HeldRounds(BarrierRounds):
     """Every slice is held until the round's decision (shared by both sides)."""
 
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        # (round, worker) -> the registration session its held slice came from
+        self._sessions: dict[tuple[int, str], str | None] = {}
+
     def folds_first(self, fragment: int) -> bool:
         return False  # scanned, then held: nothing is folded before the decision
 
@@ -85,20 +97,50 @@ class _HeldRounds(BarrierRounds):
         c = self.c
         now = c.clock()
         current = self.rounds[submission.fragment]
+        # the session as it is now: a re-registration changes the record's in place
+        self._sessions[(current.number, submission.worker_id)] = submission.record.session
+        for key in [k for k in self._sessions if k[0] < current.number]:
+            del self._sessions[key]
         current.hold(submission, checked, now)
         c.book(submission, current, now)
         self._try_commit(submission.fragment, now)
         return self._answer("accepted", submission.round, submission.fragment)
 
-    def holds(self, worker_id: str, round_number: int) -> int | None:
-        """The tokens of `worker_id`'s held slice of the open round `round_number`, or None."""
+    def holds(self, worker_id: str, round_number: int) -> tuple[int, str] | None:
+        """(tokens, session digest) of `worker_id`'s held slice of the open round
+        `round_number`, or None. The digest tells slices of two processes under one id
+        apart (a worker restarted without its checkpoint) without showing the session."""
         current = self.rounds[0] if self.rounds else None
         if current is None or current.number != round_number:
             return None
         for submission, _ in current.held:
             if submission.worker_id == worker_id:
-                return submission.tokens
+                session = self._sessions.get((round_number, worker_id))
+                return submission.tokens, session_digest(session)
         return None
+
+    def admit(self, submission: Submission) -> dict | None:
+        """A slice from a new session of a worker whose older session's slice this round
+        still holds, undecided: the new one replaces it (the old process is gone), so that
+        every shard ends up with the same process's slices."""
+        current = self.rounds[submission.fragment] if self.rounds else None
+        if (
+            current is not None
+            and submission.round == current.number
+            and self._replaceable(current, submission.worker_id)
+        ):
+            key = (current.number, submission.worker_id)
+            for held, _ in list(current.held):
+                same = held.worker_id == submission.worker_id
+                if same and self._sessions.get(key) != submission.record.session:
+                    current.held.remove((held, _))
+                    current.submitted.pop((held.worker_id, held.fragment), None)
+                    if isinstance(held.tensors, PieceBody):
+                        held.tensors.release()
+        return super().admit(submission)
+
+    def _replaceable(self, current: Round, worker_id: str) -> bool:
+        return True
 
     def open_number(self) -> int | None:
         return self.rounds[0].number if self.rounds else None
@@ -109,6 +151,10 @@ class LeaderRounds(_HeldRounds):
 
     def _new_round(self, number: int, members: set[str], now: float) -> Round:
         return LeaderRound(number, members, self.c.settings.weighting, now)
+
+    def _replaceable(self, current: Round, worker_id: str) -> bool:
+        assert isinstance(current, LeaderRound)
+        return worker_id not in current.confirmed  # confirmed: every shard holds that slice
 
     def confirm(self, worker_id: str, round_number: int) -> dict:
         """`worker_id`'s slices of the open round are held on every shard (checked by the
@@ -142,6 +188,10 @@ class FollowerRounds(_HeldRounds):
 
     def overdue(self, now: float) -> list[str]:
         return []  # shard 0 evicts; a follower never does
+
+    def _replaceable(self, current: Round, worker_id: str) -> bool:
+        assert isinstance(current, FollowerRound)
+        return current.decided is None
 
     def apply_decision(self, round_number: int, contributors: list[str]) -> bool:
         """Shard 0 decided `round_number` with `contributors`: commit it once every decided

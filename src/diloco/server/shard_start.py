@@ -56,29 +56,39 @@ class ShardStart:
         return {name: initial[name] for name in names}
 
     def check_against_shard_0(self) -> None:
-        """Another shard waits for shard 0 and refuses to start with other settings or
-        another --init model (ValueError naming the difference). Shard 0 checks nothing."""
+        """Another shard waits for shard 0 and refuses to start with other settings
+        (ValueError naming the first difference). Shard 0 checks nothing."""
         if self.settings.leads:
             return
         info = wait_for_leader(self.peers, self.settings.to_wire(), LEADER_WAIT_SECONDS)
-        theirs = (info.get("shards") or {}).get("whole_model")
-        if (self.whole_model is None) != (theirs is None):
+        if self.whole_model is not None:  # a first start: refused before anything is written
+            self._check_model(self.whole_model, info)
+
+    def _check_model(self, mine: str | None, info: dict | None = None) -> None:
+        """The same --init file on every shard, or none: the fingerprint each shard keeps in
+        its state from its first start (so a restart, which drops --init, still compares)."""
+        theirs = ((info or self._leader_info()).get("shards") or {}).get("whole_model")
+        if (mine is None) != (theirs is None):
             here, there = ("with", "without") if theirs is None else ("without", "with")
             raise ValueError(
                 f"this shard was started {here} --init and shard 0 {there}: give every shard "
                 "the same --init file, or none (the first worker's weights)"
             )
-        if theirs != self.whole_model:
+        if theirs != mine:
             raise ValueError(
-                f"this shard's --init model (fingerprint {self.whole_model}) differs from "
-                f"shard 0's ({theirs}): every shard starts from the same file"
+                f"this shard's --init model (fingerprint {mine}) differs from shard 0's "
+                f"({theirs}): every shard starts from the same file"
             )
+
+    def _leader_info(self) -> dict:
+        """Shard 0's /v1/info, waiting for it as at start (it may be restarting too)."""
+        return wait_for_leader(self.peers, self.settings.to_wire(), LEADER_WAIT_SECONDS)
 
     def _check_version(self, mine: int) -> None:
         """A follower holds shard 0's version or the one before (shard 0 decides a round only
         once every shard holds its slices, so no follower can be further behind); anything
         else is state from another run, or lost: refused, naming both versions."""
-        leader = int(self.peers.leader_info().get("round", 0))
+        leader = int(self._leader_info().get("round", 0))
         if mine not in (leader - 1, leader):
             raise ValueError(
                 f"this shard's state is at round {mine} and shard 0's at round {leader}: a "
@@ -89,9 +99,14 @@ class ShardStart:
     def follow(self, coordinator: Coordinator) -> DecisionFollower | None:
         """Shard 0 states its --init fingerprint; the others follow its decisions."""
         assert coordinator.shard is not None
-        coordinator.shard.whole_model = self.whole_model
+        state = coordinator.journal.state
+        if self.whole_model is not None:  # a first start (--init is refused on a resume)
+            state.set_meta("whole_model", self.whole_model)
+        whole_model = state.get_meta("whole_model")
+        coordinator.shard.whole_model = whole_model
         if self.settings.leads:
             return None
+        self._check_model(whole_model)
         self._check_version(coordinator.version)
         follower = DecisionFollower(
             self.peers, coordinator.shard.open_round, coordinator.shard.apply_decision

@@ -211,9 +211,9 @@ class ShardedClient:
             reports = {"units": units, "progress": progress} if shard == 0 else {}
             return client.submit(round, worker_id, parts[shard], tokens=tokens, **reports)
 
-        answers = self._each(send)
-        if answers[0].get("status") == "committed":
-            return answers[0]
+        self._each(send)
+        # Confirmed even when shard 0 says the round committed: its answer then says whether
+        # the decision used our slices (a retry after a lost answer) or went on without us.
         for attempt in range(CONFIRM_TRIES):
             if attempt:
                 time.sleep(min(2.0, 0.1 * 2**attempt))
