@@ -48,6 +48,7 @@ def joined_weights(urls: list[str]) -> tuple[dict[str, torch.Tensor], list[int]]
     return tensors, rounds
 
 
+@pytest.mark.slow  # its default sibling: test_e2e_shard_crash's simulator check, under a kill
 def test_two_shards_and_two_workers_match_the_simulator(
     shards, corpus_file: Path, small_corpus: bytes, tmp_path: Path
 ) -> None:
