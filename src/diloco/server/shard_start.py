@@ -64,10 +64,10 @@ class ShardStart:
         if self.whole_model is not None:  # a first start: refused before anything is written
             self._check_model(self.whole_model, info)
 
-    def _check_model(self, mine: str | None, info: dict | None = None) -> None:
+    def _check_model(self, mine: str | None, info: dict) -> None:
         """The same --init file on every shard, or none: the fingerprint each shard keeps in
         its state from its first start (so a restart, which drops --init, still compares)."""
-        theirs = ((info or self._leader_info()).get("shards") or {}).get("whole_model")
+        theirs = (info.get("shards") or {}).get("whole_model")
         if (mine is None) != (theirs is None):
             here, there = ("with", "without") if theirs is None else ("without", "with")
             raise ValueError(
@@ -84,11 +84,11 @@ class ShardStart:
         """Shard 0's /v1/info, waiting for it as at start (it may be restarting too)."""
         return wait_for_leader(self.peers, self.settings.to_wire(), LEADER_WAIT_SECONDS)
 
-    def _check_version(self, mine: int) -> None:
+    def _check_version(self, mine: int, info: dict) -> None:
         """A follower holds shard 0's version or the one before (shard 0 decides a round only
         once every shard holds its slices, so no follower can be further behind); anything
         else is state from another run, or lost: refused, naming both versions."""
-        leader = int(self._leader_info().get("round", 0))
+        leader = int(info.get("round", 0))
         if mine not in (leader - 1, leader):
             raise ValueError(
                 f"this shard's state is at round {mine} and shard 0's at round {leader}: a "
@@ -106,8 +106,9 @@ class ShardStart:
         coordinator.shard.whole_model = whole_model
         if self.settings.leads:
             return None
-        self._check_model(whole_model)
-        self._check_version(coordinator.version)
+        info = self._leader_info()  # once, for both checks
+        self._check_model(whole_model, info)
+        self._check_version(coordinator.version, info)
         follower = DecisionFollower(
             self.peers, coordinator.shard.open_round, coordinator.shard.apply_decision
         )
