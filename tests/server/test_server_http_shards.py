@@ -186,7 +186,12 @@ def test_a_round_commits_on_every_shard_only_once_all_hold_every_slice(two_shard
     for name, tensor in {**got0, **got1}.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
     decision = json_of(call(url0, "GET", "/v1/shard/decisions/0"))
-    assert decision == {"status": "decided", "round": 0, "contributors": ["w1", "w2"]}
+    assert decision == {
+        "status": "decided",
+        "round": 0,
+        "contributors": ["w1", "w2"],
+        "anchors": {"w1": 0, "w2": 0},
+    }
 
 
 def test_a_slice_of_a_worker_left_out_is_dropped_on_every_shard(two_shards) -> None:

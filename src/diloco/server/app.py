@@ -355,8 +355,16 @@ def create_app(
         return {"status": "stored", "round": round_number}
 
     @app.get("/v1/weights", dependencies=authed)
-    async def weights() -> Response:
-        return tensor_response(await run_in_threadpool(coordinator.weights))
+    async def weights(
+        version: int | None = Query(
+            None,
+            ge=0,
+            le=MAX_COUNT,
+            description="Sharded servers in async mode: exactly this version's weights (409 "
+            "future_round before this shard reaches it, version_gone once it keeps it no more).",
+        ),
+    ) -> Response:
+        return tensor_response(await run_in_threadpool(coordinator.weights, version))
 
     @app.post("/v1/rounds/{round_number}/submissions", dependencies=authed)
     async def submit(
@@ -406,11 +414,18 @@ def create_app(
             description="The round of the caller's anchor: with --download-codec, a caller at "
             "the round the step started from gets the step's coded delta.",
         ),
+        version: int | None = Query(
+            None,
+            ge=0,
+            le=MAX_COUNT,
+            description="Sharded servers in async mode: answer with exactly this version's "
+            "weights (the one shard 0 answered with), waiting until this shard reaches it.",
+        ),
     ) -> Response:
         if worker_id is not None:
             act_as(request, worker_id)
         outcome = await run_in_threadpool(
-            coordinator.wait_result, round_number, worker_id, wait, fragment, have
+            coordinator.wait_result, round_number, worker_id, wait, fragment, have, version
         )
         if isinstance(outcome, RoundResult):
             return tensor_response(outcome)

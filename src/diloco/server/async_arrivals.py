@@ -203,8 +203,10 @@ class AsyncArrivals:
         if c.model.masters is None or c.stopped() or not self._ready(now):
             return  # (a broken server commits nothing until restarted)
         window = self.window
-        assert window is not None and window.running is not None
+        assert window is not None
         started = time.perf_counter()
+        self._fold_held(window, now)
+        assert window.running is not None
         running = window.running  # stays the window's until the step is durable
         submitters = sorted(window.submitters)
         record = CommitRecord(
@@ -233,6 +235,10 @@ class AsyncArrivals:
             f"{', '.join(f'{w} (staleness {s})' for w, _, s in record.submissions)}",
             started,
         )
+
+    def _fold_held(self, window: Round, now: float) -> None:
+        """Before the step: fold what the window holds unfolded (sharded servers hold every
+        arrival until the step, so that each shard folds them in the same order)."""
 
     # ----------------------------------------------------------------- results
 

@@ -40,10 +40,10 @@ from diloco.server.results import RoundResult, Waiting
 from diloco.server.rounds import Round
 from diloco.server.scalars import TensorBoardScalars
 from diloco.server.screening import RobustScreen
+from diloco.server.sent_rounds import SentRounds
 from diloco.server.settings import ServerSettings
 from diloco.server.shard_commit import ShardCommit
 from diloco.server.shard_peers import ShardPeers
-from diloco.server.shard_rounds import FollowerRounds, LeaderRounds
 from diloco.server.store import StateStore
 from diloco.wire import (
     PROTOCOL_VERSION,
@@ -136,10 +136,10 @@ class Coordinator:
         )
         # Sharded servers: confirmations and decisions across shards (None: one server).
         self.shard: ShardCommit | None = None
-        if isinstance(self.engine, (LeaderRounds, FollowerRounds)):
+        if settings.shards > 1:
             self.shard = ShardCommit(
                 self._lock,
-                self.engine,
+                self.engine,  # type: ignore[arg-type]  (a shard's engine: engine_for)
                 self.membership,
                 self.journal,
                 peers,
@@ -160,13 +160,7 @@ class Coordinator:
             clock,
         )
         self.admin.steered_elsewhere = not settings.leads
-        # Delta downloads after a restart that may have rolled back (durability "interval"):
-        # the rounds past the restored one happen again, on another timeline, and a worker
-        # still holding an anchor of the old one names the same round. A delta then goes only
-        # to a worker that this process itself brought to that round: (worker, fragment) ->
-        # the round of the last result it was sent.
-        self._rollback_possible = False
-        self._sent_rounds: dict[tuple[str, int], int] = {}
+        self.sent_rounds = SentRounds()  # delta downloads after a rollback
         self._restore(initial)
 
     def _restore(self, initial: Mapping[str, torch.Tensor] | None) -> None:
@@ -187,7 +181,7 @@ class Coordinator:
             self._readmit(restored.live_workers)
             self.engine.start(restored.fragment_rounds, self.started_at)
             self.metrics.round.set(self.model.version)
-            self._rollback_possible = self.journal.durability == "interval"
+            self.sent_rounds.rollback_possible = self.journal.durability == "interval"
         elif initial is not None:
             self._adopt_weights(initial, kinds=None)
         else:
@@ -412,8 +406,9 @@ class Coordinator:
             self.traffic.received(sum(t.numel() * t.element_size() for t in tensors.values()))
             return self.model.version
 
-    def weights(self) -> RoundResult:
-        """The current global weights, encoded once per version in the download dtype."""
+    def weights(self, version: int | None = None) -> RoundResult:
+        """The current global weights, encoded once per version in the download dtype; or
+        exactly `version` (async shards: see `ShardCommit.weights_at`)."""
         with self._lock:
             self.model.require_healthy()  # the masters may hold a step that is not durable
             if self.model.masters is None:
@@ -423,7 +418,10 @@ class Coordinator:
                     "the global weights do not exist yet; "
                     "the first worker to register uploads them",
                 )
-            result = self.model.current_weights(self.engine.fragment_rounds()).lend()
+            if version is None:
+                result = self.model.current_weights(self.engine.fragment_rounds()).lend()
+            else:
+                result = ShardCommit.weights_at(self.shard, version)
             self.traffic.sent(len(result.body))
             return result
 
@@ -525,11 +523,16 @@ class Coordinator:
         wait: float,
         fragment: int = 0,
         have: int | None = None,
+        version: int | None = None,
     ) -> RoundResult | Waiting:
         """Long-poll for a round's result: the new weights, or Waiting when `wait` runs out.
 
         `have` is the round (version) of the caller's anchor: with --download-codec, a caller
-        at the round the step started from gets the step's coded delta instead."""
+        at the round the step started from gets the step's coded delta instead. `version`:
+        exactly those weights (async shards: see `ShardCommit.poll_version`)."""
+        poll = self.engine.poll_result
+        if version is not None:
+            poll = ShardCommit.poll_version(self.shard, version)
         wait = min(max(0.0, wait), MAX_WAIT_SECONDS)
         with self._lock:
             self.model.require_healthy()
@@ -538,27 +541,19 @@ class Coordinator:
             self.intake.require_round_and_fragment(round_number, fragment)
             deadline = self.clock() + wait
             while True:
-                outcome = self.engine.poll_result(round_number, fragment, worker_id, self.clock())
+                outcome = poll(round_number, fragment, worker_id, self.clock())
                 if outcome is not None:
                     if isinstance(outcome, RoundResult):
-                        outcome = outcome.for_anchor(self._vouched(worker_id, fragment, have))
+                        vouched = self.sent_rounds.vouched(worker_id, fragment, have)
+                        outcome = outcome.for_anchor(vouched)
                         self.traffic.sent(len(outcome.body))
-                        if self._rollback_possible and worker_id is not None:
-                            self._sent_rounds[(worker_id, fragment)] = outcome.round
+                        self.sent_rounds.sent(worker_id, fragment, outcome.round)
                     return outcome
                 now = self.clock()
                 remaining = deadline - now
                 if remaining <= 0 or self.closing:
                     return self.engine.waiting(round_number, fragment)
                 self._lock.wait(timeout=min(remaining, self.engine.wake_within(now)))
-
-    def _vouched(self, worker_id: str | None, fragment: int, have: int | None) -> int | None:
-        """`have` if it can only name our own timeline's weights (see `_sent_rounds`)."""
-        if not self._rollback_possible:
-            return have
-        if worker_id is None or self._sent_rounds.get((worker_id, fragment)) != have:
-            return None
-        return have
 
     # ----------------------------------------------------------------- the end
 

@@ -16,6 +16,7 @@ from diloco.server.engine_context import EngineContext
 from diloco.server.journal import CommitRecord
 from diloco.server.results import RoundResult, Waiting
 from diloco.server.rounds import Round, ValueScan
+from diloco.server.shard_arrivals import FollowerArrivals, LeaderArrivals
 from diloco.server.shard_rounds import FollowerRounds, LeaderRounds
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces
@@ -26,6 +27,8 @@ __all__ = ["AsyncArrivals", "BarrierRounds", "RoundEngine", "engine_for"]
 def engine_for(context: EngineContext) -> RoundEngine:
     """The mode's engine; sharded servers hold slices until shard 0 decides each round."""
     settings = context.settings
+    if settings.mode == "async" and settings.shards > 1:
+        return LeaderArrivals(context) if settings.leads else FollowerArrivals(context)
     if settings.mode == "async":
         return AsyncArrivals(context)
     if settings.shards > 1:

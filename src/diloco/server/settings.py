@@ -281,7 +281,8 @@ class ServerSettings:
         return self.shard == 0
 
     def _check_shards(self) -> None:
-        """Sharded servers run sync mode with plain uploads and downloads (what is built)."""
+        """Sharded servers run sync or async mode with plain uploads and downloads (what is
+        built)."""
         count = len(self.shard_urls)
         if count == 0:
             if self.shard != 0:
@@ -298,17 +299,17 @@ class ServerSettings:
                 f"shard must be in [0, {count - 1}] for {count} shards, got {self.shard}"
             )
         unsupported = {
-            "mode": (self.mode, "sync"),
+            "mode": (self.mode, "sync or async"),
             "aggregation": (self.aggregation, "mean"),
             "upload_codec": (self.upload_codec, "fp32 or bf16"),
             "download_codec": (self.download_codec, "fp32"),
         }
         for name, (value, allowed) in unsupported.items():
-            ok = value in ("fp32", "bf16") if name == "upload_codec" else value == allowed
+            ok = value in allowed.split(" or ") if " or " in allowed else value == allowed
             if not ok:
                 raise ValueError(
                     f"sharded servers run {name} {allowed} (the cross-shard commit is built "
-                    f"for sync rounds of plain bodies), got {value!r}"
+                    f"for sync rounds and async arrivals of plain bodies), got {value!r}"
                 )
 
     def to_wire(self) -> dict:

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from diloco.server.errors import Rejection
 from diloco.server.journal import RoundJournal
 from diloco.server.membership import Membership
+from diloco.server.results import RoundResult
+from diloco.server.shard_arrivals import FollowerArrivals, LeaderArrivals
 from diloco.server.shard_peers import PeerUnavailable, ShardPeers
 from diloco.server.shard_rounds import FollowerRounds, LeaderRounds
 from diloco.wire import TensorSpec
@@ -27,7 +29,7 @@ class ShardCommit:
     def __init__(
         self,
         lock: threading.Condition,
-        engine: LeaderRounds | FollowerRounds,
+        engine: LeaderRounds | FollowerRounds | LeaderArrivals | FollowerArrivals,
         membership: Membership,
         journal: RoundJournal,
         peers: ShardPeers | None,
@@ -63,7 +65,7 @@ class ShardCommit:
 
     @property
     def leads(self) -> bool:
-        return isinstance(self.engine, LeaderRounds)
+        return isinstance(self.engine, (LeaderRounds, LeaderArrivals))
 
     def _open_round(self) -> int:
         number = self.engine.open_number()
@@ -72,8 +74,9 @@ class ShardCommit:
         return number
 
     def confirm(self, worker_id: str, round_number: int) -> dict:
-        """Shard 0: `worker_id` says every shard holds its slice of `round_number`; checked
-        with each shard, it then counts for the round's barrier. 409 `not_prepared` names the
+        """Shard 0: `worker_id` says every shard holds its slice of `round_number` (async: of
+        the arrival whose anchor is that version); checked with each shard, it then counts
+        for the round's barrier (joins the grace window). 409 `not_prepared` names the
         shards that lack it (send it there again, then confirm again)."""
         if not self.leads:
             raise Rejection(
@@ -82,16 +85,9 @@ class ShardCommit:
         with self.lock:
             self.require_healthy()
             self.membership.require_live(worker_id).last_seen = self.clock()
-            current = self._open_round()
-            if round_number < current:
-                return self._after_commit(worker_id, round_number)
-            if round_number > current:
-                raise Rejection(
-                    409,
-                    "future_round",
-                    f"round {round_number} has not started; the current round is {current}",
-                    current_round=current,
-                )
+            settled = self._settled(worker_id, round_number)
+            if settled is not None:
+                return settled
             held = self.engine.holds(worker_id, round_number)
             if held is None:
                 raise Rejection(
@@ -121,8 +117,9 @@ class ShardCommit:
                 worker_id=worker_id,
             )
         with self.lock:
-            if self.engine.open_number() != round_number:
-                return self._after_commit(worker_id, round_number)
+            settled = self._settled(worker_id, round_number)  # (a retry confirmed it meanwhile)
+            if settled is not None:
+                return settled
             if self.engine.holds(worker_id, round_number) != held:
                 raise Rejection(
                     409,
@@ -132,6 +129,32 @@ class ShardCommit:
                     worker_id=worker_id,
                 )
             return self.engine.confirm(worker_id, round_number)
+
+    def _settled(self, worker_id: str, round_number: int) -> dict | None:
+        """The answer to a confirmation with nothing left to confirm (lock held): its round
+        committed, or (async) its arrival was applied or already joined the window; None
+        when the slice may be confirmed now. 409 for a round not started."""
+        current = self._open_round()
+        if round_number > current:
+            raise Rejection(
+                409,
+                "future_round",
+                f"round {round_number} has not started; the current round is {current}",
+                current_round=current,
+            )
+        if isinstance(self.engine, LeaderArrivals):
+            applied = self.journal.state.applied_version(worker_id, round_number)
+            if applied is None and self.engine.pending_anchor(worker_id) != round_number:
+                return None
+            return {
+                "status": "duplicate",
+                "round": round_number,
+                "current_round": current,
+                "applied_version": applied,
+            }
+        if round_number < current:
+            return self._after_commit(worker_id, round_number)
+        return None
 
     def _after_commit(self, worker_id: str, round_number: int) -> dict:
         """A confirmation of a round that has committed (a retry whose answer was lost, or a
@@ -191,10 +214,13 @@ class ShardCommit:
             while True:
                 contributors = self.journal.state.contributors_of(round_number)
                 if contributors is not None:
+                    used = self.journal.state.submissions_of(round_number)
                     return {
                         "status": "decided",
                         "round": round_number,
                         "contributors": contributors,
+                        # the round each was sent for (async: its anchor version)
+                        "anchors": {row["worker_id"]: row["round"] for row in used},
                     }
                 current = self.engine.open_number()
                 if current is not None and round_number > current:
@@ -209,9 +235,40 @@ class ShardCommit:
                     return {"status": "waiting", "round": round_number}
                 self.lock.wait(timeout=min(remaining, 1.0))
 
-    def apply_decision(self, round_number: int, contributors: list[str]) -> None:
-        """A follower: shard 0 decided `round_number`; commit it when its slices are here."""
-        assert isinstance(self.engine, FollowerRounds)
+    @staticmethod
+    def _exact(shard: ShardCommit | None) -> LeaderArrivals | FollowerArrivals:
+        """The engine that serves exact versions: a shard's in async mode; else 422."""
+        engine = None if shard is None else shard.engine
+        if not isinstance(engine, (LeaderArrivals, FollowerArrivals)):
+            raise Rejection(
+                422,
+                "invalid_request",
+                "field 'version' is for sharded servers in async mode, where a worker takes "
+                "every shard's part of one version",
+                field="version",
+            )
+        return engine
+
+    @staticmethod
+    def weights_at(shard: ShardCommit | None, version: int) -> RoundResult:
+        """GET /v1/weights?version=V (lock held): exactly version V's weights, the current
+        ones or one a follower kept; 409 future_round (not reached yet) or version_gone."""
+        return ShardCommit._exact(shard).weights_at(version)
+
+    @staticmethod
+    def poll_version(
+        shard: ShardCommit | None, version: int
+    ) -> Callable[[int, int, str | None, float], RoundResult | None]:
+        """A result poll that answers only with exactly `version`'s weights (lock held)."""
+        engine = ShardCommit._exact(shard)
+        return lambda round_number, _fragment, worker_id, now: engine.poll_version(
+            round_number, worker_id, version, now
+        )
+
+    def apply_decision(self, round_number: int, anchors: dict[str, int]) -> None:
+        """A follower: shard 0 decided `round_number` with these contributors (worker -> the
+        round it sent for); commit it when their slices are here."""
+        assert isinstance(self.engine, (FollowerRounds, FollowerArrivals))
         with self.lock:
-            if self.engine.apply_decision(round_number, contributors):
+            if self.engine.apply_decision(round_number, anchors):
                 self.lock.notify_all()

@@ -81,13 +81,16 @@ class ShardPeers:
             or held.get("session_digest") != session_digest
         ]
 
-    def decision(self, round_number: int, wait: float) -> list[str] | None:
-        """Shard 0's decision of `round_number` (its contributors), or None while open."""
+    def decision(self, round_number: int, wait: float) -> dict[str, int] | None:
+        """Shard 0's decision of `round_number`: its contributors, each with the round it
+        sent for (async: its anchor version), or None while open."""
         answer = self._get(0, f"/v1/shard/decisions/{round_number}", {"wait": wait}, wait)
-        contributors = answer.get("contributors")
+        contributors, anchors = answer.get("contributors"), answer.get("anchors")
         if answer.get("status") != "decided" or not isinstance(contributors, list):
             return None
-        return [str(worker) for worker in contributors]
+        if not isinstance(anchors, dict) or set(anchors) != set(map(str, contributors)):
+            raise PeerUnavailable(f"shard 0's decision of round {round_number} is malformed")
+        return {str(worker): int(anchors[worker]) for worker in contributors}
 
     def member_session(self, worker_id: str, session: str) -> bool:
         """Whether shard 0 holds `worker_id` live under `session`."""
@@ -136,7 +139,7 @@ class DecisionFollower(threading.Thread):
         self,
         peers: ShardPeers,
         open_round: Callable[[], int | None],
-        apply: Callable[[int, list[str]], None],
+        apply: Callable[[int, dict[str, int]], None],
         wait: float = 10.0,
     ) -> None:
         super().__init__(name="diloco-shard-decisions", daemon=True)
@@ -154,16 +157,16 @@ class DecisionFollower(threading.Thread):
                 self.stopped.wait(0.2)
                 continue
             try:
-                contributors = self.peers.decision(round_number, self.wait)
+                decided = self.peers.decision(round_number, self.wait)
             except PeerUnavailable as exc:
                 if time.monotonic() - told > 30:
                     told = time.monotonic()
                     log.warning("waiting for shard 0's decision of round %d: %s", round_number, exc)
                 self.stopped.wait(0.5)
                 continue
-            if contributors is not None:
+            if decided is not None:
                 try:
-                    self.apply(round_number, contributors)
+                    self.apply(round_number, decided)
                 except Exception:  # a failed step (a disk): said, and tried again
                     log.exception("applying shard 0's decision of round %d failed", round_number)
                     self.stopped.wait(1.0)

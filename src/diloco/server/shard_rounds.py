@@ -193,10 +193,12 @@ class FollowerRounds(_HeldRounds):
         assert isinstance(current, FollowerRound)
         return current.decided is None
 
-    def apply_decision(self, round_number: int, contributors: list[str]) -> bool:
-        """Shard 0 decided `round_number` with `contributors`: commit it once every decided
-        slice is here (now, or when the missing ones are sent again). False if it is not the
-        open round (already applied, or not reached)."""
+    def apply_decision(self, round_number: int, anchors: dict[str, int]) -> bool:
+        """Shard 0 decided `round_number` with these contributors (worker -> the round they
+        sent for, this one): commit it once every decided slice is here (now, or when the
+        missing ones are sent again). False if it is not the open round (already applied,
+        or not reached)."""
+        contributors = list(anchors)
         current = self.rounds[0] if self.rounds else None
         if current is None or current.number != round_number:
             return False

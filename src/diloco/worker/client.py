@@ -249,9 +249,13 @@ class DiLoCoClient:
         weights = self.get_weights_detail(into=into)
         return weights.body, weights.round
 
-    def get_weights_detail(self, into: bytearray | None = None) -> Weights:
-        """The current global weights with every round header (streaming: per fragment)."""
-        reply = success(self._call("get_weights", "GET", "/v1/weights", into=into))
+    def get_weights_detail(
+        self, into: bytearray | None = None, *, version: int | None = None
+    ) -> Weights:
+        """The current global weights with every round header (streaming: per fragment);
+        `version`: exactly that version's (sharded servers in async mode)."""
+        query = None if version is None else {"version": str(int(version))}
+        reply = success(self._call("get_weights", "GET", "/v1/weights", query=query, into=into))
         return _weights(reply)
 
     def submit(
@@ -303,10 +307,12 @@ class DiLoCoClient:
         fragment: int = 0,
         into: bytearray | None = None,
         have: int | None = None,
+        version: int | None = None,
     ) -> Weights | None:
         """Long-poll round `round`'s result (the weights and the round they start), or None
         while it is open. `have`: the round of our anchor, so that a server with a download
         codec may answer with a coded delta against it (`delta_from` then says so).
+        `version`: only exactly that version's weights (sharded servers in async mode).
 
         In streaming mode `fragment` names the fragment whose round this is, and the weights
         are that fragment's tensors; in async mode `round` is the version the arrival was for.
@@ -321,6 +327,8 @@ class DiLoCoClient:
             query["fragment"] = str(int(fragment))
         if have is not None:
             query["have"] = str(int(have))
+        if version is not None:
+            query["version"] = str(int(version))
         reply = self._call(
             "wait_result",
             "GET",

@@ -43,8 +43,11 @@ class _Pending:
 class ShardedClient:
     """The DiLoCoClient calls a session makes, spread over every shard."""
 
-    def __init__(self, clients: Sequence[DiLoCoClient]) -> None:
+    def __init__(self, clients: Sequence[DiLoCoClient], exact_versions: bool = False) -> None:
+        """`exact_versions` (async mode, where versions move while a worker fetches S
+        parts): every shard is asked for exactly the version shard 0 answered with."""
         self.clients = list(clients)
+        self.exact_versions = exact_versions
         self.leader = self.clients[0]
         self.auth = self.leader.auth  # the heartbeat's: heartbeats go to shard 0
         self.base_url = self.leader.base_url
@@ -169,6 +172,8 @@ class ShardedClient:
     def get_weights_detail(self, into: bytearray | None = None) -> Weights:
         """Every shard's weights at one version: a shard still applying the last decision
         (or still waiting for its first weights) is asked again."""
+        if self.exact_versions:
+            return self._weights_of_one_version()
         deadline = time.monotonic() + SAME_VERSION_SECONDS
         while True:
             try:
@@ -189,6 +194,40 @@ class ShardedClient:
                     f"{SAME_VERSION_SECONDS:g} s",
                 )
             time.sleep(0.05)
+
+    def _weights_of_one_version(self) -> Weights:
+        """Async: shard 0's current weights, then every other shard's part of exactly that
+        version (a shard not there yet is asked again; one past it serves a version it kept;
+        one that no longer keeps it sends us back to shard 0)."""
+        deadline = time.monotonic() + SAME_VERSION_SECONDS
+        while True:
+            first = self.leader.get_weights_detail()
+
+            def part(
+                _shard: int, client: DiLoCoClient, version: int = first.round
+            ) -> Weights | None:
+                while True:
+                    try:
+                        return client.get_weights_detail(version=version)
+                    except ServerError as exc:
+                        if exc.kind == "version_gone":
+                            return None
+                        if exc.kind not in ("future_round", "no_weights"):
+                            raise
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
+
+            rest = self._each(part, range(1, len(self.clients)))
+            if all(got is not None for got in rest):
+                bodies = [first.body, *[got.body for got in rest if got is not None]]
+                return Weights(self._join(bodies), first.round)
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    200,
+                    "shards_apart",
+                    f"the shards kept no common version for {SAME_VERSION_SECONDS:g} s",
+                )
 
     def submit(
         self,
@@ -239,19 +278,29 @@ class ShardedClient:
         into: bytearray | None = None,
         have: int | None = None,
     ) -> Weights | None:
-        """Shard 0's result (None while the round is open), then every other shard's."""
-        first = self.leader.wait_result(round, worker_id, wait)
-        self.last_waiting = self.leader.last_waiting
-        if first is None:
-            return None
-        rest = self._each(
-            lambda s, _client: self._follower_result(s, round, worker_id, wait),
-            range(1, len(self.clients)),
-        )
-        return Weights(self._join([first.body, *[w.body for w in rest]]), first.round)
+        """Shard 0's result (None while the round is open), then every other shard's (async:
+        of exactly the version shard 0 answered with; shard 0 is asked again when a shard
+        no longer keeps it)."""
+        while True:
+            first = self.leader.wait_result(round, worker_id, wait)
+            self.last_waiting = self.leader.last_waiting
+            if first is None:
+                return None
+            version = first.round if self.exact_versions else None
+            rest = self._each(
+                lambda s, _client, v=version: self._follower_result(s, round, worker_id, wait, v),
+                range(1, len(self.clients)),
+            )
+            if all(got is not None for got in rest):
+                bodies = [first.body, *[got.body for got in rest if got is not None]]
+                return Weights(self._join(bodies), first.round)
+            log.info("a shard moved past version %d before we took it; again", first.round)
 
-    def _follower_result(self, shard: int, round: int, worker_id: str, wait: float) -> Weights:
-        """A shard's result of a round shard 0 decided; a slice it lost goes again."""
+    def _follower_result(
+        self, shard: int, round: int, worker_id: str, wait: float, version: int | None
+    ) -> Weights | None:
+        """A shard's result of a round shard 0 decided (None: it no longer keeps `version`);
+        a slice it lost goes again."""
         client = self.clients[shard]
         started = time.monotonic()
         next_report = started + WAIT_REPORT_SECONDS
@@ -267,8 +316,10 @@ class ShardedClient:
                     time.monotonic() - started,
                 )
             try:
-                got = client.wait_result(round, worker_id, wait)
+                got = client.wait_result(round, worker_id, wait, version=version)
             except ServerError as exc:
+                if exc.kind == "version_gone":
+                    return None
                 pending = self._pending
                 if exc.kind != "not_submitted" or pending is None or pending.round != round:
                     raise
@@ -317,7 +368,8 @@ def clients_of_shards(
     cap = client.max_upload_mbps
     client.close()
     sharded = ShardedClient(
-        [connect(url, None if cap is None else cap / len(urls)) for url in urls]
+        [connect(url, None if cap is None else cap / len(urls)) for url in urls],
+        exact_versions=info.get("mode") == "async",
     )
     sharded.credential = client.credential  # one a checkpoint brought back, for shard 0
     return sharded

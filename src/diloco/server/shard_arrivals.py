@@ -1,0 +1,322 @@
+"""Async arrivals across sharded servers: shard 0 decides each step, every shard applies it.
+
+Each shard holds its slice of an arrival, keyed by (worker, the version its anchor was),
+spooled and not folded. The worker confirms on shard 0 once every shard holds its slices;
+only then does the arrival join shard 0's grace window. When the window closes, shard 0 folds
+its arrivals in worker-id order, each scaled by its staleness, steps (Delayed Nesterov), and
+writes the step with its `rounds` and `submissions` rows: that is the decision of the version
+(who, and the anchor of each), durable before any shard can read it. The other shards apply
+the decisions in version order, folding the same slices in the same order with the same
+scales, so the Delayed Nesterov counters and buffers of every shard move in step. A follower
+keeps the last few versions it served, so a worker can take every shard's part of one version
+while the versions move on (docs/architecture.md, "Sharded servers").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from diloco.algorithm import staleness_scale
+from diloco.server.async_arrivals import AsyncArrivals
+from diloco.server.engine_context import EngineContext
+from diloco.server.errors import Rejection
+from diloco.server.results import RoundResult
+from diloco.server.rounds import Round, ValueScan, fold
+from diloco.server.shard_rounds import session_digest
+from diloco.server.submission import Submission
+from diloco.wire.spool import CheckedPieces, PieceBody
+
+KEPT_VERSIONS = 3  # a follower's last versions, for a worker that took shard 0's before
+
+
+@dataclass
+class HeldSlice:
+    """A slice waiting for its decision, with the registration session it came from."""
+
+    submission: Submission
+    scan: ValueScan
+    session: str | None
+
+
+def _release(submission: Submission) -> None:
+    if isinstance(submission.tensors, PieceBody):
+        submission.tensors.release()
+
+
+class _HeldArrivals(AsyncArrivals):
+    """Slices held by (worker, anchor version) until a step folds them (both sides)."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        self.held: dict[tuple[str, int], HeldSlice] = {}
+        self.kept: deque[RoundResult] = deque(maxlen=KEPT_VERSIONS)
+
+    def folds_first(self, fragment: int) -> bool:
+        return False  # scanned, then held: nothing is folded before its step
+
+    def open_number(self) -> int | None:
+        """The version the next step makes from (None before the weights exist)."""
+        return None if self.c.model.masters is None else self.c.model.version
+
+    def holds(self, worker_id: str, round_number: int) -> tuple[int, str] | None:
+        """(tokens, session digest) of the slice held for (worker, anchor), or None."""
+        held = self.held.get((worker_id, round_number))
+        if held is None:
+            return None
+        return held.submission.tokens, session_digest(held.session)
+
+    def _replace_other_session(self, submission: Submission) -> bool:
+        """A slice from a new session replaces the held one of the same (worker, anchor)
+        (the old process is gone); True when one of the same session is held already."""
+        key = (submission.worker_id, submission.round)
+        held = self.held.get(key)
+        if held is None:
+            return False
+        if held.session == submission.record.session:
+            return True
+        del self.held[key]
+        _release(held.submission)
+        return False
+
+    def _hold(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
+        assert isinstance(checked, ValueScan)
+        c = self.c
+        now = c.clock()
+        if isinstance(submission.tensors, PieceBody):
+            submission.tensors.hold()  # the request's close() then leaves the file open
+        key = (submission.worker_id, submission.round)
+        self.held[key] = HeldSlice(submission, checked, submission.record.session)
+        # its worker's sign of life and bytes; units join the window at the confirmation
+        c.book(submission, Round(submission.round, set(), c.settings.weighting, now), now)
+
+    def _fold_held(self, window: Round, now: float) -> None:
+        """Fold the window's arrivals in worker-id order, each scaled by its staleness: the
+        order and scales every shard uses, so their sums are the same function of the
+        same slices."""
+        storage = self.c.model.sums_storage()
+        for submission, scan in sorted(window.held, key=lambda pair: pair[0].worker_id):
+            anchor = self.anchors[submission.worker_id]
+            scale = staleness_scale(window.number - anchor, self.c.settings.staleness_weighting)
+            fold(window, submission, scan, storage, now, scale, record=False)
+        for submission, _ in window.held:
+            _release(submission)
+        window.held = []
+        if window.running is None:
+            window.open_sums(storage)  # nobody left in it: a step that changes nothing
+
+    def _pending_answer(self, submission: Submission) -> dict:
+        return self._answer("accepted", submission.round, None)
+
+    def poll_version(
+        self, round_number: int, worker_id: str | None, version: int, now: float
+    ) -> RoundResult | None:
+        """The result of (worker, round_number)'s arrival at exactly `version` (shard 0's,
+        which the worker took first): None until this shard has applied the arrival and
+        reached `version`."""
+        if self.poll_result(round_number, 0, worker_id, now) is None:
+            return None
+        if version > self.c.model.version:
+            return None
+        return self.weights_at(version)
+
+    def weights_at(self, version: int) -> RoundResult:
+        """The weights of exactly `version`: the current ones, or one this shard kept."""
+        c = self.c
+        current = c.model.version
+        if version == current:
+            return c.model.current_weights(self.fragment_rounds()).lend()
+        for kept in self.kept:
+            if kept.round == version:
+                return kept
+        if version > current:
+            raise self._future(version)
+        raise Rejection(
+            409,
+            "version_gone",
+            f"this shard no longer keeps version {version} (it is at {current} and keeps "
+            f"the last {KEPT_VERSIONS}); ask shard 0 for the current version again",
+            version=version,
+            current_round=current,
+        )
+
+
+class LeaderArrivals(_HeldArrivals):
+    """Shard 0: membership, confirmations, the grace window, and each step's decision."""
+
+    def admit(self, submission: Submission) -> dict | None:
+        answer = super().admit(submission)  # applied, pending in the window, future
+        if answer is not None:
+            return answer
+        if self._replace_other_session(submission):
+            submission.record.last_seen = self.c.clock()
+            return self._answer("duplicate", submission.round, None)
+        # a slice of another anchor never confirmed: the worker moved on (or restarted)
+        for key in [k for k in self.held if k[0] == submission.worker_id]:
+            _release(self.held.pop(key).submission)
+        return None
+
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        self._hold(submission, checked)
+        return self._pending_answer(submission)
+
+    def pending_anchor(self, worker_id: str) -> int | None:
+        """The anchor of the worker's confirmed arrival in the open window, if any."""
+        return self.anchors.get(worker_id)
+
+    def confirm(self, worker_id: str, round_number: int) -> dict:
+        """The held slice of (worker, anchor) is on every shard (checked by the caller): it
+        joins the grace window, which may now close."""
+        c = self.c
+        now = c.clock()
+        held = self.held.pop((worker_id, round_number))
+        window = self.window
+        if window is None:
+            window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
+        window.hold(held.submission, held.scan, now)
+        window.add_units(worker_id, held.submission.units)
+        if held.submission.progress:
+            window.add_progress(worker_id, held.submission.progress)
+        self.window = window
+        self.anchors[worker_id] = round_number
+        staleness = c.model.version - round_number
+        c.metrics.staleness.observe(staleness)
+        self._try_commit(now)
+        applied = None if worker_id in self.anchors else c.model.version - 1
+        return self._answer("accepted", round_number, applied, staleness)
+
+    def on_leave(self, worker_id: str, now: float) -> None:
+        """A slice never confirmed is in no decision: it goes with its worker."""
+        for key in [k for k in self.held if k[0] == worker_id]:
+            _release(self.held.pop(key).submission)
+        super().on_leave(worker_id, now)
+
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        """An admin banned the worker: its arrivals, confirmed or not, are in no step (the
+        window folds nothing before it closes)."""
+        dropped = False
+        for key in [k for k in self.held if k[0] == worker_id]:
+            _release(self.held.pop(key).submission)
+            dropped = True
+        window = self.window
+        if window is not None and worker_id in self.anchors:
+            for pair in [p for p in window.held if p[0].worker_id == worker_id]:
+                window.held.remove(pair)
+                _release(pair[0])
+            window.submitted = {k: t for k, t in window.submitted.items() if k[0] != worker_id}
+            window.units.pop(worker_id, None)
+            window.progress.pop(worker_id, None)
+            window.members.discard(worker_id)
+            del self.anchors[worker_id]
+            if not window.submitted:
+                self.window = None
+            dropped = True
+        return dropped
+
+
+class FollowerArrivals(_HeldArrivals):
+    """Shards 1..S-1: hold slices; apply shard 0's decisions in version order."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        self.decided: tuple[int, dict[str, int]] | None = None  # version, worker -> anchor
+
+    def on_register(self, worker_id: str) -> None:
+        """Membership is shard 0's: a follower's steps wait for decisions, not members."""
+
+    def on_leave(self, worker_id: str, now: float) -> None:
+        """A slice shard 0 may have confirmed stays until a decision uses or passes it."""
+
+    def admit(self, submission: Submission) -> dict | None:
+        c = self.c
+        worker_id, anchor = submission.worker_id, submission.round
+        if anchor > c.model.version:
+            raise self._future(anchor)
+        applied = c.applied_version(worker_id, anchor)
+        if applied is not None:
+            submission.record.last_seen = c.clock()
+            return self._answer("duplicate", anchor, applied)
+        decided = self.decided is not None and self.decided[1].get(worker_id) == anchor
+        if decided and (worker_id, anchor) in self.held:
+            return self._answer("duplicate", anchor, None)  # decided: that slice it is
+        if self._replace_other_session(submission):
+            submission.record.last_seen = c.clock()
+            return self._answer("duplicate", anchor, None)
+        return None
+
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        self._hold(submission, checked)
+        self._try_commit(self.c.clock())
+        return self._pending_answer(submission)
+
+    def apply_decision(self, version: int, anchors: dict[str, int]) -> bool:
+        """Shard 0 made `version` from the arrivals (worker -> anchor) in `anchors`: apply it
+        once every one of their slices is here. False if it is not the next version here."""
+        if self.c.model.masters is None or version != self.c.model.version:
+            return False
+        if self.decided is None:
+            self.decided = (version, dict(anchors))
+            self._try_commit(self.c.clock())
+        return True
+
+    def _try_commit(self, now: float) -> None:
+        """Apply the decided step once its slices are all here (lock held)."""
+        c = self.c
+        if self.decided is None or c.model.masters is None or c.stopped():
+            return
+        version, anchors = self.decided
+        if version != c.model.version:
+            self.decided = None  # applied already (a restart found it durable)
+            return
+        if self.window is None:  # (else a step that failed to write: tried again)
+            if any((w, a) not in self.held for w, a in anchors.items()):
+                return  # a decided slice is missing here until its worker sends it again
+            window = Round(version, set(), c.settings.weighting, now)
+            for worker_id, anchor in sorted(anchors.items()):
+                held = self.held.pop((worker_id, anchor))
+                window.hold(held.submission, held.scan, now)
+            self.window, self.anchors = window, dict(anchors)
+        super()._try_commit(now)
+        if self.window is not None:
+            return
+        self.decided = None
+        self.kept.append(c.model.current_weights(self.fragment_rounds()).lend())
+        # slices of these workers for older anchors can no longer be decided
+        for worker_id, anchor in anchors.items():
+            for key in [k for k in self.held if k[0] == worker_id and k[1] < anchor]:
+                _release(self.held.pop(key).submission)
+
+    def waiting_for(self) -> list[str]:
+        if self.decided is None:
+            return []
+        _, anchors = self.decided
+        return sorted(w for w, a in anchors.items() if (w, a) not in self.held)
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None:
+        """The current weights once this shard has applied (worker, round_number); None
+        while it holds that slice. A slice neither held nor applied here is asked for again
+        (409 not_submitted): a worker asks only once shard 0 applied its arrival."""
+        c = self.c
+        if worker_id is None:
+            raise Rejection(
+                422,
+                "invalid_request",
+                "field 'worker_id' is required in async mode",
+                field="worker_id",
+            )
+        if c.applied_version(worker_id, round_number) is None:
+            if (worker_id, round_number) in self.held or c.closing():
+                return None
+            if round_number > c.model.version:
+                raise self._future(round_number)
+            raise Rejection(
+                409,
+                "not_submitted",
+                f"this shard holds no slice of {worker_id!r} for version {round_number} "
+                "(it restarted since, or it was never sent); submit it again",
+                round=round_number,
+                worker_id=worker_id,
+            )
+        return c.model.current_weights(self.fragment_rounds()).lend()
