@@ -28,13 +28,20 @@ from processes import global_weights, start_worker, wait_all
 
 STEPS, SYNC_EVERY, SHARDS = 16, 4, 2
 ROUNDS = STEPS // SYNC_EVERY
+SYNC_MODE = ("--sync-every", str(SYNC_EVERY), "--min-workers", "2")
 
 
 class Shards:
     """S shard processes on fixed ports and state dirs, which can be killed and restarted."""
 
-    def __init__(self, out: Path, env: dict[int, dict[str, str]] | None = None) -> None:
+    def __init__(
+        self,
+        out: Path,
+        env: dict[int, dict[str, str]] | None = None,
+        mode: tuple[str, ...] = SYNC_MODE,
+    ) -> None:
         self.out = out
+        self.mode = mode
         self.ports = free_ports(SHARDS)
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
         self.processes: list[subprocess.Popen] = []
@@ -54,10 +61,7 @@ class Shards:
             *urls,
             "--state-dir",
             str(self.out / f"state-{shard}"),
-            "--sync-every",
-            str(SYNC_EVERY),
-            "--min-workers",
-            "2",
+            *self.mode,
             "--heartbeat-interval",
             "0.3",
             "--heartbeat-timeout",

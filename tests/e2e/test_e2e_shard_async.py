@@ -1,0 +1,203 @@
+"""Async mode across sharded servers, as a user runs it, and under SIGKILL.
+
+With a grace window longer than a round and both workers registered before the first window
+closes (the run starts paused until both are live), every window holds both workers'
+arrivals, so an async run is deterministic: a sharded run ends where one async server ends
+(rtol 1e-5: shards fold in worker-id order, one server in arrival order), and a sharded run
+whose shards are killed at points of the cross-shard commit ends bit-identical to an unbroken
+sharded run. Without a grace window arrivals race; there the check is that every arrival was
+applied once, in the same steps on every shard (each shard's `submissions` table), with no
+gap in the versions.
+
+The default suite runs one kill point against one async server; `-m slow` runs the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_e2e_shard_crash import KILLS, SHARDS, STEPS, ShardKill, Shards, finish, train
+
+from diloco.faults import ENV_VAR
+from diloco.server.launch import start_server, stop_process
+from diloco.worker import DiLoCoClient, RetryPolicy
+from diloco.worker.admin_client import AdminClient
+from processes import global_weights
+
+SYNC_EVERY = 4
+ARRIVALS = STEPS // SYNC_EVERY  # each worker's
+ASYNC = ("--mode", "async", "--sync-every", str(SYNC_EVERY), "--dn-period", "2")
+WINDOWED = (*ASYNC, "--grace-seconds", "60")
+CI_POINT = "shard 0 decided durably, shard 1 not yet"
+
+
+def start_paused(url0: str, worker_url: str, corpus: Path, out: Path):
+    """Workers started while shard 0 is paused, resumed once both are live: no window can
+    close on the first worker alone."""
+    admin = AdminClient(url0, retry=RetryPolicy(attempts=20))
+    with admin, DiLoCoClient(url0, retry=RetryPolicy(attempts=20)) as client:
+        admin.pause()
+        workers = train(worker_url, corpus, out)
+        deadline = time.monotonic() + 120
+        while sum(w["live"] for w in client.status()["workers"]) < 2:
+            assert time.monotonic() < deadline, "the workers did not register"
+            time.sleep(0.05)
+        admin.resume()
+    return workers
+
+
+def shard_steps(out: Path, shard: int) -> list[tuple]:
+    with sqlite3.connect(out / f"state-{shard}" / "state.sqlite") as db:
+        return db.execute(
+            "SELECT version, worker_id, round, staleness FROM submissions "
+            "ORDER BY version, worker_id"
+        ).fetchall()
+
+
+def check_same_steps_everywhere(out: Path, versions: int) -> list[tuple]:
+    """Every version once on every shard, made from the same arrivals (worker, anchor,
+    staleness); each worker's arrivals applied once each."""
+    steps = [shard_steps(out, shard) for shard in range(SHARDS)]
+    assert all(s == steps[0] for s in steps), steps
+    for shard in range(SHARDS):
+        with sqlite3.connect(out / f"state-{shard}" / "state.sqlite") as db:
+            rounds = [r for (r,) in db.execute("SELECT round FROM rounds ORDER BY round")]
+        assert rounds == list(range(versions)), (shard, rounds)
+    per_worker = {w: sorted(a for _, x, a, _ in steps[0] if x == w) for w in ("w0", "w1")}
+    for anchors in per_worker.values():
+        assert len(anchors) == len(set(anchors)) == ARRIVALS, per_worker
+    return steps[0]
+
+
+def run_sharded(
+    out: Path, corpus: Path, mode: tuple[str, ...], kill: ShardKill | None = None
+) -> dict[str, torch.Tensor]:
+    env = None if kill is None else {kill.shard: {ENV_VAR: kill.spec}}
+    shards = Shards(out, env=env, mode=mode)
+    try:
+        workers = start_paused(shards.urls[0], shards.urls[1], corpus, out)
+        if kill is not None:
+            shards.processes[kill.shard].wait(timeout=180)
+            assert shards.processes[kill.shard].returncode == -signal.SIGKILL, kill
+            shards.restart(kill.shard)
+        finish(workers, out)
+        weights, versions = shards.weights()
+    finally:
+        shards.stop()
+    assert versions == [versions[0]] * SHARDS
+    steps = check_same_steps_everywhere(out, versions[0])
+    if mode == WINDOWED:  # both arrivals in every window, none stale
+        assert versions[0] == ARRIVALS
+        assert steps == [(v, w, v, 0) for v in range(ARRIVALS) for w in ("w0", "w1")]
+    for i in range(2):
+        report = json.loads((out / f"w{i}.json").read_text())
+        assert report["rounds"] == ARRIVALS and report["rebases"] == 0, report
+    return weights
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path):
+    return run_sharded(tmp_path_factory.mktemp("unbroken-async-shards"), corpus_file, WINDOWED)
+
+
+def test_sharded_async_under_a_kill_ends_where_one_async_server_ends(
+    corpus_file: Path, tmp_path: Path
+) -> None:
+    """Shard 0 killed once it decided a step that shard 1 has not applied; the joined weights
+    equal one (unsharded) async server's after the same windows."""
+    one = tmp_path / "one"
+    one.mkdir()
+    process, url = start_server(
+        one / "port", *WINDOWED, "--state-dir", str(one / "state"), output=(one / "log").open("ab")
+    )
+    try:
+        finish(start_paused(url, url, corpus_file, one), one)
+        reference, version = global_weights(url)
+    finally:
+        stop_process(process)
+    assert version == ARRIVALS
+    (kill,) = [k for k in KILLS if k.name == CI_POINT]
+    (tmp_path / "sharded").mkdir()
+    weights = run_sharded(tmp_path / "sharded", corpus_file, WINDOWED, kill)
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", KILLS, ids=str)
+def test_an_async_shard_killed_at_a_point_of_the_commit_ends_as_unbroken(
+    kill: ShardKill, unbroken, corpus_file: Path, tmp_path: Path
+) -> None:
+    weights = run_sharded(tmp_path, corpus_file, WINDOWED, kill)
+    for name, tensor in unbroken.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def kill_at_random(shards: Shards, workers: list, seed: int, kills: int = 3) -> list[int]:
+    """SIGKILL a seeded random shard after a seeded delay, `kills` times, each restarted."""
+    rng = random.Random(seed)
+    killed: list[int] = []
+
+    def killer() -> None:
+        for _ in range(kills):
+            time.sleep(rng.uniform(0.2, 1.2))
+            if all(w.poll() is not None for w in workers):
+                return
+            shard = rng.randrange(SHARDS)
+            shards.processes[shard].send_signal(signal.SIGKILL)
+            killed.append(shard)
+            shards.restart(shard)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    thread.join(timeout=300)
+    return killed
+
+
+@pytest.mark.slow
+def test_random_async_shard_kills_in_windows_end_as_unbroken(
+    unbroken, corpus_file: Path, tmp_path: Path
+) -> None:
+    shards = Shards(tmp_path, mode=WINDOWED)
+    try:
+        workers = start_paused(shards.urls[0], shards.urls[1], corpus_file, tmp_path)
+        killed = kill_at_random(shards, workers, seed=15)
+        finish(workers, tmp_path)
+        weights, versions = shards.weights()
+    finally:
+        shards.stop()
+    assert killed, "no shard was killed: the run ended first"
+    assert versions == [ARRIVALS] * SHARDS
+    check_same_steps_everywhere(tmp_path, ARRIVALS)
+    for name, tensor in unbroken.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [3, 8])
+def test_random_async_shard_kills_apply_every_arrival_once_on_every_shard(
+    seed: int, corpus_file: Path, tmp_path: Path
+) -> None:
+    """No grace window: arrivals race, steps hold one arrival each, stale ones included."""
+    shards = Shards(tmp_path, mode=ASYNC)
+    try:
+        workers = start_paused(shards.urls[0], shards.urls[1], corpus_file, tmp_path)
+        killed = kill_at_random(shards, workers, seed=seed)
+        finish(workers, tmp_path)
+        _, versions = shards.weights()
+    finally:
+        shards.stop()
+    assert killed, "no shard was killed: the run ended first"
+    assert versions == [2 * ARRIVALS] * SHARDS  # one step per arrival
+    steps = check_same_steps_everywhere(tmp_path, 2 * ARRIVALS)
+    assert [v for v, *_ in steps] == list(range(2 * ARRIVALS))
+    assert all(stale == v - anchor for v, _, anchor, stale in steps), steps
