@@ -15,6 +15,7 @@ while the versions move on (docs/architecture.md, "Sharded servers").
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diloco.algorithm import staleness_scale
@@ -27,7 +28,8 @@ from diloco.server.shard_rounds import session_digest
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces, PieceBody
 
-KEPT_VERSIONS = 3  # a follower's last versions, for a worker that took shard 0's before
+KEPT_VERSIONS = 3  # a follower's versions before its current one, for a worker that took
+# shard 0's first
 
 
 @dataclass
@@ -50,7 +52,7 @@ class _HeldArrivals(AsyncArrivals):
     def __init__(self, context: EngineContext) -> None:
         super().__init__(context)
         self.held: dict[tuple[str, int], HeldSlice] = {}
-        self.kept: deque[RoundResult] = deque(maxlen=KEPT_VERSIONS)
+        self.kept: deque[RoundResult] = deque(maxlen=KEPT_VERSIONS + 1)  # and the current
 
     def folds_first(self, fragment: int) -> bool:
         return False  # scanned, then held: nothing is folded before its step
@@ -116,6 +118,16 @@ class _HeldArrivals(AsyncArrivals):
         reached `version`."""
         if self.poll_result(round_number, 0, worker_id, now) is None:
             return None
+        applied = self.c.applied_version(worker_id, round_number)
+        if applied is not None and version <= applied:
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'version' ({version}) names weights from before the step that applied "
+                f"this arrival (which made version {applied + 1})",
+                field="version",
+                got=version,
+            )
         if version > self.c.model.version:
             return None
         return self.weights_at(version)
@@ -135,7 +147,7 @@ class _HeldArrivals(AsyncArrivals):
             409,
             "version_gone",
             f"this shard no longer keeps version {version} (it is at {current} and keeps "
-            f"the last {KEPT_VERSIONS}); ask shard 0 for the current version again",
+            f"the {KEPT_VERSIONS} before it); ask shard 0 for the current version again",
             version=version,
             current_round=current,
         )
@@ -143,6 +155,14 @@ class _HeldArrivals(AsyncArrivals):
 
 class LeaderArrivals(_HeldArrivals):
     """Shard 0: membership, confirmations, the grace window, and each step's decision."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        self.window_tokens: dict[str, int] = {}  # what each arrival in the window counted
+
+    def _fold_held(self, window: Round, now: float) -> None:
+        self.window_tokens.clear()
+        super()._fold_held(window, now)
 
     def admit(self, submission: Submission) -> dict | None:
         answer = super().admit(submission)  # applied, pending in the window, future
@@ -174,6 +194,7 @@ class LeaderArrivals(_HeldArrivals):
         if window is None:
             window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
         window.hold(held.submission, held.scan, now)
+        self.window_tokens[worker_id] = max(0, held.submission.tokens)
         window.add_units(worker_id, held.submission.units)
         if held.submission.progress:
             window.add_progress(worker_id, held.submission.progress)
@@ -203,7 +224,11 @@ class LeaderArrivals(_HeldArrivals):
             for pair in [p for p in window.held if p[0].worker_id == worker_id]:
                 window.held.remove(pair)
                 _release(pair[0])
-            window.submitted = {k: t for k, t in window.submitted.items() if k[0] != worker_id}
+            for pair in [p for p in window.submitted if p[0] == worker_id]:
+                del window.submitted[pair]
+            window.tokens -= self.window_tokens.pop(worker_id, 0)
+            if window.submitted:  # the grace deadline counts from the first arrival left
+                window.first_submission_at = min(window.submitted.values())
             window.units.pop(worker_id, None)
             window.progress.pop(worker_id, None)
             window.members.discard(worker_id)
@@ -220,6 +245,11 @@ class FollowerArrivals(_HeldArrivals):
     def __init__(self, context: EngineContext) -> None:
         super().__init__(context)
         self.decided: tuple[int, dict[str, int]] | None = None  # version, worker -> anchor
+
+    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
+        super().start(fragment_rounds, now)
+        self.kept.clear()
+        self.kept.append(self.c.model.current_weights(self.fragment_rounds()).lend())
 
     def on_register(self, worker_id: str) -> None:
         """Membership is shard 0's: a follower's steps wait for decisions, not members."""

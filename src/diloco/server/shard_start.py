@@ -85,15 +85,23 @@ class ShardStart:
         return wait_for_leader(self.peers, self.settings.to_wire(), LEADER_WAIT_SECONDS)
 
     def _check_version(self, mine: int, info: dict) -> None:
-        """A follower holds shard 0's version or the one before (shard 0 decides a round only
-        once every shard holds its slices, so no follower can be further behind); anything
-        else is state from another run, or lost: refused, naming both versions."""
+        """Sync: a follower holds shard 0's version or the one before (shard 0 decides a
+        round only once every shard holds its slices, so no follower can be further behind).
+        Async: any version up to shard 0's (a follower applies decided steps one by one and
+        may lag several). Anything else is state from another run, or lost: refused, naming
+        both versions."""
         leader = int(info.get("round", 0))
-        if mine not in (leader - 1, leader):
+        allowed = range(0, leader + 1) if self.settings.mode == "async" else (leader - 1, leader)
+        if mine not in allowed:
+            behind = (
+                "at most shard 0's"
+                if self.settings.mode == "async"
+                else ("at shard 0's round or the one before")
+            )
             raise ValueError(
                 f"this shard's state is at round {mine} and shard 0's at round {leader}: a "
-                f"shard can only be at shard 0's round or the one before (another run's "
-                "--state-dir, or one that lost rounds?)"
+                f"shard can only be {behind} (another run's --state-dir, or one that lost "
+                "rounds?)"
             )
 
     def follow(self, coordinator: Coordinator) -> DecisionFollower | None:
