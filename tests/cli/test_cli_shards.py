@@ -21,7 +21,7 @@ SERVER_CASES = [
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
           "http://127.0.0.1:1"), "must be distinct"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
-          "http://127.0.0.1:2", "--mode", "streaming"), "sharded servers run mode sync or async"),
+          "http://127.0.0.1:2", "--mode", "streaming"), "at least one fragment per shard"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
           "http://127.0.0.1:2", "--upload-codec", "int8"), "upload_codec fp32 or bf16"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",

@@ -58,12 +58,22 @@ class BarrierRounds:
     def open_round(self) -> Round | None:
         return self.rounds[0] if self.rounds else None
 
+    def _owned(self) -> list[Round]:
+        """The rounds of this server's fragments (a streaming shard's plan leaves the other
+        shards' fragments empty: their rounds here never see a submission)."""
+        plan = self.c.model.plan
+        if plan is None or len(plan) != len(self.rounds):
+            return list(self.rounds)
+        return [current for current, names in zip(self.rounds, plan, strict=True) if names]
+
     def waiting_for(self) -> list[str]:
-        return sorted({w for current in self.rounds for w in current.waiting_for()})
+        return sorted({w for current in self._owned() for w in current.waiting_for()})
 
     def more_submissions_needed(self) -> int:
         minimum = self.c.settings.min_workers
-        return max((current.more_submissions_needed(minimum) for current in self.rounds), default=0)
+        return max(
+            (current.more_submissions_needed(minimum) for current in self._owned()), default=0
+        )
 
     def on_register(self, worker_id: str) -> None:
         for current in self.rounds:
@@ -94,7 +104,7 @@ class BarrierRounds:
         if self.c.paused():
             return []  # the barrier's clock stops while an admin holds the rounds
         late: set[str] = set()
-        for current in self.rounds:
+        for current in self._owned():
             if current.barrier_expired(now, timeout):
                 late.update(current.waiting_for())
         return sorted(late)

@@ -91,6 +91,7 @@ class Coordinator:
             command_line_wins=self.journal.override_settings,
         )
         self.model = GlobalModel(settings)
+        self.model.fixed_plan = self.journal.state.get_meta("fragment_plan")  # streaming shards
         self.membership = Membership()
         self.traffic = Traffic(self.metrics)
         self.rounds_committed = 0
@@ -148,6 +149,7 @@ class Coordinator:
                 lambda: self.closing,
             )
             self.registrar.vouch = self.shard.vouch
+            self.shard.remove_worker = self.registrar.remove
         self.admin = AdminActions(
             self._lock,
             self.control,
@@ -334,6 +336,8 @@ class Coordinator:
         """A worker states its dataset; the same id with another shape is a 409."""
         with self._lock:
             self._require_usable(worker_id)
+            if self.shard is not None:
+                self.shard.require_datasets()
             return self.dispatch.register(worker_id, dataset_id, length, shuffle_seed, unit_size)
 
     def lease_units(

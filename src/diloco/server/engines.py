@@ -31,9 +31,9 @@ def engine_for(context: EngineContext) -> RoundEngine:
         return LeaderArrivals(context) if settings.leads else FollowerArrivals(context)
     if settings.mode == "async":
         return AsyncArrivals(context)
-    if settings.shards > 1:
+    if settings.shards > 1 and settings.mode == "sync":
         return LeaderRounds(context) if settings.leads else FollowerRounds(context)
-    return BarrierRounds(context)
+    return BarrierRounds(context)  # streaming shards too: each commits its own fragments
 
 
 class RoundEngine(Protocol):

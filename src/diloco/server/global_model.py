@@ -77,6 +77,8 @@ class GlobalModel:
         self.frames: MasterFrames | None = None  # the masters, in the result's byte layout
         self.specs: dict[str, TensorSpec] | None = None
         self.plan: list[list[str]] | None = None  # names per fragment (one fragment but streaming)
+        # a streaming shard: the whole model's plan, other shards' fragments empty
+        self.fixed_plan: list[list[str]] | None = None
         self.owner: dict[str, int] = {}  # name -> its fragment (from the plan)
         self.kinds_known = False
         self.version = 0  # outer steps committed: the round in sync mode
@@ -105,8 +107,9 @@ class GlobalModel:
         return {name: spec.kind for name, spec in self.specs.items()}
 
     def set_specs(self, specs: dict[str, TensorSpec], *, kinds_known: bool) -> None:
-        """The model's tensors; the fragment plan follows from them (ValueError if it cannot)."""
-        plan = fragment_plan(list(specs.values()), self.settings.fragments)
+        """The model's tensors; the fragment plan follows from them (ValueError if it cannot),
+        unless it is fixed (a streaming shard's: its fragments of the whole model's plan)."""
+        plan = self.fixed_plan or fragment_plan(list(specs.values()), self.settings.fragments)
         self.specs, self.plan, self.kinds_known = specs, plan, kinds_known
         self.owner = {name: f for f, members in enumerate(plan) for name in members}
 

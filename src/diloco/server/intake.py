@@ -222,6 +222,14 @@ class Intake:
                 got=fragment,
                 allowed=[0, len(plan) - 1],
             )
+        if not plan[fragment]:  # a streaming shard: another shard owns that fragment
+            raise Rejection(
+                409,
+                "wrong_shard",
+                f"fragment {fragment} lives on another shard (/v1/info names each shard's "
+                "fragments under shards.fragments)",
+                fragment=fragment,
+            )
 
     def check_header(
         self, fragment: int, shapes: Mapping[str, torch.Tensor], metadata: Mapping[str, str]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from diloco import faults
 from diloco.server.engines import RoundEngine
 from diloco.server.errors import Rejection
-from diloco.server.global_model import GlobalModel
+from diloco.server.global_model import GlobalModel, fragment_plan
 from diloco.server.journal import RoundJournal
 from diloco.server.membership import Membership
 from diloco.server.metrics import ServerMetrics
@@ -28,7 +28,7 @@ from diloco.wire import (
     first_difference,
     is_worker_id,
 )
-from diloco.wire.shard_layout import shard_layout
+from diloco.wire.shard_layout import shard_fragment_plan, shard_layout
 
 log = logging.getLogger("diloco.server")
 
@@ -57,6 +57,7 @@ class Registrar:
         self.journal = journal
         self.engine = engine
         self.metrics = metrics
+        self._registered_plan: list[list[str]] | None = None  # a streaming shard's part
 
     def register(
         self,
@@ -117,6 +118,9 @@ class Registrar:
                 worker_id=worker_id,
             )
         if self.model.specs is None or not self.model.kinds_known:
+            if self.model.fixed_plan is None and self._registered_plan is not None:
+                self.model.fixed_plan = self._registered_plan
+                self.journal.state.set_meta("fragment_plan", self._registered_plan)
             try:
                 self.model.set_specs({s.name: s for s in specs}, kinds_known=True)
             except ValueError as exc:  # the model cannot be cut into the fragments asked
@@ -140,6 +144,8 @@ class Registrar:
         shards = self.settings.shards
         if shards == 1:
             return list(specs)
+        if self.settings.mode == "streaming":
+            return self._own_fragments(specs)
         try:
             layout = shard_layout(list(specs), shards)
         except ValueError as exc:
@@ -147,6 +153,20 @@ class Registrar:
                 422, "shards_do_not_fit", f"this model cannot be split into shards: {exc}"
             ) from None
         owned = set(layout[self.settings.shard])
+        return [spec for spec in specs if spec.name in owned]
+
+    def _own_fragments(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+        """A streaming shard keeps whole fragments of the whole model's plan; the first
+        registration fixes that plan here (kept in the state, for restarts)."""
+        try:
+            plan = fragment_plan(list(specs), self.settings.fragments)
+            mine = shard_fragment_plan(plan, specs, self.settings.shards, self.settings.shard)
+        except ValueError as exc:
+            raise Rejection(
+                422, "shards_do_not_fit", f"this model cannot be split into shards: {exc}"
+            ) from None
+        self._registered_plan = mine  # fixed with the model's specs (register)
+        owned = {name for names in mine for name in names}
         return [spec for spec in specs if spec.name in owned]
 
     def _check_model(self, specs: Sequence[TensorSpec]) -> None:

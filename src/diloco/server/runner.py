@@ -242,6 +242,8 @@ def serve(
         initial = sharding.own_part(initial)
         sharding.check_against_shard_0()
     state = StateStore(state_dir, keep_checkpoints)
+    if sharding is not None and sharding.fragment_plan is not None:
+        state.set_meta("fragment_plan", sharding.fragment_plan)  # a streaming shard's --init
     database = None if state.directory is None else state.directory / DATABASE_NAME
     try:
         journal = RoundJournal(state, settings, override_settings, durability, checkpoint_every)

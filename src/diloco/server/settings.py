@@ -281,8 +281,8 @@ class ServerSettings:
         return self.shard == 0
 
     def _check_shards(self) -> None:
-        """Sharded servers run sync or async mode with plain uploads and downloads (what is
-        built)."""
+        """Sharded servers run plain uploads and downloads with the mean (what is built);
+        streaming shards own whole fragments, at least one each."""
         count = len(self.shard_urls)
         if count == 0:
             if self.shard != 0:
@@ -298,8 +298,12 @@ class ServerSettings:
             raise ValueError(
                 f"shard must be in [0, {count - 1}] for {count} shards, got {self.shard}"
             )
+        if self.mode == "streaming" and self.fragments < count:
+            raise ValueError(
+                f"sharded servers in streaming mode need at least one fragment per shard (each "
+                f"shard owns whole fragments): {self.fragments} fragments for {count} shards"
+            )
         unsupported = {
-            "mode": (self.mode, "sync or async"),
             "aggregation": (self.aggregation, "mean"),
             "upload_codec": (self.upload_codec, "fp32 or bf16"),
             "download_codec": (self.download_codec, "fp32"),
@@ -309,7 +313,7 @@ class ServerSettings:
             if not ok:
                 raise ValueError(
                     f"sharded servers run {name} {allowed} (the cross-shard commit is built "
-                    f"for sync rounds and async arrivals of plain bodies), got {value!r}"
+                    f"for plain bodies and the mean), got {value!r}"
                 )
 
     def to_wire(self) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
+from diloco.server.barrier_rounds import BarrierRounds
 from diloco.server.errors import Rejection
 from diloco.server.journal import RoundJournal
 from diloco.server.membership import Membership
@@ -29,7 +30,7 @@ class ShardCommit:
     def __init__(
         self,
         lock: threading.Condition,
-        engine: LeaderRounds | FollowerRounds | LeaderArrivals | FollowerArrivals,
+        engine: LeaderRounds | FollowerRounds | LeaderArrivals | FollowerArrivals | BarrierRounds,
         membership: Membership,
         journal: RoundJournal,
         peers: ShardPeers | None,
@@ -46,26 +47,80 @@ class ShardCommit:
         self.require_healthy = require_healthy
         self.closing = closing
         self.whole_model: str | None = None  # the --init model's fingerprint, if started so
+        # streaming followers: ends a worker's membership here (the registrar's `remove`)
+        self.remove_worker: Callable[..., None] = lambda _worker_id, _event: None
+
+    @property
+    def decides(self) -> bool:
+        """Whether shard 0 decides steps for every shard (sync, async); in streaming mode
+        each shard commits its own fragments' rounds, and nothing is confirmed or decided."""
+        return not isinstance(self.engine, BarrierRounds) or isinstance(
+            self.engine, (LeaderRounds, FollowerRounds)
+        )
+
+    def _require_decisions(self) -> None:
+        if not self.decides:
+            raise Rejection(
+                409,
+                "not_applicable",
+                "streaming shards commit each fragment's rounds on the shard that owns it: "
+                "nothing is confirmed or decided across shards",
+            )
+
+    def require_datasets(self) -> None:
+        """Streaming shards lease no work units: a fragment's submission, which would report
+        them, may go to a shard other than shard 0, which keeps the datasets."""
+        if not self.decides:
+            raise Rejection(
+                409,
+                "not_built",
+                "sharded servers in streaming mode do not lease work units (a fragment's "
+                "submission may go to a shard that keeps no dataset); give each worker its "
+                "own data (diloco worker --dispatch static)",
+            )
+
+    def live_members(self) -> dict:
+        """Shard 0: the workers live here (streaming followers evict the rest)."""
+        if not self.leads:
+            raise Rejection(409, "not_shard_0", "membership is shard 0's")
+        with self.lock:
+            return {"live": sorted(self.membership.live_ids())}
+
+    def follow_members(self, live: set[str], asked_at: float) -> None:
+        """A streaming follower: evict the workers shard 0 no longer holds live (asked at
+        `asked_at`; one registered or heard from since then waits for the next question,
+        since it may have registered on shard 0 after the answer)."""
+        with self.lock:
+            for worker_id in sorted(set(self.membership.live_ids()) - live):
+                record = self.membership.get_live(worker_id)
+                if record is not None and record.last_seen < asked_at:
+                    self.remove_worker(worker_id, "evicted_on_shard_0")
+            self.lock.notify_all()
 
     def info(self, specs: Mapping[str, TensorSpec] | None) -> dict:
         """Where the model's parts live, for a worker that knows one shard's URL: every
         shard's URL, and the tensors this one owns (once the model is known)."""
         settings = self.journal.settings
+        plan = (
+            self.journal.state.get_meta("fragment_plan") if settings.mode == "streaming" else None
+        )
         return {
             "index": settings.shard,
             "urls": list(settings.shard_urls),
             "owned": None if specs is None else list(specs),
             "whole_model": self.whole_model,
+            # streaming: the fragments (numbered as in the whole model's plan) this shard owns
+            "fragments": None if plan is None else [f for f, names in enumerate(plan) if names],
         }
 
     def open_round(self) -> int | None:
-        """The round this shard has open (None before the weights exist)."""
+        """The round this shard has open (None before the weights exist; sync, async)."""
         with self.lock:
             return self.engine.open_number()
 
     @property
     def leads(self) -> bool:
-        return isinstance(self.engine, (LeaderRounds, LeaderArrivals))
+        return self.journal.settings.leads
 
     def _open_round(self) -> int:
         number = self.engine.open_number()
@@ -78,6 +133,7 @@ class ShardCommit:
         the arrival whose anchor is that version); checked with each shard, it then counts
         for the round's barrier (joins the grace window). 409 `not_prepared` names the
         shards that lack it (send it there again, then confirm again)."""
+        self._require_decisions()
         if not self.leads:
             raise Rejection(
                 409, "not_shard_0", "confirmations go to shard 0, which decides the rounds"
@@ -191,6 +247,7 @@ class ShardCommit:
 
     def prepared(self, round_number: int, worker_id: str) -> dict:
         """Whether this shard holds `worker_id`'s slice of `round_number`, with its tokens."""
+        self._require_decisions()
         with self.lock:
             held = self.engine.holds(worker_id, round_number)
             tokens, session = (None, None) if held is None else held
@@ -206,6 +263,7 @@ class ShardCommit:
     def decision(self, round_number: int, wait: float) -> dict:
         """Shard 0: the contributors of round `round_number` once it committed (durable
         before this can answer), long-polling up to `wait` seconds while it is open."""
+        self._require_decisions()
         if not self.leads:
             raise Rejection(409, "not_shard_0", "decisions are shard 0's")
         wait = min(max(0.0, wait), MAX_DECISION_WAIT)

@@ -58,7 +58,7 @@ class ShardPeers:
         if response.status >= 300 or not isinstance(body, dict):
             raise PeerUnavailable(
                 f"shard {shard} at {self.urls[shard]} answered {response.status}: "
-                f"{body.get('message') if isinstance(body, dict) else response.data[:200]!r}"
+                f"{body.get('error') if isinstance(body, dict) else response.data[:200]!r}"
             )
         return body
 
@@ -96,6 +96,13 @@ class ShardPeers:
         """Whether shard 0 holds `worker_id` live under `session`."""
         answer = self._get(0, "/v1/shard/members", {"worker_id": worker_id, "session": session})
         return bool(answer.get("session_matches"))
+
+    def live_members(self) -> set[str]:
+        """The workers shard 0 holds live."""
+        live = self._get(0, "/v1/shard/live", {}).get("live")
+        if not isinstance(live, list):
+            raise PeerUnavailable("shard 0's list of live workers is malformed")
+        return {str(worker) for worker in live}
 
     def leader_info(self) -> dict:
         return self._get(0, "/v1/info", {})
@@ -173,6 +180,46 @@ class DecisionFollower(threading.Thread):
                     continue
                 # still open: a decided slice is missing here until its worker sends it again
                 self.stopped.wait(0.2 if self.open_round() == round_number else 0.0)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+class MembershipFollower(threading.Thread):
+    """A follower shard's loop in streaming mode, where each shard commits the rounds of its
+    own fragments: every `interval` seconds it asks shard 0 (which takes the heartbeats) who
+    is live, and `follow(live, asked_at)` evicts here whom shard 0 no longer holds, so no
+    barrier here waits for a worker that is gone."""
+
+    def __init__(
+        self,
+        peers: ShardPeers,
+        follow: Callable[[set[str], float], None],
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name="diloco-shard-members", daemon=True)
+        self.peers = peers
+        self.follow = follow
+        self.clock = clock  # the coordinator's, which its workers' last_seen are in
+        self.interval = max(0.05, interval)
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        told = 0.0
+        while not self.stopped.wait(self.interval):
+            asked_at = self.clock()
+            try:
+                live = self.peers.live_members()
+            except PeerUnavailable as exc:
+                if time.monotonic() - told > 30:
+                    told = time.monotonic()
+                    log.warning("cannot ask shard 0 who is live: %s", exc)
+                continue
+            try:
+                self.follow(live, asked_at)
+            except Exception:  # said, and asked again
+                log.exception("following shard 0's membership failed")
 
     def stop(self) -> None:
         self.stopped.set()

@@ -69,3 +69,8 @@ def add_shard_routes(
     ) -> dict:
         """Shard 0: who the round's step used, once it is durable (asked by the others)."""
         return await run_in_threadpool(shard.decision, round_number, wait)
+
+    @app.get("/v1/shard/live", dependencies=peers_only)
+    async def live() -> dict:
+        """Shard 0: the live workers (streaming: the others evict whom shard 0 evicted)."""
+        return await run_in_threadpool(shard.live_members)

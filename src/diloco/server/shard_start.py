@@ -8,11 +8,16 @@ from collections.abc import Mapping
 import torch
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.global_model import specs_of
+from diloco.server.global_model import fragment_plan, specs_of
 from diloco.server.settings import ServerSettings
-from diloco.server.shard_peers import DecisionFollower, ShardPeers, wait_for_leader
+from diloco.server.shard_peers import (
+    DecisionFollower,
+    MembershipFollower,
+    ShardPeers,
+    wait_for_leader,
+)
 from diloco.wire import fingerprint
-from diloco.wire.shard_layout import shard_layout
+from diloco.wire.shard_layout import shard_fragment_plan, shard_layout
 
 LEADER_WAIT_SECONDS = 120.0  # how long another shard waits for shard 0 to answer at start
 
@@ -42,6 +47,7 @@ class ShardStart:
         self.peers = ShardPeers(settings.shard_urls, settings.shard, token)
         # The whole --init model's fingerprint: shards started on other files refuse.
         self.whole_model = None
+        self.fragment_plan: list[list[str]] | None = None  # streaming: this shard's part
         if initial is not None:
             self.whole_model = fingerprint(list(specs_of(initial, None).values()))
 
@@ -52,7 +58,13 @@ class ShardStart:
         if initial is None:
             return None
         specs = list(specs_of(initial, None).values())
-        names = shard_layout(specs, self.settings.shards)[self.settings.shard]
+        settings = self.settings
+        if settings.mode == "streaming":  # whole fragments of the file's plan
+            plan = fragment_plan(specs, settings.fragments)
+            self.fragment_plan = shard_fragment_plan(plan, specs, settings.shards, settings.shard)
+            names = [name for names in self.fragment_plan for name in names]
+        else:
+            names = shard_layout(specs, settings.shards)[settings.shard]
         return {name: initial[name] for name in names}
 
     def check_against_shard_0(self) -> None:
@@ -104,8 +116,9 @@ class ShardStart:
                 "rounds?)"
             )
 
-    def follow(self, coordinator: Coordinator) -> DecisionFollower | None:
-        """Shard 0 states its --init fingerprint; the others follow its decisions."""
+    def follow(self, coordinator: Coordinator) -> DecisionFollower | MembershipFollower | None:
+        """Shard 0 states its --init fingerprint; the others follow its decisions (streaming:
+        its membership, each shard deciding the rounds of its own fragments)."""
         assert coordinator.shard is not None
         state = coordinator.journal.state
         if self.whole_model is not None:  # a first start (--init is refused on a resume)
@@ -116,6 +129,15 @@ class ShardStart:
             return None
         info = self._leader_info()  # once, for both checks
         self._check_model(whole_model, info)
+        if self.settings.mode == "streaming":  # each shard commits its own fragments
+            members = MembershipFollower(
+                self.peers,
+                coordinator.shard.follow_members,
+                self.settings.heartbeat_interval,
+                coordinator.clock,
+            )
+            members.start()
+            return members
         self._check_version(coordinator.version, info)
         follower = DecisionFollower(
             self.peers, coordinator.shard.open_round, coordinator.shard.apply_decision

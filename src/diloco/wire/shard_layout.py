@@ -52,3 +52,27 @@ def split_by_layout(
     if missing:
         raise ValueError(f"tensor {missing[0]!r} of the layout is missing")
     return [{name: tensors[name] for name in names} for names in layout]
+
+
+def fragment_shards(
+    plan: Sequence[Sequence[str]], specs: Sequence[TensorSpec], shards: int
+) -> list[int]:
+    """Streaming mode: the shard that owns each fragment of `plan` whole, balanced by the
+    fp32 bytes of the fragments (in plan order), so that a fragment's round lives on one
+    shard and commits there alone."""
+    size = {spec.name: master_bytes(spec) for spec in specs}
+    owned = assign_shards([sum(size[name] for name in names) for names in plan], shards)
+    owner = [0] * len(plan)
+    for shard, fragments in enumerate(owned):
+        for fragment in fragments:
+            owner[fragment] = shard
+    return owner
+
+
+def shard_fragment_plan(
+    plan: Sequence[Sequence[str]], specs: Sequence[TensorSpec], shards: int, shard: int
+) -> list[list[str]]:
+    """Shard `shard`'s view of the whole model's fragment plan: its own fragments' names, and
+    an empty list for every fragment another shard owns (fragment numbers stay the run's)."""
+    owner = fragment_shards(plan, specs, shards)
+    return [list(names) if owner[f] == shard else [] for f, names in enumerate(plan)]

@@ -43,11 +43,14 @@ class _Pending:
 class ShardedClient:
     """The DiLoCoClient calls a session makes, spread over every shard."""
 
-    def __init__(self, clients: Sequence[DiLoCoClient], exact_versions: bool = False) -> None:
-        """`exact_versions` (async mode, where versions move while a worker fetches S
-        parts): every shard is asked for exactly the version shard 0 answered with."""
+    def __init__(self, clients: Sequence[DiLoCoClient], mode: str = "sync") -> None:
+        """`mode`, the servers': async, where versions move while a worker fetches S parts,
+        asks every shard for exactly the version shard 0 answered with; streaming, where
+        each shard owns whole fragments, sends a fragment to its shard alone."""
         self.clients = list(clients)
-        self.exact_versions = exact_versions
+        self.mode = mode
+        self.exact_versions = mode == "async"
+        self.fragment_owner: list[int] | None = None  # streaming: each fragment's shard
         self.leader = self.clients[0]
         self.auth = self.leader.auth  # the heartbeat's: heartbeats go to shard 0
         self.base_url = self.leader.base_url
@@ -70,7 +73,41 @@ class ShardedClient:
         return [f.result() for f in futures]
 
     def set_model(self, specs: Sequence[TensorSpec]) -> None:
-        self.layout = shard_layout(list(specs), len(self.clients))
+        if self.mode != "streaming":  # (streaming: what the shards state, see _learn_layout)
+            self.layout = shard_layout(list(specs), len(self.clients))
+
+    def _learn_layout(self, infos: Sequence[Mapping[str, Any]]) -> None:
+        """Streaming: the tensors and fragments each shard states it owns (known once the
+        first worker registered)."""
+        parts = [info.get("shards") or {} for info in infos]
+        owned = [part.get("owned") for part in parts]
+        fragments = [part.get("fragments") for part in parts]
+        if any(o is None for o in owned) or any(f is None for f in fragments):
+            return
+        owner: dict[int, int] = {}
+        for shard, mine in enumerate(fragments):
+            for fragment in mine:
+                owner[int(fragment)] = shard
+        if sorted(owner) != list(range(len(owner))):
+            raise ServerError(
+                200, "invalid_response", f"the shards state fragments {fragments}, not 0..F-1"
+            )
+        self.layout = [list(names) for names in owned]
+        self.fragment_owner = [owner[f] for f in range(len(owner))]
+
+    def _streaming_infos(self) -> list[dict[str, Any]]:
+        infos = self._each(lambda _s, client: client.info())
+        self._learn_layout(infos)
+        return infos
+
+    def _owner(self, fragment: int) -> int:
+        if self.fragment_owner is None:
+            self._streaming_infos()
+        if self.fragment_owner is None or not 0 <= fragment < len(self.fragment_owner):
+            raise ServerError(
+                200, "invalid_response", f"no shard states that it owns fragment {fragment}"
+            )
+        return self.fragment_owner[fragment]
 
     def _split(self, body: Body) -> list[bytearray]:
         assert self.layout is not None, "register first: the layout comes from the model"
@@ -114,7 +151,20 @@ class ShardedClient:
     # ----------------------------------------------------------------- shard 0's routes
 
     def info(self) -> dict[str, Any]:
-        return self.leader.info()
+        """Shard 0's; in streaming mode with the whole model's fragment plan and rounds, each
+        fragment's from the shard that owns it."""
+        if self.mode != "streaming":
+            return self.leader.info()
+        infos = self._streaming_infos()
+        merged = dict(infos[0])
+        if self.fragment_owner is not None:
+            owner = self.fragment_owner
+            plans = [info.get("fragment_plan") for info in infos]
+            if all(plan is not None for plan in plans):
+                merged["fragment_plan"] = [plans[owner[f]][f] for f in range(len(owner))]
+            rounds = [info.get("fragment_rounds") or [] for info in infos]
+            merged["fragment_rounds"] = [rounds[owner[f]][f] for f in range(len(owner))]
+        return merged
 
     def healthz(self) -> dict[str, Any]:
         return self.leader.healthz()
@@ -155,6 +205,8 @@ class ShardedClient:
         )
         needs = [bool(first["needs_initial_weights"])] + [r["needs_initial_weights"] for r in rest]
         self._needs_initial = needs
+        if self.mode == "streaming":
+            self._streaming_infos()
         return {**first, "needs_initial_weights": any(needs)}
 
     def upload_initial(self, worker_id: str, body: Body) -> dict[str, Any]:
@@ -174,6 +226,8 @@ class ShardedClient:
         (or still waiting for its first weights) is asked again."""
         if self.exact_versions:
             return self._weights_of_one_version()
+        if self.mode == "streaming":
+            return self._weights_of_fragments()
         deadline = time.monotonic() + SAME_VERSION_SECONDS
         while True:
             try:
@@ -194,6 +248,27 @@ class ShardedClient:
                     f"{SAME_VERSION_SECONDS:g} s",
                 )
             time.sleep(0.05)
+
+    def _weights_of_fragments(self) -> Weights:
+        """Streaming: every shard's fragments as they are (each fragment has its own round,
+        taken from the shard that owns it)."""
+        while True:
+            try:
+                got = self._each(lambda _s, client: client.get_weights_detail())
+                break
+            except ServerError as exc:
+                if exc.kind != "no_weights":
+                    raise
+                time.sleep(0.2)
+        owner = self.fragment_owner
+        if owner is None:
+            self._streaming_infos()
+            owner = self.fragment_owner
+        if owner is None:
+            raise ServerError(200, "invalid_response", "the shards state no fragments")
+        rounds = [w.fragment_rounds or [] for w in got]
+        fragment_rounds = [rounds[owner[f]][f] for f in range(len(owner))]
+        return Weights(self._join([w.body for w in got]), got[0].round, fragment_rounds)
 
     def _weights_of_one_version(self) -> Weights:
         """Async: shard 0's current weights, then every other shard's part of exactly that
@@ -243,6 +318,10 @@ class ShardedClient:
         """Every shard's slice in parallel (work units go to shard 0), then the confirmation
         on shard 0: its answer is the submission's ("committed": the round went on without
         us)."""
+        if self.mode == "streaming":  # the fragment's shard alone commits its round
+            return self.clients[self._owner(fragment)].submit(
+                round, worker_id, body, fragment=fragment, tokens=tokens
+            )
         parts = self._split(body)
         self._pending = _Pending(round, worker_id, parts, tokens)
 
@@ -281,6 +360,13 @@ class ShardedClient:
         """Shard 0's result (None while the round is open), then every other shard's (async:
         of exactly the version shard 0 answered with; shard 0 is asked again when a shard
         no longer keeps it)."""
+        if self.mode == "streaming":
+            client = self.clients[self._owner(fragment)]
+            got = client.wait_result(
+                round, worker_id, wait, fragment=fragment, into=into, have=have
+            )
+            self.last_waiting = client.last_waiting
+            return got
         while True:
             first = self.leader.wait_result(round, worker_id, wait)
             self.last_waiting = self.leader.last_waiting
@@ -369,7 +455,7 @@ def clients_of_shards(
     client.close()
     sharded = ShardedClient(
         [connect(url, None if cap is None else cap / len(urls)) for url in urls],
-        exact_versions=info.get("mode") == "async",
+        mode=str(info.get("mode", "sync")),
     )
     sharded.credential = client.credential  # one a checkpoint brought back, for shard 0
     return sharded
