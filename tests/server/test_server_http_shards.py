@@ -186,6 +186,7 @@ def test_a_round_commits_on_every_shard_only_once_all_hold_every_slice(two_shard
     for name, tensor in {**got0, **got1}.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
     decision = json_of(call(url0, "GET", "/v1/shard/decisions/0"))
+    assert decision.pop("sessions").keys() == {"w1", "w2"}  # digests of their sessions
     assert decision == {
         "status": "decided",
         "round": 0,

@@ -20,6 +20,7 @@ from diloco.server.global_model import GlobalModel
 from diloco.server.membership import Membership
 from diloco.server.metrics import ServerMetrics
 from diloco.server.registrar import Registrar
+from diloco.server.settings import ServerSettings
 from diloco.server.store import StateStore
 from diloco.wire import WORKER_ID_PATTERN, encode_tensors, is_worker_id
 
@@ -53,8 +54,19 @@ class AdminActions:
         # Sharded servers: the other shards follow shard 0's decisions, so the run is steered
         # there (a ban or pause on one shard alone would make the shards disagree).
         self.steered_elsewhere = False
+        # Sharded servers: what shard 0 cannot pass on to the others (None: anything goes)
+        self.not_for_shards: frozenset[str] = frozenset()
 
-    def _require_steerable(self) -> None:
+    def configure_shards(self, settings: ServerSettings) -> None:
+        """A sharded run is steered on shard 0, and only with what it passes on: not the
+        outer lr (each shard steps with its own), nor in streaming mode a pause (each shard
+        commits its own fragments)."""
+        self.steered_elsewhere = not settings.leads
+        if settings.shards > 1:
+            streaming = {"pause", "resume"} if settings.mode == "streaming" else set()
+            self.not_for_shards = frozenset({"the outer lr", *streaming})
+
+    def _require_steerable(self, action: str = "") -> None:
         if self.steered_elsewhere:
             raise Rejection(
                 409,
@@ -62,15 +74,23 @@ class AdminActions:
                 "this shard follows shard 0's decisions: pause, resume, the outer lr, evictions "
                 "and bans go to shard 0",
             )
+        if action in self.not_for_shards:
+            raise Rejection(
+                409,
+                "not_built",
+                f"{action} is not passed on to a sharded run's other shards, which would then "
+                "step apart: set it at start on every shard (and restart them to change it)",
+                action=action,
+            )
 
     def pause(self, by: str) -> dict:
-        self._require_steerable()
+        self._require_steerable("pause")
         with self._lock:
             changed = self.control.pause(by, self.model.version)
             return {"paused": True, "changed": changed, "round": self.model.version}
 
     def resume(self, by: str) -> dict:
-        self._require_steerable()
+        self._require_steerable("resume")
         with self._lock:
             now = self.clock()
             since = self.control.resume(by, self.model.version)
@@ -85,7 +105,7 @@ class AdminActions:
             }
 
     def set_outer_lr(self, lr: float, by: str) -> dict:
-        self._require_steerable()
+        self._require_steerable("the outer lr")
         with self._lock:
             try:
                 previous = self.control.set_outer_lr(lr, by, self.model.version)

@@ -219,6 +219,7 @@ class AsyncArrivals:
             seconds=time.perf_counter() - started,
             # Staleness of each: the window opened at the current version, its anchor before.
             submissions=[(w, self.anchors[w], window.number - self.anchors[w]) for w in submitters],
+            sessions=self._sessions_of(window),
             **screened_record(c.screen, 0, window),
         )
         c.commit(running, record, self.fragment_rounds_after(record))
@@ -235,6 +236,10 @@ class AsyncArrivals:
             f"{', '.join(f'{w} (staleness {s})' for w, _, s in record.submissions)}",
             started,
         )
+
+    def _sessions_of(self, window: Round) -> dict[str, str]:
+        """Sharded servers: each contributor's session digest, for the step's record."""
+        return {}
 
     def _fold_held(self, window: Round, now: float) -> None:
         """Before the step: fold what the window holds unfolded (sharded servers hold every

@@ -58,6 +58,10 @@ class BarrierRounds:
     def open_round(self) -> Round | None:
         return self.rounds[0] if self.rounds else None
 
+    def _sessions_of(self, current: Round) -> dict[str, str]:
+        """Sharded servers: each contributor's session digest, for the step's record."""
+        return {}
+
     def _owned(self) -> list[Round]:
         """The rounds of this server's fragments (a streaming shard's plan leaves the other
         shards' fragments empty: their rounds here never see a submission)."""
@@ -221,6 +225,7 @@ class BarrierRounds:
             fragment=fragment,
             fragment_round=current.number if len(self.rounds) > 1 else None,
             submissions=[(w, current.number, 0) for w in sorted(current.submitters)],
+            sessions=self._sessions_of(current),
             **screened_record(c.screen, fragment, current),
         )
         c.commit(running, record, self.fragment_rounds_after(record))

@@ -161,7 +161,7 @@ class Coordinator:
             self.metrics,
             clock,
         )
-        self.admin.steered_elsewhere = not settings.leads
+        self.admin.configure_shards(settings)
         self.sent_rounds = SentRounds()  # delta downloads after a rollback
         self._restore(initial)
 

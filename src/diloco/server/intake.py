@@ -222,14 +222,7 @@ class Intake:
                 got=fragment,
                 allowed=[0, len(plan) - 1],
             )
-        if not plan[fragment]:  # a streaming shard: another shard owns that fragment
-            raise Rejection(
-                409,
-                "wrong_shard",
-                f"fragment {fragment} lives on another shard (/v1/info names each shard's "
-                "fragments under shards.fragments)",
-                fragment=fragment,
-            )
+        _require_own_fragment(plan, fragment)
 
     def check_header(
         self, fragment: int, shapes: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
@@ -241,6 +234,7 @@ class Intake:
         (`submit` then gives the reason)."""
         plan = self.model.plan
         if self.model.specs is not None and plan is not None and 0 <= fragment < len(plan):
+            _require_own_fragment(plan, fragment)
             try:
                 self.format.check(shapes, metadata, self._expected(fragment, shapes))
             except WireError as error:
@@ -290,6 +284,18 @@ class Intake:
             return self.engine.accept(submission, checked)
         except WireError as error:  # found by a checking reader: nothing was folded
             raise rejection_of(error) from None
+
+
+def _require_own_fragment(plan: Sequence[Sequence[str]], fragment: int) -> None:
+    """409 for a fragment another shard owns (a streaming shard's plan leaves it empty)."""
+    if not plan[fragment]:
+        raise Rejection(
+            409,
+            "wrong_shard",
+            f"fragment {fragment} lives on another shard (/v1/info names each shard's "
+            "fragments under shards.fragments)",
+            fragment=fragment,
+        )
 
 
 def book(traffic: Traffic, submission: Submission, target: Round, now: float) -> None:

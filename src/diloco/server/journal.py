@@ -65,6 +65,8 @@ class CommitRecord:
     clipped: dict[str, float] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
     norm_history: list[list[float]] | None = None
+    # Sharded servers: each contributor's session digest (which process's slices it used)
+    sessions: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -82,6 +84,7 @@ class CommitRecord:
             "clipped": dict(self.clipped),
             "refused": dict(self.refused),
             "norm_history": self.norm_history,
+            "sessions": dict(self.sessions),
         }
 
     @classmethod
@@ -106,6 +109,7 @@ class CommitRecord:
                 if data.get("norm_history") is None
                 else [[float(n) for n in norms] for norms in data["norm_history"]]
             ),
+            sessions={str(w): str(d) for w, d in data.get("sessions", {}).items()},
         )
 
     def apply_to(self, pool: UnitLedger) -> None:
@@ -147,6 +151,7 @@ class CommitRecord:
             fragment=self.fragment,
             fragment_round=self.fragment_round,
             submissions=self.submissions,
+            sessions=self.sessions,
         )
 
 

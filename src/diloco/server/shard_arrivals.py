@@ -18,7 +18,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from diloco.algorithm import staleness_scale
+from diloco.algorithm import Contribution, staleness_scale
+from diloco.algorithm.contributions import FINITE_SUM_LIMIT, contribution_weight
 from diloco.server.async_arrivals import AsyncArrivals
 from diloco.server.engine_context import EngineContext
 from diloco.server.errors import Rejection
@@ -30,6 +31,7 @@ from diloco.wire.spool import CheckedPieces, PieceBody
 
 KEPT_VERSIONS = 3  # a follower's versions before its current one, for a worker that took
 # shard 0's first
+HELD_SECONDS = 600.0  # a follower forgets a slice no decision named for this long
 
 
 @dataclass
@@ -39,6 +41,11 @@ class HeldSlice:
     submission: Submission
     scan: ValueScan
     session: str | None
+    at: float  # when it arrived (a follower forgets one no decision named for long)
+
+    @property
+    def digest(self) -> str:
+        return session_digest(self.session)
 
 
 def _release(submission: Submission) -> None:
@@ -47,12 +54,15 @@ def _release(submission: Submission) -> None:
 
 
 class _HeldArrivals(AsyncArrivals):
-    """Slices held by (worker, anchor version) until a step folds them (both sides)."""
+    """Slices held by (worker, anchor version, session digest) until a step folds them (both
+    sides): two processes under one id never share a key, so a decision that names the
+    digest it used picks the same slice on every shard."""
 
     def __init__(self, context: EngineContext) -> None:
         super().__init__(context)
-        self.held: dict[tuple[str, int], HeldSlice] = {}
+        self.held: dict[tuple[str, int, str], HeldSlice] = {}
         self.kept: deque[RoundResult] = deque(maxlen=KEPT_VERSIONS + 1)  # and the current
+        self.window_sessions: dict[str, str] = {}  # worker -> digest of the window's slice
 
     def folds_first(self, fragment: int) -> bool:
         return False  # scanned, then held: nothing is folded before its step
@@ -61,25 +71,35 @@ class _HeldArrivals(AsyncArrivals):
         """The version the next step makes from (None before the weights exist)."""
         return None if self.c.model.masters is None else self.c.model.version
 
-    def holds(self, worker_id: str, round_number: int) -> tuple[int, str] | None:
-        """(tokens, session digest) of the slice held for (worker, anchor), or None."""
-        held = self.held.get((worker_id, round_number))
-        if held is None:
-            return None
-        return held.submission.tokens, session_digest(held.session)
+    def _of(self, worker_id: str, round_number: int) -> list[tuple[str, int, str]]:
+        return [k for k in self.held if k[0] == worker_id and k[1] == round_number]
 
-    def _replace_other_session(self, submission: Submission) -> bool:
-        """A slice from a new session replaces the held one of the same (worker, anchor)
-        (the old process is gone); True when one of the same session is held already."""
-        key = (submission.worker_id, submission.round)
-        held = self.held.get(key)
-        if held is None:
-            return False
-        if held.session == submission.record.session:
-            return True
-        del self.held[key]
-        _release(held.submission)
-        return False
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> tuple[int, str] | None:
+        """(tokens, session digest) of the slice held for (worker, anchor) from the process
+        of `digest` (any, when not given), or None."""
+        keys = self._of(worker_id, round_number)
+        if digest is not None:
+            keys = [k for k in keys if k[2] == digest]
+        if not keys:
+            return None
+        held = max((self.held[k] for k in keys), key=lambda h: h.at)
+        return held.submission.tokens, held.digest
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
+        """The bound of the values of the slice `holds` names (0 when none is held)."""
+        keys = self._of(worker_id, round_number)
+        if digest is not None:
+            keys = [k for k in keys if k[2] == digest]
+        return max((self.held[k].scan.bound for k in keys), default=0.0)
+
+    def _key(self, submission: Submission) -> tuple[str, int, str]:
+        return (
+            submission.worker_id,
+            submission.round,
+            session_digest(submission.record.session),
+        )
 
     def _hold(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
         assert isinstance(checked, ValueScan)
@@ -87,10 +107,19 @@ class _HeldArrivals(AsyncArrivals):
         now = c.clock()
         if isinstance(submission.tensors, PieceBody):
             submission.tensors.hold()  # the request's close() then leaves the file open
-        key = (submission.worker_id, submission.round)
-        self.held[key] = HeldSlice(submission, checked, submission.record.session)
+        self.held[self._key(submission)] = HeldSlice(
+            submission, checked, submission.record.session, now
+        )
         # its worker's sign of life and bytes; units join the window at the confirmation
         c.book(submission, Round(submission.round, set(), c.settings.weighting, now), now)
+
+    def _drop(self, keys: list[tuple[str, int, str]]) -> bool:
+        for key in keys:
+            _release(self.held.pop(key).submission)
+        return bool(keys)
+
+    def _sessions_of(self, window: Round) -> dict[str, str]:
+        return {w: d for w, d in self.window_sessions.items() if w in window.submitters}
 
     def _fold_held(self, window: Round, now: float) -> None:
         """Fold the window's arrivals in worker-id order, each scaled by its staleness: the
@@ -158,25 +187,24 @@ class LeaderArrivals(_HeldArrivals):
 
     def __init__(self, context: EngineContext) -> None:
         super().__init__(context)
-        self.window_tokens: dict[str, int] = {}  # what each arrival in the window counted
-
-    def _fold_held(self, window: Round, now: float) -> None:
-        self.window_tokens.clear()
-        super()._fold_held(window, now)
+        # what each arrival in the window counted: tokens, and its value bound times its weight
+        self.window_tokens: dict[str, int] = {}
+        self.window_bounds: dict[str, float] = {}
 
     def admit(self, submission: Submission) -> dict | None:
         answer = super().admit(submission)  # applied, pending in the window, future
         if answer is not None:
             return answer
-        if self._replace_other_session(submission):
+        if self._key(submission) in self.held:
             submission.record.last_seen = self.c.clock()
             return self._answer("duplicate", submission.round, None)
-        # a slice of another anchor never confirmed: the worker moved on (or restarted)
-        for key in [k for k in self.held if k[0] == submission.worker_id]:
-            _release(self.held.pop(key).submission)
         return None
 
     def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        """Held until confirmed. Its worker's other slices (another anchor, or an older
+        process's) were never confirmed, so no decision names them: they go, now that this
+        one passed its checks."""
+        self._drop([k for k in self.held if k[0] == submission.worker_id])
         self._hold(submission, checked)
         return self._pending_answer(submission)
 
@@ -184,41 +212,64 @@ class LeaderArrivals(_HeldArrivals):
         """The anchor of the worker's confirmed arrival in the open window, if any."""
         return self.anchors.get(worker_id)
 
-    def confirm(self, worker_id: str, round_number: int) -> dict:
-        """The held slice of (worker, anchor) is on every shard (checked by the caller): it
-        joins the grace window, which may now close."""
+    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+        """The held slice of (worker, anchor) is on every shard (checked by the caller), its
+        values bounded by `bound` on all of them: it joins the grace window, which may now
+        close. 422 `sum_overflow` (nothing changed) when, added to the window, it could
+        overflow some shard's fp32 sums: refused here, where every shard's bound is known,
+        not when each shard folds."""
         c = self.c
         now = c.clock()
-        held = self.held.pop((worker_id, round_number))
+        (key,) = self._of(worker_id, round_number)
+        held = self.held[key]
+        staleness = c.model.version - round_number
+        scale = staleness_scale(staleness, c.settings.staleness_weighting)
+        weight = contribution_weight(Contribution({}, held.submission.tokens), c.settings.weighting)
+        load = abs(weight * scale) * bound
+        total = sum(self.window_bounds.values()) + load
+        if total > FINITE_SUM_LIMIT:
+            raise Rejection(
+                422,
+                "sum_overflow",
+                f"{worker_id!r}'s pseudo-gradient holds values up to {bound:.3g}: added to "
+                f"this step, some shard's fp32 sums could overflow",
+                bound=bound,
+                limit=FINITE_SUM_LIMIT,
+            )
+        del self.held[key]
         window = self.window
         if window is None:
             window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
         window.hold(held.submission, held.scan, now)
         self.window_tokens[worker_id] = max(0, held.submission.tokens)
+        self.window_bounds[worker_id] = load
+        self.window_sessions[worker_id] = held.digest
         window.add_units(worker_id, held.submission.units)
         if held.submission.progress:
             window.add_progress(worker_id, held.submission.progress)
         self.window = window
         self.anchors[worker_id] = round_number
-        staleness = c.model.version - round_number
         c.metrics.staleness.observe(staleness)
         self._try_commit(now)
         applied = None if worker_id in self.anchors else c.model.version - 1
         return self._answer("accepted", round_number, applied, staleness)
 
+    def _try_commit(self, now: float) -> None:
+        super()._try_commit(now)
+        if self.window is None:  # the step is made (or nothing was open)
+            self.window_tokens.clear()
+            self.window_bounds.clear()
+            self.window_sessions.clear()
+
     def on_leave(self, worker_id: str, now: float) -> None:
         """A slice never confirmed is in no decision: it goes with its worker."""
-        for key in [k for k in self.held if k[0] == worker_id]:
-            _release(self.held.pop(key).submission)
+        self._drop([k for k in self.held if k[0] == worker_id])
         super().on_leave(worker_id, now)
 
     def drop_pending(self, worker_id: str, reason: str) -> bool:
         """An admin banned the worker: its arrivals, confirmed or not, are in no step (the
         window folds nothing before it closes)."""
-        dropped = False
-        for key in [k for k in self.held if k[0] == worker_id]:
-            _release(self.held.pop(key).submission)
-            dropped = True
+        dropped = self._drop([k for k in self.held if k[0] == worker_id])
         window = self.window
         if window is not None and worker_id in self.anchors:
             for pair in [p for p in window.held if p[0].worker_id == worker_id]:
@@ -227,6 +278,8 @@ class LeaderArrivals(_HeldArrivals):
             for pair in [p for p in window.submitted if p[0] == worker_id]:
                 del window.submitted[pair]
             window.tokens -= self.window_tokens.pop(worker_id, 0)
+            self.window_bounds.pop(worker_id, None)
+            self.window_sessions.pop(worker_id, None)
             if window.submitted:  # the grace deadline counts from the first arrival left
                 window.first_submission_at = min(window.submitted.values())
             window.units.pop(worker_id, None)
@@ -244,7 +297,8 @@ class FollowerArrivals(_HeldArrivals):
 
     def __init__(self, context: EngineContext) -> None:
         super().__init__(context)
-        self.decided: tuple[int, dict[str, int]] | None = None  # version, worker -> anchor
+        # version, worker -> (anchor, session digest)
+        self.decided: tuple[int, dict[str, tuple[int, str | None]]] | None = None
 
     def start(self, fragment_rounds: Sequence[int], now: float) -> None:
         super().start(fragment_rounds, now)
@@ -266,61 +320,82 @@ class FollowerArrivals(_HeldArrivals):
         if applied is not None:
             submission.record.last_seen = c.clock()
             return self._answer("duplicate", anchor, applied)
-        decided = self.decided is not None and self.decided[1].get(worker_id) == anchor
-        if decided and (worker_id, anchor) in self.held:
-            return self._answer("duplicate", anchor, None)  # decided: that slice it is
-        if self._replace_other_session(submission):
+        if self._key(submission) in self.held:
             submission.record.last_seen = c.clock()
             return self._answer("duplicate", anchor, None)
-        return None
+        return None  # (another process's slice of the same anchor stays: see the decision)
 
     def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         self._hold(submission, checked)
         self._try_commit(self.c.clock())
         return self._pending_answer(submission)
 
-    def apply_decision(self, version: int, anchors: dict[str, int]) -> bool:
-        """Shard 0 made `version` from the arrivals (worker -> anchor) in `anchors`: apply it
-        once every one of their slices is here. False if it is not the next version here."""
+    def apply_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """Shard 0 made `version` from these arrivals (worker -> anchor, session digest):
+        apply it once every one of their slices is here. False if it is not the next
+        version here."""
         if self.c.model.masters is None or version != self.c.model.version:
             return False
         if self.decided is None:
-            self.decided = (version, dict(anchors))
+            self.decided = (version, dict(decided))
             self._try_commit(self.c.clock())
         return True
+
+    def _decided_key(self, worker_id: str, anchor: int, digest: str | None):
+        """The held slice a decision names: the one of its session (any, for a decision
+        that names none)."""
+        keys = self._of(worker_id, anchor)
+        if digest is not None:
+            keys = [k for k in keys if k[2] == digest]
+        return max(keys, key=lambda k: self.held[k].at) if keys else None
 
     def _try_commit(self, now: float) -> None:
         """Apply the decided step once its slices are all here (lock held)."""
         c = self.c
         if self.decided is None or c.model.masters is None or c.stopped():
             return
-        version, anchors = self.decided
+        version, decided = self.decided
         if version != c.model.version:
             self.decided = None  # applied already (a restart found it durable)
             return
         if self.window is None:  # (else a step that failed to write: tried again)
-            if any((w, a) not in self.held for w, a in anchors.items()):
+            keys = {w: self._decided_key(w, a, d) for w, (a, d) in decided.items()}
+            if any(key is None for key in keys.values()):
                 return  # a decided slice is missing here until its worker sends it again
             window = Round(version, set(), c.settings.weighting, now)
-            for worker_id, anchor in sorted(anchors.items()):
-                held = self.held.pop((worker_id, anchor))
+            for worker_id, key in sorted(keys.items()):
+                assert key is not None
+                held = self.held.pop(key)
                 window.hold(held.submission, held.scan, now)
-            self.window, self.anchors = window, dict(anchors)
+                self.window_sessions[worker_id] = held.digest
+            self.window = window
+            self.anchors = {w: a for w, (a, _) in decided.items()}
         super()._try_commit(now)
         if self.window is not None:
             return
         self.decided = None
+        self.window_sessions.clear()
         self.kept.append(c.model.current_weights(self.fragment_rounds()).lend())
-        # slices of these workers for older anchors can no longer be decided
-        for worker_id, anchor in anchors.items():
-            for key in [k for k in self.held if k[0] == worker_id and k[1] < anchor]:
-                _release(self.held.pop(key).submission)
+        # these workers' slices of this anchor or older can no longer be decided
+        for worker_id, (anchor, _) in decided.items():
+            self._drop([k for k in self.held if k[0] == worker_id and k[1] <= anchor])
+
+    def tick(self, now: float) -> None:
+        """Forget slices that no decision named for HELD_SECONDS (a worker that left, or an
+        arrival never confirmed); a decided one forgotten too soon is sent again."""
+        self._try_commit(now)
+        named = set()
+        if self.decided is not None:
+            named = {(w, a) for w, (a, _) in self.decided[1].items()}
+        self._drop(
+            [k for k, h in self.held.items() if now - h.at > HELD_SECONDS and k[:2] not in named]
+        )
 
     def waiting_for(self) -> list[str]:
-        if self.decided is None:
+        if self.decided is None or self.window is not None:
             return []
-        _, anchors = self.decided
-        return sorted(w for w, a in anchors.items() if (w, a) not in self.held)
+        _, decided = self.decided
+        return sorted(w for w, (a, d) in decided.items() if self._decided_key(w, a, d) is None)
 
     def poll_result(
         self, round_number: int, fragment: int, worker_id: str | None, now: float
@@ -337,7 +412,7 @@ class FollowerArrivals(_HeldArrivals):
                 field="worker_id",
             )
         if c.applied_version(worker_id, round_number) is None:
-            if (worker_id, round_number) in self.held or c.closing():
+            if self._of(worker_id, round_number) or c.closing():
                 return None
             if round_number > c.model.version:
                 raise self._future(round_number)

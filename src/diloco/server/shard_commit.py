@@ -156,7 +156,7 @@ class ShardCommit:
                 )
         assert self.peers is not None
         try:  # outside the lock: other workers' calls go on meanwhile
-            missing = self.peers.missing_slices(round_number, worker_id, *held)
+            missing, bound = self.peers.missing_slices(round_number, worker_id, *held)
         except PeerUnavailable as exc:
             raise Rejection(
                 503, "shard_unavailable", f"a shard cannot be reached: {exc}", round=round_number
@@ -184,7 +184,8 @@ class ShardCommit:
                     round=round_number,
                     worker_id=worker_id,
                 )
-            return self.engine.confirm(worker_id, round_number)
+            bound = max(bound, self.engine.bound_of(worker_id, round_number))
+            return self.engine.confirm(worker_id, round_number, bound)
 
     def _settled(self, worker_id: str, round_number: int) -> dict | None:
         """The answer to a confirmation with nothing left to confirm (lock held): its round
@@ -245,13 +246,16 @@ class ShardCommit:
                 503, "shard_unavailable", f"shard 0 cannot be reached to vouch for it: {exc}"
             ) from None
 
-    def prepared(self, round_number: int, worker_id: str) -> dict:
-        """Whether this shard holds `worker_id`'s slice of `round_number`, with its tokens."""
+    def prepared(self, round_number: int, worker_id: str, digest: str | None = None) -> dict:
+        """Whether this shard holds `worker_id`'s slice of `round_number` (from the process
+        whose session digest is `digest`, when given), with its tokens."""
         self._require_decisions()
         with self.lock:
-            held = self.engine.holds(worker_id, round_number)
+            held = self.engine.holds(worker_id, round_number, digest)
             tokens, session = (None, None) if held is None else held
+            bound = self.engine.bound_of(worker_id, round_number, digest)
             return {
+                "bound": None if held is None else bound,
                 "round": round_number,
                 "current_round": self.engine.open_number(),
                 "worker_id": worker_id,
@@ -279,6 +283,8 @@ class ShardCommit:
                         "contributors": contributors,
                         # the round each was sent for (async: its anchor version)
                         "anchors": {row["worker_id"]: row["round"] for row in used},
+                        # whose process each one's slices came from (a session digest)
+                        "sessions": self.journal.state.sessions_of(round_number),
                     }
                 current = self.engine.open_number()
                 if current is not None and round_number > current:
@@ -323,9 +329,9 @@ class ShardCommit:
             round_number, worker_id, version, now
         )
 
-    def apply_decision(self, round_number: int, anchors: dict[str, int]) -> None:
+    def apply_decision(self, round_number: int, anchors: dict[str, tuple[int, str | None]]) -> None:
         """A follower: shard 0 decided `round_number` with these contributors (worker -> the
-        round it sent for); commit it when their slices are here."""
+        round it sent for, and its session digest); commit it when their slices are here."""
         assert isinstance(self.engine, (FollowerRounds, FollowerArrivals))
         with self.lock:
             if self.engine.apply_decision(round_number, anchors):

@@ -64,33 +64,44 @@ class ShardPeers:
 
     def missing_slices(
         self, round_number: int, worker_id: str, tokens: int, session_digest: str
-    ) -> list[int]:
+    ) -> tuple[list[int], float]:
         """The other shards that do not hold `worker_id`'s slice of `round_number` with
         `tokens` from the same process (session) as shard 0's (its call, before it confirms
-        the worker); all asked at once."""
+        the worker), all asked at once; and the largest bound of the slices' values that the
+        shards holding one state."""
         others = [shard for shard in range(len(self.urls)) if shard != self.index]
-        query = {"round": round_number, "worker_id": worker_id}
+        query = {"round": round_number, "worker_id": worker_id, "session_digest": session_digest}
         answers = list(
             self._asking.map(lambda s: self._get(s, "/v1/shard/prepared", query), others)
         )
-        return [
+        missing = [
             shard
             for shard, held in zip(others, answers, strict=True)
             if not held.get("prepared")
             or held.get("tokens") != tokens
             or held.get("session_digest") != session_digest
         ]
+        bounds = [held.get("bound") for held in answers if held.get("prepared")]
+        if any(not isinstance(b, (int, float)) for b in bounds):
+            raise PeerUnavailable("a shard stated no bound of the slice's values")
+        return missing, float(max(bounds, default=0.0))
 
-    def decision(self, round_number: int, wait: float) -> dict[str, int] | None:
+    def decision(self, round_number: int, wait: float) -> dict[str, tuple[int, str | None]] | None:
         """Shard 0's decision of `round_number`: its contributors, each with the round it
-        sent for (async: its anchor version), or None while open."""
+        sent for (async: its anchor version) and the digest of the session its slices came
+        from, or None while open."""
         answer = self._get(0, f"/v1/shard/decisions/{round_number}", {"wait": wait}, wait)
         contributors, anchors = answer.get("contributors"), answer.get("anchors")
+        sessions = answer.get("sessions") or {}
         if answer.get("status") != "decided" or not isinstance(contributors, list):
             return None
         if not isinstance(anchors, dict) or set(anchors) != set(map(str, contributors)):
             raise PeerUnavailable(f"shard 0's decision of round {round_number} is malformed")
-        return {str(worker): int(anchors[worker]) for worker in contributors}
+        if not isinstance(sessions, dict):
+            raise PeerUnavailable(f"shard 0's decision of round {round_number} is malformed")
+        return {
+            str(worker): (int(anchors[worker]), sessions.get(worker)) for worker in contributors
+        }
 
     def member_session(self, worker_id: str, session: str) -> bool:
         """Whether shard 0 holds `worker_id` live under `session`."""
@@ -146,7 +157,7 @@ class DecisionFollower(threading.Thread):
         self,
         peers: ShardPeers,
         open_round: Callable[[], int | None],
-        apply: Callable[[int, dict[str, int]], None],
+        apply: Callable[[int, dict[str, tuple[int, str | None]]], None],
         wait: float = 10.0,
     ) -> None:
         super().__init__(name="diloco-shard-decisions", daemon=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from diloco.algorithm import Contribution
+from diloco.algorithm.contributions import FINITE_SUM_LIMIT, contribution_weight
 from diloco.server.barrier_rounds import BarrierRounds
 from diloco.server.engine_context import EngineContext
 from diloco.server.errors import Rejection
@@ -34,6 +36,7 @@ class LeaderRound(Round):
     """Shard 0's round: a member is in once it confirmed that every shard holds its slices."""
 
     confirmed: set[str] = field(default_factory=set)
+    loads: dict[str, float] = field(default_factory=dict)  # worker -> weight x value bound
 
     def waiting_for(self) -> list[str]:
         return sorted(self.members - self.confirmed)
@@ -55,6 +58,11 @@ class FollowerRound(Round):
 
     def ready(self, min_workers: int) -> bool:
         return self.decided is not None and not self.waiting_for()
+
+
+def _release(submission: Submission) -> None:
+    if isinstance(submission.tensors, PieceBody):
+        submission.tensors.release()
 
 
 def _fold_only(current: Round, chosen: set[str], storage: dict, now: float) -> None:
@@ -88,6 +96,14 @@ class _HeldRounds(BarrierRounds):
         super().__init__(context)
         # (round, worker) -> the registration session its held slice came from
         self._sessions: dict[tuple[int, str], str | None] = {}
+        # a follower: slices a newer process's slice replaced, by (round, worker, digest),
+        # kept until the round is decided (shard 0 may have confirmed the older one)
+        self._replaced: dict[tuple[int, str, str], tuple[Submission, ValueScan, str | None]] = {}
+
+    def _sessions_of(self, current: Round) -> dict[str, str]:
+        return {
+            w: session_digest(self._sessions.get((current.number, w))) for w in current.submitters
+        }
 
     def folds_first(self, fragment: int) -> bool:
         return False  # scanned, then held: nothing is folded before the decision
@@ -101,22 +117,31 @@ class _HeldRounds(BarrierRounds):
         self._sessions[(current.number, submission.worker_id)] = submission.record.session
         for key in [k for k in self._sessions if k[0] < current.number]:
             del self._sessions[key]
+        for key in [k for k in self._replaced if k[0] < current.number]:
+            _release(self._replaced.pop(key)[0])
         current.hold(submission, checked, now)
         c.book(submission, current, now)
         self._try_commit(submission.fragment, now)
         return self._answer("accepted", submission.round, submission.fragment)
 
-    def holds(self, worker_id: str, round_number: int) -> tuple[int, str] | None:
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> tuple[int, str] | None:
         """(tokens, session digest) of `worker_id`'s held slice of the open round
-        `round_number`, or None. The digest tells slices of two processes under one id
-        apart (a worker restarted without its checkpoint) without showing the session."""
+        `round_number` (from the process of `digest`, when given), or None. The digest tells
+        slices of two processes under one id apart (a worker restarted without its
+        checkpoint) without showing the session."""
         current = self.rounds[0] if self.rounds else None
         if current is None or current.number != round_number:
             return None
         for submission, _ in current.held:
             if submission.worker_id == worker_id:
                 session = self._sessions.get((round_number, worker_id))
-                return submission.tokens, session_digest(session)
+                if digest is None or session_digest(session) == digest:
+                    return submission.tokens, session_digest(session)
+        replaced = self._replaced.get((round_number, worker_id, digest or ""))
+        if replaced is not None:
+            return replaced[0].tokens, session_digest(replaced[2])
         return None
 
     def admit(self, submission: Submission) -> dict | None:
@@ -130,14 +155,34 @@ class _HeldRounds(BarrierRounds):
             and self._replaceable(current, submission.worker_id)
         ):
             key = (current.number, submission.worker_id)
-            for held, _ in list(current.held):
+            for held, scan in list(current.held):
                 same = held.worker_id == submission.worker_id
-                if same and self._sessions.get(key) != submission.record.session:
-                    current.held.remove((held, _))
+                old_session = self._sessions.get(key)
+                if same and old_session != submission.record.session:
+                    current.held.remove((held, scan))
                     current.submitted.pop((held.worker_id, held.fragment), None)
-                    if isinstance(held.tensors, PieceBody):
-                        held.tensors.release()
+                    self._set_aside(current.number, held, scan, old_session)
         return super().admit(submission)
+
+    def _set_aside(
+        self, number: int, held: Submission, scan: ValueScan, session: str | None
+    ) -> None:
+        """A slice a newer process's replaced: gone (shard 0, which never confirmed it)."""
+        _release(held)
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
+        """The bound of the values of the slice `holds` names (0 when none is held)."""
+        current = self.rounds[0] if self.rounds else None
+        if current is None or current.number != round_number:
+            return 0.0
+        session = self._sessions.get((round_number, worker_id))
+        for submission, scan in current.held:
+            if submission.worker_id == worker_id and (
+                digest is None or session_digest(session) == digest
+            ):
+                return scan.bound
+        replaced = self._replaced.get((round_number, worker_id, digest or ""))
+        return 0.0 if replaced is None else replaced[1].bound
 
     def _replaceable(self, current: Round, worker_id: str) -> bool:
         return True
@@ -156,11 +201,29 @@ class LeaderRounds(_HeldRounds):
         assert isinstance(current, LeaderRound)
         return worker_id not in current.confirmed  # confirmed: every shard holds that slice
 
-    def confirm(self, worker_id: str, round_number: int) -> dict:
+    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
         """`worker_id`'s slices of the open round are held on every shard (checked by the
-        caller): it counts for the barrier, and the round may now be decided."""
+        caller), their values bounded by `bound` on all of them: it counts for the barrier,
+        and the round may now be decided. 422 `sum_overflow` (nothing changed) when, added
+        to the round, it could overflow some shard's fp32 sums: refused here, where every
+        shard's bound is known, not when each shard folds."""
         current = self.rounds[0]
         assert isinstance(current, LeaderRound)
+        tokens = self.holds(worker_id, round_number)
+        weight = contribution_weight(
+            Contribution({}, 0 if tokens is None else tokens[0]), self.c.settings.weighting
+        )
+        load = abs(weight) * bound
+        if sum(v for w, v in current.loads.items() if w != worker_id) + load > FINITE_SUM_LIMIT:
+            raise Rejection(
+                422,
+                "sum_overflow",
+                f"{worker_id!r}'s pseudo-gradient holds values up to {bound:.3g}: added to "
+                f"this round, some shard's fp32 sums could overflow",
+                bound=bound,
+                limit=FINITE_SUM_LIMIT,
+            )
+        current.loads[worker_id] = load
         current.confirmed.add(worker_id)
         self._try_commit(0, self.c.clock())
         return self._answer("accepted", round_number, 0)
@@ -170,6 +233,7 @@ class LeaderRounds(_HeldRounds):
         for current in self.rounds:
             if isinstance(current, LeaderRound):
                 current.confirmed.discard(worker_id)
+                current.loads.pop(worker_id, None)
         return super().drop_pending(worker_id, reason)
 
     def _decide(self, fragment: int, current: Round, now: float) -> None:
@@ -193,20 +257,46 @@ class FollowerRounds(_HeldRounds):
         assert isinstance(current, FollowerRound)
         return current.decided is None
 
-    def apply_decision(self, round_number: int, anchors: dict[str, int]) -> bool:
+    def _set_aside(
+        self, number: int, held: Submission, scan: ValueScan, session: str | None
+    ) -> None:
+        """Kept until the round is decided: shard 0 may have confirmed the older process's
+        slice (its decision names the session digest it used)."""
+        self._replaced[(number, held.worker_id, session_digest(session))] = (held, scan, session)
+
+    def apply_decision(self, round_number: int, decided: dict[str, tuple[int, str | None]]) -> bool:
         """Shard 0 decided `round_number` with these contributors (worker -> the round they
-        sent for, this one): commit it once every decided slice is here (now, or when the
-        missing ones are sent again). False if it is not the open round (already applied,
-        or not reached)."""
-        contributors = list(anchors)
+        sent for, this one, and the session digest of the slices it used): commit it once
+        every decided slice is here (now, or when the missing ones are sent again). False if
+        it is not the open round (already applied, or not reached)."""
         current = self.rounds[0] if self.rounds else None
         if current is None or current.number != round_number:
             return False
         assert isinstance(current, FollowerRound)
         if current.decided is None:
-            current.decided = sorted(contributors)
+            for worker_id, (_, digest) in decided.items():
+                if digest is not None:
+                    self._take_back(current, worker_id, digest)
+            current.decided = sorted(decided)
             self._try_commit(0, self.c.clock())
         return True
+
+    def _take_back(self, current: FollowerRound, worker_id: str, digest: str) -> None:
+        """The decided slice is one a newer process's replaced: it goes back in the round
+        (the newer one is set aside), so this shard folds what shard 0 folded."""
+        key = (current.number, worker_id)
+        if session_digest(self._sessions.get(key)) == digest:
+            return
+        older = self._replaced.pop((current.number, worker_id, digest), None)
+        for held, scan in [p for p in current.held if p[0].worker_id == worker_id]:
+            current.held.remove((held, scan))
+            current.submitted.pop((held.worker_id, held.fragment), None)
+            self._set_aside(current.number, held, scan, self._sessions.get(key))
+        if older is not None:
+            submission, scan, session = older
+            current.held.append((submission, scan))
+            current.submitted[(worker_id, submission.fragment)] = self.c.clock()
+            self._sessions[key] = session
 
     def _decide(self, fragment: int, current: Round, now: float) -> None:
         assert isinstance(current, FollowerRound) and current.decided is not None

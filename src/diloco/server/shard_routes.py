@@ -51,9 +51,11 @@ def add_shard_routes(
     async def prepared(
         round: int = Query(..., ge=0, le=MAX_COUNT),
         worker_id: str = Query(..., max_length=200),
+        session_digest: str | None = Query(None, max_length=64),
     ) -> dict:
-        """Whether this shard holds the worker's slice of the round (asked by shard 0)."""
-        return await run_in_threadpool(shard.prepared, round, worker_id)
+        """Whether this shard holds the worker's slice of the round (asked by shard 0; with
+        `session_digest`: the slice from that process)."""
+        return await run_in_threadpool(shard.prepared, round, worker_id, session_digest)
 
     @app.get("/v1/shard/members", dependencies=peers_only)
     async def member(

@@ -72,6 +72,12 @@ CREATE TABLE IF NOT EXISTS submissions (        -- every pseudo-gradient an oute
     staleness INTEGER NOT NULL,         -- async: outer steps between its anchor and its step
     PRIMARY KEY (worker_id, round, fragment)
 );
+CREATE TABLE IF NOT EXISTS decided_sessions (  -- sharded servers: whose process each
+    version INTEGER NOT NULL,                  -- contributor's slices came from (a digest
+    worker_id TEXT NOT NULL,                   -- of its registration session), so every
+    digest TEXT NOT NULL,                      -- shard folds the same process's slices
+    PRIMARY KEY (version, worker_id)
+);
 CREATE TABLE IF NOT EXISTS audit (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,
@@ -325,8 +331,10 @@ class StateStore:
         fragment: int = 0,
         fragment_round: int | None = None,
         submissions: list[tuple[str, int, int]] = (),  # type: ignore[assignment]
+        sessions: dict[str, str] | None = None,
     ) -> None:
         """The row of a committed outer step; a second commit of the same one fails loudly.
+        `sessions` (sharded servers): each contributor's session digest.
 
         `submissions` are (worker, round sent for, staleness) of the pseudo-gradients it used;
         a second application of one of them fails loudly too (the table's primary key).
@@ -352,6 +360,10 @@ class StateStore:
             [(w, sent_for, fragment, round_number, stale) for w, sent_for, stale in submissions],
         )
         self.conn.executemany(
+            "INSERT INTO decided_sessions (version, worker_id, digest) VALUES (?, ?, ?)",
+            [(round_number, w, digest) for w, digest in sorted((sessions or {}).items())],
+        )
+        self.conn.executemany(
             "UPDATE workers SET rounds_contributed = rounds_contributed + 1 WHERE worker_id = ?",
             [(w,) for w in contributors],
         )
@@ -369,6 +381,13 @@ class StateStore:
             (worker_id, round_number, fragment),
         ).fetchone()
         return None if row is None else int(row[0])
+
+    def sessions_of(self, version: int) -> dict[str, str]:
+        """Sharded servers: the session digest of each contributor to step `version`."""
+        rows = self.conn.execute(
+            "SELECT worker_id, digest FROM decided_sessions WHERE version = ?", (version,)
+        )
+        return {w: d for w, d in rows}
 
     def submissions_of(self, version: int) -> list[dict]:
         rows = self.conn.execute(
@@ -461,6 +480,7 @@ class StateStore:
         """Drop the rows of rounds a restart rolled back (their checkpoint was lost)."""
         self.conn.execute("DELETE FROM rounds WHERE round >= ?", (first,))
         self.conn.execute("DELETE FROM submissions WHERE version >= ?", (first,))
+        self.conn.execute("DELETE FROM decided_sessions WHERE version >= ?", (first,))
         self.conn.execute("DELETE FROM metrics WHERE round >= ?", (first,))
         self.conn.execute("DELETE FROM worker_metrics WHERE round >= ?", (first,))
 

@@ -367,7 +367,10 @@ class ShardedClient:
             )
             self.last_waiting = client.last_waiting
             return got
-        while True:
+        deadline = time.monotonic() + SAME_VERSION_SECONDS
+        for attempt in range(1_000_000):
+            if attempt:  # a shard moved on past what it keeps: back off, then again
+                time.sleep(min(2.0, 0.05 * 2**attempt))
             first = self.leader.wait_result(round, worker_id, wait)
             self.last_waiting = self.leader.last_waiting
             if first is None:
@@ -381,6 +384,14 @@ class ShardedClient:
                 bodies = [first.body, *[got.body for got in rest if got is not None]]
                 return Weights(self._join(bodies), first.round)
             log.info("a shard moved past version %d before we took it; again", first.round)
+            if time.monotonic() > deadline:
+                break
+        raise ServerError(
+            200,
+            "shards_apart",
+            f"the shards kept no common version for {SAME_VERSION_SECONDS:g} s (they move on "
+            "faster than a download; fewer, larger steps: --grace-seconds)",
+        )
 
     def _follower_result(
         self, shard: int, round: int, worker_id: str, wait: float, version: int | None

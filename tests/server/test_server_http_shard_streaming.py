@@ -1,0 +1,489 @@
+"""Streaming mode across sharded servers over raw HTTP: two shard coordinators behind real
+uvicorn, in threads, each with its own state dir; shard 1 runs the MembershipFollower a
+streaming shard starts (server/shard_start.py), asking shard 0 who is live.
+
+The model and its plan, by hand (fragment_plan, 2 fragments): the names show blocks
+`blocks.0.` and `blocks.1.`, so the plan strides over them: blocks.0.w (2 numbers) ->
+fragment 0, blocks.1.w (4 numbers) -> fragment 1; `head` (1 number) lies outside every block
+and goes to the fragment with fewer numbers so far: fragment 0 (2 < 4). Fragment 0 =
+[blocks.0.w, head], 3 fp32 = 12 B; fragment 1 = [blocks.1.w], 4 fp32 = 16 B.
+Fragments to shards (largest first, to the lightest shard, ties the lower one): fragment 1
+(16 B) -> shard 0, then fragment 0 (12 B) -> shard 1, the shard still without one. So shard 0
+owns fragment 1 and shard 1 owns fragment 0: the numbers differ on purpose.
+
+Expected weights by hand from the outer update (PyTorch SGD semantics: buf = g on the first
+step; nesterov: G -= lr (g + mu buf)); lr 0.5, mu 0.9: a first step is G - 0.95 g.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, save
+from test_server_http_shards import HTTP, PROTOCOL, TOKEN, call, json_of
+from urllib3 import HTTPHeaderDict
+
+from diloco.server.coordinator import Coordinator
+from diloco.server.journal import RoundJournal
+from diloco.server.launch import free_ports
+from diloco.server.runner import build_server
+from diloco.server.settings import ServerSettings
+from diloco.server.shard_peers import MembershipFollower, ShardPeers
+from diloco.server.store import StateStore
+
+Tensors = dict[str, torch.Tensor]
+INITIAL = {
+    "blocks.0.w": torch.tensor([1.0, 2.0]),
+    "blocks.1.w": torch.tensor([10.0, 20.0, 30.0, 40.0]),
+    "head": torch.tensor([5.0]),
+}
+SPECS = [
+    {"name": n, "shape": list(t.shape), "dtype": "float32", "kind": "trainable"}
+    for n, t in INITIAL.items()
+]
+FRAGMENT = [["blocks.0.w", "head"], ["blocks.1.w"]]  # the whole plan (see the docstring)
+OWNER = [1, 0]  # fragment -> shard
+OWNED = [["blocks.1.w"], ["blocks.0.w", "head"]]  # shard -> its tensors
+PLAN_OF_SHARD = [[[], ["blocks.1.w"]], [["blocks.0.w", "head"], []]]
+STREAMING = {
+    "mode": "streaming",
+    "sync_every": 4,
+    "fragments": 2,
+    "delay": 1,
+    "alpha": 0.5,
+    "outer_optimizer": "nesterov",
+    "outer_lr": 0.5,
+    "outer_momentum": 0.9,
+}
+G = {  # pseudo-gradients of w1 and w2
+    "w1": {"blocks.0.w": torch.tensor([2.0, 4.0]), "head": torch.tensor([1.0]),
+           "blocks.1.w": torch.tensor([1.0, 0.0, -1.0, 2.0])},
+    "w2": {"blocks.0.w": torch.tensor([0.0, -4.0]), "head": torch.tensor([-3.0]),
+           "blocks.1.w": torch.tensor([3.0, 2.0, 1.0, 0.0])},
+}  # fmt: skip
+
+
+@dataclass
+class Shard:
+    url: str
+    coordinator: Coordinator
+    follower: MembershipFollower | None = None
+
+
+@contextlib.contextmanager
+def streaming_shards(
+    root: Path, token: str | None = None, follow: bool = True, **overrides
+) -> Iterator[list[Shard]]:
+    """Two streaming shards, each with a state dir under `root`, no --init (the first
+    registration fixes the plan, a worker uploads each shard its part); shard 1 follows
+    shard 0's membership when `follow`."""
+    ports = free_ports(2)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    shards, servers, threads, peers_of = [], [], [], []
+    try:
+        for index, port in enumerate(ports):
+            settings = ServerSettings(
+                **{**STREAMING, **overrides}, shard=index, shard_urls=tuple(urls)
+            )
+            journal = RoundJournal(StateStore(root / f"shard-{index}"), settings)
+            peers = ShardPeers(urls, index, token)
+            peers_of.append(peers)
+            coordinator = Coordinator(settings, None, journal=journal, peers=peers)
+            server = build_server(coordinator, "127.0.0.1", port, token, log_level="warning")
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
+            servers.append(server)
+            threads.append(thread)
+            while server.bound_port is None:
+                assert thread.is_alive(), "a shard did not start"
+                time.sleep(0.01)
+            shard = Shard(urls[index], coordinator)
+            if index and follow:
+                assert coordinator.shard is not None
+                shard.follower = MembershipFollower(
+                    peers,
+                    coordinator.shard.follow_members,
+                    settings.heartbeat_interval,
+                    coordinator.clock,
+                )
+                shard.follower.start()
+                threads.append(shard.follower)
+            shards.append(shard)
+        yield shards
+    finally:
+        for shard in shards:
+            if shard.follower is not None:
+                shard.follower.stop()
+        for server in servers:
+            server.should_exit = True
+        for thread in threads:
+            thread.join(timeout=15)
+        for peers in peers_of:
+            peers.close()
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Callable[..., list[Shard]]]:
+    """`start(heartbeat_interval=0.2, ...)`: two streaming shards; stopped after."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(streaming_shards(tmp_path, **overrides))
+
+
+# ----------------------------------------------------------------- calls
+
+
+def join(shards: list[Shard], worker_id: str, secret: str | None = None) -> list[dict]:
+    """Register on shard 0 first (as a worker's ShardedClient does), then on shard 1."""
+    body = json.dumps({"protocol_version": 1, "worker_id": worker_id, "tensors": SPECS})
+    answers = []
+    for shard in shards:
+        status, data = call(shard.url, "POST", "/v1/workers", body.encode(), secret=secret)
+        assert status == 200, data
+        answers.append(json.loads(data))
+    return answers
+
+
+def upload_parts(shards: list[Shard], worker_id: str) -> None:
+    for shard, owned in zip(shards, OWNED, strict=True):
+        part = save({n: INITIAL[n] for n in owned})
+        status, data = call(shard.url, "PUT", "/v1/weights/initial", part, worker_id=worker_id)
+        assert status == 200, data
+        assert json.loads(data) == {"status": "stored", "round": 0}
+
+
+def ready(start: Callable[..., list[Shard]], **overrides) -> list[Shard]:
+    """Two shards, w1 and w2 registered on both, the initial weights uploaded by w1."""
+    shards = start(**overrides)
+    join(shards, "w1")
+    join(shards, "w2")
+    upload_parts(shards, "w1")
+    return shards
+
+
+def submit(url: str, worker_id: str, fragment: int, round_number: int = 0) -> tuple[int, dict]:
+    """The worker's pseudo-gradient of `fragment` (its tensors of G) to `url`."""
+    body = save({n: G[worker_id][n] for n in FRAGMENT[fragment]})
+    path = f"/v1/rounds/{round_number}/submissions"
+    status, data = call(url, "POST", path, body, worker_id=worker_id, fragment=fragment)
+    return status, json.loads(data)
+
+
+def weights(url: str) -> tuple[Tensors, HTTPHeaderDict]:
+    response = HTTP.request("GET", f"{url}/v1/weights", headers=PROTOCOL)
+    assert response.status == 200, response.data
+    return load(response.data), response.headers  # case-insensitive names
+
+
+def result(url: str, worker_id: str, fragment: int, round_number: int = 0, wait: float = 0):
+    query = f"worker_id={worker_id}&fragment={fragment}&wait={wait}"
+    path = f"{url}/v1/rounds/{round_number}/result?{query}"
+    return HTTP.request("GET", path, headers=PROTOCOL)
+
+
+def refusal(status: int, body: bytes | dict, expected_status: int, kind: str) -> dict:
+    """The error body's detail, once status and kind are as expected."""
+    assert status == expected_status, body
+    if isinstance(body, bytes):
+        body = json.loads(body)
+    assert body["kind"] == kind, body
+    assert isinstance(body["error"], str) and body["error"], body
+    return body["detail"]
+
+
+def assert_tensors(got: Tensors, expected: Tensors) -> None:
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def initial(names: list[str]) -> Tensors:
+    return {n: INITIAL[n] for n in names}
+
+
+def wait_until(condition: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------- tests
+
+
+def test_each_shard_states_its_fragments_and_its_part_of_the_plan(start) -> None:
+    shards = start()
+    urls = [shard.url for shard in shards]
+    join(shards, "w1")
+    for index, shard in enumerate(shards):  # the plan is fixed by the first registration
+        info = json_of(call(shard.url, "GET", "/v1/info"))
+        assert info["mode"] == "streaming"
+        assert info["shards"]["index"] == index
+        assert info["shards"]["urls"] == urls
+        assert info["shards"]["fragments"] == [f for f in (0, 1) if OWNER[f] == index]
+        assert info["shards"]["owned"] == OWNED[index]
+        assert info["fragment_plan"] is None  # no weights yet
+    upload_parts(shards, "w1")
+    for index, shard in enumerate(shards):
+        info = json_of(call(shard.url, "GET", "/v1/info"))
+        assert info["shards"]["fragments"] == [[1], [0]][index]
+        assert info["shards"]["owned"] == OWNED[index]
+        assert info["fragment_plan"] == PLAN_OF_SHARD[index]
+        assert info["fragment_rounds"] == [0, 0]
+        assert info["round"] == 0
+        got, headers = weights(shard.url)
+        assert_tensors(got, initial(OWNED[index]))
+        assert headers["X-Diloco-Round"] == "0"
+        assert headers["X-Diloco-Fragment-Rounds"] == "0,0"
+
+
+def test_a_fragment_round_commits_on_its_own_shard_alone(start) -> None:
+    shards = ready(start)
+    shard0, shard1 = shards
+    # fragment 1 lives on shard 0
+    status, answer = submit(shard0.url, "w1", 1)
+    assert status == 200, answer
+    assert answer["status"] == "accepted"
+    assert (answer["round"], answer["fragment"], answer["current_round"]) == (0, 1, 0)
+    assert answer["waiting_for"] == ["w2"]
+    assert json_of(call(shard0.url, "GET", "/v1/status"))["waiting_for"] == ["w2"]
+    waiting = result(shard0.url, "w1", 1)
+    assert waiting.status == 202, waiting.data
+    assert json.loads(waiting.data)["waiting_for"] == ["w2"]
+    status, answer = submit(shard0.url, "w2", 1)
+    assert status == 200, answer
+    assert (answer["status"], answer["current_round"], answer["waiting_for"]) == (
+        "accepted",
+        1,
+        [],
+    )
+    # mean g of blocks.1.w: ([1, 0, -1, 2] + [3, 2, 1, 0]) / 2 = [2, 1, 0, 1]; G - 0.95 g
+    fragment1 = {"blocks.1.w": torch.tensor([10.0 - 1.9, 20.0 - 0.95, 30.0, 40.0 - 0.95])}
+    assert shard0.coordinator.version == 1
+    response = result(shard0.url, "w1", 1, wait=5)
+    assert response.status == 200, response.data
+    assert response.headers["X-Diloco-Round"] == "1"  # the fragment's next round
+    assert response.headers["X-Diloco-Fragment"] == "1"
+    assert_tensors(load(response.data), fragment1)
+    got, headers = weights(shard0.url)
+    assert_tensors(got, fragment1)
+    assert (headers["X-Diloco-Round"], headers["X-Diloco-Fragment-Rounds"]) == ("1", "0,1")
+    info = json_of(call(shard0.url, "GET", "/v1/info"))
+    assert (info["round"], info["fragment_rounds"]) == (1, [0, 1])
+
+    # fragment 0 on shard 1: untouched until its own round commits there
+    assert shard1.coordinator.version == 0
+    got, headers = weights(shard1.url)
+    assert_tensors(got, initial(OWNED[1]))
+    assert (headers["X-Diloco-Round"], headers["X-Diloco-Fragment-Rounds"]) == ("0", "0,0")
+    status, answer = submit(shard1.url, "w2", 0)
+    assert status == 200, answer
+    assert (answer["status"], answer["fragment"], answer["waiting_for"]) == ("accepted", 0, ["w1"])
+    status, answer = submit(shard1.url, "w1", 0)
+    assert status == 200, answer
+    assert (answer["status"], answer["current_round"]) == ("accepted", 1)
+    # mean g: blocks.0.w ([2, 4] + [0, -4]) / 2 = [1, 0], head (1 - 3) / 2 = -1; G - 0.95 g
+    fragment0 = {"blocks.0.w": torch.tensor([1.0 - 0.95, 2.0]), "head": torch.tensor([5.95])}
+    response = result(shard1.url, "w2", 0, wait=5)
+    assert response.status == 200, response.data
+    assert (response.headers["X-Diloco-Round"], response.headers["X-Diloco-Fragment"]) == (
+        "1",
+        "0",
+    )
+    assert_tensors(load(response.data), fragment0)
+    got, headers = weights(shard1.url)
+    assert_tensors(got, fragment0)
+    assert (headers["X-Diloco-Round"], headers["X-Diloco-Fragment-Rounds"]) == ("1", "1,0")
+    # shard 0 did not move with shard 1's round
+    got, headers = weights(shard0.url)
+    assert_tensors(got, fragment1)
+    assert (headers["X-Diloco-Round"], headers["X-Diloco-Fragment-Rounds"]) == ("1", "0,1")
+    assert [s.coordinator.version for s in shards] == [1, 1]
+
+
+def test_a_second_fragment_round_steps_with_its_momentum(start) -> None:
+    """Two rounds of fragment 0 on shard 1 from w1 alone (w2 left): buf = g, then
+    buf = mu buf + g; G -= lr (g + mu buf)."""
+    shards = ready(start)
+    shard0, shard1 = shards
+    for shard in shards:  # w2 leaves every shard, as a worker's ShardedClient does
+        assert call(shard.url, "DELETE", "/v1/workers/w2")[0] == 200
+    assert submit(shard1.url, "w1", 0, 0)[0] == 200
+    assert submit(shard1.url, "w1", 0, 1)[0] == 200
+    # step 1: g = [2, 4], [1]: G1 = G0 - 0.95 g = [1 - 1.9, 2 - 3.8], [5 - 0.95]
+    # step 2: buf = 0.9 g + g = 1.9 g; G2 = G1 - 0.5 (g + 0.9 * 1.9 g) = G1 - 1.355 g
+    #   blocks.0.w: [-0.9 - 2.71, -1.8 - 5.42] = [-3.61, -7.22]; head 4.05 - 1.355 = 2.695
+    got, headers = weights(shard1.url)
+    assert_tensors(got, {"blocks.0.w": torch.tensor([-3.61, -7.22]), "head": torch.tensor([2.695])})
+    assert (headers["X-Diloco-Round"], headers["X-Diloco-Fragment-Rounds"]) == ("2", "2,0")
+    got, headers = weights(shard0.url)
+    assert_tensors(got, initial(OWNED[0]))
+    assert (headers["X-Diloco-Round"], headers["X-Diloco-Fragment-Rounds"]) == ("0", "0,0")
+
+
+def test_a_fragment_sent_to_the_shard_that_does_not_own_it_is_refused(start) -> None:
+    """Fragment 0 (blocks.0.w, head) to shard 0 and fragment 1 (blocks.1.w) to shard 1, each
+    with its own tensors as a worker sends them: docs/protocol.md says 409 wrong_shard,
+    naming the fragment; the result poll of a foreign fragment too. Nothing moves."""
+    shards = ready(start)
+    shard0, shard1 = shards
+    misrouted = [(shard0.url, 0), (shard1.url, 1)]
+    for url, fragment in misrouted:
+        response = result(url, "w1", fragment)
+        detail = refusal(response.status, response.data, 409, "wrong_shard")
+        assert detail == {"fragment": fragment}, url
+    answers = [submit(url, "w1", fragment) for url, fragment in misrouted]
+    for shard, owned in zip(shards, OWNED, strict=True):
+        got, headers = weights(shard.url)
+        assert_tensors(got, initial(owned))
+        assert headers["X-Diloco-Fragment-Rounds"] == "0,0"
+        status = json_of(call(shard.url, "GET", "/v1/status"))
+        # the shard's own fragment's round 0 still waits for both members: nothing counted
+        assert (status["round"], status["fragment_rounds"], status["waiting_for"]) == (
+            0,
+            [0, 0],
+            ["w1", "w2"],
+        )
+    assert [s.coordinator.version for s in shards] == [0, 0]
+    for (url, fragment), (status, answer) in zip(misrouted, answers, strict=True):
+        detail = refusal(status, answer, 409, "wrong_shard")
+        assert detail == {"fragment": fragment}, url
+
+
+def test_the_cross_shard_commit_routes_do_not_apply_and_change_nothing(start) -> None:
+    shards = ready(start)
+    shard0, shard1 = shards
+    assert submit(shard0.url, "w1", 1)[0] == 200  # w1 is in fragment 1's round
+    for shard in shards:
+        status, data = call(shard.url, "POST", "/v1/rounds/0/confirm", worker_id="w1")
+        assert refusal(status, data, 409, "not_applicable") == {}, shard.url
+        status, data = call(shard.url, "GET", "/v1/shard/prepared", round=0, worker_id="w1")
+        assert refusal(status, data, 409, "not_applicable") == {}, shard.url
+        status, data = call(shard.url, "GET", "/v1/shard/decisions/0")
+        assert refusal(status, data, 409, "not_applicable") == {}, shard.url
+    status, data = call(shard1.url, "GET", "/v1/shard/live")
+    assert refusal(status, data, 409, "not_shard_0") == {}
+    assert json_of(call(shard0.url, "GET", "/v1/shard/live")) == {"live": ["w1", "w2"]}
+    assert json_of(call(shard0.url, "GET", "/v1/status"))["waiting_for"] == ["w2"]
+    assert [s.coordinator.version for s in shards] == [0, 0]
+    for shard, owned in zip(shards, OWNED, strict=True):
+        got, _ = weights(shard.url)
+        assert_tensors(got, initial(owned))
+
+
+def test_datasets_are_not_built_on_streaming_shards(start) -> None:
+    shards = ready(start)
+    ask = {"worker_id": "w1", "dataset_id": "corpus", "length": 100, "unit_size": 10}
+    for shard in shards:
+        response = HTTP.request(
+            "POST",
+            f"{shard.url}/v1/datasets",
+            body=json.dumps(ask).encode(),
+            headers={**PROTOCOL, "Content-Type": "application/json"},
+        )
+        assert refusal(response.status, response.data, 409, "not_built") == {}, shard.url
+        assert json_of(call(shard.url, "GET", "/v1/datasets")) == {"datasets": []}
+        assert json_of(call(shard.url, "GET", "/v1/status"))["datasets"] == []
+        assert shard.coordinator.version == 0
+
+
+def test_a_workers_own_credential_may_not_ask_who_is_live(start) -> None:
+    shards = start(token=TOKEN)
+    shard0, _ = shards
+    (answer, _) = join(shards, "w1", secret=TOKEN)
+    credential = answer["credential"]
+    status, data = call(shard0.url, "GET", "/v1/shard/live", secret=credential)
+    detail = refusal(status, data, 403, "forbidden")
+    assert set(detail) == {"scope"} and isinstance(detail["scope"], str)
+    status, data = call(shard0.url, "GET", "/v1/shard/live")
+    assert status == 401, data
+    assert json.loads(data)["kind"] == "unauthorized"
+    status, data = call(shard0.url, "GET", "/v1/shard/live", secret=TOKEN)
+    assert status == 200, data
+    assert json.loads(data) == {"live": ["w1"]}
+
+
+def test_a_worker_evicted_on_shard_0_is_evicted_on_shard_1_and_its_round_goes_on(start) -> None:
+    shards = ready(start, heartbeat_interval=0.2)
+    shard0, shard1 = shards
+    # w1's submissions open each fragment's round; both wait for w2
+    assert submit(shard1.url, "w1", 0)[0] == 200
+    assert submit(shard0.url, "w1", 1)[0] == 200
+    time.sleep(0.5)  # the follower asked shard 0 at least twice: w2 is live there
+    assert shard1.coordinator.membership.is_live("w2")
+    assert [s.coordinator.version for s in shards] == [0, 0]
+
+    status, data = call(shard0.url, "POST", "/v1/admin/workers/w2/evict", b"{}")
+    assert status == 200, data
+
+    def w2_gone_on_shard_1() -> bool:
+        workers = json_of(call(shard1.url, "GET", "/v1/status"))["workers"]
+        return all(not w["live"] for w in workers if w["worker_id"] == "w2")
+
+    wait_until(w2_gone_on_shard_1, "shard 1 never followed shard 0's eviction of w2")
+    wait_until(lambda: shard1.coordinator.version == 1, "fragment 0's round never committed")
+    wait_until(lambda: shard0.coordinator.version == 1, "fragment 1's round never committed")
+    # w1 alone: fragment 0 G - 0.95 g_w1: blocks.0.w [1 - 1.9, 2 - 3.8], head [5 - 0.95]
+    got, headers = weights(shard1.url)
+    assert_tensors(got, {"blocks.0.w": torch.tensor([-0.9, -1.8]), "head": torch.tensor([4.05])})
+    assert (headers["X-Diloco-Round"], headers["X-Diloco-Fragment-Rounds"]) == ("1", "1,0")
+    # fragment 1 on shard 0: [10 - 0.95, 20, 30 + 0.95, 40 - 1.9]
+    got, headers = weights(shard0.url)
+    assert_tensors(got, {"blocks.1.w": torch.tensor([9.05, 20.0, 30.95, 38.1])})
+    assert (headers["X-Diloco-Round"], headers["X-Diloco-Fragment-Rounds"]) == ("1", "0,1")
+    for shard, rounds in ((shard0, [0, 1]), (shard1, [1, 0])):
+        status = json_of(call(shard.url, "GET", "/v1/status"))
+        # the fragment's next round is open and waits for the survivor alone
+        assert (status["waiting_for"], status["fragment_rounds"]) == (["w1"], rounds)
+    assert shard1.coordinator.membership.is_live("w1")  # the survivor stays
+    events = json_of(call(shard1.url, "GET", "/v1/admin/audit"))["events"]
+    assert [e["event"] for e in events if e["worker_id"] == "w2"][-1] == "evicted_on_shard_0"
+    # w2 asks shard 1 for fragment 0's result: it is no longer a member there
+    response = result(shard1.url, "w2", 0)
+    refusal(response.status, response.data, 404, "unknown_worker")
+
+
+def test_a_worker_heard_from_after_shard_0_answered_waits_for_the_next_question(
+    start,
+) -> None:
+    """follow_members(live, asked_at): w1, registered on shard 1 before the question and
+    not in the answer, is evicted; w2, registered on shard 1 after `asked_at` (it may have
+    registered on shard 0 after the answer), is kept."""
+    shards = start(follow=False)
+    shard0, shard1 = shards
+    coordinator = shard1.coordinator
+    assert coordinator.shard is not None
+    join(shards, "w1")
+    time.sleep(0.01)
+    asked_at = coordinator.clock()
+    time.sleep(0.01)
+    join([shard1], "w2")  # shard 0's answer, taken at asked_at, did not know w2
+    coordinator.shard.follow_members(set(), asked_at)
+    assert not coordinator.membership.is_live("w1")
+    assert coordinator.membership.is_live("w2")
+    # asked again later, shard 0 holds w2 live now: nobody more leaves
+    join([shard0], "w2")
+    coordinator.shard.follow_members({"w2"}, coordinator.clock())
+    assert coordinator.membership.is_live("w2")
+    # and with an answer that no longer holds w2, asked after w2 was last heard from: it goes
+    coordinator.shard.follow_members(set(), coordinator.clock())
+    assert not coordinator.membership.is_live("w2")
+    workers = {
+        w["worker_id"]: w["live"] for w in json_of(call(shard1.url, "GET", "/v1/status"))["workers"]
+    }
+    assert workers == {"w1": False, "w2": False}
+
+
+def test_streaming_shards_need_one_fragment_per_shard() -> None:
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    with pytest.raises(ValueError, match="at least one fragment per shard") as refused:
+        ServerSettings(mode="streaming", fragments=1, shard_urls=urls)
+    assert "1 fragments for 2 shards" in str(refused.value)
+    ServerSettings(mode="streaming", fragments=2, sync_every=4, shard_urls=urls)  # enough
