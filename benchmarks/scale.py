@@ -60,9 +60,10 @@ def rss_kib(pid: int) -> int:
 
 
 def worker_process(
-    urls: list[str], first: int, count: int, rounds: int, init: Path, out_file: Path
+    urls: list[str], first: int, count: int, rounds: int, init: Path, out_file: Path, mode: str
 ):
-    """`count` worker threads (ids first..first+count-1); per-round times to `out_file`."""
+    """`count` worker threads (ids first..first+count-1); per-round times to `out_file`. In
+    async mode a "round" is one arrival: sent for the version of the worker's last result."""
     from safetensors.torch import load_file
 
     weights = load_file(str(init))
@@ -76,7 +77,7 @@ def worker_process(
     def client() -> DiLoCoClient | ShardedClient:
         retry = RetryPolicy(attempts=30)
         clients = [DiLoCoClient(url, retry=retry, read_timeout=600) for url in urls]
-        return clients[0] if len(clients) == 1 else ShardedClient(clients)
+        return clients[0] if len(clients) == 1 else ShardedClient(clients, mode=mode)
 
     def run(index: int) -> None:
         worker_id = f"w{index:03d}"
@@ -88,11 +89,13 @@ def worker_process(
                 {n: 1e-3 * torch.randn(t.shape, generator=generator) for n, t in weights.items()}
             )
             mine = times.setdefault(worker_id, [])
+            version = 0  # the round (sync), or the version of our last result (async)
             for r in range(rounds):
                 started = time.perf_counter()
-                c.submit(r, worker_id, body, tokens=1)
-                while c.wait_result(r, worker_id, wait=60) is None:
+                c.submit(version, worker_id, body, tokens=1)
+                while (got := c.wait_result(version, worker_id, wait=60)) is None:
                     pass
+                version = got.round if mode == "async" else r + 1
                 mine.append(time.perf_counter() - started)
             c.close()
         except Exception as exc:  # reported, and the benchmark fails
@@ -106,8 +109,22 @@ def worker_process(
     out_file.write_text(json.dumps({"times": times, "errors": errors}))
 
 
-def measure(shards: int, workers: int, rounds: int, procs: int, init: Path, work: Path) -> dict:
-    args = ("--sync-every", "1", "--min-workers", str(workers), "--heartbeat-timeout", "300",
+def measure(
+    shards: int,
+    workers: int,
+    rounds: int,
+    procs: int,
+    init: Path,
+    work: Path,
+    mode: str = "sync",
+    grace: float = 0.0,
+) -> dict:
+    steps = (
+        ("--mode", "async", "--grace-seconds", str(grace))
+        if mode == "async"
+        else ("--min-workers", str(workers))
+    )
+    args = ("--sync-every", "1", *steps, "--heartbeat-timeout", "300",
             "--heartbeat-interval", "60", "--init", str(init))  # fmt: skip
     logs = [(work / f"s{shards}-shard{i}.log").open("ab") for i in range(shards)]
     if shards == 1:
@@ -141,7 +158,7 @@ def measure(shards: int, workers: int, rounds: int, procs: int, init: Path, work
 
     def spawn(p: int) -> subprocess.Popen:
         out_file = str(work / f"out-{shards}-{p}.json")
-        role = json.dumps([urls, firsts[p], per_proc[p], rounds, str(init), out_file])
+        role = json.dumps([urls, firsts[p], per_proc[p], rounds, str(init), out_file, mode])
         return subprocess.Popen([sys.executable, __file__, "--role-worker", role])
 
     children = [spawn(p) for p in range(procs)]
@@ -293,13 +310,20 @@ def main(
     elements: int = typer.Option(16384, help="Values per tensor (about)."),
     out_dir: Path = typer.Option(RESULTS, help="Where scale.json and scale.md go."),
     logs: Path = typer.Option(None, help="Keep the servers' logs and state here."),
+    mode: str = typer.Option(
+        "sync", help="sync, or async (scale-async.json/.md: each worker's rounds are arrivals)"
+    ),
+    grace_seconds: float = typer.Option(0.0, help="async: the servers' --grace-seconds."),
     role_worker: str = typer.Option(None, hidden=True),
 ) -> None:
     if role_worker is not None:
-        urls, first, count, n, init, out_file = json.loads(role_worker)
-        worker_process(urls, first, count, n, Path(init), Path(out_file))
+        urls, first, count, n, init, out_file, role_mode = json.loads(role_worker)
+        worker_process(urls, first, count, n, Path(init), Path(out_file), role_mode)
         return
-    check_output_path(out_dir / "scale.json", "--out-dir")
+    if mode not in ("sync", "async"):
+        raise fail(f"--mode must be sync or async, got {mode!r}")
+    name = "scale" if mode == "sync" else "scale-async"
+    check_output_path(out_dir / f"{name}.json", "--out-dir")
     try:
         counts = [int(s) for s in shards.split(",")]
     except ValueError:
@@ -318,7 +342,7 @@ def main(
         model_bytes = sum(t.numel() * 4 for t in weights.values())
         for count in counts:
             err.print(f"S = {count}: {workers} workers x {rounds} rounds ...")
-            result = measure(count, workers, rounds, procs, init, work)
+            result = measure(count, workers, rounds, procs, init, work, mode, grace_seconds)
             result["model_bytes"] = model_bytes
             result["procs"] = procs
             measured.append(result)
@@ -338,10 +362,68 @@ def main(
                "RSS MiB @10", "RSS MiB end", "errors"]  # fmt: skip
     title = f"{workers} workers x {rounds} rounds, model {model_bytes / 1e6:.1f} MB"
     out.print(summary_table(title, columns, rows))
-    write_json(out_dir / "scale.json", {"workers": workers, "rounds": rounds, "results": measured})
-    (out_dir / "scale.md").write_text(markdown(workers, rounds, measured))
-    if any(r["errors"] or r["rounds_committed"] != [rounds] * r["shards"] for r in measured):
+    write_json(
+        out_dir / f"{name}.json",
+        {"workers": workers, "rounds": rounds, "mode": mode, "grace_seconds": grace_seconds,
+         "results": measured},
+    )  # fmt: skip
+    if mode == "sync":
+        (out_dir / "scale.md").write_text(markdown(workers, rounds, measured))
+    else:
+        (out_dir / "scale-async.md").write_text(
+            async_markdown(workers, rounds, grace_seconds, measured)
+        )
+    if any(r["errors"] or not complete(r, mode, rounds) for r in measured):
         raise fail("some rounds failed: see errors in the JSON")
+
+
+def complete(result: dict, mode: str, rounds: int) -> bool:
+    """Sync: every shard at the last round. Async: every shard at one version (the number of
+    steps depends on how arrivals shared grace windows)."""
+    committed = result["rounds_committed"]
+    if mode == "sync":
+        return committed == [rounds] * result["shards"]
+    return len(set(committed)) == 1 and committed[0] > 0
+
+
+def async_markdown(workers: int, rounds: int, grace: float, measured: list[dict]) -> str:
+    model_bytes = measured[0]["model_bytes"]
+    lines = [
+        "# Sharded servers in async mode: load (issue 15)",
+        "",
+        f"Measured by `python benchmarks/scale.py --mode async --grace-seconds {grace:g} "
+        f"--workers {workers} --rounds {rounds}` on this machine (2 cores, loopback): "
+        f"{workers} protocol workers (threads in {measured[0]['procs']} processes, the real "
+        f"clients), each sending {rounds} arrivals of a {model_bytes / 1e6:.2f} MB fp32 "
+        "model, each arrival for the version of its last result; every step durable. "
+        "Shards and workers share the 2 cores: the times measure CPU, not links.",
+        "",
+        "| S | steps (versions) | s per arrival (mean) | worker median s | max s | "
+        "MB in per shard | MB out per shard | RSS MiB @10 | RSS MiB end | RSS MiB peak | "
+        "errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in measured:
+        lines.append(
+            f"| {r['shards']} | {r['rounds_committed'][0]} | {r['seconds_per_round']:.3f} | "
+            f"{r['worker_round_median_seconds']:.3f} | {r['worker_round_max_seconds']:.3f} | "
+            f"{' / '.join(f'{b / 1e6:.0f}' for b in r['bytes_in_per_shard'])} | "
+            f"{' / '.join(f'{b / 1e6:.0f}' for b in r['bytes_out_per_shard'])} | "
+            f"{' / '.join(f'{k / 1024:.0f}' for k in r['rss_kib_after_10_rounds'] or [])} | "
+            f"{' / '.join(f'{k / 1024:.0f}' for k in r['rss_kib_end'])} | "
+            f"{' / '.join(f'{k / 1024:.0f}' for k in r['rss_kib_peak'])} | "
+            f"{len(r['errors'])} |"
+        )
+    lines += [
+        "",
+        "Every arrival costs its worker S uploads, one confirmation on shard 0 (which asks "
+        "the S - 1 others), and S downloads of one version; a follower keeps the 3 versions "
+        "before its current one (M / S each) for those downloads. Bytes in per shard are N x "
+        "arrivals x M / S as in sync mode; bytes out depend on how many versions the "
+        "workers took.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -113,22 +113,27 @@ def test_sharded_async_under_a_kill_ends_where_one_async_server_ends(
 ) -> None:
     """Shard 0 killed once it decided a step that shard 1 has not applied; the joined weights
     equal one (unsharded) async server's after the same windows."""
-    one = tmp_path / "one"
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
     one.mkdir()
-    process, url = start_server(
-        one / "port", *WINDOWED, "--state-dir", str(one / "state"), output=(one / "log").open("ab")
-    )
-    try:
-        finish(start_paused(url, url, corpus_file, one), one)
-        reference, version = global_weights(url)
-    finally:
-        stop_process(process)
-    assert version == ARRIVALS
+    sharded.mkdir()
+
+    def reference() -> tuple[dict[str, torch.Tensor], int]:
+        process, url = start_server(
+            one / "port", *WINDOWED, "--state-dir", str(one / "state"),
+            output=(one / "log").open("ab"),
+        )  # fmt: skip
+        try:
+            finish(start_paused(url, url, corpus_file, one), one)
+            return global_weights(url)
+        finally:
+            stop_process(process)
+
+    reference_weights, version = reference()
     (kill,) = [k for k in KILLS if k.name == CI_POINT]
-    (tmp_path / "sharded").mkdir()
-    weights = run_sharded(tmp_path / "sharded", corpus_file, WINDOWED, kill)
-    assert weights.keys() == reference.keys()
-    for name, tensor in reference.items():
+    weights = run_sharded(sharded, corpus_file, WINDOWED, kill)
+    assert version == ARRIVALS
+    assert weights.keys() == reference_weights.keys()
+    for name, tensor in reference_weights.items():
         torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 

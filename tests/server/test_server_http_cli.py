@@ -77,7 +77,7 @@ def test_sigterm_stops_the_server_with_exit_code_0(server_process):
 @pytest.mark.parametrize(
     "part",
     [pytest.param("sample", id="sample"), pytest.param("rest", id="rest", marks=pytest.mark.slow)],
-)  # every third case in the default suite (each starts a process), all with -m slow
+)  # every sixth case in the default suite (each starts a process), all with -m slow
 def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
     """Each fails before listening: exit code 2, one `error:` line on stderr, no traceback."""
     not_safetensors = tmp_path / "weights.safetensors"
@@ -191,7 +191,7 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
             "is a file, not a directory",
         ),
     }
-    cases = {k: v for i, (k, v) in enumerate(cases.items()) if (i % 3 == 0) == (part == "sample")}
+    cases = {k: v for i, (k, v) in enumerate(cases.items()) if (i % 6 == 0) == (part == "sample")}
     outcomes = run_all(  # all at once: each pays the interpreter's start-up
         {
             label: ["server", "--host", "127.0.0.1", "--port", "0", *args]  # binds nothing fixed
