@@ -31,7 +31,7 @@ SERVER_CASES = [
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    sampled(SERVER_CASES, [f"{i}-{needle}" for i, (_, needle) in enumerate(SERVER_CASES)], 3),
+    sampled(SERVER_CASES, [f"{i}-{needle}" for i, (_, needle) in enumerate(SERVER_CASES)], 6),
 )
 def test_bad_shard_options_are_refused_in_one_line(args: tuple[str, ...], needle: str) -> None:
     one_error_line(run_cli("server", "--port", "0", *args), 2, needle)
@@ -83,7 +83,7 @@ CLUSTER_CASES = [
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    sampled(CLUSTER_CASES, [" ".join(args) for args, _ in CLUSTER_CASES], every=3),
+    sampled(CLUSTER_CASES, [" ".join(args) for args, _ in CLUSTER_CASES], every=6),
 )
 def test_bad_cluster_options_are_refused_in_one_line(
     args: tuple[str, ...], needle: str, tmp_path: Path

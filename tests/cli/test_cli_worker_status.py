@@ -113,7 +113,7 @@ WORKER_BAD_INPUT_IDS = [
 
 
 @pytest.mark.parametrize(
-    ("args", "code", "needle"), sampled(WORKER_BAD_INPUTS, WORKER_BAD_INPUT_IDS)
+    ("args", "code", "needle"), sampled(WORKER_BAD_INPUTS, WORKER_BAD_INPUT_IDS, every=5)
 )
 def test_worker_bad_input_is_one_line(
     args: list[str], code: int, needle: str, corpus_file: Path
