@@ -188,3 +188,51 @@ def test_a_follower_of_an_init_run_restarts_on_its_state_without_init(tmp_path: 
     finally:
         for process in started:
             stop_process(process)
+
+
+@pytest.mark.slow
+def test_a_streaming_follower_whose_state_was_lost_refuses_to_start(tmp_path: Path) -> None:
+    """Shard 0 holds the run's weights (a worker uploaded its part); a follower started on an
+    empty --state-dir would start its fragments over: refused in one line."""
+    import json
+
+    import torch
+    import urllib3
+    from safetensors.torch import save
+
+    ports = free_ports(2)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    shared = [option for url in urls for option in ("--shard-url", url)]
+    streaming = ("--mode", "streaming", "--sync-every", "4", "--fragments", "2")
+    leader, _ = start_server(
+        tmp_path / "port-0", "--port", str(ports[0]), "--shard", "0", *shared, *streaming,
+        "--state-dir", str(tmp_path / "s0"),
+    )  # fmt: skip
+    try:
+        http = urllib3.PoolManager(retries=False, timeout=30)
+        headers = {"X-Diloco-Protocol": "1", "Content-Type": "application/json"}
+        specs = [
+            {"name": n, "shape": [size], "dtype": "float32", "kind": "trainable"}
+            for n, size in (("blocks.0.w", 2), ("blocks.1.w", 4), ("head", 1))
+        ]
+        message = {"protocol_version": 1, "worker_id": "w1", "tensors": specs}
+        answer = http.request(
+            "POST", f"{urls[0]}/v1/workers", body=json.dumps(message), headers=headers
+        )
+        assert answer.status == 200, answer.data
+        owned = json.loads(http.request("GET", f"{urls[0]}/v1/info").data)["shards"]["owned"]
+        part = save({name: torch.zeros(4 if name == "blocks.1.w" else 1) for name in owned})
+        answer = http.request(
+            "PUT", f"{urls[0]}/v1/weights/initial?worker_id=w1", body=part,
+            headers={"X-Diloco-Protocol": "1", "Content-Type": "application/octet-stream"},
+        )  # fmt: skip
+        assert answer.status == 200, answer.data
+        result = run_cli(
+            "server", "--port", str(ports[1]), "--shard", "1", *shared, *streaming,
+            "--state-dir", str(tmp_path / "s1"),
+        )  # fmt: skip
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: shard 0 holds the run's weights and this shard none")
+    finally:
+        stop_process(leader)

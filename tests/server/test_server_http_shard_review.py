@@ -34,7 +34,7 @@ from test_server_http_shard_async import (
     send_slices,
     whole_model,
 )
-from test_server_http_shards import INITIAL, SPECS, call, json_of, register
+from test_server_http_shards import INITIAL, SPECS, call, json_of, register, started_shards
 
 
 @pytest.fixture
@@ -42,6 +42,11 @@ def start(tmp_path: Path) -> Iterator[Callable[..., list[Shard]]]:
     """`start(grace_seconds=30, ...)`: two async shards with these settings; stopped after."""
     with contextlib.ExitStack() as stack:
         yield lambda **overrides: stack.enter_context(async_shards(tmp_path, **overrides))
+
+
+@pytest.fixture
+def two_shards():
+    yield from started_shards(None)
 
 
 def join(url: str, worker_id: str, session: str) -> tuple[int, bytes]:
@@ -142,3 +147,48 @@ def test_the_outer_lr_of_a_sharded_run_is_not_changed_on_shard_0_alone(start) ->
     model = whole_model(shards, 1)
     for name in ("a", "b", "c"):  # lr 1 everywhere: theta - 1.5 g
         torch.testing.assert_close(model[name], INITIAL[name] - 1.5 * G["w1"][name], msg=name)
+
+
+def test_sync_a_follower_folds_the_slice_shard_0_confirmed_not_a_newer_processs(
+    two_shards,
+) -> None:
+    """Sync rounds: w1's first process confirms round 0; shard 0 evicts it, and its new
+    process (another session) sends shard 1 other values. Shard 1 sets the older slice aside,
+    and takes it back when the decision names its session: both shards fold g1 (with w2's
+    g2). Settings of test_server_http_shards.py: Nesterov, lr 0.5, momentum 0.9, so a first
+    step is G - 0.95 mean(g)."""
+    from test_server_http_shards import G as SYNC_G
+    from test_server_http_shards import submit, wait_version
+
+    (url0, leader), (url1, follower) = two_shards
+    for url in (url0, url1):
+        assert join(url, "w1", "first-session")[0] == 200
+        assert join(url, "w2", "w2-session")[0] == 200
+    g1, g2 = SYNC_G["w1"], SYNC_G["w2"]
+    assert submit(url0, "w1", {"a": g1["a"]})[0] == 200
+    assert submit(url1, "w1", {n: g1[n] for n in ("b", "c")})[0] == 200
+    answer = json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1"))
+    assert answer["status"] == "accepted"
+    assert call(url0, "POST", "/v1/admin/workers/w1/evict", b"{}")[0] == 200
+    for url in (url0, url1):
+        assert join(url, "w1", "second-session")[0] == 200
+    newer = {n: 100 * t for n, t in g2.items()}
+    status, data = submit(url1, "w1", {n: newer[n] for n in ("b", "c")})
+    assert status == 200 and json.loads(data)["status"] == "accepted", data
+    for url, names in ((url0, ("a",)), (url1, ("b", "c"))):
+        assert submit(url, "w2", {n: g2[n] for n in names})[0] == 200
+    assert json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w2"))["status"] == (
+        "accepted"
+    )
+    wait_version(leader, 1)
+    wait_version(follower, 1)
+    decision = json_of(call(url0, "GET", "/v1/shard/decisions/0"))
+    assert decision["contributors"] == ["w1", "w2"]
+    for url, names in ((url0, ("a",)), (url1, ("b", "c"))):
+        from test_server_http_shards import weights as sync_weights
+
+        got, version = sync_weights(url)
+        assert version == 1
+        for name in names:
+            expected = INITIAL[name] - 0.95 * (g1[name] + g2[name]) / 2
+            torch.testing.assert_close(got[name], expected, msg=name)

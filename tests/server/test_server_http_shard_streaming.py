@@ -457,19 +457,20 @@ def test_a_worker_heard_from_after_shard_0_answered_waits_for_the_next_question(
     not in the answer, is evicted; w2, registered on shard 1 after `asked_at` (it may have
     registered on shard 0 after the answer), is kept."""
     shards = start(follow=False)
-    shard0, shard1 = shards
+    _, shard1 = shards
     coordinator = shard1.coordinator
     assert coordinator.shard is not None
     join(shards, "w1")
     time.sleep(0.01)
     asked_at = coordinator.clock()
     time.sleep(0.01)
-    join([shard1], "w2")  # shard 0's answer, taken at asked_at, did not know w2
+    # w2 registers on shard 0, then on shard 1 (which asks shard 0 first), after asked_at:
+    # shard 0's answer, taken at asked_at, did not know w2
+    join(shards, "w2")
     coordinator.shard.follow_members(set(), asked_at)
     assert not coordinator.membership.is_live("w1")
     assert coordinator.membership.is_live("w2")
-    # asked again later, shard 0 holds w2 live now: nobody more leaves
-    join([shard0], "w2")
+    # asked again later, shard 0 holds w2 live: nobody more leaves
     coordinator.shard.follow_members({"w2"}, coordinator.clock())
     assert coordinator.membership.is_live("w2")
     # and with an answer that no longer holds w2, asked after w2 was last heard from: it goes
@@ -487,3 +488,34 @@ def test_streaming_shards_need_one_fragment_per_shard() -> None:
         ServerSettings(mode="streaming", fragments=1, shard_urls=urls)
     assert "1 fragments for 2 shards" in str(refused.value)
     ServerSettings(mode="streaming", fragments=2, sync_every=4, shard_urls=urls)  # enough
+
+
+def test_a_follower_takes_shard_0s_plan_and_only_workers_shard_0_admitted(start) -> None:
+    """Shard 1 sees w2's tensor list first, in another order than the w1's that fixed shard
+    0's plan: it cuts its part from shard 0's plan, not from w2's list (the order of the names
+    within a fragment shows which). A worker shard 0 does not hold (never registered there,
+    or banned) is refused on shard 1: a streaming follower commits rounds alone."""
+    shard0, shard1 = start()
+    body = json.dumps({"protocol_version": 1, "worker_id": "w1", "tensors": SPECS})
+    assert call(shard0.url, "POST", "/v1/workers", body.encode())[0] == 200
+    reversed_specs = list(reversed(SPECS))  # head, blocks.1.w, blocks.0.w
+    body = json.dumps({"protocol_version": 1, "worker_id": "w2", "tensors": reversed_specs})
+    for shard in (shard0, shard1):
+        status, data = call(shard.url, "POST", "/v1/workers", body.encode())
+        assert status == 200, data
+    upload_parts([shard0, shard1], "w2")
+    plan = json_of(call(shard1.url, "GET", "/v1/info"))["fragment_plan"]
+    assert plan == PLAN_OF_SHARD[1]  # [["blocks.0.w", "head"], []], shard 0's order
+    # never registered on shard 0
+    body = json.dumps({"protocol_version": 1, "worker_id": "w3", "tensors": SPECS})
+    status, data = call(shard1.url, "POST", "/v1/workers", body.encode())
+    assert refusal(status, data, 409, "not_on_shard_0") == {"worker_id": "w3"}
+    # banned on shard 0 (after it left shard 1 too)
+    status, data = call(shard0.url, "POST", "/v1/admin/workers/w1/evict", b'{"ban": true}')
+    assert status == 200, data
+    body = json.dumps({"protocol_version": 1, "worker_id": "w1", "tensors": SPECS})
+    status, data = call(shard1.url, "POST", "/v1/workers", body.encode())
+    assert status == 409, data
+    assert json.loads(data)["kind"] == "not_on_shard_0", data
+    live = {w["worker_id"] for w in json_of(call(shard1.url, "GET", "/v1/status"))["workers"]}
+    assert "w3" not in live

@@ -55,3 +55,20 @@ def test_split_by_layout_names_what_does_not_fit() -> None:
         split_by_layout({**tensors, "c": torch.zeros(1)}, [["a"], ["b"]])
     with pytest.raises(ValueError, match="tensor 'b' of the layout is missing"):
         split_by_layout({"a": tensors["a"]}, [["a"], ["b"]])
+
+
+def test_streaming_shards_own_whole_fragments_largest_first() -> None:
+    """Fragments (in plan order) by fp32 bytes: f0 = a + b = 40 + 8 = 48, f1 = c = 64,
+    f2 = d + e = 16 + 16 = 32. Largest first to the lightest shard: f1 -> 0 (64); f0 -> 1
+    (48); f2 -> 1 (shard 1 holds 48 < 64: 80)."""
+    from diloco.wire.shard_layout import fragment_shards, shard_fragment_plan
+
+    specs = [spec("a", 10), spec("b", 2), spec("c", 16), spec("d", 4), spec("e", 4)]
+    plan = [["a", "b"], ["c"], ["d", "e"]]
+    assert fragment_shards(plan, specs, 2) == [1, 0, 1]
+    assert shard_fragment_plan(plan, specs, 2, 0) == [[], ["c"], []]
+    assert shard_fragment_plan(plan, specs, 2, 1) == [["a", "b"], [], ["d", "e"]]
+    # 3 shards: one fragment each, f1 -> 0, f0 -> 1, f2 -> 2
+    assert fragment_shards(plan, specs, 3) == [1, 0, 2]
+    with pytest.raises(ValueError, match="at most the 3 units"):
+        fragment_shards(plan, specs, 4)

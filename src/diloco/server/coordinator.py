@@ -150,6 +150,7 @@ class Coordinator:
             )
             self.registrar.vouch = self.shard.vouch
             self.shard.remove_worker = self.registrar.remove
+            self.registrar.leader_plan = self.shard.leader_plan
         self.admin = AdminActions(
             self._lock,
             self.control,

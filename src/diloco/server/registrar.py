@@ -58,6 +58,9 @@ class Registrar:
         self.engine = engine
         self.metrics = metrics
         self._registered_plan: list[list[str]] | None = None  # a streaming shard's part
+        self._whole_plan: list[list[str]] | None = None  # and the whole model's plan
+        # a streaming follower: shard 0's whole fragment plan (ShardCommit.leader_plan)
+        self.leader_plan: Callable[[], list[list[str]]] = lambda: []
 
     def register(
         self,
@@ -117,10 +120,21 @@ class Registrar:
                 f"worker id {worker_id!r} is held by a live worker",
                 worker_id=worker_id,
             )
+        streaming_follower = self.settings.mode == "streaming" and not self.settings.leads
+        # such a shard commits rounds alone: only workers shard 0 admitted (not banned)
+        if streaming_follower and not self.vouch(worker_id, session or ""):
+            raise Rejection(
+                409,
+                "not_on_shard_0",
+                f"worker {worker_id!r} is not registered on shard 0 under this session: "
+                "register there first",
+                worker_id=worker_id,
+            )
         if self.model.specs is None or not self.model.kinds_known:
             if self.model.fixed_plan is None and self._registered_plan is not None:
                 self.model.fixed_plan = self._registered_plan
                 self.journal.state.set_meta("fragment_plan", self._registered_plan)
+                self.journal.state.set_meta("whole_fragment_plan", self._whole_plan)
             try:
                 self.model.set_specs({s.name: s for s in specs}, kinds_known=True)
             except ValueError as exc:  # the model cannot be cut into the fragments asked
@@ -157,15 +171,29 @@ class Registrar:
 
     def _own_fragments(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
         """A streaming shard keeps whole fragments of the whole model's plan; the first
-        registration fixes that plan here (kept in the state, for restarts)."""
+        registration (or --init) fixes that plan here (kept in the state, for restarts), and
+        later workers, whatever the order of their tensors, get the same part."""
+        if self.model.fixed_plan is not None:
+            owned = {name for names in self.model.fixed_plan for name in names}
+            return [spec for spec in specs if spec.name in owned]
         try:
-            plan = fragment_plan(list(specs), self.settings.fragments)
+            if self.settings.leads:
+                plan = fragment_plan(list(specs), self.settings.fragments)
+            else:  # shard 0's, so that every shard cuts the model alike
+                plan = self.leader_plan()
             mine = shard_fragment_plan(plan, specs, self.settings.shards, self.settings.shard)
         except ValueError as exc:
             raise Rejection(
                 422, "shards_do_not_fit", f"this model cannot be split into shards: {exc}"
             ) from None
+        except KeyError as exc:
+            raise Rejection(
+                422,
+                "shards_do_not_fit",
+                f"shard 0's fragment plan names tensor {exc}, which this worker's model lacks",
+            ) from None
         self._registered_plan = mine  # fixed with the model's specs (register)
+        self._whole_plan = plan
         owned = {name for names in mine for name in names}
         return [spec for spec in specs if spec.name in owned]
 

@@ -242,8 +242,10 @@ def serve(
         initial = sharding.own_part(initial)
         sharding.check_against_shard_0()
     state = StateStore(state_dir, keep_checkpoints)
-    if sharding is not None and sharding.fragment_plan is not None:
-        state.set_meta("fragment_plan", sharding.fragment_plan)  # a streaming shard's --init
+    plan = None if sharding is None else sharding.fragment_plan  # a streaming --init's
+    if plan is not None and state.get_meta("fragment_plan") is None:  # (else: refused next)
+        state.set_meta("fragment_plan", plan)
+        state.set_meta("whole_fragment_plan", sharding.whole_plan)
     database = None if state.directory is None else state.directory / DATABASE_NAME
     try:
         journal = RoundJournal(state, settings, override_settings, durability, checkpoint_every)

@@ -79,6 +79,31 @@ class ShardCommit:
                 "own data (diloco worker --dispatch static)",
             )
 
+    def whole_plan(self) -> dict:
+        """Shard 0 (streaming): the whole model's fragment plan, once fixed (null before)."""
+        if not self.leads:
+            raise Rejection(409, "not_shard_0", "the fragment plan is shard 0's")
+        with self.lock:
+            return {"plan": self.journal.state.get_meta("whole_fragment_plan")}
+
+    def leader_plan(self) -> list[list[str]]:
+        """A streaming follower (lock held: once, at the first registration): shard 0's
+        whole fragment plan; 503 while shard 0 cannot be reached or has none yet."""
+        assert self.peers is not None
+        try:
+            plan = self.peers.whole_plan()
+        except PeerUnavailable as exc:
+            raise Rejection(
+                503, "shard_unavailable", f"shard 0 cannot be reached for its plan: {exc}"
+            ) from None
+        if plan is None:
+            raise Rejection(
+                503,
+                "shard_unavailable",
+                "shard 0 has no fragment plan yet: register there first, then here",
+            )
+        return plan
+
     def live_members(self) -> dict:
         """Shard 0: the workers live here (streaming followers evict the rest)."""
         if not self.leads:
@@ -232,7 +257,7 @@ class ShardCommit:
             return {
                 "worker_id": worker_id,
                 "live": record is not None,
-                "session_matches": record is not None and record.session == session,
+                "session_matches": record is not None and (record.session or "") == session,
             }
 
     def vouch(self, worker_id: str, session: str) -> bool:

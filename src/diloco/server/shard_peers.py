@@ -108,6 +108,16 @@ class ShardPeers:
         answer = self._get(0, "/v1/shard/members", {"worker_id": worker_id, "session": session})
         return bool(answer.get("session_matches"))
 
+    def whole_plan(self) -> list[list[str]] | None:
+        """Shard 0's whole fragment plan (streaming), or None before it has one."""
+        plan = self._get(0, "/v1/shard/plan", {}).get("plan")
+        if plan is not None and not (
+            isinstance(plan, list)
+            and all(isinstance(f, list) and all(isinstance(n, str) for n in f) for f in plan)
+        ):
+            raise PeerUnavailable("shard 0's fragment plan is malformed")
+        return plan
+
     def live_members(self) -> set[str]:
         """The workers shard 0 holds live."""
         live = self._get(0, "/v1/shard/live", {}).get("live")

@@ -50,6 +50,7 @@ class FollowerRound(Round):
     """Another shard's round: it commits when shard 0's decision names who is in."""
 
     decided: list[str] | None = None
+    decided_sessions: dict[str, str] = field(default_factory=dict)  # worker -> digest
 
     def waiting_for(self) -> list[str]:
         if self.decided is None:
@@ -113,6 +114,7 @@ class _HeldRounds(BarrierRounds):
         c = self.c
         now = c.clock()
         current = self.rounds[submission.fragment]
+        self._replace_other_session(current, submission)  # (admit let it through for this)
         # the session as it is now: a re-registration changes the record's in place
         self._sessions[(current.number, submission.worker_id)] = submission.record.session
         for key in [k for k in self._sessions if k[0] < current.number]:
@@ -146,23 +148,38 @@ class _HeldRounds(BarrierRounds):
 
     def admit(self, submission: Submission) -> dict | None:
         """A slice from a new session of a worker whose older session's slice this round
-        still holds, undecided: the new one replaces it (the old process is gone), so that
-        every shard ends up with the same process's slices."""
+        still holds, undecided, will replace it (the old process is gone), so that every
+        shard ends up with the same process's slices: in `accept`, once its body passed its
+        checks (a refused body changes nothing)."""
         current = self.rounds[submission.fragment] if self.rounds else None
-        if (
-            current is not None
-            and submission.round == current.number
-            and self._replaceable(current, submission.worker_id)
-        ):
-            key = (current.number, submission.worker_id)
-            for held, scan in list(current.held):
-                same = held.worker_id == submission.worker_id
-                old_session = self._sessions.get(key)
-                if same and old_session != submission.record.session:
-                    current.held.remove((held, scan))
-                    current.submitted.pop((held.worker_id, held.fragment), None)
-                    self._set_aside(current.number, held, scan, old_session)
+        if current is not None and submission.round == current.number:
+            self._check_decided_session(current, submission)
+            if self._other_session_held(current, submission) and self._replaceable(
+                current, submission.worker_id
+            ):
+                self.c.check_units(submission)
+                return None
         return super().admit(submission)
+
+    def _check_decided_session(self, current: Round, submission: Submission) -> None:
+        """A follower whose round is decided takes only the decided process's slice."""
+
+    def _other_session_held(self, current: Round, submission: Submission) -> bool:
+        key = (current.number, submission.worker_id)
+        return (
+            any(held.worker_id == submission.worker_id for held, _ in current.held)
+            and self._sessions.get(key) != submission.record.session
+        )
+
+    def _replace_other_session(self, current: Round, submission: Submission) -> None:
+        key = (current.number, submission.worker_id)
+        if not self._other_session_held(current, submission):
+            return
+        old_session = self._sessions.get(key)
+        for held, scan in [p for p in current.held if p[0].worker_id == submission.worker_id]:
+            current.held.remove((held, scan))
+            current.submitted.pop((held.worker_id, held.fragment), None)
+            self._set_aside(current.number, held, scan, old_session)
 
     def _set_aside(
         self, number: int, held: Submission, scan: ValueScan, session: str | None
@@ -214,7 +231,8 @@ class LeaderRounds(_HeldRounds):
             Contribution({}, 0 if tokens is None else tokens[0]), self.c.settings.weighting
         )
         load = abs(weight) * bound
-        if sum(v for w, v in current.loads.items() if w != worker_id) + load > FINITE_SUM_LIMIT:
+        total = sum(v for w, v in current.loads.items() if w != worker_id) + load
+        if total > FINITE_SUM_LIMIT * (1 - 1e-6):  # a hair under each fold's check
             raise Rejection(
                 422,
                 "sum_overflow",
@@ -277,9 +295,25 @@ class FollowerRounds(_HeldRounds):
             for worker_id, (_, digest) in decided.items():
                 if digest is not None:
                     self._take_back(current, worker_id, digest)
+                    current.decided_sessions[worker_id] = digest
             current.decided = sorted(decided)
             self._try_commit(0, self.c.clock())
         return True
+
+    def _check_decided_session(self, current: Round, submission: Submission) -> None:
+        """Round decided with another process's slice of this worker (one this shard lost
+        in a restart): a newer process's cannot stand in for it."""
+        assert isinstance(current, FollowerRound)
+        decided = current.decided_sessions.get(submission.worker_id)
+        if decided is not None and decided != session_digest(submission.record.session):
+            raise Rejection(
+                409,
+                "not_decided",
+                f"round {current.number} was decided with another process's slice of "
+                f"{submission.worker_id!r}; this one cannot take its place",
+                round=current.number,
+                worker_id=submission.worker_id,
+            )
 
     def _take_back(self, current: FollowerRound, worker_id: str, digest: str) -> None:
         """The decided slice is one a newer process's replaced: it goes back in the round

@@ -76,3 +76,8 @@ def add_shard_routes(
     async def live() -> dict:
         """Shard 0: the live workers (streaming: the others evict whom shard 0 evicted)."""
         return await run_in_threadpool(shard.live_members)
+
+    @app.get("/v1/shard/plan", dependencies=peers_only)
+    async def plan() -> dict:
+        """Shard 0: the whole model's fragment plan (streaming: the others cut theirs from it)."""
+        return await run_in_threadpool(shard.whole_plan)

@@ -13,6 +13,7 @@ from diloco.server.settings import ServerSettings
 from diloco.server.shard_peers import (
     DecisionFollower,
     MembershipFollower,
+    PeerUnavailable,
     ShardPeers,
     wait_for_leader,
 )
@@ -48,6 +49,7 @@ class ShardStart:
         # The whole --init model's fingerprint: shards started on other files refuse.
         self.whole_model = None
         self.fragment_plan: list[list[str]] | None = None  # streaming: this shard's part
+        self.whole_plan: list[list[str]] | None = None  # and the --init file's whole plan
         if initial is not None:
             self.whole_model = fingerprint(list(specs_of(initial, None).values()))
 
@@ -61,6 +63,7 @@ class ShardStart:
         settings = self.settings
         if settings.mode == "streaming":  # whole fragments of the file's plan
             plan = fragment_plan(specs, settings.fragments)
+            self.whole_plan = plan
             self.fragment_plan = shard_fragment_plan(plan, specs, settings.shards, settings.shard)
             names = [name for names in self.fragment_plan for name in names]
         else:
@@ -96,6 +99,25 @@ class ShardStart:
         """Shard 0's /v1/info, waiting for it as at start (it may be restarting too)."""
         return wait_for_leader(self.peers, self.settings.to_wire(), LEADER_WAIT_SECONDS)
 
+    def _check_streaming_state(self, coordinator: Coordinator, info: dict) -> None:
+        """A streaming follower: weights where shard 0 has them (a shard that lost its state
+        would start its fragments over), and shard 0's whole fragment plan."""
+        if info.get("model_fingerprint") is not None and coordinator.masters is None:
+            raise ValueError(
+                "shard 0 holds the run's weights and this shard none: its --state-dir was "
+                "lost or is another run's (a shard cannot start its fragments over)"
+            )
+        mine = coordinator.journal.state.get_meta("whole_fragment_plan")
+        try:
+            theirs = self.peers.whole_plan()
+        except PeerUnavailable as exc:
+            raise ValueError(f"shard 0's fragment plan could not be read: {exc}") from None
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(
+                "this shard's fragment plan differs from shard 0's (an --init file with the "
+                "tensors in another order?): every shard must cut the model alike"
+            )
+
     def _check_version(self, mine: int, info: dict) -> None:
         """Sync: a follower holds shard 0's version or the one before (shard 0 decides a
         round only once every shard holds its slices, so no follower can be further behind).
@@ -130,6 +152,7 @@ class ShardStart:
         info = self._leader_info()  # once, for both checks
         self._check_model(whole_model, info)
         if self.settings.mode == "streaming":  # each shard commits its own fragments
+            self._check_streaming_state(coordinator, info)
             members = MembershipFollower(
                 self.peers,
                 coordinator.shard.follow_members,

@@ -87,10 +87,18 @@ class ShardedClient:
         owner: dict[int, int] = {}
         for shard, mine in enumerate(fragments):
             for fragment in mine:
+                if int(fragment) in owner:
+                    raise ServerError(
+                        200, "invalid_response", f"two shards state fragment {fragment}"
+                    )
                 owner[int(fragment)] = shard
-        if sorted(owner) != list(range(len(owner))):
+        names = [name for part in owned for name in part]
+        if sorted(owner) != list(range(len(owner))) or len(names) != len(set(names)):
             raise ServerError(
-                200, "invalid_response", f"the shards state fragments {fragments}, not 0..F-1"
+                200,
+                "invalid_response",
+                f"the shards' fragments {fragments} and tensors do not cut the model in parts "
+                "(shards started apart?)",
             )
         self.layout = [list(names) for names in owned]
         self.fragment_owner = [owner[f] for f in range(len(owner))]
@@ -157,12 +165,17 @@ class ShardedClient:
             return self.leader.info()
         infos = self._streaming_infos()
         merged = dict(infos[0])
-        if self.fragment_owner is not None:
-            owner = self.fragment_owner
-            plans = [info.get("fragment_plan") for info in infos]
-            if all(plan is not None for plan in plans):
-                merged["fragment_plan"] = [plans[owner[f]][f] for f in range(len(owner))]
-            rounds = [info.get("fragment_rounds") or [] for info in infos]
+        plans = [info.get("fragment_plan") for info in infos]
+        rounds = [info.get("fragment_rounds") or [] for info in infos]
+        owner = self.fragment_owner
+        whole = owner is not None and all(
+            plan is not None and len(plan) == len(owner) == len(r)
+            for plan, r in zip(plans, rounds, strict=True)
+        )
+        merged["fragment_plan"] = None  # until every shard states its part (the weights exist)
+        if whole:
+            assert owner is not None
+            merged["fragment_plan"] = [plans[owner[f]][f] for f in range(len(owner))]
             merged["fragment_rounds"] = [rounds[owner[f]][f] for f in range(len(owner))]
         return merged
 
@@ -252,12 +265,13 @@ class ShardedClient:
     def _weights_of_fragments(self) -> Weights:
         """Streaming: every shard's fragments as they are (each fragment has its own round,
         taken from the shard that owns it)."""
+        deadline = time.monotonic() + SAME_VERSION_SECONDS
         while True:
             try:
                 got = self._each(lambda _s, client: client.get_weights_detail())
                 break
             except ServerError as exc:
-                if exc.kind != "no_weights":
+                if exc.kind != "no_weights" or time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
         owner = self.fragment_owner
@@ -267,6 +281,8 @@ class ShardedClient:
         if owner is None:
             raise ServerError(200, "invalid_response", "the shards state no fragments")
         rounds = [w.fragment_rounds or [] for w in got]
+        if any(len(r) != len(owner) for r in rounds):
+            raise ServerError(200, "invalid_response", f"the shards state fragment rounds {rounds}")
         fragment_rounds = [rounds[owner[f]][f] for f in range(len(owner))]
         return Weights(self._join([w.body for w in got]), got[0].round, fragment_rounds)
 
