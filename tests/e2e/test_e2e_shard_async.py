@@ -9,7 +9,8 @@ sharded run. Without a grace window arrivals race; there the check is that every
 applied once, in the same steps on every shard (each shard's `submissions` table), with no
 gap in the versions.
 
-The default suite runs one kill point against one async server; `-m slow` runs the rest.
+All of it runs with `-m slow` (about 3 minutes); the default suite checks async shards over
+raw HTTP with hand-worked weights (tests/server/test_server_http_shard_async.py).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def unbroken(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path):
     return run_sharded(tmp_path_factory.mktemp("unbroken-async-shards"), corpus_file, WINDOWED)
 
 
+@pytest.mark.slow  # the default suite's async shards: test_server_http_shard_async.py
 def test_sharded_async_under_a_kill_ends_where_one_async_server_ends(
     corpus_file: Path, tmp_path: Path
 ) -> None:

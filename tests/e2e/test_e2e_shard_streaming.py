@@ -120,7 +120,11 @@ def test_a_worker_evicted_on_shard_0_is_evicted_on_every_shard(
         doomed = start_worker(shards.urls[1], "w1", 1, 2, 400, corpus_file, tmp_path)
         with DiLoCoClient(shards.urls[0], retry=RetryPolicy(attempts=20)) as client:
             deadline = time.monotonic() + 120
-            while client.status()["round"] < 2:
+            while True:  # both registered (w1 may start last), and rounds going on
+                status = client.status()
+                live = {w["worker_id"] for w in status["workers"] if w["live"]}
+                if live == {"w0", "w1"} and status["round"] >= 2:
+                    break
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         doomed.send_signal(signal.SIGKILL)

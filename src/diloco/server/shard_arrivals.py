@@ -18,14 +18,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from diloco.algorithm import Contribution, staleness_scale
-from diloco.algorithm.contributions import FINITE_SUM_LIMIT, contribution_weight
+from diloco.algorithm import staleness_scale
 from diloco.server.async_arrivals import AsyncArrivals
 from diloco.server.engine_context import EngineContext
 from diloco.server.errors import Rejection
 from diloco.server.results import RoundResult
 from diloco.server.rounds import Round, ValueScan, fold
-from diloco.server.shard_rounds import session_digest
+from diloco.server.shard_rounds import checked_load, session_digest
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces, PieceBody
 
@@ -223,18 +222,14 @@ class LeaderArrivals(_HeldArrivals):
         held = self.held[key]
         staleness = c.model.version - round_number
         scale = staleness_scale(staleness, c.settings.staleness_weighting)
-        weight = contribution_weight(Contribution({}, held.submission.tokens), c.settings.weighting)
-        load = abs(weight * scale) * bound
-        total = sum(self.window_bounds.values()) + load
-        if total > FINITE_SUM_LIMIT * (1 - 1e-6):  # a hair under each fold's check
-            raise Rejection(
-                422,
-                "sum_overflow",
-                f"{worker_id!r}'s pseudo-gradient holds values up to {bound:.3g}: added to "
-                f"this step, some shard's fp32 sums could overflow",
-                bound=bound,
-                limit=FINITE_SUM_LIMIT,
-            )
+        load = checked_load(
+            worker_id,
+            held.submission.tokens,
+            scale,
+            bound,
+            self.window_bounds.values(),
+            c.settings,
+        )
         del self.held[key]
         window = self.window
         if window is None:

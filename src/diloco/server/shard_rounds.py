@@ -13,6 +13,7 @@ every shard with the same submissions or on none. docs/architecture.md has the p
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from diloco.algorithm import Contribution
@@ -22,6 +23,7 @@ from diloco.server.engine_context import EngineContext
 from diloco.server.errors import Rejection
 from diloco.server.results import RoundResult
 from diloco.server.rounds import Round, ValueScan, fold
+from diloco.server.settings import ServerSettings
 from diloco.server.submission import Submission
 from diloco.wire.spool import CheckedPieces, PieceBody
 
@@ -59,6 +61,33 @@ class FollowerRound(Round):
 
     def ready(self, min_workers: int) -> bool:
         return self.decided is not None and not self.waiting_for()
+
+
+def checked_load(
+    worker_id: str,
+    tokens: int,
+    scale: float,
+    bound: float,
+    others: Iterable[float],
+    settings: ServerSettings,
+) -> float:
+    """What a confirmed slice adds to the bound of its step's sums on any shard (its weight
+    x scale x the largest value any shard holds of it); 422 `sum_overflow` (nothing
+    changed) when, added to `others`, some shard's fp32 sums could overflow: refused by shard
+    0, where every shard's bound is known, not when each shard folds. A hair under the limit
+    each fold checks (RunningMean.headroom), so no fold can refuse what shard 0 took."""
+    weight = contribution_weight(Contribution({}, tokens), settings.weighting)
+    load = abs(weight * scale) * bound
+    if sum(others) + load > FINITE_SUM_LIMIT * (1 - 1e-6):
+        raise Rejection(
+            422,
+            "sum_overflow",
+            f"{worker_id!r}'s pseudo-gradient holds values up to {bound:.3g}: added to "
+            "its step, some shard's fp32 sums could overflow",
+            bound=bound,
+            limit=FINITE_SUM_LIMIT,
+        )
+    return load
 
 
 def _release(submission: Submission) -> None:
@@ -227,20 +256,10 @@ class LeaderRounds(_HeldRounds):
         current = self.rounds[0]
         assert isinstance(current, LeaderRound)
         tokens = self.holds(worker_id, round_number)
-        weight = contribution_weight(
-            Contribution({}, 0 if tokens is None else tokens[0]), self.c.settings.weighting
+        others = [v for w, v in current.loads.items() if w != worker_id]
+        load = checked_load(
+            worker_id, 0 if tokens is None else tokens[0], 1.0, bound, others, self.c.settings
         )
-        load = abs(weight) * bound
-        total = sum(v for w, v in current.loads.items() if w != worker_id) + load
-        if total > FINITE_SUM_LIMIT * (1 - 1e-6):  # a hair under each fold's check
-            raise Rejection(
-                422,
-                "sum_overflow",
-                f"{worker_id!r}'s pseudo-gradient holds values up to {bound:.3g}: added to "
-                f"this round, some shard's fp32 sums could overflow",
-                bound=bound,
-                limit=FINITE_SUM_LIMIT,
-            )
         current.loads[worker_id] = load
         current.confirmed.add(worker_id)
         self._try_commit(0, self.c.clock())
