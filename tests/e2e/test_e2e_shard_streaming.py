@@ -6,7 +6,8 @@ of two workers through two shards, one of them killed at a point of a fragment r
 restarted on its state, ends where `diloco simulate`'s one model ends (rtol 1e-5), with every
 fragment round applied once, on the shard that owns it.
 
-The default suite runs one kill point; `-m slow` runs the rest and a worker's death.
+All of it runs with `-m slow` (about 2 minutes); the default suite checks streaming shards
+over raw HTTP with hand-worked weights (tests/server/test_server_http_shard_streaming.py).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def check_fragment_rounds(out: Path, urls: list[str], per_fragment: int) -> None
         assert {f for _, f, _ in rows} <= set(mine), (shard, rows)
 
 
+@pytest.mark.slow  # the default suite's streaming shards: test_server_http_shard_streaming.py
 def test_a_streaming_shard_killed_after_a_fragment_commit_ends_like_the_simulator(
     corpus_file: Path, small_corpus: bytes, tmp_path: Path
 ) -> None:
