@@ -16,16 +16,23 @@ raw HTTP with hand-worked weights (tests/server/test_server_http_shard_async.py)
 from __future__ import annotations
 
 import json
-import random
 import signal
 import sqlite3
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_e2e_shard_crash import KILLS, SHARDS, STEPS, ShardKill, Shards, finish, train
+from test_e2e_shard_crash import (
+    KILLS,
+    SHARDS,
+    STEPS,
+    ShardKill,
+    Shards,
+    finish,
+    kill_at_random,
+    train,
+)
 
 from diloco.faults import ENV_VAR
 from diloco.server.launch import start_server, stop_process
@@ -149,27 +156,6 @@ def test_an_async_shard_killed_at_a_point_of_the_commit_ends_as_unbroken(
         assert torch.equal(weights[name], tensor), name
 
 
-def kill_at_random(shards: Shards, workers: list, seed: int, kills: int = 3) -> list[int]:
-    """SIGKILL a seeded random shard after a seeded delay, `kills` times, each restarted."""
-    rng = random.Random(seed)
-    killed: list[int] = []
-
-    def killer() -> None:
-        for _ in range(kills):
-            time.sleep(rng.uniform(0.2, 1.2))
-            if all(w.poll() is not None for w in workers):
-                return
-            shard = rng.randrange(SHARDS)
-            shards.processes[shard].send_signal(signal.SIGKILL)
-            killed.append(shard)
-            shards.restart(shard)
-
-    thread = threading.Thread(target=killer)
-    thread.start()
-    thread.join(timeout=300)
-    return killed
-
-
 @pytest.mark.slow
 def test_random_async_shard_kills_in_windows_end_as_unbroken(
     unbroken, corpus_file: Path, tmp_path: Path
@@ -177,7 +163,7 @@ def test_random_async_shard_kills_in_windows_end_as_unbroken(
     shards = Shards(tmp_path, mode=WINDOWED)
     try:
         workers = start_paused(shards.urls[0], shards.urls[1], corpus_file, tmp_path)
-        killed = kill_at_random(shards, workers, seed=15)
+        killed = kill_at_random(shards, workers, seed=15, delays=(0.2, 1.2))
         finish(workers, tmp_path)
         weights, versions = shards.weights()
     finally:
@@ -198,7 +184,7 @@ def test_random_async_shard_kills_apply_every_arrival_once_on_every_shard(
     shards = Shards(tmp_path, mode=ASYNC)
     try:
         workers = start_paused(shards.urls[0], shards.urls[1], corpus_file, tmp_path)
-        killed = kill_at_random(shards, workers, seed=seed)
+        killed = kill_at_random(shards, workers, seed=seed, delays=(0.2, 1.2))
         finish(workers, tmp_path)
         _, versions = shards.weights()
     finally:

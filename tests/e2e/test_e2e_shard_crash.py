@@ -193,30 +193,39 @@ def test_a_shard_killed_at_a_point_of_the_commit_ends_as_unbroken(
         assert torch.equal(weights[name], tensor), name
 
 
+def kill_at_random(
+    shards: Shards, workers: list, seed: int, delays: tuple[float, float], kills: int = 3
+) -> list[int]:
+    """SIGKILL a seeded random shard after a seeded delay in `delays`, `kills` times, each
+    restarted on its port and state; the shards killed."""
+    rng = random.Random(seed)
+    killed: list[int] = []
+
+    def killer() -> None:
+        for _ in range(kills):
+            time.sleep(rng.uniform(*delays))
+            if all(w.poll() is not None for w in workers):
+                return
+            shard = rng.randrange(SHARDS)
+            shards.processes[shard].send_signal(signal.SIGKILL)
+            killed.append(shard)
+            shards.restart(shard)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    thread.join(timeout=300)
+    return killed
+
+
 @pytest.mark.slow
 def test_random_shards_killed_at_random_moments_end_as_unbroken(
     unbroken, corpus_file: Path, tmp_path: Path
 ) -> None:
     """Three SIGKILLs from outside, each of a seeded random shard after a seeded delay."""
-    rng = random.Random(15)
     shards = Shards(tmp_path)
-    killed: list[int] = []
     try:
         workers = train(shards.urls[1], corpus_file, tmp_path)
-
-        def killer() -> None:
-            for _ in range(3):
-                time.sleep(rng.uniform(1.0, 4.0))
-                if all(w.poll() is not None for w in workers):
-                    return
-                shard = rng.randrange(SHARDS)
-                shards.processes[shard].send_signal(signal.SIGKILL)
-                killed.append(shard)
-                shards.restart(shard)
-
-        thread = threading.Thread(target=killer)
-        thread.start()
-        thread.join(timeout=300)
+        killed = kill_at_random(shards, workers, seed=15, delays=(1.0, 4.0))
         finish(workers, tmp_path)
         weights, rounds = shards.weights()
     finally:
