@@ -34,6 +34,7 @@ from test_server_http_shards import (
     call,
     json_of,
     register,
+    serve_in_thread,
     started_shards,
     wait_version,
     weights,
@@ -42,7 +43,6 @@ from test_server_http_shards import (
 from diloco.server.coordinator import Coordinator
 from diloco.server.journal import RoundJournal
 from diloco.server.launch import free_ports
-from diloco.server.runner import build_server
 from diloco.server.settings import ServerSettings
 from diloco.server.shard_peers import DecisionFollower, ShardPeers
 from diloco.server.store import StateStore
@@ -58,6 +58,14 @@ G = {  # pseudo-gradients (anchor - local), small multiples of 2: the sums below
            "c": torch.tensor([4.0])},
 }  # fmt: skip
 Tensors = dict[str, torch.Tensor]
+# One step (N = 1) of the window of w1 and w2 from INITIAL, by hand: g = (g1 + g2) / 2 =
+# a [4, 2, 0, 2], b [2, 0], c [-2]; theta -= 1.5 g: a [1 - 6, 2 - 3, 3, 4 - 3],
+# b [10 - 3, -10], c [0.5 + 3]
+MEAN_OF_W1_W2_STEP = {
+    "a": torch.tensor([-5.0, -1.0, 3.0, 1.0]),
+    "b": torch.tensor([7.0, -10.0]),
+    "c": torch.tensor([3.5]),
+}
 
 
 @dataclass
@@ -91,14 +99,9 @@ def async_shards(root: Path, **overrides) -> Iterator[list[Shard]]:
             peers = ShardPeers(urls, index, None)
             peers_of.append(peers)
             coordinator = Coordinator(settings, initial, journal=journal, peers=peers)
-            server = build_server(coordinator, "127.0.0.1", port, None, log_level="warning")
-            thread = threading.Thread(target=server.run, daemon=True)
-            thread.start()
+            server, thread = serve_in_thread(coordinator, port, None)
             servers.append(server)
             threads.append(thread)
-            while server.bound_port is None:
-                assert thread.is_alive(), "a shard did not start"
-                time.sleep(0.01)
             if index:
                 shard = coordinator.shard
                 assert shard is not None
@@ -383,14 +386,7 @@ def test_a_grace_window_of_two_arrivals_is_one_step_of_their_mean(start) -> None
     second = arrive(shards, "w2", 0, G["w2"])
     assert second["applied_version"] == 0  # both arrived: the window closed early
     at_version(shards, 1)
-    # g = (g1 + g2) / 2: a [4, 2, 0, 2], b [2, 0], c [-2]; N = 1: theta -= 1.5 g
-    # a [1 - 6, 2 - 3, 3, 4 - 3], b [10 - 3, -10], c [0.5 + 3]
-    expected = {
-        "a": torch.tensor([-5.0, -1.0, 3.0, 1.0]),
-        "b": torch.tensor([7.0, -10.0]),
-        "c": torch.tensor([3.5]),
-    }
-    assert_model(whole_model(shards, 1), expected)
+    assert_model(whole_model(shards, 1), MEAN_OF_W1_W2_STEP)
     assert decision(shard0, 0) == {
         "status": "decided",
         "round": 0,
@@ -401,7 +397,7 @@ def test_a_grace_window_of_two_arrivals_is_one_step_of_their_mean(start) -> None
         assert submissions(shard) == [("w1", 0, 0, 0), ("w2", 0, 0, 0)]
     status, data, round_number = result(shard0.url, 0, "w1", wait=5)
     assert (status, round_number) == (200, 1)
-    assert_model(load(data), of(expected, ["a"]))
+    assert_model(load(data), of(MEAN_OF_W1_W2_STEP, ["a"]))
 
 
 # One worker, the same g every time (N = 1): m_k = 0.5 m_k-1 + g = g, 1.5 g, 1.75 g, 1.875 g,
@@ -587,12 +583,7 @@ def test_bad_requests_change_nothing(start) -> None:
     at_version(shards, 1)
     # g = (g1 + g2) / 2: a [4, 2, 0, 2], b [2, 0], c [-2]; theta -= 1.5 g (as a mean of two,
     # not of three: the second confirmation added nothing)
-    expected = {
-        "a": torch.tensor([-5.0, -1.0, 3.0, 1.0]),
-        "b": torch.tensor([7.0, -10.0]),
-        "c": torch.tensor([3.5]),
-    }
-    assert_model(whole_model(shards, 1), expected)
+    assert_model(whole_model(shards, 1), MEAN_OF_W1_W2_STEP)
 
     status, answer = confirm(shard0, "w1", 0)  # once more, after its step
     assert (status, answer["status"], answer["applied_version"]) == (200, "duplicate", 0)
@@ -610,7 +601,7 @@ def test_bad_requests_change_nothing(start) -> None:
 
     time.sleep(0.3)
     assert [s.coordinator.version for s in shards] == [1, 1]
-    assert_model(whole_model(shards, 1), expected)
+    assert_model(whole_model(shards, 1), MEAN_OF_W1_W2_STEP)
     assert decision(shard0, 1) == {"status": "waiting", "round": 1}
     for shard in shards:
         assert submissions(shard) == [("w1", 0, 0, 0), ("w2", 0, 0, 0)]

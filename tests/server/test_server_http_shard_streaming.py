@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,13 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load, save
-from test_server_http_shards import HTTP, PROTOCOL, TOKEN, call, json_of
+from test_server_http_shards import HTTP, PROTOCOL, TOKEN, call, json_of, serve_in_thread
 from urllib3 import HTTPHeaderDict
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.journal import RoundJournal
 from diloco.server.launch import free_ports
-from diloco.server.runner import build_server
 from diloco.server.settings import ServerSettings
 from diloco.server.shard_peers import MembershipFollower, ShardPeers
 from diloco.server.store import StateStore
@@ -97,14 +95,9 @@ def streaming_shards(
             peers = ShardPeers(urls, index, token)
             peers_of.append(peers)
             coordinator = Coordinator(settings, None, journal=journal, peers=peers)
-            server = build_server(coordinator, "127.0.0.1", port, token, log_level="warning")
-            thread = threading.Thread(target=server.run, daemon=True)
-            thread.start()
+            server, thread = serve_in_thread(coordinator, port, token)
             servers.append(server)
             threads.append(thread)
-            while server.bound_port is None:
-                assert thread.is_alive(), "a shard did not start"
-                time.sleep(0.01)
             shard = Shard(urls[index], coordinator)
             if index and follow:
                 assert coordinator.shard is not None
@@ -519,3 +512,12 @@ def test_a_follower_takes_shard_0s_plan_and_only_workers_shard_0_admitted(start)
     assert json.loads(data)["kind"] == "not_on_shard_0", data
     live = {w["worker_id"] for w in json_of(call(shard1.url, "GET", "/v1/status"))["workers"]}
     assert "w3" not in live
+
+
+def test_shard_0_states_the_whole_plan_and_a_follower_refers_to_it(start) -> None:
+    shard0, shard1 = start()
+    assert json_of(call(shard0.url, "GET", "/v1/shard/plan")) == {"plan": None}  # none yet
+    join([shard0, shard1], "w1")
+    assert json_of(call(shard0.url, "GET", "/v1/shard/plan")) == {"plan": FRAGMENT}
+    status, data = call(shard1.url, "GET", "/v1/shard/plan")
+    assert refusal(status, data, 409, "not_shard_0") == {}

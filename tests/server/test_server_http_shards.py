@@ -70,6 +70,17 @@ def two_shards_with_token() -> Iterator[list[tuple[str, Coordinator]]]:
 TOKEN = "enroll-secret-0123456789"
 
 
+def serve_in_thread(coordinator: Coordinator, port: int, token: str | None):
+    """uvicorn over `coordinator` on 127.0.0.1:`port` in a daemon thread, once it listens."""
+    server = build_server(coordinator, "127.0.0.1", port, token, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while server.bound_port is None:
+        assert thread.is_alive(), "a shard did not start"
+        time.sleep(0.01)
+    return server, thread
+
+
 def started_shards(token: str | None) -> Iterator[list[tuple[str, Coordinator]]]:
     ports = free_ports(2)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
@@ -86,11 +97,7 @@ def started_shards(token: str | None) -> Iterator[list[tuple[str, Coordinator]]]
         initial = {name: INITIAL[name].clone() for name in OWNED[shard]}
         peers = ShardPeers(urls, shard, token)
         coordinator = Coordinator(settings, initial, peers=peers)
-        server = build_server(coordinator, "127.0.0.1", port, token, log_level="warning")
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while server.bound_port is None:
-            time.sleep(0.01)
+        server, thread = serve_in_thread(coordinator, port, token)
         if shard:
             follower = DecisionFollower(
                 peers, coordinator.shard.open_round, coordinator.shard.apply_decision, wait=2

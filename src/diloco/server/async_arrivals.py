@@ -96,15 +96,25 @@ class AsyncArrivals:
 
     # ----------------------------------------------------------------- submissions
 
-    def admit(self, submission: Submission) -> dict | None:
+    def _applied_answer(self, submission: Submission) -> dict | None:
+        """409 for an anchor past the current version; "duplicate" for an arrival a step
+        already applied (its key in the submissions table); None otherwise."""
         c = self.c
         worker_id, round_number = submission.worker_id, submission.round
         if round_number > c.model.version:
             raise self._future(round_number)
         applied = c.applied_version(worker_id, round_number)
-        if applied is not None:
-            submission.record.last_seen = c.clock()
-            return self._answer("duplicate", round_number, applied)
+        if applied is None:
+            return None
+        submission.record.last_seen = c.clock()
+        return self._answer("duplicate", round_number, applied)
+
+    def admit(self, submission: Submission) -> dict | None:
+        c = self.c
+        worker_id, round_number = submission.worker_id, submission.round
+        answer = self._applied_answer(submission)
+        if answer is not None:
+            return answer
         pending = self.anchors.get(worker_id)
         if pending is not None:
             if pending == round_number:

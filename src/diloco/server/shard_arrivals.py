@@ -306,17 +306,12 @@ class FollowerArrivals(_HeldArrivals):
         """A slice shard 0 may have confirmed stays until a decision uses or passes it."""
 
     def admit(self, submission: Submission) -> dict | None:
-        c = self.c
-        worker_id, anchor = submission.worker_id, submission.round
-        if anchor > c.model.version:
-            raise self._future(anchor)
-        applied = c.applied_version(worker_id, anchor)
-        if applied is not None:
-            submission.record.last_seen = c.clock()
-            return self._answer("duplicate", anchor, applied)
+        answer = self._applied_answer(submission)
+        if answer is not None:
+            return answer
         if self._key(submission) in self.held:
-            submission.record.last_seen = c.clock()
-            return self._answer("duplicate", anchor, None)
+            submission.record.last_seen = self.c.clock()
+            return self._answer("duplicate", submission.round, None)
         return None  # (another process's slice of the same anchor stays: see the decision)
 
     def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
