@@ -37,13 +37,13 @@ from diloco.console import (
     summary_table,
     write_json,
 )
-from diloco.wire.compressed import (
+from diloco.wire.compressed.body import (
     check_compressed_header,
     decode_compressed,
     encode_compressed,
     fold_entry,
 )
-from diloco.wire.frames import decode_frame
+from diloco.wire.format.frames import decode_frame
 
 RESULTS = Path(__file__).parent / "results"
 CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk:0.03+int2", "topk:0.01+int2")

@@ -36,10 +36,10 @@ from diloco.console import (
     write_json,
 )
 from diloco.server.coordinator import Coordinator
-from diloco.server.journal import RoundJournal
-from diloco.server.launch import start_server, stop_process
+from diloco.server.ops.launch import start_server, stop_process
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import encode_tensors, specs_of
 from diloco.worker import DiLoCoClient, RetryPolicy
 

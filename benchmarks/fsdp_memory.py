@@ -22,7 +22,7 @@ from pathlib import Path
 import typer
 
 from diloco.console import check_output_path, fail, markdown_table, out, summary_table, write_json
-from diloco.server.launch import start_server, stop_process
+from diloco.server.ops.launch import start_server, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "fsdp_worker.py"

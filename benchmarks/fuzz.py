@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco.console import check_output_path, fail, markdown_table, out, summary_table, write_json
-from diloco.server.launch import start_server, stop_process
+from diloco.server.ops.launch import start_server, stop_process
 from diloco.wire import PROTOCOL_HEADER, PROTOCOL_VERSION, encode_tensors
 from diloco.worker import DiLoCoClient
 

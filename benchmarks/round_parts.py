@@ -32,7 +32,7 @@ import uvicorn
 
 from diloco.algorithm import RunningMean
 from diloco.console import check_output_path, fail, out, summary_table, write_json
-from diloco.server.runner import return_large_frees_to_the_os
+from diloco.server.http.runner import return_large_frees_to_the_os
 from diloco.wire import SpoolFiles, encode_tensors, spool_body
 from wire import make_state, outer_step_against_memory_pass  # benchmarks/ is sys.path[0]
 

@@ -35,10 +35,10 @@ import typer
 from safetensors.torch import save_file
 
 from diloco.console import check_output_path, err, fail, out, summary_table, write_json
-from diloco.server.launch import start_server, start_shards, stop_process
+from diloco.server.ops.launch import start_server, start_shards, stop_process
 from diloco.wire import encode_tensors
 from diloco.worker import DiLoCoClient, RetryPolicy
-from diloco.worker.sharded_client import ShardedClient
+from diloco.worker.net.sharded_servers import ShardedClient
 
 RESULTS = Path(__file__).parent / "results"
 

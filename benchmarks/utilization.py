@@ -45,7 +45,7 @@ from diloco.console import (
     write_json,
 )
 from diloco.data import generated_corpus
-from diloco.server.launch import diloco_command, start_server, stop_process
+from diloco.server.ops.launch import diloco_command, start_server, stop_process
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -57,7 +57,7 @@ from diloco.console import (
     summary_table,
     write_json,
 )
-from diloco.server.launch import start_server, stop_process
+from diloco.server.ops.launch import start_server, stop_process
 from diloco.wire import encode_tensors, specs_of
 from diloco.worker import DiLoCoClient, RetryPolicy
 from wire_codecs import (  # benchmarks/ is sys.path[0]

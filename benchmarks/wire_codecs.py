@@ -13,7 +13,7 @@ import torch
 from diloco.algorithm.codecs import parse_codec
 from diloco.console import fail
 from diloco.wire import decode_tensors, specs_of
-from diloco.wire.compressed import apply_delta
+from diloco.wire.compressed.body import apply_delta
 from diloco.worker import DiLoCoClient, RetryPolicy
 from diloco.worker.upload_coder import UploadCoder
 

@@ -29,7 +29,7 @@ from diloco.data import BatchSampler, eval_batches, load_named_corpus, split_tra
 from diloco.models import GPTConfig
 from diloco.training import make_inner_optimizer
 from diloco.worker import DiLoCoWorker, ServerError, ServerUnavailable
-from diloco.worker.distributed import LeaderFailed
+from diloco.worker.parallel.distributed import LeaderFailed
 
 
 def wrap(model: torch.nn.Module, how: str, device: torch.device) -> torch.nn.Module:

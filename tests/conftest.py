@@ -15,9 +15,9 @@ import torch
 
 from diloco.data import generated_corpus
 from diloco.server.coordinator import Coordinator
-from diloco.server.credentials import Credentials
-from diloco.server.launch import start_server, stop_process
-from diloco.server.runner import CoordinatorServer, build_server
+from diloco.server.http.runner import CoordinatorServer, build_server
+from diloco.server.members.credentials import Credentials
+from diloco.server.ops.launch import start_server, stop_process
 from diloco.server.settings import ServerSettings
 from processes import reap_workers
 

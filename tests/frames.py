@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.wire.layout import FrameLayout
+from diloco.wire.format.layout import FrameLayout
 
 
 def frame_of(entries: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> bytearray:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cli.test_cli_worker_status import one_error_line, run_cli
-from diloco.server.launch import free_ports, start_server, stop_process
+from diloco.server.ops.launch import free_ports, start_server, stop_process
 from processes import sampled
 
 SERVER_CASES = [

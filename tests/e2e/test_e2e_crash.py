@@ -98,7 +98,7 @@ def train_two_workers(url: str, corpus: Path, out: Path) -> list[subprocess.Pope
 @pytest.fixture(scope="module")
 def unbroken_run(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path):
     """The reference: the same run with no crash."""
-    from diloco.server.launch import start_server, stop_process
+    from diloco.server.ops.launch import start_server, stop_process
 
     out = tmp_path_factory.mktemp("unbroken")
     process, url = start_server(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from diloco.data import TokenWindows, generated_corpus, split_train_val
 from diloco.worker import DiLoCoClient, RetryPolicy
-from diloco.worker.trace import TRACE_ENV_VAR
+from diloco.worker.data.trace import TRACE_ENV_VAR
 from processes import applied_samples, start_worker, wait_all
 from tiny import TINY_MODEL
 

@@ -35,9 +35,9 @@ from test_e2e_shard_crash import (
 )
 
 from diloco.faults import ENV_VAR
-from diloco.server.launch import start_server, stop_process
+from diloco.server.ops.launch import start_server, stop_process
 from diloco.worker import DiLoCoClient, RetryPolicy
-from diloco.worker.admin_client import AdminClient
+from diloco.worker.net.admin_client import AdminClient
 from processes import global_weights
 
 SYNC_EVERY = 4

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from diloco.faults import ENV_VAR
-from diloco.server.launch import free_ports, start_server, stop_process
+from diloco.server.ops.launch import free_ports, start_server, stop_process
 from processes import global_weights, start_worker, wait_all
 
 STEPS, SYNC_EVERY, SHARDS = 16, 4, 2

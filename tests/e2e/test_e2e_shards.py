@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.server.launch import start_shards, stop_process
+from diloco.server.ops.launch import start_shards, stop_process
 from e2e.test_e2e_sync import simulated_run
 from processes import start_worker, wait_all
 

@@ -16,7 +16,7 @@ import torch
 
 from diloco.data import TokenWindows, generated_corpus, split_train_val
 from diloco.worker import DiLoCoClient, RetryPolicy
-from diloco.worker.trace import TRACE_ENV_VAR
+from diloco.worker.data.trace import TRACE_ENV_VAR
 from processes import STARTED, applied_samples, global_weights
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

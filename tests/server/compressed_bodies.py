@@ -12,8 +12,8 @@ from test_server_http import Api
 
 from diloco.algorithm.codecs import Codec
 from diloco.wire import decode_tensors, encode_tensors
-from diloco.wire.compressed import encode_compressed
-from diloco.wire.frames import decode_frame
+from diloco.wire.compressed.body import encode_compressed
+from diloco.wire.format.frames import decode_frame
 from frames import frame_of
 
 # w and b are trainable (sent compressed); f is a float buffer and n an int32 buffer (sent

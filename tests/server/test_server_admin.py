@@ -15,9 +15,9 @@ import torch
 
 from diloco.server.coordinator import Coordinator, RoundResult, Waiting
 from diloco.server.errors import Rejection
-from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import TensorSpec, decode_tensors
 
 SPECS = [TensorSpec("w", (), torch.float32, "trainable")]

@@ -10,9 +10,9 @@ import pytest
 from test_server_coordinator import W_SPEC, FakeClock, grad, rejected, scalar
 
 from diloco.server.coordinator import Coordinator, RoundResult, Waiting
-from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import decode_tensors
 
 DN = {"mode": "async", "outer_lr": 0.7, "outer_momentum": 0.9}

@@ -28,8 +28,8 @@ from compressed_bodies import (
 from test_server_http import raw_request
 
 from diloco.algorithm.codecs import Codec
-from diloco.wire.bitpack import pack, unpack
-from diloco.wire.frames import read_frame_header
+from diloco.wire.compressed.bitpack import pack, unpack
+from diloco.wire.format.frames import read_frame_header
 
 SGD = ("--outer-optimizer", "sgd", "--outer-lr", "1")
 

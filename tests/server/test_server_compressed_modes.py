@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from test_server_http import Api
 
 from diloco.algorithm.codecs import Codec
-from diloco.wire.compressed import encode_compressed
+from diloco.wire.compressed.body import encode_compressed
 
 INT8_ARGS, INT8_CODEC = CODECS["int8"]
 TOPK_ARGS, TOPK_CODEC = CODECS["topk"]

@@ -16,7 +16,7 @@ import torch
 from diloco.algorithm import RunningMean, pseudo_gradient
 from diloco.server.coordinator import Coordinator, RoundResult, Waiting
 from diloco.server.errors import Rejection
-from diloco.server.rounds import Round
+from diloco.server.rounds.round import Round
 from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec, decode_tensors, fingerprint, is_worker_id
 

@@ -22,9 +22,9 @@ import torch
 from diloco.algorithm.permutation import Permutation
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
-from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import TensorSpec, decode_tensors
 
 W_SPEC = [TensorSpec("w", (), torch.float32, "trainable")]

@@ -13,13 +13,13 @@ import torch
 from diloco.algorithm.codecs import parse_codec
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
-from diloco.server.journal import RoundJournal
-from diloco.server.published_copy import PublishedCopy
-from diloco.server.results import RoundResult
+from diloco.server.model.published_copy import PublishedCopy
+from diloco.server.model.results import RoundResult
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import decode_tensors, specs_of
-from diloco.wire.compressed import apply_delta
+from diloco.wire.compressed.body import apply_delta
 
 # Plain averaging (outer SGD, lr 1): masters <- masters - mean(g). int8 with blocks of 8.
 SETTINGS = ServerSettings(

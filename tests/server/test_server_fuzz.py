@@ -22,9 +22,9 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from diloco.server.app import create_app  # noqa: E402
 from diloco.server.coordinator import Coordinator  # noqa: E402
-from diloco.server.credentials import Credentials  # noqa: E402
+from diloco.server.http.app import create_app  # noqa: E402
+from diloco.server.members.credentials import Credentials  # noqa: E402
 from diloco.server.settings import ServerSettings  # noqa: E402
 from diloco.wire import PROTOCOL_HEADER, PROTOCOL_VERSION, encode_tensors  # noqa: E402
 from diloco.worker import DiLoCoClient  # noqa: E402

@@ -182,7 +182,7 @@ def test_the_eviction_loop_survives_a_failing_tick() -> None:
     import threading
     from types import SimpleNamespace
 
-    from diloco.server.runner import EvictionTicker
+    from diloco.server.http.runner import EvictionTicker
 
     ticks = []
     enough = threading.Event()

@@ -14,9 +14,9 @@ import urllib3
 from safetensors.torch import save_file
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import TensorSpec, decode_tensors, fingerprint
 from processes import run_all
 

@@ -41,11 +41,11 @@ from test_server_http_shards import (
 )
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.journal import RoundJournal
-from diloco.server.launch import free_ports
+from diloco.server.ops.launch import free_ports
 from diloco.server.settings import ServerSettings
-from diloco.server.shard_peers import DecisionFollower, ShardPeers
-from diloco.server.store import StateStore
+from diloco.server.shards.peers import DecisionFollower, ShardPeers
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 
 NAMES = ["a", "b", "c"]
 LR, BETA = 1.0, 0.5

@@ -1,6 +1,6 @@
 """Streaming mode across sharded servers over raw HTTP: two shard coordinators behind real
 uvicorn, in threads, each with its own state dir; shard 1 runs the MembershipFollower a
-streaming shard starts (server/shard_start.py), asking shard 0 who is live.
+streaming shard starts (server/shards/start.py), asking shard 0 who is live.
 
 The model and its plan, by hand (fragment_plan, 2 fragments): the names show blocks
 `blocks.0.` and `blocks.1.`, so the plan strides over them: blocks.0.w (2 numbers) ->
@@ -31,11 +31,11 @@ from test_server_http_shards import HTTP, PROTOCOL, TOKEN, call, json_of, serve_
 from urllib3 import HTTPHeaderDict
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.journal import RoundJournal
-from diloco.server.launch import free_ports
+from diloco.server.ops.launch import free_ports
 from diloco.server.settings import ServerSettings
-from diloco.server.shard_peers import MembershipFollower, ShardPeers
-from diloco.server.store import StateStore
+from diloco.server.shards.peers import MembershipFollower, ShardPeers
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 
 Tensors = dict[str, torch.Tensor]
 INITIAL = {

@@ -19,10 +19,10 @@ import urllib3
 from safetensors.torch import load, save
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.launch import free_ports
-from diloco.server.runner import build_server
+from diloco.server.http.runner import build_server
+from diloco.server.ops.launch import free_ports
 from diloco.server.settings import ServerSettings
-from diloco.server.shard_peers import DecisionFollower, ShardPeers
+from diloco.server.shards.peers import DecisionFollower, ShardPeers
 
 INITIAL = {
     "a": torch.tensor([1.0, 2.0, 3.0, 4.0]),

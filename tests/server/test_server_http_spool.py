@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from diloco.server import app as app_module
+from diloco.server.http import app as app_module
 from diloco.server.settings import ServerSettings
 from diloco.wire import PROTOCOL_HEADER, decode_tensors, encode_tensors, specs_of
 from diloco.worker import DiLoCoClient, ServerError

@@ -162,8 +162,8 @@ def test_the_admin_dependency_guards_control_routes(live_server) -> None:
     """`require_admin` is what later control routes depend on: admin passes, others 403."""
     from fastapi import Depends
 
-    from diloco.server.app import require_admin
-    from diloco.server.credentials import Credentials
+    from diloco.server.http.app import require_admin
+    from diloco.server.members.credentials import Credentials
 
     credentials = Credentials([ENROLL], {ADMIN: "admin", W0_TOKEN: "worker:w0"})
     with live_server(None, state(10.0), credentials) as server:

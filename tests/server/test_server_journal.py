@@ -10,9 +10,9 @@ import torch
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
-from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import decode_tensors, specs_of
 
 SETTINGS = ServerSettings(sync_every=2, min_workers=2)

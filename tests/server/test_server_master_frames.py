@@ -14,7 +14,7 @@ import torch
 
 from diloco.server.coordinator import Coordinator, RoundResult
 from diloco.server.errors import Rejection
-from diloco.server.master_frames import MasterFrames
+from diloco.server.model.master_frames import MasterFrames
 from diloco.server.settings import ServerSettings
 from diloco.wire import (
     SpooledTensors,

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import TensorSpec
 
 SPECS = [
@@ -205,7 +205,7 @@ def test_a_read_that_fails_while_a_round_decides_leaves_it_holding_everything(
     c.admin.evict("d", "admin", ban=True)  # its held update dropped: recorded, kept so
     send(c, "a", 0, 1.0)
     send(c, "b", 0, 1.2)
-    import diloco.server.screening as screening
+    import diloco.server.rounds.robust as screening
 
     real_fold = screening.fold
     calls = []

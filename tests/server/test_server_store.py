@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.journal import RoundJournal
 from diloco.server.settings import ServerSettings
-from diloco.server.store import STATE_FORMAT, StateDirError, StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import STATE_FORMAT, StateDirError, StateStore
 from diloco.wire import PROTOCOL_VERSION, specs_of
 
 START = {"w": torch.tensor([1.0, 2.0])}

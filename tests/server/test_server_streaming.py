@@ -9,10 +9,10 @@ import torch
 from test_server_coordinator import FakeClock, rejected, scalar
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.global_model import fragment_plan
-from diloco.server.journal import RoundJournal
+from diloco.server.model.global_model import fragment_plan
 from diloco.server.settings import ServerSettings
-from diloco.server.store import StateStore
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import TensorSpec, decode_tensors
 
 # Two repeated blocks and a head: fragment 0 = blocks.0 + head (the lighter one gets what is

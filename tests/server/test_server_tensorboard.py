@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diloco.server.coordinator import Coordinator
-from diloco.server.scalars import TensorBoardScalars
+from diloco.server.ops.tensorboard import TensorBoardScalars
 from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec
 from processes import run_all

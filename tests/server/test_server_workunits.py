@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from diloco.algorithm.permutation import Permutation
 from diloco.server.errors import Rejection
-from diloco.server.workunit_schema import MAX_LEASE_SAMPLES, immediate
-from diloco.server.workunits import WorkPool
+from diloco.server.workunits.pool import WorkPool
+from diloco.server.workunits.schema import MAX_LEASE_SAMPLES, immediate
 
 
 def open_pool(path: Path) -> tuple[sqlite3.Connection, WorkPool]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diloco.wire import TensorSpec
-from diloco.wire.shard_layout import master_bytes, shard_layout, split_by_layout
+from diloco.wire.format.shard_layout import master_bytes, shard_layout, split_by_layout
 
 
 def spec(name: str, *shape: int, dtype: torch.dtype = torch.float32) -> TensorSpec:
@@ -61,7 +61,7 @@ def test_streaming_shards_own_whole_fragments_largest_first() -> None:
     """Fragments (in plan order) by fp32 bytes: f0 = a + b = 40 + 8 = 48, f1 = c = 64,
     f2 = d + e = 16 + 16 = 32. Largest first to the lightest shard: f1 -> 0 (64); f0 -> 1
     (48); f2 -> 1 (shard 1 holds 48 < 64: 80)."""
-    from diloco.wire.shard_layout import fragment_shards, shard_fragment_plan
+    from diloco.wire.format.shard_layout import fragment_shards, shard_fragment_plan
 
     specs = [spec("a", 10), spec("b", 2), spec("c", 16), spec("d", 4), spec("e", 4)]
     plan = [["a", "b"], ["c"], ["d", "e"]]

@@ -1,6 +1,6 @@
-"""Compressed bodies (wire/compressed.py, wire/bitpack.py): the bytes of docs/protocol.md's
-worked examples, round trips, every malformed case, and fuzzing. Expected bytes are worked out
-by hand in the test."""
+"""Compressed bodies (wire/compressed/body.py, wire/compressed/bitpack.py): the bytes of
+docs/protocol.md's worked examples, round trips, every malformed case, and fuzzing. Expected
+bytes are worked out by hand in the test."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from diloco.algorithm.codecs import Codec, Layout, decode, encode, parse_codec
 from diloco.wire import WireError, decode_tensors, encode_tensors
-from diloco.wire.bitpack import pack, padding_is_zero, unpack
-from diloco.wire.compressed import (
+from diloco.wire.compressed.bitpack import pack, padding_is_zero, unpack
+from diloco.wire.compressed.body import (
     apply_delta,
     check_codec_metadata,
     check_compressed_header,
@@ -31,7 +31,7 @@ from diloco.wire.compressed import (
     fold_entry,
     read_span,
 )
-from diloco.wire.frames import decode_frame, read_frame_header
+from diloco.wire.format.frames import decode_frame, read_frame_header
 from frames import frame_of
 
 INT2_8 = Codec("int2", block=8)

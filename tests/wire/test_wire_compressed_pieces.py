@@ -1,4 +1,4 @@
-"""A compressed body read as decoded pieces (wire/compressed_pieces.py), from a spool file and
+"""A compressed body read as decoded pieces (wire/compressed/pieces.py), from a spool file and
 from memory: the same values as decoding it whole, every malformed value refused before it is
 handed on, a bound of the magnitudes from the scales, and memory of one span, not the model."""
 
@@ -13,10 +13,14 @@ import torch
 from diloco.algorithm import RunningMean
 from diloco.algorithm.codecs import Codec, parse_codec, piece_elements
 from diloco.wire import WireError
-from diloco.wire.compressed import check_compressed_header, decode_compressed, encode_compressed
-from diloco.wire.compressed_pieces import CompressedPieces
-from diloco.wire.frames import decode_frame, read_frame_header
-from diloco.wire.spool import SpooledTensors, SpoolFiles
+from diloco.wire.compressed.body import (
+    check_compressed_header,
+    decode_compressed,
+    encode_compressed,
+)
+from diloco.wire.compressed.pieces import CompressedPieces
+from diloco.wire.format.frames import decode_frame, read_frame_header
+from diloco.wire.format.spool import SpooledTensors, SpoolFiles
 from frames import frame_of
 
 CODECS = ["int8", "int4", "int2", "topk:0.03+int2", "topk:0.1", "topk:0.5+bf16"]

@@ -8,8 +8,8 @@ import torch
 
 from diloco.algorithm.codecs import Codec
 from diloco.wire import EarlyHeader, WireError, encode_tensors
-from diloco.wire.compressed import codec_metadata, encode_compressed
-from diloco.wire.frames import parse_frame_header
+from diloco.wire.compressed.body import codec_metadata, encode_compressed
+from diloco.wire.format.frames import parse_frame_header
 
 TENSORS = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64)}
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load
 
 from diloco.wire import decode_tensors, encode_tensors
-from diloco.wire.layout import FrameBuffer, FrameLayout
+from diloco.wire.format.layout import FrameBuffer, FrameLayout
 
 
 def sample() -> dict[str, torch.Tensor]:

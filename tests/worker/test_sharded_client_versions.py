@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from diloco.wire import decode_tensors, encode_tensors
-from diloco.worker import sharded_client
-from diloco.worker.client import Weights
 from diloco.worker.errors import ServerError
-from diloco.worker.sharded_client import ShardedClient
+from diloco.worker.net import sharded_servers as sharded_client
+from diloco.worker.net.client import Weights
+from diloco.worker.net.sharded_servers import ShardedClient
 
 
 class ScriptedShard:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.worker.auth import BearerAuth
+from diloco.worker.net.auth import BearerAuth
 
 
 def test_the_credential_replaces_the_token_and_a_refused_one_falls_back_to_it() -> None:

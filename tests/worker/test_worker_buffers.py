@@ -102,7 +102,7 @@ def test_token_weighting_counts_tokens_the_loop_never_reports(live_server) -> No
 
 def test_an_explicit_token_report_replaces_the_count() -> None:
     """The counter's figure for a round is dropped at the first report(tokens=N)."""
-    from diloco.worker.tokens import TokenCounter, batch_tokens
+    from diloco.worker.data.tokens import TokenCounter, batch_tokens
 
     assert batch_tokens((torch.zeros(3, 5, dtype=torch.long),), {}) == 15
     assert batch_tokens((torch.zeros(7, 2),), {}) == 7  # float input: samples

@@ -18,7 +18,7 @@ from torch import nn
 
 from diloco.checkpoints import CheckpointStore
 from diloco.models import GPT
-from diloco.worker.checkpoint import (
+from diloco.worker.state.checkpoint import (
     load_worker_checkpoint,
     restore_worker_checkpoint,
     save_worker_checkpoint,

@@ -31,7 +31,7 @@ from diloco.worker import (
     ServerError,
     ServerUnavailable,
 )
-from diloco.worker.client import Weights
+from diloco.worker.net.client import Weights
 
 # -- the scripted server ----------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from diloco.data import VOCAB_SIZE, TokenWindows, encode, generated_corpus
 from diloco.server.settings import ServerSettings
 from diloco.wire import decode_tensors, specs_of
 from diloco.worker import DiLoCoClient, DiLoCoWorker, ServerError
-from diloco.worker.data import LeasedBatches, LeasedDataset, LeasedSampler
+from diloco.worker.data.leased_sampler import LeasedBatches, LeasedDataset, LeasedSampler
 
 LENGTH, UNIT, SEED = 1000, 64, 3
 UNITS = -(-LENGTH // UNIT)  # 16: fifteen of 64 samples and one of 40
@@ -452,7 +452,7 @@ def test_a_new_iteration_hands_out_again_what_the_last_fetched_and_never_trained
     """A framework's epoch ends with a batch fetched ahead; its next epoch iterates afresh.
     The fetched, untrained samples come out first, so none is skipped untrained."""
     from diloco.integrations.common import LeasedTrainSampler
-    from diloco.worker.tokens import samples_in
+    from diloco.worker.data.tokens import samples_in
 
     deferred = LeasedTrainSampler(LENGTH, "ds")
     deferred.leased = sampler(client, lease_count=2, count_trained=True)

@@ -10,12 +10,12 @@ from test_worker_worker import make_model, server_weights, train
 
 from diloco.algorithm import alpha_merge
 from diloco.data import VOCAB_SIZE, TokenWindows, encode, generated_corpus
-from diloco.server.results import RoundResult
+from diloco.server.model.results import RoundResult
 from diloco.server.settings import ServerSettings
 from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoWorker
-from diloco.worker.data import LeasedBatches, LeasedSampler
-from diloco.worker.ratelimit import UploadLimiter
+from diloco.worker.data.leased_sampler import LeasedBatches, LeasedSampler
+from diloco.worker.net.ratelimit import UploadLimiter
 from diloco.worker.schedule import start_position
 
 STREAMING = dict(

@@ -8,8 +8,8 @@ import torch
 
 from diloco.algorithm.codecs import parse_codec
 from diloco.wire import TensorSpec, decode_tensors
-from diloco.wire.compressed import decode_compressed
-from diloco.worker.checkpoint import load_worker_checkpoint, save_worker_checkpoint
+from diloco.wire.compressed.body import decode_compressed
+from diloco.worker.state.checkpoint import load_worker_checkpoint, save_worker_checkpoint
 from diloco.worker.upload_coder import UploadCoder
 
 SPECS = [

@@ -21,7 +21,7 @@ A codec is a value codec, optionally after a top-k selection:
     not care); this encoder takes the lower index in full chunks when k <= 16.
 
 Codes of int8 / int4 / int2 are kept as unsigned levels, one per uint8: code + qmax for int8
-and int4 (0..254, 0..14), c for int2 (0..3), so that bit packing (wire/compressed.py) treats
+and int4 (0..254, 0..14), c for int2 (0..3), so that bit packing (wire/compressed/body.py) treats
 every width alike. All math is fp32 in the order written above: the division x / s, and the
 decode (level - offset) * s as a separate multiply (no fused multiply-add), so every device
 decodes the same codes to bit-identical values. Values that are NaN or Inf make their block's

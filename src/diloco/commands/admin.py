@@ -20,7 +20,7 @@ from rich.markup import escape
 from diloco.commands.options import CaFileOption, server_client
 from diloco.console import check_output_path, fail, megabytes, out, summary_table, write_json
 from diloco.wire import WireError, decode_tensors
-from diloco.worker.admin_client import AdminClient
+from diloco.worker.net.admin_client import AdminClient
 
 admin_app = typer.Typer(
     help="Steer a running server: pause, resume, outer lr, evict, ban, stop, weights, audit.",

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from diloco.console import err, fail
-from diloco.server.launch import start_shards, stop_process
+from diloco.server.ops.launch import start_shards, stop_process
 
 
 def cluster_command(

@@ -29,7 +29,7 @@ from diloco.console import (
 )
 from diloco.data import CorpusError, load_named_corpus
 from diloco.models import GPTConfig
-from diloco.server.launch import diloco_command, start_server, stop_process
+from diloco.server.ops.launch import diloco_command, start_server, stop_process
 from diloco.server.settings import ServerSettings
 from diloco.sim import SimConfig, total_inner_steps
 from diloco.sim.jobs import run_configs

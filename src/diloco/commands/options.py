@@ -11,8 +11,9 @@ from typing import TypeVar
 import typer
 
 from diloco.console import fail, warn
-from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable, tls
-from diloco.worker.auth import TOKEN_ENV
+from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
+from diloco.worker.net import tls
+from diloco.worker.net.auth import TOKEN_ENV
 
 Client = TypeVar("Client", bound=DiLoCoClient)
 

@@ -9,8 +9,8 @@ import typer
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO
 from diloco.commands.options import TokenFileOption, TokenOption, read_token
 from diloco.console import err, fail
-from diloco.server.credentials import TokensFileError, load_tokens_file
-from diloco.server.runner import TlsFiles, serve
+from diloco.server.http.runner import TlsFiles, serve
+from diloco.server.members.credentials import TokensFileError, load_tokens_file
 from diloco.server.settings import ServerSettings
 from diloco.wire import parse_wire_dtype
 

@@ -48,8 +48,8 @@ from diloco.worker import (
     ServerError,
     ServerUnavailable,
 )
-from diloco.worker.data import LeasedBatches, LeasedSampler
-from diloco.worker.distributed import LeaderFailed
+from diloco.worker.data.leased_sampler import LeasedBatches, LeasedSampler
+from diloco.worker.parallel.distributed import LeaderFailed
 from diloco.worker.settings import ServerSettingsError
 
 

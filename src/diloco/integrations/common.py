@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from diloco.worker import distributed
-from diloco.worker.data import LeasedSampler
+from diloco.worker.data.leased_sampler import LeasedSampler
+from diloco.worker.parallel import distributed
 
 log = logging.getLogger("diloco.integrations")
 

@@ -29,7 +29,7 @@ from diloco.integrations.common import (
     torch_optimizer,
 )
 from diloco.worker import DiLoCoWorker
-from diloco.worker.tokens import samples_in
+from diloco.worker.data.tokens import samples_in
 
 try:
     from lightning.pytorch.callbacks import Callback

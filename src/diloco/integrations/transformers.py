@@ -32,7 +32,7 @@ from diloco.integrations.common import (
     torch_optimizer,
 )
 from diloco.worker import DiLoCoWorker
-from diloco.worker.tokens import TokenCounter, batch_samples
+from diloco.worker.data.tokens import TokenCounter, batch_samples
 
 try:
     from transformers import TrainerCallback

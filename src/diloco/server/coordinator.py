@@ -24,27 +24,27 @@ import torch
 
 from diloco import faults
 from diloco.algorithm import RunningMean
-from diloco.server.admin import AdminActions
-from diloco.server.control import RunControl
-from diloco.server.dispatch import DataDispatch
-from diloco.server.engine_context import EngineContext
-from diloco.server.engines import RoundEngine, engine_for
 from diloco.server.errors import Rejection, rejection_of
-from diloco.server.global_model import GlobalModel, specs_of
-from diloco.server.intake import Intake, book
-from diloco.server.journal import CommitRecord, RoundJournal
-from diloco.server.membership import Membership
-from diloco.server.metrics import ServerMetrics, Traffic
-from diloco.server.registrar import Registrar
-from diloco.server.results import RoundResult, Waiting
-from diloco.server.rounds import Round
-from diloco.server.scalars import TensorBoardScalars
-from diloco.server.screening import RobustScreen
-from diloco.server.sent_rounds import SentRounds
+from diloco.server.members.membership import Membership
+from diloco.server.members.registrar import Registrar
+from diloco.server.model.global_model import GlobalModel, specs_of
+from diloco.server.model.results import RoundResult, Waiting
+from diloco.server.model.sent_rounds import SentRounds
+from diloco.server.ops.admin import AdminActions
+from diloco.server.ops.control import RunControl
+from diloco.server.ops.metrics import ServerMetrics, Traffic
+from diloco.server.ops.tensorboard import TensorBoardScalars
+from diloco.server.rounds.admission import Intake, book
+from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.engines import RoundEngine, engine_for
+from diloco.server.rounds.robust import RobustScreen
+from diloco.server.rounds.round import Round
 from diloco.server.settings import ServerSettings
-from diloco.server.shard_commit import ShardCommit
-from diloco.server.shard_peers import ShardPeers
-from diloco.server.store import StateStore
+from diloco.server.shards.commit import ShardCommit
+from diloco.server.shards.peers import ShardPeers
+from diloco.server.state.journal import CommitRecord, RoundJournal
+from diloco.server.state.store import StateStore
+from diloco.server.workunits.transactions import DataDispatch
 from diloco.wire import (
     PROTOCOL_VERSION,
     SpooledTensors,
@@ -74,7 +74,7 @@ class Coordinator:
         peers: ShardPeers | None = None,
     ) -> None:
         """`scalars`: --tensorboard's writer, given each commit's metrics (None: no file);
-        `peers`: the other shards of a sharded run (server/shard_peers.py)."""
+        `peers`: the other shards of a sharded run (server/shards/peers.py)."""
         self.settings = settings
         self.scalars = scalars
         self.metrics = metrics or ServerMetrics()

@@ -50,7 +50,7 @@ class ServerSettings:
     # (upload_codec bf16 is upload_dtype bf16); the others as compressed bodies.
     upload_codec: str = "fp32"
     # Downloads as coded deltas against the published weights every worker holds (fp32: full
-    # weights every round, as download_dtype says); server/published_copy.py.
+    # weights every round, as download_dtype says); server/model/published_copy.py.
     download_codec: str = "fp32"
     codec_block: int = 128
     topk_chunk: int = 128

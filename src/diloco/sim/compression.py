@@ -125,7 +125,8 @@ class Downlink:
     codec: each step codes masters - P for its tensors and P moves by exactly what was coded
     (P += D(C(masters - P)), the server's published copy), so workers train from P, not from
     the masters; a worker whose anchor is not the P before the step downloads P whole.
-    Trainable float tensors are coded; the others go as their value (server/published_copy.py).
+    Trainable float tensors are coded; the others go as their value
+    (server/model/published_copy.py).
     """
 
     def __init__(

@@ -4,9 +4,10 @@ Server and worker exchange tensors and JSON only through these functions, so the
 docs/protocol.md is written down in one place.
 """
 
-from diloco.wire.body import check_length, parse_content_length, read_body
-from diloco.wire.checks import check_finite, check_tensors
-from diloco.wire.dtypes import (
+from diloco.wire.errors import WireError
+from diloco.wire.format.body import check_length, parse_content_length, read_body
+from diloco.wire.format.checks import check_finite, check_tensors
+from diloco.wire.format.dtypes import (
     DTYPE_NAMES,
     SAFETENSORS_CODES,
     WIRE_FLOAT_DTYPE_NAMES,
@@ -17,9 +18,17 @@ from diloco.wire.dtypes import (
     safetensors_code,
     torch_dtype,
 )
-from diloco.wire.early_header import EarlyHeader, HeaderCheck
-from diloco.wire.errors import WireError
-from diloco.wire.frames import MAX_HEADER_BYTES, decode_tensors, encode_tensors
+from diloco.wire.format.early_header import EarlyHeader, HeaderCheck
+from diloco.wire.format.frames import MAX_HEADER_BYTES, decode_tensors, encode_tensors
+from diloco.wire.format.specs import (
+    TENSOR_KINDS,
+    TensorSpec,
+    fingerprint,
+    first_difference,
+    same_dtype_class,
+    specs_of,
+)
+from diloco.wire.format.spool import SpooledTensors, SpoolFiles, spool_body
 from diloco.wire.schemas import (
     MAX_COUNT,
     WORKER_ID_PATTERN,
@@ -44,15 +53,6 @@ from diloco.wire.schemas import (
     WorkerStatus,
     is_worker_id,
 )
-from diloco.wire.specs import (
-    TENSOR_KINDS,
-    TensorSpec,
-    fingerprint,
-    first_difference,
-    same_dtype_class,
-    specs_of,
-)
-from diloco.wire.spool import SpooledTensors, SpoolFiles, spool_body
 from diloco.wire.validation import (
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,

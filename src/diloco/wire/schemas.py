@@ -20,8 +20,8 @@ from pydantic import (
     field_validator,
 )
 
-from diloco.wire.dtypes import torch_dtype
-from diloco.wire.specs import TensorSpec
+from diloco.wire.format.dtypes import torch_dtype
+from diloco.wire.format.specs import TensorSpec
 from diloco.wire.validation import PROTOCOL_VERSION, validation_error_to_wire
 
 __all__ = [

@@ -15,8 +15,8 @@ from torch import nn
 
 from diloco.algorithm import pseudo_gradient, to_fp32_masters
 from diloco.algorithm.codecs import Codec
-from diloco.wire.compressed import apply_delta
-from diloco.worker import distributed
+from diloco.wire.compressed.body import apply_delta
+from diloco.worker.parallel import distributed
 
 
 def updated_anchor(

@@ -6,8 +6,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from diloco.worker.client import DiLoCoClient
 from diloco.worker.errors import ServerError, ServerUnavailable
+from diloco.worker.net.client import DiLoCoClient
 
 log = logging.getLogger("diloco.worker")
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from diloco.wire import TensorSpec, decode_tensors
-from diloco.worker.client import DiLoCoClient, Weights
+from diloco.worker.data.units import UnitReports
 from diloco.worker.errors import ClientClosed, ServerError
-from diloco.worker.units import UnitReports
+from diloco.worker.net.client import DiLoCoClient, Weights
 
 log = logging.getLogger("diloco.worker")
 

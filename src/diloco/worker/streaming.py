@@ -33,15 +33,15 @@ import torch
 
 from diloco.algorithm import alpha_merge
 from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
-from diloco.worker import distributed
 from diloco.worker.anchor import Anchor
+from diloco.worker.data.tokens import TokenTally
+from diloco.worker.data.units import UnitReports
 from diloco.worker.errors import ClientClosed, ServerUnavailable
 from diloco.worker.pace import Pace
+from diloco.worker.parallel import distributed
 from diloco.worker.schedule import FragmentWindows
 from diloco.worker.session import ServerSession
 from diloco.worker.settings import WorkerSettings
-from diloco.worker.tokens import TokenTally
-from diloco.worker.units import UnitReports
 from diloco.worker.upload_coder import UploadCoder
 
 __all__ = ["FragmentOutcome", "FragmentStreamer", "InFlight"]

@@ -26,7 +26,7 @@ import torch
 from diloco.algorithm import TensorKind
 from diloco.algorithm.codecs import Codec
 from diloco.wire import TensorSpec, encode_tensors, fingerprint
-from diloco.wire.compressed import encode_compressed
+from diloco.wire.compressed.body import encode_compressed
 
 log = logging.getLogger("diloco.worker")
 
@@ -67,7 +67,7 @@ class UploadCoder:
     def dense(self, gradient: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors a dense codec (fp32, bf16) sends for `gradient`, each in the dtype it
         travels in; updates the residuals. Element by element, so a rank of an FSDP group
-        can code its own rows of each tensor (see worker/sharded.py)."""
+        can code its own rows of each tensor (see worker/parallel/fsdp.py)."""
         codec = self.codec
         if codec.is_quantized or codec.is_sparse:
             raise ValueError(f"codec {codec} does not send dense tensors")

@@ -16,7 +16,7 @@ The worker is a facade over one part per job: `ServerSession` (join, submit, awa
 `Anchor` (the global weights the model started from; `ShardedAnchor` under FSDP2), a schedule
 (`EveryH`, `DyLU`, or the `FragmentStreamer`'s windows), `TokenTally`, `UnitReports` (work
 units), `Pace` (blocked time, window speeds), `Checkpointer` (through `WorkerResumption`,
-worker/resumption.py) and `Heartbeat`. It wires them together and owns the optimizer hook,
+worker/state/resumption.py) and `Heartbeat`. It wires them together and owns the optimizer hook,
 the step count and the report.
 """
 
@@ -33,23 +33,23 @@ from torch import nn
 
 from diloco.algorithm import classify_tensors
 from diloco.wire import decode_tensors, encode_tensors, specs_of
-from diloco.worker import distributed
 from diloco.worker.anchor import Anchor
-from diloco.worker.checkpoint import Checkpointer, WorkerCheckpoint
-from diloco.worker.client import DiLoCoClient
+from diloco.worker.data.tokens import TokenTally
+from diloco.worker.data.trace import SampleTrace
+from diloco.worker.data.units import ReportsUnits, UnitReports
 from diloco.worker.heartbeat import Heartbeat
+from diloco.worker.net.client import DiLoCoClient
+from diloco.worker.net.retry import RetryPolicy
+from diloco.worker.net.sharded_servers import ShardedClient, clients_of_shards
 from diloco.worker.pace import Pace
-from diloco.worker.resumption import WorkerResumption
-from diloco.worker.retry import RetryPolicy
+from diloco.worker.parallel import distributed
+from diloco.worker.parallel.fsdp import ShardedAnchor, check_sharded_settings, is_sharded
 from diloco.worker.schedule import DyLU, EveryH
 from diloco.worker.session import Exchanged, ServerSession
 from diloco.worker.settings import WorkerSettings
-from diloco.worker.sharded import ShardedAnchor, check_sharded_settings, is_sharded
-from diloco.worker.sharded_client import ShardedClient, clients_of_shards
+from diloco.worker.state.checkpoint import Checkpointer, WorkerCheckpoint
+from diloco.worker.state.resumption import WorkerResumption
 from diloco.worker.streaming import FragmentStreamer
-from diloco.worker.tokens import TokenTally
-from diloco.worker.trace import SampleTrace
-from diloco.worker.units import ReportsUnits, UnitReports
 from diloco.worker.upload_coder import UploadCoder
 
 log = logging.getLogger("diloco.worker")
@@ -108,7 +108,7 @@ class DiLoCoWorker(WorkerResumption):
         when `save_checkpoint` is called, e.g. with a trainer's own checkpoints) the worker
         saves its inner optimizer (and `scheduler`) state, RNG state, step, round, session and
         data position there, and a worker started on the same directory resumes from it under
-        the same id (see diloco.worker.checkpoint); a saved state that does not fit is ignored
+        the same id (see diloco.worker.state.checkpoint); a saved state that does not fit is ignored
         with a warning. In a torch.distributed group every rank passes it (with
         save_every_round False): rank 0 saves and loads the state, and the other ranks'
         model, optimizer and RNG are their trainer's to restore.
@@ -368,7 +368,7 @@ class DiLoCoWorker(WorkerResumption):
     def report(self, loss: float | None = None, tokens: int = 0) -> None:
         """Tell the worker the latest training loss and tokens (for heartbeats and weighting).
 
-        The first explicit token count replaces the worker's own (see worker/tokens.py)."""
+        The first explicit token count replaces the worker's own (see worker/data/tokens.py)."""
         if loss is not None:
             self.last_loss = float(loss)
         self._tokens.report(tokens)

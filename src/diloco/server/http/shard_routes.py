@@ -1,0 +1,83 @@
+"""The routes of sharded servers (docs/protocol.md, "Sharded servers"): a worker's
+confirmation on shard 0, and the two questions shards ask each other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi import Depends, FastAPI, Path, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from diloco.server.errors import Rejection
+from diloco.server.members.credentials import Caller
+from diloco.server.shards.commit import MAX_DECISION_WAIT, ShardCommit
+from diloco.wire import MAX_COUNT
+
+
+def add_shard_routes(
+    app: FastAPI,
+    shard: ShardCommit,
+    authed: Sequence[Any],
+    act_as: Callable[[Request, str], None],
+    caller_of: Callable[[Request], Caller],
+) -> None:
+    async def not_a_worker(request: Request) -> None:
+        """What shards ask each other is not a worker's to read (their enrollment or admin
+        secret is): 403 for a worker's own credential."""
+        caller = caller_of(request)
+        if caller.worker_id is not None:
+            raise Rejection(
+                403,
+                "forbidden",
+                "the /v1/shard routes are for the shards (an enrollment or admin secret), "
+                f"not a worker's credential (scope {caller.scope})",
+                scope=caller.scope,
+            )
+
+    peers_only = [*authed, Depends(not_a_worker)]
+
+    @app.post("/v1/rounds/{round_number}/confirm", dependencies=list(authed))
+    async def confirm(
+        request: Request,
+        round_number: int = Path(..., ge=0, le=MAX_COUNT),
+        worker_id: str = Query(..., max_length=200),
+    ) -> dict:
+        """Shard 0: every shard holds the worker's slice of the round; count it in."""
+        act_as(request, worker_id)
+        return await run_in_threadpool(shard.confirm, worker_id, round_number)
+
+    @app.get("/v1/shard/prepared", dependencies=peers_only)
+    async def prepared(
+        round: int = Query(..., ge=0, le=MAX_COUNT),
+        worker_id: str = Query(..., max_length=200),
+        session_digest: str | None = Query(None, max_length=64),
+    ) -> dict:
+        """Whether this shard holds the worker's slice of the round (asked by shard 0; with
+        `session_digest`: the slice from that process)."""
+        return await run_in_threadpool(shard.prepared, round, worker_id, session_digest)
+
+    @app.get("/v1/shard/members", dependencies=peers_only)
+    async def member(
+        worker_id: str = Query(..., max_length=200), session: str = Query(..., max_length=200)
+    ) -> dict:
+        """Shard 0: whether the worker is live under that session (asked by the others)."""
+        return await run_in_threadpool(shard.member, worker_id, session)
+
+    @app.get("/v1/shard/decisions/{round_number}", dependencies=peers_only)
+    async def decision(
+        round_number: int = Path(..., ge=0, le=MAX_COUNT),
+        wait: float = Query(0.0, ge=0.0, le=MAX_DECISION_WAIT),
+    ) -> dict:
+        """Shard 0: who the round's step used, once it is durable (asked by the others)."""
+        return await run_in_threadpool(shard.decision, round_number, wait)
+
+    @app.get("/v1/shard/live", dependencies=peers_only)
+    async def live() -> dict:
+        """Shard 0: the live workers (streaming: the others evict whom shard 0 evicted)."""
+        return await run_in_threadpool(shard.live_members)
+
+    @app.get("/v1/shard/plan", dependencies=peers_only)
+    async def plan() -> dict:
+        """Shard 0: the whole model's fragment plan (streaming: the others cut theirs from it)."""
+        return await run_in_threadpool(shard.whole_plan)

@@ -1,0 +1,1 @@
+"""Who trains and who may act: registrations, liveness, evictions and credentials."""

@@ -1,0 +1,1 @@
+"""The global model: fp32 masters, the outer step, and the weights or deltas workers download."""

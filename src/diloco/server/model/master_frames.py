@@ -1,0 +1,79 @@
+"""The fp32 master weights, kept in the byte layout of the result that workers download.
+
+- With fp32 downloads the masters' buffer *is* the encoded result: nothing is encoded, and
+  every worker's response is a read-only view of the bytes the outer step wrote.
+- The outer step updates that buffer in place. When a response still reads it (a straggler
+  downloading the last result while the next round commits), the masters are first copied
+  into a new buffer and the old one is left to the readers until they let go.
+- A round's running sums live in fp32 buffers allocated once and written over every round.
+So memory is the masters' buffer, the sums and the momentum (3x the fp32 model), plus a
+reused encoded result of 0.5x when the download dtype is bf16; no model-sized buffer is
+allocated (and page-faulted in) again per round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from diloco.wire.format.layout import FrameBuffer, FrameLayout
+
+
+class MasterFrames:
+    """Masters as views of one `FrameBuffer`, the round's sum buffers, the result to serve.
+
+    `encoded` is each tensor's dtype in the downloaded result; floating masters are fp32 and
+    int/bool ones keep their dtype. When every name's encoded dtype is its master's, the
+    masters' buffer is served as the result as it is.
+    """
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], encoded: Mapping[str, torch.dtype]
+    ) -> None:
+        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        master_dtypes = {
+            name: torch.float32 if t.is_floating_point() else t.dtype for name, t in tensors.items()
+        }
+        self.layout = FrameLayout.plan({n: (shapes[n], master_dtypes[n]) for n in tensors})
+        self.result_layout = FrameLayout.plan({n: (shapes[n], encoded[n]) for n in tensors})
+        self.aliased = all(encoded[n] == master_dtypes[n] for n in tensors)
+        self.current = FrameBuffer(self.layout)
+        self.current.fill(tensors)
+        self._sums: dict[str, torch.Tensor] | None = None
+        self._encoded: FrameBuffer | None = None
+
+    @property
+    def masters(self) -> dict[str, torch.Tensor]:
+        return self.current.views
+
+    def sums(self) -> dict[str, torch.Tensor]:
+        """fp32 buffers for a round's running sums (floating names), the same every round."""
+        if self._sums is None:
+            self._sums = {
+                name: torch.empty(view.shape, dtype=torch.float32)
+                for name, view in self.masters.items()
+                if view.dtype == torch.float32
+            }
+        return self._sums
+
+    def writable(self) -> dict[str, torch.Tensor]:
+        """The masters, to be updated in place; first copied to a new buffer if a response
+        still reads the current one."""
+        if self.current.lent:
+            fresh = FrameBuffer(self.layout)
+            fresh.fill(self.current.views)
+            self.current = fresh
+        return self.current.views
+
+    def result(self) -> FrameBuffer:
+        """The body workers download: the masters' own buffer, or an encoding of them.
+
+        An encoding is written into the previous one's buffer unless a response still reads it.
+        """
+        if self.aliased:
+            return self.current
+        if self._encoded is None or self._encoded.lent:
+            self._encoded = FrameBuffer(self.result_layout)
+        self._encoded.fill(self.current.views)
+        return self._encoded

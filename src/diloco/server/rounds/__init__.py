@@ -1,0 +1,2 @@
+"""When pseudo-gradients become an outer step: admission, the round engines (sync, streaming,
+async), robust aggregation."""

@@ -1,0 +1,310 @@
+"""The intake of pseudo-gradients: admit a submission, scan its values, fold it.
+
+Everything about a submission but its values is decided under the coordinator's lock before
+a byte of it is folded; the values are scanned for NaN/Inf outside the lock (so one upload's
+scan overlaps another's fold); a spooled first contribution of its round is checked while it
+is folded, in one read of its file. A refusal at any point raises `Rejection` and changes
+nothing. When the pseudo-gradients combine into a step is the round engine's decision.
+
+A body's layout is checked against the server's upload codec (server/rounds/upload_format.py); a
+compressed body is then read as decoded pieces (wire/compressed/pieces.py), scanned and folded
+exactly like a spooled plain one, whether it sits in a file or in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
+
+import torch
+
+from diloco import faults
+from diloco.algorithm.tensors import finite_bound
+from diloco.server.errors import Rejection, rejection_of
+from diloco.server.members.membership import Membership
+from diloco.server.model.global_model import GlobalModel
+from diloco.server.ops.metrics import Traffic
+from diloco.server.rounds.engines import RoundEngine
+from diloco.server.rounds.round import Round, ValueScan
+from diloco.server.rounds.submission import Submission
+from diloco.server.rounds.upload_format import Tensors, UploadFormat
+from diloco.server.settings import ServerSettings
+from diloco.wire import MAX_COUNT, SpooledTensors, WireError, check_finite
+from diloco.wire.compressed.header import SEPARATOR
+from diloco.wire.format.spool import CheckedPieces, PieceBody
+
+
+def scan_values(tensors: Tensors, norm_of: Collection[str] | None = None) -> ValueScan:
+    """Rejection (422) for NaN or Inf; else a bound of the values' magnitude and the tensor
+    that sets it, which lets a round refuse what could overflow its sums and know them
+    finite without scanning them again. With `norm_of` (robust aggregation), also the L2
+    norm over those tensors, in the same pass."""
+    measured = norm_of or ()
+    squares = 0.0
+    try:
+        if isinstance(tensors, PieceBody) and norm_of is None:
+            scan = ValueScan(tensors.check_values(), tensors.largest)
+        elif isinstance(tensors, PieceBody):
+            checked = tensors.checked_pieces()
+            for name, _, piece in checked:
+                squares += _squares(piece) if name in measured else 0.0
+            tensors.largest = checked.largest
+            scan = ValueScan(checked.bound, checked.largest)
+        else:
+            scan = ValueScan(0.0)
+            for name, tensor in tensors.items():
+                bound = finite_bound(tensor)
+                if bound is None:
+                    check_finite(name, tensor)  # raises, naming the tensor and the count
+                    bound = math.inf
+                if bound > scan.bound or scan.largest is None:
+                    scan = ValueScan(max(bound, scan.bound), name)
+                squares += _squares(tensor) if name in measured else 0.0
+    except WireError as error:
+        raise rejection_of(error) from None
+    return scan if norm_of is None else replace(scan, norm=math.sqrt(squares))
+
+
+def _squares(values: torch.Tensor) -> float:
+    """The sum of squares of `values`, accumulated in fp64."""
+    return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
+
+
+class Intake:
+    """Admits, scans and folds submissions into the engine's open round or window."""
+
+    def __init__(
+        self,
+        lock: threading.Condition,
+        settings: ServerSettings,
+        model: GlobalModel,
+        membership: Membership,
+        engine: RoundEngine,
+        traffic: Traffic,
+        closing: Callable[[], bool],
+    ) -> None:
+        self.lock = lock
+        self.settings = settings
+        self.model = model
+        self.membership = membership
+        self.engine = engine
+        self.traffic = traffic
+        self.closing = closing
+        self.format = UploadFormat(settings)
+        self.robust = settings.robust.screens
+
+    def submit(
+        self,
+        worker_id: str,
+        round_number: int,
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
+        *,
+        fragment: int = 0,
+        tokens: int = 0,
+        units: Sequence[int] = (),
+        progress: Mapping[int, int] | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> dict:
+        """Fold one pseudo-gradient in; idempotent on (worker, round, fragment).
+
+        `units` are the work units the worker finished since its last submission, `progress`
+        those it trained in part; they complete in the transaction of the outer step that
+        uses it (journal.commit). `metadata` is the body header's `__metadata__` (a compressed
+        body's codec); a spooled body carries its own. `tensors` are only read.
+        """
+        if metadata is None and isinstance(tensors, SpooledTensors):
+            metadata = tensors.metadata
+        key = (worker_id, round_number, fragment)
+        rest = (tokens, sorted(set(units)), dict(progress or {}))
+        with self.lock:
+            submission = self._admit(*key, tensors, *rest, metadata=metadata)
+            if not isinstance(submission, Submission):
+                return submission  # nothing to fold: the answer
+            body = submission.tensors  # a compressed body opened as decoded pieces
+            if isinstance(body, PieceBody) and self.engine.folds_first(fragment):
+                # The first contribution of its round: its sums are new, so it can be checked
+                # while it is folded, in one read of the file; a refusal half way changes nothing.
+                return self._accept(submission, body.checked_pieces())
+        scan = scan_values(body, self._norm_names(fragment))  # outside the lock
+        with self.lock:
+            # The state may have moved on during the scan (a commit, a retry that won); the
+            # layout (names, shapes, dtypes against fixed specs) cannot have.
+            submission = self._admit(*key, body, *rest, check_layout=False)
+            if not isinstance(submission, Submission):
+                return submission
+            return self._accept(submission, scan)
+
+    def _admit(
+        self,
+        worker_id: str,
+        round_number: int,
+        fragment: int,
+        tensors: Tensors,
+        tokens: int,
+        units: list[int],
+        progress: dict[int, int],
+        *,
+        check_layout: bool = True,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Submission | dict:
+        """Everything about a submission but its values (lock held); changes nothing.
+
+        Returns the answer when there is nothing to fold ("committed", "duplicate": the only
+        outcomes that touch state, the worker's last_seen), the Submission when it should be
+        folded, its body opened for the fold (`UploadFormat.open`) when `check_layout`; a
+        refusal raises Rejection.
+        """
+        self.model.require_healthy()
+        record = self.membership.require_live(worker_id)
+        if self.closing():
+            raise Rejection(
+                503,
+                "shutting_down",
+                "the server is shutting down; submit again once it is back",
+                current_round=self.model.version,
+            )
+        if self.model.masters is None or self.model.plan is None:
+            raise Rejection(409, "no_weights", "no global weights yet; nothing to submit to")
+        self.require_round_and_fragment(round_number, fragment)
+        if tokens <= 0 and self.settings.weighting == "tokens":
+            # It would weigh nothing: a run whose workers all report none would never move.
+            raise Rejection(
+                422,
+                "tokens_required",
+                "the server weighs pseudo-gradients by tokens (--weighting tokens) and this "
+                f"submission reports {tokens} tokens; send tokens=N, the tokens trained since "
+                "the last submission",
+                field="tokens",
+                got=tokens,
+            )
+        submission = Submission(record, round_number, fragment, tensors, tokens, units, progress)
+        answer = self.engine.admit(submission)
+        if answer is not None:
+            return answer
+        if check_layout:
+            opened = self._open(fragment, tensors, metadata)
+            if opened is not tensors:
+                submission = replace(submission, tensors=opened)
+        return submission
+
+    def _norm_names(self, fragment: int) -> set[str] | None:
+        """The tensors a robust aggregation's norm is over (the fragment's trainable floats);
+        None under the plain mean, which takes no norm."""
+        if not self.robust:
+            return None
+        specs, plan = self.model.specs, self.model.plan
+        assert specs is not None and plan is not None
+        return {name for name in plan[fragment] if specs[name].trained}
+
+    def require_round_and_fragment(self, round_number: int, fragment: int) -> None:
+        """422 for a round outside [0, MAX_COUNT], or a fragment the plan does not have (once
+        there is one)."""
+        if not 0 <= round_number <= MAX_COUNT:
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'round' must be in [0, {MAX_COUNT}], got {round_number}",
+                field="round",
+                got=round_number,
+            )
+        plan = self.model.plan
+        if plan is None:
+            return
+        if not 0 <= fragment < len(plan):
+            allowed = "0 (one fragment)" if len(plan) == 1 else f"in [0, {len(plan) - 1}]"
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'fragment' must be {allowed} in {self.settings.mode} mode, got {fragment}",
+                field="fragment",
+                got=fragment,
+                allowed=[0, len(plan) - 1],
+            )
+        _require_own_fragment(plan, fragment)
+
+    def check_header(
+        self, fragment: int, shapes: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+    ) -> None:
+        """A submission's layout (its fragment's names, shapes, dtypes, and the codec its
+        metadata names) from its header alone, before its values arrive, so that a body that
+        will be refused is not read. Without the lock: the specs and the plan never change
+        once set. Before they are, or for a fragment outside the plan, it says nothing
+        (`submit` then gives the reason)."""
+        plan = self.model.plan
+        if self.model.specs is not None and plan is not None and 0 <= fragment < len(plan):
+            _require_own_fragment(plan, fragment)
+            try:
+                self.format.check(shapes, metadata, self._expected(fragment, shapes))
+            except WireError as error:
+                raise rejection_of(error) from None
+
+    def _open(
+        self,
+        fragment: int,
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
+        metadata: Mapping[str, str] | None,
+    ) -> Tensors:
+        """Check the layout (names of this fragment, shapes, dtypes, codec; the values are
+        scanned apart) and give the body the round folds."""
+        names = tensors.entries if isinstance(tensors, SpooledTensors) else tensors
+        try:
+            return self.format.open(tensors, metadata, self._expected(fragment, names))
+        except WireError as error:
+            raise rejection_of(error) from None
+
+    def _expected(self, fragment: int, names: Mapping[str, object]) -> dict:
+        """The fragment's specs; 422 wrong_fragment for a tensor (or a compressed tensor's
+        part) of another fragment."""
+        specs, plan = self.model.specs, self.model.plan
+        assert specs is not None and plan is not None
+        if len(plan) > 1:
+            for entry_name in names:
+                name = entry_name
+                if name not in self.model.owner and SEPARATOR in name:
+                    name = name.rpartition(SEPARATOR)[0]  # NAME#codes belongs where NAME does
+                owner = self.model.owner.get(name, fragment)
+                if owner != fragment:
+                    raise Rejection(
+                        422,
+                        "wrong_fragment",
+                        f"tensor {name!r} belongs to fragment {owner}, not to fragment "
+                        f"{fragment} of this submission",
+                        tensor=name,
+                        fragment=fragment,
+                        belongs_to=owner,
+                    )
+        return {name: specs[name] for name in plan[fragment]}
+
+    def _accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        """Fold an admitted submission (lock held); `checked` is the bound of its values from
+        their scan, or, for the first contribution of a round, a reader that checks them."""
+        try:
+            return self.engine.accept(submission, checked)
+        except WireError as error:  # found by a checking reader: nothing was folded
+            raise rejection_of(error) from None
+
+
+def _require_own_fragment(plan: Sequence[Sequence[str]], fragment: int) -> None:
+    """409 for a fragment another shard owns (a streaming shard's plan leaves it empty)."""
+    if not plan[fragment]:
+        raise Rejection(
+            409,
+            "wrong_shard",
+            f"fragment {fragment} lives on another shard (/v1/info names each shard's "
+            "fragments under shards.fragments)",
+            fragment=fragment,
+        )
+
+
+def book(traffic: Traffic, submission: Submission, target: Round, now: float) -> None:
+    """Book a folded submission (lock held): its worker's sign of life, the units it reports
+    (they complete with the step that applies it), the bytes it brought."""
+    submission.record.last_seen = now  # only now: a rejection leaves the state as it was
+    target.add_units(submission.worker_id, submission.units)
+    if submission.progress:
+        target.add_progress(submission.worker_id, submission.progress)
+    submission.record.rounds_contributed += 1
+    traffic.received(submission.nbytes)
+    faults.crash_point("submission_folded")

@@ -1,0 +1,297 @@
+"""Asynchronous DiLoCo on the server: every pseudo-gradient is applied when it arrives.
+
+There is no barrier. The outer optimizer is Delayed Nesterov (Liu et al. 2024, Algorithm 3).
+With a grace window of S seconds, arrivals within S seconds of the first pending one are
+averaged into one outer step; the deadline does not slide, and the window closes early once
+every live worker has arrived. A submission is keyed by (worker, the version its anchor was):
+the `submissions` table of the state store says whether and by which step it was applied, so
+a retry, even across a restart, is never applied twice. Staleness (outer steps between the
+worker's anchor and now) is recorded per submission and may scale the pseudo-gradient by
+(1 + staleness)^-1/2.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from diloco.algorithm import GraceWindow, staleness_scale
+from diloco.server.errors import Rejection
+from diloco.server.model.results import RoundResult, Waiting
+from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.robust import screened_record
+from diloco.server.rounds.round import Round, ValueScan, fold
+from diloco.server.rounds.submission import Submission
+from diloco.server.state.journal import CommitRecord
+from diloco.wire.format.spool import CheckedPieces
+
+log = logging.getLogger("diloco.server")
+
+
+class AsyncArrivals:
+    """The open grace window (when one is) and the keys of the arrivals it holds."""
+
+    def __init__(self, context: EngineContext) -> None:
+        self.c = context
+        self.grace = GraceWindow(context.settings.grace_seconds)  # the simulator's rule too
+        self.window: Round | None = None
+        self.anchors: dict[str, int] = {}  # worker -> the version its pending arrival was for
+
+    # ----------------------------------------------------------------- the engine interface
+
+    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
+        if len(fragment_rounds) != 1:
+            raise ValueError(f"async mode has one fragment, the state holds {len(fragment_rounds)}")
+        self.window = None
+        self.anchors.clear()
+
+    def fragment_rounds(self) -> list[int]:
+        return [self.c.model.version]
+
+    def fragment_rounds_after(self, record: CommitRecord) -> list[int]:
+        return [record.round + 1]
+
+    def open_round(self) -> Round | None:
+        return self.window
+
+    def waiting_for(self) -> list[str]:
+        return [] if self.window is None else self.window.waiting_for()
+
+    def more_submissions_needed(self) -> int:
+        return 0  # no quorum: an arrival never waits for workers to join
+
+    def on_register(self, worker_id: str) -> None:
+        if self.window is not None:
+            self.window.members.add(worker_id)  # the window closes early once it arrives too
+
+    def on_leave(self, worker_id: str, now: float) -> None:
+        if self.window is not None:
+            self.window.leave(worker_id)
+        self._try_commit(now)
+
+    def units_of(self, worker_id: str) -> set[int]:
+        return set() if self.window is None else self.window.units_of(worker_id)
+
+    def tick(self, now: float) -> None:
+        self._try_commit(now)
+
+    def overdue(self, now: float) -> list[str]:
+        return []  # no barrier: a hung worker holds nobody up
+
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        return False  # an arrival is folded into its window when it arrives
+
+    def on_resume(self, paused_since: float, now: float) -> None:
+        """Arrivals held while paused went into one window: it is applied now, as one step."""
+        self._try_commit(now)
+
+    def wake_within(self, now: float) -> float:
+        """A long-poll wakes by the window's deadline, which it may then close itself (not
+        while paused: the resume wakes every poll)."""
+        if self.window is None or self.window.first_submission_at is None or self.c.paused():
+            return 1.0
+        deadline = self.grace.deadline(self.window.first_submission_at)
+        return max(0.001, min(1.0, deadline - now))
+
+    # ----------------------------------------------------------------- submissions
+
+    def _applied_answer(self, submission: Submission) -> dict | None:
+        """409 for an anchor past the current version; "duplicate" for an arrival a step
+        already applied (its key in the submissions table); None otherwise."""
+        c = self.c
+        worker_id, round_number = submission.worker_id, submission.round
+        if round_number > c.model.version:
+            raise self._future(round_number)
+        applied = c.applied_version(worker_id, round_number)
+        if applied is None:
+            return None
+        submission.record.last_seen = c.clock()
+        return self._answer("duplicate", round_number, applied)
+
+    def admit(self, submission: Submission) -> dict | None:
+        c = self.c
+        worker_id, round_number = submission.worker_id, submission.round
+        answer = self._applied_answer(submission)
+        if answer is not None:
+            return answer
+        pending = self.anchors.get(worker_id)
+        if pending is not None:
+            if pending == round_number:
+                submission.record.last_seen = c.clock()
+                return self._answer("duplicate", round_number, None)
+            raise Rejection(
+                409,
+                "already_pending",
+                f"worker {worker_id!r} already has an arrival pending (sent for version "
+                f"{pending}); wait for its result before sending another",
+                pending_round=pending,
+            )
+        c.check_units(submission)
+        return None
+
+    def folds_first(self, fragment: int) -> bool:
+        """Never: opening a window on a refused arrival would leave an empty one open."""
+        return False
+
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        c = self.c
+        now = c.clock()
+        worker_id, round_number = submission.worker_id, submission.round
+        staleness = c.model.version - round_number
+        window = self.window
+        if window is None:
+            window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
+        scale = staleness_scale(staleness, c.settings.staleness_weighting)
+        refusal, clip = None, 1.0
+        if c.screen.on:
+            # Each arrival against the history and the window's own: decided now, not later.
+            assert isinstance(checked, ValueScan) and checked.norm is not None
+            verdict = c.screen.verdict(0, [*window.norms.values(), checked.norm])
+            last = len(window.norms)
+            refusal = verdict.refused.get(last)
+            clip = verdict.scales[last]
+        if refusal is not None:
+            if window.running is None:
+                window.open_sums(c.model.sums_storage())  # a step that changes nothing
+            window.record_refused(submission, refusal, now)
+            log.warning("%s's pseudo-gradient refused: %s", worker_id, refusal)
+        else:
+            fold(window, submission, checked, c.model.sums_storage(), now, scale * clip)
+            if c.screen.on:  # only once folded: a refused fold (422) leaves no trace
+                window.norms[worker_id] = float(checked.norm or 0.0)
+                if clip < 1.0:
+                    window.clipped[worker_id] = clip
+        self.window = window
+        self.anchors[worker_id] = round_number
+        c.metrics.staleness.observe(staleness)
+        c.book(submission, window, now)
+        self._try_commit(now)
+        return self._answer(
+            "accepted",
+            round_number,
+            # Applied by now unless the window is still open (it holds the arrival then).
+            None if worker_id in self.anchors else c.model.version - 1,
+            staleness,
+        )
+
+    def _future(self, round_number: int) -> Rejection:
+        """A worker ahead of the server: it restarted from an older checkpoint (a rebase)."""
+        version = self.c.model.version
+        return Rejection(
+            409,
+            "future_round",
+            f"version {round_number} does not exist yet; the current version is {version}",
+            current_round=version,
+        )
+
+    def _answer(
+        self, status: str, round_number: int, applied: int | None, staleness: int | None = None
+    ) -> dict:
+        answer = {
+            "status": status,
+            "round": round_number,
+            "fragment": 0,
+            "current_round": self.c.model.version,
+            "waiting_for": self.waiting_for() if applied is None else [],
+            "applied_version": applied,
+        }
+        if staleness is not None:
+            answer["staleness"] = staleness
+        return answer
+
+    def _ready(self, now: float) -> bool:
+        window = self.window
+        if window is None or window.first_submission_at is None:
+            return False
+        last = max(window.submitted.values())
+        return self.grace.closed(window.first_submission_at, last, not window.waiting_for(), now)
+
+    def _try_commit(self, now: float) -> None:
+        """Apply the pending arrivals as one outer step once the window closes (lock held)."""
+        c = self.c
+        if c.model.masters is None or c.stopped() or not self._ready(now):
+            return  # (a broken server commits nothing until restarted)
+        window = self.window
+        assert window is not None
+        started = time.perf_counter()
+        self._fold_held(window, now)
+        assert window.running is not None
+        running = window.running  # stays the window's until the step is durable
+        submitters = sorted(window.submitters)
+        record = CommitRecord(
+            round=c.model.version,
+            contributors=submitters,
+            units=window.all_units(),
+            progress=window.all_progress(),
+            released=window.progress_of_departed(c.membership.is_live),
+            tokens=window.tokens,
+            seconds=time.perf_counter() - started,
+            # Staleness of each: the window opened at the current version, its anchor before.
+            submissions=[(w, self.anchors[w], window.number - self.anchors[w]) for w in submitters],
+            sessions=self._sessions_of(window),
+            **screened_record(c.screen, 0, window),
+        )
+        c.commit(running, record, self.fragment_rounds_after(record))
+        c.screen.restore(record.norm_history or ())  # what the step made durable
+        self.window = None
+        self.anchors.clear()
+        c.model.current_weights(
+            self.fragment_rounds()
+        )  # encoded once for every worker of this step
+        for when in window.submitted.values():
+            c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
+        c.publish(
+            f"async step {record.round}: {len(submitters)} arrival(s) from "
+            f"{', '.join(f'{w} (staleness {s})' for w, _, s in record.submissions)}",
+            started,
+        )
+
+    def _sessions_of(self, window: Round) -> dict[str, str]:
+        """Sharded servers: each contributor's session digest, for the step's record."""
+        return {}
+
+    def _fold_held(self, window: Round, now: float) -> None:
+        """Before the step: fold what the window holds unfolded (sharded servers hold every
+        arrival until the step, so that each shard folds them in the same order)."""
+
+    # ----------------------------------------------------------------- results
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None:
+        """The weights after the step that applied (worker, round_number)'s pseudo-gradient.
+
+        If other steps committed before the worker asked, it gets the newer weights (they hold
+        its contribution too); `round` of the result says which version they are.
+        """
+        c = self.c
+        if worker_id is None:
+            raise Rejection(
+                422,
+                "invalid_request",
+                "field 'worker_id' is required in async mode: a result belongs to a worker's "
+                "arrival",
+                field="worker_id",
+            )
+        if self.anchors.get(worker_id) == round_number:
+            self._try_commit(now)  # the deadline may have passed with nobody else to close it
+            if self.anchors.get(worker_id) == round_number:
+                return None
+        if c.applied_version(worker_id, round_number) is not None:
+            return c.model.current_weights(self.fragment_rounds()).lend()
+        if round_number > c.model.version:
+            raise self._future(round_number)
+        if c.closing():
+            return None
+        raise Rejection(
+            409,
+            "not_submitted",
+            f"no arrival of {worker_id!r} for version {round_number} is pending or applied "
+            "(the server restarted since, or it was never sent); submit it again",
+            round=round_number,
+            worker_id=worker_id,
+        )
+
+    def waiting(self, round_number: int, fragment: int) -> Waiting:
+        return Waiting(round_number, self.waiting_for())

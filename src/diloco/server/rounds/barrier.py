@@ -1,0 +1,344 @@
+"""Sync and streaming DiLoCo on the server: a barrier per round of each fragment.
+
+Sync mode is the case of one fragment holding every tensor. In streaming mode fragment f has
+its own round counter, barrier set, running mean and cached result; its outer step touches only
+its own tensors and their momentum, so the fragments sync on staggered schedules without
+waiting for each other. Each fragment round's barrier set is taken when that round opens
+(the live workers then, plus those registering before its first submission), so a worker that
+joins late takes part from the next round of each fragment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from diloco.server.errors import Rejection
+from diloco.server.model.results import Published, RoundResult, Waiting
+from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.robust import decide_round, drop_held, screened_record
+from diloco.server.rounds.round import Round, ValueScan, fold
+from diloco.server.rounds.submission import Submission
+from diloco.server.state.journal import CommitRecord
+from diloco.wire.format.spool import CheckedPieces
+
+
+class BarrierRounds:
+    """The open round of every fragment, and the result each one last committed."""
+
+    def __init__(self, context: EngineContext) -> None:
+        self.c = context
+        self.rounds: list[Round] = []  # empty until the global weights exist
+        self.results: list[Published | None] = []
+        self._fragment_rounds: list[int] = [0] * context.settings.fragments
+
+    # ----------------------------------------------------------------- the engine interface
+
+    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
+        """Open the current round of every fragment (the weights exist now, or were restored)."""
+        settings = self.c.settings
+        if len(fragment_rounds) != settings.fragments:
+            raise ValueError(
+                f"the state holds {len(fragment_rounds)} fragment round(s), the server has "
+                f"{settings.fragments} fragment(s)"
+            )
+        self._fragment_rounds = [int(r) for r in fragment_rounds]
+        live = self.c.membership.live_ids()
+        self.rounds = [self._new_round(r, set(live), now) for r in self._fragment_rounds]
+        self.results = [None] * settings.fragments
+
+    def fragment_rounds(self) -> list[int]:
+        return list(self._fragment_rounds)
+
+    def fragment_rounds_after(self, record: CommitRecord) -> list[int]:
+        rounds = list(self._fragment_rounds)
+        rounds[record.fragment] += 1
+        return rounds
+
+    def open_round(self) -> Round | None:
+        return self.rounds[0] if self.rounds else None
+
+    def _sessions_of(self, current: Round) -> dict[str, str]:
+        """Sharded servers: each contributor's session digest, for the step's record."""
+        return {}
+
+    def _owned(self) -> list[Round]:
+        """The rounds of this server's fragments (a streaming shard's plan leaves the other
+        shards' fragments empty: their rounds here never see a submission)."""
+        plan = self.c.model.plan
+        if plan is None or len(plan) != len(self.rounds):
+            return list(self.rounds)
+        return [current for current, names in zip(self.rounds, plan, strict=True) if names]
+
+    def waiting_for(self) -> list[str]:
+        return sorted({w for current in self._owned() for w in current.waiting_for()})
+
+    def more_submissions_needed(self) -> int:
+        minimum = self.c.settings.min_workers
+        return max(
+            (current.more_submissions_needed(minimum) for current in self._owned()), default=0
+        )
+
+    def on_register(self, worker_id: str) -> None:
+        for current in self.rounds:
+            if current.first_submission_at is None:
+                # Nobody waits on this round yet, so the newcomer can join its barrier now.
+                current.members.add(worker_id)
+
+    def on_leave(self, worker_id: str, now: float) -> None:
+        for current in self.rounds:
+            current.leave(worker_id)
+        for fragment in range(len(self.rounds)):
+            self._try_commit(fragment, now)
+
+    def units_of(self, worker_id: str) -> set[int]:
+        return {unit for current in self.rounds for unit in current.units_of(worker_id)}
+
+    def tick(self, now: float) -> None:
+        """Barriers move on submissions and departures; a tick only retries a complete round
+        whose decision failed on a read (robust aggregation: see screening.decide_round)."""
+        if self.c.screen.on:
+            for fragment, current in enumerate(self.rounds):
+                if current.held:
+                    self._try_commit(fragment, now)
+
+    def overdue(self, now: float) -> list[str]:
+        timeout = self.c.settings.effective_barrier_timeout
+        assert timeout is not None
+        if self.c.paused():
+            return []  # the barrier's clock stops while an admin holds the rounds
+        late: set[str] = set()
+        for current in self._owned():
+            if current.barrier_expired(now, timeout):
+                late.update(current.waiting_for())
+        return sorted(late)
+
+    def wake_within(self, now: float) -> float:
+        return 1.0
+
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        dropped = [drop_held(current, worker_id, reason) for current in self.rounds]
+        return any(dropped)
+
+    def on_resume(self, paused_since: float, now: float) -> None:
+        """The barriers' clocks skip the pause (a first submission made during it counts from
+        now); rounds that filled up meanwhile commit now."""
+        for current in self.rounds:
+            current.opened_at += max(0.0, now - max(current.opened_at, paused_since))
+            first = current.first_submission_at
+            if first is not None:
+                current.first_submission_at = first + max(0.0, now - max(first, paused_since))
+        for fragment in range(len(self.rounds)):
+            self._try_commit(fragment, now)
+
+    # ----------------------------------------------------------------- submissions
+
+    def admit(self, submission: Submission) -> dict | None:
+        c = self.c
+        round_number, fragment = submission.round, submission.fragment
+        current = self.rounds[fragment]
+        if round_number > current.number:
+            raise Rejection(
+                409,
+                "future_round",
+                f"round {round_number}{self._of(fragment)} has not started; the current round "
+                f"is {current.number}",
+                current_round=current.number,
+                fragment=fragment,
+            )
+        if round_number < current.number:
+            # Its pseudo-gradient comes too late to be used, but the units it reports were
+            # trained: they go with the open round, and complete when it commits (a unit the
+            # committed round already completed, a lost answer's retry, is not counted twice).
+            c.check_units(submission)
+            worker_id = submission.worker_id
+            finished, partial = c.dispatch.still_leased(
+                worker_id, submission.units, submission.progress
+            )
+            if finished:
+                current.add_units(worker_id, finished)
+            if partial:
+                current.add_progress(worker_id, partial)
+            submission.record.last_seen = c.clock()
+            return self._answer("committed", round_number, fragment)
+        if current.has(submission.worker_id, fragment):
+            submission.record.last_seen = c.clock()
+            return self._answer("duplicate", round_number, fragment)
+        c.check_units(submission)
+        return None
+
+    def folds_first(self, fragment: int) -> bool:
+        """A round's first submission may be checked while it is folded, unless the round
+        holds its submissions (robust aggregation: every one is scanned for its norm)."""
+        return not self.c.screen.on and self.rounds[fragment].running is None
+
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        c = self.c
+        now = c.clock()
+        current = self.rounds[submission.fragment]
+        if c.screen.on:
+            assert isinstance(checked, ValueScan) and checked.norm is not None
+            current.hold(submission, checked, now)  # folded when the round decides
+        else:
+            fold(current, submission, checked, c.model.sums_storage(), now)
+        c.book(submission, current, now)
+        self._try_commit(submission.fragment, now)
+        return self._answer("accepted", submission.round, submission.fragment)
+
+    def _of(self, fragment: int) -> str:
+        return f" of fragment {fragment}" if len(self.rounds) > 1 else ""
+
+    def _answer(self, status: str, round_number: int, fragment: int) -> dict:
+        """`waiting_for` is about the submitted round: empty once it has committed."""
+        current = self.rounds[fragment]
+        return {
+            "status": status,
+            "round": round_number,
+            "fragment": fragment,
+            "current_round": current.number,
+            "waiting_for": current.waiting_for() if current.number == round_number else [],
+        }
+
+    def _try_commit(self, fragment: int, now: float) -> None:
+        """Commit the fragment's round if its barrier is satisfied (lock held)."""
+        c = self.c
+        current = self.rounds[fragment]
+        if (
+            c.model.masters is None
+            or c.model.broken is not None
+            or c.paused()
+            or not current.ready(c.settings.min_workers)
+        ):
+            return  # (a broken server commits nothing until restarted; a paused one, resumed)
+        started = time.perf_counter()
+        self._decide(fragment, current, now)
+        assert current.running is not None and c.model.plan is not None
+        running = current.running  # stays the round's until the step is durable
+        record = CommitRecord(
+            round=c.model.version,
+            contributors=sorted(current.submitters),
+            units=current.all_units(),
+            progress=current.all_progress(),
+            released=current.progress_of_departed(c.membership.is_live),
+            tokens=current.tokens,
+            seconds=time.perf_counter() - started,
+            fragment=fragment,
+            fragment_round=current.number if len(self.rounds) > 1 else None,
+            submissions=[(w, current.number, 0) for w in sorted(current.submitters)],
+            sessions=self._sessions_of(current),
+            **screened_record(c.screen, fragment, current),
+        )
+        c.commit(running, record, self.fragment_rounds_after(record))
+        c.screen.restore(record.norm_history or ())  # what the step made durable
+        current.running = None  # used up by the step
+        self._fragment_rounds[fragment] = current.number + 1
+        self.results[fragment] = None  # free the old body before encoding the new one
+        self.results[fragment] = self._encode_result(fragment, current.number + 1)
+        for when in current.submitted.values():
+            c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
+        self.rounds[fragment] = self._new_round(
+            current.number + 1, set(c.membership.live_ids()), now
+        )
+        what = f"round {current.number}{self._of(fragment)}"
+        c.publish(
+            f"{what}: {len(current.submitted)} contribution(s) from "
+            f"{', '.join(sorted(current.submitters))}",
+            started,
+        )
+
+    def _new_round(self, number: int, members: set[str], now: float) -> Round:
+        """A fragment's next round (sharded servers open their own kind)."""
+        return Round(number, members, self.c.settings.weighting, now)
+
+    def _decide(self, fragment: int, current: Round, now: float) -> None:
+        """Fold what a complete round held into its sums (robust aggregation holds every
+        submission until here; a plain mean folded each one as it came)."""
+        c = self.c
+        if c.screen.on:
+            assert c.model.plan is not None and c.model.specs is not None
+            specs = {name: c.model.specs[name] for name in c.model.plan[fragment]}
+            decide_round(c.screen, current, fragment, c.model.sums_storage(), specs, now)
+
+    # ----------------------------------------------------------------- results
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None:
+        """The result of (round, fragment) if it exists; raises for what cannot be waited on."""
+        c = self.c
+        if not self.rounds or round_number > self.rounds[fragment].number:
+            current = self.rounds[fragment].number if self.rounds else 0
+            raise Rejection(
+                409,
+                "future_round",
+                f"round {round_number}{self._of(fragment)} has not started; the current round "
+                f"is {current}",
+                current_round=current,
+                fragment=fragment,
+            )
+        current = self.rounds[fragment]
+        if round_number < current.number:
+            result = self.results[fragment]
+            if result is None and round_number + 1 == current.number:
+                # After a restart: the current weights are exactly that result.
+                result = self._encode_result(fragment, current.number)
+                self.results[fragment] = result
+            if result is None or result.round != round_number + 1:
+                raise Rejection(
+                    410,
+                    "result_expired",
+                    f"the result of round {round_number}{self._of(fragment)} is no longer "
+                    "kept; fetch /v1/weights",
+                    current_round=current.number,
+                    fragment=fragment,
+                )
+            return result.lend()
+        timeout = c.settings.effective_barrier_timeout
+        assert timeout is not None
+        if not c.paused() and current.barrier_expired(now, timeout):
+            raise Rejection(
+                504,
+                "barrier_timeout",
+                f"round {round_number}{self._of(fragment)} has waited more than {timeout:g} s "
+                f"for {current.waiting_for()}",
+                waiting_for=current.waiting_for(),
+                round=round_number,
+                fragment=fragment,
+            )
+        if (
+            worker_id is not None
+            and worker_id in current.members
+            and not current.has(worker_id, fragment)
+            and not c.closing()
+        ):
+            raise Rejection(
+                409,
+                "not_submitted",
+                f"round {round_number}{self._of(fragment)} holds no submission from "
+                f"{worker_id!r} (the server restarted since, or it was never sent); submit it "
+                "again",
+                round=round_number,
+                fragment=fragment,
+                worker_id=worker_id,
+            )
+        return None
+
+    def _encode_result(self, fragment: int, next_round: int) -> Published:
+        """What the workers of the fragment's round get: the current weights when one
+        fragment is the whole model (encoded once per version), else a copy of its tensors."""
+        c = self.c
+        assert c.model.plan is not None
+        if len(self.rounds) == 1:
+            return c.model.current_weights(self.fragment_rounds())
+        names = c.model.plan[fragment]
+        return Published(
+            next_round,
+            c.model.encode(names),
+            fragment=fragment,
+            delta=c.model.fragment_delta(c.model.version, names),
+        )
+
+    def waiting(self, round_number: int, fragment: int) -> Waiting:
+        current = self.rounds[fragment]
+        short = current.more_submissions_needed(self.c.settings.min_workers)
+        return Waiting(round_number, current.waiting_for(), short)

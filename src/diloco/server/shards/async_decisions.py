@@ -1,0 +1,408 @@
+"""Async arrivals across sharded servers: shard 0 decides each step, every shard applies it.
+
+Each shard holds its slice of an arrival, keyed by (worker, the version its anchor was),
+spooled and not folded. The worker confirms on shard 0 once every shard holds its slices;
+only then does the arrival join shard 0's grace window. When the window closes, shard 0 folds
+its arrivals in worker-id order, each scaled by its staleness, steps (Delayed Nesterov), and
+writes the step with its `rounds` and `submissions` rows: that is the decision of the version
+(who, and the anchor of each), durable before any shard can read it. The other shards apply
+the decisions in version order, folding the same slices in the same order with the same
+scales, so the Delayed Nesterov counters and buffers of every shard move in step. A follower
+keeps the last few versions it served, so a worker can take every shard's part of one version
+while the versions move on (docs/architecture.md, "Sharded servers").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from diloco.algorithm import staleness_scale
+from diloco.server.errors import Rejection
+from diloco.server.model.results import RoundResult
+from diloco.server.rounds.async_arrivals import AsyncArrivals
+from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.round import Round, ValueScan, fold
+from diloco.server.rounds.submission import Submission
+from diloco.server.shards.sync_decisions import checked_load, session_digest
+from diloco.wire.format.spool import CheckedPieces, PieceBody
+
+KEPT_VERSIONS = 3  # a follower's versions before its current one, for a worker that took
+# shard 0's first
+
+
+@dataclass
+class HeldSlice:
+    """A slice waiting for its decision, with the registration session it came from."""
+
+    submission: Submission
+    scan: ValueScan
+    session: str | None
+    at: float  # when it arrived (a follower forgets one no decision named for long)
+
+    @property
+    def digest(self) -> str:
+        return session_digest(self.session)
+
+
+def _release(submission: Submission) -> None:
+    if isinstance(submission.tensors, PieceBody):
+        submission.tensors.release()
+
+
+class _HeldArrivals(AsyncArrivals):
+    """Slices held by (worker, anchor version, session digest) until a step folds them (both
+    sides): two processes under one id never share a key, so a decision that names the
+    digest it used picks the same slice on every shard."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        self.held: dict[tuple[str, int, str], HeldSlice] = {}
+        self.kept: deque[RoundResult] = deque(maxlen=KEPT_VERSIONS + 1)  # and the current
+        self.window_sessions: dict[str, str] = {}  # worker -> digest of the window's slice
+
+    def folds_first(self, fragment: int) -> bool:
+        return False  # scanned, then held: nothing is folded before its step
+
+    def open_number(self) -> int | None:
+        """The version the next step makes from (None before the weights exist)."""
+        return None if self.c.model.masters is None else self.c.model.version
+
+    def _of(self, worker_id: str, round_number: int) -> list[tuple[str, int, str]]:
+        return [k for k in self.held if k[0] == worker_id and k[1] == round_number]
+
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> tuple[int, str] | None:
+        """(tokens, session digest) of the slice held for (worker, anchor) from the process
+        of `digest` (any, when not given), or None."""
+        keys = self._of(worker_id, round_number)
+        if digest is not None:
+            keys = [k for k in keys if k[2] == digest]
+        if not keys:
+            return None
+        held = max((self.held[k] for k in keys), key=lambda h: h.at)
+        return held.submission.tokens, held.digest
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
+        """The bound of the values of the slice `holds` names (0 when none is held)."""
+        keys = self._of(worker_id, round_number)
+        if digest is not None:
+            keys = [k for k in keys if k[2] == digest]
+        return max((self.held[k].scan.bound for k in keys), default=0.0)
+
+    def _key(self, submission: Submission) -> tuple[str, int, str]:
+        return (
+            submission.worker_id,
+            submission.round,
+            session_digest(submission.record.session),
+        )
+
+    def _hold(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
+        assert isinstance(checked, ValueScan)
+        c = self.c
+        now = c.clock()
+        if isinstance(submission.tensors, PieceBody):
+            submission.tensors.hold()  # the request's close() then leaves the file open
+        self.held[self._key(submission)] = HeldSlice(
+            submission, checked, submission.record.session, now
+        )
+        # its worker's sign of life and bytes; units join the window at the confirmation
+        c.book(submission, Round(submission.round, set(), c.settings.weighting, now), now)
+
+    def _drop(self, keys: list[tuple[str, int, str]]) -> bool:
+        for key in keys:
+            _release(self.held.pop(key).submission)
+        return bool(keys)
+
+    def _sessions_of(self, window: Round) -> dict[str, str]:
+        return {w: d for w, d in self.window_sessions.items() if w in window.submitters}
+
+    def _fold_held(self, window: Round, now: float) -> None:
+        """Fold the window's arrivals in worker-id order, each scaled by its staleness: the
+        order and scales every shard uses, so their sums are the same function of the
+        same slices."""
+        storage = self.c.model.sums_storage()
+        for submission, scan in sorted(window.held, key=lambda pair: pair[0].worker_id):
+            anchor = self.anchors[submission.worker_id]
+            scale = staleness_scale(window.number - anchor, self.c.settings.staleness_weighting)
+            fold(window, submission, scan, storage, now, scale, record=False)
+        for submission, _ in window.held:
+            _release(submission)
+        window.held = []
+        if window.running is None:
+            window.open_sums(storage)  # nobody left in it: a step that changes nothing
+
+    def _pending_answer(self, submission: Submission) -> dict:
+        return self._answer("accepted", submission.round, None)
+
+    def poll_version(
+        self, round_number: int, worker_id: str | None, version: int, now: float
+    ) -> RoundResult | None:
+        """The result of (worker, round_number)'s arrival at exactly `version` (shard 0's,
+        which the worker took first): None until this shard has applied the arrival and
+        reached `version`."""
+        if self.poll_result(round_number, 0, worker_id, now) is None:
+            return None
+        applied = self.c.applied_version(worker_id, round_number)
+        if applied is not None and version <= applied:
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'version' ({version}) names weights from before the step that applied "
+                f"this arrival (which made version {applied + 1})",
+                field="version",
+                got=version,
+            )
+        if version > self.c.model.version:
+            return None
+        return self.weights_at(version)
+
+    def weights_at(self, version: int) -> RoundResult:
+        """The weights of exactly `version`: the current ones, or one this shard kept."""
+        c = self.c
+        current = c.model.version
+        if version == current:
+            return c.model.current_weights(self.fragment_rounds()).lend()
+        for kept in self.kept:
+            if kept.round == version:
+                return kept
+        if version > current:
+            raise self._future(version)
+        raise Rejection(
+            409,
+            "version_gone",
+            f"this shard no longer keeps version {version} (it is at {current} and keeps "
+            f"the {KEPT_VERSIONS} before it); ask shard 0 for the current version again",
+            version=version,
+            current_round=current,
+        )
+
+
+class LeaderArrivals(_HeldArrivals):
+    """Shard 0: membership, confirmations, the grace window, and each step's decision."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        # what each arrival in the window counted: tokens, and its value bound times its weight
+        self.window_tokens: dict[str, int] = {}
+        self.window_bounds: dict[str, float] = {}
+
+    def admit(self, submission: Submission) -> dict | None:
+        answer = super().admit(submission)  # applied, pending in the window, future
+        if answer is not None:
+            return answer
+        if self._key(submission) in self.held:
+            submission.record.last_seen = self.c.clock()
+            return self._answer("duplicate", submission.round, None)
+        return None
+
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        """Held until confirmed. Its worker's other slices (another anchor, or an older
+        process's) were never confirmed, so no decision names them: they go, now that this
+        one passed its checks."""
+        self._drop([k for k in self.held if k[0] == submission.worker_id])
+        self._hold(submission, checked)
+        return self._pending_answer(submission)
+
+    def pending_anchor(self, worker_id: str) -> int | None:
+        """The anchor of the worker's confirmed arrival in the open window, if any."""
+        return self.anchors.get(worker_id)
+
+    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+        """The held slice of (worker, anchor) is on every shard (checked by the caller), its
+        values bounded by `bound` on all of them: it joins the grace window, which may now
+        close. 422 `sum_overflow` (nothing changed) when, added to the window, it could
+        overflow some shard's fp32 sums: refused here, where every shard's bound is known,
+        not when each shard folds."""
+        c = self.c
+        now = c.clock()
+        (key,) = self._of(worker_id, round_number)
+        held = self.held[key]
+        staleness = c.model.version - round_number
+        scale = staleness_scale(staleness, c.settings.staleness_weighting)
+        load = checked_load(
+            worker_id,
+            held.submission.tokens,
+            scale,
+            bound,
+            self.window_bounds.values(),
+            c.settings,
+        )
+        del self.held[key]
+        window = self.window
+        if window is None:
+            window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
+        window.hold(held.submission, held.scan, now)
+        self.window_tokens[worker_id] = max(0, held.submission.tokens)
+        self.window_bounds[worker_id] = load
+        self.window_sessions[worker_id] = held.digest
+        window.add_units(worker_id, held.submission.units)
+        if held.submission.progress:
+            window.add_progress(worker_id, held.submission.progress)
+        self.window = window
+        self.anchors[worker_id] = round_number
+        c.metrics.staleness.observe(staleness)
+        self._try_commit(now)
+        applied = None if worker_id in self.anchors else c.model.version - 1
+        return self._answer("accepted", round_number, applied, staleness)
+
+    def _try_commit(self, now: float) -> None:
+        super()._try_commit(now)
+        if self.window is None:  # the step is made (or nothing was open)
+            self.window_tokens.clear()
+            self.window_bounds.clear()
+            self.window_sessions.clear()
+
+    def on_leave(self, worker_id: str, now: float) -> None:
+        """A slice never confirmed is in no decision: it goes with its worker."""
+        self._drop([k for k in self.held if k[0] == worker_id])
+        super().on_leave(worker_id, now)
+
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        """An admin banned the worker: its arrivals, confirmed or not, are in no step (the
+        window folds nothing before it closes)."""
+        dropped = self._drop([k for k in self.held if k[0] == worker_id])
+        window = self.window
+        if window is not None and worker_id in self.anchors:
+            for pair in [p for p in window.held if p[0].worker_id == worker_id]:
+                window.held.remove(pair)
+                _release(pair[0])
+            for pair in [p for p in window.submitted if p[0] == worker_id]:
+                del window.submitted[pair]
+            window.tokens -= self.window_tokens.pop(worker_id, 0)
+            self.window_bounds.pop(worker_id, None)
+            self.window_sessions.pop(worker_id, None)
+            if window.submitted:  # the grace deadline counts from the first arrival left
+                window.first_submission_at = min(window.submitted.values())
+            window.units.pop(worker_id, None)
+            window.progress.pop(worker_id, None)
+            window.members.discard(worker_id)
+            del self.anchors[worker_id]
+            if not window.submitted:
+                self.window = None
+            dropped = True
+        return dropped
+
+
+class FollowerArrivals(_HeldArrivals):
+    """Shards 1..S-1: hold slices; apply shard 0's decisions in version order."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        # version, worker -> (anchor, session digest)
+        self.decided: tuple[int, dict[str, tuple[int, str | None]]] | None = None
+
+    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
+        super().start(fragment_rounds, now)
+        self.kept.clear()
+        self.kept.append(self.c.model.current_weights(self.fragment_rounds()).lend())
+
+    def on_register(self, worker_id: str) -> None:
+        """Membership is shard 0's: a follower's steps wait for decisions, not members."""
+
+    def on_leave(self, worker_id: str, now: float) -> None:
+        """A slice shard 0 may have confirmed stays until a decision uses or passes it."""
+
+    def admit(self, submission: Submission) -> dict | None:
+        answer = self._applied_answer(submission)
+        if answer is not None:
+            return answer
+        if self._key(submission) in self.held:
+            submission.record.last_seen = self.c.clock()
+            return self._answer("duplicate", submission.round, None)
+        return None  # (another process's slice of the same anchor stays: see the decision)
+
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        self._hold(submission, checked)
+        self._try_commit(self.c.clock())
+        return self._pending_answer(submission)
+
+    def apply_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """Shard 0 made `version` from these arrivals (worker -> anchor, session digest):
+        apply it once every one of their slices is here. False if it is not the next
+        version here."""
+        if self.c.model.masters is None or version != self.c.model.version:
+            return False
+        if self.decided is None:
+            self.decided = (version, dict(decided))
+            self._try_commit(self.c.clock())
+        return True
+
+    def _decided_key(self, worker_id: str, anchor: int, digest: str | None):
+        """The held slice a decision names: the one of its session (any, for a decision
+        that names none)."""
+        keys = self._of(worker_id, anchor)
+        if digest is not None:
+            keys = [k for k in keys if k[2] == digest]
+        return max(keys, key=lambda k: self.held[k].at) if keys else None
+
+    def _try_commit(self, now: float) -> None:
+        """Apply the decided step once its slices are all here (lock held)."""
+        c = self.c
+        if self.decided is None or c.model.masters is None or c.stopped():
+            return
+        version, decided = self.decided
+        if version != c.model.version:
+            self.decided = None  # applied already (a restart found it durable)
+            return
+        if self.window is None:  # (else a step that failed to write: tried again)
+            keys = {w: self._decided_key(w, a, d) for w, (a, d) in decided.items()}
+            if any(key is None for key in keys.values()):
+                return  # a decided slice is missing here until its worker sends it again
+            window = Round(version, set(), c.settings.weighting, now)
+            for worker_id, key in sorted(keys.items()):
+                assert key is not None
+                held = self.held.pop(key)
+                window.hold(held.submission, held.scan, now)
+                self.window_sessions[worker_id] = held.digest
+            self.window = window
+            self.anchors = {w: a for w, (a, _) in decided.items()}
+        super()._try_commit(now)
+        if self.window is not None:
+            return
+        self.decided = None
+        self.window_sessions.clear()
+        self.kept.append(c.model.current_weights(self.fragment_rounds()).lend())
+        # these workers' slices of this anchor or older can no longer be decided
+        for worker_id, (anchor, _) in decided.items():
+            self._drop([k for k in self.held if k[0] == worker_id and k[1] <= anchor])
+
+    def tick(self, now: float) -> None:
+        self._try_commit(now)
+
+    def waiting_for(self) -> list[str]:
+        if self.decided is None or self.window is not None:
+            return []
+        _, decided = self.decided
+        return sorted(w for w, (a, d) in decided.items() if self._decided_key(w, a, d) is None)
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None:
+        """The current weights once this shard has applied (worker, round_number); None
+        while it holds that slice. A slice neither held nor applied here is asked for again
+        (409 not_submitted): a worker asks only once shard 0 applied its arrival."""
+        c = self.c
+        if worker_id is None:
+            raise Rejection(
+                422,
+                "invalid_request",
+                "field 'worker_id' is required in async mode",
+                field="worker_id",
+            )
+        if c.applied_version(worker_id, round_number) is None:
+            if self._of(worker_id, round_number) or c.closing():
+                return None
+            if round_number > c.model.version:
+                raise self._future(round_number)
+            raise Rejection(
+                409,
+                "not_submitted",
+                f"this shard holds no slice of {worker_id!r} for version {round_number} "
+                "(it restarted since, or it was never sent); submit it again",
+                round=round_number,
+                worker_id=worker_id,
+            )
+        return c.model.current_weights(self.fragment_rounds()).lend()

@@ -1,0 +1,378 @@
+"""Sync rounds across sharded servers: shard 0 decides each round, every shard applies it.
+
+Each shard holds its slice of every submission (spooled, not yet folded) until the round is
+decided. A worker confirms on shard 0 once every shard holds its slices; shard 0's barrier
+waits for its members' confirmations, and the round's decision is the set of confirmed
+workers. Shard 0 folds exactly their slices, in worker-id order, steps, and writes the
+decision with the step (its `rounds` row, durable before any shard can read it). The other
+shards fold exactly the decided slices, in the same order, when they learn the decision
+(server/shards/peers.py); a slice of a worker left out is dropped, so a step is applied on
+every shard with the same submissions or on none. docs/architecture.md has the proof sketch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from diloco.algorithm import Contribution
+from diloco.algorithm.contributions import FINITE_SUM_LIMIT, contribution_weight
+from diloco.server.errors import Rejection
+from diloco.server.model.results import RoundResult
+from diloco.server.rounds.barrier import BarrierRounds
+from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.round import Round, ValueScan, fold
+from diloco.server.rounds.submission import Submission
+from diloco.server.settings import ServerSettings
+from diloco.wire.format.spool import CheckedPieces, PieceBody
+
+
+def session_digest(session: str | None) -> str:
+    """A short digest of a registration session: equal for slices of one process."""
+    return hashlib.sha256((session or "").encode()).hexdigest()[:16]
+
+
+@dataclass
+class LeaderRound(Round):
+    """Shard 0's round: a member is in once it confirmed that every shard holds its slices."""
+
+    confirmed: set[str] = field(default_factory=set)
+    loads: dict[str, float] = field(default_factory=dict)  # worker -> weight x value bound
+
+    def waiting_for(self) -> list[str]:
+        return sorted(self.members - self.confirmed)
+
+    def ready(self, min_workers: int) -> bool:
+        return not self.waiting_for() and len(self.confirmed) >= max(1, min_workers)
+
+
+@dataclass
+class FollowerRound(Round):
+    """Another shard's round: it commits when shard 0's decision names who is in."""
+
+    decided: list[str] | None = None
+    decided_sessions: dict[str, str] = field(default_factory=dict)  # worker -> digest
+
+    def waiting_for(self) -> list[str]:
+        if self.decided is None:
+            return []
+        return sorted(set(self.decided) - self.submitters)
+
+    def ready(self, min_workers: int) -> bool:
+        return self.decided is not None and not self.waiting_for()
+
+
+def checked_load(
+    worker_id: str,
+    tokens: int,
+    scale: float,
+    bound: float,
+    others: Iterable[float],
+    settings: ServerSettings,
+) -> float:
+    """What a confirmed slice adds to the bound of its step's sums on any shard (its weight
+    x scale x the largest value any shard holds of it); 422 `sum_overflow` (nothing
+    changed) when, added to `others`, some shard's fp32 sums could overflow: refused by shard
+    0, where every shard's bound is known, not when each shard folds. A hair under the limit
+    each fold checks (RunningMean.headroom), so no fold can refuse what shard 0 took."""
+    weight = contribution_weight(Contribution({}, tokens), settings.weighting)
+    load = abs(weight * scale) * bound
+    if sum(others) + load > FINITE_SUM_LIMIT * (1 - 1e-6):
+        raise Rejection(
+            422,
+            "sum_overflow",
+            f"{worker_id!r}'s pseudo-gradient holds values up to {bound:.3g}: added to "
+            "its step, some shard's fp32 sums could overflow",
+            bound=bound,
+            limit=FINITE_SUM_LIMIT,
+        )
+    return load
+
+
+def _release(submission: Submission) -> None:
+    if isinstance(submission.tensors, PieceBody):
+        submission.tensors.release()
+
+
+def _fold_only(current: Round, chosen: set[str], storage: dict, now: float) -> None:
+    """Fold the held slices of `chosen` in worker-id order; every other submission leaves the
+    round (its place, units and progress too: it is not part of this step), so the round's
+    submitters, which its record names as the decision, are exactly what was folded: a slice
+    an admin's ban dropped from `held` is not among them. Bodies are released."""
+    held = sorted(current.held, key=lambda pair: pair[0].worker_id)
+    folded = set()
+    for submission, scan in held:
+        if submission.worker_id in chosen:
+            fold(current, submission, scan, storage, now, record=False)
+            folded.add(submission.worker_id)
+    for worker_id, fragment in list(current.submitted):
+        if worker_id not in folded:
+            del current.submitted[(worker_id, fragment)]
+            current.units.pop(worker_id, None)
+            current.progress.pop(worker_id, None)
+    current.held = []
+    for submission, _ in held:
+        if isinstance(submission.tensors, PieceBody):
+            submission.tensors.release()
+    if current.running is None:  # nobody chosen: the step changes nothing
+        current.open_sums(storage)
+
+
+class _HeldRounds(BarrierRounds):
+    """Every slice is held until the round's decision (shared by both sides)."""
+
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        # (round, worker) -> the registration session its held slice came from
+        self._sessions: dict[tuple[int, str], str | None] = {}
+        # a follower: slices a newer process's slice replaced, by (round, worker, digest),
+        # kept until the round is decided (shard 0 may have confirmed the older one)
+        self._replaced: dict[tuple[int, str, str], tuple[Submission, ValueScan, str | None]] = {}
+
+    def _sessions_of(self, current: Round) -> dict[str, str]:
+        return {
+            w: session_digest(self._sessions.get((current.number, w))) for w in current.submitters
+        }
+
+    def folds_first(self, fragment: int) -> bool:
+        return False  # scanned, then held: nothing is folded before the decision
+
+    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        assert isinstance(checked, ValueScan)
+        c = self.c
+        now = c.clock()
+        current = self.rounds[submission.fragment]
+        self._replace_other_session(current, submission)  # (admit let it through for this)
+        # the session as it is now: a re-registration changes the record's in place
+        self._sessions[(current.number, submission.worker_id)] = submission.record.session
+        for key in [k for k in self._sessions if k[0] < current.number]:
+            del self._sessions[key]
+        for key in [k for k in self._replaced if k[0] < current.number]:
+            _release(self._replaced.pop(key)[0])
+        current.hold(submission, checked, now)
+        c.book(submission, current, now)
+        self._try_commit(submission.fragment, now)
+        return self._answer("accepted", submission.round, submission.fragment)
+
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> tuple[int, str] | None:
+        """(tokens, session digest) of `worker_id`'s held slice of the open round
+        `round_number` (from the process of `digest`, when given), or None. The digest tells
+        slices of two processes under one id apart (a worker restarted without its
+        checkpoint) without showing the session."""
+        current = self.rounds[0] if self.rounds else None
+        if current is None or current.number != round_number:
+            return None
+        for submission, _ in current.held:
+            if submission.worker_id == worker_id:
+                session = self._sessions.get((round_number, worker_id))
+                if digest is None or session_digest(session) == digest:
+                    return submission.tokens, session_digest(session)
+        replaced = self._replaced.get((round_number, worker_id, digest or ""))
+        if replaced is not None:
+            return replaced[0].tokens, session_digest(replaced[2])
+        return None
+
+    def admit(self, submission: Submission) -> dict | None:
+        """A slice from a new session of a worker whose older session's slice this round
+        still holds, undecided, will replace it (the old process is gone), so that every
+        shard ends up with the same process's slices: in `accept`, once its body passed its
+        checks (a refused body changes nothing)."""
+        current = self.rounds[submission.fragment] if self.rounds else None
+        if current is not None and submission.round == current.number:
+            self._check_decided_session(current, submission)
+            if self._other_session_held(current, submission) and self._replaceable(
+                current, submission.worker_id
+            ):
+                self.c.check_units(submission)
+                return None
+        return super().admit(submission)
+
+    def _check_decided_session(self, current: Round, submission: Submission) -> None:
+        """A follower whose round is decided takes only the decided process's slice."""
+
+    def _other_session_held(self, current: Round, submission: Submission) -> bool:
+        key = (current.number, submission.worker_id)
+        return (
+            any(held.worker_id == submission.worker_id for held, _ in current.held)
+            and self._sessions.get(key) != submission.record.session
+        )
+
+    def _replace_other_session(self, current: Round, submission: Submission) -> None:
+        key = (current.number, submission.worker_id)
+        if not self._other_session_held(current, submission):
+            return
+        old_session = self._sessions.get(key)
+        for held, scan in [p for p in current.held if p[0].worker_id == submission.worker_id]:
+            current.held.remove((held, scan))
+            current.submitted.pop((held.worker_id, held.fragment), None)
+            self._set_aside(current.number, held, scan, old_session)
+
+    def _set_aside(
+        self, number: int, held: Submission, scan: ValueScan, session: str | None
+    ) -> None:
+        """A slice a newer process's replaced: gone (shard 0, which never confirmed it)."""
+        _release(held)
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
+        """The bound of the values of the slice `holds` names (0 when none is held)."""
+        current = self.rounds[0] if self.rounds else None
+        if current is None or current.number != round_number:
+            return 0.0
+        session = self._sessions.get((round_number, worker_id))
+        for submission, scan in current.held:
+            if submission.worker_id == worker_id and (
+                digest is None or session_digest(session) == digest
+            ):
+                return scan.bound
+        replaced = self._replaced.get((round_number, worker_id, digest or ""))
+        return 0.0 if replaced is None else replaced[1].bound
+
+    def _replaceable(self, current: Round, worker_id: str) -> bool:
+        return True
+
+    def open_number(self) -> int | None:
+        return self.rounds[0].number if self.rounds else None
+
+
+class LeaderRounds(_HeldRounds):
+    """Shard 0: membership, confirmations, and each round's decision."""
+
+    def _new_round(self, number: int, members: set[str], now: float) -> Round:
+        return LeaderRound(number, members, self.c.settings.weighting, now)
+
+    def _replaceable(self, current: Round, worker_id: str) -> bool:
+        assert isinstance(current, LeaderRound)
+        return worker_id not in current.confirmed  # confirmed: every shard holds that slice
+
+    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+        """`worker_id`'s slices of the open round are held on every shard (checked by the
+        caller), their values bounded by `bound` on all of them: it counts for the barrier,
+        and the round may now be decided. 422 `sum_overflow` (nothing changed) when, added
+        to the round, it could overflow some shard's fp32 sums: refused here, where every
+        shard's bound is known, not when each shard folds."""
+        current = self.rounds[0]
+        assert isinstance(current, LeaderRound)
+        tokens = self.holds(worker_id, round_number)
+        others = [v for w, v in current.loads.items() if w != worker_id]
+        load = checked_load(
+            worker_id, 0 if tokens is None else tokens[0], 1.0, bound, others, self.c.settings
+        )
+        current.loads[worker_id] = load
+        current.confirmed.add(worker_id)
+        self._try_commit(0, self.c.clock())
+        return self._answer("accepted", round_number, 0)
+
+    def drop_pending(self, worker_id: str, reason: str) -> bool:
+        """An admin banned the worker: its held slice is not part of any decision."""
+        for current in self.rounds:
+            if isinstance(current, LeaderRound):
+                current.confirmed.discard(worker_id)
+                current.loads.pop(worker_id, None)
+        return super().drop_pending(worker_id, reason)
+
+    def _decide(self, fragment: int, current: Round, now: float) -> None:
+        assert isinstance(current, LeaderRound)
+        _fold_only(current, current.confirmed, self.c.model.sums_storage(), now)
+
+
+class FollowerRounds(_HeldRounds):
+    """Shards 1..S-1: hold slices; commit a round when shard 0's decision arrives."""
+
+    def _new_round(self, number: int, members: set[str], now: float) -> Round:
+        return FollowerRound(number, set(), self.c.settings.weighting, now)
+
+    def on_register(self, worker_id: str) -> None:
+        """Membership is shard 0's: a follower's rounds wait for decisions, not members."""
+
+    def overdue(self, now: float) -> list[str]:
+        return []  # shard 0 evicts; a follower never does
+
+    def _replaceable(self, current: Round, worker_id: str) -> bool:
+        assert isinstance(current, FollowerRound)
+        return current.decided is None
+
+    def _set_aside(
+        self, number: int, held: Submission, scan: ValueScan, session: str | None
+    ) -> None:
+        """Kept until the round is decided: shard 0 may have confirmed the older process's
+        slice (its decision names the session digest it used)."""
+        self._replaced[(number, held.worker_id, session_digest(session))] = (held, scan, session)
+
+    def apply_decision(self, round_number: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """Shard 0 decided `round_number` with these contributors (worker -> the round they
+        sent for, this one, and the session digest of the slices it used): commit it once
+        every decided slice is here (now, or when the missing ones are sent again). False if
+        it is not the open round (already applied, or not reached)."""
+        current = self.rounds[0] if self.rounds else None
+        if current is None or current.number != round_number:
+            return False
+        assert isinstance(current, FollowerRound)
+        if current.decided is None:
+            for worker_id, (_, digest) in decided.items():
+                if digest is not None:
+                    self._take_back(current, worker_id, digest)
+                    current.decided_sessions[worker_id] = digest
+            current.decided = sorted(decided)
+            self._try_commit(0, self.c.clock())
+        return True
+
+    def _check_decided_session(self, current: Round, submission: Submission) -> None:
+        """Round decided with another process's slice of this worker (one this shard lost
+        in a restart): a newer process's cannot stand in for it."""
+        assert isinstance(current, FollowerRound)
+        decided = current.decided_sessions.get(submission.worker_id)
+        if decided is not None and decided != session_digest(submission.record.session):
+            raise Rejection(
+                409,
+                "not_decided",
+                f"round {current.number} was decided with another process's slice of "
+                f"{submission.worker_id!r}; this one cannot take its place",
+                round=current.number,
+                worker_id=submission.worker_id,
+            )
+
+    def _take_back(self, current: FollowerRound, worker_id: str, digest: str) -> None:
+        """The decided slice is one a newer process's replaced: it goes back in the round
+        (the newer one is set aside), so this shard folds what shard 0 folded."""
+        key = (current.number, worker_id)
+        if session_digest(self._sessions.get(key)) == digest:
+            return
+        older = self._replaced.pop((current.number, worker_id, digest), None)
+        for held, scan in [p for p in current.held if p[0].worker_id == worker_id]:
+            current.held.remove((held, scan))
+            current.submitted.pop((held.worker_id, held.fragment), None)
+            self._set_aside(current.number, held, scan, self._sessions.get(key))
+        if older is not None:
+            submission, scan, session = older
+            current.held.append((submission, scan))
+            current.submitted[(worker_id, submission.fragment)] = self.c.clock()
+            self._sessions[key] = session
+
+    def _decide(self, fragment: int, current: Round, now: float) -> None:
+        assert isinstance(current, FollowerRound) and current.decided is not None
+        _fold_only(current, set(current.decided), self.c.model.sums_storage(), now)
+
+    def poll_result(
+        self, round_number: int, fragment: int, worker_id: str | None, now: float
+    ) -> RoundResult | None:
+        """The result once the decision is applied; a decided worker whose slice this shard
+        lacks (lost in a restart) is told to send it again. No barrier timeout: shard 0's."""
+        if self.rounds and round_number == self.rounds[0].number:
+            current = self.rounds[0]
+            assert isinstance(current, FollowerRound)
+            missing = worker_id is not None and worker_id in current.waiting_for()
+            if missing and not self.c.closing():
+                raise Rejection(
+                    409,
+                    "not_submitted",
+                    f"round {round_number} was decided with {worker_id!r}, whose slice this "
+                    "shard does not hold (it restarted since); submit it again",
+                    round=round_number,
+                    fragment=fragment,
+                    worker_id=worker_id,
+                )
+            return None
+        return super().poll_result(round_number, fragment, worker_id, now)

@@ -1,0 +1,451 @@
+"""Durable rounds: what the coordinator writes, when, and how a restart gets it back.
+
+A checkpoint generation is one consistent global snapshot at an outer-step boundary: the
+weights and outer optimizer state after round r's commit, the round number r + 1, the model's
+tensor specs, the settings, and the record of that commit (its contributors, tokens and the work
+units it completed). With `durability="round"` (the default) every commit is such a snapshot
+before any worker can see its result, so no acknowledged outer step is ever lost or applied
+twice. With `durability="interval"` only every `checkpoint_every`-th round (and the state at a
+graceful shutdown) is, and a crash rolls the run back to the last one: the SQLite rows of the
+lost rounds are dropped and their work units go back to the pool to be trained again.
+
+SQLite (the `StateStore`) holds the metadata written in the same critical section: the round
+row, the completed units, worker membership, audit and metrics history. A restart reconciles
+it with the checkpoint actually loaded (see `restore`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from diloco import faults
+from diloco.server.ops.control import OUTER_LR
+from diloco.server.settings import ServerSettings
+from diloco.server.state.store import StateStore
+from diloco.server.workunits.ledger import UnitLedger
+from diloco.server.workunits.pool import WorkPool
+from diloco.wire import TensorSpec
+
+log = logging.getLogger("diloco.server")
+
+DURABILITY_MODES = ("round", "interval")
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What one outer step consumed: written with the checkpoint and with the SQLite row.
+
+    `round` is the run's outer-step number (its version) before this step: the weights it
+    produced are version round + 1. In sync mode that is the round; in streaming mode the step
+    is fragment `fragment`'s round `fragment_round`; in async mode one arrival or grace window.
+    `submissions` are (worker, round it was sent for, staleness) of the pseudo-gradients used.
+    """
+
+    round: int
+    contributors: list[str]
+    units: list[int] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+    fragment: int = 0
+    fragment_round: int | None = None
+    submissions: list[tuple[str, int, int]] = field(default_factory=list)
+    # Partly trained units: unit -> its trained prefix after this step; `released` are those
+    # of workers that left, which go back to the pool with their prefix.
+    progress: dict[int, int] = field(default_factory=dict)
+    released: list[int] = field(default_factory=list)
+    # Robust aggregation: the norms the step used, the scales it clipped to, its refusals
+    # (worker -> reason), and every fragment's norm history after the step (for a restart).
+    norms: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    norm_history: list[list[float]] | None = None
+    # Sharded servers: each contributor's session digest (which process's slices it used)
+    sessions: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "round": self.round,
+            "contributors": sorted(self.contributors),
+            "units": list(self.units),
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "fragment": self.fragment,
+            "fragment_round": self.fragment_round,
+            "submissions": [list(s) for s in self.submissions],
+            "progress": {str(unit): count for unit, count in self.progress.items()},
+            "released": list(self.released),
+            "norms": dict(self.norms),
+            "clipped": dict(self.clipped),
+            "refused": dict(self.refused),
+            "norm_history": self.norm_history,
+            "sessions": dict(self.sessions),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> CommitRecord:
+        fragment_round = data.get("fragment_round")
+        return cls(
+            round=int(data["round"]),
+            contributors=list(data["contributors"]),
+            units=[int(u) for u in data.get("units", [])],
+            tokens=int(data.get("tokens", 0)),
+            seconds=float(data.get("seconds", 0.0)),
+            fragment=int(data.get("fragment", 0)),
+            fragment_round=None if fragment_round is None else int(fragment_round),
+            submissions=[(str(w), int(r), int(st)) for w, r, st in data.get("submissions", [])],
+            progress={int(u): int(n) for u, n in data.get("progress", {}).items()},
+            released=[int(u) for u in data.get("released", [])],
+            norms={str(w): float(n) for w, n in data.get("norms", {}).items()},
+            clipped={str(w): float(n) for w, n in data.get("clipped", {}).items()},
+            refused={str(w): str(r) for w, r in data.get("refused", {}).items()},
+            norm_history=(
+                None
+                if data.get("norm_history") is None
+                else [[float(n) for n in norms] for norms in data["norm_history"]]
+            ),
+            sessions={str(w): str(d) for w, d in data.get("sessions", {}).items()},
+        )
+
+    def apply_to(self, pool: UnitLedger) -> None:
+        """The step's work units in the pool: finished ones completed, prefixes recorded,
+        the departed workers' partly trained units released (inside the step's transaction)."""
+        pool.complete(self.units, self.round)
+        pool.advance(self.progress, self.round)
+        pool.release_units(self.released)
+
+    def store_in(self, state: StateStore) -> None:
+        """The SQLite row of this step and of each pseudo-gradient it used; its refusals and
+        clippings in the audit log."""
+        where = {"fragment": self.fragment}  # round: the version; a fragment's own round too
+        if self.fragment_round is not None:
+            where["fragment_round"] = self.fragment_round
+        for worker_id, reason in sorted(self.refused.items()):
+            state.audit(
+                "contribution_refused",
+                worker_id=worker_id,
+                round=self.round,
+                reason=reason,
+                **where,
+            )
+        for worker_id, scale in sorted(self.clipped.items()):
+            state.audit(
+                "contribution_clipped",
+                worker_id=worker_id,
+                round=self.round,
+                scale=scale,
+                norm=self.norms.get(worker_id),
+                **where,
+            )
+        state.record_commit(
+            self.round,
+            self.contributors,
+            self.units,
+            self.tokens,
+            self.seconds,
+            fragment=self.fragment,
+            fragment_round=self.fragment_round,
+            submissions=self.submissions,
+            sessions=self.sessions,
+        )
+
+
+@dataclass(frozen=True)
+class RestoredState:
+    round: int  # the version: outer steps committed
+    masters: dict[str, torch.Tensor]
+    optimizer_state: dict[str, torch.Tensor]
+    specs: dict[str, TensorSpec]
+    live_workers: list[tuple[str, str | None]]  # (worker_id, session)
+    fragment_rounds: list[int]  # streaming: each fragment's round; else [round]
+    published: dict[str, torch.Tensor] | None = None  # P, with --download-codec
+    norm_history: list[list[float]] | None = None  # robust aggregation's, per fragment
+
+
+class RoundJournal:
+    """Saves and restores the coordinator's global state; owns the checkpoint policy."""
+
+    def __init__(
+        self,
+        state: StateStore,
+        settings: ServerSettings,
+        override_settings: bool = False,
+        durability: str = "round",
+        checkpoint_every: int = 1,
+    ) -> None:
+        if durability not in DURABILITY_MODES:
+            raise ValueError(
+                f"durability must be one of {', '.join(DURABILITY_MODES)}, got {durability!r}"
+            )
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
+            raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every}")
+        if durability == "round" and checkpoint_every != 1:
+            raise ValueError(
+                "checkpoint_every applies to durability 'interval' only "
+                f"(got checkpoint_every={checkpoint_every} with durability 'round')"
+            )
+        self.state = state
+        self.settings = settings
+        self.override_settings = override_settings
+        self.durability = durability
+        self.checkpoint_every = checkpoint_every
+        self.pool = WorkPool(state.conn)
+        self.saved_round: int | None = None  # the round of the newest checkpoint on disk
+
+    @property
+    def durable(self) -> bool:
+        return self.state.durable
+
+    # ----------------------------------------------------------------- writing
+
+    def _write_checkpoint(
+        self,
+        round_number: int,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+        commit: CommitRecord | None,
+        fragment_rounds: list[int] | None = None,
+        published: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        store = self.state.checkpoints
+        assert store is not None
+        existing = store.generations()
+        generation = existing[-1] + 1 if existing else 0
+        groups = {"weights": masters, "outer_state": optimizer_state}
+        if published is not None:
+            groups["published"] = published  # what every worker holds (--download-codec)
+        store.write(
+            generation,
+            groups,
+            {
+                "round": round_number,
+                "fragment_rounds": list(fragment_rounds or [round_number]),
+                "specs": [spec.to_json() for spec in specs.values()],
+                "settings": self.settings.to_wire(),
+                "commit": None if commit is None else commit.to_json(),
+            },
+        )
+        self.saved_round = round_number
+
+    def save_initial(
+        self,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+        fragment_rounds: list[int] | None = None,
+        published: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Round 0's weights: from --init or the first worker; always durable at once."""
+        if self.durable:
+            self._write_checkpoint(
+                0, masters, optimizer_state, specs, None, fragment_rounds, published
+            )
+        with self.state.transaction():
+            self.state.set_meta("settings", self.settings.to_wire())
+            self.state.audit("initial_weights", round=0, tensors=len(specs))
+
+    def commit(
+        self,
+        record: CommitRecord,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+        metrics: dict[str, Any],
+        fragment_rounds: list[int] | None = None,
+        published: Mapping[str, torch.Tensor] | None = None,
+        started: float | None = None,
+    ) -> None:
+        """Make round `record.round`'s commit durable as policy says, then record it in SQLite.
+
+        The checkpoint goes first: a crash between the two leaves a checkpoint whose commit
+        record `restore` replays into SQLite, never a SQLite row without its weights.
+        `started`: the perf_counter() when the step began; the SQLite rows then give the
+        step's seconds (outer step, delta coding, checkpoint) instead of the record's.
+        """
+        new_round = record.round + 1
+        if self.durable and (self.durability == "round" or new_round % self.checkpoint_every == 0):
+            faults.crash_point("before_checkpoint")
+            self._write_checkpoint(
+                new_round, masters, optimizer_state, specs, record, fragment_rounds, published
+            )
+            faults.crash_point("after_checkpoint")
+        if started is not None:
+            record = replace(record, seconds=time.perf_counter() - started)
+        with self.state.transaction():
+            record.store_in(self.state)
+            record.apply_to(self.pool)
+            self.state.record_metrics(record.round, seconds=record.seconds, **metrics)
+        faults.crash_point("after_store_commit")
+
+    def flush(
+        self,
+        round_number: int,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+        last_commit: CommitRecord | None,
+        fragment_rounds: list[int] | None = None,
+        published: Mapping[str, torch.Tensor] | None = None,
+    ) -> bool:
+        """At a graceful shutdown: checkpoint the current round if the disk is behind it."""
+        if self.durable and self.saved_round != round_number:
+            self._write_checkpoint(
+                round_number,
+                masters,
+                optimizer_state,
+                specs,
+                last_commit,
+                fragment_rounds,
+                published,
+            )
+            log.info("checkpoint of round %d written at shutdown", round_number)
+            return True
+        return False
+
+    def save_registered_specs(self, specs: Mapping[str, TensorSpec]) -> None:
+        """The model of the first registration, before any weights exist (see restore)."""
+        with self.state.transaction():
+            self.state.set_meta("specs", [spec.to_json() for spec in specs.values()])
+
+    def registered_specs(self) -> dict[str, TensorSpec] | None:
+        stored = self.state.get_meta("specs")
+        if stored is None:
+            return None
+        specs = [TensorSpec.from_json(s) for s in stored]
+        return {spec.name: spec for spec in specs}
+
+    def worker_joined(self, worker_id: str, session: str | None, round_number: int) -> None:
+        with self.state.transaction():
+            self.state.save_worker(worker_id, session, live=True)
+            self.state.audit("registered", worker_id=worker_id, round=round_number)
+
+    def worker_left(
+        self,
+        worker_id: str,
+        round_number: int,
+        event: str,
+        keep_units: set[int] = frozenset(),
+        **detail: object,
+    ) -> int:
+        """Membership ends: its unfinished work units go back to the pool.
+
+        `keep_units` were reported with a submission that stays in the open round: they
+        complete when it commits, so they are not leased again.
+        """
+        with self.state.transaction():
+            self.state.save_worker(worker_id, None, live=False)
+            released = self.pool.release_worker(worker_id, keep=keep_units)
+            self.state.audit(
+                event, worker_id=worker_id, round=round_number, released=released, **detail
+            )
+        return released
+
+    def close(self, reason: str = "shutdown") -> None:
+        try:
+            with self.state.transaction():
+                self.state.audit(reason)
+        finally:
+            self.state.close()
+
+    # ----------------------------------------------------------------- restoring
+
+    def restore(self) -> RestoredState | None:
+        """The newest verified state, or None for a new run; refuses conflicting settings.
+
+        Reconciles SQLite with the checkpoint loaded: rounds the checkpoint does not include
+        (lost with an interval checkpoint or a corrupt newest generation) are forgotten and
+        their work units return to the pool; a commit the checkpoint has but SQLite missed
+        (a crash between the two writes) is recorded now.
+        """
+        if self.state.checkpoints is None:
+            return None
+        loaded = self.state.checkpoints.load_latest()
+        if loaded is None:
+            if self.state.rounds_from(0):
+                raise ValueError(
+                    f"the state dir {self.state.directory} records committed rounds but holds "
+                    "no checkpoint that verifies; refusing to start an empty run over it"
+                )
+            return None
+        self._check_settings(loaded.metadata["settings"])
+        round_number = int(loaded.metadata["round"])
+        commit = loaded.metadata.get("commit")
+        record = None if commit is None else CommitRecord.from_json(commit)
+        with self.state.transaction():
+            lost = self.state.rounds_from(round_number)
+            if lost:
+                log.warning(
+                    "rounds %d..%d were not in the newest checkpoint and are rolled back; "
+                    "their work units return to the pool",
+                    lost[0],
+                    lost[-1],
+                )
+                self.state.forget_rounds_from(round_number)
+                self.pool.rollback_after(round_number - 1)
+                self.state.audit("rolled_back", round=round_number, rounds=lost)
+            if record is not None and not self.state.rounds_from(record.round):
+                record.store_in(self.state)
+                record.apply_to(self.pool)
+            for departed in self.state.departed_workers():
+                # Units a departed worker kept for an open round the crash lost: lease again.
+                self.pool.release_worker(departed)
+            self.state.audit("restarted", round=round_number, checkpoint=str(loaded.path))
+        self.saved_round = round_number
+        specs = [TensorSpec.from_json(s) for s in loaded.metadata["specs"]]
+        log.info("resuming round %d from %s", round_number, loaded.path)
+        return RestoredState(
+            round=round_number,
+            masters=dict(loaded.tensors["weights"]),
+            optimizer_state=dict(loaded.tensors.get("outer_state", {})),
+            specs={spec.name: spec for spec in specs},
+            live_workers=self.state.live_workers(),
+            fragment_rounds=[
+                int(r) for r in loaded.metadata.get("fragment_rounds", [round_number])
+            ],
+            published=dict(loaded.tensors["published"]) if "published" in loaded.tensors else None,
+            norm_history=None if record is None else record.norm_history,
+        )
+
+    def _check_settings(self, stored: dict) -> None:
+        current = self.settings.to_wire()
+        admin_lr = self.state.get_meta(OUTER_LR)
+        if admin_lr is not None and isinstance(stored.get("outer_optimizer"), dict):
+            # An admin changed the lr after this checkpoint: that change is the run's lr now.
+            stored = {**stored, "outer_optimizer": {**stored["outer_optimizer"], "lr": admin_lr}}
+        conflicts = [
+            f"{key}: {stored[key]!r} in the state dir, {current.get(key)!r} now"
+            for key in sorted(stored)
+            if stored[key] != current.get(key)
+        ]
+        fixed = [
+            key for key in ("mode", "fragments") if key in stored and stored[key] != current[key]
+        ]
+        if fixed:
+            raise ValueError(
+                "the state dir was written with "
+                + ", ".join(f"{key} {stored[key]!r}" for key in fixed)
+                + " and the server now has "
+                + ", ".join(f"{key} {current[key]!r}" for key in fixed)
+                + "; the outer optimizer state and the rounds cannot carry over (even with "
+                "--override-settings): use a new --state-dir"
+            )
+        if conflicts and not self.override_settings:
+            raise ValueError(
+                "the state dir was written with other settings ("
+                + "; ".join(conflicts)
+                + "); start with the same settings, or pass --override-settings"
+            )
+        for conflict in conflicts:
+            log.warning("overriding a stored setting: %s", conflict)
+        if conflicts:
+            with self.state.transaction():
+                self.state.set_meta("settings", self.settings.to_wire())
+                self.state.audit("settings_overridden", conflicts=conflicts)

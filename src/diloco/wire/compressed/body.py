@@ -1,0 +1,289 @@
+"""Compressed tensor bodies: a codec's parts as the entries of an ordinary safetensors frame.
+
+A compressed tensor NAME travels as up to three entries (docs/protocol.md, "Compressed
+bodies"): `NAME#codes` (U8: levels packed at the codec's bits, see wire/compressed/bitpack.py;
+or the F32 / BF16 values of an fp32 / bf16 value codec), `NAME#scales` (F32, one per block;
+int codecs only) and `NAME#indices` (U8: chunk-local indices packed at log2(chunk) bits;
+top-k only). Tensors sent exact (int and bool buffers, and any name the caller lists) keep
+their plain entry NAME.
+The header's `__metadata__` names the codec, so a receiver refuses a body coded otherwise
+before it reads a value. Because the body is an ordinary frame, the strict parser, the spool
+and the early header check all work on it unchanged.
+
+Sending: `encode_compressed` (a whole body) or `write_parts` (one tensor into its part slots).
+Receiving is two steps: `check_compressed_header` (wire/compressed/header.py) checks names,
+parts, dtypes and byte lengths against what the receiver expects, no value read; `read_span`
+(wire/compressed/values.py) then checks and unpacks one span of one tensor from its slices of
+the parts, so a server can decode piece by piece from a file. `decode_compressed` does both
+for a body in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping
+
+import torch
+
+from diloco.algorithm.codecs import (
+    Codec,
+    Layout,
+    decode,
+    decode_into,
+    encode,
+    max_abs,
+    piece_elements,
+)
+from diloco.wire.compressed.bitpack import pack
+from diloco.wire.compressed.header import (
+    CODES,
+    INDICES,
+    PARTS,
+    SCALES,
+    SEPARATOR,
+    CompressedEntry,
+    CompressedHeader,
+    Expected,
+    check_codec_metadata,
+    check_compressed_header,
+    codec_metadata,
+    is_compressed,
+    part_specs,
+)
+from diloco.wire.compressed.values import as_bytes, read_span
+from diloco.wire.format.checks import check_finite
+from diloco.wire.format.frames import decode_frame
+from diloco.wire.format.layout import FrameLayout
+
+# read(part, begin, end): the bytes [begin, end) of one part, counted from the part's first byte.
+PartReader = Callable[[str, int, int], torch.Tensor | bytes | bytearray | memoryview]
+
+__all__ = [
+    "CODES",
+    "INDICES",
+    "PARTS",
+    "SCALES",
+    "SEPARATOR",
+    "CompressedEntry",
+    "CompressedHeader",
+    "PartReader",
+    "apply_delta",
+    "check_codec_metadata",
+    "check_compressed_header",
+    "check_entry",
+    "codec_metadata",
+    "compressed_frame",
+    "decode_compressed",
+    "decode_entry",
+    "encode_compressed",
+    "fold_entry",
+    "is_compressed",
+    "part_specs",
+    "read_span",
+    "write_entry",
+    "write_parts",
+]
+
+
+# ------------------------------------------------------------------ sending
+
+
+def encode_compressed(
+    tensors: Mapping[str, torch.Tensor],
+    codec: Codec,
+    exact: Collection[str] = frozenset(),
+    *,
+    fold_into: Mapping[str, torch.Tensor] | None = None,
+    weight: float = 1.0,
+) -> bytearray:
+    """A safetensors body of `tensors`: floating ones not in `exact` coded by `codec` as parts,
+    the others as plain entries (their own dtype). The codec is in the header's metadata.
+    `fold_into` (name -> fp32 tensor): each gets weight * what its entry decodes to, as
+    `write_parts` does (error feedback: the residual loses what was sent)."""
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    buffer, views = compressed_frame(shapes, codec, exact)
+    folds = fold_into or {}
+    for name, tensor in tensors.items():
+        write_entry(views, name, tensor, codec, exact, fold_into=folds.get(name), weight=weight)
+    return buffer
+
+
+def compressed_frame(
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    codec: Codec,
+    exact: Collection[str] = frozenset(),
+) -> tuple[bytearray, dict[str, torch.Tensor]]:
+    """An empty body for tensors of `shapes` (name -> (shape, dtype)), its header written, and
+    the views of its entries: fill it one tensor at a time with `write_entry`, so that a
+    sender never needs every tensor to send at once (a server's deltas, one at a time)."""
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, dtype) in shapes.items():
+        if is_compressed(name, dtype, exact):
+            for part, spec in part_specs(math.prod(shape), codec).items():
+                entries[f"{name}{SEPARATOR}{part}"] = spec
+        else:
+            entries[name] = (tuple(shape), dtype)
+    layout = FrameLayout.plan(entries, metadata=codec_metadata(codec))
+    buffer = bytearray(layout.size)
+    body = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
+    layout.write_header(body)
+    return buffer, layout.views(body)
+
+
+def write_entry(
+    views: Mapping[str, torch.Tensor],
+    name: str,
+    tensor: torch.Tensor,
+    codec: Codec,
+    exact: Collection[str] = frozenset(),
+    *,
+    fold_into: torch.Tensor | None = None,
+    weight: float = 1.0,
+) -> None:
+    """Write `tensor` into its entries of a `compressed_frame` body: coded parts, or plain
+    (`fold_into`: see `write_parts`; coded entries only)."""
+    if is_compressed(name, tensor.dtype, exact):
+        parts = {part: views.get(f"{name}{SEPARATOR}{part}") for part in PARTS}
+        write_parts(tensor, codec, parts, fold_into=fold_into, weight=weight)
+    elif tensor.numel():
+        views[name].copy_(tensor.detach())
+
+
+def write_parts(
+    x: torch.Tensor,
+    codec: Codec,
+    parts: Mapping[str, torch.Tensor | None],
+    *,
+    fold_into: torch.Tensor | None = None,
+    weight: float = 1.0,
+) -> None:
+    """Code `x` into `parts` (1-D tensors of the shapes and dtypes of `part_specs`), piece by
+    piece, so that no full-size temporary is made.
+
+    `fold_into` (contiguous fp32, x's size; may be x itself): += weight * each piece's decoded
+    values, with the very `decode_into` of each piece that a receiver's `fold_entry` runs on
+    the same span, so a sender's copy moves bit for bit as a receiver's does, without reading
+    the body back (the server's published weights; a worker's error-feedback residual)."""
+    flat = x.detach().reshape(-1)
+    codes = parts[CODES]
+    assert codes is not None
+    folded = fold_into.view(-1) if fold_into is not None else None
+    if not codec.is_quantized and not codec.is_sparse:
+        codes.copy_(flat)  # fp32 / bf16: one (casting) copy
+        if folded is not None:
+            folded.add_(codes.float(), alpha=weight)
+        return
+    scales, indices = parts.get(SCALES), parts.get(INDICES)
+    for span in Layout(flat.numel(), codec).spans(piece_elements(flat.device)):
+        piece = encode(flat[span.start : span.stop], codec)
+        if folded is not None:
+            decode_into(piece, codec, folded[span.start : span.stop], weight)
+        if codec.is_quantized:
+            assert scales is not None and piece.scales is not None
+            pack(piece.codes, codec.bits, out=codes[slice(*span.code_bytes)])
+            scales[slice(*span.blocks)].copy_(piece.scales)
+        else:
+            codes[slice(*span.values)].copy_(piece.codes)
+        if codec.is_sparse:
+            assert indices is not None and piece.indices is not None
+            pack(piece.indices, codec.index_bits, out=indices[slice(*span.index_bytes)])
+
+
+# ------------------------------------------------------------------ receiving a body in memory
+
+
+def decode_compressed(
+    buffer: bytes | bytearray | memoryview,
+    expected: Expected,
+    codec: Codec,
+    *,
+    exact: Collection[str] = frozenset(),
+    require_all: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Check and decode a compressed body in memory: compressed tensors come back as fp32 of
+    their expected shape, plain ones as views of `buffer` (floating ones checked finite).
+    Everything is checked before anything is returned; WireError(422) otherwise."""
+    tensors, metadata = decode_frame(buffer)
+    header = check_compressed_header(
+        tensors, metadata, expected, codec, exact=exact, require_all=require_all
+    )
+    result: dict[str, torch.Tensor] = {}
+    for name, entry in header.compressed.items():
+        part_bytes = {part: as_bytes(tensor) for part, tensor in entry.parts.items()}
+        result[name] = decode_entry(
+            entry, lambda part, begin, end, raw=part_bytes: raw[part][begin:end]
+        )
+    for name, tensor in header.plain.items():
+        check_finite(name, tensor)
+        result[name] = tensor
+    return {name: result[name] for name in expected if name in result}
+
+
+def apply_delta(
+    buffer: bytes | bytearray | memoryview,
+    targets: Mapping[str, torch.Tensor],
+    codec: Codec,
+    *,
+    exact: Collection[str] = frozenset(),
+) -> None:
+    """Apply a delta body to `targets` (name -> tensor, updated in place): every coded tensor
+    is added (target += D(parts), span by span with `fold_entry`), every plain one replaces
+    its target. The body must name exactly the targets. Everything is checked before any
+    target changes (WireError 422), so a refused body leaves the targets as they were.
+
+    A server and its workers both move their copies of the published weights with this one
+    function: the same fp32 additions in the same order, hence bit-identical copies."""
+    tensors, metadata = decode_frame(buffer)
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in targets.items()}
+    header = check_compressed_header(tensors, metadata, expected, codec, exact=exact)
+    readers = {}
+    for name, entry in header.compressed.items():
+        part_bytes = {part: as_bytes(tensor) for part, tensor in entry.parts.items()}
+        readers[name] = lambda part, begin, end, raw=part_bytes: raw[part][begin:end]
+        check_entry(entry, readers[name])
+    for name, tensor in header.plain.items():
+        if tensor.is_floating_point():
+            check_finite(name, tensor)
+    for name, entry in header.compressed.items():
+        fold_entry(entry, readers[name], targets[name])
+    for name, tensor in header.plain.items():
+        targets[name].copy_(tensor)
+
+
+def decode_entry(entry: CompressedEntry, read: PartReader) -> torch.Tensor:
+    """The fp32 tensor of `entry`, span by span: `read(part, begin, end)` gives the bytes
+    [begin, end) of a part (from the part's first byte)."""
+    codec = entry.layout.codec
+    out = torch.empty(entry.shape, dtype=torch.float32)
+    flat = out.view(-1)
+    for span in entry.layout.spans(piece_elements(flat.device)):
+        ranges = entry.part_ranges(span)
+        parts = {part: read(part, begin, end) for part, (begin, end) in ranges.items()}
+        decode(read_span(entry, span, parts), codec, out=flat[span.start : span.stop])
+    return out
+
+
+def check_entry(entry: CompressedEntry, read: PartReader) -> float:
+    """Check every span of `entry` (as `read_span` does) without decoding it; returns a bound
+    of every decoded magnitude (codecs.max_abs), for an overflow check before folding."""
+    bound = 0.0
+    for span in entry.layout.spans(piece_elements(torch.device("cpu"))):
+        parts = {part: read(part, *where) for part, where in entry.part_ranges(span).items()}
+        bound = max(bound, max_abs(read_span(entry, span, parts), entry.layout.codec))
+    return bound
+
+
+def fold_entry(
+    entry: CompressedEntry, read: PartReader, target: torch.Tensor, weight: float = 1.0
+) -> None:
+    """target += weight * the decoded tensor, span by span, each span checked before it is
+    added (`target`: contiguous fp32 of the tensor's size, any shape). A refusal part way
+    leaves the spans before it added: run `check_entry` first unless `target` is scratch."""
+    codec = entry.layout.codec
+    flat = target.view(-1)
+    for span in entry.layout.spans(piece_elements(flat.device)):
+        parts = {part: read(part, *where) for part, where in entry.part_ranges(span).items()}
+        decode_into(read_span(entry, span, parts), codec, flat[span.start : span.stop], weight)

@@ -1,0 +1,135 @@
+"""A compressed body read back as decoded fp32 pieces, span by span: never decoded whole.
+
+A server folds a compressed pseudo-gradient as it folds a spooled plain one (a `PieceBody`),
+a piece at a time, from its spool file or from the request's buffer. A piece is one span of
+one tensor (`Layout.spans`, about a MiB of elements): the span's byte ranges of the tensor's
+parts are read (one pread each from a file), checked by `read_span` (scales, levels, values,
+indices, padding bits: 422 malformed_compressed naming the tensor and the part) and decoded
+into one reused fp32 buffer. So:
+- memory is a few MiB per upload, whatever the model's size (no model-sized temporary);
+- the first contribution of a round can be checked while it is folded, in one read, and a
+  refusal half way changes nothing, exactly as for a plain spooled body;
+- the bound that keeps the round's fp32 sums finite (sum_overflow) comes from the span's
+  scales (`codecs.max_abs`), with no extra pass over the decoded values.
+Tensors sent exact (buffers, frozen tensors) are plain entries, read like a plain body's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from diloco.algorithm.codecs import Span, decode, max_abs, piece_elements
+from diloco.algorithm.tensors import finite_bound
+from diloco.wire.compressed.header import CompressedEntry, CompressedHeader
+from diloco.wire.compressed.values import as_bytes, read_span
+from diloco.wire.format.spool import PieceBody, SpooledTensors
+
+Bytes = torch.Tensor | memoryview
+
+
+class CompressedPieces(PieceBody):
+    """The decoded pieces of a compressed body whose header passed `check_compressed_header`.
+
+    Build it with `spooled` (the parts are header entries of a file) or `in_memory` (the parts
+    are tensors viewing the request's buffer). Nothing is read before `pieces()`.
+    """
+
+    def __init__(self, header: CompressedHeader, source: SpooledTensors | None) -> None:
+        self.header = header
+        self.source = source
+        self.largest: str | None = None
+        self._scratch: dict[str, bytearray] = {}  # one read buffer per part, reused
+        self._out = torch.empty(0, dtype=torch.float32)  # one decoded span, reused
+
+    @classmethod
+    def spooled(cls, header: CompressedHeader, spooled: SpooledTensors) -> CompressedPieces:
+        """`header` checked on `spooled.entries`; the file is read span by span."""
+        return cls(header, spooled)
+
+    @classmethod
+    def in_memory(cls, header: CompressedHeader) -> CompressedPieces:
+        """`header` checked on the tensors of a body in memory (views of its buffer)."""
+        return cls(header, None)
+
+    @property
+    def nbytes(self) -> int:
+        if self.source is not None:
+            return self.source.nbytes
+        entries = [*self.header.plain.values()]
+        entries += [part for e in self.header.compressed.values() for part in e.parts.values()]
+        return sum(math.prod(entry.shape) * entry.dtype.itemsize for entry in entries)
+
+    @property
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Compressed tensors as fp32 of their shape (what they decode to), plain ones as
+        sent."""
+        shapes = {
+            name: torch.empty(e.shape, dtype=torch.float32, device="meta")
+            for name, e in self.header.compressed.items()
+        }
+        for name, entry in self.header.plain.items():
+            shapes[name] = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        return shapes
+
+    def bounded_pieces(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
+        """Plain entries first (bounded by a scan of their values), then each compressed
+        tensor span by span (bounded by `max_abs`, its values being checked finite)."""
+        if self.source is not None:
+            if self.source.closed:
+                raise ValueError("the spooled body was closed")
+            for name, first, piece in self.source.pieces(names=list(self.header.plain)):
+                yield name, first, piece, finite_bound(piece)
+        else:
+            for name, tensor in self.header.plain.items():
+                flat = tensor.reshape(-1)
+                yield name, 0, flat, finite_bound(flat)
+        for name, entry in self.header.compressed.items():
+            codec = entry.layout.codec
+            for span in entry.layout.spans(piece_elements(torch.device("cpu"))):
+                encoded = read_span(entry, span, self._span_parts(entry, span))
+                out = self._piece(span.numel)
+                decode(encoded, codec, out=out)
+                yield name, span.start, out, max_abs(encoded, codec)
+
+    def _span_parts(self, entry: CompressedEntry, span: Span) -> dict[str, Bytes]:
+        """The span's bytes of each part: read from the file, or sliced from memory."""
+        if self.source is None:
+            return {
+                part: as_bytes(entry.parts[part])[begin:end]
+                for part, (begin, end) in entry.part_ranges(span).items()
+            }
+        parts: dict[str, Bytes] = {}
+        for part, (begin, end) in entry.data_ranges(span).items():
+            view = self._buffer(part, end - begin)
+            self.source.read_into(begin, view)
+            parts[part] = view
+        return parts
+
+    def _buffer(self, part: str, nbytes: int) -> memoryview:
+        """`nbytes` of the part's read buffer; a larger one replaces it (never resized in
+        place: the last span's tensors may still view it)."""
+        buffer = self._scratch.get(part)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._scratch[part] = bytearray(nbytes)
+        return memoryview(buffer)[:nbytes]
+
+    def _piece(self, numel: int) -> torch.Tensor:
+        if self._out.numel() < numel:
+            self._out = torch.empty(numel, dtype=torch.float32)
+        return self._out[:numel]
+
+    def close(self) -> None:
+        """The file goes back with its spooled body (whoever closes that first). Idempotent."""
+        if self.source is not None:
+            self.source.close()
+
+    def hold(self) -> None:
+        if self.source is not None:
+            self.source.hold()
+
+    def release(self) -> None:
+        if self.source is not None:
+            self.source.release()

@@ -1,0 +1,320 @@
+"""Tensor bodies parked on disk, so the server's memory does not grow with concurrent uploads.
+
+The server keeps at most a few bodies in RAM; any other upload is written to an unlinked
+temporary file as it arrives and read back a few MiB at a time, first to check every value
+(NaN/Inf, bool bytes) and then to fold it into the round's running sum. Names, shapes and dtypes
+come from the header, so they are checked before any value is read.
+
+The files are kept for the next uploads (`SpoolFiles`): writing over a file's cached pages
+costs half of what filling a new file does, and closing a file of 100 MB frees its page cache
+synchronously (about 15 ms, on the event loop) every time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Collection, Iterator
+from typing import BinaryIO
+
+import torch
+
+from diloco.algorithm.tensors import finite_bound
+from diloco.wire.errors import WireError
+from diloco.wire.format.body import check_length
+from diloco.wire.format.early_header import EarlyHeader, HeaderCheck, meta_tensors
+from diloco.wire.format.frames import _Entry, _malformed
+
+PIECE_BYTES = 2 * 1024 * 1024
+SPOOL_FILES_KEPT = 4
+
+
+class SpoolFiles:
+    """Unlinked temporary files in `directory`, up to `keep` of them kept between uploads.
+
+    A kept file holds the bytes of its largest upload on disk and in the page cache (which the
+    kernel may reclaim once they are written back), so what is kept is bounded by `keep` times
+    the body size limit.
+    """
+
+    def __init__(self, directory: str | None = None, keep: int = SPOOL_FILES_KEPT) -> None:
+        self.directory = directory
+        self.keep = keep
+        self._idle: list[BinaryIO] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> BinaryIO:
+        with self._lock:
+            file = self._idle.pop() if self._idle else None
+        if file is None:
+            return tempfile.TemporaryFile(dir=self.directory)
+        file.seek(0)
+        return file
+
+    def give_back(self, file: BinaryIO) -> None:
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(file)
+                return
+        file.close()
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+
+class PieceBody:
+    """A tensor body the server reads a piece at a time, in bounded memory, never whole: a
+    spooled file (`SpooledTensors`) or a compressed body decoded span by span
+    (wire/compressed/pieces.py). The intake and the fold use only this interface, so every
+    such body is scanned, checked and folded the same way.
+    """
+
+    largest: str | None = None  # after check_values: the tensor of the largest value
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its data section (what it brought over the network, less the header)."""
+        raise NotImplementedError
+
+    @property
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Shape-and-dtype stand-ins (no storage) of the tensors its pieces cover."""
+        raise NotImplementedError
+
+    def pieces(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(name, first element, 1-D piece) covering every tensor of `meta` once. A piece is
+        only valid until the next one is read: use it, don't keep it."""
+        for name, first, piece, _ in self.bounded_pieces():
+            yield name, first, piece
+
+    def bounded_pieces(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
+        """`pieces()`, each with a bound of its magnitudes (None: it holds NaN or Inf)."""
+        for name, first, piece in self.pieces():
+            yield name, first, piece, finite_bound(piece)
+
+    def checked_pieces(self, limit: float | None = None) -> CheckedPieces:
+        """`pieces()`, each checked (NaN/Inf: WireError 422) before it is handed on; once they
+        are all read, `.bound` bounds every value's magnitude. For a reader that checks and
+        folds in one read of the file, where a refusal half way costs nothing. `limit`: the
+        largest magnitude allowed (see CheckedPieces)."""
+        return CheckedPieces(self, limit)
+
+    def check_values(self) -> float:
+        """WireError(422) for a value that is refused (NaN or Inf anywhere, a bool byte that
+        is not 0 or 1, a malformed compressed part).
+
+        Returns an upper bound of every value's magnitude, found in the same pass, so that a
+        running sum of checked bodies can be known finite; `largest` then names the tensor
+        that sets it.
+        """
+        checked = self.checked_pieces()
+        for _ in checked:
+            pass
+        self.largest = checked.largest
+        return checked.bound
+
+    def close(self) -> None:
+        """Done with the body. Idempotent."""
+
+    def hold(self) -> None:
+        """Someone keeps the body past the request that brought it (a round that folds it
+        when it commits): `close()` then leaves it open, and `release()` closes it."""
+
+    def release(self) -> None:
+        """The holder is done: close the body for good."""
+        self.close()
+
+
+class SpooledTensors(PieceBody):
+    """A safetensors body in a temporary file; `pieces()` reads it back in bounded memory.
+
+    The file may be longer than the body (a kept file from a larger upload): only the first
+    `size` bytes are ever read.
+    """
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        size: int,
+        data_start: int,
+        entries: dict[str, _Entry],
+        files: SpoolFiles,
+        metadata: dict[str, str] | None = None,
+    ):
+        self.file = file
+        self.size = size
+        self.data_start = data_start
+        self.entries = entries
+        self.metadata = dict(metadata or {})  # the header's __metadata__ (a codec's, say)
+        self._files = files
+        self.closed = False
+        self.held = False  # see hold()
+        self.largest: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.size - self.data_start
+
+    @property
+    def meta(self) -> dict[str, torch.Tensor]:
+        return meta_tensors(self.entries)
+
+    def pieces(
+        self, piece_bytes: int = PIECE_BYTES, names: Collection[str] | None = None
+    ) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(name, first element, 1-D piece) in file order, read into one reused buffer; only
+        the entries in `names` when given.
+
+        A piece is only valid until the next one is read: use it, don't keep it.
+        """
+        if self.closed:
+            raise ValueError("the spooled body was closed")
+        buffer = bytearray(piece_bytes)
+        view = memoryview(buffer)
+        descriptor = self.file.fileno()
+        chosen = self.entries.values() if names is None else (self.entries[n] for n in names)
+        for entry in sorted(chosen, key=lambda e: e.begin):
+            itemsize = entry.dtype.itemsize
+            numel = math.prod(entry.shape)
+            step = max(1, piece_bytes // itemsize)
+            for first in range(0, numel, step):
+                count = min(step, numel - first)
+                nbytes = count * itemsize
+                offset = self.data_start + entry.begin + first * itemsize
+                got = os.preadv(descriptor, [view[:nbytes]], offset)
+                if got != nbytes:
+                    raise OSError(f"spool file ended early at tensor {entry.name!r}")
+                piece = torch.frombuffer(buffer, dtype=entry.dtype, count=count)
+                if entry.dtype == torch.bool and bool((piece.view(torch.uint8) > 1).any()):
+                    raise _malformed(
+                        f"tensor {entry.name!r} is bool but holds bytes other than 0 and 1",
+                        tensor=entry.name,
+                    )
+                yield entry.name, first, piece
+
+    def read_into(self, begin: int, view: memoryview) -> None:
+        """Fill `view` with the data section's bytes from `begin` on (a compressed part's span,
+        say)."""
+        if self.closed:
+            raise ValueError("the spooled body was closed")
+        if not len(view):
+            return
+        if os.preadv(self.file.fileno(), [view], self.data_start + begin) != len(view):
+            raise OSError(f"spool file ended early (bytes {begin}+ of the data section)")
+
+    def close(self) -> None:
+        """Done with the body: its file goes back to its `SpoolFiles` (unless it is held).
+        Idempotent."""
+        if self.closed or self.held:
+            return
+        self.closed = True
+        self._files.give_back(self.file)
+
+    def hold(self) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        self.close()
+
+
+class CheckedPieces:
+    """The pieces of a body, each scanned before it is yielded (see checked_pieces).
+
+    `largest` names the tensor whose piece set `bound`. With `limit`, a piece whose values
+    may exceed it is refused (422 sum_overflow): folded, it could overflow the round's sum.
+    """
+
+    def __init__(self, spooled: PieceBody, limit: float | None = None) -> None:
+        self.spooled = spooled
+        self.bound = 0.0
+        self.largest: str | None = None
+        self.limit = limit
+
+    def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        for name, first, piece, piece_bound in self.spooled.bounded_pieces():
+            if piece_bound is None:
+                bad = int((~torch.isfinite(piece)).sum())
+                raise WireError(
+                    422,
+                    "non_finite",
+                    f"tensor {name!r} holds NaN or Inf values ({bad} in elements {first} to "
+                    f"{first + piece.numel() - 1})",
+                    tensor=name,
+                    count=bad,
+                )
+            if piece_bound > self.bound or self.largest is None:
+                self.bound, self.largest = max(self.bound, piece_bound), name
+            if self.limit is not None and piece_bound > self.limit:
+                raise sum_overflow(name, piece_bound, self.limit)
+            yield name, first, piece
+
+
+def sum_overflow(name: str, bound: float, limit: float) -> WireError:
+    """422 for values that, weighted and added to a round's fp32 sum, could overflow it."""
+    return WireError(
+        422,
+        "sum_overflow",
+        f"tensor {name!r} holds values up to {bound:.3g}; weighted and added to the round's "
+        f"fp32 sum they could overflow it (at most {max(limit, 0.0):.3g} fits now)",
+        tensor=name,
+        bound=bound,
+        limit=max(limit, 0.0),
+    )
+
+
+async def spool_body(
+    chunks: AsyncIterator[bytes],
+    content_length: int | None,
+    max_bytes: int,
+    directory: str | None = None,
+    files: SpoolFiles | None = None,
+    check_header: HeaderCheck | None = None,
+) -> SpooledTensors:
+    """Write exactly `content_length` bytes to an unlinked temporary file and parse its header.
+
+    Same 411/413/422 rules as `read_body`. The file comes from `files` and goes back there when
+    the result is closed (on a refusal too); without `files` it is a new file in `directory`,
+    which disappears when the result is closed or garbage-collected. The header is parsed, and
+    `check_header` run on its entries, as soon as it has arrived: a refusal then comes before
+    the rest of the body is read.
+    """
+    check_length(content_length, max_bytes)
+    assert content_length is not None
+    files = files or SpoolFiles(directory, keep=0)  # keep=0: a file is closed when given back
+    file = files.take()
+    early = EarlyHeader(content_length, check_header)
+    try:
+        written = 0
+        async for chunk in chunks:
+            if not chunk:
+                continue
+            written += len(chunk)
+            if written > content_length:
+                raise WireError(
+                    422,
+                    "invalid_request",
+                    f"the body is longer than its Content-Length of {content_length} bytes",
+                    content_length=content_length,
+                    received_at_least=written,
+                )
+            file.write(chunk)
+            if not early.done:
+                await early.feed(chunk)
+        if written < content_length:
+            raise WireError(
+                422,
+                "invalid_request",
+                f"the body ended after {written} of {content_length} bytes",
+                content_length=content_length,
+                received=written,
+            )
+        file.flush()
+        data_start, entries, metadata = await early.finish()
+        return SpooledTensors(file, content_length, data_start, entries, files, metadata)
+    except BaseException:
+        files.give_back(file)
+        raise

@@ -1,0 +1,1 @@
+"""Which samples a worker trains: leased work units, their record, token counts."""

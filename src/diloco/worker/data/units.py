@@ -1,0 +1,72 @@
+"""The work units a worker reports with its pseudo-gradients (server-dispatched data).
+
+A unit counts as trained only when the round that carries it commits, so the units a data
+source has finished travel with the next submission, and the unit under way goes as a
+prefix (`ID:COUNT`). Without a server-dispatched source there is nothing to report.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
+
+
+class ReportsUnits(Protocol):
+    """A data source of server-leased work units
+    (diloco.worker.data.leased_sampler.LeasedSampler)."""
+
+    def finished_units(self) -> list[int]: ...
+
+    def reported(self, units: list[int]) -> None: ...
+
+    def forget(self, units: list[int]) -> None: ...
+
+
+class UnitReports:
+    """What of `source` (None: a loop with its own data) goes with the next submission."""
+
+    def __init__(self, source: ReportsUnits | None = None) -> None:
+        self.source = source
+
+    def finished(self) -> list[int]:
+        """Every unit finished and not yet reported."""
+        return [] if self.source is None else list(self.source.finished_units())
+
+    def to_report(self) -> list[int]:
+        """Units finished since the last submission, at most what one submission may carry;
+        the rest stay finished and go with the next."""
+        if self.source is None:
+            return []
+        return self.source.finished_units()[:MAX_UNITS_PER_SUBMISSION]
+
+    def progress(self) -> dict[int, int]:
+        """The unit under way and the samples of it trained (a source that tracks them)."""
+        progress = getattr(self.source, "progress", None)
+        return progress() if callable(progress) else {}
+
+    def reported(self, units: list[int]) -> None:
+        """`units` went with a submission the server took: the source drops them."""
+        if self.source is not None:
+            self.source.reported(units)
+
+    def forget(self, units: list[int]) -> None:
+        """`units` are no longer ours (an eviction gave our leases to others)."""
+        if self.source is not None:
+            self.source.forget(units)
+
+    def round_started(self) -> None:
+        """A round begins: a source that keeps its position at round starts takes it."""
+        started = getattr(self.source, "round_started", None)
+        if callable(started):
+            started()
+
+    def drain_trace(self) -> list[tuple[int, int]] | None:
+        """The samples handed out since the last call, from a traced source; else None."""
+        drain = getattr(self.source, "drain_trace", None)
+        return drain() if callable(drain) else None
+
+    def state(self) -> dict[str, Any] | None:
+        """The source's position, for the worker's checkpoint (None if it has none)."""
+        state_dict = getattr(self.source, "state_dict", None)
+        return state_dict() if callable(state_dict) else None

@@ -1,0 +1,423 @@
+"""The worker's HTTP transport: one urllib3 pool, retries with backoff, byte counters.
+
+It moves bytes and knows no route: a request goes out until it gets an answer that retrying
+cannot change. Transport failures, 429, 502, 503 and 504 (the server's own `barrier_timeout`
+included) are retried under a RetryPolicy, re-sending the very same body: the server
+deduplicates by (worker, round, fragment), so a resubmission is safe and a worker never loses
+its progress to a dropped connection. What the routes mean is `client.py`'s job.
+
+urllib3 is used because it uploads a bytes body and streams a download at loopback speed
+(docs: DESIGN.md); bodies go out as one buffer and come back into one preallocated buffer.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+import urllib3
+from urllib3.exceptions import ProtocolError, ProxyError
+from urllib3.exceptions import TimeoutError as Urllib3Timeout
+
+from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
+from diloco.worker.errors import (
+    AuthError,
+    ClientClosed,
+    ServerError,
+    ServerUnavailable,
+    UntrustedCertificate,
+)
+from diloco.worker.net.auth import BearerAuth
+from diloco.worker.net.ratelimit import SLICE_BYTES, UploadLimiter
+from diloco.worker.net.retry import RetryPolicy
+from diloco.worker.net.tls import certificate_problem, check_ca_file
+
+Body = bytes | bytearray | memoryview
+OnRetry = Callable[[str, BaseException | int, float], None]
+
+RETRIED_STATUSES = frozenset({429, 502, 503, 504})
+# Failures of the connection itself; anything else (a TLS certificate error, a bad URL) will
+# not heal by waiting, so it ends the call at once.
+_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    ProtocolError,
+    Urllib3Timeout,
+    ProxyError,
+    http.client.HTTPException,
+    ConnectionError,
+    TimeoutError,
+)
+_READ_CHUNK = 4 * 1024 * 1024
+_AUTH_TRIES = 2  # 401 to a credential: the same call again with the enrollment token, once
+
+
+@dataclass(frozen=True)
+class ClientStats:
+    """A snapshot of the client's counters, for the worker's --json report.
+
+    Bytes count request and response bodies (JSON included, headers not) of every attempt
+    that got an answer. `blocked_seconds` is wall time inside client calls, retries and
+    backoff sleeps included, from every thread; `blocked_by_operation` splits it per method
+    so a worker can leave out the background heartbeat.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    blocked_seconds: float = 0.0
+    retries: int = 0
+    blocked_by_operation: dict[str, float] = field(default_factory=dict)
+    largest_upload: int = 0  # the biggest pseudo-gradient sent: what one sync moves at once
+
+
+class _Counters:
+    """Counters shared by the training thread and the heartbeat thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = ClientStats()
+
+    def add(
+        self,
+        *,
+        sent: int = 0,
+        received: int = 0,
+        retries: int = 0,
+        operation: str | None = None,
+        blocked: float = 0.0,
+        upload: int = 0,
+    ) -> None:
+        with self._lock:
+            s = self._stats
+            by_operation = s.blocked_by_operation
+            if operation is not None:
+                by_operation = dict(by_operation)
+                by_operation[operation] = by_operation.get(operation, 0.0) + blocked
+            self._stats = ClientStats(
+                bytes_sent=s.bytes_sent + sent,
+                bytes_received=s.bytes_received + received,
+                blocked_seconds=s.blocked_seconds + blocked,
+                retries=s.retries + retries,
+                blocked_by_operation=by_operation,
+                largest_upload=max(s.largest_upload, upload),
+            )
+
+    def snapshot(self) -> ClientStats:
+        with self._lock:
+            return self._stats
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One complete HTTP answer: its body is already read in full."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytearray
+    url: str
+
+
+def split_base_url(base_url: str) -> tuple[str, str]:
+    """Return (origin, path prefix) of an http(s) base URL, or raise ValueError."""
+    if not isinstance(base_url, str):
+        raise ValueError(f"base_url must be a string, got {base_url!r}")
+    parts = urlsplit(base_url.strip())
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    if not parts.hostname:
+        raise ValueError(f"base_url has no host: {base_url!r}")
+    if parts.username or parts.password:
+        raise ValueError(f"base_url must not carry credentials; pass token= instead: {base_url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"base_url must not have a query or fragment: {base_url!r}")
+    try:
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise ValueError(f"base_url has a bad port: {base_url!r}") from exc
+    return f"{parts.scheme.lower()}://{parts.netloc}", parts.path.rstrip("/")
+
+
+def read_body(response: urllib3.BaseHTTPResponse, into: bytearray | None = None) -> bytearray:
+    """Read a streamed body into one buffer, preallocated when Content-Length is known.
+
+    `into` is used instead of a new buffer when it has exactly Content-Length bytes: a worker
+    that downloads the weights every round then writes them over the same memory rather than
+    page-faulting a fresh model-sized buffer in each time.
+    """
+    length = response.headers.get("Content-Length")
+    if length is None:
+        buffer = bytearray()
+        for chunk in response.stream(_READ_CHUNK):
+            buffer += chunk
+        return buffer
+    size = int(length)
+    buffer = into if into is not None and len(into) == size else bytearray(size)
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        got = response.readinto(view[done : done + _READ_CHUNK])
+        if got == 0:
+            raise ProtocolError(f"connection closed after {done} of {size} body bytes")
+        done += got
+    return buffer
+
+
+def server_error(reply: Reply) -> ServerError:
+    """Build the protocol's error from a rejection, tolerating bodies that are not JSON."""
+    try:
+        payload = json.loads(reply.body)
+    except ValueError:
+        payload = None
+    error_class = AuthError if reply.status == 401 else ServerError
+    if isinstance(payload, dict) and isinstance(payload.get("kind"), str):
+        return error_class(
+            reply.status,
+            payload["kind"],
+            str(payload.get("error", "")),
+            payload.get("detail"),
+            url=reply.url,
+        )
+    text = bytes(reply.body[:200]).decode("utf-8", "replace").strip()
+    reason = http.client.responses.get(reply.status, "")
+    return error_class(reply.status, f"http_{reply.status}", text or reason, None, url=reply.url)
+
+
+def success(reply: Reply) -> Reply:
+    """The reply itself if it is a 2xx, else its ServerError raised."""
+    if 200 <= reply.status < 300:
+        return reply
+    raise server_error(reply)
+
+
+def _retry_after(reply: Reply) -> float | None:
+    """Seconds from a numeric Retry-After header, if the server sent one."""
+    try:
+        seconds = float(reply.headers.get("Retry-After", ""))
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def request_headers() -> dict[str, str]:
+    """The headers every request carries: the protocol version (the credential is added per
+    attempt by `Transport.call`, from its `BearerAuth`)."""
+    return {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
+
+
+def connection_pool(ca_file: str | os.PathLike[str] | None = None) -> urllib3.PoolManager:
+    """The pool every request of one client goes through; `ca_file` (PEM) is what an https://
+    server's certificate must chain to (else the system's).
+
+    Two threads use a client at once (training and a streaming sync); a few spare connections
+    cost nothing. urllib3's own retries and redirects are off: `Transport.call` decides.
+    """
+    if ca_file is not None:
+        check_ca_file(ca_file)
+    tls = {} if ca_file is None else {"ca_certs": os.fspath(ca_file)}
+    return urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False, **tls)
+
+
+class Transport:
+    """Requests to one server with retries, timeouts and byte counters; safe between threads.
+
+    `close()`, from any thread, also wakes a call that is sleeping between retries; it then
+    raises ClientClosed. `sleep`, `clock` and `rng` are for tests.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 300.0,
+        retry: RetryPolicy = RetryPolicy(),  # noqa: B008 -- frozen, so sharing it is safe
+        on_retry: OnRetry | None = None,
+        sleep: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        max_upload_mbps: float | None = None,
+        auth: BearerAuth | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """`max_upload_mbps` paces tensor uploads to that many megabits per second.
+
+        `token` is the enrollment token (None: $DILOCO_TOKEN, if set); `auth` shares another
+        client's secrets instead (the worker's heartbeat client). `ca_file`: PEM certificates
+        that an https:// server's certificate must chain to (else the system's).
+        """
+        if auth is not None and token is not None:
+            raise ValueError("give token or auth, not both")
+        self.auth = auth if auth is not None else BearerAuth(token)
+        self._origin, self._prefix = split_base_url(base_url)
+        self._limiter = (
+            UploadLimiter.from_mbps(max_upload_mbps) if max_upload_mbps is not None else None
+        )
+        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+        self._headers = request_headers()
+        self.base_url = self._origin + self._prefix
+        self.retry = retry
+        self.read_timeout = float(read_timeout)
+        self._connect_timeout = float(connect_timeout)
+        self._on_retry = on_retry
+        self._closed = threading.Event()
+        self._sleep = sleep if sleep is not None else self._closed.wait
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._rng_lock = threading.Lock()
+        self._counters = _Counters()
+        self._pool = connection_pool(ca_file)
+
+    @property
+    def stats(self) -> ClientStats:
+        """A consistent snapshot of every counter at once."""
+        return self._counters.snapshot()
+
+    def count_upload(self, nbytes: int) -> None:
+        """A pseudo-gradient of `nbytes` went out (the largest is reported)."""
+        self._counters.add(upload=nbytes)
+
+    def close(self) -> None:
+        """Close the connections; a call sleeping between retries wakes and raises."""
+        self._closed.set()
+        self._pool.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def call(
+        self,
+        operation: str,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: Body | None = None,
+        content_type: str | None = None,
+        read_timeout: float | None = None,
+        into: bytearray | None = None,
+    ) -> Reply:
+        """Send one request until it gets an answer that retrying cannot change.
+
+        Returns any answer but 401 (AuthError) and the retried statuses; raises
+        ServerUnavailable once the RetryPolicy is spent, ClientClosed after close().
+        """
+        self._check_open()
+        url = self._url(path, query)
+        headers = dict(self._headers)
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        timeout = urllib3.Timeout(
+            connect=self._connect_timeout,
+            read=self.read_timeout if read_timeout is None else read_timeout,
+        )
+        with self._rng_lock:
+            rng = random.Random(self._rng.getrandbits(64))
+        delays = self.retry.delays(rng)
+        started = self._clock()
+        attempts = 0
+        auth_tries = 0
+        try:
+            while True:
+                attempts += 1
+                retry_after = None
+                secret = self.auth.secret()
+                if secret:
+                    headers["Authorization"] = f"Bearer {secret}"
+                else:
+                    headers.pop("Authorization", None)
+                try:
+                    reply = self._attempt(method, url, body, headers, timeout, into)
+                except _TRANSIENT_ERRORS as exc:
+                    cause: BaseException = exc
+                    signal: BaseException | int = exc
+                except urllib3.exceptions.SSLError as exc:
+                    why = certificate_problem(exc)
+                    if why is not None:
+                        raise UntrustedCertificate(url, exc, attempts=attempts, why=why) from None
+                    reason = f"TLS handshake failed; is the server serving https? ({exc})"
+                    raise ServerUnavailable(url, exc, attempts=attempts, reason=reason) from None
+                except urllib3.exceptions.HTTPError as exc:
+                    raise ServerUnavailable(url, exc, attempts=attempts, reason="fatal") from exc
+                else:
+                    if reply.status == 401:
+                        auth_tries += 1
+                        if auth_tries < _AUTH_TRIES and self.auth.refused(secret):
+                            continue  # at once, with the secret that replaces the refused one
+                        raise server_error(reply)
+                    if reply.status not in RETRIED_STATUSES:
+                        return reply
+                    cause, signal = server_error(reply), reply.status
+                    retry_after = _retry_after(reply)
+                delay = next(delays, None)
+                if delay is None:
+                    raise ServerUnavailable(
+                        url, cause, attempts=attempts, reason="retries exhausted"
+                    ) from cause
+                if retry_after is not None:
+                    delay = max(delay, min(retry_after, self.retry.max_delay))
+                deadline = self.retry.deadline
+                if deadline is not None and self._clock() - started + delay > deadline:
+                    raise ServerUnavailable(
+                        url, cause, attempts=attempts, reason=f"deadline of {deadline:g} s"
+                    ) from cause
+                self._counters.add(retries=1)
+                if self._on_retry is not None:
+                    self._on_retry(operation, signal, delay)
+                self._sleep(delay)
+                self._check_open()
+        finally:
+            self._counters.add(operation=operation, blocked=self._clock() - started)
+
+    def _url(self, path: str, query: Mapping[str, Any] | None) -> str:
+        url = self._origin + self._prefix + path
+        return f"{url}?{urlencode(query)}" if query else url
+
+    def _attempt(
+        self,
+        method: str,
+        url: str,
+        body: Body | None,
+        headers: Mapping[str, str],
+        timeout: urllib3.Timeout,
+        into: bytearray | None = None,
+    ) -> Reply:
+        payload: Any = body
+        if self._limiter is not None and body is not None and len(body) > SLICE_BYTES:
+            headers = {**headers, "Content-Length": str(memoryview(body).nbytes)}
+            payload = self._limiter.paced(body)
+        response = self._pool.urlopen(
+            method,
+            url,
+            body=payload,
+            headers=headers,
+            timeout=timeout,
+            retries=False,
+            redirect=False,
+            preload_content=False,
+        )
+        try:
+            # Only a success carries the weights; an error's JSON never lands in `into`.
+            received = read_body(response, into if response.status == 200 else None)
+        except BaseException:
+            response.close()  # a half-read connection must not go back to the pool
+            raise
+        finally:
+            response.release_conn()
+        sent = 0 if body is None else memoryview(body).nbytes
+        self._counters.add(sent=sent, received=len(received))
+        return Reply(response.status, response.headers, received, url)
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise ClientClosed(f"the client for {self.base_url} is closed")

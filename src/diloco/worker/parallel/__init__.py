@@ -1,0 +1,1 @@
+"""Several processes acting as one worker: a torch.distributed group, FSDP2."""
