@@ -21,9 +21,13 @@ from rich.progress import (
 )
 from rich.table import Table
 
-# Piped output (CI logs, tests) gets a wide console so that summary tables are not squeezed.
-out = Console(width=None if sys.stdout.isatty() else 140)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 140)
+# Piped output (CI logs, log files, tests) gets a wide console so that summary tables are not
+# squeezed, and lines of text are never wrapped: a log line stays one line for grep, whatever
+# the length of the paths it names.
+out = Console(width=None if sys.stdout.isatty() else 140, soft_wrap=not sys.stdout.isatty())
+err = Console(
+    stderr=True, width=None if sys.stderr.isatty() else 140, soft_wrap=not sys.stderr.isatty()
+)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

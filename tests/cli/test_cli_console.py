@@ -1,11 +1,12 @@
-"""The shared option parser: a comma-separated list, or one `error:` line and exit code 2."""
+"""The shared console: a comma-separated option, or one `error:` line and exit code 2; piped
+output never wraps a line."""
 
 from __future__ import annotations
 
 import pytest
 import typer
 
-from diloco.console import number_list
+from diloco.console import err, number_list, out
 
 
 def test_number_list_parses_integers_and_floats() -> None:
@@ -31,3 +32,14 @@ def test_number_list_refuses_with_one_line_naming_the_option(
     assert raised.value.exit_code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert lines == [f"error: {message}"]
+
+
+def test_a_long_line_to_a_pipe_stays_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A log file or a pipe gets whole lines (a test that greps a path-long line found it
+    wrapped at 140 columns when the temp directory's name grew)."""
+    line = "stopped; state in /tmp/" + "x" * 200 + " (checkpoint written at shutdown)"
+    out.print(line)
+    err.print(line)
+    captured = capsys.readouterr()
+    assert captured.out == line + "\n"
+    assert captured.err == line + "\n"

@@ -28,7 +28,6 @@ from diloco import faults
 from diloco.server.ops.control import OUTER_LR
 from diloco.server.settings import ServerSettings
 from diloco.server.state.store import StateStore
-from diloco.server.workunits.ledger import UnitLedger
 from diloco.server.workunits.pool import WorkPool
 from diloco.wire import TensorSpec
 
@@ -112,7 +111,7 @@ class CommitRecord:
             sessions={str(w): str(d) for w, d in data.get("sessions", {}).items()},
         )
 
-    def apply_to(self, pool: UnitLedger) -> None:
+    def apply_to(self, pool: WorkPool) -> None:
         """The step's work units in the pool: finished ones completed, prefixes recorded,
         the departed workers' partly trained units released (inside the step's transaction)."""
         pool.complete(self.units, self.round)
