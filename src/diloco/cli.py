@@ -11,6 +11,7 @@ from diloco.commands.serve import server_command
 from diloco.commands.simulate import simulate_command
 from diloco.commands.status import status_command
 from diloco.commands.work import worker_command
+from diloco.console import exit_now
 
 app = typer.Typer(
     help="DiLoCo: train one PyTorch model across machines that talk rarely.",
@@ -30,7 +31,13 @@ app.command("simulate")(simulate_command)
 
 
 def main() -> None:
-    app()
+    """Run the command, then exit without the interpreter's teardown (see `exit_now`)."""
+    try:
+        app()
+        code: object = 0
+    except SystemExit as exc:
+        code = exc.code
+    exit_now(code)
 
 
 if __name__ == "__main__":

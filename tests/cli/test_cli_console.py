@@ -1,7 +1,12 @@
 """The shared console: a comma-separated option, or one `error:` line and exit code 2; piped
-output never wraps a line."""
+output never wraps a line; a finished command exits with its code, its atexit handlers and
+its streams, and waits for a thread that is still working."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import typer
@@ -43,3 +48,41 @@ def test_a_long_line_to_a_pipe_stays_one_line(capsys: pytest.CaptureFixture[str]
     captured = capsys.readouterr()
     assert captured.out == line + "\n"
     assert captured.err == line + "\n"
+
+
+def _exit_in_a_process(tmp_path, body: str) -> subprocess.CompletedProcess:
+    script = textwrap.dedent(
+        f"""
+        import atexit, pathlib, threading, time
+        from diloco.console import exit_now
+        out = pathlib.Path({str(tmp_path)!r})
+        atexit.register(lambda: (out / "atexit").write_text("ran"))
+        """
+    ) + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.mark.parametrize(("code", "expected"), [(None, 0), (3, 3), ("it broke", 1)])
+def test_exit_now_keeps_the_code_runs_atexit_and_flushes(tmp_path, code, expected) -> None:
+    done = _exit_in_a_process(tmp_path, f"print('last line', end=''); exit_now({code!r})")
+    assert done.returncode == expected
+    assert done.stdout == "last line"  # buffered, yet not lost
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert done.stderr == ("it broke\n" if code == "it broke" else "")
+
+
+def test_exit_now_lets_a_running_non_daemon_thread_finish(tmp_path) -> None:
+    done = _exit_in_a_process(
+        tmp_path,
+        """
+        def work():
+            time.sleep(0.3)
+            (out / "finished").write_text("yes")
+        threading.Thread(target=work).start()
+        exit_now(4)
+        """,
+    )
+    assert done.returncode == 4
+    assert (tmp_path / "finished").read_text() == "yes"

@@ -92,6 +92,7 @@ WORKER_BAD_INPUTS = [
     (["--give-up-after", "-1"], 2, "--give-up-after must be >= 0"),
     (["--max-upload-mbps", "0"], 2, "upload rate must be > 0 megabits per second"),
     (["--fragment-timeout", "-1"], 2, "fragment_timeout must be > 0 seconds, got -1.0"),
+    (["--threads", "0"], 2, "--threads must be a positive integer, got 0"),
     ([], 1, "could not join"),  # nobody listens on the port
 ]
 
@@ -108,6 +109,7 @@ WORKER_BAD_INPUT_IDS = [
     "give-up",
     "upload-cap",
     "fragment-timeout",
+    "threads",
     "unreachable",
 ]
 

@@ -524,6 +524,16 @@ def test_a_volley_of_bad_requests_then_an_exact_round(two_workers):
     assert rejected == dict(api.rejected)
     assert rejected["non_finite"] == 2
     assert metrics[("diloco_outer_step_seconds_count", ())] == 1.0
+    parts = {
+        dict(labels)["part"]: value
+        for (name, labels), value in metrics.items()
+        if name == "diloco_round_part_seconds_count"
+    }
+    # two bodies folded (the refused ones never were), one step and its parts; the first
+    # body of a round is checked while it is folded, so only the second one is scanned alone
+    assert parts == {
+        "scan": 1, "fold": 2, "outer_step": 1, "delta": 1, "checkpoint": 1, "commit": 1
+    }  # fmt: skip
 
 
 def test_long_poll_waits_then_expires_old_rounds(live_server):

@@ -190,6 +190,7 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
             ["--tensorboard", str(Path(__file__))],
             "is a file, not a directory",
         ),
+        "zero threads": (["--threads", "0"], "--threads must be a positive integer, got 0"),
     }
     cases = {k: v for i, (k, v) in enumerate(cases.items()) if (i % 6 == 0) == (part == "sample")}
     outcomes = run_all(  # all at once: each pays the interpreter's start-up

@@ -136,6 +136,10 @@ def test_the_upload_limiter_paces_slices_to_the_rate() -> None:
         ({"fragment_timeout": 0}, "fragment_timeout must be > 0 seconds, got 0"),
         ({"fragment_timeout": float("nan")}, "fragment_timeout must be > 0 seconds, got nan"),
         ({"max_upload_mbps": -8}, r"> 0 megabits per second \(max_upload_mbps\), got -8"),
+        # (it was refused only at the first sync, after a whole round of training)
+        ({"result_wait": 300}, r"result_wait must be in \(0, 120\] seconds .*, got 300"),
+        ({"result_wait": 0}, r"result_wait must be in \(0, 120\] seconds .*, got 0"),
+        ({"result_wait": True}, r"result_wait must be .*, got True"),
     ],
 )
 def test_bad_worker_arguments_are_refused_before_any_request(arguments: dict, message: str) -> None:

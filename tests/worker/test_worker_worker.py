@@ -347,3 +347,24 @@ def test_a_worker_held_by_min_workers_says_why(live_server, monkeypatch, caplog)
         assert server.coordinator.round_number == 1
         first.close(final_sync=False)
         second.close(final_sync=False)
+
+
+def test_a_round_s_blocked_time_is_split_into_its_phases(live_server) -> None:
+    """The phases add up to the blocked time (what is not encode, upload, wait, download or
+    apply is `other`), none is negative, and the download read the result's bytes."""
+    with live_server(ServerSettings(sync_every=2)) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, heartbeat=False)
+        assert worker.last_round_phases is None
+        received = worker.client.stats.bytes_received
+        train(model, optimizer, steps=2)
+        phases = worker.last_round_phases
+        assert phases is not None
+        parts = ("encode", "upload", "wait", "download", "apply", "other")
+        assert set(phases) == {"blocked", "save", *parts}
+        assert all(phases[name] >= 0 for name in phases), phases
+        assert sum(phases[name] for name in parts) == pytest.approx(phases["blocked"], abs=1e-3)
+        assert phases["upload"] > 0 and phases["download"] > 0 and phases["encode"] > 0
+        assert worker.client.stats.bytes_received > received
+        worker.close(final_sync=False)

@@ -8,7 +8,6 @@ worker for the same steps (in-process, no network) to show what the K - 1 extra 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import typer
 
 from diloco.commands.options import CORPUS_HELP, require_positive
+from diloco.commands.threads import split_cores
 from diloco.console import (
     check_output_path,
     err,
@@ -89,6 +89,8 @@ def demo_command(
                 "2",
                 "--heartbeat-timeout",
                 "20",
+                "--threads",
+                "1",  # its passes are small beside the workers' training
                 output=server_log,
             )
         except RuntimeError as exc:
@@ -114,12 +116,13 @@ def demo_command(
                             str(corpus_path),
                             "--no-progress",
                             *_model_args(),
+                            "--threads",
+                            str(split_cores(workers)),
                             "--json",
                             str(Path(scratch) / f"w{w}.json"),
                         ),
                         stdout=subprocess.DEVNULL,
                         stderr=log,
-                        env=_worker_env(workers),
                     )
                 )
             _follow(url, processes, steps * workers)
@@ -141,13 +144,6 @@ def demo_command(
                 stop_process(process)
             stop_process(server)
     _report(reports, data, workers, steps, sync_every, corpus, seed, json_path, mode)
-
-
-def _worker_env(workers: int) -> dict[str, str]:
-    """The K workers share this machine: each gets its share of the cores as torch threads
-    (two 2-thread workers on 2 cores spend much of their time waiting on each other)."""
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 def _model_args() -> list[str]:

@@ -8,6 +8,12 @@ import typer
 
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO
 from diloco.commands.options import TokenFileOption, TokenOption, read_token
+from diloco.commands.threads import (
+    SERVER_DEFAULT_THREADS,
+    apply_thread_budget,
+    check_threads,
+    server_threads,
+)
 from diloco.console import err, fail
 from diloco.server.http.runner import TlsFiles, serve
 from diloco.server.members.credentials import TokensFileError, load_tokens_file
@@ -174,6 +180,12 @@ def server_command(
         "shard owns whole tensors, balanced by bytes. Sync mode, plain uploads (issue 15).",
     ),
     log_level: str = typer.Option("info", help="uvicorn log level."),
+    threads: int = typer.Option(
+        None,
+        help="Threads for the server's tensor work (fold, outer step, codecs); default "
+        f"min({SERVER_DEFAULT_THREADS}, cores), or OMP_NUM_THREADS when set. Lower it where "
+        "workers share the machine.",
+    ),
 ) -> None:
     """Run the coordinator: workers register, send pseudo-gradients, get global weights.
 
@@ -200,6 +212,11 @@ def server_command(
         raise fail("--shard and --shard-url go together: give both or neither")
     if not max_body_mib > 0:
         raise fail(f"--max-body-mib must be > 0, got {max_body_mib}")
+    try:
+        check_threads(threads)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    apply_thread_budget(server_threads(threads))
     try:
         mode_options = _mode_options(
             mode,

@@ -19,6 +19,7 @@ from diloco.commands.options import (
     read_token,
     require_positive,
 )
+from diloco.commands.threads import apply_thread_budget, check_threads
 from diloco.console import (
     check_output_path,
     err,
@@ -127,6 +128,11 @@ def worker_command(
         help="Save this worker's state here after every round; starting again on it resumes "
         "under the same id (optimizer, schedule, RNG, data position).",
     ),
+    threads: int = typer.Option(
+        None,
+        help="Threads for training on the CPU (default: torch's, every core). Give each "
+        "process on a shared machine its share.",
+    ),
 ) -> None:
     """Join a server, train, sync every H steps (the server's H), report loss and traffic."""
     check_output_path(json_path, "--json")
@@ -145,6 +151,11 @@ def worker_command(
         raise fail(f"shard must be in [0, {num_shards}), got {shard}")
     if not 0 <= data_seed < 2**63:
         raise fail(f"--data-seed must be in [0, 2**63), got {data_seed}")
+    try:
+        check_threads(threads)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    apply_thread_budget(threads)
     secret = read_token(token, token_file)
     check_ca_file(ca_file)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

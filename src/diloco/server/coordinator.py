@@ -500,6 +500,8 @@ class Coordinator:
             ),
             names,
         )
+        for part, seconds in model.step_seconds.items():
+            self.metrics.round_part_seconds.labels(part=part).observe(seconds)
         if self.scalars is not None:
             self.scalars.commit(record.round, metrics, time.perf_counter() - started)
         self.last_commit = record
@@ -512,11 +514,13 @@ class Coordinator:
 
     def _published(self, description: str, started: float) -> None:
         """After a step's result is out: log it and wake every long-poll (lock held)."""
+        seconds = time.perf_counter() - started
+        self.metrics.round_part_seconds.labels(part="commit").observe(seconds)
         log.info(
             "%s committed (version %d), outer step and encoding %.3f s",
             description,
             self.model.version,
-            time.perf_counter() - started,
+            seconds,
         )
         self._lock.notify_all()
         faults.crash_point("result_published")

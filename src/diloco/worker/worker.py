@@ -38,9 +38,10 @@ from diloco.worker.data.tokens import TokenTally
 from diloco.worker.data.trace import SampleTrace
 from diloco.worker.data.units import ReportsUnits, UnitReports
 from diloco.worker.heartbeat import Heartbeat
-from diloco.worker.net.client import DiLoCoClient
+from diloco.worker.net.client import MAX_RESULT_WAIT, DiLoCoClient
 from diloco.worker.net.retry import RetryPolicy
 from diloco.worker.net.sharded_servers import ShardedClient, clients_of_shards
+from diloco.worker.net.transport import ClientStats
 from diloco.worker.pace import Pace
 from diloco.worker.parallel import distributed
 from diloco.worker.parallel.fsdp import ShardedAnchor, check_sharded_settings, is_sharded
@@ -123,6 +124,13 @@ class DiLoCoWorker(WorkerResumption):
         `ca_file`: PEM certificates an https:// server's certificate must chain to.
         """
         # Checked before anything reaches the server (the upload cap by the client's limiter).
+        if isinstance(result_wait, bool) or not (
+            isinstance(result_wait, (int, float)) and 0 < result_wait <= MAX_RESULT_WAIT
+        ):
+            raise ValueError(
+                f"result_wait must be in (0, {MAX_RESULT_WAIT:g}] seconds (one long-poll; the "
+                f"worker polls again until its result comes), got {result_wait!r}"
+            )
         if fragment_timeout is not None and not (
             isinstance(fragment_timeout, (int, float)) and 0 < fragment_timeout < math.inf
         ):
@@ -163,6 +171,9 @@ class DiLoCoWorker(WorkerResumption):
         self.fragment_plan: list[list[str]] | None = None
         self.fragment_rounds: list[int] = []
         self.resumed: WorkerCheckpoint | None = None
+        # where the last round's blocked time went (see _phases); None before the first
+        self.last_round_phases: dict[str, float] | None = None
+        self._encode_seconds = self._apply_seconds = 0.0
         self.dropped_round = False  # a resume inside a round the server had gone past
         self._checkpointer: Checkpointer | None = None
         distributed.check_same_choice("checkpoint_dir", checkpoint_dir is not None)
@@ -389,19 +400,46 @@ class DiLoCoWorker(WorkerResumption):
             return
         self._check_replicas()
         started = time.monotonic()
+        calls = self.client.stats if self.client is not None else None
         body = self._gathered(self._sharded_upload) if self.sharded else None
         try:
             distributed.lead(lambda: self._exchange_round(body), self._share_result)
         except distributed.LeaderFailed:
             self._uploads.settle(folded=False)  # rank 0 settled its own rows already
             raise
-        self._pace.blocked_seconds += time.monotonic() - started
+        exchanged = time.monotonic()
+        self._pace.blocked_seconds += exchanged - started
         self.rounds += 1
         self._schedule.round_done()
         self._tokens.round_done()
         self._units.round_started()
         self._pace.window_done(self.local_step)
         self._saved_round()
+        self.last_round_phases = self._phases(calls, exchanged - started)
+        self.last_round_phases["save"] = time.monotonic() - exchanged
+
+    def _phases(self, before: ClientStats | None, blocked: float) -> dict[str, float]:
+        """Where the round's blocked time went (rank 0's view; seconds): encode (the
+        pseudo-gradient and its upload body), upload (the submit call), wait (the long-poll
+        until the result was ready), download (reading the result), apply (the new weights
+        into model and anchor), other (the rest: a sharded group's gathers, broadcasts)."""
+        phases = {"blocked": blocked, "encode": self._encode_seconds, "apply": self._apply_seconds}
+        if before is not None and self.client is not None:
+            after = self.client.stats
+
+            def spent(*operations: str) -> float:
+                return sum(
+                    after.blocked_by_operation.get(o, 0.0) - before.blocked_by_operation.get(o, 0.0)
+                    for o in operations
+                )
+
+            phases["upload"] = spent("submit", "confirm")
+            result = spent("wait_result", "get_weights")
+            phases["download"] = min(result, after.body_seconds - before.body_seconds)
+            phases["wait"] = result - phases["download"]
+        accounted = sum(v for k, v in phases.items() if k != "blocked")
+        phases["other"] = max(0.0, blocked - accounted)
+        return phases
 
     def _check_replicas(self) -> None:
         """Before any values leave: every rank of an unsharded group holds one replica."""
@@ -418,10 +456,12 @@ class DiLoCoWorker(WorkerResumption):
     def _exchange_round(self, body: bytearray | None = None) -> Exchanged:
         """Send this round's pseudo-gradient (`body` when a sharded group gathered it)."""
         session = self._leader_session()
+        encoding = time.monotonic()
         if body is None:
             gradient = self._anchor.pseudo_gradient()
             body = self._uploads.body(gradient)
             del gradient
+        self._encode_seconds = time.monotonic() - encoding
         units = self._units.to_report()
         progress = self._units.progress()
         if self.sample_trace is not None and self.worker_id is not None:
@@ -453,9 +493,11 @@ class DiLoCoWorker(WorkerResumption):
         return self._uploads.dense(self._anchor.pseudo_gradient())
 
     def _share_result(self, result: Exchanged | None) -> None:
+        applying = time.monotonic()
         if result is not None:
             self._anchor.adopt(result.tensors, result.round)
         self._anchor.share()
+        self._apply_seconds = time.monotonic() - applying
         if self.sharded:  # each rank keeps the residual of its own rows: settle it
             folded = distributed.broadcast_json(None if result is None else result.folded)
             if not self.is_leader:

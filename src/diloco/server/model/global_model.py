@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -88,6 +89,7 @@ class GlobalModel:
         # (the version it leads to, the step's tensors, its body)
         self.delta: tuple[int, frozenset[str], bytearray] | None = None
         self.broken: str | None = None  # why it refuses to be read, until restarted
+        self.step_seconds: dict[str, float] = {}  # the parts of the last commit (metrics)
 
     # ----------------------------------------------------------------- what it is
 
@@ -176,6 +178,7 @@ class GlobalModel:
         write fails."""
         assert self.frames is not None and self.specs is not None
         self.require_healthy()
+        started = time.perf_counter()
         if running.count:  # (writable() copies the masters away from a straggler's download)
             apply_running_mean(
                 self.frames.writable(),
@@ -184,6 +187,7 @@ class GlobalModel:
                 self.kinds(),
                 policy=self.settings.policy,
             )
+        stepped = time.perf_counter()
         if self.copy is not None:
             copy, masters = self.copy, self.frames.masters
             step_names = list(self.specs) if names is None else list(names)
@@ -192,8 +196,14 @@ class GlobalModel:
                 self.delta = (new_version, frozenset(step_names), copy.advance(masters, step_names))
 
             self.durably(f"coding the download delta of round {new_version}", code_delta)
+        coded = time.perf_counter()
         self.durably(f"writing the checkpoint of round {new_version}", write)
         self.version = new_version
+        self.step_seconds = {
+            "outer_step": stepped - started,
+            "delta": coded - stepped,
+            "checkpoint": time.perf_counter() - coded,
+        }
 
     # ----------------------------------------------------------------- what workers download
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
@@ -127,7 +128,11 @@ class Intake:
                 # The first contribution of its round: its sums are new, so it can be checked
                 # while it is folded, in one read of the file; a refusal half way changes nothing.
                 return self._accept(submission, body.checked_pieces())
+        scanning = time.perf_counter()
         scan = scan_values(body, self._norm_names(fragment))  # outside the lock
+        self.traffic.metrics.round_part_seconds.labels(part="scan").observe(
+            time.perf_counter() - scanning
+        )
         with self.lock:
             # The state may have moved on during the scan (a commit, a retry that won); the
             # layout (names, shapes, dtypes against fixed specs) cannot have.

@@ -157,7 +157,9 @@ class AsyncArrivals:
             window.record_refused(submission, refusal, now)
             log.warning("%s's pseudo-gradient refused: %s", worker_id, refusal)
         else:
+            folding = time.perf_counter()
             fold(window, submission, checked, c.model.sums_storage(), now, scale * clip)
+            c.metrics.round_part_seconds.labels(part="fold").observe(time.perf_counter() - folding)
             if c.screen.on:  # only once folded: a refused fold (422) leaves no trace
                 window.norms[worker_id] = float(checked.norm or 0.0)
                 if clip < 1.0:

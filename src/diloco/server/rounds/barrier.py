@@ -180,7 +180,9 @@ class BarrierRounds:
             assert isinstance(checked, ValueScan) and checked.norm is not None
             current.hold(submission, checked, now)  # folded when the round decides
         else:
+            folding = time.perf_counter()
             fold(current, submission, checked, c.model.sums_storage(), now)
+            c.metrics.round_part_seconds.labels(part="fold").observe(time.perf_counter() - folding)
         c.book(submission, current, now)
         self._try_commit(submission.fragment, now)
         return self._answer("accepted", submission.round, submission.fragment)

@@ -38,7 +38,7 @@ from diloco.worker.net.transport import (
 __all__ = ["ClientStats", "DiLoCoClient", "Weights"]
 
 _MAX_STEPS_PER_SECOND = 1e6  # the server's bound on a heartbeat's speed (422 above it)
-_MAX_WAIT = 120.0  # the server's cap on `wait` for a result long-poll
+MAX_RESULT_WAIT = 120.0  # the server's cap on `wait` for a result long-poll
 
 
 def _json_dict(reply: Reply) -> dict[str, Any]:
@@ -320,8 +320,8 @@ class DiLoCoClient:
         of the same size are read into it and it is returned; its old content is then gone,
         even when the call fails part way. Otherwise a new buffer is allocated.
         """
-        if not (math.isfinite(wait) and 0 <= wait <= _MAX_WAIT):
-            raise ValueError(f"wait must be in [0, {_MAX_WAIT:g}] seconds, got {wait!r}")
+        if not (math.isfinite(wait) and 0 <= wait <= MAX_RESULT_WAIT):
+            raise ValueError(f"wait must be in [0, {MAX_RESULT_WAIT:g}] seconds, got {wait!r}")
         query = {"worker_id": worker_id, "wait": f"{wait:g}"}
         if fragment:
             query["fragment"] = str(int(fragment))

@@ -154,6 +154,7 @@ class ShardedClient:
             retries=sum(snap.retries for snap in snapshots),
             blocked_by_operation=merged,
             largest_upload=max(snap.largest_upload for snap in snapshots),
+            body_seconds=max(snap.body_seconds for snap in snapshots),  # in parallel
         )
 
     # ----------------------------------------------------------------- shard 0's routes

@@ -75,6 +75,8 @@ class ClientStats:
     retries: int = 0
     blocked_by_operation: dict[str, float] = field(default_factory=dict)
     largest_upload: int = 0  # the biggest pseudo-gradient sent: what one sync moves at once
+    # wall time reading response bodies once their headers came: the download part of a call
+    body_seconds: float = 0.0
 
 
 class _Counters:
@@ -93,6 +95,7 @@ class _Counters:
         operation: str | None = None,
         blocked: float = 0.0,
         upload: int = 0,
+        body_seconds: float = 0.0,
     ) -> None:
         with self._lock:
             s = self._stats
@@ -107,6 +110,7 @@ class _Counters:
                 retries=s.retries + retries,
                 blocked_by_operation=by_operation,
                 largest_upload=max(s.largest_upload, upload),
+                body_seconds=s.body_seconds + body_seconds,
             )
 
     def snapshot(self) -> ClientStats:
@@ -406,6 +410,7 @@ class Transport:
             redirect=False,
             preload_content=False,
         )
+        reading = self._clock()
         try:
             # Only a success carries the weights; an error's JSON never lands in `into`.
             received = read_body(response, into if response.status == 200 else None)
@@ -415,7 +420,7 @@ class Transport:
         finally:
             response.release_conn()
         sent = 0 if body is None else memoryview(body).nbytes
-        self._counters.add(sent=sent, received=len(received))
+        self._counters.add(sent=sent, received=len(received), body_seconds=self._clock() - reading)
         return Reply(response.status, response.headers, received, url)
 
     def _check_open(self) -> None:
