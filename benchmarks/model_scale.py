@@ -285,6 +285,7 @@ def main(
     out_dir: Path = typer.Option(RESULTS, help="Where model_scale.md and .json go."),
 ) -> None:
     """Measure rounds at real model sizes against loopback and a memory pass."""
+    check_output_path(out_dir / "model_scale.json", "--out-dir")
     chosen = [s.strip() for s in sizes.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SIZES]
     if unknown or not chosen:
@@ -303,8 +304,6 @@ def main(
         raise fail(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise fail("--device cuda: torch sees no CUDA device on this machine")
-    if not out_dir.is_dir():
-        raise fail(f"--out-dir is not a directory: {out_dir}")
     check_output_path(out_dir / "model_scale.json", "--out-dir")
     results = []
     with tempfile.TemporaryDirectory(prefix="diloco-model-scale-") as scratch:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import stat
 from pathlib import Path
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from diloco.checkpoints import MANIFEST_NAME, CheckpointStore
+from diloco.wire import encode_tensors
 
 
 def _tensors(seed: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -196,3 +199,26 @@ def test_failed_write_leaves_previous_generation(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         store.write(2, _tensors(2), {"not_json": object()})
     assert store.generations() == [1]
+
+
+def test_a_group_is_written_byte_for_byte_as_encode_tensors_writes_it(tmp_path: Path) -> None:
+    """Written straight from the tensors' memory (no body copy), the file is still exactly the
+    safetensors body `encode_tensors` makes, and the manifest's SHA-256 is that body's."""
+    group = {
+        "w": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),  # strided: copied first
+        "h": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+        "steps": torch.tensor(7, dtype=torch.int64),  # 0-dim
+        "mask": torch.tensor([True, False, True]),
+        "none": torch.zeros(0, 5),
+    }
+    store = CheckpointStore(tmp_path)
+    path = store.write(0, {"weights": group}, {"round": 0})
+    expected = bytes(encode_tensors(group))
+    assert (path / "weights.safetensors").read_bytes() == expected
+    manifest = json.loads((path / "manifest.json").read_text())
+    entry = manifest["files"]["weights.safetensors"]
+    assert entry == {"bytes": len(expected), "sha256": hashlib.sha256(expected).hexdigest()}
+    loaded = store.load_latest()
+    assert loaded is not None
+    for name, tensor in group.items():
+        assert torch.equal(loaded.tensors["weights"][name], tensor), name

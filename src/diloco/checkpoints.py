@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from diloco import faults
-from diloco.wire import WireError, decode_tensors, encode_tensors
+from diloco.wire import WireError, decode_tensors
+from diloco.wire.format.layout import FrameLayout
 
 __all__ = ["FORMAT_VERSION", "CheckpointStore", "LoadedCheckpoint"]
 
@@ -105,9 +106,10 @@ class CheckpointStore:
             files: dict[str, dict[str, Any]] = {}
             for group, group_tensors in tensors.items():
                 name = group + _SUFFIX
-                data = encode_tensors(group_tensors)
-                _write_atomic(temp / name, data, _file_mode(previous, name))
-                files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                size, digest = _write_tensors_atomic(
+                    temp / name, group_tensors, _file_mode(previous, name)
+                )
+                files[name] = {"bytes": size, "sha256": digest}
                 faults.crash_point("checkpoint_file")
             manifest = {
                 "format": FORMAT_VERSION,
@@ -255,13 +257,47 @@ def _file_mode(previous: Path | None, name: str) -> int:
 
 def _write_atomic(path: Path, data: bytes | bytearray, mode: int) -> None:
     """Write `data` to `path` via a synced temp file in the same directory, then os.replace."""
+    _write_pieces_atomic(path, [memoryview(data)], mode)
+
+
+def _write_tensors_atomic(
+    path: Path, tensors: Mapping[str, torch.Tensor], mode: int
+) -> tuple[int, str]:
+    """Write `tensors` as the safetensors file `encode_tensors` would make, byte for byte,
+    straight from their memory: no model-sized body is allocated and copied first (at 85M
+    parameters that copy and its page faults were about a quarter of a checkpoint's time).
+    Returns the file's size and SHA-256, hashed from the same pieces as they are written."""
+    layout = FrameLayout.of(tensors)
+    pieces = [memoryview(layout.header)]
+    for name, slot in layout.slots.items():
+        if slot.nbytes:
+            pieces.append(_tensor_bytes(tensors[name]))
+    digest = hashlib.sha256()
+    _write_pieces_atomic(path, pieces, mode, digest)
+    return layout.size, digest.hexdigest()
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of `tensor` in memory order (a CPU copy only when it is elsewhere or strided)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_pieces_atomic(
+    path: Path, pieces: list[memoryview], mode: int, digest: Any = None
+) -> None:
+    """Write `pieces` one after another to `path` via a synced temp file in the same
+    directory, then os.replace; `digest` (a hashlib object) is updated with every piece."""
     temp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         os.fchmod(fd, mode)  # os.open's mode is filtered by the umask
         with os.fdopen(fd, "wb") as handle:
             fd = -1
-            handle.write(data)
+            for piece in pieces:
+                handle.write(piece)
+                if digest is not None:
+                    digest.update(piece)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, path)

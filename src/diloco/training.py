@@ -42,10 +42,17 @@ class Replica:
         warmup: int,
         total_steps: int,
         weight_decay: float,
+        device: torch.device | str = "cpu",
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
+        """`device`: where the model trains (batches follow it); `autocast_dtype` (bf16):
+        forward passes under torch.autocast, the weights and the optimizer staying fp32."""
         self.spec = model_config
+        self.device = torch.device(device)
+        self.autocast_dtype = autocast_dtype
         self.model = model_config.build()
         self.model.load_state_dict(initial_state)
+        self.model.to(self.device)
         self.optimizer = make_inner_optimizer(self.model, lr, weight_decay)
         self.sampler = sampler
         self.base_lr, self.warmup, self.total_steps = lr, warmup, total_steps
@@ -61,7 +68,15 @@ class Replica:
 
     def loss_and_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> float:
         self.model.train()
-        loss = self.spec.loss(self.model, x, y)
+        if x.device != self.device:
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+        with torch.autocast(
+            self.device.type,
+            dtype=self.autocast_dtype or torch.bfloat16,
+            enabled=self.autocast_dtype is not None,
+        ):
+            loss = self.spec.loss(self.model, x, y)
         (loss * scale).backward()
         return loss.item()
 

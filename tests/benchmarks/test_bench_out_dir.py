@@ -21,6 +21,7 @@ def test_every_benchmark_is_listed() -> None:
         "durability.py",
         "fsdp_memory.py",
         "fuzz.py",
+        "model_scale.py",
         "robust_aggregation.py",
         "round_parts.py",
         "scale.py",

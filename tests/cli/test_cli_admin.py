@@ -8,15 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_all
+from processes import run_all, run_cli_in_process
 
 DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
 
 @pytest.mark.parametrize(
     "part",
-    [pytest.param("sample", id="sample"), pytest.param("rest", id="rest", marks=pytest.mark.slow)],
-)  # every third case in the default suite (each starts a process), all with -m slow
+    [
+        pytest.param("in-process", id="in-process"),  # every case, through typer's runner
+        pytest.param("one-process", id="one-process"),  # a real `diloco admin` process
+        pytest.param("processes", id="processes", marks=pytest.mark.slow),  # every case
+    ],
+)
 def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path, part: str) -> None:
     missing = str(tmp_path / "missing")
     cases = {
@@ -30,9 +34,16 @@ def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path, part: str) 
         "not a url": (["resume", "ftp://x"], 2, "http"),
         "server down": (["pause", DOWN], 1, "127.0.0.1:9"),
     }
-    chosen = [k for i, k in enumerate(cases) if (i % 3 == 0) == (part == "sample")]
-    cases = {k: cases[k] for k in chosen}
-    outcomes = run_all({label: ["admin", *args] for label, (args, _, _) in cases.items()})
+    if part == "one-process":
+        cases = dict(list(cases.items())[:1])
+    commands = {label: ["admin", *args] for label, (args, _, _) in cases.items()}
+    if part == "in-process":
+        outcomes = {}
+        for label, command in commands.items():
+            done = run_cli_in_process(*command)
+            outcomes[label] = (done.returncode, done.stdout, done.stderr)
+    else:
+        outcomes = run_all(commands)
     for label, (_, code, needle) in cases.items():
         returncode, _, stderr = outcomes[label]
         assert returncode == code, (label, stderr)

@@ -9,7 +9,7 @@ import pytest
 
 from cli.test_cli_worker_status import one_error_line, run_cli
 from diloco.server.ops.launch import free_ports, start_server, stop_process
-from processes import sampled
+from processes import run_cli_in_process, sampled
 
 SERVER_CASES = [
         (("--shard", "0"), "--shard and --shard-url go together"),
@@ -31,9 +31,20 @@ SERVER_CASES = [
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    sampled(SERVER_CASES, [f"{i}-{needle}" for i, (_, needle) in enumerate(SERVER_CASES)], 6),
+    [pytest.param(*case, id=f"{i}-{case[1]}") for i, case in enumerate(SERVER_CASES)],
 )
 def test_bad_shard_options_are_refused_in_one_line(args: tuple[str, ...], needle: str) -> None:
+    """Every case through typer's runner in this process (a real process: below)."""
+    one_error_line(run_cli_in_process("server", "--port", "0", *args), 2, needle)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    sampled(SERVER_CASES, [f"{i}-{needle}" for i, (_, needle) in enumerate(SERVER_CASES)], 100),
+)
+def test_bad_shard_options_are_one_line_from_a_real_process(
+    args: tuple[str, ...], needle: str
+) -> None:
     one_error_line(run_cli("server", "--port", "0", *args), 2, needle)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from diloco.models import GPTConfig
 from diloco.sim import SimConfig, simulate
-from processes import sampled
+from processes import run_cli_in_process, sampled
 from tiny import TINY_BATCH, TINY_CLI, TINY_MODEL, TINY_WARMUP
 
 TINY = TINY_CLI
@@ -165,11 +165,26 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    sampled(BAD_INPUTS, [" ".join(args)[:40] for args, _ in BAD_INPUTS], every=10),
-)  # a long list: every fifth case in the default suite
+    [pytest.param(*case, id=" ".join(case[0])[:40]) for case in BAD_INPUTS],
+)
+def test_bad_input_gives_one_line_and_exit_2_in_process(
+    args: list[str], needle: str, tmp_path: Path, corpus_file: Path
+) -> None:
+    """Every case through typer's runner in this process (real processes: below)."""
+    check_bad_input(args, needle, tmp_path, corpus_file, run_cli_in_process)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    sampled(BAD_INPUTS, [" ".join(args)[:40] for args, _ in BAD_INPUTS], every=100),
+)  # one real process in the default suite, every case with -m slow
 def test_bad_input_gives_one_line_and_exit_2(
     args: list[str], needle: str, tmp_path: Path, corpus_file: Path
 ) -> None:
+    check_bad_input(args, needle, tmp_path, corpus_file, run_cli)
+
+
+def check_bad_input(args, needle, tmp_path: Path, corpus_file: Path, run) -> None:
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "tiny.txt").write_bytes(b"too short")
     args = [a.format(tmp=tmp_path) for a in args]
@@ -177,7 +192,7 @@ def test_bad_input_gives_one_line_and_exit_2(
         args += ["--corpus", str(corpus_file)]
     if "--steps" not in args:
         args += ["--steps", "2"]
-    result = run_cli("simulate", *args, *TINY)
+    result = run("simulate", *args, *TINY)
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]

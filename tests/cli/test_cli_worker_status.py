@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import sampled
+from processes import run_cli_in_process, sampled
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -93,6 +93,9 @@ WORKER_BAD_INPUTS = [
     (["--max-upload-mbps", "0"], 2, "upload rate must be > 0 megabits per second"),
     (["--fragment-timeout", "-1"], 2, "fragment_timeout must be > 0 seconds, got -1.0"),
     (["--threads", "0"], 2, "--threads must be a positive integer, got 0"),
+    (["--device", "cuda"], 2, "--device cuda: torch sees no CUDA device on this machine"),
+    (["--device", "tpu"], 2, "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
+    (["--dtype", "fp16"], 2, "--dtype must be fp32 or bf16, got 'fp16'"),
     ([], 1, "could not join"),  # nobody listens on the port
 ]
 
@@ -110,14 +113,42 @@ WORKER_BAD_INPUT_IDS = [
     "upload-cap",
     "fragment-timeout",
     "threads",
+    "device-cuda",
+    "device-tpu",
+    "dtype",
     "unreachable",
 ]
 
 
 @pytest.mark.parametrize(
-    ("args", "code", "needle"), sampled(WORKER_BAD_INPUTS, WORKER_BAD_INPUT_IDS, every=5)
+    ("args", "code", "needle"),
+    [
+        pytest.param(*case, id=name)
+        for case, name in zip(WORKER_BAD_INPUTS, WORKER_BAD_INPUT_IDS, strict=True)
+    ],
 )
 def test_worker_bad_input_is_one_line(
+    args: list[str], code: int, needle: str, corpus_file: Path
+) -> None:
+    """Every case through typer's runner in this process (the real process: below)."""
+    base = [
+        "--server",
+        f"http://127.0.0.1:{closed_port()}",
+        "--corpus",
+        str(corpus_file),
+        "--steps",
+        "2",
+        "--no-progress",
+        "--give-up-after",
+        "1",
+    ]
+    one_error_line(run_cli_in_process("worker", *base, *args), code, needle)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"), sampled(WORKER_BAD_INPUTS, WORKER_BAD_INPUT_IDS, every=100)
+)
+def test_worker_bad_input_is_one_line_from_a_real_process(
     args: list[str], code: int, needle: str, corpus_file: Path
 ) -> None:
     base = [

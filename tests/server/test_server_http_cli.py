@@ -18,7 +18,7 @@ from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import RoundJournal
 from diloco.server.state.store import StateStore
 from diloco.wire import TensorSpec, decode_tensors, fingerprint
-from processes import run_all
+from processes import run_all, run_cli_in_process
 
 TIMEOUT = urllib3.Timeout(connect=5.0, read=20.0)
 
@@ -76,8 +76,12 @@ def test_sigterm_stops_the_server_with_exit_code_0(server_process):
 
 @pytest.mark.parametrize(
     "part",
-    [pytest.param("sample", id="sample"), pytest.param("rest", id="rest", marks=pytest.mark.slow)],
-)  # every sixth case in the default suite (each starts a process), all with -m slow
+    [
+        pytest.param("in-process", id="in-process"),  # every case, through typer's runner
+        pytest.param("one-process", id="one-process"),  # a real `diloco server` process
+        pytest.param("processes", id="processes", marks=pytest.mark.slow),  # every case
+    ],
+)
 def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
     """Each fails before listening: exit code 2, one `error:` line on stderr, no traceback."""
     not_safetensors = tmp_path / "weights.safetensors"
@@ -192,13 +196,19 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
         ),
         "zero threads": (["--threads", "0"], "--threads must be a positive integer, got 0"),
     }
-    cases = {k: v for i, (k, v) in enumerate(cases.items()) if (i % 6 == 0) == (part == "sample")}
-    outcomes = run_all(  # all at once: each pays the interpreter's start-up
-        {
-            label: ["server", "--host", "127.0.0.1", "--port", "0", *args]  # binds nothing fixed
-            for label, (args, _) in cases.items()
-        }
-    )
+    if part == "one-process":
+        cases = dict(list(cases.items())[:1])
+    commands = {
+        label: ["server", "--host", "127.0.0.1", "--port", "0", *args]  # binds nothing fixed
+        for label, (args, _) in cases.items()
+    }
+    if part == "in-process":
+        outcomes = {}
+        for label, command in commands.items():
+            done = run_cli_in_process(*command)
+            outcomes[label] = (done.returncode, done.stdout, done.stderr)
+    else:
+        outcomes = run_all(commands)  # all at once: each pays the interpreter's start-up
     for label, (code, stdout, stderr) in outcomes.items():
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2, (label, code, stderr)

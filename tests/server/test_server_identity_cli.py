@@ -7,15 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_all
+from processes import run_all, run_cli_in_process
 
 ENROLL = "enroll-token-0123456789"
 
 
 @pytest.mark.parametrize(
     "part",
-    [pytest.param("sample", id="sample"), pytest.param("rest", id="rest", marks=pytest.mark.slow)],
-)  # every sixth case in the default suite (each starts a process), all with -m slow
+    [
+        pytest.param("in-process", id="in-process"),  # every case, through typer's runner
+        pytest.param("one-process", id="one-process"),  # a real process
+        pytest.param("processes", id="processes", marks=pytest.mark.slow),  # every case
+    ],
+)
 def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path, part: str) -> None:
     def write(name: str, content: str | bytes) -> str:
         path = tmp_path / name
@@ -74,11 +78,16 @@ def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path, par
     needles["worker ca file missing"] = ["--ca-file", "does not exist"]
     needles["worker ca file not PEM"] = ["--ca-file", "is not a readable PEM certificate"]
     needles["status ca file missing"] = ["--ca-file", "does not exist"]
-    chosen = [k for i, k in enumerate(commands) if (i % 6 == 0) == (part == "sample")]
-    commands = {k: commands[k] for k in chosen}
-    needles = {k: needles[k] for k in chosen}
-
-    for label, (code, stdout, stderr) in run_all(commands).items():
+    if part == "one-process":
+        commands = dict(list(commands.items())[:1])
+    if part == "in-process":
+        outcomes = {}
+        for label, command in commands.items():
+            done = run_cli_in_process(*command)
+            outcomes[label] = (done.returncode, done.stdout, done.stderr)
+    else:
+        outcomes = run_all(commands)
+    for label, (code, stdout, stderr) in outcomes.items():
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2, (label, code, stderr)
         assert "Traceback" not in stderr and "Traceback" not in stdout, (label, stderr)

@@ -54,6 +54,39 @@ from diloco.worker.parallel.distributed import LeaderFailed
 from diloco.worker.settings import ServerSettingsError
 
 
+def training_device(name: str) -> torch.device:
+    """--device: cpu, cuda, cuda:N, or auto (the first GPU when torch sees one); ValueError
+    naming the option for a device this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {name}: torch sees no CUDA device on this machine (a CPU build of "
+                "torch, or no GPU); use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
+def autocast_dtype_of(name: str) -> torch.dtype | None:
+    """--dtype: fp32 (no autocast) or bf16 (autocast); ValueError for anything else."""
+    if name == "fp32":
+        return None
+    if name == "bf16":
+        return torch.bfloat16
+    raise ValueError(f"--dtype must be fp32 or bf16, got {name!r}")
+
+
 def _dataset_id(corpus: bytes, seq_len: int) -> str:
     """Workers on the same bytes and window length share one dataset; any other is another."""
     return f"corpus-{hashlib.sha256(corpus).hexdigest()[:16]}-w{seq_len}"
@@ -133,6 +166,12 @@ def worker_command(
         help="Threads for training on the CPU (default: torch's, every core). Give each "
         "process on a shared machine its share.",
     ),
+    device: str = typer.Option(
+        "auto", help="Where the model trains: cpu, cuda, cuda:N, or auto (cuda if present)."
+    ),
+    dtype: str = typer.Option(
+        "fp32", help="fp32, or bf16: forward passes under autocast (weights stay fp32)."
+    ),
 ) -> None:
     """Join a server, train, sync every H steps (the server's H), report loss and traffic."""
     check_output_path(json_path, "--json")
@@ -153,6 +192,8 @@ def worker_command(
         raise fail(f"--data-seed must be in [0, 2**63), got {data_seed}")
     try:
         check_threads(threads)
+        train_device = training_device(device)
+        autocast_dtype = autocast_dtype_of(dtype)
     except ValueError as exc:
         raise fail(str(exc)) from None
     apply_thread_budget(threads)
@@ -174,7 +215,17 @@ def worker_command(
         raise fail(str(exc)) from None
     torch.manual_seed(seed)
     initial = config.build().state_dict()
-    replica = Replica(config, initial, sampler, lr, warmup, steps, weight_decay=0.1)
+    replica = Replica(
+        config,
+        initial,
+        sampler,
+        lr,
+        warmup,
+        steps,
+        weight_decay=0.1,
+        device=train_device,
+        autocast_dtype=autocast_dtype,
+    )
     if give_up_after < 0:
         raise fail(f"--give-up-after must be >= 0 seconds, got {give_up_after}")
     if not max_retry_delay > 0:
@@ -249,6 +300,8 @@ def worker_command(
         "seed": seed,
         "final_eval_loss": final_loss,
         "tokens": steps * tokens_per_step,
+        "device": str(train_device),
+        "dtype": dtype,
     }
     out.print(
         summary_table(
