@@ -208,3 +208,40 @@ def test_architecture_md_names_every_module_and_no_other() -> None:
     named = documented_modules(ARCHITECTURE.read_text())
     assert sorted(real - named) == [], "modules docs/architecture.md does not name"
     assert sorted(named - real) == [], "docs/architecture.md names modules that do not exist"
+
+
+def test_every_function_architecture_md_points_to_exists() -> None:
+    """`path.py::Name` or `path.py::Class.method` in the doc (the life of a round names one
+    per step): the module exists and defines each name of the dotted path."""
+    root = SOURCE / "diloco"
+    text = ARCHITECTURE.read_text()
+    pointers = set(re.findall(r"([a-z_/]+\.py)::([A-Za-z_][A-Za-z0-9_.]*)", text))
+    assert len(pointers) > 20
+    missing = []
+    for path, dotted in sorted(pointers):
+        source = root / path
+        if not source.is_file():
+            missing.append(f"{path} (no such module)")
+            continue
+        scope: list[ast.stmt] = ast.parse(source.read_text()).body
+        for name in dotted.rstrip(".").split("."):
+            found = next(
+                (
+                    node
+                    for node in scope
+                    if (
+                        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                        and node.name == name
+                    )
+                    or (
+                        isinstance(node, ast.Assign)
+                        and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+                    )
+                ),
+                None,
+            )
+            if found is None:
+                missing.append(f"{path}::{dotted}")
+                break
+            scope = getattr(found, "body", [])
+    assert missing == []

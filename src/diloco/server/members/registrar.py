@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from diloco import faults
 from diloco.server.errors import Rejection
 from diloco.server.members.membership import Membership
+from diloco.server.model.footprint import available_bytes, bytes_needed, model_bytes
 from diloco.server.model.global_model import GlobalModel, fragment_plan
 from diloco.server.ops.metrics import ServerMetrics
 from diloco.server.rounds.engines import RoundEngine
@@ -61,6 +62,7 @@ class Registrar:
         self._whole_plan: list[list[str]] | None = None  # and the whole model's plan
         # a streaming follower: shard 0's whole fragment plan (ShardCommit.leader_plan)
         self.leader_plan: Callable[[], list[list[str]]] = lambda: []
+        self.available_memory: Callable[[], int | None] = available_bytes  # (tests replace it)
 
     def register(
         self,
@@ -198,8 +200,10 @@ class Registrar:
         return [spec for spec in specs if spec.name in owned]
 
     def _check_model(self, specs: Sequence[TensorSpec]) -> None:
-        """422 if a registering worker's model is not the run's (once the run has one)."""
+        """422 if a registering worker's model is not the run's (once the run has one); 507
+        if the first one's model is more than this machine's memory can hold."""
         if self.model.specs is None:
+            self._check_memory(specs)
             return
         difference = first_difference(list(self.model.specs.values()), list(specs))
         if difference is not None:
@@ -210,6 +214,24 @@ class Registrar:
                 expected=self.model.fingerprint,
                 got=fingerprint(list(specs)),
             )
+
+    def _check_memory(self, specs: Sequence[TensorSpec]) -> None:
+        needed, available = bytes_needed(specs, self.settings), self.available_memory()
+        if available is None or needed <= available:
+            return
+        model = model_bytes(specs)
+        raise Rejection(
+            507,
+            "insufficient_memory",
+            f"this model is {model / 2**20:,.0f} MiB in fp32 and the server needs about "
+            f"{needed / 2**30:.1f} GiB to hold it (masters, round sums, outer optimizer state, "
+            f"bodies in flight), but this machine has {available / 2**30:.1f} GiB available: "
+            "run the server on a machine with more memory, or shard it (diloco cluster "
+            "--shards N)",
+            model_bytes=model,
+            needed_bytes=needed,
+            available_bytes=available,
+        )
 
     def _registration(self, worker_id: str) -> dict:
         has_weights = self.model.masters is not None

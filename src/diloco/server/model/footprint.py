@@ -1,0 +1,50 @@
+"""How much memory the global model takes on this server, and whether the machine has it.
+
+A server holds, per model-sized fp32 tensor set: the masters (which are also the fp32 result),
+the round's running sums, and the outer optimizer's momentum, plus one more for the bodies in
+flight and the step's temporaries; with --download-codec, the published copy P as well
+(issue 29's targets: at most 4x the model, 5x with delta downloads). Uploads held in RAM
+(--memory-bodies) add a body each. A registration that would define a model this machine
+cannot hold is refused then, naming the sizes, instead of the server being killed for memory
+halfway through a round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from diloco.server.settings import ServerSettings
+from diloco.wire import TensorSpec
+
+MEMINFO = Path("/proc/meminfo")
+
+
+def model_bytes(specs: Sequence[TensorSpec]) -> int:
+    """The model as the server keeps it: floating tensors in fp32, others in their dtype."""
+    return sum(
+        math.prod(spec.shape) * (4 if spec.dtype.is_floating_point else spec.dtype.itemsize)
+        for spec in specs
+    )
+
+
+def bytes_needed(specs: Sequence[TensorSpec], settings: ServerSettings) -> int:
+    """What the server will hold for this model: 4x it (5x with delta downloads), plus the
+    uploads it keeps in RAM (each the model at the upload dtype, an upper bound for codecs)."""
+    model = model_bytes(specs)
+    copies = 5 if settings.delta_downloads else 4
+    upload = model * settings.upload_dtype.itemsize // 4
+    return copies * model + settings.memory_bodies * upload
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (memory the kernel can give without swapping), or None
+    where there is no such file."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -1,0 +1,52 @@
+"""A model the server's machine cannot hold is refused at the first registration (507, naming
+the sizes), before anything is allocated or recorded; the estimate is worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.server.coordinator import Coordinator
+from diloco.server.errors import Rejection
+from diloco.server.model.footprint import available_bytes, bytes_needed, model_bytes
+from diloco.server.settings import ServerSettings
+from diloco.wire import TensorSpec
+
+SPECS = [
+    TensorSpec("w", (250, 4), torch.float32, "trainable"),  # 1000 fp32: 4000 bytes
+    TensorSpec("h", (100,), torch.bfloat16, "trainable"),  # kept in fp32: 400 bytes
+    TensorSpec("steps", (3,), torch.int64, "int_buffer"),  # 24 bytes
+]
+
+
+def test_the_footprint_is_four_model_copies_five_with_deltas_and_the_ram_bodies() -> None:
+    assert model_bytes(SPECS) == 4000 + 400 + 24
+    assert bytes_needed(SPECS, ServerSettings()) == 4 * 4424
+    assert bytes_needed(SPECS, ServerSettings(download_codec="int8")) == 5 * 4424
+    # two fp32 bodies in RAM, then two bf16 ones (half the bytes each)
+    assert bytes_needed(SPECS, ServerSettings(memory_bodies=2)) == 4 * 4424 + 2 * 4424
+    bf16 = ServerSettings(memory_bodies=2, upload_dtype=torch.bfloat16)
+    assert bytes_needed(SPECS, bf16) == 4 * 4424 + 2 * 2212
+
+
+def test_this_machine_reports_its_available_memory() -> None:
+    available = available_bytes()
+    assert available is None or available > 0
+
+
+def test_a_model_too_large_for_the_machine_is_refused_naming_the_sizes() -> None:
+    coordinator = Coordinator(ServerSettings(), None)
+    coordinator.registrar.available_memory = lambda: 10_000  # bytes: below 4 x 4424
+    with pytest.raises(Rejection) as refused:
+        coordinator.register("w0", SPECS, protocol_version=1)
+    rejection = refused.value
+    assert rejection.status == 507 and rejection.kind == "insufficient_memory"
+    assert rejection.detail["model_bytes"] == 4424
+    assert rejection.detail["needed_bytes"] == 17696
+    assert rejection.detail["available_bytes"] == 10_000
+    assert "diloco cluster --shards N" in rejection.error
+    # nothing was recorded: no model, no member; with the memory, the same worker joins
+    assert coordinator.model.specs is None and coordinator.membership.live_ids() == set()
+    coordinator.registrar.available_memory = lambda: 17696
+    assert coordinator.register("w0", SPECS, protocol_version=1)["worker_id"] == "w0"
+    assert coordinator.model.specs is not None
