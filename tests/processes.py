@@ -137,6 +137,15 @@ def run_cli_in_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
 
 
+def run_each_in_process(commands: dict[str, list[str]]) -> dict[str, tuple]:
+    """`run_all`'s answer, each command run in this process (`run_cli_in_process`)."""
+    outcomes = {}
+    for label, args in commands.items():
+        done = run_cli_in_process(*args)
+        outcomes[label] = (done.returncode, done.stdout, done.stderr)
+    return outcomes
+
+
 def run_all(
     commands: dict[str, list[str]], env: dict[str, dict[str, str]] | None = None
 ) -> dict[str, tuple]:

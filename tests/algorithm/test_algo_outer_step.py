@@ -12,6 +12,7 @@ from diloco.algorithm import (
     outer_step,
     pseudo_gradient,
 )
+from diloco.algorithm.outer import pseudo_gradient_into
 
 TRAINABLE = {"w": TensorKind.TRAINABLE}
 
@@ -120,6 +121,39 @@ def test_pseudo_gradient_is_fp32_for_floats_and_exact_int64_for_buffers() -> Non
     assert g["h"].tolist() == [0.5, 0.0]
     assert int(g["n"]) == 2  # exact despite values beyond float32 precision
     assert g["b"].tolist() == [1, -1]
+
+
+def test_pseudo_gradient_into_writes_the_same_values_in_place() -> None:
+    anchor = {
+        "h": torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+        "w": torch.tensor([[1.0, 2.5], [0.0, -1.0]]).t(),  # strided
+        "n": torch.tensor(2**40 + 3, dtype=torch.int64),
+        "b": torch.tensor([True, False]),
+    }
+    local = {
+        "h": torch.tensor([0.5, 2.0], dtype=torch.bfloat16),
+        "w": torch.tensor([[0.5, 3.0], [0.25, -1.0]]).t(),
+        "n": torch.tensor(2**40 + 1, dtype=torch.int64),
+        "b": torch.tensor([False, True]),
+    }
+    out = {
+        "h": torch.full((2,), 9.0),
+        "w": torch.full((2, 2), 9.0),
+        "n": torch.tensor(9, dtype=torch.int64),
+        "b": torch.full((2,), 9, dtype=torch.int64),
+    }
+    pseudo_gradient_into(anchor, local, out)
+    assert out["h"].tolist() == [0.5, 0.0]
+    assert out["w"].tolist() == [[0.5, -0.25], [-0.5, 0.0]]
+    assert int(out["n"]) == 2 and out["b"].tolist() == [1, -1]
+    with pytest.raises(ValueError, match=r"'w': the output is torch.float64, expected"):
+        pseudo_gradient_into(anchor, local, {"w": torch.zeros(2, 2, dtype=torch.float64)})
+    with pytest.raises(ValueError, match=r"'w' has shape \(2, 2\) in the anchor, \(2, 2\) loc"):
+        pseudo_gradient_into(anchor, local, {"w": torch.zeros(4)})
+    with pytest.raises(ValueError, match="'extra'"):
+        pseudo_gradient_into(
+            {"w": torch.zeros(2)}, {"w": torch.zeros(2), "extra": torch.zeros(1)}, {}
+        )
 
 
 def test_pseudo_gradient_names_the_mismatching_tensor() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_all, run_cli_in_process
+from processes import run_all, run_each_in_process
 
 DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
@@ -37,13 +37,8 @@ def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path, part: str) 
     if part == "one-process":
         cases = dict(list(cases.items())[:1])
     commands = {label: ["admin", *args] for label, (args, _, _) in cases.items()}
-    if part == "in-process":
-        outcomes = {}
-        for label, command in commands.items():
-            done = run_cli_in_process(*command)
-            outcomes[label] = (done.returncode, done.stdout, done.stderr)
-    else:
-        outcomes = run_all(commands)
+    in_process = part == "in-process"
+    outcomes = (run_each_in_process if in_process else run_all)(commands)
     for label, (_, code, needle) in cases.items():
         returncode, _, stderr = outcomes[label]
         assert returncode == code, (label, stderr)

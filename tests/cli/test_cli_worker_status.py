@@ -131,18 +131,15 @@ def test_worker_bad_input_is_one_line(
     args: list[str], code: int, needle: str, corpus_file: Path
 ) -> None:
     """Every case through typer's runner in this process (the real process: below)."""
-    base = [
-        "--server",
-        f"http://127.0.0.1:{closed_port()}",
-        "--corpus",
-        str(corpus_file),
-        "--steps",
-        "2",
-        "--no-progress",
-        "--give-up-after",
-        "1",
-    ]
-    one_error_line(run_cli_in_process("worker", *base, *args), code, needle)
+    one_error_line(run_cli_in_process("worker", *bad_input_base(corpus_file), *args), code, needle)
+
+
+def bad_input_base(corpus_file: Path) -> list[str]:
+    """A worker that would train 2 steps against a closed port, giving up after 1 s."""
+    return [
+        "--server", f"http://127.0.0.1:{closed_port()}", "--corpus", str(corpus_file),
+        "--steps", "2", "--no-progress", "--give-up-after", "1",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -151,18 +148,7 @@ def test_worker_bad_input_is_one_line(
 def test_worker_bad_input_is_one_line_from_a_real_process(
     args: list[str], code: int, needle: str, corpus_file: Path
 ) -> None:
-    base = [
-        "--server",
-        f"http://127.0.0.1:{closed_port()}",
-        "--corpus",
-        str(corpus_file),
-        "--steps",
-        "2",
-        "--no-progress",
-        "--give-up-after",
-        "1",
-    ]
-    result = run_cli("worker", *base, *args, timeout=180)
+    result = run_cli("worker", *bad_input_base(corpus_file), *args, timeout=180)
     one_error_line(result, code, needle)
 
 

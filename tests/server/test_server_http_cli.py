@@ -18,7 +18,7 @@ from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import RoundJournal
 from diloco.server.state.store import StateStore
 from diloco.wire import TensorSpec, decode_tensors, fingerprint
-from processes import run_all, run_cli_in_process
+from processes import run_all, run_each_in_process
 
 TIMEOUT = urllib3.Timeout(connect=5.0, read=20.0)
 
@@ -202,13 +202,8 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
         label: ["server", "--host", "127.0.0.1", "--port", "0", *args]  # binds nothing fixed
         for label, (args, _) in cases.items()
     }
-    if part == "in-process":
-        outcomes = {}
-        for label, command in commands.items():
-            done = run_cli_in_process(*command)
-            outcomes[label] = (done.returncode, done.stdout, done.stderr)
-    else:
-        outcomes = run_all(commands)  # all at once: each pays the interpreter's start-up
+    in_process = part == "in-process"  # run_all: at once, as each pays the interpreter's start
+    outcomes = (run_each_in_process if in_process else run_all)(commands)
     for label, (code, stdout, stderr) in outcomes.items():
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2, (label, code, stderr)

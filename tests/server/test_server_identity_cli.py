@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_all, run_cli_in_process
+from processes import run_all, run_each_in_process
 
 ENROLL = "enroll-token-0123456789"
 
@@ -80,13 +80,8 @@ def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path, par
     needles["status ca file missing"] = ["--ca-file", "does not exist"]
     if part == "one-process":
         commands = dict(list(commands.items())[:1])
-    if part == "in-process":
-        outcomes = {}
-        for label, command in commands.items():
-            done = run_cli_in_process(*command)
-            outcomes[label] = (done.returncode, done.stdout, done.stderr)
-    else:
-        outcomes = run_all(commands)
+    in_process = part == "in-process"
+    outcomes = (run_each_in_process if in_process else run_all)(commands)
     for label, (code, stdout, stderr) in outcomes.items():
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2, (label, code, stderr)

@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from diloco.algorithm import OuterOptimizer
+from diloco.algorithm import OuterOptimizer, pseudo_gradient
 from diloco.server.settings import ServerSettings
-from diloco.wire import decode_tensors
+from diloco.wire import decode_tensors, encode_tensors
 from diloco.worker import DiLoCoClient, DiLoCoWorker, ServerSettingsError, WorkerSettings
 
 
@@ -367,4 +367,23 @@ def test_a_round_s_blocked_time_is_split_into_its_phases(live_server) -> None:
         assert sum(phases[name] for name in parts) == pytest.approx(phases["blocked"], abs=1e-3)
         assert phases["upload"] > 0 and phases["download"] > 0 and phases["encode"] > 0
         assert worker.client.stats.bytes_received > received
+        worker.close(final_sync=False)
+
+
+def test_the_fp32_body_is_computed_into_one_buffer_kept_across_rounds(live_server) -> None:
+    """anchor - local is written straight into the upload body: the same bytes as encoding
+    the pseudo-gradient, in the same buffer every round."""
+    with live_server(ServerSettings(sync_every=2)) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, heartbeat=False)
+        buffers = set()
+        for round_number in range(1, 4):
+            train(model, optimizer, steps=1, seed=round_number)
+            expected = encode_tensors(pseudo_gradient(worker.anchor, model.state_dict()))
+            assert worker._plain_body() == expected
+            buffers.add(id(worker._upload_buffer[1]))
+            train(model, optimizer, steps=1, seed=10 + round_number)  # the round's sync
+            assert worker.rounds == round_number
+        assert len(buffers) == 1
         worker.close(final_sync=False)

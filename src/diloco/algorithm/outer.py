@@ -78,6 +78,41 @@ def _difference(name: str, anchor: torch.Tensor, local: torch.Tensor) -> torch.T
     return anchor.to(torch.int64) - local.to(torch.int64)
 
 
+def pseudo_gradient_into(
+    anchor: Mapping[str, torch.Tensor],
+    local: Mapping[str, torch.Tensor],
+    out: Mapping[str, torch.Tensor],
+) -> None:
+    """`pseudo_gradient` written into `out` (per name a CPU tensor of its shape: float32 for
+    floating tensors, int64 for the others), element for element the same values, with no
+    model-sized temporary: a worker computes it straight into its upload body."""
+    _check_same_names(anchor, local)
+    for name, target in out.items():
+        ours, theirs = anchor[name].detach(), local[name].detach()
+        if tuple(ours.shape) != tuple(theirs.shape) or tuple(target.shape) != tuple(ours.shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(ours.shape)} in the anchor, "
+                f"{tuple(theirs.shape)} locally and {tuple(target.shape)} in the output"
+            )
+        ours, theirs = ours.to("cpu"), theirs.to("cpu")
+        floating = ours.is_floating_point() or theirs.is_floating_point()
+        wide = torch.float32 if floating else torch.int64
+        if target.dtype != wide:
+            raise ValueError(f"tensor {name!r}: the output is {target.dtype}, expected {wide}")
+        torch.sub(ours.to(wide), theirs.to(wide), out=target)
+
+
+def _check_same_names(
+    anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
+) -> None:
+    missing = [name for name in anchor if name not in local]
+    extra = [name for name in local if name not in anchor]
+    if missing or extra:
+        raise ValueError(
+            f"anchor and local tensors differ: missing locally {missing}, not in anchor {extra}"
+        )
+
+
 def pseudo_gradient(
     anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
 ) -> TensorDict:
@@ -87,12 +122,7 @@ def pseudo_gradient(
     and bool tensors are subtracted exactly in int64 and stay int64, so that no float wire
     dtype can round them.
     """
-    missing = [name for name in anchor if name not in local]
-    extra = [name for name in local if name not in anchor]
-    if missing or extra:
-        raise ValueError(
-            f"anchor and local tensors differ: missing locally {missing}, not in anchor {extra}"
-        )
+    _check_same_names(anchor, local)
     return {name: _difference(name, anchor[name], local[name]) for name in anchor}
 
 
