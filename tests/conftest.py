@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-# Every process of the suite gets one torch thread (a thread budget, diloco/commands/threads.py):
-# pytest-xdist runs two tests at once on this 2-core machine, each with its server and worker
-# processes, and spinning thread pools in each of them slowed the whole suite.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 import subprocess
 import threading
 import time
@@ -27,8 +20,6 @@ from diloco.server.members.credentials import Credentials
 from diloco.server.ops.launch import start_server, stop_process
 from diloco.server.settings import ServerSettings
 from processes import reap_workers
-
-torch.set_num_threads(1)  # (in case a plugin imported torch before the variable was set)
 
 
 @pytest.fixture(scope="session")

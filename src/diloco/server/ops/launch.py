@@ -4,6 +4,7 @@ benchmarks and the tests, which all need a real server process and its URL."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -69,10 +70,26 @@ def stop_process(process: subprocess.Popen, grace: float = 15.0) -> None:
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` ports the OS says are free now (held open together, so they differ)."""
-    sockets = []
+    """`count` ports that are free now (held open together, so they differ), chosen below the
+    kernel's ephemeral range where it has one: a port that a process binds seconds later
+    (once its interpreter started) is then never one that another process's `port 0` or
+    outgoing connection took meanwhile, as happened to `diloco cluster` beside other servers
+    starting in parallel tests."""
+    low = _ephemeral_low()
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        candidates = random.sample(range(10_000, low), min(200, low - 10_000)) if low else []
+        for port in candidates:
+            if len(sockets) == count:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+        while len(sockets) < count:  # no such range: the OS's own choice
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((host, 0))
             sockets.append(sock)
@@ -80,6 +97,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of Linux's ephemeral range when it leaves room below it, else None."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return low if low > 11_000 else None
 
 
 def start_shards(
