@@ -41,7 +41,7 @@ import urllib3
 from diloco.commands.threads import machine_cores, split_cores
 from diloco.console import check_output_path, err, fail, out, summary_table, write_json
 from diloco.server.ops.launch import start_server, stop_process
-from wire import raw_tcp  # benchmarks/ is sys.path[0]
+from wire import _memory_kb, raw_tcp  # benchmarks/ is sys.path[0]
 
 RESULTS = Path(__file__).parent / "results"
 CONTEXT = mp.get_context("spawn")
@@ -165,13 +165,6 @@ def _server_parts(url: str) -> dict[str, dict[str, float]]:
     return parts
 
 
-def _vm_hwm_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def run_one(
     size: str,
     codec: str,
@@ -185,9 +178,9 @@ def run_one(
     width, depth = SIZES[size]
     from diloco.models.gpt import GPTConfig
 
-    parameters = sum(
-        p.numel() for p in GPTConfig(context=16, width=width, depth=depth).build().parameters()
-    )
+    with torch.device("meta"):  # counted, not allocated (1B would be 4 GB here)
+        model = GPTConfig(context=16, width=width, depth=depth).build()
+    parameters = sum(p.numel() for p in model.parameters())
     server_threads = 1 if device == "cpu" else min(4, machine_cores())
     worker_threads = split_cores(workers + 1) if device == "cpu" else 1
     mode_args = ["--mode", mode] + (
@@ -225,7 +218,7 @@ def run_one(
             if process.exitcode != 0:
                 raise RuntimeError(f"a worker failed (exit {process.exitcode}); see {directory}")
         parts = _server_parts(url)
-        server_peak_mb = _vm_hwm_mb(server.pid)
+        server_peak_mb = _memory_kb(server.pid, "VmHWM") / 1024
     finally:
         stop_process(server)
     reports = [json.loads(path.read_text()) for path in paths]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import urllib3
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
@@ -50,3 +51,25 @@ def test_a_model_too_large_for_the_machine_is_refused_naming_the_sizes() -> None
     coordinator.registrar.available_memory = lambda: 17696
     assert coordinator.register("w0", SPECS, protocol_version=1)["worker_id"] == "w0"
     assert coordinator.model.specs is not None
+
+
+def test_over_http_the_refusal_is_a_507_json_body_and_the_run_has_no_model(live_server) -> None:
+    tensors = [
+        {"name": s.name, "shape": list(s.shape), "dtype": d, "kind": s.kind}
+        for s, d in zip(SPECS, ("float32", "bfloat16", "int64"), strict=True)
+    ]
+    body = {"protocol_version": 1, "worker_id": "w0", "tensors": tensors}
+    with live_server() as server:
+        server.coordinator.registrar.available_memory = lambda: 10_000
+        pool = urllib3.PoolManager(timeout=30)
+        headers = {"X-Diloco-Protocol": "1"}
+        answer = pool.request("POST", server.url + "/v1/workers", json=body, headers=headers)
+        assert answer.status == 507, answer.data
+        refusal = answer.json()
+        assert refusal["kind"] == "insufficient_memory"
+        assert refusal["detail"] == {
+            "model_bytes": 4424, "needed_bytes": 17696, "available_bytes": 10_000
+        }  # fmt: skip
+        assert "this model is 0 MiB in fp32" in refusal["error"]
+        info = pool.request("GET", server.url + "/v1/info").json()
+        assert info["model_fingerprint"] is None

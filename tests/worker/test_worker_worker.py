@@ -381,8 +381,9 @@ def test_the_fp32_body_is_computed_into_one_buffer_kept_across_rounds(live_serve
         for round_number in range(1, 4):
             train(model, optimizer, steps=1, seed=round_number)
             expected = encode_tensors(pseudo_gradient(worker.anchor, model.state_dict()))
-            assert worker._plain_body() == expected
-            buffers.add(id(worker._upload_buffer[1]))
+            body = worker._uploads.plain_body(worker.anchor, model.state_dict())
+            assert body == expected
+            buffers.add(id(body))
             train(model, optimizer, steps=1, seed=10 + round_number)  # the round's sync
             assert worker.rounds == round_number
         assert len(buffers) == 1

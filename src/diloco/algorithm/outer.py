@@ -71,11 +71,15 @@ def _difference(name: str, anchor: torch.Tensor, local: torch.Tensor) -> torch.T
         )
     anchor = anchor.detach().to("cpu")
     local = local.detach().to("cpu")
-    if anchor.is_floating_point() or local.is_floating_point():
-        return anchor.to(torch.float32) - local.to(torch.float32)
-    # Integers and bools: exactly, in int64 (and so on the wire, whatever the float dtype:
-    # bf16 would turn a difference of 257 into 256).
-    return anchor.to(torch.int64) - local.to(torch.int64)
+    wide = _difference_dtype(anchor, local)
+    return anchor.to(wide) - local.to(wide)
+
+
+def _difference_dtype(anchor: torch.Tensor, local: torch.Tensor) -> torch.dtype:
+    """float32 when either is floating; else int64: integers and bools are subtracted exactly
+    (and so travel exactly, whatever the float wire dtype: bf16 would turn 257 into 256)."""
+    floating = anchor.is_floating_point() or local.is_floating_point()
+    return torch.float32 if floating else torch.int64
 
 
 def pseudo_gradient_into(
@@ -95,8 +99,7 @@ def pseudo_gradient_into(
                 f"{tuple(theirs.shape)} locally and {tuple(target.shape)} in the output"
             )
         ours, theirs = ours.to("cpu"), theirs.to("cpu")
-        floating = ours.is_floating_point() or theirs.is_floating_point()
-        wide = torch.float32 if floating else torch.int64
+        wide = _difference_dtype(ours, theirs)
         if target.dtype != wide:
             raise ValueError(f"tensor {name!r}: the output is {target.dtype}, expected {wide}")
         torch.sub(ours.to(wide), theirs.to(wide), out=target)

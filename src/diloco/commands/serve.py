@@ -11,7 +11,6 @@ from diloco.commands.options import TokenFileOption, TokenOption, read_token
 from diloco.commands.threads import (
     SERVER_DEFAULT_THREADS,
     apply_thread_budget,
-    check_threads,
     server_threads,
 )
 from diloco.console import err, fail
@@ -213,10 +212,9 @@ def server_command(
     if not max_body_mib > 0:
         raise fail(f"--max-body-mib must be > 0, got {max_body_mib}")
     try:
-        check_threads(threads)
+        apply_thread_budget(server_threads(threads))
     except ValueError as exc:
         raise fail(str(exc)) from None
-    apply_thread_budget(server_threads(threads))
     try:
         mode_options = _mode_options(
             mode,

@@ -19,7 +19,7 @@ from diloco.commands.options import (
     read_token,
     require_positive,
 )
-from diloco.commands.threads import apply_thread_budget, check_threads
+from diloco.commands.threads import apply_thread_budget
 from diloco.console import (
     check_output_path,
     err,
@@ -191,12 +191,11 @@ def worker_command(
     if not 0 <= data_seed < 2**63:
         raise fail(f"--data-seed must be in [0, 2**63), got {data_seed}")
     try:
-        check_threads(threads)
         train_device = training_device(device)
         autocast_dtype = autocast_dtype_of(dtype)
+        apply_thread_budget(threads)
     except ValueError as exc:
         raise fail(str(exc)) from None
-    apply_thread_budget(threads)
     secret = read_token(token, token_file)
     check_ca_file(ca_file)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -25,8 +25,10 @@ import torch
 
 from diloco.algorithm import TensorKind
 from diloco.algorithm.codecs import Codec
+from diloco.algorithm.outer import pseudo_gradient_into
 from diloco.wire import TensorSpec, encode_tensors, fingerprint
 from diloco.wire.compressed.body import encode_compressed
+from diloco.wire.format.layout import FrameLayout
 
 log = logging.getLogger("diloco.worker")
 
@@ -45,6 +47,7 @@ class UploadCoder:
         self.beta = float(beta)
         self.coded_names = {s.name for s in specs if s.kind == TensorKind.TRAINABLE.value}
         self.residual: dict[str, torch.Tensor] = {}
+        self._plain_buffer: tuple[FrameLayout, bytearray] | None = None  # (plain_body)
         # The residuals before the body under way: what they go back to if the server never
         # folds it in (see `settle`); None when nothing is pending.
         self._before: dict[str, torch.Tensor | None] | None = None
@@ -78,6 +81,30 @@ class UploadCoder:
         if self.keeps_residual:
             self._subtract(coded, sent)
         return sent
+
+    def plain_body(
+        self, anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
+    ) -> bytearray:
+        """The identity codec's body with anchor - local computed straight into it, in the
+        last body's buffer when the layout is the same: no model-sized gradient or body is
+        allocated, page-faulted and copied each round. The last body's request must be over
+        (sync mode: the next round syncs after it)."""
+        layout = FrameLayout.plan(
+            {
+                name: (
+                    tuple(tensor.shape),
+                    torch.float32 if tensor.is_floating_point() else torch.int64,
+                )
+                for name, tensor in anchor.items()
+            }
+        )
+        kept = self._plain_buffer
+        buffer = kept[1] if kept is not None and kept[0] == layout else bytearray(layout.size)
+        self._plain_buffer = (layout, buffer)
+        body = torch.frombuffer(buffer, dtype=torch.uint8)
+        layout.write_header(body)
+        pseudo_gradient_into(anchor, local, layout.views(body))
+        return buffer
 
     def body(self, gradient: Mapping[str, torch.Tensor]) -> bytearray:
         """The body that uploads `gradient` (anchor - local); updates the residuals."""

@@ -32,9 +32,7 @@ import torch
 from torch import nn
 
 from diloco.algorithm import classify_tensors
-from diloco.algorithm.outer import pseudo_gradient_into
 from diloco.wire import decode_tensors, encode_tensors, specs_of
-from diloco.wire.format.layout import FrameLayout
 from diloco.worker.anchor import Anchor
 from diloco.worker.data.tokens import TokenTally
 from diloco.worker.data.trace import SampleTrace
@@ -176,7 +174,6 @@ class DiLoCoWorker(WorkerResumption):
         # where the last round's blocked time went (see _phases); None before the first
         self.last_round_phases: dict[str, float] | None = None
         self._encode_seconds = self._apply_seconds = 0.0
-        self._upload_buffer: tuple[FrameLayout, bytearray] | None = None  # (_plain_body)
         self.dropped_round = False  # a resume inside a round the server had gone past
         self._checkpointer: Checkpointer | None = None
         distributed.check_same_choice("checkpoint_dir", checkpoint_dir is not None)
@@ -461,7 +458,7 @@ class DiLoCoWorker(WorkerResumption):
         session = self._leader_session()
         encoding = time.monotonic()
         if body is None and self._uploads.codec.is_identity:
-            body = self._plain_body()
+            body = self._uploads.plain_body(self._anchor.tensors, self.model.state_dict())
         elif body is None:
             gradient = self._anchor.pseudo_gradient()
             body = self._uploads.body(gradient)
@@ -484,29 +481,6 @@ class DiLoCoWorker(WorkerResumption):
         if result.rebase_rounds is None:
             self._units.reported(units)
         return result
-
-    def _plain_body(self) -> bytearray:
-        """The fp32 upload body with anchor - local computed straight into it, in the last
-        round's buffer when the layout is the same: no model-sized gradient or body is
-        allocated, page-faulted and copied each round. (The last body's request is over by
-        the time the next round syncs.)"""
-        anchor = self._anchor.tensors
-        layout = FrameLayout.plan(
-            {
-                name: (
-                    tuple(tensor.shape),
-                    torch.float32 if tensor.is_floating_point() else torch.int64,
-                )
-                for name, tensor in anchor.items()
-            }
-        )
-        kept = self._upload_buffer
-        buffer = kept[1] if kept is not None and kept[0] == layout else bytearray(layout.size)
-        self._upload_buffer = (layout, buffer)
-        body = torch.frombuffer(buffer, dtype=torch.uint8)
-        layout.write_header(body)
-        pseudo_gradient_into(anchor, self.model.state_dict(), layout.views(body))
-        return buffer
 
     def _values_after_delta(self, body: bytearray, fragment: int) -> dict[str, torch.Tensor]:
         """A result sent as a coded delta (--download-codec): the new values from our anchor."""
