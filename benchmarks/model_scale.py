@@ -1,11 +1,14 @@
 """Rounds at the model sizes users train, against the physical limits measured in the same run.
 
-For each model size (the bundled byte-level GPT at 25M, 85M, 350M or 1B parameters), codec and
-mode, one real `diloco server` (with --state-dir: every round durable) and K real worker
-processes that train through the public `DiLoCoWorker` API (AdamW, batch 1, context 16, so the
-training itself is short and the round is what is measured). Per round it reports:
-  - each worker's blocked time, split into encode (pseudo-gradient and upload body), upload,
-    wait (until the result is ready), download and apply (`DiLoCoWorker.last_round_phases`);
+For each model size (the bundled byte-level GPT at 25M, 85M, 125M, 350M or 1B parameters),
+codec and mode, one real `diloco server` (with --state-dir: every round durable) and K real
+worker processes that train through the public `DiLoCoWorker` API (AdamW; by default batch 1,
+context 16, so the training itself is short and the round is what is measured; a GPU run
+gives real batches with --batch-size, --context and --dtype bf16). Per round it reports:
+  - each worker's compute and blocked time (the share of its time its sync hook took: a sync
+    round, or a streaming fragment's send and merge), and in sync mode the blocked time split
+    into encode, upload, wait (until the result is ready), download and apply
+    (`DiLoCoWorker.last_round_phases`);
   - the server's parts (its /metrics `diloco_round_part_seconds`): scan and fold per body,
     outer step, delta coding, the durable checkpoint write, the whole commit;
   - bytes up and down per worker, and the peak RSS of the server and of each worker (a worker's
@@ -18,7 +21,8 @@ over (loopback + memory pass). Writes benchmarks/results/model_scale.md and .jso
 
     python benchmarks/model_scale.py                                   # 25M and 85M
     python benchmarks/model_scale.py --sizes 85M --codecs int8 --rounds 3 --out-dir /tmp/ms
-    python benchmarks/model_scale.py --device cuda --sizes 85M,350M --sync-every 100
+    python benchmarks/model_scale.py --device cuda --sizes 125M --codecs int8 --dtype bf16 \
+        --batch-size 16 --context 256 --sync-every 100 --modes sync,streaming --max-seconds 120
 """
 
 from __future__ import annotations
@@ -47,7 +51,14 @@ RESULTS = Path(__file__).parent / "results"
 CONTEXT = mp.get_context("spawn")
 # width, depth of the bundled GPT (12 w^2 parameters a block, plus 256 w of embeddings)
 # ("2M" is for the benchmark's own test: a round of it takes a fraction of a second)
-SIZES = {"2M": (256, 2), "25M": (512, 8), "85M": (768, 12), "350M": (1024, 28), "1B": (2048, 20)}
+SIZES = {
+    "2M": (256, 2),
+    "25M": (512, 8),
+    "85M": (768, 12),
+    "125M": (768, 18),
+    "350M": (1024, 28),
+    "1B": (2048, 20),
+}
 CODECS = {
     "fp32": [],
     "int8": ["--upload-codec", "int8", "--download-codec", "int8"],
@@ -63,66 +74,73 @@ def _rss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _worker(
-    url: str, index: int, size: str, rounds: int, device: str, threads: int, path: str
-) -> None:
-    """Train `rounds` rounds of H steps (the server's H) and write what each round cost."""
-    torch.set_num_threads(threads)
+def _worker(url: str, index: int, job: dict, path: str) -> None:
+    """Train `rounds` windows of H steps (H: the server's) and write what they cost.
+
+    Each step's time is split in two by an optimizer hook registered before the worker's own:
+    compute (forward, backward, the optimizer's update; on a GPU up to a synchronize) and
+    blocked (what the worker's sync hook then took: a sync round, or a streaming fragment's
+    send and merge). The report is rewritten after every window, so a run cut short by its
+    deadline still tells what it measured."""
+    torch.set_num_threads(job["threads"])
     from diloco.models.gpt import GPTConfig
     from diloco.worker import DiLoCoWorker
 
-    width, depth = SIZES[size]
-    config = GPTConfig(context=16, width=width, depth=depth, heads=max(1, width // 64))
+    device = torch.device(job["device"])
+    width, depth = SIZES[job["size"]]
+    context, batch, sync_every = job["context"], job["batch_size"], job["sync_every"]
+    config = GPTConfig(context=context, width=width, depth=depth, heads=max(1, width // 64))
     torch.manual_seed(0)
     model = config.build().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(index)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job["dtype"] == "bf16")
+    marks: dict[str, float] = {}
 
-    def step() -> float:
-        tokens = torch.randint(0, 256, (1, 17), generator=generator).to(device)
+    def computed(*_args: object) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        marks["computed"] = time.perf_counter()
+
+    def step() -> tuple[float, float]:
+        tokens = torch.randint(0, 256, (batch, context + 1), generator=generator).to(device)
         started = time.perf_counter()
-        config.loss(model, tokens[:, :-1], tokens[:, 1:]).backward()
+        with autocast:
+            loss = config.loss(model, tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        return time.perf_counter() - started
+        ended = time.perf_counter()
+        return marks["computed"] - started, ended - marks["computed"]
 
+    optimizer.register_step_post_hook(computed)  # before the worker's: it runs first
     step()  # the training state (gradients, AdamW's moments) exists from here on
     training_state_kb = _rss_kb()
     worker = DiLoCoWorker(model, optimizer, url, worker_id=f"w{index}", result_wait=120)
-    per_round: list[dict] = []
-    compute = 0.0
     assert worker.client is not None
-    sent, received = worker.client.stats.bytes_sent, worker.client.stats.bytes_received
-    while worker.rounds < rounds:
-        before = worker.rounds
-        seconds = step()
-        if worker.rounds == before:
-            compute += seconds
+    report: dict = {"rounds": [], "windows": 0, "training_state_mb": training_state_kb / 1024}
+    steady = {"compute": 0.0, "blocked": 0.0, "up": 0, "down": 0}
+    window = {"compute": 0.0, "blocked": 0.0}
+    for number in range(1, job["rounds"] * sync_every + 1):
+        rounds_before = worker.rounds
+        compute, blocked = step()
+        window["compute"] += compute
+        window["blocked"] += blocked
+        if worker.rounds != rounds_before:  # a sync round ended in this step's hook
+            report["rounds"].append({**(worker.last_round_phases or {}), **window})
+        if number % sync_every:
             continue
-        phases = dict(worker.last_round_phases or {})
         stats = worker.client.stats
-        per_round.append(
-            {
-                **phases,
-                "compute": compute,
-                "up": stats.bytes_sent - sent,  # heartbeats' few bytes included
-                "down": stats.bytes_received - received,
-            }
-        )
-        sent, received, compute = stats.bytes_sent, stats.bytes_received, 0.0
-    stats = worker.stats()
+        if number == sync_every:  # the first window carries the start: the rest count
+            sent, received = stats.bytes_sent, stats.bytes_received
+        else:
+            steady["compute"] += window["compute"]
+            steady["blocked"] += window["blocked"]
+            steady["up"], steady["down"] = stats.bytes_sent - sent, stats.bytes_received - received
+        window = {"compute": 0.0, "blocked": 0.0}
+        report.update(windows=number // sync_every, steady=steady, peak_rss_mb=_rss_kb() / 1024)
+        Path(path).write_text(json.dumps(report))
     worker.close(final_sync=False)
-    Path(path).write_text(
-        json.dumps(
-            {
-                "rounds": per_round,
-                "bytes_sent": stats["bytes_sent"],
-                "bytes_received": stats["bytes_received"],
-                "training_state_mb": training_state_kb / 1024,
-                "peak_rss_mb": _rss_kb() / 1024,
-            }
-        )
-    )
 
 
 # ------------------------------------------------------------------ the physical limits
@@ -165,26 +183,19 @@ def _server_parts(url: str) -> dict[str, dict[str, float]]:
     return parts
 
 
-def run_one(
-    size: str,
-    codec: str,
-    mode: str,
-    workers: int,
-    rounds: int,
-    sync_every: int,
-    device: str,
-    scratch: Path,
-) -> dict:
+def run_one(size: str, codec: str, mode: str, settings: dict, scratch: Path) -> dict:
+    """One server and `workers` worker processes; the row of the results table."""
     width, depth = SIZES[size]
     from diloco.models.gpt import GPTConfig
 
     with torch.device("meta"):  # counted, not allocated (1B would be 4 GB here)
-        model = GPTConfig(context=16, width=width, depth=depth).build()
+        model = GPTConfig(context=settings["context"], width=width, depth=depth).build()
     parameters = sum(p.numel() for p in model.parameters())
+    workers, device, sync_every = settings["workers"], settings["device"], settings["sync_every"]
     server_threads = 1 if device == "cpu" else min(4, machine_cores())
-    worker_threads = split_cores(workers + 1) if device == "cpu" else 1
+    fragments = min(4, depth)
     mode_args = ["--mode", mode] + (
-        ["--fragments", "4", "--delay", "1"] if mode == "streaming" else []
+        ["--fragments", str(fragments), "--delay", "1"] if mode == "streaming" else []
     )
     directory = Path(tempfile.mkdtemp(dir=scratch))
     log = (directory / "server.log").open("wb")
@@ -202,49 +213,69 @@ def run_one(
         *mode_args,
         output=log,
     )
+    job = {
+        "size": size,
+        "device": device,
+        "threads": split_cores(workers + 1),
+        **{k: settings[k] for k in ("rounds", "sync_every", "context", "batch_size", "dtype")},
+    }
+    cut_short = False
     try:
         paths = [directory / f"w{i}.json" for i in range(workers)]
         group = [
-            CONTEXT.Process(
-                target=_worker,
-                args=(url, i, size, rounds, device, worker_threads, str(paths[i])),
-            )
+            CONTEXT.Process(target=_worker, args=(url, i, job, str(paths[i])))
             for i in range(workers)
         ]
         for process in group:
             process.start()
+        deadline = time.monotonic() + settings["max_seconds"]
         for process in group:
-            process.join(timeout=3600)
-            if process.exitcode != 0:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.exitcode is None:  # past the deadline: what was written counts
+                cut_short = True
+                process.kill()
+                process.join(timeout=30)
+            elif process.exitcode != 0:
                 raise RuntimeError(f"a worker failed (exit {process.exitcode}); see {directory}")
         parts = _server_parts(url)
         server_peak_mb = _memory_kb(server.pid, "VmHWM") / 1024
     finally:
         stop_process(server)
-    reports = [json.loads(path.read_text()) for path in paths]
+    reports = [json.loads(path.read_text()) for path in paths if path.exists()]
+    windows = min((r["windows"] for r in reports), default=0)
+    if len(reports) < workers or windows < 2:
+        raise RuntimeError(
+            f"{size} {codec} {mode}: fewer than 2 windows in {settings['max_seconds']:g} s "
+            f"(--max-seconds); see {directory}"
+        )
+    steady_rounds = windows - 1
     # the first round carries the start (joins, the first download): the steady ones count
-    steady = [r for report in reports for r in report["rounds"][1:]] or [
-        r for report in reports for r in report["rounds"]
-    ]
-    up = int(statistics.median(r["up"] for r in steady))
-    down = int(statistics.median(r["down"] for r in steady))
+    rounds = [r for report in reports for r in report["rounds"][1:]]
+    up = int(statistics.median(r["steady"]["up"] for r in reports) / steady_rounds)
+    down = int(statistics.median(r["steady"]["down"] for r in reports) / steady_rounds)
     loopback = loopback_seconds(up, down, workers)
     memory = memory_pass_seconds(parameters, server_threads)
-    blocked = statistics.median(r["blocked"] for r in steady)
+    blocked = statistics.median(r["steady"]["blocked"] for r in reports) / steady_rounds
+    compute = statistics.median(r["steady"]["compute"] for r in reports) / steady_rounds
     return {
         "size": size,
         "parameters": parameters,
         "codec": codec,
         "mode": mode,
-        "workers": workers,
-        "rounds": rounds,
-        "sync_every": sync_every,
-        "device": device,
+        "fragments": fragments if mode == "streaming" else 1,
+        **{k: settings[k] for k in ("workers", "sync_every", "device", "context", "batch_size")},
+        "dtype": settings["dtype"],
+        "rounds": windows,
+        "cut_short": cut_short,
         "server_threads": server_threads,
-        "worker_threads": worker_threads,
+        "worker_threads": job["threads"],
         "blocked_seconds": blocked,
-        "phases": {p: statistics.median(r.get(p, 0.0) for r in steady) for p in PHASES},
-        "compute_seconds": statistics.median(r["compute"] for r in steady),
+        "compute_seconds": compute,
+        "blocked_fraction": blocked / (blocked + compute) if blocked + compute else 0.0,
+        # sync mode: where a round's blocked time went (streaming has no rounds to split)
+        "phases": {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
+        if rounds
+        else None,
         "server_parts": {
             part: parts.get(part, {}).get("sum", 0.0)
             / max(1.0, parts.get(part, {}).get("count", 0))
@@ -275,6 +306,12 @@ def main(
     rounds: int = typer.Option(4, help="Rounds per configuration (the first is not counted)."),
     sync_every: int = typer.Option(4, help="H: inner steps per round."),
     device: str = typer.Option("cpu", help="cpu or cuda (the workers' device)."),
+    dtype: str = typer.Option("fp32", help="fp32, or bf16 (autocast for the training steps)."),
+    context: int = typer.Option(16, help="Tokens per sequence of a training step."),
+    batch_size: int = typer.Option(1, help="Sequences per training step."),
+    max_seconds: float = typer.Option(
+        3600, help="Per configuration: past it the workers stop and what they measured counts."
+    ),
     out_dir: Path = typer.Option(RESULTS, help="Where model_scale.md and .json go."),
 ) -> None:
     """Measure rounds at real model sizes against loopback and a memory pass."""
@@ -297,6 +334,20 @@ def main(
         raise fail(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise fail("--device cuda: torch sees no CUDA device on this machine")
+    if dtype not in ("fp32", "bf16"):
+        raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    if context < 1 or batch_size < 1 or not max_seconds > 0:
+        raise fail("--context, --batch-size and --max-seconds must be positive")
+    settings = {
+        "workers": workers,
+        "rounds": rounds,
+        "sync_every": sync_every,
+        "device": device,
+        "dtype": dtype,
+        "context": context,
+        "batch_size": batch_size,
+        "max_seconds": max_seconds,
+    }
     check_output_path(out_dir / "model_scale.json", "--out-dir")
     results = []
     with tempfile.TemporaryDirectory(prefix="diloco-model-scale-") as scratch:
@@ -305,13 +356,16 @@ def main(
                 for mode in mode_list:
                     err.print(f"{size} {codec} {mode}: {workers} workers x {rounds} rounds ...")
                     started = time.perf_counter()
-                    row = run_one(
-                        size, codec, mode, workers, rounds, sync_every, device, Path(scratch)
-                    )
+                    try:
+                        row = run_one(size, codec, mode, settings, Path(scratch))
+                    except RuntimeError as exc:
+                        raise fail(str(exc), code=1) from None
                     err.print(
-                        f"  blocked {row['blocked_seconds']:.2f} s a round, "
-                        f"{row['ratio_to_limit']:.1f}x the limit "
-                        f"({time.perf_counter() - started:.0f} s)"
+                        f"  blocked {row['blocked_seconds']:.2f} s a round "
+                        f"({100 * row['blocked_fraction']:.1f} % of the worker's time), "
+                        f"{row['ratio_to_limit']:.1f}x the limit; {row['rounds']} rounds"
+                        f"{' (cut short by --max-seconds)' if row['cut_short'] else ''} "
+                        f"in {time.perf_counter() - started:.0f} s"
                     )
                     results.append(row)
     document = {
@@ -319,6 +373,7 @@ def main(
             "platform": platform.platform(),
             "cores": machine_cores(),
             "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         },
         "results": results,
     }
@@ -335,7 +390,10 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
         "model",
         "codec",
         "mode",
+        "device",
+        "compute s",
         "blocked s",
+        "blocked %",
         "limit s (loopback + pass)",
         "ratio",
         "encode/upload/wait/download/apply s",
@@ -351,11 +409,16 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
             [
                 f"{r['size']} ({r['parameters'] / 1e6:.1f}M)",
                 r["codec"],
-                r["mode"],
+                r["mode"] + (f" ({r['fragments']} fragments)" if r["mode"] == "streaming" else ""),
+                f"{r['device']} {r['dtype']}",
+                f"{r['compute_seconds']:.2f}",
                 f"{r['blocked_seconds']:.2f}",
+                f"{100 * r['blocked_fraction']:.1f}",
                 f"{r['loopback_seconds']:.2f} + {r['memory_pass_seconds']:.3f}",
                 f"{r['ratio_to_limit']:.1f}x",
-                "/".join(f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply")),
+                "/".join(f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply"))
+                if p
+                else "-",
                 "/".join(
                     f"{s[k]:.2f}" for k in ("fold", "outer_step", "delta", "checkpoint", "commit")
                 ),
@@ -377,8 +440,12 @@ def _markdown(document: dict) -> str:
         "`diloco server --state-dir` and K real `DiLoCoWorker` processes of the bundled GPT; "
         "the limit is measured in the same run: a plain loopback socket moving the round's "
         "bytes, plus one memory pass over the fp32 model. The ratio is a worker's median "
-        "blocked time per round over that limit. "
-        f"Machine: {machine['cores']} cores, {machine['platform']}, torch {machine['torch']}.",
+        "blocked time per round over that limit; blocked % is the share of a worker's time "
+        "its sync hook took (compute: the training steps of a round, on a GPU up to a "
+        "synchronize). "
+        f"Machine: {machine['cores']} cores, {machine['platform']}, torch {machine['torch']}"
+        + (f", {machine['gpu']}" if machine.get("gpu") else "")
+        + ".",
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "---|" * len(headers),

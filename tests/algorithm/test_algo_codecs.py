@@ -261,6 +261,21 @@ def test_a_tail_chunk_shorter_than_k_keeps_all_its_elements() -> None:
     assert Layout(5, codec).values == 4
 
 
+def test_ties_go_to_the_lower_index_in_a_short_tail_and_for_a_large_k() -> None:
+    """Every device keeps the same elements only if ties have one rule everywhere."""
+    codec = Codec("fp32", 0.5, chunk=8)  # k = 4
+    # chunk 0: 2 and -2 (indices 1, 6), then the zeros at 0 and 2; tail (6 zeros and -1): -1
+    # (index 6), then the lowest zeros 0, 1, 2
+    x = t([0, 2, 0, 0, 0, 0, -2, 0, *[0] * 6, -1])
+    encoded = encode(x, codec)
+    assert encoded.indices.tolist() == [0, 1, 2, 6, 0, 1, 2, 6]
+    assert encoded.codes.tolist() == [0, 2, 0, -2, 0, 0, 0, -1]
+    large = Codec("fp32", 0.75, chunk=32)  # k = 24, past the iterative search (16)
+    row = torch.zeros(32)
+    row[[3, 30]] = t([5, -5])  # two kept by size, then the 22 lowest zeros: 0-2, 4-22
+    assert encode(row, large).indices.tolist() == [0, 1, 2, 3, *range(4, 23), 30]
+
+
 def test_topk_with_int2_values() -> None:
     codec = Codec("int2", 0.5, block=8, chunk=4)  # k = 2
     # kept: chunk 0 -> -6 (1), 3 (2); chunk 1 -> -1.5 (2), 6 (3); values [-6, 3, -1.5, 6]

@@ -19,29 +19,51 @@ def run(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow  # two real workers and a server per configuration
 def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> None:
     result = run(
-        "--sizes", "2M", "--codecs", "fp32,int8", "--rounds", "3", "--sync-every", "2",
-        "--out-dir", str(tmp_path),
+        "--sizes", "2M", "--codecs", "fp32,int8", "--modes", "sync,streaming", "--rounds", "3",
+        "--sync-every", "4", "--out-dir", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "model_scale.json").read_text())["results"]
     assert [(r["size"], r["codec"], r["mode"]) for r in rows] == [
         ("2M", "fp32", "sync"),
+        ("2M", "fp32", "streaming"),
         ("2M", "int8", "sync"),
+        ("2M", "int8", "streaming"),
     ]
     for row in rows:
+        assert row["rounds"] == 3 and not row["cut_short"]
         assert row["loopback_seconds"] > 0 and row["memory_pass_seconds"] > 0
         limit = row["loopback_seconds"] + row["memory_pass_seconds"]
         assert row["ratio_to_limit"] == pytest.approx(row["blocked_seconds"] / limit)
-        assert set(row["phases"]) == {"encode", "upload", "wait", "download", "apply", "other"}
-        assert all(seconds >= 0 for seconds in row["phases"].values())
+        spent = row["blocked_seconds"] + row["compute_seconds"]
+        assert row["blocked_fraction"] == pytest.approx(row["blocked_seconds"] / spent)
         assert row["server_parts"]["fold"] > 0 and row["server_parts"]["checkpoint"] > 0
         assert row["server_peak_mb"] > row["model_mb"] > 0
-    fp32, int8 = rows
+    for row in rows[::2]:  # sync rounds split their blocked time; streaming has no rounds
+        assert set(row["phases"]) == {"encode", "upload", "wait", "download", "apply", "other"}
+        assert all(seconds >= 0 for seconds in row["phases"].values())
+    assert rows[1]["phases"] is None and rows[1]["fragments"] == 2  # 2M has 2 blocks
+    fp32, int8 = rows[0], rows[2]
     # fp32 moves the model's 4 bytes a parameter each way; int8 about a quarter of that
     assert fp32["bytes_up_per_round"] >= 4 * fp32["parameters"]
     assert int8["bytes_up_per_round"] < 0.4 * fp32["bytes_up_per_round"]
     assert int8["bytes_down_per_round"] < 0.4 * fp32["bytes_down_per_round"]
+    # streaming sends every fragment once a round: the same bytes as a sync round, within 10 %
+    assert rows[1]["bytes_up_per_round"] == pytest.approx(fp32["bytes_up_per_round"], rel=0.1)
     assert "| 2M (" in (tmp_path / "model_scale.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
+    """--max-seconds stops the workers and counts the rounds they finished."""
+    result = run(
+        "--sizes", "2M", "--codecs", "int8", "--rounds", "10000", "--sync-every", "2",
+        "--max-seconds", "12", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "model_scale.json").read_text())["results"]
+    assert row["cut_short"] and 2 <= row["rounds"] < 10000
+    assert "cut short by --max-seconds" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -54,6 +76,8 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
             ["--modes", "streaming", "--sync-every", "6"], "divisible by 4", marks=pytest.mark.slow
         ),
         pytest.param(["--device", "tpu"], "--device must be cpu or cuda", marks=pytest.mark.slow),
+        pytest.param(["--dtype", "fp16"], "--dtype must be fp32 or bf16", marks=pytest.mark.slow),
+        pytest.param(["--max-seconds", "0"], "must be positive", marks=pytest.mark.slow),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) -> None:

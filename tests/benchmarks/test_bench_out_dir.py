@@ -15,6 +15,7 @@ SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py") if path.name not 
 def test_every_benchmark_is_listed() -> None:
     """A new benchmark is added here on purpose, and so is known to have its checks below."""
     assert set(SCRIPTS) == {
+        "codec_devices.py",
         "codecs.py",
         "compression.py",
         "convergence.py",

@@ -343,6 +343,18 @@ class Encoded:
             None if self.indices is None else self.indices[v0:v1],
         )
 
+    def to(self, device: torch.device) -> Encoded:
+        """The same encoding on `device` (itself when it is there already): a receiver reads
+        parts into CPU memory and decodes next to its target, which may be a GPU's."""
+        if self.codes.device == device:
+            return self
+        return Encoded(
+            self.numel,
+            self.codes.to(device),
+            None if self.scales is None else self.scales.to(device),
+            None if self.indices is None else self.indices.to(device),
+        )
+
 
 def piece_elements(device: torch.device) -> int:
     """Elements per piece of work on `device`: cache-sized on CPU, large on accelerators."""
@@ -398,7 +410,9 @@ def _code_values(values: torch.Tensor, codec: Codec, piece: Encoded) -> None:
         values = torch.cat([values, values.new_zeros(padded - count)])
     blocks = values.view(-1, codec.block)
     absmax = torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
-    torch.div(absmax, codec.level_offset, out=piece.scales)
+    # by a tensor, not a Python number: CUDA multiplies by the reciprocal of a number (off by
+    # an ulp now and then), and a scale must be the same on every device
+    torch.div(absmax, absmax.new_tensor(codec.level_offset), out=piece.scales)
     safe = torch.where(piece.scales == 0, math.inf, piece.scales)  # x / inf = 0: zero codes
     scaled = torch.div(blocks, safe.unsqueeze(1))
     if codec.values == "int2":
@@ -448,8 +462,9 @@ def _select_top_k(
         indices[: full * k].copy_(columns.view(-1))
         torch.gather(rows, 1, columns, out=kept[: full * k].view(full, k))
     tail = x[full * chunk :]
-    if tail.numel():
-        columns = tail.abs().topk(min(k, tail.numel())).indices.sort().values
+    if tail.numel():  # one short row, its ties broken as a whole chunk's are
+        row = tail.reshape(1, -1)
+        columns = _top_k_columns(row, min(k, tail.numel()), _KeyCache()).view(-1)
         indices[full * k :].copy_(columns)
         kept[full * k :].copy_(tail[columns])
     return kept
@@ -465,11 +480,12 @@ def _top_k_columns(rows: torch.Tensor, k: int, keys: _KeyCache) -> torch.Tensor:
     the sign bit makes them the largest, so one max over the row finds it.
     """
     count, chunk = rows.shape
-    if k > _ITERATIVE_TOP_K:
-        return rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
     pairs = keys.get(count, chunk, rows.device)
     torch.bitwise_and(rows.view(torch.int32), 0x7FFFFFFF, out=pairs[..., _HIGH])
     key = pairs.view(torch.int64).view(count, chunk)
+    if k > _ITERATIVE_TOP_K:  # the keys are unique: any device's top-k finds the same set
+        low = key.topk(k, dim=1, sorted=False).values.bitwise_and_(_LOW_WORD)
+        return torch.sub(chunk - 1, low).sort(dim=1).values
     last = key.amax(1, keepdim=True)
     found = [last]
     shifted = torch.empty_like(key)
@@ -523,7 +539,11 @@ def decode_into(
     if codec.is_sparse:
         if encoded.numel:
             positions, values = _sparse_parts(encoded, codec)
-            flat.index_add_(0, positions, values, alpha=weight)
+            if flat.device.type == "cpu":
+                flat.index_add_(0, positions, values, alpha=weight)
+            else:  # CUDA's index_add_ adds atomically, flushing subnormals to zero; the
+                # positions are unique, so gather, add and scatter give the CPU's sums
+                flat.index_put_((positions,), flat[positions].add_(values, alpha=weight))
         return target
     for span in Layout(encoded.numel, codec).spans(piece_elements(flat.device)):
         piece, part = flat[span.start : span.stop], encoded.select(span)

@@ -173,8 +173,8 @@ def write_parts(
     folded = fold_into.view(-1) if fold_into is not None else None
     if not codec.is_quantized and not codec.is_sparse:
         codes.copy_(flat)  # fp32 / bf16: one (casting) copy
-        if folded is not None:
-            folded.add_(codes.float(), alpha=weight)
+        if folded is not None:  # what the receiver decodes: the codes, as fp32
+            folded.add_(codes.to(folded.device).float(), alpha=weight)
         return
     scales, indices = parts.get(SCALES), parts.get(INDICES)
     for span in Layout(flat.numel(), codec).spans(piece_elements(flat.device)):
@@ -281,9 +281,11 @@ def fold_entry(
 ) -> None:
     """target += weight * the decoded tensor, span by span, each span checked before it is
     added (`target`: contiguous fp32 of the tensor's size, any shape). A refusal part way
-    leaves the spans before it added: run `check_entry` first unless `target` is scratch."""
+    leaves the spans before it added: run `check_entry` first unless `target` is scratch.
+    `target` may live on an accelerator: each span's parts are decoded next to it."""
     codec = entry.layout.codec
     flat = target.view(-1)
     for span in entry.layout.spans(piece_elements(flat.device)):
         parts = {part: read(part, *where) for part, where in entry.part_ranges(span).items()}
-        decode_into(read_span(entry, span, parts), codec, flat[span.start : span.stop], weight)
+        piece = read_span(entry, span, parts).to(flat.device)
+        decode_into(piece, codec, flat[span.start : span.stop], weight)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU check, in one run of under 8 minutes on one H100 and with no network:
+#   1. every codec codes the same bytes from CUDA tensors as from CPU ones, and a delta moves
+#      CUDA weights bit for bit as CPU ones (benchmarks/codec_devices.py);
+#   2. two CUDA workers of a 125M GPT (bf16 autocast, batch 16 x 256 tokens, H = 100, int8
+#      both ways) train against a real server for about two minutes in sync mode, then in
+#      streaming mode (4 fragments, delay 1), and print the share of their time blocked in
+#      syncs beside the round's physical limit (benchmarks/model_scale.py).
+#
+#   benchmarks/gpu_check.sh [RESULTS_DIR]          # default: benchmarks/results/gpu_check
+#
+# Offline machines: a CUDA image has torch but not the server's web stack. Where PyPI is
+# reachable run `benchmarks/gpu_wheels.sh wheels 3.12` (the GPU machine's Python version),
+# copy the wheels folder beside the checkout; this script installs from it with
+# `pip install --no-index` into a temporary folder (nothing of the machine's changes).
+# Environment: DILOCO_WHEELS (the folder, default: wheels), PYTHON (default: python3),
+# GPU_CHECK_SECONDS (per mode, default 120), GPU_CHECK_DEVICE and GPU_CHECK_SIZE (default cuda
+# and 125M), GPU_CHECK_BATCH, GPU_CHECK_CONTEXT and GPU_CHECK_H (16, 256, 100). The script
+# itself runs on a machine without a GPU with: GPU_CHECK_DEVICE=cpu GPU_CHECK_SIZE=2M
+# GPU_CHECK_BATCH=1 GPU_CHECK_CONTEXT=16 GPU_CHECK_H=8 GPU_CHECK_SECONDS=20.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${1:-benchmarks/results/gpu_check}
+PYTHON=${PYTHON:-python3}
+WHEELS=${DILOCO_WHEELS:-wheels}
+PER_MODE=${GPU_CHECK_SECONDS:-120}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+SIZE=${GPU_CHECK_SIZE:-125M}
+BATCH=${GPU_CHECK_BATCH:-16}
+CONTEXT=${GPU_CHECK_CONTEXT:-256}
+H=${GPU_CHECK_H:-100}
+mkdir -p "$RESULTS" || exit 2
+export PYTHONUNBUFFERED=1 PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+started=$(date +%s)
+
+if ! "$PYTHON" -c "import diloco.server.http.app, diloco.worker" 2>/dev/null; then
+  if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
+    echo "gpu_check: diloco's dependencies are missing and $WHEELS holds no wheels: prepare" \
+      "them with benchmarks/gpu_wheels.sh $WHEELS <python version> where PyPI is reachable" >&2
+    exit 2
+  fi
+  site=$(mktemp -d)
+  "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$site" "$WHEELS"/*.whl || { echo "gpu_check: installing $WHEELS failed" >&2; exit 2; }
+  export PYTHONPATH="$PYTHONPATH:$site"
+  "$PYTHON" -c "import diloco.server.http.app, diloco.worker" || exit 2
+  echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS in $(($(date +%s) - started)) s"
+fi
+"$PYTHON" - <<'PY' | tee "$RESULTS/machine.txt"
+import os, platform, torch
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+print(f"{platform.node()}: {os.cpu_count()} cores, torch {torch.__version__}, {gpu}")
+PY
+
+status=0
+echo "== 1. codecs: CPU against $DEVICE"
+timeout 180 "$PYTHON" benchmarks/codec_devices.py --device "$DEVICE" \
+  --out-dir "$RESULTS" || status=1
+for mode in sync streaming; do
+  echo "== 2. two $DEVICE workers of a $SIZE GPT, $mode mode, about $PER_MODE s"
+  mkdir -p "$RESULTS/$mode"
+  timeout $((PER_MODE + 150)) "$PYTHON" benchmarks/model_scale.py --device "$DEVICE" \
+    --sizes "$SIZE" --codecs int8 --modes "$mode" --dtype bf16 --batch-size "$BATCH" \
+    --context "$CONTEXT" --sync-every "$H" --rounds 1000 --max-seconds "$PER_MODE" --out-dir "$RESULTS/$mode" || status=1
+done
+echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - started)) s;" \
+  "results in $RESULTS"
+exit $status

@@ -1,0 +1,74 @@
+"""The GPU check's parts stay runnable without a GPU: the codec comparison against the CPU
+itself, and the whole script on the CPU at a tiny size (what an offline H100 runs, smaller)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from processes import BENCHMARKS, run_benchmark
+
+
+def test_the_codec_comparison_reports_every_codec_and_check(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "codec_devices.py", "--device", "cpu", "--codecs", "int4,topk:0.03+int2",
+        "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "codec_devices.json").read_text())["results"]
+    assert [row["codec"] for row in rows] == ["int4", "topk:0.03+int2"]
+    for row in rows:  # the CPU against itself: a comparison that could not agree is broken
+        assert row["plain_body_identical"] and row["error_feedback_identical"]
+        assert row["delta_apply_identical"] and row["differing_tensors"] == []
+    # int4 packs two values a byte: well under an eighth of fp32's 4 bytes a value
+    assert 0 < rows[0]["body_bytes"] < 4 * (1 << 24) / 4
+    assert "| int4 |" in (tmp_path / "codec_devices.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--device", "cuda"], "torch sees no CUDA device"),
+        (["--device", "tpu!"], "--device must be a torch device"),
+        (["--device", "cpu", "--codecs", "int3"], "--codecs: unknown codec 'int3'"),
+    ],
+)
+def test_the_codec_comparison_refuses_bad_options_in_one_line(
+    tmp_path: Path, args: list[str], needle: str
+) -> None:
+    if args == ["--device", "cuda"] and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = run_benchmark("codec_devices.py", *args, "--out-dir", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # a server and two workers per mode, about a minute
+def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "GPU_CHECK_DEVICE": "cpu",
+        "GPU_CHECK_SIZE": "2M",
+        "GPU_CHECK_BATCH": "1",
+        "GPU_CHECK_CONTEXT": "16",
+        "GPU_CHECK_H": "4",
+        "GPU_CHECK_SECONDS": "15",
+    }
+    result = subprocess.run(
+        [str(BENCHMARKS / "gpu_check.sh"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=400, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "gpu_check: passed" in result.stdout
+    for mode in ("sync", "streaming"):
+        row = json.loads((tmp_path / mode / "model_scale.json").read_text())["results"][0]
+        assert row["mode"] == mode and row["device"] == "cpu" and row["rounds"] >= 2
+        assert 0 < row["blocked_fraction"] < 1 and row["compute_seconds"] > 0
+    assert (tmp_path / "codec_devices.json").exists()
