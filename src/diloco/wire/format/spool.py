@@ -16,7 +16,7 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Collection, Iterator
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator
 from typing import BinaryIO
 
 import torch
@@ -228,14 +228,23 @@ class CheckedPieces:
     may exceed it is refused (422 sum_overflow): folded, it could overflow the round's sum.
     """
 
-    def __init__(self, spooled: PieceBody, limit: float | None = None) -> None:
+    def __init__(
+        self,
+        spooled: PieceBody,
+        limit: float | None = None,
+        bounded: Iterable[tuple[str, int, torch.Tensor, float | None]] | None = None,
+    ) -> None:
+        """`bounded`: the (name, first, piece, bound) to check, when not the body's own
+        `bounded_pieces()` (a compressed body's check without decoding)."""
         self.spooled = spooled
         self.bound = 0.0
         self.largest: str | None = None
         self.limit = limit
+        self._bounded = bounded
 
     def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
-        for name, first, piece, piece_bound in self.spooled.bounded_pieces():
+        bounded = self.spooled.bounded_pieces() if self._bounded is None else self._bounded
+        for name, first, piece, piece_bound in bounded:
             if piece_bound is None:
                 bad = int((~torch.isfinite(piece)).sum())
                 raise WireError(
