@@ -10,7 +10,9 @@ gives real batches with --batch-size, --context and --dtype bf16). Per round it 
     into encode, upload, wait (until the result is ready), download and apply
     (`DiLoCoWorker.last_round_phases`);
   - the server's parts (its /metrics `diloco_round_part_seconds`): scan and fold per body,
-    outer step, delta coding, the durable checkpoint write, the whole commit;
+    the wait for the last round's checkpoint (written in the background), the step log (the
+    step's input made durable), outer step, delta coding, the whole commit (the result is out
+    after it), and the background checkpoint itself;
   - bytes up and down per worker, and the peak RSS of the server and of each worker (a worker's
     beyond its training state: measured after its first optimizer step, before it joined);
 and, measured in the same run on the same machine, the two physical limits of a round: the
@@ -64,7 +66,16 @@ CODECS = {
     "int8": ["--upload-codec", "int8", "--download-codec", "int8"],
 }
 PHASES = ("encode", "upload", "wait", "download", "apply", "other")
-SERVER_PARTS = ("scan", "fold", "outer_step", "delta", "checkpoint", "commit")
+SERVER_PARTS = (
+    "scan",
+    "fold",
+    "checkpoint_wait",
+    "step_log",
+    "outer_step",
+    "delta",
+    "commit",
+    "checkpoint",
+)
 
 
 # ------------------------------------------------------------------ one worker process
@@ -105,11 +116,11 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
     def step() -> tuple[float, float]:
         tokens = torch.randint(0, 256, (batch, context + 1), generator=generator).to(device)
         started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)  # part of the compute (a pass over the grads)
         with autocast:
             loss = config.loss(model, tokens[:, :-1], tokens[:, 1:])
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.step()  # its hooks: `computed`, then the worker's sync
         ended = time.perf_counter()
         return marks["computed"] - started, ended - marks["computed"]
 
@@ -397,7 +408,7 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
         "limit s (loopback + pass)",
         "ratio",
         "encode/upload/wait/download/apply s",
-        "server fold/step/delta/checkpoint/commit s",
+        "server fold/wait/log/step/delta/commit s (background checkpoint)",
         "MB up/down",
         "server peak (x model)",
         "worker beyond training MB",
@@ -419,9 +430,7 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 "/".join(f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply"))
                 if p
                 else "-",
-                "/".join(
-                    f"{s[k]:.2f}" for k in ("fold", "outer_step", "delta", "checkpoint", "commit")
-                ),
+                "/".join(f"{s[k]:.2f}" for k in SERVER_PARTS[1:-1]) + f" ({s['checkpoint']:.2f})",
                 f"{r['bytes_up_per_round'] / 1e6:.0f}/{r['bytes_down_per_round'] / 1e6:.0f}",
                 f"{r['server_peak_mb']:.0f} MB ({r['server_peak_mb'] / r['model_mb']:.1f}x)",
                 f"{r['worker_beyond_training_mb']:.0f}",

@@ -91,6 +91,23 @@ def test_keep_prunes_older_generations(tmp_path: Path) -> None:
     assert loaded is not None and loaded.metadata == {"round": 5}
 
 
+def test_unpruned_writes_keep_every_generation_until_dropped(tmp_path: Path) -> None:
+    """A step log writes without pruning (off its critical path) and drops what its
+    checkpoints hold later: `drop(first, last)` removes exactly that range and temp dirs."""
+    store = CheckpointStore(tmp_path, keep=1)
+    for generation in (1, 2, 3, 5):
+        store.write(generation, _tensors(generation), {"round": generation}, prune=False)
+    assert store.generations() == [1, 2, 3, 5]
+    (tmp_path / "gen-000000000006.tmp-00ff").mkdir()  # a write a crash cut short
+    store.drop(last=2)
+    assert store.generations() == [3, 5]
+    assert not (tmp_path / "gen-000000000006.tmp-00ff").exists()
+    store.drop(4)
+    assert store.generations() == [3]
+    store.drop()
+    assert store.generations() == [] and store.load_latest() is None
+
+
 @pytest.mark.parametrize("keep", [0, -1])
 def test_keep_below_one_is_rejected(tmp_path: Path, keep: int) -> None:
     with pytest.raises(ValueError, match="keep"):

@@ -82,8 +82,10 @@ class CheckpointStore:
         generation: int,
         tensors: Mapping[str, Mapping[str, torch.Tensor]],
         metadata: Mapping[str, object],
+        prune: bool = True,
     ) -> Path:
-        """Durably write `generation` and return its directory; then prune old generations."""
+        """Durably write `generation` and return its directory; then prune old generations
+        (unless told not to: a caller that drops them later itself, off its critical path)."""
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
         existing = self.generations()
@@ -137,7 +139,8 @@ class CheckpointStore:
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
-        self._prune(keep_dir=final)
+        if prune:
+            self._prune(keep_dir=final)
         return final
 
     def load_latest(self) -> LoadedCheckpoint | None:
@@ -150,6 +153,18 @@ class CheckpointStore:
                     "checkpoint %s is unusable (%s); trying an older generation", path, error
                 )
         return None
+
+    def drop(self, first: int = 0, last: int | None = None) -> None:
+        """Remove the generations numbered `first` to `last` (None: every later one), and any
+        temporary leftover, durably: a step log's steps once their checkpoints are written,
+        or steps that no longer apply."""
+        for entry in self.directory.iterdir():
+            match = _FINAL_DIR.fullmatch(entry.name)
+            found = int(match.group(1)) if match else None
+            dropped = found is not None and found >= first and (last is None or found <= last)
+            if (dropped or _TEMP_DIR.fullmatch(entry.name)) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+        _fsync_dir(self.directory)
 
     def _final_dirs(self) -> dict[int, Path]:
         """Every directory with a final generation name, complete or not."""

@@ -31,16 +31,17 @@ STREAMING_STEPS = 14  # each fragment: 6 windows + the final flush
 STREAMING_POINTS = {
     "mid-upload": "upload_chunk:3",
     "inside a fragment barrier": "submission_folded:3",
-    "during a fragment checkpoint": "checkpoint_file:5",
-    "fragment checkpoint durable, SQLite not yet": "after_checkpoint:4",
+    "fragment step logged, nothing applied": "after_step_log:3",
+    "during a fragment's background checkpoint": "checkpoint_file:5",
     "right after a fragment commit": "result_published:3",
 }
 ASYNC_POINTS = {
     "arrival folded, not applied": "submission_folded:3",
-    "arrival checkpoint durable, SQLite not yet": "after_checkpoint:3",
+    "arrival step logged, nothing applied": "after_step_log:2",
+    "during an arrival's background checkpoint": "checkpoint_file:3",
     "right after an arrival's step": "result_published:2",
 }
-CI_SAMPLE = {"arrival checkpoint durable, SQLite not yet"}
+CI_SAMPLE = {"during an arrival's background checkpoint"}
 
 
 def case(name: str, spec: str):

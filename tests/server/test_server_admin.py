@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crashes import killed
 
 from diloco.server.coordinator import Coordinator, RoundResult, Waiting
 from diloco.server.errors import Rejection
@@ -145,7 +146,7 @@ def test_a_new_outer_lr_applies_from_the_next_step_and_survives_a_restart(tmp_pa
     assert answer == {"outer_lr": 0.5, "previous": 1.0, "from_round": 1}
     assert c.info()["settings"]["outer_optimizer"]["lr"] == 0.5
     assert c.status()["outer_lr"] == 0.5
-    c.journal.state.close()  # as kill -9 leaves it: no checkpoint since the change
+    killed(c)  # as kill -9 leaves it: no checkpoint since the change
 
     again, _ = make(tmp_path)  # the same command line, lr 1
     assert again.settings.outer_lr == 0.5
@@ -155,7 +156,7 @@ def test_a_new_outer_lr_applies_from_the_next_step_and_survives_a_restart(tmp_pa
     assert w(again) == 17.5  # 15 + 0.5 x 5
     (event,) = again.journal.state.audit_log("outer_lr_changed")
     assert event["detail"] == {"by": "admin", "previous": 1.0, "lr": 0.5}
-    again.journal.state.close()
+    killed(again)
 
     # --override-settings: the command line's lr wins, and the admin's is forgotten.
     settings = ServerSettings(outer_optimizer="sgd", outer_lr=1.0)
@@ -163,7 +164,7 @@ def test_a_new_outer_lr_applies_from_the_next_step_and_survives_a_restart(tmp_pa
     third = Coordinator(settings, journal=journal)
     assert third.model.optimizer.lr == 1.0
     assert third.journal.state.audit_log("outer_lr_overridden")
-    third.journal.state.close()
+    killed(third)
 
 
 @pytest.mark.parametrize("lr", [0.0, -1.0, float("nan"), float("inf"), True, "0.5"])
@@ -190,7 +191,7 @@ def test_evicting_a_member_lets_its_round_commit_and_a_ban_keeps_it_out(tmp_path
     (event,) = c.journal.state.audit_log("admin_evicted")
     expected = {"by": "admin", "reason": "sends noise", "released": 0}
     assert (event["worker_id"], event["detail"]) == ("b", expected)
-    c.journal.state.close()
+    killed(c)
 
     # A restart keeps the ban.
     settings = ServerSettings(outer_optimizer="sgd", outer_lr=1.0)
@@ -203,7 +204,7 @@ def test_evicting_a_member_lets_its_round_commit_and_a_ban_keeps_it_out(tmp_path
     with pytest.raises(Rejection) as caught:
         again.admin.unban("b", "admin")
     assert (caught.value.status, caught.value.kind) == (404, "not_banned")
-    again.journal.state.close()
+    killed(again)
 
 
 def test_evicting_a_worker_that_is_not_live_is_404_unless_it_is_a_ban() -> None:
@@ -224,7 +225,7 @@ def test_evicting_a_worker_that_is_not_live_is_404_unless_it_is_a_ban() -> None:
 def test_a_restarted_server_is_still_paused(tmp_path: Path) -> None:
     c, _ = make(tmp_path)
     c.admin.pause("admin")
-    c.journal.state.close()
+    killed(c)
     again, _ = make(tmp_path)
     assert again.status()["paused"] is True
     submit(again, "a", 0, 2.0)
@@ -232,7 +233,7 @@ def test_a_restarted_server_is_still_paused(tmp_path: Path) -> None:
     assert w(again) == 10.0
     again.admin.resume("admin")
     assert w(again) == 15.0
-    again.journal.state.close()
+    killed(again)
 
 
 @pytest.mark.parametrize("download", ["fp32", "bf16"])

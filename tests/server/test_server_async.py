@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from crashes import killed
 from test_server_coordinator import W_SPEC, FakeClock, grad, rejected, scalar
 
 from diloco.server.coordinator import Coordinator, RoundResult, Waiting
@@ -93,7 +94,7 @@ def test_a_retry_is_applied_once_even_after_a_restart(tmp_path: Path) -> None:
     again = c.submit("a", 0, grad(0.2))
     assert (again["status"], again["applied_version"]) == ("duplicate", 0)
     assert w_of(c) == after_one and c.version == 1
-    c.journal.state.close()  # killed
+    killed(c)
     restarted, _ = asynchronous(workers=(), base=None, state_dir=tmp_path)
     assert restarted.version == 1 and w_of(restarted) == after_one
     retry = restarted.submit("a", 0, grad(0.2))

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from crashes import killed
 
 from diloco.algorithm.permutation import Permutation
 from diloco.server.coordinator import Coordinator
@@ -376,7 +377,7 @@ def coordinator(state: Path, initial: dict | None = None, **journal: Any) -> Coo
 
 def crash(c: Coordinator) -> None:
     """What kill -9 leaves: the files as they are, and the state dir's lock released."""
-    c.journal.state.close()
+    killed(c)
 
 
 def started(state: Path, **journal: Any) -> Coordinator:

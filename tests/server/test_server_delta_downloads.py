@@ -80,6 +80,7 @@ def test_p_is_durable_and_a_restarted_server_serves_it_whole(tmp_path: Path) -> 
     first.register("a", SPECS, 1)
     first.upload_initial("a", START)
     first.submit("a", 0, {"w": torch.tensor([-127.0, -2.5, 0.75])})
+    first.journal.settle()  # round 1's checkpoint is on disk (the step log's replay: below)
     shutil.copytree(tmp_path / "state", tmp_path / "copy")  # as kill -9 leaves it
 
     second = coordinator(tmp_path / "copy")
@@ -108,6 +109,7 @@ def test_after_a_rollback_a_round_number_alone_earns_no_delta(tmp_path: Path) ->
     for r, g in enumerate(([-8.0, 0.0, 0.0], [0.0, -8.0, 0.0], [0.0, 0.0, -8.0])):
         first.submit("a", r, {"w": torch.tensor(g)})
     assert first.round_number == 3  # round 2 is past the last checkpoint (taken at 2)
+    first.journal.settle()
     shutil.copytree(tmp_path / "state", tmp_path / "copy")  # as kill -9 leaves it
 
     second = coordinator(tmp_path / "copy", **interval)
@@ -129,6 +131,7 @@ def test_after_a_rollback_a_round_number_alone_earns_no_delta(tmp_path: Path) ->
     third.register("a", SPECS, 1)
     third.upload_initial("a", START)
     third.submit("a", 0, {"w": torch.tensor([-8.0, 0.0, 0.0])})
+    third.journal.settle()
     shutil.copytree(tmp_path / "round", tmp_path / "round-copy")
     fourth = coordinator(tmp_path / "round-copy")
     fourth.submit("a", 1, {"w": torch.zeros(3)})
@@ -161,6 +164,7 @@ def test_after_a_restart_a_fragment_never_gets_another_fragment_s_delta(tmp_path
     assert first.model.plan == [["a"], ["b"]]
     first.submit("w", 0, {"a": torch.tensor([-1.0, 0.0, 0.0])}, fragment=0)
     first.submit("w", 0, {"b": torch.tensor([0.0, -2.0, 0.0])}, fragment=1)
+    first.journal.settle()
     shutil.copytree(tmp_path / "state", tmp_path / "copy")
 
     second = streaming(tmp_path / "copy")
@@ -174,8 +178,9 @@ def test_a_failure_while_coding_the_delta_stops_serving_until_a_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """P may be half moved when coding fails (memory, say): serving it, or a delta from it,
-    could hand workers weights a restart would not have. The server answers 503 instead and a
-    restart resumes from the last checkpoint, where P and the masters agree."""
+    could hand workers weights a restart would not have. The server answers 503 instead; the
+    step's input was logged before anything moved, so a restart applies it again from the
+    checkpoint, where P and the masters agree, and P moves as the masters do."""
     c = coordinator(tmp_path / "state")
     c.register("a", SPECS, 1)
     c.upload_initial("a", START)
@@ -194,5 +199,8 @@ def test_a_failure_while_coding_the_delta_stops_serving_until_a_restart(
     monkeypatch.undo()
     shutil.copytree(tmp_path / "state", tmp_path / "copy")  # as kill -9 leaves it
     again = coordinator(tmp_path / "copy")
-    assert again.round_number == 0
-    assert again.model.published_tensors["w"].tolist() == [0.0, 0.0, 0.0]
+    assert again.round_number == 1  # replayed from the step log
+    # by hand (sgd, lr 1): the masters move by +[127, 2.5, -0.75]; P by their int8 coding
+    # (one block, absmax 127: scale 1, so 2.5 rounds to 2 (half to even) and -0.75 to -1)
+    assert again.masters["w"].tolist() == [127.0, 2.5, -0.75]
+    assert again.model.published_tensors["w"].tolist() == [127.0, 2.0, -1.0]

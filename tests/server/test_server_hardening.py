@@ -143,14 +143,15 @@ def test_values_that_could_overflow_the_round_sum_are_refused_naming_the_tensor(
 def test_after_a_failed_checkpoint_nothing_stepped_is_served_and_a_restart_resumes(
     server_process, tmp_path
 ):
-    """The 2nd checkpoint write fails (an injected EIO): the stepped masters used to be served
-    under the old round number by GET /v1/weights, though a restart has the old weights. Now
-    weights, info and registrations answer 503 until the restart, which serves round 1 (12)
-    and takes the resubmitted round 1 (14)."""
+    """The 2nd step's durable write (its step log) fails (an injected EIO): the stepped
+    masters used to be served under the old round number by GET /v1/weights, though a restart
+    has the old weights. Now weights, info and registrations answer 503 until the restart,
+    which serves round 1 (12) and takes the resubmitted round 1 (14). (A failed checkpoint
+    after a logged step: tests/server/test_server_journal.py.)"""
     state = tmp_path / "state"
     args = ("--outer-optimizer", "sgd", "--outer-lr", "1", "--state-dir", str(state))
     init = str(init_file(tmp_path, 10.0))
-    server = server_process(*args, "--init", init, env={"DILOCO_FAIL_AT": "before_checkpoint:2"})
+    server = server_process(*args, "--init", init, env={"DILOCO_FAIL_AT": "before_step_log:2"})
     api = Api(server.url)
     api.register("a")
     assert api.submit("a", gradient(-2.0), round_number=0).status == 200
@@ -327,7 +328,8 @@ def test_partly_trained_units_over_http_and_their_bad_reports(server_process, tm
 def test_heartbeats_are_answered_while_a_slow_checkpoint_write_holds_the_commit(
     server_process, tmp_path
 ):
-    """Every checkpoint write takes 4 s (an injected slow disk) and silence past 2 s evicts.
+    """Every step's durable write (its step log, under the commit's lock) takes 4 s (an
+    injected slow disk) and silence past 2 s evicts.
     Heartbeats used to wait for the commit's lock, so they were all 4 s late at once and the
     eviction that ran first after the write took every worker out. Now each is answered at
     once during the write and both workers are still members when the round has committed."""
@@ -337,7 +339,7 @@ def test_heartbeats_are_answered_while_a_slow_checkpoint_write_holds_the_commit(
     server = server_process(
         "--outer-optimizer", "sgd", "--outer-lr", "1", "--heartbeat-interval", "0.25",
         "--heartbeat-timeout", "2", "--init", str(init_file(tmp_path, 10.0)),
-        "--state-dir", str(tmp_path / "state"), env={"DILOCO_STALL_AT": "before_checkpoint:4"},
+        "--state-dir", str(tmp_path / "state"), env={"DILOCO_STALL_AT": "before_step_log:4"},
     )  # fmt: skip
     api = Api(server.url)
     api.register("a")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -30,8 +31,19 @@ def coordinator(state: Path, settings: ServerSettings = SETTINGS, **kwargs) -> C
 
 
 def crash(c: Coordinator) -> None:
-    """What kill -9 leaves: the files as they are, and the state dir's lock released."""
+    """What kill -9 leaves once the last checkpoint is on disk: the files as they are, and the
+    state dir's lock released. (A crash before it: `never_written`.)"""
+    with contextlib.suppress(Exception):
+        c.journal.settle()
     c.journal.state.close()
+
+
+def never_written(c: Coordinator) -> list[int]:
+    """From now on the checkpoints of the coordinator's steps never reach the disk, as when
+    kill -9 comes while one is written in the background: the rounds it would have written."""
+    tried: list[int] = []
+    c.journal._checkpoint_in_background = lambda round_number, *_a, **_k: tried.append(round_number)
+    return tried
 
 
 def round_of(c: Coordinator, number: int, a: float, b: float) -> None:
@@ -51,6 +63,7 @@ def test_a_restarted_coordinator_resumes_round_weights_and_momentum(tmp_path: Pa
 
     # As after kill -9: nothing but the state dir survives. (A copy, so that `first` can go on
     # writing its own and the two can be compared: a state dir has one writer.)
+    first.journal.settle()  # round 1's checkpoint is on disk
     shutil.copytree(tmp_path, tmp_path.parent / "copy")
     second = coordinator(tmp_path.parent / "copy")
     assert second.round_number == 2
@@ -104,7 +117,43 @@ def test_init_weights_on_an_existing_state_dir_are_refused(tmp_path: Path) -> No
         Coordinator(SETTINGS, START, journal=journal)
 
 
-def test_a_failed_checkpoint_stops_the_server_serving(tmp_path: Path) -> None:
+def test_a_step_logged_but_never_checkpointed_is_replayed_bit_for_bit(tmp_path: Path) -> None:
+    """Round 1 commits and is published, and the server dies before its checkpoint reaches
+    the disk: the restart applies round 1 again from the step log, to the very weights and
+    momentum the uninterrupted server has, records it in SQLite once, and checkpoints it."""
+    state, copy = tmp_path / "state", tmp_path / "copy"
+    first = coordinator(state)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    round_of(first, 0, 0.2, 0.4)
+    first.journal.settle()
+    tried = never_written(first)
+    round_of(first, 1, 0.1, -0.3)
+    first.journal.settle()
+    assert first.round_number == 2 and tried == [2]
+    # By hand (Nesterov, lr 0.7, momentum 0.9): mean 0.3, then -0.1; the buffer 0.3, then
+    # 0.9 * 0.3 - 0.1 = 0.17; the weights move by 0.7 * (0.3 + 0.27) and 0.7 * (-0.1 + 0.153).
+    expected = START["w"] - 0.7 * 0.57 - 0.7 * 0.053
+    assert torch.allclose(first.masters["w"], expected, rtol=1e-6)
+    shutil.copytree(state, copy)
+    crash(first)
+    second = coordinator(copy)
+    assert second.round_number == 2
+    assert torch.equal(second.masters["w"], first.masters["w"])
+    momentum = second.model.optimizer.state_dict()["w"]
+    assert torch.allclose(momentum, torch.full((3,), 0.17), rtol=1e-6)
+    assert torch.equal(momentum, first.model.optimizer.state_dict()["w"])
+    assert [r["round"] for r in second.journal.state.committed_rounds()] == [0, 1]
+    newest = second.journal.state.checkpoints.load_latest()
+    assert newest is not None and newest.metadata["round"] == 2  # written by the restart
+    round_of(second, 2, 0.3, 0.3)  # and it goes on as the uninterrupted one
+    crash(second)
+    third = coordinator(copy)  # a clean restart replays nothing again
+    assert third.round_number == 3
+    assert [r["round"] for r in third.journal.state.committed_rounds()] == [0, 1, 2]
+
+
+def test_a_failed_step_log_stops_the_server_before_anything_moves(tmp_path: Path) -> None:
     first = coordinator(tmp_path)
     first.register("a", SPECS, 1)
     first.upload_initial("a", START)
@@ -114,13 +163,43 @@ def test_a_failed_checkpoint_stops_the_server_serving(tmp_path: Path) -> None:
     def broken_write(*_args, **_kwargs):
         raise OSError("No space left on device")
 
-    first.journal.state.checkpoints.write = broken_write
+    first.journal.state.steps.write = broken_write
     with pytest.raises(Rejection) as caught:
         first.submit("b", 0, {"w": torch.full((3,), 0.4), "steps": torch.tensor(0.0)})
     assert caught.value.status == 503 and caught.value.kind == "checkpoint_failed"
+    assert torch.equal(first.masters["w"], START["w"])  # nothing stepped
     published = first.model.published
     assert published is None or published.round == 0  # round 0's result never published
     with pytest.raises(Rejection, match="No space left"):
         first.wait_result(0, "a", 0)
     crash(first)
     assert coordinator(tmp_path).round_number == 0  # a restart resumes the last durable round
+
+
+def test_a_failed_background_checkpoint_stops_the_server_and_a_restart_replays(
+    tmp_path: Path,
+) -> None:
+    """The step was logged, so it stands: the server refuses everything until restarted
+    (the disk needs an operator), and the restart has the round the workers were given."""
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    first.journal.settle()
+
+    def broken_write(*_args, **_kwargs):
+        raise OSError("No space left on device")
+
+    first.journal.state.checkpoints.write = broken_write
+    round_of(first, 0, 0.2, 0.4)
+    assert first.round_number == 1  # published: its input is durable in the step log
+    with pytest.raises(OSError):
+        first.journal.settle()
+    assert "No space left on device" in (first.model.broken or "")
+    with pytest.raises(Rejection) as caught:
+        first.wait_result(1, "a", 0)
+    assert caught.value.status == 503 and caught.value.kind == "checkpoint_failed"
+    weights = first.masters["w"].clone()
+    first.journal.state.close()
+    second = coordinator(tmp_path)
+    assert second.round_number == 1 and torch.equal(second.masters["w"], weights)
+    assert torch.allclose(weights, START["w"] - 0.7 * 0.57, rtol=1e-6)  # by hand, as above

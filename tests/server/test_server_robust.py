@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crashes import killed
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.settings import ServerSettings
@@ -76,21 +77,21 @@ def test_a_sync_round_refuses_an_outlier_and_clips_a_large_norm(tmp_path: Path) 
     assert (clipped["worker_id"], clipped["round"]) == ("b", 1)
     assert clipped["detail"]["scale"] == pytest.approx(0.8)
     assert clipped["detail"]["norm"] == pytest.approx(3.0)
-    c.journal.state.close()
+    killed(c)
 
 
 def test_the_norm_history_survives_a_restart(tmp_path: Path) -> None:
     first = make(tmp_path)
     for worker, k in (("a", 1.0), ("b", 1.2), ("c", 50.0)):
         send(first, worker, 0, k)
-    first.journal.state.close()  # as kill -9 leaves it
+    killed(first)  # as kill -9 leaves it
     again = make(tmp_path)
     for worker, k in (("a", 1.0), ("b", 3.0), ("c", 2.0)):
         send(again, worker, 1, k)
     # The same 7.1 as without the restart; with the history forgotten the median would be 2,
     # nothing clipped, and w[0] = 9.34 - 2 x 0.6 = 8.14.
     assert w(again) == pytest.approx([9.34 - 1.8 * 0.6, 9.12 - 1.8 * 0.8], abs=1e-5)
-    again.journal.state.close()
+    killed(again)
 
 
 def test_a_round_whose_every_pseudo_gradient_is_refused_changes_nothing() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crashes import killed
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.settings import ServerSettings
@@ -86,7 +87,7 @@ def test_rounds_without_any_verifying_checkpoint_are_never_silently_empty(tmp_pa
     c = Coordinator(settings, START, journal=RoundJournal(StateStore(tmp_path), settings))
     c.register("a", SPECS, PROTOCOL_VERSION)
     c.submit("a", 0, {"w": torch.tensor([0.1, 0.1])})
-    c.journal.state.close()
+    killed(c)
     for data in (tmp_path / "checkpoints").glob("gen-*/weights.safetensors"):
         data.write_bytes(b"\0" * data.stat().st_size)  # every generation fails its checksum
     journal = RoundJournal(StateStore(tmp_path), settings)

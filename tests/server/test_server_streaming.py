@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crashes import killed
 from test_server_coordinator import FakeClock, rejected, scalar
 
 from diloco.server.coordinator import Coordinator
@@ -148,7 +149,7 @@ def test_a_restart_resumes_every_fragment_round(tmp_path: Path) -> None:
     c.submit("b", 0, grads(F0, 3.0), fragment=0)
     c.submit("a", 0, grads(F1, 1.0), fragment=1)  # open, not durable: lost with the crash
     before = weights(c)
-    c.journal.state.close()  # as if killed: no flush
+    killed(c)  # as if killed: no flush
     again, _ = streaming(workers=(), state_dir=tmp_path, fresh=False)
     assert weights(again) == before
     assert again.info()["fragment_rounds"] == [1, 0] and again.version == 1

@@ -82,6 +82,25 @@ class RunningMean:
             if slot.dtype != torch.float32 or slot.device.type != "cpu" or not slot.is_contiguous():
                 raise ValueError(f"storage for {name!r} must be a contiguous fp32 CPU tensor")
 
+    @classmethod
+    def restored(
+        cls,
+        weighting: str,
+        sums: Mapping[str, torch.Tensor],
+        totals: Mapping[str, float],
+        count: int,
+        bound: float,
+    ) -> RunningMean:
+        """A running mean as it stood when its step was logged (a server's step log, replayed
+        after a crash): the same sums, totals, count and bound, so the step comes out the
+        same, bit for bit."""
+        running = cls(weighting)
+        running.sums = dict(sums)
+        running.totals = {name: float(totals[name]) for name in sums}
+        running.count = int(count)
+        running.bound = float(bound)
+        return running
+
     def _slot(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The preallocated tensor for `name`'s sum, if there is one of this shape."""
         slot = self._storage.get(name)

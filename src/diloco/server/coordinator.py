@@ -42,7 +42,7 @@ from diloco.server.rounds.round import Round
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.commit import ShardCommit
 from diloco.server.shards.peers import ShardPeers
-from diloco.server.state.journal import CommitRecord, RoundJournal
+from diloco.server.state.journal import CommitRecord, LoggedStep, RoundJournal
 from diloco.server.state.store import StateStore
 from diloco.server.workunits.transactions import DataDispatch
 from diloco.wire import (
@@ -83,6 +83,11 @@ class Coordinator:
         self._lock = threading.Condition()
         # Without a state dir the same journal keeps its tables in memory and writes no files.
         self.journal = journal or RoundJournal(StateStore(None), settings)
+        # One server logs each step and checkpoints it in the background; sharded servers
+        # decide their commits across shards and checkpoint before answering.
+        self.journal.log_steps = settings.shards == 1
+        self.journal.on_checkpoint_written = self._checkpoint_written
+        self.journal.on_checkpoint_failed = self._checkpoint_failed
         # Before the model: an outer lr an admin set is the optimizer's from the start.
         self.control = RunControl(
             self.journal.state,
@@ -177,12 +182,16 @@ class Coordinator:
             self.model.set_specs(restored.specs, kinds_known=True)
             self.model.adopt(restored.masters, restored.round, restored.published)
             self.model.optimizer.load_state_dict(restored.optimizer_state)
+            fragment_rounds = restored.fragment_rounds
+            if restored.pending is not None:
+                self._replay(restored.pending)
+                fragment_rounds = restored.pending.fragment_rounds
             self.screen.restore(restored.norm_history or [])
             # The workers live at the crash are members again: the restored round waits for
             # them (a missing one is evicted after the heartbeat timeout, as always), so a
             # lone early resubmission cannot commit a round that others were part of.
             self._readmit(restored.live_workers)
-            self.engine.start(restored.fragment_rounds, self.started_at)
+            self.engine.start(fragment_rounds, self.started_at)
             self.metrics.round.set(self.model.version)
             self.sent_rounds.rollback_possible = self.journal.durability == "interval"
         elif initial is not None:
@@ -194,6 +203,47 @@ class Coordinator:
             if known is not None:
                 self.model.set_specs(known, kinds_known=True)
                 self._readmit(self.journal.state.live_workers())
+
+    def _replay(self, step: LoggedStep) -> None:
+        """The step a crash caught between its step log and its checkpoint: applied again
+        from the log (its sums, through the same commit, at the lr it used), so the weights,
+        the momentum and the published copy are the ones the workers saw; then its
+        checkpoint is written, before anything is served."""
+        model = self.model
+        optimizer = model.optimizer
+        lr, optimizer.lr = optimizer.lr, step.lr
+        try:
+            model.commit(
+                step.running,
+                step.record.round + 1,
+                lambda: self.journal.write_replayed(
+                    step,
+                    model.masters,
+                    model.optimizer.state_dict(copy=False),
+                    model.specs,
+                    model.published_tensors,
+                ),
+                step.names,
+            )
+        finally:
+            optimizer.lr = lr
+        self.last_commit = step.record
+        log.warning(
+            "outer step %d (round %d -> %d) replayed from the step log: its checkpoint had not "
+            "been written when the server stopped",
+            step.record.round,
+            step.record.round,
+            model.version,
+        )
+
+    def _checkpoint_written(self, seconds: float) -> None:
+        """A background checkpoint is durable (its thread): the metrics see its time."""
+        self.metrics.round_part_seconds.labels(part="checkpoint").observe(seconds)
+
+    def _checkpoint_failed(self, why: str) -> None:
+        """A background checkpoint failed (its thread): serve nothing more until a restart,
+        which replays the step from its log. Assigning a string needs no lock."""
+        self.model.broken = why
 
     def _readmit(self, workers: Sequence[tuple[str, str | None]]) -> None:
         for worker_id, session in workers:
@@ -485,10 +535,23 @@ class Coordinator:
             "bytes_out": self.traffic.bytes_out,
             "workers": self.membership.snapshot(self.clock()),
         }
+        journal = self.journal
+        log_step = None
+        if journal.logs_steps:
+            # the last step's checkpoint first: the step below moves what it reads
+            model.durably("writing the checkpoint of the last round", journal.settle)
+            self.metrics.round_part_seconds.labels(part="checkpoint_wait").observe(
+                time.perf_counter() - started
+            )
+            optimizer_lr = model.optimizer.lr
+
+            def log_step() -> None:
+                journal.log_step(record, running, names, fragment_rounds, optimizer_lr)
+
         model.commit(
             running,
             record.round + 1,
-            lambda: self.journal.commit(
+            lambda: journal.commit(
                 record,
                 model.masters,
                 model.optimizer.state_dict(copy=False),
@@ -499,6 +562,7 @@ class Coordinator:
                 started=started,
             ),
             names,
+            log_step,
         )
         for part, seconds in model.step_seconds.items():
             self.metrics.round_part_seconds.labels(part=part).observe(seconds)

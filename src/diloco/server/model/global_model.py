@@ -171,13 +171,21 @@ class GlobalModel:
         new_version: int,
         write: Callable[[], None],
         names: Sequence[str] | None = None,
+        log_step: Callable[[], None] | None = None,
     ) -> None:
         """Apply one outer step (its running sums, used up here) to `names` (a streaming
         fragment; None: every tensor), move the published copy by its coded delta, make it
         durable with `write`, and only then count it as `new_version`. Rejection 503 if the
-        write fails."""
+        write fails.
+
+        `log_step`, when given, makes the step's input (the sums) durable before anything
+        moves, and `write` then only has to record the step (the journal writes its
+        checkpoint in the background: see state/journal.py)."""
         assert self.frames is not None and self.specs is not None
         self.require_healthy()
+        logging_started = time.perf_counter()
+        if log_step is not None:
+            self.durably(f"logging the outer step of round {new_version}", log_step)
         started = time.perf_counter()
         if running.count:  # (writable() copies the masters away from a straggler's download)
             apply_running_mean(
@@ -197,12 +205,18 @@ class GlobalModel:
 
             self.durably(f"coding the download delta of round {new_version}", code_delta)
         coded = time.perf_counter()
-        self.durably(f"writing the checkpoint of round {new_version}", write)
+        what = "recording" if log_step is not None else "writing the checkpoint of"
+        self.durably(f"{what} round {new_version}", write)
         self.version = new_version
         self.step_seconds = {
             "outer_step": stepped - started,
             "delta": coded - stepped,
-            "checkpoint": time.perf_counter() - coded,
+            # the step log, then its record; or the checkpoint, written before the result
+            **(
+                {"step_log": started - logging_started, "record": time.perf_counter() - coded}
+                if log_step is not None
+                else {"checkpoint": time.perf_counter() - coded}
+            ),
         }
 
     # ----------------------------------------------------------------- what workers download

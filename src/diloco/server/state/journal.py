@@ -3,11 +3,19 @@
 A checkpoint generation is one consistent global snapshot at an outer-step boundary: the
 weights and outer optimizer state after round r's commit, the round number r + 1, the model's
 tensor specs, the settings, and the record of that commit (its contributors, tokens and the work
-units it completed). With `durability="round"` (the default) every commit is such a snapshot
-before any worker can see its result, so no acknowledged outer step is ever lost or applied
-twice. With `durability="interval"` only every `checkpoint_every`-th round (and the state at a
-graceful shutdown) is, and a crash rolls the run back to the last one: the SQLite rows of the
-lost rounds are dropped and their work units go back to the pool to be trained again.
+units it completed). With `durability="round"` (the default) no acknowledged outer step is ever
+lost or applied twice: before a step moves anything, its input (the round's running sums,
+the commit record, the optimizer's lr) goes to the step log (D/steps), one model-sized fp32
+file made durable; then the step is applied, recorded in SQLite and published, and its
+checkpoint is written in the background while the workers train. The next step waits for
+that checkpoint, so at most one step is ever only in the log, and a restart that finds the
+step after its newest checkpoint applies it again from the log (the same sums through the
+same code: the same weights, bit for bit) and writes its checkpoint. (Writing the whole
+checkpoint before the result, as sharded servers still do, cost 2-3 model-sized files and
+their hashes on every round's critical path.) With `durability="interval"` only every
+`checkpoint_every`-th round (and the state at a graceful shutdown) is checkpointed, and a
+crash rolls the run back to the last one: the SQLite rows of the lost rounds are dropped and
+their work units go back to the pool to be trained again.
 
 SQLite (the `StateStore`) holds the metadata written in the same critical section: the round
 row, the completed units, worker membership, audit and metrics history. A restart reconciles
@@ -16,15 +24,19 @@ it with the checkpoint actually loaded (see `restore`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from diloco import faults
+from diloco.algorithm import RunningMean
 from diloco.server.ops.control import OUTER_LR
 from diloco.server.settings import ServerSettings
 from diloco.server.state.store import StateStore
@@ -155,6 +167,17 @@ class CommitRecord:
 
 
 @dataclass(frozen=True)
+class LoggedStep:
+    """An outer step's input, from the step log: a restart applies it again."""
+
+    record: CommitRecord
+    running: RunningMean  # the round's sums as they stood before the step
+    names: list[str] | None  # a streaming fragment's tensors; None: every tensor
+    fragment_rounds: list[int]  # every fragment's round after the step
+    lr: float  # the outer lr the step used (an admin may have changed it since)
+
+
+@dataclass(frozen=True)
 class RestoredState:
     round: int  # the version: outer steps committed
     masters: dict[str, torch.Tensor]
@@ -164,6 +187,7 @@ class RestoredState:
     fragment_rounds: list[int]  # streaming: each fragment's round; else [round]
     published: dict[str, torch.Tensor] | None = None  # P, with --download-codec
     norm_history: list[list[float]] | None = None  # robust aggregation's, per fragment
+    pending: LoggedStep | None = None  # the step after `round`, logged but not checkpointed
 
 
 class RoundJournal:
@@ -197,10 +221,22 @@ class RoundJournal:
         self.checkpoint_every = checkpoint_every
         self.pool = WorkPool(state.conn)
         self.saved_round: int | None = None  # the round of the newest checkpoint on disk
+        # Steps are logged and checkpointed in the background unless the caller says not
+        # (sharded servers: their commits are decided across shards, not replayed from one).
+        self.log_steps = True
+        self._writer: threading.Thread | None = None  # the checkpoint being written
+        self._write_error: BaseException | None = None
+        self.on_checkpoint_written: Callable[[float], None] | None = None  # its seconds
+        self.on_checkpoint_failed: Callable[[str], None] | None = None  # why
 
     @property
     def durable(self) -> bool:
         return self.state.durable
+
+    @property
+    def logs_steps(self) -> bool:
+        """Each step's input is logged and its checkpoint written in the background."""
+        return self.durable and self.durability == "round" and self.log_steps
 
     # ----------------------------------------------------------------- writing
 
@@ -270,7 +306,12 @@ class RoundJournal:
         step's seconds (outer step, delta coding, checkpoint) instead of the record's.
         """
         new_round = record.round + 1
-        if self.durable and (self.durability == "round" or new_round % self.checkpoint_every == 0):
+        logged = self.logs_steps
+        if (
+            not logged
+            and self.durable
+            and (self.durability == "round" or new_round % self.checkpoint_every == 0)
+        ):
             faults.crash_point("before_checkpoint")
             self._write_checkpoint(
                 new_round, masters, optimizer_state, specs, record, fragment_rounds, published
@@ -283,6 +324,149 @@ class RoundJournal:
             record.apply_to(self.pool)
             self.state.record_metrics(record.round, seconds=record.seconds, **metrics)
         faults.crash_point("after_store_commit")
+        if logged:
+            self._checkpoint_in_background(
+                new_round, masters, optimizer_state, specs, record, fragment_rounds, published
+            )
+
+    # ----------------------------------------------------------------- the step log
+
+    def log_step(
+        self,
+        record: CommitRecord,
+        running: RunningMean,
+        names: Sequence[str] | None,
+        fragment_rounds: Sequence[int],
+        lr: float,
+    ) -> None:
+        """Make step `record.round`'s input durable before the step moves anything: its
+        sums (one fp32 file, hashed as it is written), totals, count and bound, its record,
+        the fragments' rounds after it and the lr it uses. The log keeps one step."""
+        steps = self.state.steps
+        assert steps is not None
+        faults.crash_point("before_step_log")
+        steps.write(  # the last step's log went once its checkpoint was written
+            record.round,
+            {"sums": running.sums},
+            {
+                "record": record.to_json(),
+                "weighting": running.weighting,
+                "totals": dict(running.totals),
+                "count": running.count,
+                "bound": running.bound if math.isfinite(running.bound) else None,
+                "names": None if names is None else list(names),
+                "fragment_rounds": list(fragment_rounds),
+                "lr": lr,
+            },
+            prune=False,
+        )
+        faults.crash_point("after_step_log")
+
+    def _logged_step(self, round_number: int) -> LoggedStep | None:
+        """The logged step that starts from `round_number` (the newest checkpoint's), if the
+        log holds it; any other logged step is stale and dropped."""
+        steps = self.state.steps
+        if steps is None:
+            return None
+        loaded = steps.load_latest()
+        if loaded is None or loaded.generation != round_number:
+            steps.drop()  # older: its checkpoint exists; newer: it cannot apply
+            return None
+        meta = loaded.metadata
+        bound = meta.get("bound")
+        running = RunningMean.restored(
+            str(meta["weighting"]),
+            loaded.tensors.get("sums", {}),
+            {str(n): float(t) for n, t in meta["totals"].items()},
+            int(meta["count"]),
+            math.inf if bound is None else float(bound),
+        )
+        return LoggedStep(
+            record=CommitRecord.from_json(meta["record"]),
+            running=running,
+            names=None if meta.get("names") is None else [str(n) for n in meta["names"]],
+            fragment_rounds=[int(r) for r in meta["fragment_rounds"]],
+            lr=float(meta["lr"]),
+        )
+
+    def write_replayed(
+        self,
+        step: LoggedStep,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+        published: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The checkpoint of a step applied again from the log, written before anything
+        is served (its SQLite rows were reconciled by `restore`)."""
+        self._write_checkpoint(
+            step.record.round + 1,
+            masters,
+            optimizer_state,
+            specs,
+            step.record,
+            step.fragment_rounds,
+            published,
+        )
+        steps = self.state.steps
+        assert steps is not None
+        steps.drop(last=step.record.round)
+
+    # ----------------------------------------------------------------- background checkpoints
+
+    def _checkpoint_in_background(
+        self,
+        round_number: int,
+        masters: Mapping[str, torch.Tensor],
+        optimizer_state: Mapping[str, torch.Tensor],
+        specs: Mapping[str, TensorSpec],
+        record: CommitRecord,
+        fragment_rounds: list[int] | None,
+        published: Mapping[str, torch.Tensor] | None,
+    ) -> None:
+        """Write the step's checkpoint on a thread of its own while the workers train. The
+        tensors are read, never copied: the caller settles before the next step moves them."""
+        self.settle()
+
+        def write() -> None:
+            started = time.perf_counter()
+            try:
+                faults.crash_point("before_checkpoint")
+                self._write_checkpoint(
+                    round_number,
+                    masters,
+                    optimizer_state,
+                    specs,
+                    record,
+                    fragment_rounds,
+                    published,
+                )
+                faults.crash_point("after_checkpoint")
+                steps = self.state.steps
+                assert steps is not None
+                steps.drop(last=round_number - 1)  # the step is in its checkpoint now
+            except Exception as exc:
+                self._write_error = exc
+                why = f"writing the checkpoint of round {round_number} failed: {exc}"
+                log.error("%s; the step log keeps the step: restart the server", why)
+                if self.on_checkpoint_failed is not None:
+                    self.on_checkpoint_failed(why)
+                return
+            if self.on_checkpoint_written is not None:
+                self.on_checkpoint_written(time.perf_counter() - started)
+
+        self._writer = threading.Thread(target=write, name="diloco-checkpoint", daemon=True)
+        self._writer.start()
+
+    def settle(self) -> None:
+        """Wait for the checkpoint being written in the background; raise its error if it
+        failed (every later step then waits for a restart, which replays from the log)."""
+        writer = self._writer
+        if writer is not None:
+            writer.join()
+            self._writer = None
+        if self._write_error is not None:
+            raise self._write_error
 
     def flush(
         self,
@@ -294,7 +478,12 @@ class RoundJournal:
         fragment_rounds: list[int] | None = None,
         published: Mapping[str, torch.Tensor] | None = None,
     ) -> bool:
-        """At a graceful shutdown: checkpoint the current round if the disk is behind it."""
+        """At a graceful shutdown: checkpoint the current round if the disk is behind it
+        (the checkpoint being written in the background is waited for first)."""
+        try:
+            self.settle()
+        except Exception:
+            return False  # logged when it failed; the step log keeps the step
         if self.durable and self.saved_round != round_number:
             self._write_checkpoint(
                 round_number,
@@ -348,6 +537,8 @@ class RoundJournal:
         return released
 
     def close(self, reason: str = "shutdown") -> None:
+        with contextlib.suppress(Exception):  # logged when it failed; the log keeps the step
+            self.settle()
         try:
             with self.state.transaction():
                 self.state.audit(reason)
@@ -378,8 +569,12 @@ class RoundJournal:
         round_number = int(loaded.metadata["round"])
         commit = loaded.metadata.get("commit")
         record = None if commit is None else CommitRecord.from_json(commit)
+        pending = self._logged_step(round_number)
+        reached = round_number  # the round SQLite keeps: the checkpoint's, or the log's
+        if pending is not None:
+            record, reached = pending.record, round_number + 1
         with self.state.transaction():
-            lost = self.state.rounds_from(round_number)
+            lost = self.state.rounds_from(reached)
             if lost:
                 log.warning(
                     "rounds %d..%d were not in the newest checkpoint and are rolled back; "
@@ -387,9 +582,9 @@ class RoundJournal:
                     lost[0],
                     lost[-1],
                 )
-                self.state.forget_rounds_from(round_number)
-                self.pool.rollback_after(round_number - 1)
-                self.state.audit("rolled_back", round=round_number, rounds=lost)
+                self.state.forget_rounds_from(reached)
+                self.pool.rollback_after(reached - 1)
+                self.state.audit("rolled_back", round=reached, rounds=lost)
             if record is not None and not self.state.rounds_from(record.round):
                 record.store_in(self.state)
                 record.apply_to(self.pool)
@@ -411,6 +606,7 @@ class RoundJournal:
             ],
             published=dict(loaded.tensors["published"]) if "published" in loaded.tensors else None,
             norm_history=None if record is None else record.norm_history,
+            pending=pending,
         )
 
     def _check_settings(self, stored: dict) -> None:

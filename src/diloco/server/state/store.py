@@ -5,6 +5,8 @@ Layout of `--state-dir D`:
     D/state.sqlite          meta (format, protocol, settings), workers, rounds, audit log,
                             metrics history, and the work-unit tables of `workunits.WorkPool`
     D/checkpoints/gen-N/    weights and outer optimizer state (diloco.checkpoints)
+    D/steps/gen-N/          the input of outer step N while its checkpoint is being written
+                            (the step log: see state/journal.py)
 
 The checkpoint generation is the authority for the global tensors and the round; SQLite rows
 about rounds are written right after it in one transaction, and on start `reconcile` brings
@@ -34,12 +36,14 @@ __all__ = ["STATE_FORMAT", "StateDirError", "StateStore"]
 STATE_FORMAT = 2  # 2: rounds.fragment / fragment_round and the submissions table
 DATABASE_NAME = "state.sqlite"
 CHECKPOINTS_NAME = "checkpoints"
+STEPS_NAME = "steps"
 LOCK_NAME = "lock"
 _OURS = {
     DATABASE_NAME,
     f"{DATABASE_NAME}-wal",
     f"{DATABASE_NAME}-shm",
     CHECKPOINTS_NAME,
+    STEPS_NAME,
     LOCK_NAME,
 }
 
@@ -164,6 +168,7 @@ class StateStore:
         """`directory=None`: the same tables in memory and no checkpoints (no --state-dir)."""
         self.directory = None if directory is None else Path(directory)
         self.checkpoints: CheckpointStore | None = None
+        self.steps: CheckpointStore | None = None  # the step log (one step at a time)
         self._lock_file: int | None = None
         try:
             if self.directory is None:
@@ -175,6 +180,7 @@ class StateStore:
                 self.checkpoints = CheckpointStore(
                     self.directory / CHECKPOINTS_NAME, keep_checkpoints
                 )
+                self.steps = CheckpointStore(self.directory / STEPS_NAME, keep=1)
                 target = self.directory / DATABASE_NAME
             self.conn = sqlite3.connect(
                 target,
