@@ -46,11 +46,14 @@ class UploadCoder:
         self.codec = codec
         self.beta = float(beta)
         self.coded_names = {s.name for s in specs if s.kind == TensorKind.TRAINABLE.value}
-        self.residual: dict[str, torch.Tensor] = {}
+        self._residual: dict[str, torch.Tensor] = {}  # settled: what the server has missed
         self._plain_buffer: tuple[FrameLayout, bytearray] | None = None  # (plain_body)
-        # The residuals before the body under way: what they go back to if the server never
-        # folds it in (see `settle`); None when nothing is pending.
-        self._before: dict[str, torch.Tensor | None] | None = None
+        # The residuals the body under way leaves, in buffers of their own: they replace the
+        # residuals once the server folds the body in, and are dropped if it never does (see
+        # `settle`); None when nothing is pending. A replaced residual's memory is the next
+        # body's buffer (`_spare`), so no round allocates or copies a model-sized residual.
+        self._pending: dict[str, torch.Tensor] | None = None
+        self._spare: dict[str, torch.Tensor] = {}
         identity = {
             "codec": str(codec),
             "block": codec.block,
@@ -61,6 +64,12 @@ class UploadCoder:
         }
         text = json.dumps(identity, sort_keys=True).encode()
         self.key = hashlib.sha256(text).hexdigest()[:16]
+
+    @property
+    def residual(self) -> dict[str, torch.Tensor]:
+        """Each coded tensor's residual, the body under way's counted as folded (what a
+        checkpoint keeps: a restarted worker treats a body it sent as folded)."""
+        return {**self._residual, **(self._pending or {})}
 
     @property
     def keeps_residual(self) -> bool:
@@ -79,7 +88,8 @@ class UploadCoder:
         coded, source = self._with_residuals(gradient)
         sent = {n: t.bfloat16() if t.is_floating_point() else t for n, t in source.items()}
         if self.keeps_residual:
-            self._subtract(coded, sent)
+            for name in coded:  # e <- e - D(C(e)): what the server did not get
+                source[name].sub_(sent[name].reshape(source[name].shape))
         return sent
 
     def plain_body(
@@ -123,56 +133,57 @@ class UploadCoder:
     def _with_residuals(
         self, gradient: Mapping[str, torch.Tensor]
     ) -> tuple[list[str], dict[str, torch.Tensor]]:
-        """The coded names, and what is coded for each: e <- beta e + g where a residual is
-        kept (remembered first, for `settle`), else the gradient itself."""
+        """The coded names, and what is coded for each: e' = beta e + g in a buffer of its own
+        where a residual is kept (pending until `settle`), else the gradient itself."""
         coded = [n for n, t in gradient.items() if n in self.coded_names and t.is_floating_point()]
         source = dict(gradient)
+        if self._pending is not None:  # no answer came for the last body: it counts as folded
+            self.settle(folded=True)
         if self.keeps_residual:
-            self._remember(coded)
-            for name in coded:
-                source[name] = self._accumulate(name, gradient[name])
+            self._pending = {name: self._accumulate(name, gradient[name]) for name in coded}
+            source.update(self._pending)
         return coded, source
 
-    def _remember(self, coded: Sequence[str]) -> None:
-        """The residuals before this body, for `settle` to put back if it is never folded."""
-        self._before = {
-            n: None if self.residual.get(n) is None else self.residual[n].clone() for n in coded
-        }
-
     def settle(self, folded: bool) -> None:
-        """The server's answer to the last body: folded in ("accepted", "duplicate"), the
-        residuals stand; not folded (the round committed without it, a rebase dropped it, a
-        streaming sync failed and its fragment goes again later), they go back to what they
-        were before it, so that no part of a pseudo-gradient is lost or sent twice."""
-        before, self._before = self._before, None
-        if folded or before is None:
+        """The server's answer to the last body: folded in ("accepted", "duplicate"), its
+        residuals replace the old ones; not folded (the round committed without it, a rebase
+        dropped it, a streaming sync failed and its fragment goes again later), the old ones
+        stand, so that no part of a pseudo-gradient is lost or sent twice."""
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        for name, tensor in before.items():
-            if tensor is None:
-                self.residual.pop(name, None)
+        for name, new in pending.items():
+            if folded:
+                old = self._residual.get(name)
+                self._residual[name] = new
+                if old is not None:
+                    self._spare[name] = old
             else:
-                self.residual[name] = tensor
+                self._spare[name] = new
 
     def _accumulate(self, name: str, gradient: torch.Tensor) -> torch.Tensor:
-        """e <- beta e + g, in the residual's own fp32 memory (a new one if it has none)."""
-        residual = self.residual.get(name)
-        if residual is None or residual.shape != gradient.shape:
-            residual = torch.zeros(gradient.shape, dtype=torch.float32)
-        residual.mul_(self.beta).add_(gradient.detach().to(device="cpu", dtype=torch.float32))
-        self.residual[name] = residual
-        return residual
-
-    def _subtract(self, names: Sequence[str], sent: Mapping[str, torch.Tensor]) -> None:
-        for name in names:
-            self.residual[name].sub_(sent[name].reshape(self.residual[name].shape))
+        """e' = beta e + g (as beta * e, then + g: the simulator's two roundings), written
+        into a spare fp32 buffer; e itself stays as it is until `settle`."""
+        g = gradient.detach().to(device="cpu", dtype=torch.float32)
+        target = self._spare.pop(name, None)
+        if target is None or target.shape != g.shape:
+            target = torch.empty(g.shape, dtype=torch.float32)
+        residual = self._residual.get(name)
+        if residual is None or residual.shape != g.shape:
+            target.zero_().add_(g)  # beta * 0 + g, with the signs of zeros it gives
+        else:
+            torch.mul(residual, self.beta, out=target).add_(g)
+        return target
 
     # ----------------------------------------------------------------- checkpoints
 
     def state(self) -> tuple[dict[str, torch.Tensor], str | None]:
-        """The residuals and the key they belong to (nothing when none is kept)."""
-        if not self.keeps_residual or not self.residual:
+        """The residuals and the key they belong to (nothing when none is kept); a body under
+        way counts as folded, as a restarted worker treats it."""
+        residual = self.residual
+        if not self.keeps_residual or not residual:
             return {}, None
-        return dict(self.residual), self.key
+        return residual, self.key
 
     def restore(self, residual: Mapping[str, torch.Tensor], key: str | None) -> None:
         """Take saved residuals back if they belong to this model, plan and codec."""
@@ -187,8 +198,9 @@ class UploadCoder:
                 self.beta,
             )
             return
-        self.residual = {
+        self._residual = {
             name: tensor.to(torch.float32).clone()
             for name, tensor in residual.items()
             if name in self.coded_names
         }
+        self._pending, self._spare = None, {}
