@@ -238,6 +238,11 @@ def main(
         "",
         f"## A round with {parameters:,} fp32 parameters ({model_mb:.0f} MB), one worker",
         "",
+        "Rounds back to back, with no training between them: each step waits for the last "
+        "one's checkpoint (written in the background after its step log), so this is the "
+        "disk's price of a round, not what a worker that trains between rounds waits for "
+        "(that is benchmarks/model_scale.py's).",
+        "",
         *table(round_columns, round_rows),
         "",
         "## Restart on an existing state dir",
