@@ -204,9 +204,11 @@ def run_one(size: str, codec: str, mode: str, settings: dict, scratch: Path) -> 
     parameters = sum(p.numel() for p in model.parameters())
     workers, device, sync_every = settings["workers"], settings["device"], settings["sync_every"]
     server_threads = 1 if device == "cpu" else min(4, machine_cores())
-    fragments = min(4, depth)
+    fragments = min(settings["fragments"], depth)
     mode_args = ["--mode", mode] + (
-        ["--fragments", str(fragments), "--delay", "1"] if mode == "streaming" else []
+        ["--fragments", str(fragments), "--delay", str(settings["delay"])]
+        if mode == "streaming"
+        else []
     )
     directory = Path(tempfile.mkdtemp(dir=scratch))
     log = (directory / "server.log").open("wb")
@@ -274,6 +276,7 @@ def run_one(size: str, codec: str, mode: str, settings: dict, scratch: Path) -> 
         "codec": codec,
         "mode": mode,
         "fragments": fragments if mode == "streaming" else 1,
+        "delay": settings["delay"] if mode == "streaming" else 0,
         **{k: settings[k] for k in ("workers", "sync_every", "device", "context", "batch_size")},
         "dtype": settings["dtype"],
         "rounds": windows,
@@ -312,7 +315,11 @@ def run_one(size: str, codec: str, mode: str, settings: dict, scratch: Path) -> 
 def main(
     sizes: str = typer.Option("25M,85M", help=f"Model sizes, from {', '.join(SIZES)}."),
     codecs: str = typer.Option("fp32,int8", help="Codecs both ways: fp32, int8."),
-    modes: str = typer.Option("sync", help="sync, streaming (4 fragments, delay 1)."),
+    modes: str = typer.Option("sync", help="sync, streaming (--fragments, --delay)."),
+    fragments: int = typer.Option(
+        4, help="Streaming: fragments (at most the model's blocks); 1 overlaps a whole sync."
+    ),
+    delay: int = typer.Option(1, help="Streaming: inner steps a sync overlaps (tau)."),
     workers: int = typer.Option(2, help="Worker processes."),
     rounds: int = typer.Option(4, help="Rounds per configuration (the first is not counted)."),
     sync_every: int = typer.Option(4, help="H: inner steps per round."),
@@ -339,8 +346,16 @@ def main(
         raise fail(f"--modes must be from sync, streaming, got {modes!r}")
     if workers < 1 or rounds < 2 or sync_every < 1:
         raise fail("--workers and --sync-every must be >= 1 and --rounds >= 2")
-    if "streaming" in mode_list and sync_every % 4:
-        raise fail(f"--modes streaming needs --sync-every divisible by 4, got {sync_every}")
+    if fragments < 1 or delay < 0:
+        raise fail(f"--fragments must be >= 1 and --delay >= 0, got {fragments} and {delay}")
+    for size in chosen if "streaming" in mode_list else ():
+        parts = min(fragments, SIZES[size][1])  # at most one fragment per block
+        if sync_every % parts or delay >= sync_every // parts:
+            raise fail(
+                f"--modes streaming needs --sync-every divisible by the fragments ({parts} for "
+                f"{size}) and --delay below --sync-every / fragments, got {sync_every} and "
+                f"{delay}"
+            )
     if device not in ("cpu", "cuda"):
         raise fail(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -358,6 +373,8 @@ def main(
         "context": context,
         "batch_size": batch_size,
         "max_seconds": max_seconds,
+        "fragments": fragments,
+        "delay": delay,
     }
     check_output_path(out_dir / "model_scale.json", "--out-dir")
     results = []
@@ -420,7 +437,12 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
             [
                 f"{r['size']} ({r['parameters'] / 1e6:.1f}M)",
                 r["codec"],
-                r["mode"] + (f" ({r['fragments']} fragments)" if r["mode"] == "streaming" else ""),
+                r["mode"]
+                + (
+                    f" ({r['fragments']} fragments, delay {r.get('delay', 1)})"
+                    if r["mode"] == "streaming"
+                    else ""
+                ),
                 f"{r['device']} {r['dtype']}",
                 f"{r['compute_seconds']:.2f}",
                 f"{r['blocked_seconds']:.2f}",

@@ -73,7 +73,9 @@ def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
         # one process in the default suite; the rest with -m slow
         pytest.param(["--codecs", "int4"], "--codecs must be from", marks=pytest.mark.slow),
         pytest.param(
-            ["--modes", "streaming", "--sync-every", "6"], "divisible by 4", marks=pytest.mark.slow
+            ["--modes", "streaming", "--sync-every", "6"],
+            "divisible by the fragments (4 for 25M)",
+            marks=pytest.mark.slow,
         ),
         pytest.param(["--device", "tpu"], "--device must be cpu or cuda", marks=pytest.mark.slow),
         pytest.param(["--dtype", "fp16"], "--dtype must be fp32 or bf16", marks=pytest.mark.slow),
