@@ -203,3 +203,26 @@ def test_a_failed_background_checkpoint_stops_the_server_and_a_restart_replays(
     second = coordinator(tmp_path)
     assert second.round_number == 1 and torch.equal(second.masters["w"], weights)
     assert torch.allclose(weights, START["w"] - 0.7 * 0.57, rtol=1e-6)  # by hand, as above
+
+
+def test_a_logged_step_is_replayed_only_under_the_settings_it_was_logged_with(
+    tmp_path: Path,
+) -> None:
+    """--override-settings could give the replay another optimizer than the live step had,
+    and the workers' anchors would no longer match: refused by name until the step is in."""
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    first.journal.settle()
+    never_written(first)
+    round_of(first, 0, 0.2, 0.4)
+    crash(first)
+    changed = ServerSettings(sync_every=2, min_workers=2, outer_momentum=0.5)
+    refused = r"step log holds a step .*momentum.: 0.9} in the state dir"
+    with pytest.raises(ValueError, match=refused):
+        coordinator(tmp_path, changed, override_settings=True)
+    replayed = coordinator(tmp_path)  # the stored settings: replayed and checkpointed
+    assert replayed.round_number == 1
+    assert torch.allclose(replayed.masters["w"], START["w"] - 0.7 * 0.57, rtol=1e-6)
+    crash(replayed)
+    assert coordinator(tmp_path, changed, override_settings=True).round_number == 1

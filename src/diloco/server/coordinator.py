@@ -225,6 +225,12 @@ class Coordinator:
                 ),
                 step.names,
             )
+        except Exception as exc:
+            raise ValueError(
+                f"the step log's outer step {step.record.round} cannot be applied again ({exc}); "
+                "move the state dir's steps/ folder aside to resume from the checkpoint before "
+                f"it (round {step.record.round}), losing that step"
+            ) from exc
         finally:
             optimizer.lr = lr
         self.last_commit = step.record

@@ -188,13 +188,17 @@ class GlobalModel:
             self.durably(f"logging the outer step of round {new_version}", log_step)
         started = time.perf_counter()
         if running.count:  # (writable() copies the masters away from a straggler's download)
-            apply_running_mean(
-                self.frames.writable(),
-                running,
-                self.optimizer,
-                self.kinds(),
-                policy=self.settings.policy,
-            )
+            frames, kinds = self.frames, self.kinds()
+
+            def step() -> None:  # a step that fails part way leaves the masters half moved
+                apply_running_mean(
+                    frames.writable(), running, self.optimizer, kinds, policy=self.settings.policy
+                )
+
+            if log_step is None:
+                step()
+            else:  # logged: the step log is the commit point, so a failure must stop serving
+                self.durably(f"the outer step of round {new_version}", step)
         stepped = time.perf_counter()
         if self.copy is not None:
             copy, masters = self.copy, self.frames.masters

@@ -448,7 +448,7 @@ class RoundJournal:
             except Exception as exc:
                 self._write_error = exc
                 why = f"writing the checkpoint of round {round_number} failed: {exc}"
-                log.error("%s; the step log keeps the step: restart the server", why)
+                log.error("%s; the step log keeps the step: restart the server", why, exc_info=True)
                 if self.on_checkpoint_failed is not None:
                     self.on_checkpoint_failed(why)
                 return
@@ -565,11 +565,11 @@ class RoundJournal:
                     "no checkpoint that verifies; refusing to start an empty run over it"
                 )
             return None
-        self._check_settings(loaded.metadata["settings"])
         round_number = int(loaded.metadata["round"])
+        pending = self._logged_step(round_number)
+        self._check_settings(loaded.metadata["settings"], pending is not None)
         commit = loaded.metadata.get("commit")
         record = None if commit is None else CommitRecord.from_json(commit)
-        pending = self._logged_step(round_number)
         reached = round_number  # the round SQLite keeps: the checkpoint's, or the log's
         if pending is not None:
             record, reached = pending.record, round_number + 1
@@ -609,7 +609,9 @@ class RoundJournal:
             pending=pending,
         )
 
-    def _check_settings(self, stored: dict) -> None:
+    def _check_settings(self, stored: dict, step_pending: bool = False) -> None:
+        """Refuse settings that differ from the stored ones (unless overridden, and never
+        while a logged step waits to be applied again under the settings it was logged with)."""
         current = self.settings.to_wire()
         admin_lr = self.state.get_meta(OUTER_LR)
         if admin_lr is not None and isinstance(stored.get("outer_optimizer"), dict):
@@ -631,6 +633,14 @@ class RoundJournal:
                 + ", ".join(f"{key} {current[key]!r}" for key in fixed)
                 + "; the outer optimizer state and the rounds cannot carry over (even with "
                 "--override-settings): use a new --state-dir"
+            )
+        if conflicts and step_pending:
+            raise ValueError(
+                "the step log holds a step the server applied before it stopped, and it must be "
+                "applied again with the settings it was logged under ("
+                + "; ".join(conflicts)
+                + "): start once with the stored settings (the step is replayed and "
+                "checkpointed at once), then restart with the new ones"
             )
         if conflicts and not self.override_settings:
             raise ValueError(
