@@ -144,6 +144,8 @@ def test_a_step_logged_but_never_checkpointed_is_replayed_bit_for_bit(tmp_path: 
     assert torch.allclose(momentum, torch.full((3,), 0.17), rtol=1e-6)
     assert torch.equal(momentum, first.model.optimizer.state_dict()["w"])
     assert [r["round"] for r in second.journal.state.committed_rounds()] == [0, 1]
+    (restarted,) = second.journal.state.audit_log("restarted")
+    assert restarted["round"] == 2 and restarted["detail"]["replayed_step"] == 1
     newest = second.journal.state.checkpoints.load_latest()
     assert newest is not None and newest.metadata["round"] == 2  # written by the restart
     round_of(second, 2, 0.3, 0.3)  # and it goes on as the uninterrupted one

@@ -591,7 +591,12 @@ class RoundJournal:
             for departed in self.state.departed_workers():
                 # Units a departed worker kept for an open round the crash lost: lease again.
                 self.pool.release_worker(departed)
-            self.state.audit("restarted", round=round_number, checkpoint=str(loaded.path))
+            self.state.audit(
+                "restarted",
+                round=reached,  # the replayed step's round when the log held one
+                checkpoint=str(loaded.path),
+                replayed_step=None if pending is None else pending.record.round,
+            )
         self.saved_round = round_number
         specs = [TensorSpec.from_json(s) for s in loaded.metadata["specs"]]
         log.info("resuming round %d from %s", round_number, loaded.path)
