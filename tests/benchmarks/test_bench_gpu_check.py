@@ -3,6 +3,7 @@ itself, and the whole script on the CPU at a tiny size (what an offline H100 run
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,6 +29,44 @@ def test_the_codec_comparison_reports_every_codec_and_check(tmp_path: Path) -> N
     # int4 packs two values a byte: well under an eighth of fp32's 4 bytes a value
     assert 0 < rows[0]["body_bytes"] < 4 * (1 << 24) / 4
     assert "| int4 |" in (tmp_path / "codec_devices.md").read_text()
+
+
+def test_the_codec_comparison_names_what_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that coded otherwise is caught: every second body (the device's, in each
+    pair the comparison makes) comes back with its last byte changed."""
+    spec = importlib.util.spec_from_file_location("codec_devices", BENCHMARKS / "codec_devices.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls = []
+    encode = module.encode_compressed
+
+    def otherwise_every_second_time(*args, **kwargs):
+        body = encode(*args, **kwargs)
+        calls.append(None)
+        if len(calls) % 2 == 0:
+            body[-1] ^= 1
+        return body
+
+    monkeypatch.setattr(module, "encode_compressed", otherwise_every_second_time)
+    row = module.compare("int8", __import__("torch").device("cpu"), seed=0)
+    assert not row["plain_body_identical"] and not row["error_feedback_identical"]
+    assert row["differing_tensors"] == list(module.awkward_tensors(0))
+
+
+def test_the_gpu_check_without_its_dependencies_or_wheels_says_how_to_get_them(
+    tmp_path: Path,
+) -> None:
+    python = tmp_path / "python"  # a Python whose imports all fail
+    python.write_text("#!/bin/sh\nexit 1\n")
+    python.chmod(0o755)
+    result = subprocess.run(
+        [str(BENCHMARKS / "gpu_check.sh"), str(tmp_path / "results")],
+        env={**os.environ, "PYTHON": str(python), "DILOCO_WHEELS": str(tmp_path / "none")},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "benchmarks/gpu_wheels.sh" in result.stderr and "holds no wheels" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -80,6 +80,10 @@ def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
         pytest.param(["--device", "tpu"], "--device must be cpu or cuda", marks=pytest.mark.slow),
         pytest.param(["--dtype", "fp16"], "--dtype must be fp32 or bf16", marks=pytest.mark.slow),
         pytest.param(["--max-seconds", "0"], "must be positive", marks=pytest.mark.slow),
+        pytest.param(["--fragments", "0"], "--fragments must be >= 1", marks=pytest.mark.slow),
+        pytest.param(
+            ["--modes", "streaming", "--delay", "4"], "--delay below", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) -> None:

@@ -307,16 +307,20 @@ class RoundJournal:
         """
         new_round = record.round + 1
         logged = self.logs_steps
-        if (
-            not logged
-            and self.durable
-            and (self.durability == "round" or new_round % self.checkpoint_every == 0)
-        ):
+
+        def write_checkpoint() -> None:
             faults.crash_point("before_checkpoint")
             self._write_checkpoint(
                 new_round, masters, optimizer_state, specs, record, fragment_rounds, published
             )
             faults.crash_point("after_checkpoint")
+
+        if (
+            not logged
+            and self.durable
+            and (self.durability == "round" or new_round % self.checkpoint_every == 0)
+        ):
+            write_checkpoint()
         if started is not None:
             record = replace(record, seconds=time.perf_counter() - started)
         with self.state.transaction():
@@ -324,10 +328,8 @@ class RoundJournal:
             record.apply_to(self.pool)
             self.state.record_metrics(record.round, seconds=record.seconds, **metrics)
         faults.crash_point("after_store_commit")
-        if logged:
-            self._checkpoint_in_background(
-                new_round, masters, optimizer_state, specs, record, fragment_rounds, published
-            )
+        if logged:  # (the checkpoint then holds the record with its measured seconds)
+            self._checkpoint_in_background(new_round, write_checkpoint)
 
     # ----------------------------------------------------------------- the step log
 
@@ -408,43 +410,27 @@ class RoundJournal:
             step.fragment_rounds,
             published,
         )
+        self._drop_logged(through=step.record.round)
+
+    def _drop_logged(self, through: int) -> None:
+        """The step log's steps up to `through`: their checkpoints are written."""
         steps = self.state.steps
         assert steps is not None
-        steps.drop(last=step.record.round)
+        steps.drop(last=through)
 
     # ----------------------------------------------------------------- background checkpoints
 
-    def _checkpoint_in_background(
-        self,
-        round_number: int,
-        masters: Mapping[str, torch.Tensor],
-        optimizer_state: Mapping[str, torch.Tensor],
-        specs: Mapping[str, TensorSpec],
-        record: CommitRecord,
-        fragment_rounds: list[int] | None,
-        published: Mapping[str, torch.Tensor] | None,
-    ) -> None:
-        """Write the step's checkpoint on a thread of its own while the workers train. The
-        tensors are read, never copied: the caller settles before the next step moves them."""
+    def _checkpoint_in_background(self, round_number: int, write: Callable[[], None]) -> None:
+        """Run `write` (round `round_number`'s checkpoint) on a thread of its own while the
+        workers train. The tensors are read, never copied: the caller settles before the
+        next step moves them."""
         self.settle()
 
-        def write() -> None:
+        def run() -> None:
             started = time.perf_counter()
             try:
-                faults.crash_point("before_checkpoint")
-                self._write_checkpoint(
-                    round_number,
-                    masters,
-                    optimizer_state,
-                    specs,
-                    record,
-                    fragment_rounds,
-                    published,
-                )
-                faults.crash_point("after_checkpoint")
-                steps = self.state.steps
-                assert steps is not None
-                steps.drop(last=round_number - 1)  # the step is in its checkpoint now
+                write()
+                self._drop_logged(through=round_number - 1)  # the step is in its checkpoint
             except Exception as exc:
                 self._write_error = exc
                 why = f"writing the checkpoint of round {round_number} failed: {exc}"
@@ -455,7 +441,7 @@ class RoundJournal:
             if self.on_checkpoint_written is not None:
                 self.on_checkpoint_written(time.perf_counter() - started)
 
-        self._writer = threading.Thread(target=write, name="diloco-checkpoint", daemon=True)
+        self._writer = threading.Thread(target=run, name="diloco-checkpoint", daemon=True)
         self._writer.start()
 
     def settle(self) -> None:

@@ -25,7 +25,7 @@ from diloco.algorithm.codecs import Span, decode, max_abs, piece_elements
 from diloco.algorithm.tensors import finite_bound
 from diloco.wire.compressed.header import CompressedEntry, CompressedHeader
 from diloco.wire.compressed.values import as_bytes, read_span
-from diloco.wire.format.spool import CheckedPieces, PieceBody, SpooledTensors
+from diloco.wire.format.spool import PieceBody, SpooledTensors
 
 Bytes = torch.Tensor | memoryview
 
@@ -79,16 +79,12 @@ class CompressedPieces(PieceBody):
         tensor span by span (bounded by `max_abs`, its values being checked finite)."""
         return self._bounded(decoded=True)
 
-    def check_values(self) -> float:
-        """As every body's (see PieceBody), but the coded spans are checked without being
-        decoded: `read_span` checks their levels, scales and indices, and `max_abs` bounds
-        them from the scales, so the fold decodes each value once (an int8 scan that
-        decoded every value cost as much as the fold itself)."""
-        checked = CheckedPieces(self, bounded=self._bounded(decoded=False))
-        for _ in checked:
-            pass
-        self.largest = checked.largest
-        return checked.bound
+    def bounds(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
+        """The coded spans checked without being decoded (each comes as an empty tensor):
+        `read_span` checks their levels, scales and indices, and `max_abs` bounds them from
+        the scales, so the fold decodes each value once (an int8 scan that decoded every
+        value cost as much as the fold itself)."""
+        return self._bounded(decoded=False)
 
     def _bounded(self, decoded: bool) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
         """`bounded_pieces`; with `decoded` False a coded span comes as an empty tensor."""

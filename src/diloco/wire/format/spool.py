@@ -110,11 +110,16 @@ class PieceBody:
         running sum of checked bodies can be known finite; `largest` then names the tensor
         that sets it.
         """
-        checked = self.checked_pieces()
+        checked = CheckedPieces(self, bounded=self.bounds())
         for _ in checked:
             pass
         self.largest = checked.largest
         return checked.bound
+
+    def bounds(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
+        """What `check_values` checks: `bounded_pieces()`, unless a body can bound its
+        values without producing them (a compressed body: from its scales)."""
+        return self.bounded_pieces()
 
     def close(self) -> None:
         """Done with the body. Idempotent."""
