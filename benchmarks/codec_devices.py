@@ -11,8 +11,10 @@ moves a scale) would break those promises silently.
 For every codec, tensors of awkward shapes and values (one element, a length no block or chunk
 divides, all zeros, ties, magnitudes near fp32's largest and smallest) are coded three ways on
 both devices: a plain body, a body with error feedback folded into a residual on the device,
-and a delta applied to weights on the device. Prints one row per codec; exits 1 if any byte or
-bit differs.
+and a delta applied to weights on the device. A fourth check runs three rounds of a worker
+(`Anchor` and `UploadCoder` with the anchor and residual on each device: anchor - local, error
+feedback, the body, a coded delta's apply into the anchor). Prints one row per codec; exits 1
+if any byte or bit differs.
 
     python benchmarks/codec_devices.py                      # cpu against cuda
     python benchmarks/codec_devices.py --device cpu --out-dir /tmp   # the script, no GPU
@@ -26,9 +28,13 @@ from pathlib import Path
 import torch
 import typer
 
+from diloco.algorithm import TensorKind
 from diloco.algorithm.codecs import parse_codec
 from diloco.console import check_output_path, fail, out, summary_table, write_json
+from diloco.wire import specs_of
 from diloco.wire.compressed.body import apply_delta, encode_compressed
+from diloco.worker.anchor import Anchor
+from diloco.worker.upload_coder import UploadCoder
 
 RESULTS = Path(__file__).parent / "results"
 CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk:0.03", "topk:0.03+int2", "topk:0.1+int8")
@@ -93,6 +99,61 @@ def compare(codec_text: str, device: torch.device, seed: int) -> dict:
     }
 
 
+class _Weights(torch.nn.Module):
+    """A model whose parameters are `tensors`, on `device`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_parameter(name, torch.nn.Parameter(tensor.to(device, copy=True)))
+
+
+def worker_rounds(codec_text: str, device: torch.device, seed: int) -> dict:
+    """Three rounds of a worker with its anchor and residual on the CPU and on `device`: the
+    bodies it uploads, the residual it keeps and the anchor a coded delta leaves."""
+    codec = parse_codec(codec_text)
+    start = awkward_tensors(seed)
+    specs = specs_of(start, dict.fromkeys(start, TensorKind.TRAINABLE))
+    coded_delta = codec.is_quantized or codec.is_sparse
+    sides = []
+    for where in (torch.device("cpu"), device):
+        model = _Weights(start, where)
+        anchor = Anchor(model, leader=True, download_dtype=torch.float32, device=where)
+        anchor.adopt(start, 0)
+        coder = UploadCoder(codec, 0.9, specs, device=where)
+        bodies = []
+        for round_number in range(1, 4):
+            step = awkward_tensors(seed + round_number)
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    parameter.sub_(step[name].to(where), alpha=0.01)
+            if codec.is_identity:
+                body = bytes(coder.plain_body(anchor.tensors, model.state_dict()))
+            else:
+                body = bytes(coder.body(anchor.pseudo_gradient()))
+            coder.settle(folded=True)
+            bodies.append(body)
+            if coded_delta:  # the body as the round's delta: the new global values
+                new = anchor.values_after(bytearray(body), list(start), codec, set(start))
+            else:
+                new = {name: t.detach() for name, t in model.state_dict().items()}
+            anchor.adopt(new, round_number)
+        sides.append(
+            (
+                bodies,
+                {name: t.cpu() for name, t in coder.residual.items()},
+                {name: t.cpu() for name, t in anchor.tensors.items()},
+            )
+        )
+    (bodies_cpu, residual_cpu, anchor_cpu), (bodies_dev, residual_dev, anchor_dev) = sides
+    return {
+        "worker_bodies_identical": bodies_cpu == bodies_dev,
+        "worker_residual_identical": residual_cpu.keys() == residual_dev.keys()
+        and all(torch.equal(residual_cpu[n], residual_dev[n]) for n in residual_cpu),
+        "worker_anchor_identical": all(torch.equal(anchor_cpu[n], anchor_dev[n]) for n in start),
+    }
+
+
 def main(
     device: str = typer.Option("cuda", help="The device compared with the CPU."),
     codecs: str = typer.Option(",".join(CODECS), help="Codecs to compare, comma-separated."),
@@ -117,8 +178,19 @@ def main(
             raise fail(f"--codecs: {exc}") from None
     if not chosen:
         raise fail("--codecs names no codec")
-    rows = [compare(text, target, seed) for text in chosen]
-    checks = ("plain_body_identical", "error_feedback_identical", "delta_apply_identical")
+    rows = [compare(text, target, seed) | worker_rounds(text, target, seed) for text in chosen]
+    for row in rows:
+        row["worker_rounds_identical"] = (
+            row["worker_bodies_identical"]
+            and row["worker_residual_identical"]
+            and row["worker_anchor_identical"]
+        )
+    checks = (
+        "plain_body_identical",
+        "error_feedback_identical",
+        "delta_apply_identical",
+        "worker_rounds_identical",
+    )
     ok = all(row[check] for row in rows for check in checks)
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else str(target)
     write_json(
@@ -126,7 +198,15 @@ def main(
         {"device": name, "torch": torch.__version__, "results": rows},
     )
     title = f"Codecs on the CPU and on {name} (torch {torch.__version__}): identical?"
-    headers = ["codec", "body bytes", "plain body", "error feedback", "delta apply", "differ"]
+    headers = [
+        "codec",
+        "body bytes",
+        "plain body",
+        "error feedback",
+        "delta apply",
+        "worker rounds",
+        "differ",
+    ]
     table = [
         [
             row["codec"],

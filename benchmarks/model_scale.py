@@ -29,6 +29,7 @@ over (loopback + memory pass). Writes benchmarks/results/model_scale.md and .jso
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -127,7 +128,14 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
     optimizer.register_step_post_hook(computed)  # before the worker's: it runs first
     step()  # the training state (gradients, AdamW's moments) exists from here on
     training_state_kb = _rss_kb()
-    worker = DiLoCoWorker(model, optimizer, url, worker_id=f"w{index}", result_wait=120)
+    worker = DiLoCoWorker(
+        model,
+        optimizer,
+        url,
+        worker_id=f"w{index}",
+        result_wait=120,
+        anchor_device=job["anchor_device"],
+    )
     assert worker.client is not None
     report: dict = {"rounds": [], "windows": 0, "training_state_mb": training_state_kb / 1024}
     steady = {"compute": 0.0, "blocked": 0.0, "up": 0, "down": 0}
@@ -194,7 +202,9 @@ def _server_parts(url: str) -> dict[str, dict[str, float]]:
     return parts
 
 
-def run_one(size: str, codec: str, mode: str, settings: dict, scratch: Path) -> dict:
+def run_one(
+    size: str, codec: str, mode: str, settings: dict, scratch: Path, anchor_device: str = "auto"
+) -> dict:
     """One server and `workers` worker processes; the row of the results table."""
     width, depth = SIZES[size]
     from diloco.models.gpt import GPTConfig
@@ -230,6 +240,7 @@ def run_one(size: str, codec: str, mode: str, settings: dict, scratch: Path) -> 
         "size": size,
         "device": device,
         "threads": split_cores(workers + 1),
+        "anchor_device": anchor_device,
         **{k: settings[k] for k in ("rounds", "sync_every", "context", "batch_size", "dtype")},
     }
     cut_short = False
@@ -279,6 +290,7 @@ def run_one(size: str, codec: str, mode: str, settings: dict, scratch: Path) -> 
         "delay": settings["delay"] if mode == "streaming" else 0,
         **{k: settings[k] for k in ("workers", "sync_every", "device", "context", "batch_size")},
         "dtype": settings["dtype"],
+        "anchor_device": anchor_device,
         "rounds": windows,
         "cut_short": cut_short,
         "server_threads": server_threads,
@@ -330,6 +342,11 @@ def main(
     max_seconds: float = typer.Option(
         3600, help="Per configuration: past it the workers stop and what they measured counts."
     ),
+    anchor_devices: str = typer.Option(
+        "auto",
+        help="Where the workers keep their anchor: auto (beside a GPU model when it fits), "
+        "cpu; comma-separated to compare both in one run.",
+    ),
     out_dir: Path = typer.Option(RESULTS, help="Where model_scale.md and .json go."),
 ) -> None:
     """Measure rounds at real model sizes against loopback and a memory pass."""
@@ -360,6 +377,9 @@ def main(
         raise fail(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise fail("--device cuda: torch sees no CUDA device on this machine")
+    anchor_list = [a.strip() for a in anchor_devices.split(",") if a.strip()]
+    if not anchor_list or any(a not in ("auto", "cpu") for a in anchor_list):
+        raise fail(f"--anchor-devices must be from auto, cpu, got {anchor_devices!r}")
     if dtype not in ("fp32", "bf16"):
         raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
     if context < 1 or batch_size < 1 or not max_seconds > 0:
@@ -381,11 +401,14 @@ def main(
     with tempfile.TemporaryDirectory(prefix="diloco-model-scale-") as scratch:
         for size in chosen:
             for codec in codec_list:
-                for mode in mode_list:
-                    err.print(f"{size} {codec} {mode}: {workers} workers x {rounds} rounds ...")
+                for mode, anchor in itertools.product(mode_list, anchor_list):
+                    err.print(
+                        f"{size} {codec} {mode} (anchor {anchor}): {workers} workers x "
+                        f"{rounds} rounds ..."
+                    )
                     started = time.perf_counter()
                     try:
-                        row = run_one(size, codec, mode, settings, Path(scratch))
+                        row = run_one(size, codec, mode, settings, Path(scratch), anchor)
                     except RuntimeError as exc:
                         raise fail(str(exc), code=1) from None
                     err.print(
@@ -443,7 +466,12 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                     if r["mode"] == "streaming"
                     else ""
                 ),
-                f"{r['device']} {r['dtype']}",
+                f"{r['device']} {r['dtype']}"
+                + (
+                    f", anchor {r['anchor_device']}"
+                    if r.get("anchor_device", "auto") != "auto"
+                    else ""
+                ),
                 f"{r['compute_seconds']:.2f}",
                 f"{r['blocked_seconds']:.2f}",
                 f"{100 * r['blocked_fraction']:.1f}",

@@ -26,6 +26,8 @@ def test_the_codec_comparison_reports_every_codec_and_check(tmp_path: Path) -> N
     for row in rows:  # the CPU against itself: a comparison that could not agree is broken
         assert row["plain_body_identical"] and row["error_feedback_identical"]
         assert row["delta_apply_identical"] and row["differing_tensors"] == []
+        assert row["worker_bodies_identical"] and row["worker_residual_identical"]
+        assert row["worker_anchor_identical"] and row["worker_rounds_identical"]
     # int4 packs two values a byte: well under an eighth of fp32's 4 bytes a value
     assert 0 < rows[0]["body_bytes"] < 4 * (1 << 24) / 4
     assert "| int4 |" in (tmp_path / "codec_devices.md").read_text()
@@ -52,6 +54,33 @@ def test_the_codec_comparison_names_what_differs(monkeypatch: pytest.MonkeyPatch
     row = module.compare("int8", __import__("torch").device("cpu"), seed=0)
     assert not row["plain_body_identical"] and not row["error_feedback_identical"]
     assert row["differing_tensors"] == list(module.awkward_tensors(0))
+
+
+def test_the_worker_rounds_comparison_catches_a_residual_kept_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second worker (the device's) keeps twice the residual it should after each body:
+    its later bodies, its residual and the anchor its deltas leave are reported as differing."""
+    spec = importlib.util.spec_from_file_location("codec_devices", BENCHMARKS / "codec_devices.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    made = []
+
+    class Drifting(module.UploadCoder):
+        def settle(self, folded: bool) -> None:
+            super().settle(folded)
+            if made.index(self) == 1:
+                self._residual["matrix"].mul_(2)
+
+    def coder(*args, **kwargs):
+        made.append(Drifting(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(module, "UploadCoder", coder)
+    row = module.worker_rounds("int8", __import__("torch").device("cpu"), seed=0)
+    assert not row["worker_bodies_identical"] and not row["worker_residual_identical"]
+    assert not row["worker_anchor_identical"]
 
 
 def test_the_gpu_check_without_its_dependencies_or_wheels_says_how_to_get_them(

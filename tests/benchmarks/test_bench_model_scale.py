@@ -84,6 +84,9 @@ def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
         pytest.param(
             ["--modes", "streaming", "--delay", "4"], "--delay below", marks=pytest.mark.slow
         ),
+        pytest.param(
+            ["--anchor-devices", "gpu"], "--anchor-devices must be from", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) -> None:

@@ -140,6 +140,13 @@ def test_the_upload_limiter_paces_slices_to_the_rate() -> None:
         ({"result_wait": 300}, r"result_wait must be in \(0, 120\] seconds .*, got 300"),
         ({"result_wait": 0}, r"result_wait must be in \(0, 120\] seconds .*, got 0"),
         ({"result_wait": True}, r"result_wait must be .*, got True"),
+        ({"anchor_device": "gpu"}, r"anchor_device must be 'auto', 'cpu' or a device name .*'gpu'"),
+        ({"anchor_device": 3}, r"anchor_device must be 'auto', 'cpu' or a device name .*got 3"),
+        *(
+            []
+            if torch.cuda.is_available()
+            else [({"anchor_device": "cuda"}, "anchor_device 'cuda': this machine has no CUDA")]
+        ),
     ],
 )
 def test_bad_worker_arguments_are_refused_before_any_request(arguments: dict, message: str) -> None:

@@ -69,8 +69,8 @@ def _difference(name: str, anchor: torch.Tensor, local: torch.Tensor) -> torch.T
             f"tensor {name!r} has shape {tuple(anchor.shape)} in the anchor "
             f"and {tuple(local.shape)} locally"
         )
-    anchor = anchor.detach().to("cpu")
-    local = local.detach().to("cpu")
+    anchor = anchor.detach()
+    local = local.detach().to(anchor.device)
     wide = _difference_dtype(anchor, local)
     return anchor.to(wide) - local.to(wide)
 
@@ -89,7 +89,8 @@ def pseudo_gradient_into(
 ) -> None:
     """`pseudo_gradient` written into `out` (per name a CPU tensor of its shape: float32 for
     floating tensors, int64 for the others), element for element the same values, with no
-    model-sized temporary: a worker computes it straight into its upload body."""
+    model-sized temporary: a worker computes it straight into its upload body. An anchor on
+    an accelerator subtracts there, one tensor at a time, and only the difference crosses."""
     _check_same_names(anchor, local)
     for name, target in out.items():
         ours, theirs = anchor[name].detach(), local[name].detach()
@@ -98,11 +99,13 @@ def pseudo_gradient_into(
                 f"tensor {name!r} has shape {tuple(ours.shape)} in the anchor, "
                 f"{tuple(theirs.shape)} locally and {tuple(target.shape)} in the output"
             )
-        ours, theirs = ours.to("cpu"), theirs.to("cpu")
         wide = _difference_dtype(ours, theirs)
         if target.dtype != wide:
             raise ValueError(f"tensor {name!r}: the output is {target.dtype}, expected {wide}")
-        torch.sub(ours.to(wide), theirs.to(wide), out=target)
+        if ours.device == target.device:
+            torch.sub(ours.to(wide), theirs.to(device=ours.device, dtype=wide), out=target)
+        else:
+            target.copy_(ours.to(wide) - theirs.to(device=ours.device, dtype=wide))
 
 
 def _check_same_names(
@@ -119,7 +122,8 @@ def _check_same_names(
 def pseudo_gradient(
     anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
 ) -> TensorDict:
-    """anchor - local for every name, on CPU: float32, or int64 for int and bool tensors.
+    """anchor - local for every name, on the anchor's device: float32, or int64 for int and
+    bool tensors.
 
     The sign makes outer SGD with lr 1 a plain average of the local models (FedAvg). Integer
     and bool tensors are subtracted exactly in int64 and stay int64, so that no float wire

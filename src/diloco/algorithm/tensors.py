@@ -93,8 +93,10 @@ def classify_tensors(model: torch.nn.Module) -> dict[str, TensorKind]:
     }
 
 
-def to_fp32_masters(state: Mapping[str, torch.Tensor]) -> TensorDict:
-    """Detached, contiguous CPU copies to serve as master weights.
+def to_fp32_masters(
+    state: Mapping[str, torch.Tensor], device: torch.device | str = "cpu"
+) -> TensorDict:
+    """Detached, contiguous copies on `device` (the CPU by default) to serve as master weights.
 
     Floating tensors become float32 whatever their training dtype, so repeated outer steps do
     not accumulate bf16/fp16 rounding. Integer and bool tensors keep their own dtype: they are
@@ -105,7 +107,7 @@ def to_fp32_masters(state: Mapping[str, torch.Tensor]) -> TensorDict:
         if not isinstance(value, torch.Tensor):
             continue
         dtype = torch.float32 if value.is_floating_point() else value.dtype
-        copy = torch.empty(value.shape, dtype=dtype)
+        copy = torch.empty(value.shape, dtype=dtype, device=device)
         copy.copy_(value.detach())
         masters[name] = copy
     return masters

@@ -1,9 +1,12 @@
 """The anchor: the global weights the local model last started from, and their round.
 
 A pseudo-gradient is anchor - local, so the anchor must be exactly the weights the server
-sent. Rank 0 keeps it on the CPU in fp32 (the other ranks of a torch.distributed group never
-compute a pseudo-gradient and keep none); new global weights become the model everywhere and
-the anchor on rank 0, then rank 0's values are broadcast.
+sent. Rank 0 keeps it in fp32 (the other ranks of a torch.distributed group never compute a
+pseudo-gradient and keep none); new global weights become the model everywhere and the anchor
+on rank 0, then rank 0's values are broadcast. The anchor lives on the CPU, or beside a model
+on an accelerator (`anchor_device`): there the pseudo-gradient, its error feedback and coding
+and a coded delta's apply run at the accelerator's speed, and only coded bytes cross to the
+host (the codecs code the same bytes on every device: benchmarks/codec_devices.py).
 """
 
 from __future__ import annotations
@@ -20,37 +23,50 @@ from diloco.worker.parallel import distributed
 
 
 def updated_anchor(
-    anchor: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+    anchor: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """`tensors` as CPU copies (fp32 for floating ones), written over `anchor` where it fits.
+    """`tensors` as copies on `device` (fp32 for floating ones), written over `anchor` where
+    it fits.
 
     Copying into the anchor's own memory spares a model-sized allocation, and its page faults,
-    every round; a new anchor is built when the names, shapes or dtypes differ.
+    every round; a new anchor is built when the names, shapes, dtypes or device differ.
     """
+    device = torch.device(device)
     fresh = {
         name: (torch.float32 if t.is_floating_point() else t.dtype, t.shape)
         for name, t in tensors.items()
     }
     if fresh.keys() == anchor.keys() and all(
-        (a.dtype, a.shape) == fresh[name] and a.device.type == "cpu" for name, a in anchor.items()
+        (a.dtype, a.shape) == fresh[name] and a.device == device for name, a in anchor.items()
     ):
         for name, target in anchor.items():
             target.copy_(tensors[name].detach())
         return anchor
-    return to_fp32_masters(tensors)
+    return to_fp32_masters(tensors, device)
 
 
 class Anchor:
-    """The model's anchor (`tensors`, on rank 0) and `round`, the round they start.
+    """The model's anchor (`tensors`, on rank 0, on `device`) and `round`, the round they
+    start.
 
     `round` is the sync round in sync mode and the version in async mode; in streaming mode
     each fragment has its own round (kept by the streamer) and `round` is the version the
     last full weights started.
     """
 
-    def __init__(self, model: nn.Module, *, leader: bool, download_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        leader: bool,
+        download_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.model = model
         self.leader = leader
+        self.device = torch.device(device)  # where the fp32 anchor lives
         self.download_dtype = download_dtype  # what a follower's broadcast buffers hold
         self.tensors: dict[str, torch.Tensor] = {}
         self.round = 0
@@ -83,7 +99,7 @@ class Anchor:
         with torch.no_grad():
             for name, target in state.items():
                 target.copy_(tensors[name])
-        self.tensors = updated_anchor(self.tensors, tensors)
+        self.tensors = updated_anchor(self.tensors, tensors, self.device)
         self.round = round_number
 
     def share(self) -> None:
@@ -102,7 +118,7 @@ class Anchor:
         if not self.leader:
             return
         part = {name: self.tensors[name] for name in tensors if name in self.tensors}
-        self.tensors.update(updated_anchor(part, tensors))  # into its memory where it fits
+        self.tensors.update(updated_anchor(part, tensors, self.device))  # in place where it fits
 
     def broadcast_fragment(
         self, tensors: Mapping[str, torch.Tensor], names: list[str]
@@ -118,3 +134,42 @@ class Anchor:
                 out[n] = torch.empty_like(state[n], dtype=dtype)
         distributed.broadcast_tensors_(out)
         return out
+
+
+def parse_anchor_device(requested: object) -> torch.device | None:
+    """A DiLoCoWorker's `anchor_device`: None for "auto", else the device it names (checked
+    before anything reaches the server)."""
+    if requested == "auto":
+        return None
+    wrong = (
+        f"anchor_device must be 'auto', 'cpu' or a device name such as 'cuda:0', got {requested!r}"
+    )
+    if not isinstance(requested, (str, torch.device)):
+        raise ValueError(wrong)
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, ValueError):
+        raise ValueError(wrong) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"anchor_device {str(requested)!r}: this machine has no CUDA device")
+    return device
+
+
+def choose_anchor_device(
+    model: nn.Module, requested: torch.device | None, *, fp32_copies: int
+) -> torch.device:
+    """Where the anchor (and the error-feedback residuals beside it) live: `requested`, or
+    (None: "auto") the model's accelerator when `fp32_copies` model-sized fp32 tensors (the
+    anchor, the pseudo-gradient, residuals, a delta's target) fit in half of its free memory,
+    else the CPU. On the accelerator the arithmetic of a round (anchor - local, error feedback,
+    coding, a delta's apply) runs where the weights are, and only coded bytes cross to the host.
+    """
+    if requested is not None:
+        return requested
+    state = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    devices = {t.device for t in state}
+    if len(devices) != 1 or (device := devices.pop()).type != "cuda":
+        return torch.device("cpu")
+    free, _total = torch.cuda.mem_get_info(device)
+    needed = 4 * fp32_copies * sum(t.numel() for t in state)
+    return device if needed <= free // 2 else torch.device("cpu")

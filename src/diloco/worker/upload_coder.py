@@ -42,8 +42,10 @@ class UploadCoder:
         beta: float,
         specs: Sequence[TensorSpec],
         plan: Sequence[Sequence[str]] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.codec = codec
+        self.device = torch.device(device)  # the residuals', beside the anchor
         self.beta = float(beta)
         self.coded_names = {s.name for s in specs if s.kind == TensorKind.TRAINABLE.value}
         self._residual: dict[str, torch.Tensor] = {}  # settled: what the server has missed
@@ -164,10 +166,10 @@ class UploadCoder:
     def _accumulate(self, name: str, gradient: torch.Tensor) -> torch.Tensor:
         """e' = beta e + g (as beta * e, then + g: the simulator's two roundings), written
         into a spare fp32 buffer; e itself stays as it is until `settle`."""
-        g = gradient.detach().to(device="cpu", dtype=torch.float32)
+        g = gradient.detach().to(device=self.device, dtype=torch.float32)
         target = self._spare.pop(name, None)
         if target is None or target.shape != g.shape:
-            target = torch.empty(g.shape, dtype=torch.float32)
+            target = torch.empty(g.shape, dtype=torch.float32, device=self.device)
         residual = self._residual.get(name)
         if residual is None or residual.shape != g.shape:
             target.zero_().add_(g)  # beta * 0 + g, with the signs of zeros it gives
@@ -199,7 +201,7 @@ class UploadCoder:
             )
             return
         self._residual = {
-            name: tensor.to(torch.float32).clone()
+            name: tensor.to(device=self.device, dtype=torch.float32, copy=True)
             for name, tensor in residual.items()
             if name in self.coded_names
         }

@@ -33,7 +33,7 @@ from torch import nn
 
 from diloco.algorithm import classify_tensors
 from diloco.wire import decode_tensors, encode_tensors, specs_of
-from diloco.worker.anchor import Anchor
+from diloco.worker.anchor import Anchor, choose_anchor_device, parse_anchor_device
 from diloco.worker.data.tokens import TokenTally
 from diloco.worker.data.trace import SampleTrace
 from diloco.worker.data.units import ReportsUnits, UnitReports
@@ -104,6 +104,7 @@ class DiLoCoWorker(WorkerResumption):
         max_upload_mbps: float | None = None,
         ca_file: str | os.PathLike[str] | None = None,
         save_every_round: bool = True,
+        anchor_device: str | torch.device = "auto",
     ) -> None:
         """`checkpoint_dir`: after every round (unless `save_every_round` is False: then only
         when `save_checkpoint` is called, e.g. with a trainer's own checkpoints) the worker
@@ -122,6 +123,11 @@ class DiLoCoWorker(WorkerResumption):
         `token` is the enrollment token (None: $DILOCO_TOKEN); registering with it gets this
         worker a credential of its own, sent from then on and kept in the checkpoint.
         `ca_file`: PEM certificates an https:// server's certificate must chain to.
+
+        `anchor_device`: where the fp32 anchor and the error-feedback residuals live. "auto"
+        (the default) keeps them beside a model on a GPU when they fit in half of its free
+        memory, so that a round's arithmetic and coding run there; "cpu" keeps them in host
+        memory (the GPU's memory then holds only training); or a device name.
         """
         # Checked before anything reaches the server (the upload cap by the client's limiter).
         if isinstance(result_wait, bool) or not (
@@ -135,6 +141,7 @@ class DiLoCoWorker(WorkerResumption):
             isinstance(fragment_timeout, (int, float)) and 0 < fragment_timeout < math.inf
         ):
             raise ValueError(f"fragment_timeout must be > 0 seconds, got {fragment_timeout!r}")
+        requested_anchor_device = parse_anchor_device(anchor_device)
         self.model = _unwrap(model)
         self.optimizer = optimizer
         self.server_url = server_url
@@ -208,9 +215,21 @@ class DiLoCoWorker(WorkerResumption):
         if self.settings.mode == "streaming":
             _refuse_tied_tensors(self.model)
         self._schedule = (DyLU if self.settings.dylu else EveryH)(self.settings.sync_every)
-        self._anchor = (ShardedAnchor if self.sharded else Anchor)(
-            self.model, leader=self.is_leader, download_dtype=self.settings.download_dtype
-        )
+        if self.sharded:
+            if requested_anchor_device not in (None, torch.device("cpu")):
+                raise ValueError(
+                    "anchor_device: a sharded (FSDP2) model's anchor rows stay on the CPU"
+                )
+            self._anchor = ShardedAnchor(
+                self.model, leader=self.is_leader, download_dtype=self.settings.download_dtype
+            )
+        else:
+            self._anchor = Anchor(
+                self.model,
+                leader=self.is_leader,
+                download_dtype=self.settings.download_dtype,
+                device=self._anchor_device(requested_anchor_device),
+            )
         # A sharded group gathers its weights for the server only when it has none yet.
         first = self.sharded and info.get("model_fingerprint") is None
         initial = self._gathered(self._anchor.local_values) if first else None
@@ -220,6 +239,7 @@ class DiLoCoWorker(WorkerResumption):
             self.settings.error_feedback_beta,
             self.specs,
             self.fragment_plan if self.settings.mode == "streaming" else None,
+            device=getattr(self._anchor, "device", "cpu"),
         )
         if self.resumed is not None:
             self._uploads.restore(self.resumed.residual, self.resumed.extra.get("residual_key"))
@@ -268,6 +288,24 @@ class DiLoCoWorker(WorkerResumption):
                 self._schedule.advise,
             )
             self._heartbeat.start()
+
+    def _anchor_device(self, requested: torch.device | None) -> torch.device:
+        """The anchor's device (see `anchor_device`); said once at the start when it is not
+        the CPU, or when a GPU model's anchor must stay on the CPU for want of memory."""
+        settings = self.settings
+        lossy = not settings.upload_codec.is_identity and settings.error_feedback_beta > 0
+        # anchor + pseudo-gradient, + residual and its spare, + a coded delta's target
+        copies = 2 + 2 * lossy + (not settings.download_codec.is_identity)
+        device = choose_anchor_device(self.model, requested, fp32_copies=copies)
+        on_gpu = any(t.is_cuda for t in self.model.state_dict().values())
+        if self.is_leader and (device.type != "cpu" or (on_gpu and requested is None)):
+            log.info(
+                "the fp32 anchor%s lives on %s%s",
+                " and error-feedback residual" if lossy else "",
+                device,
+                "" if device.type != "cpu" else " (they do not fit in half the GPU's free memory)",
+            )
+        return device
 
     # ----------------------------------------------------------------- the parts' state
 
