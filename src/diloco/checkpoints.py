@@ -2,8 +2,8 @@
 
 One generation is a directory `gen-<generation:012d>` holding one safetensors file per tensor
 group and a `manifest.json` with each file's size and SHA-256. A generation is built in a
-temporary directory, every file written atomically (temp file, fsync, os.replace, directory
-fsync), the manifest last, and only then renamed to its final name: a crash at any point leaves
+temporary directory, every file written and fsynced, the manifest last (temp file, fsync,
+os.replace, directory fsync), and only then renamed to its final name: a crash at any point leaves
 the previous complete generations, or those plus the new one, never a half-written one under a
 final name. Loading verifies checksums before decoding and falls back to older generations.
 """
@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +86,25 @@ class CheckpointStore:
     ) -> Path:
         """Durably write `generation` and return its directory; then prune old generations
         (unless told not to: a caller that drops them later itself, off its critical path)."""
+        final = self.stage(generation, tensors, metadata)()
+        if prune:
+            self._prune(keep_dir=final)
+        return final
+
+    def stage(
+        self,
+        generation: int,
+        tensors: Mapping[str, Mapping[str, torch.Tensor]],
+        metadata: Mapping[str, object],
+    ) -> Callable[[], Path]:
+        """Write `generation`'s files and hash them now; the function returned makes them
+        durable and the generation visible (fsyncs, manifest, rename) and returns its
+        directory.
+
+        Once `stage` returns the files no longer need the tensors' memory, so the fsyncs can
+        run on another thread while the caller moves that memory (the step log: see
+        server/state/journal.py). A generation staged and never made durable is a temporary
+        directory, removed by the next prune or drop."""
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
         existing = self.generations()
@@ -104,14 +123,15 @@ class CheckpointStore:
         final = self.directory / _dir_name(generation)
         temp = self.directory / f"{_dir_name(generation)}.tmp-{secrets.token_hex(8)}"
         temp.mkdir(mode=_DEFAULT_DIR_MODE)
+        files: dict[str, dict[str, Any]] = {}
         try:
             os.chmod(temp, _mode_of(previous, _DEFAULT_DIR_MODE))
-            files: dict[str, dict[str, Any]] = {}
             # Every group's file is written, and hashed, at once: writes into the page
-            # cache, fsyncs and SHA-256 all release the GIL, so the threads overlap.
+            # cache and SHA-256 release the GIL, so the threads overlap. The directory is
+            # invisible until its rename, so the files go straight under their own names.
             with ThreadPoolExecutor(2 * max(1, len(tensors))) as pool:
                 pending = {
-                    group + _SUFFIX: _write_tensors_atomic(
+                    group + _SUFFIX: _write_tensors(
                         temp / (group + _SUFFIX),
                         group_tensors,
                         _file_mode(previous, group + _SUFFIX),
@@ -123,25 +143,33 @@ class CheckpointStore:
                     size, digest = written.result()
                     files[name] = {"bytes": size, "sha256": digest}
                     faults.crash_point("checkpoint_file")
-            manifest = {
-                "format": FORMAT_VERSION,
-                "generation": generation,
-                "metadata": metadata_json,
-                "files": files,
-            }
-            raw = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode()
-            _write_atomic(temp / MANIFEST_NAME, raw, _file_mode(previous, MANIFEST_NAME))
-            faults.crash_point("checkpoint_rename")
-            if final.exists():  # an incomplete leftover under the final name: it is garbage
-                shutil.rmtree(final)
-            os.rename(temp, final)
-            _fsync_dir(self.directory)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
-        if prune:
-            self._prune(keep_dir=final)
-        return final
+
+        def durable() -> Path:
+            try:
+                with ThreadPoolExecutor(max(1, len(files))) as pool:
+                    list(pool.map(_fsync_file, [temp / name for name in files]))
+                manifest = {
+                    "format": FORMAT_VERSION,
+                    "generation": generation,
+                    "metadata": metadata_json,
+                    "files": files,
+                }
+                raw = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode()
+                _write_atomic(temp / MANIFEST_NAME, raw, _file_mode(previous, MANIFEST_NAME))
+                faults.crash_point("checkpoint_rename")
+                if final.exists():  # an incomplete leftover under the final name: garbage
+                    shutil.rmtree(final)
+                os.rename(temp, final)
+                _fsync_dir(self.directory)
+            except BaseException:
+                shutil.rmtree(temp, ignore_errors=True)
+                raise
+            return final
+
+        return durable
 
     def load_latest(self) -> LoadedCheckpoint | None:
         """The newest generation that verifies, falling back past corrupt ones; None if none."""
@@ -285,14 +313,14 @@ def _write_atomic(path: Path, data: bytes | bytearray, mode: int) -> None:
     _write_pieces_atomic(path, [memoryview(data)], mode)
 
 
-def _write_tensors_atomic(
+def _write_tensors(
     path: Path, tensors: Mapping[str, torch.Tensor], mode: int, pool: Executor
 ) -> _Written:
     """Write `tensors` as the safetensors file `encode_tensors` would make, byte for byte,
     straight from their memory: no model-sized body is allocated and copied first (at 85M
     parameters that copy and its page faults were about a quarter of a checkpoint's time).
-    The file is written by one of `pool`'s threads and its SHA-256 computed by another from
-    the same memory at the same time."""
+    The file is written by one of `pool`'s threads (into the page cache: `_fsync_file` makes
+    it durable) and its SHA-256 computed by another from the same memory at the same time."""
     layout = FrameLayout.of(tensors)
     pieces = [memoryview(layout.header)]
     for name, slot in layout.slots.items():
@@ -305,9 +333,15 @@ def _write_tensors_atomic(
             digest.update(piece)
         return digest.hexdigest()
 
+    def written() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        os.fchmod(fd, mode)  # os.open's mode is filtered by the umask
+        with os.fdopen(fd, "wb") as handle:
+            for piece in pieces:
+                handle.write(piece)
+
     digest = pool.submit(hashed)
-    written = pool.submit(_write_pieces_atomic, path, pieces, mode)
-    return _Written(layout.size, written, digest)
+    return _Written(layout.size, pool.submit(written), digest)
 
 
 @dataclass(frozen=True)
@@ -319,7 +353,7 @@ class _Written:
     digest: Future[str]
 
     def result(self) -> tuple[int, str]:
-        """(size, SHA-256) once the file is durable; the write's error if it failed."""
+        """(size, SHA-256) once the file is written; the write's error if it failed."""
         self.written.result()
         return self.size, self.digest.result()
 
@@ -351,6 +385,16 @@ def _write_pieces_atomic(path: Path, pieces: list[memoryview], mode: int) -> Non
             temp.unlink()
         raise
     _fsync_dir(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    """Make a written file's data durable (fsync reaches every page of the file, whichever
+    descriptor wrote it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -165,7 +165,7 @@ def test_a_failed_step_log_stops_the_server_before_anything_moves(tmp_path: Path
     def broken_write(*_args, **_kwargs):
         raise OSError("No space left on device")
 
-    first.journal.state.steps.write = broken_write
+    first.journal.state.steps.stage = broken_write
     with pytest.raises(Rejection) as caught:
         first.submit("b", 0, {"w": torch.full((3,), 0.4), "steps": torch.tensor(0.0)})
     assert caught.value.status == 503 and caught.value.kind == "checkpoint_failed"
@@ -176,6 +176,38 @@ def test_a_failed_step_log_stops_the_server_before_anything_moves(tmp_path: Path
         first.wait_result(0, "a", 0)
     crash(first)
     assert coordinator(tmp_path).round_number == 0  # a restart resumes the last durable round
+
+
+def test_a_step_log_that_cannot_be_made_durable_publishes_nothing(tmp_path: Path) -> None:
+    """The log's files are written, then their fsyncs (run beside the step) fail: the step
+    has moved the masters in memory, so the server refuses everything, publishes nothing,
+    and a restart resumes the last durable round."""
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    first.register("b", SPECS, 1)
+    first.submit("a", 0, {"w": torch.full((3,), 0.2), "steps": torch.tensor(0.0)})
+    steps = first.journal.state.steps
+    stage = steps.stage
+
+    def staged_but_never_durable(*args, **kwargs):
+        stage(*args, **kwargs)  # written into the page cache, never fsynced
+
+        def durable():
+            raise OSError("Input/output error")
+
+        return durable
+
+    steps.stage = staged_but_never_durable
+    with pytest.raises(Rejection) as caught:
+        first.submit("b", 0, {"w": torch.full((3,), 0.4), "steps": torch.tensor(0.0)})
+    assert caught.value.status == 503 and "Input/output error" in caught.value.error
+    assert "logging the outer step of round 1" in (first.model.broken or "")
+    published = first.model.published
+    assert published is None or published.round == 0
+    assert first.journal.state.committed_rounds() == []  # nothing recorded
+    crash(first)
+    assert coordinator(tmp_path).round_number == 0
 
 
 def test_a_failed_background_checkpoint_stops_the_server_and_a_restart_replays(
@@ -228,3 +260,18 @@ def test_a_logged_step_is_replayed_only_under_the_settings_it_was_logged_with(
     assert torch.allclose(replayed.masters["w"], START["w"] - 0.7 * 0.57, rtol=1e-6)
     crash(replayed)
     assert coordinator(tmp_path, changed, override_settings=True).round_number == 1
+
+
+def test_the_step_log_splits_its_sums_into_files_of_about_equal_bytes() -> None:
+    """Each file is hashed by its own thread: 400 + 400 bytes, then 800, for two files."""
+    from diloco.server.state.journal import _sum_groups
+
+    sums = {"a": torch.zeros(100), "b": torch.zeros(100), "c": torch.zeros(200)}
+    groups = _sum_groups(sums, 2)
+    assert {group: list(tensors) for group, tensors in groups.items()} == {
+        "sums-0": ["a", "b"],
+        "sums-1": ["c"],
+    }
+    assert all(groups["sums-0"][n] is sums[n] for n in ("a", "b"))  # no copies
+    assert list(_sum_groups(sums, 8)) == ["sums-0", "sums-2", "sums-4"]  # each its own file
+    assert _sum_groups({}, 4) == {"sums-0": {}}

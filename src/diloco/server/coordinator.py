@@ -551,8 +551,8 @@ class Coordinator:
             )
             optimizer_lr = model.optimizer.lr
 
-            def log_step() -> None:
-                journal.log_step(record, running, names, fragment_rounds, optimizer_lr)
+            def log_step() -> Callable[[], None]:
+                return journal.log_step(record, running, names, fragment_rounds, optimizer_lr)
 
         model.commit(
             running,

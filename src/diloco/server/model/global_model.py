@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -35,6 +36,8 @@ from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec, encode_tensors, fingerprint
 
 log = logging.getLogger("diloco.server")
+# Makes a step's log durable (its fsyncs) while the step and its delta run: one at a time.
+_SYNCS = ThreadPoolExecutor(1, thread_name_prefix="diloco-step-log")
 
 
 def fragment_plan(specs: Sequence[TensorSpec], fragments: int) -> list[list[str]]:
@@ -171,21 +174,26 @@ class GlobalModel:
         new_version: int,
         write: Callable[[], None],
         names: Sequence[str] | None = None,
-        log_step: Callable[[], None] | None = None,
+        log_step: Callable[[], Callable[[], None]] | None = None,
     ) -> None:
         """Apply one outer step (its running sums, used up here) to `names` (a streaming
         fragment; None: every tensor), move the published copy by its coded delta, make it
         durable with `write`, and only then count it as `new_version`. Rejection 503 if the
         write fails.
 
-        `log_step`, when given, makes the step's input (the sums) durable before anything
-        moves, and `write` then only has to record the step (the journal writes its
-        checkpoint in the background: see state/journal.py)."""
+        `log_step`, when given, writes the step's input (the sums) before anything moves and
+        returns what makes it durable: its fsyncs run on a thread beside the step and the
+        delta, and `write` (which then only records the step: the journal writes its
+        checkpoint in the background, see state/journal.py) waits for them."""
         assert self.frames is not None and self.specs is not None
         self.require_healthy()
         logging_started = time.perf_counter()
+        syncing: Future[None] | None = None
         if log_step is not None:
-            self.durably(f"logging the outer step of round {new_version}", log_step)
+            staged: list[Callable[[], None]] = []
+            what = f"logging the outer step of round {new_version}"
+            self.durably(what, lambda: staged.append(log_step()))
+            syncing = _SYNCS.submit(staged[0])
         started = time.perf_counter()
         if running.count:  # (writable() copies the masters away from a straggler's download)
             frames, kinds = self.frames, self.kinds()
@@ -209,15 +217,22 @@ class GlobalModel:
 
             self.durably(f"coding the download delta of round {new_version}", code_delta)
         coded = time.perf_counter()
+        if syncing is not None:  # the step's log is durable before anything is recorded
+            self.durably(f"logging the outer step of round {new_version}", syncing.result)
+        synced = time.perf_counter()
         what = "recording" if log_step is not None else "writing the checkpoint of"
         self.durably(f"{what} round {new_version}", write)
         self.version = new_version
         self.step_seconds = {
             "outer_step": stepped - started,
             "delta": coded - stepped,
-            # the step log, then its record; or the checkpoint, written before the result
+            # the step log (written before the step, its fsyncs waited for after the delta),
+            # then its record; or the checkpoint, written before the result
             **(
-                {"step_log": started - logging_started, "record": time.perf_counter() - coded}
+                {
+                    "step_log": started - logging_started + synced - coded,
+                    "record": time.perf_counter() - synced,
+                }
                 if log_step is not None
                 else {"checkpoint": time.perf_counter() - coded}
             ),
