@@ -18,6 +18,8 @@
 # and 125M), GPU_CHECK_BATCH, GPU_CHECK_CONTEXT and GPU_CHECK_H (16, 256, 100). The script
 # itself runs on a machine without a GPU with: GPU_CHECK_DEVICE=cpu GPU_CHECK_SIZE=2M
 # GPU_CHECK_BATCH=1 GPU_CHECK_CONTEXT=16 GPU_CHECK_H=8 GPU_CHECK_SECONDS=20.
+# GPU_CHECK_MODES (default "sync streaming") and GPU_CHECK_ANCHORS (where the workers keep
+# their anchor, default auto: beside the model; "cpu,auto" measures both, one after the other).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-benchmarks/results/gpu_check}
@@ -29,6 +31,9 @@ SIZE=${GPU_CHECK_SIZE:-125M}
 BATCH=${GPU_CHECK_BATCH:-16}
 CONTEXT=${GPU_CHECK_CONTEXT:-256}
 H=${GPU_CHECK_H:-100}
+MODES=${GPU_CHECK_MODES:-sync streaming}
+ANCHORS=${GPU_CHECK_ANCHORS:-auto}
+RUNS=$(( $(tr -cd , <<<"$ANCHORS" | wc -c) + 1 ))  # model_scale runs per mode
 mkdir -p "$RESULTS" || exit 2
 export PYTHONUNBUFFERED=1 PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 started=$(date +%s)
@@ -56,12 +61,13 @@ status=0
 echo "== 1. codecs: CPU against $DEVICE"
 timeout 180 "$PYTHON" benchmarks/codec_devices.py --device "$DEVICE" \
   --out-dir "$RESULTS" || status=1
-for mode in sync streaming; do
+for mode in $MODES; do
   echo "== 2. two $DEVICE workers of a $SIZE GPT, $mode mode, about $PER_MODE s"
   mkdir -p "$RESULTS/$mode"
-  timeout $((PER_MODE + 150)) "$PYTHON" benchmarks/model_scale.py --device "$DEVICE" \
+  timeout $(((PER_MODE + 150) * RUNS)) "$PYTHON" benchmarks/model_scale.py --device "$DEVICE" \
     --sizes "$SIZE" --codecs int8 --modes "$mode" --dtype bf16 --batch-size "$BATCH" \
-    --context "$CONTEXT" --sync-every "$H" --rounds 1000 --max-seconds "$PER_MODE" --out-dir "$RESULTS/$mode" || status=1
+    --context "$CONTEXT" --sync-every "$H" --rounds 1000 --max-seconds "$PER_MODE" \
+    --anchor-devices "$ANCHORS" --out-dir "$RESULTS/$mode" || status=1
 done
 echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - started)) s;" \
   "results in $RESULTS"
