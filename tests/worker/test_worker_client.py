@@ -30,6 +30,7 @@ from diloco.worker import (
     RetryPolicy,
     ServerError,
     ServerUnavailable,
+    ServerUnreachable,
 )
 from diloco.worker.net.client import Weights
 
@@ -342,11 +343,56 @@ def test_an_unreachable_server_reports_the_transport_cause() -> None:
     fake_time = FakeTime()
     policy = RetryPolicy(attempts=2, base_delay=0)
     client = DiLoCoClient(url, retry=policy, connect_timeout=1.0, sleep=fake_time.sleep)
-    with client, pytest.raises(ServerUnavailable) as caught:
+    with client, pytest.raises(ServerUnreachable) as caught:
         client.get_weights()
-    assert f"{url}/v1/weights" in str(caught.value)
+    assert caught.value.url == f"{url}/v1/weights"
+    assert str(caught.value) == (
+        f"no diloco server answered at {url} (connection refused) in 2 tries: is it running? "
+        "check the URL"
+    )
     assert isinstance(caught.value.cause, NewConnectionError)
     assert caught.value.attempts == 2
+
+
+def closed_url() -> str:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_first_contact_ends_retries_of_a_server_that_never_answered_on_time() -> None:
+    url, fake_time = closed_url(), FakeTime()
+    policy = RetryPolicy(base_delay=1.0, max_delay=100.0, jitter=0.0, first_contact=3.5)
+    client = DiLoCoClient(url, retry=policy, sleep=fake_time.sleep, clock=fake_time.clock)
+    with client, pytest.raises(ServerUnreachable) as caught:
+        client.info()
+    assert fake_time.sleeps == [1.0, 2.0, 0.5]  # the last wait is cut: a last try at 3.5 s
+    assert caught.value.attempts == 4 and caught.value.seconds == 3.5
+    assert caught.value.message("--server") == (
+        f"no diloco server answered at {url} (connection refused) for 3.5 s: is it running? "
+        "check --server"
+    )
+
+
+def test_a_server_that_answered_once_is_retried_past_first_contact(server: FakeServer) -> None:
+    """A restart of a server the client has reached is waited out, as without first_contact."""
+    fake_time = FakeTime()
+    policy = RetryPolicy(base_delay=1.0, max_delay=1.0, jitter=0.0, first_contact=0.5)
+    with make_client(server, fake_time, retry=policy) as client:
+        client.info()
+        server.script(*[DROP] * 4, RESET, Reply(200, json={"status": "ok"}))
+        assert client.healthz() == {"status": "ok"}
+    assert fake_time.sleeps == [1.0] * 5
+
+
+def test_a_dropped_plain_http_request_to_a_server_that_is_not_tls_is_retried(
+    server: FakeServer,
+) -> None:
+    """A drop before the first answer may be a TLS port: the probe finds plain HTTP here."""
+    server.script(DROP, Reply(200, json={}))
+    with make_client(server) as client:
+        assert client.info() == {}
+    assert [seen.path for seen in server.seen] == ["/v1/info", "/v1/info"]
 
 
 def test_the_deadline_stops_retries_whose_wait_would_pass_it(server: FakeServer) -> None:

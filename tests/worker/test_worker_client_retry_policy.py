@@ -56,6 +56,8 @@ def test_an_injected_rng_makes_the_waits_reproducible() -> None:
         ({"jitter": -0.1}, "jitter"),
         ({"deadline": 0.0}, "deadline"),
         ({"deadline": "10"}, "deadline"),
+        ({"first_contact": 0}, "first_contact"),
+        ({"first_contact": float("inf")}, "first_contact"),
     ],
 )
 def test_bad_settings_raise_value_error_naming_the_field(kwargs: dict, field: str) -> None:

@@ -1,6 +1,12 @@
 """The worker side: DiLoCoWorker around any torch optimizer, and its HTTP client."""
 
-from diloco.worker.errors import AuthError, ClientClosed, ServerError, ServerUnavailable
+from diloco.worker.errors import (
+    AuthError,
+    ClientClosed,
+    ServerError,
+    ServerUnavailable,
+    ServerUnreachable,
+)
 from diloco.worker.net.client import DiLoCoClient
 from diloco.worker.net.retry import RetryPolicy
 from diloco.worker.net.transport import ClientStats
@@ -17,5 +23,6 @@ __all__ = [
     "ServerError",
     "ServerSettingsError",
     "ServerUnavailable",
+    "ServerUnreachable",
     "WorkerSettings",
 ]

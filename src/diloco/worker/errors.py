@@ -49,6 +49,53 @@ class ServerUnavailable(Exception):
         )
 
 
+class ServerUnreachable(ServerUnavailable):
+    """No server has ever answered this client at its URL: nothing listens there (a wrong host
+    or port, a server not started yet), or a TLS server was called with http://.
+
+    Raised once RetryPolicy.first_contact (or the retries) ran out before any answer, or at
+    once when a plain-HTTP request was dropped by a server that completes a TLS handshake
+    (`https_url` is then the URL to use). A client that has had an answer never raises it: it
+    goes on retrying through a server restart as its RetryPolicy says.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        cause: BaseException | None,
+        *,
+        server: str,
+        attempts: int,
+        why: str,
+        seconds: float | None = None,
+        https_url: str | None = None,
+    ) -> None:
+        super().__init__(url, cause, attempts=attempts, reason=why)
+        self.server = server
+        self.why = why
+        self.seconds = seconds
+        self.https_url = https_url
+
+    def message(self, option: str | None = None) -> str:
+        """One line for a user; `option` names where they gave the URL ("--server")."""
+        if self.https_url is not None:
+            use = f"{option} {self.https_url}" if option else self.https_url
+            return (
+                f"the server at {self.server} speaks TLS and dropped a plain-HTTP request: "
+                f"use {use}"
+            )
+        tried = (
+            f"for {self.seconds:g} s" if self.seconds is not None else f"in {self.attempts} tries"
+        )
+        return (
+            f"no diloco server answered at {self.server} ({self.why}) {tried}: is it running? "
+            f"check {option or 'the URL'}"
+        )
+
+    def __str__(self) -> str:
+        return self.message()
+
+
 class ClientClosed(RuntimeError):
     """The client was closed, possibly from another thread while a call was backing off."""
 

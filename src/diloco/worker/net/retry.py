@@ -35,6 +35,10 @@ class RetryPolicy:
         (uniform in [0, wait]), 0.5 waits between half and all of it.
     deadline: total seconds one request may take; no retry starts if its wait would end past
         the deadline. None means no deadline.
+    first_contact: total seconds one request may keep retrying while the client has never had
+        an answer from its server (a wrong URL, a server not started): it then raises
+        ServerUnreachable, its last try at that second. Once any answer came, only the fields
+        above bound retries, so a worker rides out a server restart. None means no such bound.
     """
 
     attempts: int | None = None
@@ -42,6 +46,7 @@ class RetryPolicy:
     max_delay: float = 30.0
     jitter: float = 0.5
     deadline: float | None = None
+    first_contact: float | None = None
 
     def __post_init__(self) -> None:
         attempts, base, cap = self.attempts, self.base_delay, self.max_delay
@@ -67,6 +72,13 @@ class RetryPolicy:
             "deadline",
             "None or > 0",
             deadline,
+        )
+        first = self.first_contact
+        _require(
+            first is None or (_is_real(first) and math.isfinite(first) and first > 0),
+            "first_contact",
+            "None or > 0",
+            first,
         )
 
     def delays(self, rng: random.Random | None = None) -> Iterator[float]:

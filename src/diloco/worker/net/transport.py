@@ -25,7 +25,13 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import urllib3
-from urllib3.exceptions import ProtocolError, ProxyError
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    NameResolutionError,
+    ProtocolError,
+    ProxyError,
+    ReadTimeoutError,
+)
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 
 from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
@@ -34,12 +40,18 @@ from diloco.worker.errors import (
     ClientClosed,
     ServerError,
     ServerUnavailable,
+    ServerUnreachable,
     UntrustedCertificate,
 )
 from diloco.worker.net.auth import BearerAuth
 from diloco.worker.net.ratelimit import SLICE_BYTES, UploadLimiter
 from diloco.worker.net.retry import RetryPolicy
-from diloco.worker.net.tls import certificate_problem, check_ca_file
+from diloco.worker.net.tls import (
+    certificate_problem,
+    check_ca_file,
+    exception_chain,
+    speaks_tls,
+)
 
 Body = bytes | bytearray | memoryview
 OnRetry = Callable[[str, BaseException | int, float], None]
@@ -56,6 +68,8 @@ _TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 _READ_CHUNK = 4 * 1024 * 1024
+_DROPPED = "the connection was closed without an HTTP answer"
+_TLS_PROBE_SECONDS = 5.0  # the most a TLS handshake may take to tell an https:// server
 _AUTH_TRIES = 2  # 401 to a credential: the same call again with the enrollment token, once
 
 
@@ -173,6 +187,26 @@ def read_body(response: urllib3.BaseHTTPResponse, into: bytearray | None = None)
     return buffer
 
 
+def connection_failure(exc: BaseException) -> str:
+    """Why a request got no HTTP answer, in a few words for a user ("connection refused")."""
+    if isinstance(exc, NameResolutionError):
+        return "the host name does not resolve"
+    if isinstance(exc, ReadTimeoutError):
+        return "no answer within the read timeout"
+    chain = list(exception_chain(exc))
+    if any(isinstance(error, ConnectionRefusedError) for error in chain):
+        return "connection refused"
+    # http.client.RemoteDisconnected is a ConnectionResetError
+    if any(isinstance(error, (ConnectionResetError, ConnectionAbortedError)) for error in chain):
+        return _DROPPED
+    for error in chain:  # urllib3's NewConnectionError is a ConnectTimeoutError: look under it
+        if isinstance(error, OSError) and error.strerror:
+            return error.strerror[:1].lower() + error.strerror[1:]
+    if any(isinstance(error, (TimeoutError, ConnectTimeoutError)) for error in chain):
+        return "the connection timed out"
+    return type(exc).__name__
+
+
 def server_error(reply: Reply) -> ServerError:
     """Build the protocol's error from a rejection, tolerating bodies that are not JSON."""
     try:
@@ -280,6 +314,10 @@ class Transport:
         self._rng_lock = threading.Lock()
         self._counters = _Counters()
         self._pool = connection_pool(ca_file)
+        # Until the server first answers, a failed connection may be a wrong URL: see
+        # RetryPolicy.first_contact and _refuse_a_tls_port.
+        self._answered = False
+        self._tls_probed = False
 
     @property
     def stats(self) -> ClientStats:
@@ -314,7 +352,8 @@ class Transport:
         """Send one request until it gets an answer that retrying cannot change.
 
         Returns any answer but 401 (AuthError) and the retried statuses; raises
-        ServerUnavailable once the RetryPolicy is spent, ClientClosed after close().
+        ServerUnavailable once the RetryPolicy is spent (ServerUnreachable while the server has
+        never answered this client), ClientClosed after close().
         """
         self._check_open()
         url = self._url(path, query)
@@ -345,6 +384,8 @@ class Transport:
                 except _TRANSIENT_ERRORS as exc:
                     cause: BaseException = exc
                     signal: BaseException | int = exc
+                    if not self._answered:
+                        self._refuse_a_tls_port(url, exc, attempts)
                 except urllib3.exceptions.SSLError as exc:
                     why = certificate_problem(exc)
                     if why is not None:
@@ -364,13 +405,17 @@ class Transport:
                     cause, signal = server_error(reply), reply.status
                     retry_after = _retry_after(reply)
                 delay = next(delays, None)
+                if not self._answered:
+                    delay = self._wait_for_a_first_answer(
+                        url, cause, attempts, self._clock() - started, delay
+                    )
                 if delay is None:
                     raise ServerUnavailable(
                         url, cause, attempts=attempts, reason="retries exhausted"
                     ) from cause
                 if retry_after is not None:
                     delay = max(delay, min(retry_after, self.retry.max_delay))
-                deadline = self.retry.deadline
+                deadline = self.retry.deadline if self._answered else None  # else: just above
                 if deadline is not None and self._clock() - started + delay > deadline:
                     raise ServerUnavailable(
                         url, cause, attempts=attempts, reason=f"deadline of {deadline:g} s"
@@ -382,6 +427,52 @@ class Transport:
                 self._check_open()
         finally:
             self._counters.add(operation=operation, blocked=self._clock() - started)
+
+    def _wait_for_a_first_answer(
+        self,
+        url: str,
+        cause: BaseException,
+        attempts: int,
+        elapsed: float,
+        delay: float | None,
+    ) -> float:
+        """The wait before the next try while the server has never answered (cut so that the
+        last try falls on RetryPolicy.first_contact or the deadline), or ServerUnreachable."""
+        limits = [s for s in (self.retry.first_contact, self.retry.deadline) if s is not None]
+        limit = min(limits) if limits else None
+        left = None if limit is None else limit - elapsed
+        if delay is None or (left is not None and left <= 0):
+            raise ServerUnreachable(
+                url,
+                cause,
+                server=self.base_url,
+                attempts=attempts,
+                why=connection_failure(cause),
+                seconds=None if delay is None else limit,
+            ) from cause
+        return delay if left is None else min(delay, left)
+
+    def _refuse_a_tls_port(self, url: str, exc: BaseException, attempts: int) -> None:
+        """ServerUnreachable naming the https:// URL when an http:// request was dropped
+        unanswered by a port that completes a TLS handshake (a TLS server drops plain HTTP).
+        Probed once per client, and only before the server's first answer."""
+        if self._tls_probed or not self._origin.startswith("http://"):
+            return
+        if connection_failure(exc) != _DROPPED:
+            return
+        self._tls_probed = True
+        parts = urlsplit(self._origin)
+        assert parts.hostname is not None  # split_base_url checked it
+        timeout = min(self._connect_timeout, _TLS_PROBE_SECONDS)
+        if speaks_tls(parts.hostname, parts.port or 80, timeout):
+            raise ServerUnreachable(
+                url,
+                exc,
+                server=self.base_url,
+                attempts=attempts,
+                why="it speaks TLS",
+                https_url="https://" + self.base_url.removeprefix("http://"),
+            ) from None
 
     def _url(self, path: str, query: Mapping[str, Any] | None) -> str:
         url = self._origin + self._prefix + path
@@ -410,6 +501,7 @@ class Transport:
             redirect=False,
             preload_content=False,
         )
+        self._answered = True
         reading = self._clock()
         try:
             # Only a success carries the weights; an error's JSON never lands in `into`.
