@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from diloco import faults
 from diloco.server.errors import Rejection
 from diloco.server.members.membership import Membership
-from diloco.server.model.footprint import available_bytes, bytes_needed, model_bytes
+from diloco.server.model.footprint import available_bytes, bytes_needed, model_bytes, model_size
 from diloco.server.model.global_model import GlobalModel, fragment_plan
 from diloco.server.ops.metrics import ServerMetrics
 from diloco.server.rounds.engines import RoundEngine
@@ -205,12 +205,16 @@ class Registrar:
         if self.model.specs is None:
             self._check_memory(specs)
             return
-        difference = first_difference(list(self.model.specs.values()), list(specs))
+        run_specs = list(self.model.specs.values())
+        difference = first_difference(run_specs, list(specs), "the run's model")
         if difference is not None:
+            part = "" if self.settings.shards == 1 else f" in shard {self.settings.shard}'s part"
             raise Rejection(
                 422,
                 "fingerprint_mismatch",
-                f"the model differs: {difference}",
+                f"this server's run was started with another model ({model_size(run_specs)}"
+                f"{part}) than this worker's ({model_size(specs)}); first difference: "
+                f"{difference}",
                 expected=self.model.fingerprint,
                 got=fingerprint(list(specs)),
             )

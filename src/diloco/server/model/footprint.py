@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from diloco.algorithm import TensorKind
 from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec
 
@@ -27,6 +28,18 @@ def model_bytes(specs: Sequence[TensorSpec]) -> int:
         math.prod(spec.shape) * (4 if spec.dtype.is_floating_point else spec.dtype.itemsize)
         for spec in specs
     )
+
+
+def model_size(specs: Sequence[TensorSpec]) -> str:
+    """A model's size in words: "1,234,567 parameters in 26 tensors" (parameters: the trainable
+    and frozen ones, buffers left out; the tensors: every state_dict entry)."""
+    parameters = sum(
+        math.prod(spec.shape)
+        for spec in specs
+        if spec.kind in (TensorKind.TRAINABLE.value, TensorKind.FROZEN.value)
+    )
+    tensors = len(specs)
+    return f"{parameters:,} parameters in {tensors} tensor{'s' if tensors != 1 else ''}"
 
 
 def bytes_needed(specs: Sequence[TensorSpec], settings: ServerSettings) -> int:

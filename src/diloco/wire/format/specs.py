@@ -124,8 +124,11 @@ def fingerprint(specs: Sequence[TensorSpec]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def first_difference(expected: Sequence[TensorSpec], got: Sequence[TensorSpec]) -> str | None:
-    """A sentence naming the first tensor, in name order, where `got` differs from the model.
+def first_difference(
+    expected: Sequence[TensorSpec], got: Sequence[TensorSpec], model: str = "the model"
+) -> str | None:
+    """A sentence naming the first tensor, in name order, where `got` differs from `model`
+    (`expected`: "the model", or a name such as "the run's model").
 
     Differences are a missing or unexpected name, another shape, or another dtype class: floats
     of any width match each other, int and bool dtypes must match exactly. None when they match.
@@ -133,23 +136,23 @@ def first_difference(expected: Sequence[TensorSpec], got: Sequence[TensorSpec]) 
     want = {spec.name: spec for spec in expected}
     have = {spec.name: spec for spec in got}
     for name in sorted(want.keys() | have.keys()):
-        model, worker = want.get(name), have.get(name)
+        wanted, worker = want.get(name), have.get(name)
         if worker is None:
-            assert model is not None
+            assert wanted is not None
             return (
-                f"tensor {name!r} is missing; the model has it with shape "
-                f"{list(model.shape)} and dtype {dtype_name(model.dtype)}"
+                f"tensor {name!r} is missing; {model} has it with shape "
+                f"{list(wanted.shape)} and dtype {dtype_name(wanted.dtype)}"
             )
-        if model is None:
-            return f"tensor {name!r} is not in the model"
-        if worker.shape != model.shape:
+        if wanted is None:
+            return f"tensor {name!r} is not in {model}"
+        if worker.shape != wanted.shape:
             return (
-                f"tensor {name!r} has shape {list(worker.shape)}, the model has {list(model.shape)}"
+                f"tensor {name!r} has shape {list(worker.shape)}, {model} has {list(wanted.shape)}"
             )
-        if not same_dtype_class(model.dtype, worker.dtype):
+        if not same_dtype_class(wanted.dtype, worker.dtype):
             return (
                 f"tensor {name!r} has dtype {dtype_name(worker.dtype)}, "
-                f"the model has {_dtype_class_name(model.dtype)}"
+                f"{model} has {_dtype_class_name(wanted.dtype)}"
             )
     return None
 
