@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.http.app import create_app
-from diloco.server.http.uvicorn_protocol import DilocoHttpProtocol
+from diloco.server.http.uvicorn_protocol import DilocoHttpProtocol, PlainHttpNoticed
 from diloco.server.members.credentials import Credentials
 from diloco.server.ops.tensorboard import TensorBoardScalars
 from diloco.server.settings import ServerSettings
@@ -137,6 +137,8 @@ class CoordinatorServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:  # type: ignore[override]
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREAD_LIMIT
+        if self.config.ssl is not None:  # made by config.load(), which uvicorn ran just before
+            self.config.ssl.sslobject_class = PlainHttpNoticed
         await super().startup(sockets)
         if self.servers and self.servers[0].sockets:
             self.bound_port = self.servers[0].sockets[0].getsockname()[1]

@@ -7,12 +7,17 @@ request's answer was then lost, although the app might apply it (a submission fo
 round while its sender was told "400"). Here the refusal is the documented JSON error
 (`malformed_http`), and it waits for the requests before the bad bytes to be answered: each
 whole request gets its own answer, the bad bytes get the 400, and then the connection closes.
+
+On a TLS port, plain HTTP never reaches the protocol: the handshake fails under it, asyncio
+drops the connection (logging it only in debug mode) and the client sees no answer at all.
+`PlainHttpNoticed`, the SSL object asyncio makes for each connection, logs that one line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import ssl
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -87,3 +92,21 @@ class DilocoHttpProtocol(HttpToolsProtocol):
         if self.refusal is not None and not self.pipeline:
             self._unset_keepalive_if_required()
             self.send_refusal()
+
+
+class PlainHttpNoticed(ssl.SSLObject):
+    """An SSLObject that logs a plain-HTTP request sent to this TLS port (OpenSSL recognises
+    one as the first bytes of a handshake); the handshake still fails and the connection is
+    dropped. Installed as the server context's `sslobject_class`, the hook the ssl module
+    offers for it: asyncio's TLS transport makes each connection's object with `wrap_bio`."""
+
+    def do_handshake(self) -> None:
+        try:
+            super().do_handshake()
+        except ssl.SSLError as exc:
+            if exc.reason == "HTTP_REQUEST":
+                log.warning(
+                    "a plain-HTTP request came to this TLS port and was dropped: its client "
+                    "must use an https:// URL"
+                )
+            raise
