@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -29,6 +30,27 @@ def sampled(cases: list, ids: list[str], every: int = 3) -> list:
         pytest.param(*case, id=name, marks=() if i % every == 0 else (pytest.mark.slow,))
         for i, (case, name) in enumerate(zip(cases, ids, strict=True))
     ]
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, signed by its own key (its own CA)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        import pytest
+
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        [
+            openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
+            "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    return cert, key
 
 
 STARTED: list[subprocess.Popen] = []  # every worker process a test started (see reap_workers)

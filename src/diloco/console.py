@@ -39,8 +39,8 @@ err = Console(
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one clear line on stderr; the caller raises the result (no traceback).
 
-    Exit code 2 is bad input (a usage error); 1 is a failure at run time (a refused request,
-    an unreachable server).
+    Exit code 2 is bad input (a usage error, a server URL where no server ever answered); 1 is
+    a failure at run time (a refused request, a server that stopped answering).
     """
     err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code=code)

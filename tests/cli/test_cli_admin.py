@@ -32,7 +32,7 @@ def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path, part: str) 
         "audit after": (["audit", DOWN, "--after", "-1"], 2, "--after must be >= 0"),
         "weights dir": (["weights", DOWN, f"{missing}/w.safetensors"], 2, "does not exist"),
         "not a url": (["resume", "ftp://x"], 2, "http"),
-        "server down": (["pause", DOWN], 1, "127.0.0.1:9"),
+        "server down": (["pause", DOWN], 2, "no diloco server answered at http://127.0.0.1:9"),
     }
     if part == "one-process":
         cases = dict(list(cases.items())[:1])

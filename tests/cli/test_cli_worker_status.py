@@ -72,7 +72,7 @@ def test_status_says_who_a_round_waits_for(status: dict, text: str) -> None:
 
 def test_status_of_an_unreachable_server_is_one_line() -> None:
     result = run_cli("status", f"http://127.0.0.1:{closed_port()}")
-    one_error_line(result, 1, "cannot read the status")
+    one_error_line(result, 2, "cannot read the status")
 
 
 WORKER_BAD_INPUTS = [
@@ -96,7 +96,7 @@ WORKER_BAD_INPUTS = [
     (["--device", "cuda"], 2, "--device cuda: torch sees no CUDA device on this machine"),
     (["--device", "tpu"], 2, "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
     (["--dtype", "fp16"], 2, "--dtype must be fp32 or bf16, got 'fp16'"),
-    ([], 1, "could not join"),  # nobody listens on the port
+    ([], 2, "no diloco server answered at"),  # nobody listens on the port
 ]
 
 WORKER_BAD_INPUT_IDS = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import ssl
 import subprocess
@@ -15,32 +14,11 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import pytest
-
 from diloco.worker import DiLoCoClient, RetryPolicy
-from processes import start_worker, wait_all
+from processes import self_signed_certificate, start_worker, wait_all
 
 ENROLL = "enroll-token-0123456789"
 TOKEN_ENV = {"DILOCO_TOKEN": ENROLL}
-
-
-def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and localhost, signed by its own key (its own CA)."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
-            "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
-    return cert, key
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -43,8 +43,9 @@ def _client(
     url: str, token: str | None, token_file: Path | None, ca_file: Path | None
 ) -> AbstractContextManager[AdminClient]:
     return server_client(
-        AdminClient, url, token, token_file, ca_file, attempts=3, read_timeout=60, failure="{url}"
-    )
+        AdminClient, url, token, token_file, ca_file, attempts=3, read_timeout=60,
+        failure="{url}", token_name="admin token",
+    )  # fmt: skip
 
 
 def _call(

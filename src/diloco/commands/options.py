@@ -11,9 +11,17 @@ from typing import TypeVar
 import typer
 
 from diloco.console import fail, warn
-from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
+from diloco.worker import (
+    AuthError,
+    DiLoCoClient,
+    RetryPolicy,
+    ServerError,
+    ServerUnavailable,
+    ServerUnreachable,
+)
 from diloco.worker.net import tls
 from diloco.worker.net.auth import TOKEN_ENV
+from diloco.worker.net.transport import split_base_url
 
 Client = TypeVar("Client", bound=DiLoCoClient)
 
@@ -66,6 +74,35 @@ def check_ca_file(ca_file: Path | None) -> None:
         raise fail(str(exc).replace("ca_file", "--ca-file", 1)) from None
 
 
+def check_server_url(url: str, name: str) -> None:
+    """A server URL as a user gave it (`name`: "--server", "URL"): one error line naming it,
+    with the URL they likely meant when the scheme is missing ("127.0.0.1:8470")."""
+    try:
+        split_base_url(url)
+    except ValueError as exc:
+        message = str(exc).replace("base_url", name, 1).replace("token=", "--token-file", 1)
+        if isinstance(url, str) and "://" not in url and url.strip():
+            message += f"; e.g. {name + ' ' if name.startswith('-') else ''}http://{url.strip()}"
+        raise fail(message) from None
+
+
+def refusal(exc: BaseException, sent_token: bool, token: str = "token") -> str:
+    """`exc` as a user reads it, with what to do about a 401 (`sent_token`: whether a token
+    was given; `token` names the one needed, "admin token")."""
+    if not isinstance(exc, AuthError):
+        return str(exc)
+    if sent_token:
+        return (
+            f"{exc}; the server refused the {token} given: check --token-file (or {TOKEN_ENV}) "
+            f"against the server's"
+        )
+    article = "an" if token[:1] in "aeiou" else "a"
+    return (
+        f"{exc}; the server needs {article} {token}: pass --token-file FILE or set the "
+        f"{TOKEN_ENV} environment variable"
+    )
+
+
 def require_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
@@ -83,10 +120,14 @@ def server_client(
     attempts: int,
     read_timeout: float,
     failure: str,
+    token_name: str = "token",
 ) -> Iterator[Client]:
     """A client of `kind` for a command that calls a server (`diloco status`, `diloco admin`):
     a bad token file, CA file or URL exits 2; a call that the server refuses or that cannot
-    reach it exits 1 with `failure` (formatted with `url`) and the reason, no traceback."""
+    reach it exits 1 with `failure` (formatted with `url`) and the reason, no traceback (2
+    when no server ever answered at `url`: a wrong URL). `token_name` names the token a 401
+    asks for."""
+    check_server_url(url, "URL")
     secret = read_token(token, token_file)
     check_ca_file(ca_file)
     try:
@@ -99,5 +140,8 @@ def server_client(
     with client:
         try:
             yield client
+        except ServerUnreachable as exc:
+            raise fail(f"{failure.format(url=url)}: {exc}") from None
         except (ServerError, ServerUnavailable) as exc:
-            raise fail(f"{failure.format(url=url)}: {exc}", code=1) from None
+            message = refusal(exc, secret is not None, token_name)
+            raise fail(f"{failure.format(url=url)}: {message}", code=1) from None

@@ -16,7 +16,9 @@ from diloco.commands.options import (
     TokenFileOption,
     TokenOption,
     check_ca_file,
+    check_server_url,
     read_token,
+    refusal,
     require_positive,
 )
 from diloco.commands.threads import apply_thread_budget
@@ -48,10 +50,17 @@ from diloco.worker import (
     RetryPolicy,
     ServerError,
     ServerUnavailable,
+    ServerUnreachable,
 )
 from diloco.worker.data.leased_sampler import LeasedBatches, LeasedSampler
+from diloco.worker.net.transport import split_base_url
 from diloco.worker.parallel.distributed import LeaderFailed
 from diloco.worker.settings import ServerSettingsError
+
+# The longest a worker retries a server that has never answered it (a wrong --server, a server
+# not started yet) before it exits 2; --give-up-after lowers it, 0 lifts it. A worker that has
+# had an answer retries through a server restart for as long as --give-up-after.
+FIRST_CONTACT_SECONDS = 60.0
 
 
 def training_device(name: str) -> torch.device:
@@ -95,6 +104,17 @@ def _dataset_id(corpus: bytes, seq_len: int) -> str:
 def _sampler_seed(seed: int, shard: int) -> int:
     """The simulator's seeding, so that a real run and `diloco simulate` see the same batches."""
     return seed * 1000 + shard + 1
+
+
+def _join_refusal(exc: BaseException, sent_token: bool) -> str:
+    """Why the server refused this worker, and what to change on either side."""
+    message = refusal(exc, sent_token)
+    if isinstance(exc, ServerError) and exc.kind == "fingerprint_mismatch":
+        message += (
+            "; start this worker with the run's model (the same --model-config, or --width, "
+            "--depth and --heads), or start the server on a new --state-dir for a new run"
+        )
+    return message
 
 
 def _model_spec(path: Path | None, seq_len: int, width: int, depth: int, heads: int) -> ModelSpec:
@@ -175,6 +195,8 @@ def worker_command(
 ) -> None:
     """Join a server, train, sync every H steps (the server's H), report loss and traffic."""
     check_output_path(json_path, "--json")
+    check_server_url(server, "--server")
+    server_url = "".join(split_base_url(server))  # as the client and its errors write it
     require_positive(
         steps=steps,
         num_shards=num_shards,
@@ -197,6 +219,7 @@ def worker_command(
     except ValueError as exc:
         raise fail(str(exc)) from None
     secret = read_token(token, token_file)
+    sent = secret is not None
     check_ca_file(ca_file)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -233,6 +256,8 @@ def worker_command(
         deadline=give_up_after or None,
         base_delay=min(0.5, max_retry_delay),
         max_delay=max_retry_delay,
+        # a server that never answered is a wrong --server more often than a slow start
+        first_contact=min(FIRST_CONTACT_SECONDS, give_up_after) or None,
     )
     try:
         worker = DiLoCoWorker(
@@ -249,8 +274,10 @@ def worker_command(
         )
     except ValueError as exc:
         raise fail(str(exc)) from None
+    except ServerUnreachable as exc:  # a wrong --server (or a shard of it that never answered)
+        raise fail(exc.message("--server" if exc.server == server_url else None)) from None
     except (AuthError, ServerError, ServerUnavailable, ServerSettingsError, LeaderFailed) as exc:
-        raise fail(f"could not join {server}: {exc}", code=1) from None
+        raise fail(f"could not join {server}: {_join_refusal(exc, sent)}", code=1) from None
     if data_dispatch == "server":
         windows = TokenWindows(split.train, seq_len)
         try:
@@ -263,7 +290,8 @@ def worker_command(
             )
         except (ServerError, ServerUnavailable) as exc:
             worker.close(final_sync=False)
-            raise fail(f"could not register the dataset with {server}: {exc}", code=1) from None
+            message = refusal(exc, sent)
+            raise fail(f"could not register the dataset with {server}: {message}", code=1) from None
         replica.sampler = LeasedBatches(windows, leased, batch_size)
     done = worker.local_step  # > 0 when resuming from --checkpoint-dir
     if done:
@@ -282,7 +310,8 @@ def worker_command(
         worker.close()
     except (ServerError, ServerUnavailable, LeaderFailed) as exc:
         worker.close(final_sync=False)
-        raise fail(f"worker {worker.worker_id} stopped: {exc}", code=1) from None
+        message = refusal(exc, sent)
+        raise fail(f"worker {worker.worker_id} stopped: {message}", code=1) from None
     train_seconds = time.monotonic() - started
     final_loss = evaluator.loss(replica.model.state_dict())
     stats = worker.stats()
