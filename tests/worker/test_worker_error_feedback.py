@@ -55,3 +55,67 @@ def test_a_body_the_round_committed_without_leaves_nothing_in_the_residual(live_
         assert server.coordinator.status()["round"] == 1  # nothing of b's body was folded in
         a.close(final_sync=False)
         b.close(final_sync=False)
+
+
+def _one_round(url: str, fail_in: str | None) -> tuple[DiLoCoWorker, torch.nn.Linear]:
+    """One int8 round (both ways, error feedback) of a worker whose anchor is said to be on
+    a GPU, and whose first `fail_in` ("body" or "values_after") runs out of GPU memory after
+    doing its work halfway (the residuals of a half-coded body already written)."""
+    worker, model = _worker(url, "a")
+    worker._anchor.device = torch.device("cuda")  # as on a GPU (the tensors stay where they are)
+    failed = []
+    if fail_in == "body":
+        target, name = worker._uploads, "body"
+    elif fail_in == "values_after":
+        target, name = worker._anchor, "values_after"
+    if fail_in is not None:
+        real = getattr(target, name)
+
+        def out_of_memory(*args, **kwargs):
+            if not failed:
+                failed.append(real(*args, **kwargs))
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return real(*args, **kwargs)
+
+        setattr(target, name, out_of_memory)
+    _step(worker, model, 1.0)
+    assert failed or fail_in is None
+    return worker, model
+
+
+def test_a_gpu_out_of_memory_in_a_sync_moves_the_anchor_to_the_cpu_and_the_round_goes_on(
+    live_server, caplog, monkeypatch
+) -> None:
+    """The round ends exactly as one that never ran out of memory: same weights, same
+    residual (nothing of the half-coded body kept), and the anchor now lives on the CPU."""
+    import diloco.worker.anchor as anchors
+
+    real_update = anchors.updated_anchor  # a "cuda" anchor's tensors stay on this CPU
+    monkeypatch.setattr(
+        anchors, "updated_anchor", lambda anchor, tensors, _device: real_update(anchor, tensors)
+    )
+    settings = ServerSettings(
+        sync_every=1, upload_codec="int8", download_codec="int8", error_feedback_beta=0.9,
+        outer_optimizer="sgd", outer_lr=1.0, heartbeat_interval=0.2, heartbeat_timeout=30.0,
+    )  # fmt: skip
+    ended = {}
+    for fail_in in (None, "body", "values_after"):
+        with live_server(settings) as server:
+            worker, model = _one_round(server.url, fail_in)
+            ended[fail_in] = (
+                model.weight.detach().clone(),
+                {n: t.clone() for n, t in worker._uploads.residual.items()},
+                worker.round,
+                worker._anchor.device.type,
+            )
+            worker.close(final_sync=False)
+    clean = ended[None]
+    assert clean[2] == 1 and clean[3] == "cuda" and clean[1]["weight"].count_nonzero() > 0
+    for fail_in in ("body", "values_after"):
+        weight, residual, round_number, device = ended[fail_in]
+        assert round_number == 1 and device == "cpu", fail_in
+        assert torch.equal(weight, clean[0]), fail_in
+        assert residual.keys() == clean[1].keys(), fail_in
+        assert all(torch.equal(residual[n], clean[1][n]) for n in residual), fail_in
+    moved = [r for r in caplog.records if "ran out of memory in a sync" in r.getMessage()]
+    assert len(moved) == 2 and all(r.levelname == "WARNING" for r in moved)

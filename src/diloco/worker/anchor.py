@@ -71,6 +71,11 @@ class Anchor:
         self.tensors: dict[str, torch.Tensor] = {}
         self.round = 0
 
+    def move_to(self, device: torch.device | str) -> None:
+        """Keep the anchor on `device` from now on (a GPU that ran out of memory: the CPU)."""
+        self.device = torch.device(device)
+        self.tensors = {name: t.to(self.device) for name, t in self.tensors.items()}
+
     def pseudo_gradient(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """anchor - local (fp32) for `names`, or for every tensor; rank 0 only."""
         local = self.model.state_dict()

@@ -177,6 +177,14 @@ class UploadCoder:
             torch.mul(residual, self.beta, out=target).add_(g)
         return target
 
+    def move_to(self, device: torch.device | str) -> None:
+        """Keep the residuals (and a body under way's) on `device` from now on."""
+        self.device = torch.device(device)
+        self._residual = {name: t.to(self.device) for name, t in self._residual.items()}
+        if self._pending is not None:
+            self._pending = {name: t.to(self.device) for name, t in self._pending.items()}
+        self._spare = {}
+
     # ----------------------------------------------------------------- checkpoints
 
     def state(self) -> tuple[dict[str, torch.Tensor], str | None]:

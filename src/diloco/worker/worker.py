@@ -26,7 +26,8 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -54,6 +55,7 @@ from diloco.worker.streaming import FragmentStreamer
 from diloco.worker.upload_coder import UploadCoder
 
 log = logging.getLogger("diloco.worker")
+T = TypeVar("T")
 
 
 def _log_retry(operation: str, cause: BaseException | int, delay: float) -> None:
@@ -495,12 +497,8 @@ class DiLoCoWorker(WorkerResumption):
         """Send this round's pseudo-gradient (`body` when a sharded group gathered it)."""
         session = self._leader_session()
         encoding = time.monotonic()
-        if body is None and self._uploads.codec.is_identity:
-            body = self._uploads.plain_body(self._anchor.tensors, self.model.state_dict())
-        elif body is None:
-            gradient = self._anchor.pseudo_gradient()
-            body = self._uploads.body(gradient)
-            del gradient
+        if body is None:
+            body = self._on_host_after_oom(self._upload_body, coding=True)
         self._encode_seconds = time.monotonic() - encoding
         units = self._units.to_report()
         progress = self._units.progress()
@@ -520,13 +518,49 @@ class DiLoCoWorker(WorkerResumption):
             self._units.reported(units)
         return result
 
+    def _upload_body(self) -> bytearray:
+        """This round's upload body: anchor - local, coded (with error feedback)."""
+        if self._uploads.codec.is_identity:
+            return self._uploads.plain_body(self._anchor.tensors, self.model.state_dict())
+        gradient = self._anchor.pseudo_gradient()
+        body = self._uploads.body(gradient)
+        del gradient
+        return body
+
+    def _on_host_after_oom(self, work: Callable[[], T], coding: bool = False) -> T:
+        """`work`; if the GPU runs out of memory on it (the anchor's arithmetic and coding
+        share the GPU with training), the anchor and residuals move to the CPU for the rest
+        of the run, with a warning, and `work` runs again there: the round goes on.
+        `coding`: `work` codes an upload, and nothing of a half-coded body is kept."""
+        try:
+            return work()
+        except torch.OutOfMemoryError:
+            if self._anchor.device.type == "cpu":
+                raise
+            if coding:
+                self._uploads.settle(folded=False)  # the half-coded body's residuals go
+            log.warning(
+                "the GPU ran out of memory in a sync: the fp32 anchor and error-feedback "
+                "residual move to the CPU for the rest of the run (anchor_device='cpu' "
+                "keeps them there from the start)"
+            )
+            self._anchor.move_to("cpu")
+            self._uploads.move_to("cpu")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return work()
+
     def _values_after_delta(self, body: bytearray, fragment: int) -> dict[str, torch.Tensor]:
         """A result sent as a coded delta (--download-codec): the new values from our anchor."""
         names = (
             list(self._anchor.tensors) if self.streamer is None else self.fragment_plan[fragment]
         )
         coded = self._uploads.coded_names  # trainable tensors: coded both ways
-        return self._anchor.values_after(body, names, self.settings.download_codec, coded)
+
+        def values() -> dict[str, torch.Tensor]:
+            return self._anchor.values_after(body, names, self.settings.download_codec, coded)
+
+        return self._on_host_after_oom(values)
 
     def _sharded_upload(self) -> dict[str, torch.Tensor]:
         """This rank's rows of the upload (and its own rows' error-feedback residual)."""
