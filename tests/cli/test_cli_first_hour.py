@@ -58,6 +58,26 @@ def test_a_worker_that_never_reaches_a_server_gives_up_naming_the_url(
     )
 
 
+def test_a_worker_resuming_from_its_checkpoint_waits_out_a_server_that_is_down(
+    tmp_path: Path,
+) -> None:
+    """It reached the server before (its checkpoint says so): the server is restarting, not
+    a wrong address, so it retries for all of --give-up-after, not the first contact's 60 s."""
+    from diloco.commands.work import FIRST_CONTACT_SECONDS, retry_policy
+
+    saved = tmp_path / "w0-state"
+    fresh = retry_policy(900.0, 30.0, saved)
+    assert fresh.first_contact == FIRST_CONTACT_SECONDS == 60.0 and fresh.deadline == 900.0
+    assert retry_policy(20.0, 30.0, None).first_contact == 20.0  # the shorter limit
+    assert retry_policy(0.0, 30.0, None).first_contact is None  # 0: for ever
+    (saved / "gen-000000000003").mkdir(parents=True)
+    resumed = retry_policy(900.0, 30.0, saved)
+    assert resumed.first_contact is None and resumed.deadline == 900.0
+    (saved / "gen-000000000003").rmdir()
+    (saved / "gen-000000000004.tmp-0123abcd").mkdir()  # a write that never finished
+    assert retry_policy(900.0, 30.0, saved).first_contact == 60.0
+
+
 def test_plain_http_to_a_tls_server_says_to_use_https_and_the_server_logs_it(
     server_process, corpus_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

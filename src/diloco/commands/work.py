@@ -56,11 +56,28 @@ from diloco.worker.data.leased_sampler import LeasedBatches, LeasedSampler
 from diloco.worker.net.transport import split_base_url
 from diloco.worker.parallel.distributed import LeaderFailed
 from diloco.worker.settings import ServerSettingsError
+from diloco.worker.state.checkpoint import holds_checkpoint
 
 # The longest a worker retries a server that has never answered it (a wrong --server, a server
 # not started yet) before it exits 2; --give-up-after lowers it, 0 lifts it. A worker that has
 # had an answer retries through a server restart for as long as --give-up-after.
 FIRST_CONTACT_SECONDS = 60.0
+
+
+def retry_policy(
+    give_up_after: float, max_retry_delay: float, checkpoint_dir: Path | None
+) -> RetryPolicy:
+    """How `diloco worker` retries: for --give-up-after in all (0: for ever), but a server
+    that never answered for at most FIRST_CONTACT_SECONDS (a wrong --server is likelier than
+    a slow start), unless the worker resumes from a checkpoint: it has reached the server
+    before, so the server is restarting, and it waits that out."""
+    resuming = checkpoint_dir is not None and holds_checkpoint(checkpoint_dir)
+    return RetryPolicy(
+        deadline=give_up_after or None,
+        base_delay=min(0.5, max_retry_delay),
+        max_delay=max_retry_delay,
+        first_contact=None if resuming else min(FIRST_CONTACT_SECONDS, give_up_after) or None,
+    )
 
 
 def training_device(name: str) -> torch.device:
@@ -252,13 +269,7 @@ def worker_command(
         raise fail(f"--give-up-after must be >= 0 seconds, got {give_up_after}")
     if not max_retry_delay > 0:
         raise fail(f"--max-retry-delay must be > 0 seconds, got {max_retry_delay}")
-    retry = RetryPolicy(
-        deadline=give_up_after or None,
-        base_delay=min(0.5, max_retry_delay),
-        max_delay=max_retry_delay,
-        # a server that never answered is a wrong --server more often than a slow start
-        first_contact=min(FIRST_CONTACT_SECONDS, give_up_after) or None,
-    )
+    retry = retry_policy(give_up_after, max_retry_delay, checkpoint_dir)
     try:
         worker = DiLoCoWorker(
             replica.model,

@@ -270,6 +270,12 @@ def _restore_rng(tensors: Mapping[str, torch.Tensor], facts: Mapping[str, Any]) 
 # ----------------------------------------------------------------- loading
 
 
+def holds_checkpoint(directory: str | os.PathLike[str]) -> bool:
+    """Whether `directory` holds a worker checkpoint (usable or not): the worker that wrote it
+    reached a server before."""
+    return any(".tmp-" not in entry.name for entry in Path(directory).glob("gen-*"))
+
+
 def load_worker_checkpoint(
     directory: str | os.PathLike[str],
     *,
@@ -288,7 +294,7 @@ def load_worker_checkpoint(
         return None
     loaded = CheckpointStore(path, keep=KEEP).load_latest()
     if loaded is None:
-        if any(".tmp-" not in entry.name for entry in path.glob("gen-*")):
+        if holds_checkpoint(path):
             log.warning("no usable worker checkpoint in %s; starting fresh", path)
         return None
     problem = mismatch(loaded.metadata, model, optimizer, scheduler)
