@@ -70,11 +70,17 @@ class Anchor:
         self.download_dtype = download_dtype  # what a follower's broadcast buffers hold
         self.tensors: dict[str, torch.Tensor] = {}
         self.round = 0
+        # A coded delta moves a copy of the whole anchor (`values_after`); adopted, that copy
+        # becomes the anchor and the old anchor's memory the next copy's (`_spare`): no
+        # model-sized allocation, and its page faults, every round. `_lent`: the copy out.
+        self._spare: dict[str, torch.Tensor] | None = None
+        self._lent: dict[str, torch.Tensor] | None = None
 
     def move_to(self, device: torch.device | str) -> None:
         """Keep the anchor on `device` from now on (a GPU that ran out of memory: the CPU)."""
         self.device = torch.device(device)
         self.tensors = {name: t.to(self.device) for name, t in self.tensors.items()}
+        self._spare = self._lent = None
 
     def pseudo_gradient(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """anchor - local (fp32) for `names`, or for every tensor; rank 0 only."""
@@ -94,17 +100,40 @@ class Anchor:
         anchor: anchor + D(body) for coded tensors, the sent value for the others, computed
         with the server's own function so that they equal its published copy bit for bit.
         New tensors: the anchor itself changes when they are adopted."""
-        targets = {name: self.tensors[name].clone() for name in names}
+        targets = self._copy_of(names)
         apply_delta(delta, targets, codec, exact={n for n in names if n not in coded})
         return targets
 
+    def _copy_of(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The anchor's `names`, copied: for the whole anchor into the spare buffers when
+        they fit (and lent: `adopt` takes them back as the anchor)."""
+        spare, self._spare, self._lent = self._spare, None, None
+        if list(names) != list(self.tensors):  # a streaming fragment: fresh copies
+            return {name: self.tensors[name].clone() for name in names}
+        if (
+            spare is None
+            or spare.keys() != self.tensors.keys()
+            or any(
+                (s.shape, s.dtype, s.device) != (a.shape, a.dtype, a.device)
+                for s, a in zip(spare.values(), self.tensors.values(), strict=True)
+            )
+        ):
+            spare = {name: torch.empty_like(t) for name, t in self.tensors.items()}
+        for name, target in spare.items():
+            target.copy_(self.tensors[name])
+        self._lent = spare
+        return spare
+
     def adopt(self, tensors: Mapping[str, torch.Tensor], round_number: int) -> None:
-        """New global weights become the model and (this is rank 0) the fp32 CPU anchor."""
+        """New global weights become the model and (this is rank 0) the fp32 anchor."""
         state = self.model.state_dict()
         with torch.no_grad():
             for name, target in state.items():
                 target.copy_(tensors[name])
-        self.tensors = updated_anchor(self.tensors, tensors, self.device)
+        if tensors is self._lent:  # our own copy, moved by a delta: it becomes the anchor
+            self._spare, self.tensors, self._lent = self.tensors, self._lent, None
+        else:
+            self.tensors = updated_anchor(self.tensors, tensors, self.device)
         self.round = round_number
 
     def share(self) -> None:
