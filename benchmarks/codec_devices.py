@@ -130,7 +130,7 @@ def worker_rounds(codec_text: str, device: torch.device, seed: int) -> dict:
             if codec.is_identity:
                 body = bytes(coder.plain_body(anchor.tensors, model.state_dict()))
             else:
-                body = bytes(coder.body(anchor.pseudo_gradient()))
+                body = bytes(coder.body_from(anchor.tensors, model.state_dict()))
             coder.settle(folded=True)
             bodies.append(body)
             if coded_delta:  # the body as the round's delta: the new global values

@@ -65,7 +65,7 @@ def _one_round(url: str, fail_in: str | None) -> tuple[DiLoCoWorker, torch.nn.Li
     worker._anchor.device = torch.device("cuda")  # as on a GPU (the tensors stay where they are)
     failed = []
     if fail_in == "body":
-        target, name = worker._uploads, "body"
+        target, name = worker._uploads, "body_from"
     elif fail_in == "values_after":
         target, name = worker._anchor, "values_after"
     if fail_in is not None:

@@ -178,3 +178,34 @@ def test_the_residual_is_part_of_the_worker_checkpoint(tmp_path):
     )
     assert not (path / "residual.safetensors").exists()
     assert load_worker_checkpoint(tmp_path, model=model, optimizer=optimizer).residual == {}
+
+
+def test_a_body_from_anchor_and_local_is_the_body_of_their_pseudo_gradient():
+    """`body_from` skips the model-sized pseudo-gradient: over rounds that are folded, one
+    that is not and one whose answer never came, it uploads the same bytes and keeps the
+    same residual as `body(pseudo_gradient(anchor, local))`, for every lossy codec."""
+    from diloco.algorithm.outer import pseudo_gradient
+
+    generator = torch.Generator().manual_seed(3)
+    anchor = {
+        "w": torch.randn(64, generator=generator),
+        "norm.running_mean": torch.tensor([0.5, 0.25]),
+        "steps": torch.tensor(7, dtype=torch.int64),
+    }
+    answers = [True, False, None, True]  # folded, not folded, no answer (counts as folded)
+    for text, beta in (("int8", 0.9), ("topk:0.5+int2", 0.5), ("int4", 0.0)):
+        codec = parse_codec(text, chunk=8, block=8)
+        ours, theirs = UploadCoder(codec, beta, SPECS), UploadCoder(codec, beta, SPECS)
+        for answer in answers:
+            local = {
+                "w": anchor["w"] - torch.randn(64, generator=generator),
+                "norm.running_mean": torch.tensor([0.125, 0.75]),
+                "steps": torch.tensor(9, dtype=torch.int64),
+            }
+            assert ours.body_from(anchor, local) == theirs.body(pseudo_gradient(anchor, local))
+            if answer is not None:
+                ours.settle(answer)
+                theirs.settle(answer)
+            assert ours.residual.keys() == theirs.residual.keys(), text
+            assert all(torch.equal(ours.residual[n], theirs.residual[n]) for n in ours.residual)
+        assert (beta > 0) == bool(ours.residual), text  # a residual, and only where kept

@@ -25,7 +25,7 @@ import torch
 
 from diloco.algorithm import TensorKind
 from diloco.algorithm.codecs import Codec
-from diloco.algorithm.outer import pseudo_gradient_into
+from diloco.algorithm.outer import pseudo_gradient, pseudo_gradient_into
 from diloco.wire import TensorSpec, encode_tensors, fingerprint
 from diloco.wire.compressed.body import encode_compressed
 from diloco.wire.format.layout import FrameLayout
@@ -117,6 +117,33 @@ class UploadCoder:
         layout.write_header(body)
         pseudo_gradient_into(anchor, local, layout.views(body))
         return buffer
+
+    def body_from(
+        self, anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
+    ) -> bytearray:
+        """`body(pseudo_gradient(anchor, local))`, byte for byte. A codec that keeps a residual
+        gets there without the model-sized pseudo-gradient (allocated, page-faulted and read
+        again every round): each coded tensor's anchor - local goes through one scratch
+        buffer into its e' = beta e + g; the others' differences are small."""
+        if not self.keeps_residual or not (self.codec.is_quantized or self.codec.is_sparse):
+            return self.body(pseudo_gradient(anchor, local))
+        coded = [n for n, t in anchor.items() if n in self.coded_names and t.is_floating_point()]
+        others = [n for n in anchor if n not in set(coded)]
+        exact = pseudo_gradient({n: anchor[n] for n in others}, {n: local[n] for n in others})
+        if self._pending is not None:  # no answer came for the last body: it counts as folded
+            self.settle(folded=True)
+        largest = max((anchor[n].numel() for n in coded), default=0)
+        scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
+        pending: dict[str, torch.Tensor] = {}
+        for name in coded:
+            difference = scratch[: anchor[name].numel()].view(anchor[name].shape)
+            pseudo_gradient_into({name: anchor[name]}, {name: local[name]}, {name: difference})
+            pending[name] = self._accumulate(name, difference)
+        self._pending = pending
+        source = {n: pending[n] if n in pending else exact[n] for n in anchor}
+        return encode_compressed(
+            source, self.codec, exact=set(exact), fold_into=pending, weight=-1.0
+        )
 
     def body(self, gradient: Mapping[str, torch.Tensor]) -> bytearray:
         """The body that uploads `gradient` (anchor - local); updates the residuals."""

@@ -522,10 +522,7 @@ class DiLoCoWorker(WorkerResumption):
         """This round's upload body: anchor - local, coded (with error feedback)."""
         if self._uploads.codec.is_identity:
             return self._uploads.plain_body(self._anchor.tensors, self.model.state_dict())
-        gradient = self._anchor.pseudo_gradient()
-        body = self._uploads.body(gradient)
-        del gradient
-        return body
+        return self._uploads.body_from(self._anchor.tensors, self.model.state_dict())
 
     def _on_host_after_oom(self, work: Callable[[], T], coding: bool = False) -> T:
         """`work`; if the GPU runs out of memory on it (the anchor's arithmetic and coding
