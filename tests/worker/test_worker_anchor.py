@@ -57,3 +57,30 @@ def test_a_copy_never_adopted_leaves_the_anchor_and_the_next_round_as_they_were(
     anchor.adopt(sent, 3)
     assert anchor.tensors is kept and torch.equal(kept["weight"], sent["weight"])
     assert anchor.tensors["weight"] is not sent["weight"]
+
+
+def test_a_delta_refused_part_way_leaves_the_anchor_as_it_was() -> None:
+    """The copy is checked span by span as it moves: a NaN scale in the delta's last block
+    is refused (422 naming the tensor) after the blocks before it moved the copy, and the
+    anchor, its round and the next delta are untouched by it."""
+    import pytest
+
+    from diloco.wire import WireError
+    from diloco.wire.format.frames import decode_frame
+
+    codec = parse_codec("int8", block=8)
+    anchor = _anchor()
+    names = list(anchor.tensors)
+    delta = {"weight": torch.ones(2, 4), "bias": torch.ones(2)}
+    good = encode_compressed(delta, codec)
+    bad = bytearray(good)
+    parts, _ = decode_frame(bad)  # views of `bad`
+    (scales,) = [t for name, t in parts.items() if name.startswith("bias") and "scales" in name]
+    scales[-1] = float("nan")
+    before = {n: t.clone() for n, t in anchor.tensors.items()}
+    with pytest.raises(WireError) as refused:
+        anchor.values_after(bad, names, codec, coded=names)
+    assert refused.value.status == 422 and "bias" in str(refused.value)
+    assert all(torch.equal(anchor.tensors[n], before[n]) for n in names) and anchor.round == 0
+    moved = anchor.values_after(good, names, codec, coded=names)
+    assert torch.equal(moved["weight"], before["weight"] + 1)

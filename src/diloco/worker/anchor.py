@@ -100,8 +100,9 @@ class Anchor:
         anchor: anchor + D(body) for coded tensors, the sent value for the others, computed
         with the server's own function so that they equal its published copy bit for bit.
         New tensors: the anchor itself changes when they are adopted."""
-        targets = self._copy_of(names)
-        apply_delta(delta, targets, codec, exact={n for n in names if n not in coded})
+        targets = self._copy_of(names)  # a refused body leaves the anchor as it is
+        exact = {n for n in names if n not in coded}
+        apply_delta(delta, targets, codec, exact=exact, scratch=True)
         return targets
 
     def _copy_of(self, names: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ operator anyway: a full or failing disk.)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -195,28 +196,42 @@ class GlobalModel:
             self.durably(what, lambda: staged.append(log_step()))
             syncing = _SYNCS.submit(staged[0])
         started = time.perf_counter()
-        if running.count:  # (writable() copies the masters away from a straggler's download)
-            frames, kinds = self.frames, self.kinds()
+        try:
+            if running.count:  # (writable() copies the masters away from a straggler's download)
+                frames, kinds = self.frames, self.kinds()
 
-            def step() -> None:  # a step that fails part way leaves the masters half moved
-                apply_running_mean(
-                    frames.writable(), running, self.optimizer, kinds, policy=self.settings.policy
-                )
+                def step() -> None:  # a step that fails part way leaves the masters half moved
+                    apply_running_mean(
+                        frames.writable(),
+                        running,
+                        self.optimizer,
+                        kinds,
+                        policy=self.settings.policy,
+                    )
 
-            if log_step is None:
-                step()
-            else:  # logged: the step log is the commit point, so a failure must stop serving
-                self.durably(f"the outer step of round {new_version}", step)
-        stepped = time.perf_counter()
-        if self.copy is not None:
-            copy, masters = self.copy, self.frames.masters
-            step_names = list(self.specs) if names is None else list(names)
+                if log_step is None:
+                    step()
+                else:  # logged: the step log is the commit point, so a failure must stop serving
+                    self.durably(f"the outer step of round {new_version}", step)
+            stepped = time.perf_counter()
+            if self.copy is not None:
+                copy, masters = self.copy, self.frames.masters
+                step_names = list(self.specs) if names is None else list(names)
 
-            def code_delta() -> None:  # P half moved is as unsafe to serve as a failed write
-                self.delta = (new_version, frozenset(step_names), copy.advance(masters, step_names))
+                def code_delta() -> None:  # P half moved is as unsafe to serve as a failed write
+                    self.delta = (
+                        new_version,
+                        frozenset(step_names),
+                        copy.advance(masters, step_names),
+                    )
 
-            self.durably(f"coding the download delta of round {new_version}", code_delta)
-        coded = time.perf_counter()
+                self.durably(f"coding the download delta of round {new_version}", code_delta)
+            coded = time.perf_counter()
+        except BaseException:  # no write goes on after the commit has failed
+            if syncing is not None:
+                with contextlib.suppress(Exception):
+                    syncing.result()
+            raise
         if syncing is not None:  # the step's log is durable before anything is recorded
             self.durably(f"logging the outer step of round {new_version}", syncing.result)
         synced = time.perf_counter()
