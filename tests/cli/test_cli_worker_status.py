@@ -96,6 +96,7 @@ WORKER_BAD_INPUTS = [
     (["--device", "cuda"], 2, "--device cuda: torch sees no CUDA device on this machine"),
     (["--device", "tpu"], 2, "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
     (["--dtype", "fp16"], 2, "--dtype must be fp32 or bf16, got 'fp16'"),
+    (["--anchor-device", "gpu"], 2, "--anchor-device must be 'auto', 'cpu' or a device name"),
     ([], 2, "no diloco server answered at"),  # nobody listens on the port
 ]
 
@@ -116,6 +117,7 @@ WORKER_BAD_INPUT_IDS = [
     "device-cuda",
     "device-tpu",
     "dtype",
+    "anchor-device",
     "unreachable",
 ]
 

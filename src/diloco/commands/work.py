@@ -52,6 +52,7 @@ from diloco.worker import (
     ServerUnavailable,
     ServerUnreachable,
 )
+from diloco.worker.anchor import parse_anchor_device
 from diloco.worker.data.leased_sampler import LeasedBatches, LeasedSampler
 from diloco.worker.net.transport import split_base_url
 from diloco.worker.parallel.distributed import LeaderFailed
@@ -209,10 +210,19 @@ def worker_command(
     dtype: str = typer.Option(
         "fp32", help="fp32, or bf16: forward passes under autocast (weights stay fp32)."
     ),
+    anchor_device: str = typer.Option(
+        "auto",
+        help="Where the fp32 anchor and error-feedback residual live: auto (beside a GPU "
+        "model when they fit in half its free memory), cpu, or a device such as cuda:1.",
+    ),
 ) -> None:
     """Join a server, train, sync every H steps (the server's H), report loss and traffic."""
     check_output_path(json_path, "--json")
     check_server_url(server, "--server")
+    try:
+        parse_anchor_device(anchor_device)
+    except ValueError as exc:
+        raise fail(str(exc).replace("anchor_device", "--anchor-device")) from None
     server_url = "".join(split_base_url(server))  # as the client and its errors write it
     require_positive(
         steps=steps,
@@ -282,9 +292,10 @@ def worker_command(
             fragment_timeout=fragment_timeout,
             max_upload_mbps=max_upload_mbps,
             ca_file=ca_file,
+            anchor_device=anchor_device,
         )
     except ValueError as exc:
-        raise fail(str(exc)) from None
+        raise fail(str(exc).replace("anchor_device", "--anchor-device")) from None
     except ServerUnreachable as exc:  # a wrong --server (or a shard of it that never answered)
         raise fail(exc.message("--server" if exc.server == server_url else None)) from None
     except (AuthError, ServerError, ServerUnavailable, ServerSettingsError, LeaderFailed) as exc:
