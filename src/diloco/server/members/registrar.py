@@ -18,7 +18,7 @@ from diloco.server.members.membership import Membership
 from diloco.server.model.footprint import available_bytes, bytes_needed, model_bytes, model_size
 from diloco.server.model.global_model import GlobalModel, fragment_plan
 from diloco.server.ops.metrics import ServerMetrics
-from diloco.server.rounds.engines import RoundEngine
+from diloco.server.rounds.engine import RoundEngine
 from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import RoundJournal
 from diloco.wire import (

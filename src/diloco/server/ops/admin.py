@@ -19,7 +19,7 @@ from diloco.server.members.registrar import Registrar
 from diloco.server.model.global_model import GlobalModel
 from diloco.server.ops.control import RunControl
 from diloco.server.ops.metrics import ServerMetrics
-from diloco.server.rounds.engines import RoundEngine
+from diloco.server.rounds.engine import RoundEngine
 from diloco.server.settings import ServerSettings
 from diloco.server.state.store import StateStore
 from diloco.wire import WORKER_ID_PATTERN, encode_tensors, is_worker_id

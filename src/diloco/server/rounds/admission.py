@@ -27,7 +27,7 @@ from diloco.server.errors import Rejection, rejection_of
 from diloco.server.members.membership import Membership
 from diloco.server.model.global_model import GlobalModel
 from diloco.server.ops.metrics import Traffic
-from diloco.server.rounds.engines import RoundEngine
+from diloco.server.rounds.engine import RoundEngine
 from diloco.server.rounds.round import Round, ValueScan
 from diloco.server.rounds.submission import Submission
 from diloco.server.rounds.upload_format import Tensors, UploadFormat

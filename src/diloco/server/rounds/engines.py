@@ -3,25 +3,19 @@
 `BarrierRounds` (sync, streaming) waits for every member of a fragment's round;
 `AsyncArrivals` (async) applies each arrival at once, or what a grace window gathered. The
 coordinator calls them under its lock and owns what they share (masters, optimizer, journal).
+Their interface is `engine.RoundEngine`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
-
-from diloco.server.model.results import RoundResult, Waiting
 from diloco.server.rounds.async_arrivals import AsyncArrivals
 from diloco.server.rounds.barrier import BarrierRounds
+from diloco.server.rounds.engine import RoundEngine
 from diloco.server.rounds.engine_context import EngineContext
-from diloco.server.rounds.round import Round, ValueScan
-from diloco.server.rounds.submission import Submission
 from diloco.server.shards.async_decisions import FollowerArrivals, LeaderArrivals
 from diloco.server.shards.sync_decisions import FollowerRounds, LeaderRounds
-from diloco.server.state.journal import CommitRecord
-from diloco.wire.format.spool import CheckedPieces
 
-__all__ = ["AsyncArrivals", "BarrierRounds", "RoundEngine", "engine_for"]
+__all__ = ["engine_for"]
 
 
 def engine_for(context: EngineContext) -> RoundEngine:
@@ -34,71 +28,3 @@ def engine_for(context: EngineContext) -> RoundEngine:
     if settings.shards > 1 and settings.mode == "sync":
         return LeaderRounds(context) if settings.leads else FollowerRounds(context)
     return BarrierRounds(context)  # streaming shards too: each commits its own fragments
-
-
-class RoundEngine(Protocol):
-    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
-        """The global weights exist (or were restored at these fragment rounds): open rounds."""
-
-    def fragment_rounds(self) -> list[int]: ...
-
-    def fragment_rounds_after(self, record: CommitRecord) -> list[int]:
-        """The fragment rounds once `record`'s step has committed (for its checkpoint)."""
-        ...
-
-    def open_round(self) -> Round | None: ...
-
-    def waiting_for(self) -> list[str]: ...
-
-    def more_submissions_needed(self) -> int:
-        """Submissions an open round needs beyond its members' (--min-workers): from joiners."""
-        ...
-
-    def on_register(self, worker_id: str) -> None: ...
-
-    def on_leave(self, worker_id: str, now: float) -> None: ...
-
-    def units_of(self, worker_id: str) -> set[int]:
-        """Work units a worker reported with a submission that is still pending."""
-        ...
-
-    def tick(self, now: float) -> None: ...
-
-    def overdue(self, now: float) -> list[str]:
-        """Live members a barrier has waited on past its timeout (their heartbeats may go on
-        while their training loop hangs): the coordinator evicts them."""
-        ...
-
-    def wake_within(self, now: float) -> float:
-        """How long a long-poll may sleep before something may be due."""
-        ...
-
-    def drop_pending(self, worker_id: str, reason: str) -> bool:
-        """Discard a worker's pseudo-gradients not yet applied, where the engine still can
-        (rounds that hold theirs until the barrier); whether any was dropped."""
-        ...
-
-    def on_resume(self, paused_since: float, now: float) -> None:
-        """An admin resumed rounds paused since `paused_since`: commit what is ready."""
-        ...
-
-    def admit(self, submission: Submission) -> dict | None:
-        """Decide what a submission is, before its values are read: an answer when there is
-        nothing to fold (already applied, a duplicate), None to fold it; raises Rejection."""
-        ...
-
-    def folds_first(self, fragment: int) -> bool:
-        """Whether the next fold opens its step's sums (so a reader that checks the values as
-        it folds them can refuse half way and leave nothing changed)."""
-        ...
-
-    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
-        """Fold an admitted submission and commit a step if one is due; WireError from a
-        checking reader leaves everything as it was."""
-        ...
-
-    def poll_result(
-        self, round_number: int, fragment: int, worker_id: str | None, now: float
-    ) -> RoundResult | None: ...
-
-    def waiting(self, round_number: int, fragment: int) -> Waiting: ...
