@@ -43,6 +43,7 @@ from diloco.server.rounds.round import Round
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.commit import ShardCommit
 from diloco.server.shards.peers import ShardPeers
+from diloco.server.shards.role import ShardRole
 from diloco.server.state.journal import CommitRecord, LoggedStep, RoundJournal
 from diloco.server.state.store import StateStore
 from diloco.server.workunits.transactions import DataDispatch
@@ -106,6 +107,8 @@ class Coordinator:
         self.dispatch = DataDispatch(self.pool, self.journal.state)
         self.last_commit: CommitRecord | None = None
         self.screen = RobustScreen(settings.robust, settings.fragments)
+        # one server, shard 0 or another shard: given to whoever behaves differently by role
+        self.role = ShardRole(settings, peers)
         context = EngineContext(
             settings=settings,
             clock=clock,
@@ -139,24 +142,23 @@ class Coordinator:
             self.journal,
             self.engine,
             self.metrics,
+            self.role,
             is_banned=self.control.is_banned,
         )
         # Sharded servers: confirmations and decisions across shards (None: one server).
         self.shard: ShardCommit | None = None
-        if settings.shards > 1:
+        if not self.role.single:
             self.shard = ShardCommit(
                 self._lock,
                 self.engine,  # type: ignore[arg-type]  (a shard's engine: engine_for)
+                self.role,
                 self.membership,
                 self.journal,
-                peers,
                 clock,
                 self.model.require_healthy,
+                self.registrar.remove,
                 lambda: self.closing,
             )
-            self.registrar.vouch = self.shard.vouch
-            self.shard.remove_worker = self.registrar.remove
-            self.registrar.leader_plan = self.shard.leader_plan
         self.admin = AdminActions(
             self._lock,
             self.control,
@@ -167,8 +169,8 @@ class Coordinator:
             self.journal.state,
             self.metrics,
             clock,
+            self.role,
         )
-        self.admin.configure_shards(settings)
         self.sent_rounds = SentRounds()  # delta downloads after a rollback
         self._restore(initial)
 
@@ -344,8 +346,7 @@ class Coordinator:
         """Evict the silent and the overdue (see `Registrar.evict_stale`); then the engine's
         timed work (an async grace window's deadline)."""
         with self._lock:
-            # a follower shard evicts nobody: membership is shard 0's
-            evicted = self.registrar.evict_stale() if self.settings.leads else []
+            evicted = self.registrar.evict_stale()  # (none on a follower shard)
             self.engine.tick(self.clock())
             return evicted
 

@@ -20,6 +20,7 @@ from diloco.server.model.global_model import GlobalModel, fragment_plan
 from diloco.server.ops.metrics import ServerMetrics
 from diloco.server.rounds.engine import RoundEngine
 from diloco.server.settings import ServerSettings
+from diloco.server.shards.role import ShardRole
 from diloco.server.state.journal import RoundJournal
 from diloco.wire import (
     PROTOCOL_VERSION,
@@ -46,11 +47,12 @@ class Registrar:
         journal: RoundJournal,
         engine: RoundEngine,
         metrics: ServerMetrics,
+        role: ShardRole,
         is_banned: Callable[[str], bool] = lambda _worker_id: False,
     ) -> None:
         self.is_banned = is_banned  # ids an admin banned (`RunControl`)
-        # Sharded servers' other shards: whether shard 0 holds (worker id, session) live.
-        self.vouch: Callable[[str, str], bool] = lambda _worker_id, _session: False
+        # one server, shard 0 or another shard: who vouches for a registration, whose plan
+        self.role = role
         self.settings = settings
         self.clock = clock
         self.model = model
@@ -60,8 +62,6 @@ class Registrar:
         self.metrics = metrics
         self._registered_plan: list[list[str]] | None = None  # a streaming shard's part
         self._whole_plan: list[list[str]] | None = None  # and the whole model's plan
-        # a streaming follower: shard 0's whole fragment plan (ShardCommit.leader_plan)
-        self.leader_plan: Callable[[], list[list[str]]] = lambda: []
         self.available_memory: Callable[[], int | None] = available_bytes  # (tests replace it)
 
     def register(
@@ -109,7 +109,7 @@ class Registrar:
         if holder is not None and session is not None and holder.session == session:
             holder.last_seen = now
             return self._registration(worker_id)
-        if holder is not None and session is not None and self.vouch(worker_id, session):
+        if holder is not None and session is not None and self.role.vouch(worker_id, session):
             # A follower shard: shard 0 holds the id under this new session (the worker
             # restarted without its checkpoint, and shard 0 evicted its old self).
             holder.session, holder.last_seen = session, now
@@ -122,9 +122,8 @@ class Registrar:
                 f"worker id {worker_id!r} is held by a live worker",
                 worker_id=worker_id,
             )
-        streaming_follower = self.settings.mode == "streaming" and not self.settings.leads
-        # such a shard commits rounds alone: only workers shard 0 admitted (not banned)
-        if streaming_follower and not self.vouch(worker_id, session or ""):
+        # a streaming follower commits rounds alone: only workers shard 0 admitted (not banned)
+        if not self.role.admits_alone and not self.role.vouch(worker_id, session or ""):
             raise Rejection(
                 409,
                 "not_on_shard_0",
@@ -179,10 +178,10 @@ class Registrar:
             owned = {name for names in self.model.fixed_plan for name in names}
             return [spec for spec in specs if spec.name in owned]
         try:
-            if self.settings.leads:
+            if self.role.leads:
                 plan = fragment_plan(list(specs), self.settings.fragments)
             else:  # shard 0's, so that every shard cuts the model alike
-                plan = self.leader_plan()
+                plan = self.role.leader_plan()
             mine = shard_fragment_plan(plan, specs, self.settings.shards, self.settings.shard)
         except ValueError as exc:
             raise Rejection(
@@ -255,7 +254,10 @@ class Registrar:
 
     def evict_stale(self) -> list[str]:
         """Evict workers silent past the heartbeat timeout, and members a barrier has waited
-        on past --barrier-timeout (heartbeats but no submission); the barrier re-checks."""
+        on past --barrier-timeout (heartbeats but no submission); the barrier re-checks.
+        Not on a follower shard, which evicts nobody: membership is shard 0's."""
+        if self.role.follows:
+            return []
         stale = self.membership.stale(self.clock(), self.settings.heartbeat_timeout)
         for worker_id in stale:
             log.warning(

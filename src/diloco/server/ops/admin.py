@@ -20,7 +20,7 @@ from diloco.server.model.global_model import GlobalModel
 from diloco.server.ops.control import RunControl
 from diloco.server.ops.metrics import ServerMetrics
 from diloco.server.rounds.engine import RoundEngine
-from diloco.server.settings import ServerSettings
+from diloco.server.shards.role import ShardRole
 from diloco.server.state.store import StateStore
 from diloco.wire import WORKER_ID_PATTERN, encode_tensors, is_worker_id
 
@@ -41,6 +41,7 @@ class AdminActions:
         state: StateStore,
         metrics: ServerMetrics,
         clock: Callable[[], float],
+        role: ShardRole,
     ) -> None:
         self._lock = lock
         self.control = control
@@ -52,19 +53,14 @@ class AdminActions:
         self.metrics = metrics
         self.clock = clock
         # Sharded servers: the other shards follow shard 0's decisions, so the run is steered
-        # there (a ban or pause on one shard alone would make the shards disagree).
-        self.steered_elsewhere = False
-        # Sharded servers: what shard 0 cannot pass on to the others (None: anything goes)
-        self.not_for_shards: frozenset[str] = frozenset()
-
-    def configure_shards(self, settings: ServerSettings) -> None:
-        """A sharded run is steered on shard 0, and only with what it passes on: not the
-        outer lr (each shard steps with its own), nor in streaming mode a pause (each shard
-        commits its own fragments)."""
-        self.steered_elsewhere = not settings.leads
-        if settings.shards > 1:
-            streaming = {"pause", "resume"} if settings.mode == "streaming" else set()
-            self.not_for_shards = frozenset({"the outer lr", *streaming})
+        # there (a ban or pause on one shard alone would make the shards disagree), and only
+        # with what it passes on: not the outer lr (each shard steps with its own), nor in
+        # streaming mode a pause (each shard commits its own fragments).
+        self.steered_elsewhere = role.follows
+        streaming = {"pause", "resume"} if role.mode == "streaming" else set()
+        self.not_for_shards = (
+            frozenset() if role.single else frozenset({"the outer lr", *streaming})
+        )
 
     def _require_steerable(self, action: str = "") -> None:
         if self.steered_elsewhere:

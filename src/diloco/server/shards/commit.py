@@ -16,7 +16,8 @@ from diloco.server.members.membership import Membership
 from diloco.server.model.results import RoundResult
 from diloco.server.rounds.barrier import BarrierRounds
 from diloco.server.shards.async_decisions import FollowerArrivals, LeaderArrivals
-from diloco.server.shards.peers import PeerUnavailable, ShardPeers
+from diloco.server.shards.peers import PeerUnavailable
+from diloco.server.shards.role import ShardRole
 from diloco.server.shards.sync_decisions import FollowerRounds, LeaderRounds
 from diloco.server.state.journal import RoundJournal
 from diloco.wire import TensorSpec
@@ -31,35 +32,30 @@ class ShardCommit:
         self,
         lock: threading.Condition,
         engine: LeaderRounds | FollowerRounds | LeaderArrivals | FollowerArrivals | BarrierRounds,
+        role: ShardRole,
         membership: Membership,
         journal: RoundJournal,
-        peers: ShardPeers | None,
         clock: Callable[[], float],
         require_healthy: Callable[[], None],
+        remove_worker: Callable[..., None],
         closing: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`remove_worker`: ends a worker's membership here (the registrar's `remove`; a
+        streaming follower's evictions)."""
         self.lock = lock
         self.engine = engine
+        self.role = role
         self.membership = membership
         self.journal = journal
-        self.peers = peers
+        self.peers = role.peers
         self.clock = clock
         self.require_healthy = require_healthy
+        self.remove_worker = remove_worker
         self.closing = closing
         self.whole_model: str | None = None  # the --init model's fingerprint, if started so
-        # streaming followers: ends a worker's membership here (the registrar's `remove`)
-        self.remove_worker: Callable[..., None] = lambda _worker_id, _event: None
-
-    @property
-    def decides(self) -> bool:
-        """Whether shard 0 decides steps for every shard (sync, async); in streaming mode
-        each shard commits its own fragments' rounds, and nothing is confirmed or decided."""
-        return not isinstance(self.engine, BarrierRounds) or isinstance(
-            self.engine, (LeaderRounds, FollowerRounds)
-        )
 
     def _require_decisions(self) -> None:
-        if not self.decides:
+        if not self.role.decides:
             raise Rejection(
                 409,
                 "not_applicable",
@@ -70,7 +66,7 @@ class ShardCommit:
     def require_datasets(self) -> None:
         """Streaming shards lease no work units: a fragment's submission, which would report
         them, may go to a shard other than shard 0, which keeps the datasets."""
-        if not self.decides:
+        if not self.role.decides:
             raise Rejection(
                 409,
                 "not_built",
@@ -85,24 +81,6 @@ class ShardCommit:
             raise Rejection(409, "not_shard_0", "the fragment plan is shard 0's")
         with self.lock:
             return {"plan": self.journal.state.get_meta("whole_fragment_plan")}
-
-    def leader_plan(self) -> list[list[str]]:
-        """A streaming follower (lock held: once, at the first registration): shard 0's
-        whole fragment plan; 503 while shard 0 cannot be reached or has none yet."""
-        assert self.peers is not None
-        try:
-            plan = self.peers.whole_plan()
-        except PeerUnavailable as exc:
-            raise Rejection(
-                503, "shard_unavailable", f"shard 0 cannot be reached for its plan: {exc}"
-            ) from None
-        if plan is None:
-            raise Rejection(
-                503,
-                "shard_unavailable",
-                "shard 0 has no fragment plan yet: register there first, then here",
-            )
-        return plan
 
     def live_members(self) -> dict:
         """Shard 0: the workers live here (streaming followers evict the rest)."""
@@ -145,7 +123,7 @@ class ShardCommit:
 
     @property
     def leads(self) -> bool:
-        return self.journal.settings.leads
+        return self.role.leads
 
     def _open_round(self) -> int:
         number = self.engine.open_number()
@@ -224,7 +202,7 @@ class ShardCommit:
                 f"round {round_number} has not started; the current round is {current}",
                 current_round=current,
             )
-        if isinstance(self.engine, LeaderArrivals):
+        if self.role.mode == "async":  # (shard 0: the arrival was applied, or is pending)
             applied = self.journal.state.applied_version(worker_id, round_number)
             if applied is None and self.engine.pending_anchor(worker_id) != round_number:
                 return None
@@ -259,17 +237,6 @@ class ShardCommit:
                 "live": record is not None,
                 "session_matches": record is not None and (record.session or "") == session,
             }
-
-    def vouch(self, worker_id: str, session: str) -> bool:
-        """A follower (lock held: a rare call, one round trip): shard 0 says so."""
-        if self.leads or self.peers is None:
-            return False
-        try:
-            return self.peers.member_session(worker_id, session)
-        except PeerUnavailable as exc:
-            raise Rejection(
-                503, "shard_unavailable", f"shard 0 cannot be reached to vouch for it: {exc}"
-            ) from None
 
     def prepared(self, round_number: int, worker_id: str, digest: str | None = None) -> dict:
         """Whether this shard holds `worker_id`'s slice of `round_number` (from the process
@@ -327,8 +294,7 @@ class ShardCommit:
     @staticmethod
     def _exact(shard: ShardCommit | None) -> LeaderArrivals | FollowerArrivals:
         """The engine that serves exact versions: a shard's in async mode; else 422."""
-        engine = None if shard is None else shard.engine
-        if not isinstance(engine, (LeaderArrivals, FollowerArrivals)):
+        if shard is None or not shard.role.serves_versions:
             raise Rejection(
                 422,
                 "invalid_request",
@@ -336,7 +302,7 @@ class ShardCommit:
                 "every shard's part of one version",
                 field="version",
             )
-        return engine
+        return shard.engine  # type: ignore[return-value]  (an async shard's: engine_for)
 
     @staticmethod
     def weights_at(shard: ShardCommit | None, version: int) -> RoundResult:
@@ -357,7 +323,7 @@ class ShardCommit:
     def apply_decision(self, round_number: int, anchors: dict[str, tuple[int, str | None]]) -> None:
         """A follower: shard 0 decided `round_number` with these contributors (worker -> the
         round it sent for, and its session digest); commit it when their slices are here."""
-        assert isinstance(self.engine, (FollowerRounds, FollowerArrivals))
+        assert self.role.follows and self.role.decides
         with self.lock:
             if self.engine.apply_decision(round_number, anchors):
                 self.lock.notify_all()
