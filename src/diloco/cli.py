@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import typer
-
 from diloco.commands.admin import admin_app
 from diloco.commands.cluster import cluster_command
 from diloco.commands.demo import demo_command
+from diloco.commands.helptext import App
 from diloco.commands.serve import server_command
 from diloco.commands.simulate import simulate_command
 from diloco.commands.status import status_command
 from diloco.commands.work import worker_command
 from diloco.console import exit_now
 
-app = typer.Typer(
+app = App(
     help="DiLoCo: train one PyTorch model across machines that talk rarely.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

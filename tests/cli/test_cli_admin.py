@@ -26,7 +26,7 @@ def test_bad_admin_commands_exit_with_one_error_line(tmp_path: Path, part: str) 
     cases = {
         "zero lr": (["set-outer-lr", DOWN, "0"], 2, "LR must be a positive finite number"),
         "nan lr": (["set-outer-lr", DOWN, "nan"], 2, "LR must be a positive finite number"),
-        "lr not a number": (["set-outer-lr", DOWN, "fast"], 2, "Invalid value for 'lr'"),
+        "lr not a number": (["set-outer-lr", DOWN, "fast"], 2, "Invalid value for 'LR'"),
         "missing token file": (["pause", DOWN, "--token-file", missing], 2, "cannot be read"),
         "audit limit": (["audit", DOWN, "--limit", "0"], 2, "--limit must be between 1 and 1000"),
         "audit after": (["audit", DOWN, "--after", "-1"], 2, "--after must be >= 0"),

@@ -17,12 +17,13 @@ from typing import Any
 import typer
 from rich.markup import escape
 
+from diloco.commands.helptext import App
 from diloco.commands.options import CaFileOption, server_client
 from diloco.console import check_output_path, fail, megabytes, out, summary_table, write_json
 from diloco.wire import WireError, decode_tensors
 from diloco.worker.net.admin_client import AdminClient
 
-admin_app = typer.Typer(
+admin_app = App(
     help="Steer a running server: pause, resume, outer lr, evict, ban, stop, weights, audit.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

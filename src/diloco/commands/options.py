@@ -27,18 +27,33 @@ Client = TypeVar("Client", bound=DiLoCoClient)
 
 CORPUS_HELP = "'shakespeare' (default, fetched once into a cache), 'generated[:SEED]', or a path"
 
+# --help panels (typer's rich_help_panel) that several commands share.
+AUTH_PANEL = "Auth and TLS"
+DATA_PANEL = "Data"
+MODEL_PANEL = "Model and inner optimizer"
+CODEC_PANEL = "Codecs"
+STREAMING_PANEL = "Streaming mode"
+ASYNC_PANEL = "Async mode"
+DURABILITY_PANEL = "Durability"
+NETWORK_PANEL = "Network"
+OUTPUTS_PANEL = "Outputs"
+
 TokenOption = typer.Option(
     None,
     help="The enrollment token. Shows in `ps` to every user of the machine: prefer "
     f"--token-file or the {TOKEN_ENV} environment variable.",
+    rich_help_panel=AUTH_PANEL,
 )
 TokenFileOption = typer.Option(
-    None, help=f"File whose first line is the enrollment token (else ${TOKEN_ENV}, if set)."
+    None,
+    help=f"File whose first line is the enrollment token (else ${TOKEN_ENV}, if set).",
+    rich_help_panel=AUTH_PANEL,
 )
 CaFileOption = typer.Option(
     None,
     help="PEM file of the certificate (or its CA) that an https:// server presents, when "
     "the system does not trust it (a self-signed certificate).",
+    rich_help_panel=AUTH_PANEL,
 )
 
 

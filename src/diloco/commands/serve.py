@@ -7,7 +7,17 @@ from pathlib import Path
 import typer
 
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO
-from diloco.commands.options import TokenFileOption, TokenOption, read_token
+from diloco.commands.options import (
+    ASYNC_PANEL,
+    AUTH_PANEL,
+    CODEC_PANEL,
+    DURABILITY_PANEL,
+    OUTPUTS_PANEL,
+    STREAMING_PANEL,
+    TokenFileOption,
+    TokenOption,
+    read_token,
+)
 from diloco.commands.threads import (
     SERVER_DEFAULT_THREADS,
     apply_thread_budget,
@@ -18,6 +28,13 @@ from diloco.server.http.runner import TlsFiles, serve
 from diloco.server.members.credentials import TokensFileError, load_tokens_file
 from diloco.server.settings import ServerSettings
 from diloco.wire import parse_wire_dtype
+
+# --help panels of this command's own options (the shared ones are in options.py).
+ROUNDS_PANEL = "Rounds and outer optimizer"
+ROBUST_PANEL = "Robust aggregation"
+MEMBERSHIP_PANEL = "Membership"
+UPLOADS_PANEL = "Upload limits"
+SHARDING_PANEL = "Sharding"
 
 # Options of one mode, with their defaults there; given with another mode they are an error.
 MODE_DEFAULTS = {
@@ -52,31 +69,50 @@ def server_command(
     port_file: Path = typer.Option(None, help="Write the bound port here once listening."),
     init: Path = typer.Option(None, help="Initial global weights (.safetensors)."),
     state_dir: Path = typer.Option(
-        None, help="Make every round durable here; restarting on it resumes the run."
+        None,
+        help="Make every round durable here; restarting on it resumes the run.",
+        rich_help_panel=DURABILITY_PANEL,
     ),
-    keep_checkpoints: int = typer.Option(3, help="Checkpoint generations kept in --state-dir."),
+    keep_checkpoints: int = typer.Option(
+        3, help="Checkpoint generations kept in --state-dir.", rich_help_panel=DURABILITY_PANEL
+    ),
     override_settings: bool = typer.Option(
-        False, help="Resume a --state-dir even though its stored settings differ."
+        False,
+        "--override-settings",
+        help="Resume a --state-dir even though its stored settings differ.",
+        rich_help_panel=DURABILITY_PANEL,
     ),
     durability: str = typer.Option(
         "round",
         help="round: every round is on disk before its result is sent; interval: every "
         "--checkpoint-every rounds (a crash then rolls back to the last checkpoint).",
+        rich_help_panel=DURABILITY_PANEL,
     ),
     checkpoint_every: int = typer.Option(
-        None, help="With --durability interval: rounds between checkpoints (default 10)."
+        None,
+        help="With --durability interval: rounds between checkpoints (default 10).",
+        rich_help_panel=DURABILITY_PANEL,
     ),
     mode: str = typer.Option(
         "sync",
         help="sync: a barrier per round; streaming: P fragments on staggered schedules "
         "(--fragments, --delay, --alpha); async: each arrival applied at once (Delayed "
         "Nesterov: --dn-period, --dn-c; --grace-seconds, --staleness-weighting, --dylu).",
+        rich_help_panel=ROUNDS_PANEL,
     ),
-    sync_every: int = typer.Option(50, help="H: inner optimizer steps per round."),
-    outer_optimizer: str = typer.Option("nesterov", help="sgd, momentum or nesterov."),
-    outer_lr: float = typer.Option(0.7, help="Outer learning rate."),
-    outer_momentum: float = typer.Option(None, help="Outer momentum (default 0.9; sgd: 0)."),
-    weighting: str = typer.Option("uniform", help="uniform or tokens."),
+    sync_every: int = typer.Option(
+        50, help="H: inner optimizer steps per round.", rich_help_panel=ROUNDS_PANEL
+    ),
+    outer_optimizer: str = typer.Option(
+        "nesterov", help="sgd, momentum or nesterov.", rich_help_panel=ROUNDS_PANEL
+    ),
+    outer_lr: float = typer.Option(0.7, help="Outer learning rate.", rich_help_panel=ROUNDS_PANEL),
+    outer_momentum: float = typer.Option(
+        None, help="Outer momentum (default 0.9; sgd: 0).", rich_help_panel=ROUNDS_PANEL
+    ),
+    weighting: str = typer.Option(
+        "uniform", help="uniform or tokens.", rich_help_panel=ROUNDS_PANEL
+    ),
     aggregation: str = typer.Option(
         "mean",
         help="How pseudo-gradients combine: mean; clipped_mean (each scaled down to "
@@ -84,101 +120,157 @@ def server_command(
         "element; sync and streaming, plain uploads). The robust rules refuse norms over "
         "--outlier-ratio x the median (audited); rounds decide at their barrier, async at "
         "each arrival.",
+        rich_help_panel=ROBUST_PANEL,
     ),
     clip_multiple: float = typer.Option(
-        DEFAULT_CLIP_MULTIPLE, help="clipped_mean: the clip bound, in median norms."
+        DEFAULT_CLIP_MULTIPLE,
+        help="clipped_mean: the clip bound, in median norms.",
+        rich_help_panel=ROBUST_PANEL,
     ),
     outlier_ratio: float = typer.Option(
-        DEFAULT_OUTLIER_RATIO, help="Robust aggregation: refuse norms over this x the median."
+        DEFAULT_OUTLIER_RATIO,
+        help="Robust aggregation: refuse norms over this x the median.",
+        rich_help_panel=ROBUST_PANEL,
     ),
-    upload_dtype: str = typer.Option("fp32", help="Pseudo-gradient dtype: fp32 or bf16."),
-    download_dtype: str = typer.Option("fp32", help="Global weights dtype: fp32 or bf16."),
+    upload_dtype: str = typer.Option(
+        "fp32", help="Pseudo-gradient dtype: fp32 or bf16.", rich_help_panel=CODEC_PANEL
+    ),
+    download_dtype: str = typer.Option(
+        "fp32", help="Global weights dtype: fp32 or bf16.", rich_help_panel=CODEC_PANEL
+    ),
     upload_codec: str = typer.Option(
         "fp32",
         help="Pseudo-gradient codec: fp32, bf16, int8, int4, int2, topk:F or topk:F+VALUES "
         "(e.g. topk:0.03+int2: the largest 3% per chunk, 2-bit values); docs/protocol.md.",
+        rich_help_panel=CODEC_PANEL,
     ),
     download_codec: str = typer.Option(
         "fp32",
         help="Weights download codec: fp32 sends full weights; any other codec sends each "
         "round's change of the published weights, coded (workers' anchors stay bit-identical).",
+        rich_help_panel=CODEC_PANEL,
     ),
     codec_block: int = typer.Option(
-        128, help="Values per quantization scale of int8/int4/int2 (a power of two, 8-65536)."
+        128,
+        help="Values per quantization scale of int8/int4/int2 (a power of two, 8-65536).",
+        rich_help_panel=CODEC_PANEL,
     ),
-    topk_chunk: int = typer.Option(128, help="Elements per top-k chunk (a power of two, 2-65536)."),
+    topk_chunk: int = typer.Option(
+        128, help="Elements per top-k chunk (a power of two, 2-65536).", rich_help_panel=CODEC_PANEL
+    ),
     error_feedback_beta: float = typer.Option(
         0.95,
         help="Workers keep what compression left out: e = beta e + g, send C(e), e -= D(C(e)); "
         "in [0, 1), 0 turns error feedback off.",
+        rich_help_panel=CODEC_PANEL,
     ),
-    heartbeat_interval: float = typer.Option(5.0, help="Seconds between worker heartbeats."),
-    heartbeat_timeout: float = typer.Option(30.0, help="Evict a worker silent this long."),
+    heartbeat_interval: float = typer.Option(
+        5.0, help="Seconds between worker heartbeats.", rich_help_panel=MEMBERSHIP_PANEL
+    ),
+    heartbeat_timeout: float = typer.Option(
+        30.0, help="Evict a worker silent this long.", rich_help_panel=MEMBERSHIP_PANEL
+    ),
     barrier_timeout: float = typer.Option(
-        None, help="A round open this long answers 504 (default 600; not in async mode)."
+        None,
+        help="A round open this long answers 504 (default 600; not in async mode).",
+        rich_help_panel=MEMBERSHIP_PANEL,
     ),
-    min_workers: int = typer.Option(1, help="Contributions a round needs to commit."),
+    min_workers: int = typer.Option(
+        1, help="Contributions a round needs to commit.", rich_help_panel=ROUNDS_PANEL
+    ),
     max_body_mib: float = typer.Option(
-        4096.0,
-        "--max-body-mib",
-        "--max-body-mb",  # the old name, kept: it always counted MiB
-        help="Largest tensor body accepted, in MiB (1 MiB = 1,048,576 bytes).",
+        None,
+        help="Largest tensor body accepted, in MiB (1 MiB = 1,048,576 bytes; default 4096).",
+        rich_help_panel=UPLOADS_PANEL,
     ),
-    fragments: int = typer.Option(None, help="Streaming: fragments P (must divide H; default 1)."),
+    # The old name, kept (it always counted MiB); hidden so that --help lists one name.
+    max_body_mb: float = typer.Option(None, "--max-body-mb", hidden=True),
+    fragments: int = typer.Option(
+        None,
+        help="Streaming: fragments P (must divide H; default 1).",
+        rich_help_panel=STREAMING_PANEL,
+    ),
     delay: int = typer.Option(
-        None, help="Streaming: tau, inner steps a fragment's transfer overlaps (0 <= tau < H/P)."
+        None,
+        help="Streaming: tau, inner steps a fragment's transfer overlaps (0 <= tau < H/P).",
+        rich_help_panel=STREAMING_PANEL,
     ),
     alpha: float = typer.Option(
-        None, help="Streaming: merge theta = (1 - alpha) global + alpha local (default 0.5)."
+        None,
+        help="Streaming: merge theta = (1 - alpha) global + alpha local (default 0.5).",
+        rich_help_panel=STREAMING_PANEL,
     ),
     dn_period: int = typer.Option(
-        None, help="Async: Delayed Nesterov N, arrivals per momentum update (default 1)."
+        None,
+        help="Async: Delayed Nesterov N, arrivals per momentum update (default 1).",
+        rich_help_panel=ASYNC_PANEL,
     ),
     dn_c: float = typer.Option(
         None,
         help="Async: Delayed Nesterov c, the share of momentum applied at each arrival "
         "between momentum updates, in [0, 1/(N-1)] (default 0).",
+        rich_help_panel=ASYNC_PANEL,
     ),
     grace_seconds: float = typer.Option(
-        None, help="Async: average arrivals within this many seconds into one outer step."
+        None,
+        help="Async: average arrivals within this many seconds into one outer step.",
+        rich_help_panel=ASYNC_PANEL,
     ),
     staleness_weighting: str = typer.Option(
         None,
         help="Async: none, or inverse_sqrt to scale a stale pseudo-gradient by "
         "(1 + staleness)^-1/2.",
+        rich_help_panel=ASYNC_PANEL,
     ),
     dylu: bool = typer.Option(
-        False, help="Async: give slower workers fewer local steps (DyLU), sent in heartbeats."
+        False,
+        "--dylu",
+        help="Async: give slower workers fewer local steps (DyLU), sent in heartbeats.",
+        rich_help_panel=ASYNC_PANEL,
     ),
     memory_bodies: int = typer.Option(
-        0, help="Submissions held in RAM at once; the rest stream to disk (0: all do)."
+        0,
+        help="Submissions held in RAM at once; the rest stream to disk (0: all do).",
+        rich_help_panel=UPLOADS_PANEL,
     ),
-    spool_dir: Path = typer.Option(None, help="Where spooled uploads go (default: temp dir)."),
+    spool_dir: Path = typer.Option(
+        None, help="Where spooled uploads go (default: temp dir).", rich_help_panel=UPLOADS_PANEL
+    ),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,
     tokens_file: Path = typer.Option(
         None,
         help="More tokens, one 'TOKEN SCOPE' per line; SCOPE is enroll, admin or worker:ID "
         "(docs/protocol.md). With no token at all the server is open.",
+        rich_help_panel=AUTH_PANEL,
     ),
     tls_cert: Path = typer.Option(
-        None, help="Serve HTTPS with this PEM certificate (chain); needs --tls-key."
+        None,
+        help="Serve HTTPS with this PEM certificate (chain); needs --tls-key.",
+        rich_help_panel=AUTH_PANEL,
     ),
-    tls_key: Path = typer.Option(None, help="The PEM private key of --tls-cert."),
+    tls_key: Path = typer.Option(
+        None, help="The PEM private key of --tls-cert.", rich_help_panel=AUTH_PANEL
+    ),
     tensorboard: Path = typer.Option(
         None,
         help="Also write each commit's metrics (run and per-worker scalars) as TensorBoard "
         "event files in this directory (needs diloco[tensorboard]).",
+        rich_help_panel=OUTPUTS_PANEL,
     ),
     shard: int = typer.Option(
-        None, help="Sharded servers: this process is shard I (0 decides rounds); needs --shard-url."
+        None,
+        help="Sharded servers: this process is shard I (0 decides rounds); needs --shard-url.",
+        rich_help_panel=SHARDING_PANEL,
     ),
     shard_url: list[str] = typer.Option(
         None,
+        metavar="<url>",
         help="Sharded servers: every shard's URL, in shard order (repeat the option); each "
         "shard owns whole tensors, balanced by bytes. Sync mode, plain uploads (issue 15).",
+        rich_help_panel=SHARDING_PANEL,
     ),
-    log_level: str = typer.Option("info", help="uvicorn log level."),
+    log_level: str = typer.Option("info", help="uvicorn log level.", rich_help_panel=OUTPUTS_PANEL),
     threads: int = typer.Option(
         None,
         help="Threads for the server's tensor work (fold, outer step, codecs); default "
@@ -209,6 +301,10 @@ def server_command(
         raise fail(f"--spool-dir is not a directory: {spool_dir}")
     if (shard is None) != (not shard_url):
         raise fail("--shard and --shard-url go together: give both or neither")
+    if max_body_mib is not None and max_body_mb is not None:
+        raise fail("give --max-body-mib or its old name --max-body-mb, not both")
+    if max_body_mib is None:
+        max_body_mib = 4096.0 if max_body_mb is None else max_body_mb
     if not max_body_mib > 0:
         raise fail(f"--max-body-mib must be > 0, got {max_body_mib}")
     try:

@@ -12,6 +12,11 @@ import typer
 
 from diloco.commands.options import (
     CORPUS_HELP,
+    DATA_PANEL,
+    DURABILITY_PANEL,
+    MODEL_PANEL,
+    NETWORK_PANEL,
+    OUTPUTS_PANEL,
     CaFileOption,
     TokenFileOption,
     TokenOption,
@@ -157,47 +162,79 @@ def worker_command(
         "server",
         help="server: train the work units the server leases (no sample skipped or repeated "
         "within an epoch, even across crashes); static: a fixed --shard of the data.",
+        rich_help_panel=DATA_PANEL,
     ),
-    unit_size: int = typer.Option(64, help="Samples per work unit (--data-dispatch server)."),
-    data_seed: int = typer.Option(0, help="Shuffle seed of the work units (same on all workers)."),
-    shard: int = typer.Option(0, help="Which shard this worker trains (--data-dispatch static)."),
-    num_shards: int = typer.Option(1, help="Shards the data is cut into (--data-dispatch static)."),
-    corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
-    lr: float = typer.Option(3e-3, help="Inner AdamW peak learning rate."),
-    warmup: int = typer.Option(50, help="Inner learning-rate warm-up steps."),
-    batch_size: int = typer.Option(16, help="Sequences per inner step."),
-    seq_len: int = typer.Option(64, help="Bytes per sequence."),
-    width: int = typer.Option(64, help="Model width (must match the other workers)."),
-    depth: int = typer.Option(4, help="Transformer blocks."),
-    heads: int = typer.Option(4, help="Attention heads."),
+    unit_size: int = typer.Option(
+        64, help="Samples per work unit (--data-dispatch server).", rich_help_panel=DATA_PANEL
+    ),
+    data_seed: int = typer.Option(
+        0, help="Shuffle seed of the work units (same on all workers).", rich_help_panel=DATA_PANEL
+    ),
+    shard: int = typer.Option(
+        0,
+        help="Which shard this worker trains (--data-dispatch static).",
+        rich_help_panel=DATA_PANEL,
+    ),
+    num_shards: int = typer.Option(
+        1, help="Shards the data is cut into (--data-dispatch static).", rich_help_panel=DATA_PANEL
+    ),
+    corpus: str = typer.Option("shakespeare", help=CORPUS_HELP, rich_help_panel=DATA_PANEL),
+    lr: float = typer.Option(
+        3e-3, help="Inner AdamW peak learning rate.", rich_help_panel=MODEL_PANEL
+    ),
+    warmup: int = typer.Option(
+        50, help="Inner learning-rate warm-up steps.", rich_help_panel=MODEL_PANEL
+    ),
+    batch_size: int = typer.Option(
+        16, help="Sequences per inner step.", rich_help_panel=MODEL_PANEL
+    ),
+    seq_len: int = typer.Option(64, help="Bytes per sequence.", rich_help_panel=MODEL_PANEL),
+    width: int = typer.Option(
+        64, help="Model width (must match the other workers).", rich_help_panel=MODEL_PANEL
+    ),
+    depth: int = typer.Option(4, help="Transformer blocks.", rich_help_panel=MODEL_PANEL),
+    heads: int = typer.Option(4, help="Attention heads.", rich_help_panel=MODEL_PANEL),
     model_config: Path = typer.Option(
         None,
         help="Train any transformers causal LM instead of the bundled GPT: a config.json "
         "(model_type and its fields; vocab_size >= 256 for byte tokens), random weights from "
         "--seed, nothing downloaded. --width, --depth and --heads are then not used.",
+        rich_help_panel=MODEL_PANEL,
     ),
-    eval_batches: int = typer.Option(8, help="Validation batches for the final eval loss."),
+    eval_batches: int = typer.Option(
+        8, help="Validation batches for the final eval loss.", rich_help_panel=MODEL_PANEL
+    ),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,
     ca_file: Path = CaFileOption,
-    json_path: Path = typer.Option(None, "--json", help="Write the worker's figures here."),
-    progress: bool = typer.Option(True, help="Show a progress bar."),
-    give_up_after: float = typer.Option(
-        900.0, help="Seconds one request keeps retrying an unreachable server (0: forever)."
+    json_path: Path = typer.Option(
+        None, "--json", help="Write the worker's figures here.", rich_help_panel=OUTPUTS_PANEL
     ),
-    max_retry_delay: float = typer.Option(30.0, help="Longest wait between two retries (s)."),
+    progress: bool = typer.Option(True, help="Show a progress bar.", rich_help_panel=OUTPUTS_PANEL),
+    give_up_after: float = typer.Option(
+        900.0,
+        help="Seconds one request keeps retrying an unreachable server (0: forever).",
+        rich_help_panel=NETWORK_PANEL,
+    ),
+    max_retry_delay: float = typer.Option(
+        30.0, help="Longest wait between two retries (s).", rich_help_panel=NETWORK_PANEL
+    ),
     max_upload_mbps: float = typer.Option(
-        None, help="Cap this worker's upload bandwidth (megabits/s), for a shared link."
+        None,
+        help="Cap this worker's upload bandwidth (megabits/s), for a shared link.",
+        rich_help_panel=NETWORK_PANEL,
     ),
     fragment_timeout: float = typer.Option(
         None,
         help="Streaming: the longest a merge waits for its fragment's sync before keeping the "
         "old anchor and sending the fragment again next window (default: as long as retries go).",
+        rich_help_panel=NETWORK_PANEL,
     ),
     checkpoint_dir: Path = typer.Option(
         None,
         help="Save this worker's state here after every round; starting again on it resumes "
         "under the same id (optimizer, schedule, RNG, data position).",
+        rich_help_panel=DURABILITY_PANEL,
     ),
     threads: int = typer.Option(
         None,
