@@ -1,14 +1,15 @@
-"""A transformers `Trainer` as one DiLoCo worker: a tiny GPT-2 (random init) on a text file's bytes.
+"""A transformers `Trainer` as one DiLoCo worker: a tiny GPT-2 (random init) on a corpus's bytes.
 
 Start a server, then one of these per worker (each on its own machine, or all on one):
 
     diloco server --sync-every 50 --min-workers 2
     python examples/transformers_trainer.py --server http://127.0.0.1:8470 --worker-id w0 \
-        --corpus input.txt --output-dir run-w0 --steps 500
+        --output-dir run-w0 --steps 500
     # after a crash: the same command with --resume continues from the last checkpoint
 
-Nothing is downloaded: the model is built from examples/model_configs/gpt2-tiny.json (any
-causal LM config with vocab_size >= 256 works, --model-config) and trained on bytes.
+No model is downloaded: it is built from examples/model_configs/gpt2-tiny.json (any causal
+LM config with vocab_size >= 256 works, --model-config) and trained on bytes: of Shakespeare's
+plays by default (fetched once into a cache, as `diloco worker` does), or --corpus FILE.
 """
 
 from __future__ import annotations
