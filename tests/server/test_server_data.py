@@ -516,6 +516,9 @@ def test_interval_durability_rolls_back_lost_rounds_and_frees_their_units(tmp_pa
     assert progress(c) == (6, 0, 4)
     (event,) = c.journal.state.audit_log("rolled_back")
     assert event["round"] == 3 and event["detail"] == {"rounds": [3, 4]}
+    # the rounds each worker contributed are the 3 that remain, in the store and the status
+    assert [w["rounds_contributed"] for w in c.journal.state.workers()] == [3, 3]
+    assert [w["rounds_contributed"] for w in c.status()["workers"]] == [3, 3]
 
     # The freed units are leased again, lowest index first, before the never-leased ones.
     answer = c.lease_units("a", "ds", 5)
@@ -547,4 +550,5 @@ def test_a_graceful_shutdown_in_interval_mode_loses_no_round(tmp_path: Path) -> 
     assert done(c) == [(u, (u - 1) // 2, "ab"[(u - 1) % 2]) for u in range(1, 11)]
     assert progress(c) == (10, 0, 0)
     assert c.journal.state.audit_log("rolled_back") == []
+    assert [w["rounds_contributed"] for w in c.status()["workers"]] == [5, 5]
     crash(c)

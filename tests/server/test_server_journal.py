@@ -82,6 +82,32 @@ def test_a_restarted_coordinator_resumes_round_weights_and_momentum(tmp_path: Pa
     assert decode_tensors(second.weights().body)["steps"].dtype == torch.int64
 
 
+def rounds_contributed(c: Coordinator) -> dict[str, int]:
+    """What `diloco status` shows in its "rounds" column, per worker."""
+    return {w["worker_id"]: w["rounds_contributed"] for w in c.status()["workers"]}
+
+
+def test_rounds_contributed_never_go_back_after_a_restart(tmp_path: Path) -> None:
+    """Issue 27: `diloco status` showed rounds 2 before a SIGTERM and 1 after the restart."""
+    first = coordinator(tmp_path)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    round_of(first, 0, 0.2, 0.4)
+    round_of(first, 1, 0.1, -0.3)
+    first.deregister("b")
+    assert rounds_contributed(first) == {"a": 2, "b": 2}
+    crash(first)
+
+    second = coordinator(tmp_path)
+    assert rounds_contributed(second) == {"a": 2}  # b had left: no member until it registers
+    second.register("b", SPECS, 1)
+    assert rounds_contributed(second) == {"a": 2, "b": 2}
+    round_of(second, 2, 0.3, 0.3)
+    assert rounds_contributed(second) == {"a": 3, "b": 3}
+    crash(second)
+    assert rounds_contributed(coordinator(tmp_path)) == {"a": 3, "b": 3}
+
+
 def test_a_submission_for_a_round_lost_in_the_crash_is_simply_accepted(tmp_path: Path) -> None:
     first = coordinator(tmp_path)
     first.register("a", SPECS, 1)

@@ -255,6 +255,9 @@ class Coordinator:
         self.model.broken = why
 
     def _readmit(self, workers: Sequence[tuple[str, str | None]]) -> None:
+        self.membership.restored_counts = {
+            row["worker_id"]: row["rounds_contributed"] for row in self.journal.state.workers()
+        }
         for worker_id, session in workers:
             if not self.control.is_banned(worker_id):
                 self.membership.admit(worker_id, self.started_at, session)

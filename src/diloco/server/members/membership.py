@@ -67,6 +67,9 @@ class Membership:
     def __init__(self) -> None:
         self.workers: dict[str, WorkerRecord] = {}
         self.lock = threading.RLock()
+        # A restarted server's rounds contributed per worker, from the state dir: a record
+        # made for that id starts from its count, so no count goes back after a restart.
+        self.restored_counts: dict[str, int] = {}
 
     def live_ids(self) -> set[str]:
         with self.lock:
@@ -107,6 +110,7 @@ class Membership:
             record = self.workers.get(worker_id)
             if record is None:
                 record = WorkerRecord(worker_id, registered_at=now, last_seen=now)
+                record.rounds_contributed = self.restored_counts.pop(worker_id, 0)
                 self.workers[worker_id] = record
             record.live = True
             record.last_seen = now

@@ -483,7 +483,14 @@ class StateStore:
         return [r for (r,) in rows]
 
     def forget_rounds_from(self, first: int) -> None:
-        """Drop the rows of rounds a restart rolled back (their checkpoint was lost)."""
+        """Drop the rows of rounds a restart rolled back (their checkpoint was lost), and
+        their contributors' counts of rounds contributed."""
+        lost = self.conn.execute("SELECT contributors FROM rounds WHERE round >= ?", (first,))
+        self.conn.executemany(
+            "UPDATE workers SET rounds_contributed = MAX(0, rounds_contributed - 1) "
+            "WHERE worker_id = ?",
+            [(w,) for (contributors,) in lost.fetchall() for w in json.loads(contributors)],
+        )
         self.conn.execute("DELETE FROM rounds WHERE round >= ?", (first,))
         self.conn.execute("DELETE FROM submissions WHERE version >= ?", (first,))
         self.conn.execute("DELETE FROM decided_sessions WHERE version >= ?", (first,))
