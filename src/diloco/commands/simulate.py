@@ -6,7 +6,15 @@ from pathlib import Path
 
 import typer
 
-from diloco.commands.options import CORPUS_HELP
+from diloco.commands.options import (
+    ASYNC_PANEL,
+    CODEC_PANEL,
+    CORPUS_HELP,
+    DATA_PANEL,
+    MODEL_PANEL,
+    OUTPUTS_PANEL,
+    STREAMING_PANEL,
+)
 from diloco.console import (
     check_output_path,
     err,
@@ -123,84 +131,139 @@ def _load_corpus_or_fail(spec: str | None) -> bytes:
         raise fail(str(exc)) from None
 
 
+# --help panels of this command's own options (the shared ones are in options.py).
+OUTER_PANEL = "Outer optimizer"
+ROBUST_PANEL = "Robust aggregation"
+SWEEP_PANEL = "Sweeps"
+
+
 def simulate_command(
     mode: str = typer.Option("diloco", help=f"One of: {', '.join(MODES)}."),
     workers: int = typer.Option(4, help="Number of simulated workers K."),
     sync_every: int = typer.Option(50, help="H: inner optimizer steps between syncs."),
     steps: int = typer.Option(500, help="Inner optimizer steps per worker."),
-    outer_optimizer: str = typer.Option("nesterov", help="sgd, momentum or nesterov."),
-    outer_lr: float = typer.Option(0.7, help="Outer learning rate."),
-    outer_momentum: float = typer.Option(
-        None, help="Outer momentum (default 0.9 for momentum and nesterov, 0 for sgd)."
+    outer_optimizer: str = typer.Option(
+        "nesterov", help="sgd, momentum or nesterov.", rich_help_panel=OUTER_PANEL
     ),
-    fragments: int = typer.Option(1, help="Streaming: number of fragments P."),
-    delay: int = typer.Option(0, help="Streaming: overlap tau in inner steps (< H / P)."),
-    alpha: float = typer.Option(0.0, help="Streaming: merge weight of the local model."),
-    speeds: str = typer.Option("", help="Async: comma-separated relative worker speeds."),
-    dylu: bool = typer.Option(False, help="Async: dynamic local updates (fewer steps if slow)."),
-    async_delay: int = typer.Option(0, help="Async: Delayed Nesterov N (0 = workers)."),
+    outer_lr: float = typer.Option(0.7, help="Outer learning rate.", rich_help_panel=OUTER_PANEL),
+    outer_momentum: float = typer.Option(
+        None,
+        help="Outer momentum (default 0.9 for momentum and nesterov, 0 for sgd).",
+        rich_help_panel=OUTER_PANEL,
+    ),
+    fragments: int = typer.Option(
+        1, help="Streaming: number of fragments P.", rich_help_panel=STREAMING_PANEL
+    ),
+    delay: int = typer.Option(
+        0, help="Streaming: overlap tau in inner steps (< H / P).", rich_help_panel=STREAMING_PANEL
+    ),
+    alpha: float = typer.Option(
+        0.0, help="Streaming: merge weight of the local model.", rich_help_panel=STREAMING_PANEL
+    ),
+    speeds: str = typer.Option(
+        "", help="Async: comma-separated relative worker speeds.", rich_help_panel=ASYNC_PANEL
+    ),
+    dylu: bool = typer.Option(
+        False,
+        "--dylu",
+        help="Async: dynamic local updates (fewer steps if slow).",
+        rich_help_panel=ASYNC_PANEL,
+    ),
+    async_delay: int = typer.Option(
+        0, help="Async: Delayed Nesterov N (0 = workers).", rich_help_panel=ASYNC_PANEL
+    ),
     grace: float = typer.Option(
         0.0,
         help="Async: arrivals within this much simulated time of the first pending one are "
         "averaged into one outer step (the server's --grace-seconds; time unit: one inner step "
         "of a speed-1 worker).",
+        rich_help_panel=ASYNC_PANEL,
     ),
     staleness_weighting: str = typer.Option(
-        "none", help="Async: none or inverse_sqrt (scale by (1 + staleness)^-1/2)."
+        "none",
+        help="Async: none or inverse_sqrt (scale by (1 + staleness)^-1/2).",
+        rich_help_panel=ASYNC_PANEL,
     ),
     upload_codec: str = typer.Option(
         "fp32",
         help="Pseudo-gradient codec, as the server's: fp32, bf16, int8, int4, int2, topk:F or "
         "topk:F+VALUES (e.g. topk:0.03+int2: the largest 3% per chunk, 2-bit values).",
+        rich_help_panel=CODEC_PANEL,
     ),
     download_codec: str = typer.Option(
         "fp32",
         help="Weights download codec, as the server's: fp32 sends full weights; any other "
         "codec each step's coded change of the published weights, which workers then hold.",
+        rich_help_panel=CODEC_PANEL,
     ),
     codec_block: int = typer.Option(
-        128, help="Values per quantization scale of int8/int4/int2 (a power of two, 8-65536)."
+        128,
+        help="Values per quantization scale of int8/int4/int2 (a power of two, 8-65536).",
+        rich_help_panel=CODEC_PANEL,
     ),
-    topk_chunk: int = typer.Option(128, help="Elements per top-k chunk (a power of two, 2-65536)."),
+    topk_chunk: int = typer.Option(
+        128, help="Elements per top-k chunk (a power of two, 2-65536).", rich_help_panel=CODEC_PANEL
+    ),
     error_feedback_beta: float = typer.Option(
         DEFAULT_ERROR_FEEDBACK_BETA,
         help="Each worker keeps what compression left out: e = beta e + g, send C(e), "
         "e -= D(C(e)); in [0, 1), 0 turns error feedback off.",
+        rich_help_panel=CODEC_PANEL,
     ),
     aggregation: str = typer.Option(
         "mean",
         help="How a round's pseudo-gradients combine: mean, clipped_mean, trimmed_mean:F "
         "(0 <= F < 0.5) or median; the robust ones refuse norms over 10x the median, and "
         "(3 kept or more) one pointing away from the round's element-wise median.",
+        rich_help_panel=ROBUST_PANEL,
     ),
     hostile: str = typer.Option(
-        "none", help="The last worker sends its update scale100, sign_flip, or noise (or none)."
+        "none",
+        help="The last worker sends its update scale100, sign_flip, or noise (or none).",
+        rich_help_panel=ROBUST_PANEL,
     ),
-    lr: float = typer.Option(3e-3, help="Inner AdamW peak learning rate."),
-    warmup: int = typer.Option(50, help="Inner learning-rate warm-up steps."),
-    batch_size: int = typer.Option(16, help="Sequences per inner step per worker."),
-    seq_len: int = typer.Option(64, help="Bytes per sequence."),
-    width: int = typer.Option(64, help="Model width."),
-    depth: int = typer.Option(4, help="Transformer blocks."),
-    heads: int = typer.Option(4, help="Attention heads."),
+    lr: float = typer.Option(
+        3e-3, help="Inner AdamW peak learning rate.", rich_help_panel=MODEL_PANEL
+    ),
+    warmup: int = typer.Option(
+        50, help="Inner learning-rate warm-up steps.", rich_help_panel=MODEL_PANEL
+    ),
+    batch_size: int = typer.Option(
+        16, help="Sequences per inner step per worker.", rich_help_panel=MODEL_PANEL
+    ),
+    seq_len: int = typer.Option(64, help="Bytes per sequence.", rich_help_panel=MODEL_PANEL),
+    width: int = typer.Option(64, help="Model width.", rich_help_panel=MODEL_PANEL),
+    depth: int = typer.Option(4, help="Transformer blocks.", rich_help_panel=MODEL_PANEL),
+    heads: int = typer.Option(4, help="Attention heads.", rich_help_panel=MODEL_PANEL),
     model_config: str = typer.Option(
         None,
         help="Train any transformers causal LM from this config.json instead of the bundled "
         "GPT (as `diloco worker --model-config`); --width, --depth and --heads are then unused.",
+        rich_help_panel=MODEL_PANEL,
     ),
-    corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
+    corpus: str = typer.Option("shakespeare", help=CORPUS_HELP, rich_help_panel=DATA_PANEL),
     seed: int = typer.Option(0, help="Seed for weights, shards and batches."),
     eval_every: int = typer.Option(0, help="Inner steps between evals (0 = every round)."),
     sweep: list[str] = typer.Option(
         None,
-        help="KEY=V1,V2,...: run once per value of any option above (e.g. outer-lr=0.5,0.7,1.0); "
-        "several --sweep options make their grid. The table marks the lowest eval loss.",
+        help="KEY=V1,V2,...: run once per value of any other option but --jobs, --json and "
+        "--plot (e.g. outer-lr=0.5,0.7,1.0); several --sweep options make their grid. The "
+        "table marks the lowest eval loss.",
+        rich_help_panel=SWEEP_PANEL,
     ),
     jobs: int = typer.Option(
-        1, help="Runs of a sweep trained side by side, each in its own process (<= cores)."
+        1,
+        help="Runs of a sweep trained side by side, each in its own process (<= cores).",
+        rich_help_panel=SWEEP_PANEL,
     ),
-    json_path: Path = typer.Option(None, "--json", help="Write the results as JSON here."),
-    plot: Path = typer.Option(None, help="Draw eval loss vs steps and vs bytes to this PNG."),
+    json_path: Path = typer.Option(
+        None, "--json", help="Write the results as JSON here.", rich_help_panel=OUTPUTS_PANEL
+    ),
+    plot: Path = typer.Option(
+        None,
+        help="Draw eval loss vs steps and vs bytes to this PNG.",
+        rich_help_panel=OUTPUTS_PANEL,
+    ),
 ) -> None:
     """Train K replicas in one process and report loss and bytes moved."""
     options = {
