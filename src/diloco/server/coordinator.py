@@ -124,7 +124,7 @@ class Coordinator:
             paused=lambda: self.control.paused,
             screen=self.screen,
         )
-        self.engine: RoundEngine = engine_for(context)
+        self.engine: RoundEngine = engine_for(context, self.role)
         self.intake = Intake(
             self._lock,
             settings,

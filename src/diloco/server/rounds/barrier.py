@@ -6,12 +6,17 @@ its own tensors and their momentum, so the fragments sync on staggered schedules
 waiting for each other. Each fragment round's barrier set is taken when that round opens
 (the live workers then, plus those registering before its first submission), so a worker that
 joins late takes part from the next round of each fragment.
+
+Sharded servers (sync) run the same engine with another role (`RoundsRole`,
+server/shards/sync_decisions.py): every slice is held until shard 0 decides the round. One
+server's role, `OneServer`, changes nothing.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from diloco.server.errors import Rejection
 from diloco.server.model.results import Published, RoundResult, Waiting
@@ -23,11 +28,110 @@ from diloco.server.state.journal import CommitRecord
 from diloco.wire.format.spool import CheckedPieces
 
 
+class RoundsRole(Protocol):
+    """Where a shard's rounds differ from one server's: shard 0's (`SyncLeader`) and the
+    other shards' (`SyncFollower`) hold every slice until the round is decided."""
+
+    holds_slices: bool  # scanned, then held: nothing is folded before the decision
+    follows: bool  # rounds wait for shard 0's decisions, not members; evicts nobody
+
+    def new_round(self, number: int, members: set[str], weighting: str, now: float) -> Round:
+        """A fragment's next round (with its barrier set: the live workers)."""
+        ...
+
+    def admits_replacement(self, current: Round, submission: Submission) -> bool:
+        """Whether the open round takes a slice that replaces another process's (admit)."""
+        ...
+
+    def take(self, current: Round, submission: Submission) -> None:
+        """Before the round holds an admitted slice (holds_slices)."""
+        ...
+
+    def decide(self, current: Round, now: float) -> bool:
+        """Fold what a complete round holds as decided; False: decide as one server does."""
+        ...
+
+    def sessions_of(self, current: Round) -> dict[str, str]:
+        """Each contributor's session digest, for the step's record."""
+        ...
+
+    def drop(self, current: Round, worker_id: str) -> None:
+        """An admin banned the worker: it is in no decision."""
+        ...
+
+    def require_slice(self, current: Round, fragment: int, worker_id: str | None) -> None:
+        """A follower's result poll of its open round: 409 while a decided slice is lost."""
+        ...
+
+    def holds(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None
+    ) -> tuple[int, str] | None: ...
+
+    def bound_of(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None
+    ) -> float: ...
+
+    def confirm(self, current: Round, worker_id: str, round_number: int, bound: float) -> None:
+        """Shard 0: the worker's slices are on every shard; it counts for the barrier."""
+        ...
+
+    def take_decision(self, current: Round, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """A follower: shard 0's decision of the open round; whether it is news."""
+        ...
+
+
+class OneServer:
+    """One server's rounds (and a streaming shard's, which commits its own fragments): each
+    submission folds as it comes (held only under robust aggregation), nothing is decided
+    elsewhere."""
+
+    holds_slices = False
+    follows = False
+
+    def new_round(self, number: int, members: set[str], weighting: str, now: float) -> Round:
+        return Round(number, members, weighting, now)
+
+    def admits_replacement(self, current: Round, submission: Submission) -> bool:
+        return False
+
+    def take(self, current: Round, submission: Submission) -> None:
+        raise AssertionError("one server holds no slices")
+
+    def decide(self, current: Round, now: float) -> bool:
+        return False
+
+    def sessions_of(self, current: Round) -> dict[str, str]:
+        return {}
+
+    def drop(self, current: Round, worker_id: str) -> None:
+        pass
+
+    def require_slice(self, current: Round, fragment: int, worker_id: str | None) -> None:
+        raise AssertionError("one server decides its rounds")
+
+    def holds(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None
+    ) -> tuple[int, str] | None:
+        return None
+
+    def bound_of(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None
+    ) -> float:
+        return 0.0
+
+    def confirm(self, current: Round, worker_id: str, round_number: int, bound: float) -> None:
+        raise AssertionError("one server decides its rounds")
+
+    def take_decision(self, current: Round, decided: dict[str, tuple[int, str | None]]) -> bool:
+        raise AssertionError("one server decides its rounds")
+
+
 class BarrierRounds:
     """The open round of every fragment, and the result each one last committed."""
 
-    def __init__(self, context: EngineContext) -> None:
+    def __init__(self, context: EngineContext, role: RoundsRole) -> None:
         self.c = context
+        self.role = role  # one server's, or a shard's: held slices, decisions
         self.rounds: list[Round] = []  # empty until the global weights exist
         self.results: list[Published | None] = []
         self._fragment_rounds: list[int] = [0] * context.settings.fragments
@@ -58,10 +162,6 @@ class BarrierRounds:
     def open_round(self) -> Round | None:
         return self.rounds[0] if self.rounds else None
 
-    def _sessions_of(self, current: Round) -> dict[str, str]:
-        """Sharded servers: each contributor's session digest, for the step's record."""
-        return {}
-
     def _owned(self) -> list[Round]:
         """The rounds of this server's fragments (a streaming shard's plan leaves the other
         shards' fragments empty: their rounds here never see a submission)."""
@@ -80,6 +180,8 @@ class BarrierRounds:
         )
 
     def on_register(self, worker_id: str) -> None:
+        if self.role.follows:
+            return  # membership is shard 0's: a follower's rounds wait for its decisions
         for current in self.rounds:
             if current.first_submission_at is None:
                 # Nobody waits on this round yet, so the newcomer can join its barrier now.
@@ -103,6 +205,8 @@ class BarrierRounds:
                     self._try_commit(fragment, now)
 
     def overdue(self, now: float) -> list[str]:
+        if self.role.follows:
+            return []  # shard 0 evicts; a follower never does
         timeout = self.c.settings.effective_barrier_timeout
         assert timeout is not None
         if self.c.paused():
@@ -117,6 +221,8 @@ class BarrierRounds:
         return 1.0
 
     def drop_pending(self, worker_id: str, reason: str) -> bool:
+        for current in self.rounds:
+            self.role.drop(current, worker_id)
         dropped = [drop_held(current, worker_id, reason) for current in self.rounds]
         return any(dropped)
 
@@ -137,6 +243,9 @@ class BarrierRounds:
         c = self.c
         round_number, fragment = submission.round, submission.fragment
         current = self.rounds[fragment]
+        if round_number == current.number and self.role.admits_replacement(current, submission):
+            c.check_units(submission)
+            return None
         if round_number > current.number:
             raise Rejection(
                 409,
@@ -169,14 +278,21 @@ class BarrierRounds:
 
     def folds_first(self, fragment: int) -> bool:
         """A round's first submission may be checked while it is folded, unless the round
-        holds its submissions (robust aggregation: every one is scanned for its norm)."""
+        holds its submissions (robust aggregation: every one is scanned for its norm; a
+        shard: every slice, until the round is decided)."""
+        if self.role.holds_slices:
+            return False
         return not self.c.screen.on and self.rounds[fragment].running is None
 
     def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         c = self.c
         now = c.clock()
         current = self.rounds[submission.fragment]
-        if c.screen.on:
+        if self.role.holds_slices:
+            assert isinstance(checked, ValueScan)
+            self.role.take(current, submission)
+            current.hold(submission, checked, now)  # folded as the round's decision says
+        elif c.screen.on:
             assert isinstance(checked, ValueScan) and checked.norm is not None
             current.hold(submission, checked, now)  # folded when the round decides
         else:
@@ -227,7 +343,7 @@ class BarrierRounds:
             fragment=fragment,
             fragment_round=current.number if len(self.rounds) > 1 else None,
             submissions=[(w, current.number, 0) for w in sorted(current.submitters)],
-            sessions=self._sessions_of(current),
+            sessions=self.role.sessions_of(current),
             **screened_record(c.screen, fragment, current),
         )
         c.commit(running, record, self.fragment_rounds_after(record))
@@ -250,12 +366,15 @@ class BarrierRounds:
 
     def _new_round(self, number: int, members: set[str], now: float) -> Round:
         """A fragment's next round (sharded servers open their own kind)."""
-        return Round(number, members, self.c.settings.weighting, now)
+        return self.role.new_round(number, members, self.c.settings.weighting, now)
 
     def _decide(self, fragment: int, current: Round, now: float) -> None:
         """Fold what a complete round held into its sums (robust aggregation holds every
-        submission until here; a plain mean folded each one as it came)."""
+        submission until here; a plain mean folded each one as it came; a shard folds the
+        slices its round's decision names)."""
         c = self.c
+        if self.role.decide(current, now):
+            return
         if c.screen.on:
             assert c.model.plan is not None and c.model.specs is not None
             specs = {name: c.model.specs[name] for name in c.model.plan[fragment]}
@@ -268,6 +387,9 @@ class BarrierRounds:
     ) -> RoundResult | None:
         """The result of (round, fragment) if it exists; raises for what cannot be waited on."""
         c = self.c
+        if self.role.follows and self.rounds and round_number == self.rounds[0].number:
+            self.role.require_slice(self.rounds[0], fragment, worker_id)
+            return None  # once the decision is applied; no barrier timeout here: shard 0's
         if not self.rounds or round_number > self.rounds[fragment].number:
             current = self.rounds[fragment].number if self.rounds else 0
             raise Rejection(
@@ -344,3 +466,37 @@ class BarrierRounds:
         current = self.rounds[fragment]
         short = current.more_submissions_needed(self.c.settings.min_workers)
         return Waiting(round_number, current.waiting_for(), short)
+
+    # ----------------------------------------------------------------- sharded servers (sync)
+
+    def open_number(self) -> int | None:
+        return self.rounds[0].number if self.rounds else None
+
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> tuple[int, str] | None:
+        """(tokens, session digest) of the worker's held slice of the open round, or None."""
+        return self.role.holds(self.open_round(), worker_id, round_number, digest)
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
+        """The bound of the values of the slice `holds` names (0 when none is held)."""
+        return self.role.bound_of(self.open_round(), worker_id, round_number, digest)
+
+    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+        """Shard 0: the worker's slices of the open round are on every shard (checked by the
+        caller), bounded by `bound`: it counts for the barrier, which may now be met."""
+        self.role.confirm(self.rounds[0], worker_id, round_number, bound)
+        self._try_commit(0, self.c.clock())
+        return self._answer("accepted", round_number, 0)
+
+    def apply_decision(self, round_number: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """A follower: shard 0 decided `round_number` with these contributors (worker -> the
+        round they sent for, and the session digest of the slices it used): commit it once
+        every decided slice is here. False if it is not the open round (already applied, or
+        not reached)."""
+        current = self.open_round()
+        if current is None or current.number != round_number:
+            return False
+        if self.role.take_decision(current, decided):
+            self._try_commit(0, self.c.clock())
+        return True

@@ -13,18 +13,17 @@ from diloco.server.rounds.barrier import BarrierRounds
 from diloco.server.rounds.engine import RoundEngine
 from diloco.server.rounds.engine_context import EngineContext
 from diloco.server.shards.async_decisions import FollowerArrivals, LeaderArrivals
-from diloco.server.shards.sync_decisions import FollowerRounds, LeaderRounds
+from diloco.server.shards.role import ShardRole
 
 __all__ = ["engine_for"]
 
 
-def engine_for(context: EngineContext) -> RoundEngine:
-    """The mode's engine; sharded servers hold slices until shard 0 decides each round."""
+def engine_for(context: EngineContext, role: ShardRole) -> RoundEngine:
+    """The mode's engine, with this server's part in it (`role`): sharded servers hold slices
+    until shard 0 decides each round."""
     settings = context.settings
     if settings.mode == "async" and settings.shards > 1:
         return LeaderArrivals(context) if settings.leads else FollowerArrivals(context)
     if settings.mode == "async":
         return AsyncArrivals(context)
-    if settings.shards > 1 and settings.mode == "sync":
-        return LeaderRounds(context) if settings.leads else FollowerRounds(context)
-    return BarrierRounds(context)  # streaming shards too: each commits its own fragments
+    return BarrierRounds(context, role.rounds_part(context))

@@ -18,7 +18,6 @@ from diloco.server.rounds.barrier import BarrierRounds
 from diloco.server.shards.async_decisions import FollowerArrivals, LeaderArrivals
 from diloco.server.shards.peers import PeerUnavailable
 from diloco.server.shards.role import ShardRole
-from diloco.server.shards.sync_decisions import FollowerRounds, LeaderRounds
 from diloco.server.state.journal import RoundJournal
 from diloco.wire import TensorSpec
 
@@ -31,7 +30,7 @@ class ShardCommit:
     def __init__(
         self,
         lock: threading.Condition,
-        engine: LeaderRounds | FollowerRounds | LeaderArrivals | FollowerArrivals | BarrierRounds,
+        engine: BarrierRounds | LeaderArrivals | FollowerArrivals,
         role: ShardRole,
         membership: Membership,
         journal: RoundJournal,

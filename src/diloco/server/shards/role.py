@@ -11,8 +11,11 @@ eviction tick (membership is shard 0's). The calls it makes to shard 0 go throug
 from __future__ import annotations
 
 from diloco.server.errors import Rejection
+from diloco.server.rounds.barrier import OneServer, RoundsRole
+from diloco.server.rounds.engine_context import EngineContext
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.peers import PeerUnavailable, ShardPeers
+from diloco.server.shards.sync_decisions import SyncFollower, SyncLeader
 
 
 class ShardRole:
@@ -56,6 +59,14 @@ class ShardRole:
         streaming follower, which commits rounds alone (only workers shard 0 admitted may
         reach them)."""
         return not (self.mode == "streaming" and self.follows)
+
+    def rounds_part(self, context: EngineContext) -> RoundsRole:
+        """A `BarrierRounds`'s role: sync shards hold every slice until shard 0 decides the
+        round; one server's rounds and a streaming shard's (each commits its own fragments)
+        change nothing."""
+        if not self.decides:
+            return OneServer()
+        return SyncLeader(context) if self.leads else SyncFollower(context)
 
     def vouch(self, worker_id: str, session: str) -> bool:
         """A follower (lock held: a rare call, one round trip): whether shard 0 holds

@@ -8,6 +8,9 @@ decision with the step (its `rounds` row, durable before any shard can read it).
 shards fold exactly the decided slices, in the same order, when they learn the decision
 (server/shards/peers.py); a slice of a worker left out is dropped, so a step is applied on
 every shard with the same submissions or on none. docs/architecture.md has the proof sketch.
+
+`SyncLeader` and `SyncFollower` are a `BarrierRounds`'s role (its `RoundsRole`): the engine
+calls them where a shard's rounds differ from one server's.
 """
 
 from __future__ import annotations
@@ -19,13 +22,11 @@ from dataclasses import dataclass, field
 from diloco.algorithm import Contribution
 from diloco.algorithm.contributions import FINITE_SUM_LIMIT, contribution_weight
 from diloco.server.errors import Rejection
-from diloco.server.model.results import RoundResult
-from diloco.server.rounds.barrier import BarrierRounds
 from diloco.server.rounds.engine_context import EngineContext
 from diloco.server.rounds.round import Round, ValueScan, fold
 from diloco.server.rounds.submission import Submission
 from diloco.server.settings import ServerSettings
-from diloco.wire.format.spool import CheckedPieces, PieceBody
+from diloco.wire.format.spool import PieceBody
 
 
 def session_digest(session: str | None) -> str:
@@ -119,50 +120,47 @@ def _fold_only(current: Round, chosen: set[str], storage: dict, now: float) -> N
         current.open_sums(storage)
 
 
-class _HeldRounds(BarrierRounds):
-    """Every slice is held until the round's decision (shared by both sides)."""
+class HeldRounds:
+    """Every slice is held until the round's decision (what shard 0 and the others share):
+    the session each held slice came from, and the slices a newer process's replaced."""
+
+    holds_slices = True  # scanned, then held: nothing is folded before the decision
+    follows = False
 
     def __init__(self, context: EngineContext) -> None:
-        super().__init__(context)
+        self.c = context
         # (round, worker) -> the registration session its held slice came from
         self._sessions: dict[tuple[int, str], str | None] = {}
         # a follower: slices a newer process's slice replaced, by (round, worker, digest),
         # kept until the round is decided (shard 0 may have confirmed the older one)
         self._replaced: dict[tuple[int, str, str], tuple[Submission, ValueScan, str | None]] = {}
 
-    def _sessions_of(self, current: Round) -> dict[str, str]:
+    def new_round(self, number: int, members: set[str], weighting: str, now: float) -> Round:
+        raise NotImplementedError
+
+    def sessions_of(self, current: Round) -> dict[str, str]:
         return {
             w: session_digest(self._sessions.get((current.number, w))) for w in current.submitters
         }
 
-    def folds_first(self, fragment: int) -> bool:
-        return False  # scanned, then held: nothing is folded before the decision
-
-    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
-        assert isinstance(checked, ValueScan)
-        c = self.c
-        now = c.clock()
-        current = self.rounds[submission.fragment]
-        self._replace_other_session(current, submission)  # (admit let it through for this)
+    def take(self, current: Round, submission: Submission) -> None:
+        """Before the round holds an admitted slice: it replaces another process's (admit
+        let it through for this), and its session is noted."""
+        self._replace_other_session(current, submission)
         # the session as it is now: a re-registration changes the record's in place
         self._sessions[(current.number, submission.worker_id)] = submission.record.session
         for key in [k for k in self._sessions if k[0] < current.number]:
             del self._sessions[key]
         for key in [k for k in self._replaced if k[0] < current.number]:
             _release(self._replaced.pop(key)[0])
-        current.hold(submission, checked, now)
-        c.book(submission, current, now)
-        self._try_commit(submission.fragment, now)
-        return self._answer("accepted", submission.round, submission.fragment)
 
     def holds(
-        self, worker_id: str, round_number: int, digest: str | None = None
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None = None
     ) -> tuple[int, str] | None:
         """(tokens, session digest) of `worker_id`'s held slice of the open round
         `round_number` (from the process of `digest`, when given), or None. The digest tells
         slices of two processes under one id apart (a worker restarted without its
         checkpoint) without showing the session."""
-        current = self.rounds[0] if self.rounds else None
         if current is None or current.number != round_number:
             return None
         for submission, _ in current.held:
@@ -175,20 +173,15 @@ class _HeldRounds(BarrierRounds):
             return replaced[0].tokens, session_digest(replaced[2])
         return None
 
-    def admit(self, submission: Submission) -> dict | None:
+    def admits_replacement(self, current: Round, submission: Submission) -> bool:
         """A slice from a new session of a worker whose older session's slice this round
         still holds, undecided, will replace it (the old process is gone), so that every
-        shard ends up with the same process's slices: in `accept`, once its body passed its
+        shard ends up with the same process's slices: in `take`, once its body passed its
         checks (a refused body changes nothing)."""
-        current = self.rounds[submission.fragment] if self.rounds else None
-        if current is not None and submission.round == current.number:
-            self._check_decided_session(current, submission)
-            if self._other_session_held(current, submission) and self._replaceable(
-                current, submission.worker_id
-            ):
-                self.c.check_units(submission)
-                return None
-        return super().admit(submission)
+        self._check_decided_session(current, submission)
+        return self._other_session_held(current, submission) and self._replaceable(
+            current, submission.worker_id
+        )
 
     def _check_decided_session(self, current: Round, submission: Submission) -> None:
         """A follower whose round is decided takes only the decided process's slice."""
@@ -216,9 +209,10 @@ class _HeldRounds(BarrierRounds):
         """A slice a newer process's replaced: gone (shard 0, which never confirmed it)."""
         _release(held)
 
-    def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
+    def bound_of(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None = None
+    ) -> float:
         """The bound of the values of the slice `holds` names (0 when none is held)."""
-        current = self.rounds[0] if self.rounds else None
         if current is None or current.number != round_number:
             return 0.0
         session = self._sessions.get((round_number, worker_id))
@@ -233,62 +227,68 @@ class _HeldRounds(BarrierRounds):
     def _replaceable(self, current: Round, worker_id: str) -> bool:
         return True
 
-    def open_number(self) -> int | None:
-        return self.rounds[0].number if self.rounds else None
+    def drop(self, current: Round, worker_id: str) -> None:
+        """An admin banned the worker (its held slice is dropped by the engine)."""
+
+    def decide(self, current: Round, now: float) -> bool:
+        """Fold the decided slices of a complete round (in worker-id order)."""
+        raise NotImplementedError
+
+    def confirm(self, current: Round, worker_id: str, round_number: int, bound: float) -> None:
+        raise Rejection(409, "not_shard_0", "confirmations go to shard 0, which decides the rounds")
+
+    def take_decision(self, current: Round, decided: dict[str, tuple[int, str | None]]) -> bool:
+        raise Rejection(409, "not_shard_0", "shard 0 makes the decisions")
+
+    def require_slice(self, current: Round, fragment: int, worker_id: str | None) -> None:
+        raise NotImplementedError
 
 
-class LeaderRounds(_HeldRounds):
+class SyncLeader(HeldRounds):
     """Shard 0: membership, confirmations, and each round's decision."""
 
-    def _new_round(self, number: int, members: set[str], now: float) -> Round:
-        return LeaderRound(number, members, self.c.settings.weighting, now)
+    def new_round(self, number: int, members: set[str], weighting: str, now: float) -> Round:
+        return LeaderRound(number, members, weighting, now)
 
     def _replaceable(self, current: Round, worker_id: str) -> bool:
         assert isinstance(current, LeaderRound)
         return worker_id not in current.confirmed  # confirmed: every shard holds that slice
 
-    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+    def confirm(self, current: Round, worker_id: str, round_number: int, bound: float) -> None:
         """`worker_id`'s slices of the open round are held on every shard (checked by the
         caller), their values bounded by `bound` on all of them: it counts for the barrier,
-        and the round may now be decided. 422 `sum_overflow` (nothing changed) when, added
-        to the round, it could overflow some shard's fp32 sums: refused here, where every
-        shard's bound is known, not when each shard folds."""
-        current = self.rounds[0]
+        and the round may now be decided (the engine commits it). 422 `sum_overflow`
+        (nothing changed) when, added to the round, it could overflow some shard's fp32
+        sums: refused here, where every shard's bound is known, not when each shard folds."""
         assert isinstance(current, LeaderRound)
-        tokens = self.holds(worker_id, round_number)
+        tokens = self.holds(current, worker_id, round_number)
         others = [v for w, v in current.loads.items() if w != worker_id]
         load = checked_load(
             worker_id, 0 if tokens is None else tokens[0], 1.0, bound, others, self.c.settings
         )
         current.loads[worker_id] = load
         current.confirmed.add(worker_id)
-        self._try_commit(0, self.c.clock())
-        return self._answer("accepted", round_number, 0)
 
-    def drop_pending(self, worker_id: str, reason: str) -> bool:
+    def drop(self, current: Round, worker_id: str) -> None:
         """An admin banned the worker: its held slice is not part of any decision."""
-        for current in self.rounds:
-            if isinstance(current, LeaderRound):
-                current.confirmed.discard(worker_id)
-                current.loads.pop(worker_id, None)
-        return super().drop_pending(worker_id, reason)
+        if isinstance(current, LeaderRound):
+            current.confirmed.discard(worker_id)
+            current.loads.pop(worker_id, None)
 
-    def _decide(self, fragment: int, current: Round, now: float) -> None:
+    def decide(self, current: Round, now: float) -> bool:
         assert isinstance(current, LeaderRound)
         _fold_only(current, current.confirmed, self.c.model.sums_storage(), now)
+        return True
 
 
-class FollowerRounds(_HeldRounds):
-    """Shards 1..S-1: hold slices; commit a round when shard 0's decision arrives."""
+class SyncFollower(HeldRounds):
+    """Shards 1..S-1: hold slices; commit a round when shard 0's decision arrives. Membership
+    is shard 0's: a follower's rounds wait for decisions, not members, and it evicts nobody."""
 
-    def _new_round(self, number: int, members: set[str], now: float) -> Round:
-        return FollowerRound(number, set(), self.c.settings.weighting, now)
+    follows = True
 
-    def on_register(self, worker_id: str) -> None:
-        """Membership is shard 0's: a follower's rounds wait for decisions, not members."""
-
-    def overdue(self, now: float) -> list[str]:
-        return []  # shard 0 evicts; a follower never does
+    def new_round(self, number: int, members: set[str], weighting: str, now: float) -> Round:
+        return FollowerRound(number, set(), weighting, now)
 
     def _replaceable(self, current: Round, worker_id: str) -> bool:
         assert isinstance(current, FollowerRound)
@@ -301,22 +301,19 @@ class FollowerRounds(_HeldRounds):
         slice (its decision names the session digest it used)."""
         self._replaced[(number, held.worker_id, session_digest(session))] = (held, scan, session)
 
-    def apply_decision(self, round_number: int, decided: dict[str, tuple[int, str | None]]) -> bool:
-        """Shard 0 decided `round_number` with these contributors (worker -> the round they
-        sent for, this one, and the session digest of the slices it used): commit it once
-        every decided slice is here (now, or when the missing ones are sent again). False if
-        it is not the open round (already applied, or not reached)."""
-        current = self.rounds[0] if self.rounds else None
-        if current is None or current.number != round_number:
-            return False
+    def take_decision(self, current: Round, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """Shard 0 decided the open round with these contributors (worker -> the round they
+        sent for, this one, and the session digest of the slices it used); whether this is
+        news (the engine commits it once every decided slice is here: now, or when the
+        missing ones are sent again)."""
         assert isinstance(current, FollowerRound)
-        if current.decided is None:
-            for worker_id, (_, digest) in decided.items():
-                if digest is not None:
-                    self._take_back(current, worker_id, digest)
-                    current.decided_sessions[worker_id] = digest
-            current.decided = sorted(decided)
-            self._try_commit(0, self.c.clock())
+        if current.decided is not None:
+            return False
+        for worker_id, (_, digest) in decided.items():
+            if digest is not None:
+                self._take_back(current, worker_id, digest)
+                current.decided_sessions[worker_id] = digest
+        current.decided = sorted(decided)
         return True
 
     def _check_decided_session(self, current: Round, submission: Submission) -> None:
@@ -351,28 +348,23 @@ class FollowerRounds(_HeldRounds):
             current.submitted[(worker_id, submission.fragment)] = self.c.clock()
             self._sessions[key] = session
 
-    def _decide(self, fragment: int, current: Round, now: float) -> None:
+    def decide(self, current: Round, now: float) -> bool:
         assert isinstance(current, FollowerRound) and current.decided is not None
         _fold_only(current, set(current.decided), self.c.model.sums_storage(), now)
+        return True
 
-    def poll_result(
-        self, round_number: int, fragment: int, worker_id: str | None, now: float
-    ) -> RoundResult | None:
-        """The result once the decision is applied; a decided worker whose slice this shard
-        lacks (lost in a restart) is told to send it again. No barrier timeout: shard 0's."""
-        if self.rounds and round_number == self.rounds[0].number:
-            current = self.rounds[0]
-            assert isinstance(current, FollowerRound)
-            missing = worker_id is not None and worker_id in current.waiting_for()
-            if missing and not self.c.closing():
-                raise Rejection(
-                    409,
-                    "not_submitted",
-                    f"round {round_number} was decided with {worker_id!r}, whose slice this "
-                    "shard does not hold (it restarted since); submit it again",
-                    round=round_number,
-                    fragment=fragment,
-                    worker_id=worker_id,
-                )
-            return None
-        return super().poll_result(round_number, fragment, worker_id, now)
+    def require_slice(self, current: Round, fragment: int, worker_id: str | None) -> None:
+        """A result poll of the open round: a decided worker whose slice this shard lacks
+        (lost in a restart) is told to send it again. No barrier timeout: shard 0's."""
+        assert isinstance(current, FollowerRound)
+        missing = worker_id is not None and worker_id in current.waiting_for()
+        if missing and not self.c.closing():
+            raise Rejection(
+                409,
+                "not_submitted",
+                f"round {current.number} was decided with {worker_id!r}, whose slice this "
+                "shard does not hold (it restarted since); submit it again",
+                round=current.number,
+                fragment=fragment,
+                worker_id=worker_id,
+            )
