@@ -2,7 +2,7 @@
 
     diloco server --sync-every 50
     torchrun --nproc-per-node 2 examples/fsdp_worker.py --server http://127.0.0.1:8470 \
-        --corpus input.txt --steps 500
+        --steps 500   # on Shakespeare's plays (fetched once), or --corpus FILE
     # the same run with another wrap, to compare: --wrap ddp, or --wrap none without torchrun
 
 Every rank trains its slice of each global batch; `fully_shard` splits every block and the

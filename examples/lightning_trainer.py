@@ -2,7 +2,7 @@
 
     diloco server --sync-every 50 --min-workers 2
     python examples/lightning_trainer.py --server http://127.0.0.1:8470 --worker-id w0 \
-        --corpus input.txt --output-dir run-w0 --steps 500
+        --output-dir run-w0 --steps 500   # on Shakespeare's plays (fetched once), or --corpus FILE
     # after a crash: the same command with --resume continues from the last checkpoint
 
 Batches are drawn by step from a seeded sampler (the dataloader is built after Lightning has
