@@ -26,8 +26,13 @@ def test_the_login_and_the_session_cookie(server_process, tmp_path: Path) -> Non
     server = server_process(
         "--init", str(init_file(tmp_path)), "--tokens-file", str(tokens),
         "--outer-optimizer", "sgd", "--outer-lr", "1", "--sync-every", "2",
+        "--log-level", "info",
     )  # fmt: skip
     url = server.url
+    # The start log says where the dashboard is and which token signs in.
+    assert f"dashboard: {url}/ (sign in with an admin token from --tokens-file)" in (
+        server.log.read_text()
+    )
 
     home = raw(url, "GET", "/")
     assert home.status == 200 and b'name="token"' in home.data and b"Traceback" not in home.data
@@ -90,9 +95,28 @@ def test_the_login_and_the_session_cookie(server_process, tmp_path: Path) -> Non
         assert raw(url, "GET", path).status == 404, path
 
 
+def test_a_server_without_an_admin_token_says_how_to_make_one(
+    server_process, tmp_path: Path
+) -> None:
+    """Issue 27: the README's recipe gave an enrollment token only, and the dashboard then
+    refused every token it had."""
+    server = server_process(
+        "--token-file", str(secret_file(tmp_path, "token", ENROLL)), "--log-level", "info"
+    )
+    line = (
+        f"dashboard: {server.url}/ needs an admin token, and this server has none: put a line "
+        "'TOKEN admin' in a file (TOKEN from python3 -c \"import secrets; "
+        'print(secrets.token_urlsafe(32))") and restart with --tokens-file FILE'
+    )
+    assert line in server.log.read_text()
+    refused = raw(server.url, "POST", "/login", body=f"token={ENROLL}".encode(), headers=FORM)
+    assert refused.status == 403 and b"the dashboard needs an admin token" in refused.data
+
+
 @pytest.mark.slow  # in `make test-slow`: the browser test runs a server with tokens
 def test_an_open_server_shows_the_dashboard_without_a_login(server_process) -> None:
-    server = server_process()
+    server = server_process("--log-level", "info")
+    assert f"dashboard: {server.url}/ (no token configured: no sign-in)" in server.log.read_text()
     page = raw(server.url, "GET", "/")
     assert page.status == 200 and b'id="workers"' in page.data
     assert raw(server.url, "GET", "/v1/dashboard").json()["status"]["paused"] is False

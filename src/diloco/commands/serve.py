@@ -240,8 +240,10 @@ def server_command(
     token_file: Path = TokenFileOption,
     tokens_file: Path = typer.Option(
         None,
-        help="More tokens, one 'TOKEN SCOPE' per line; SCOPE is enroll, admin or worker:ID "
-        "(docs/protocol.md). With no token at all the server is open.",
+        help="More tokens: a file of lines 'TOKEN SCOPE' (TOKEN: 16+ characters, no spaces; "
+        "SCOPE: enroll, admin or worker:ID; lines starting with # are comments). An admin "
+        "token signs in to the dashboard and diloco admin (docs/protocol.md, Auth). With no "
+        "token at all the server is open.",
         rich_help_panel=AUTH_PANEL,
     ),
     tls_cert: Path = typer.Option(

@@ -6,9 +6,10 @@ import contextlib
 import ctypes
 import logging
 import signal
+import socket
 import ssl
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,27 @@ def return_large_frees_to_the_os() -> None:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("", "0.0.0.0", "::")
+NEW_TOKEN = 'python3 -c "import secrets; print(secrets.token_urlsafe(32))"'
+
+
+def dashboard_line(url: str, credentials: Credentials) -> str:
+    """The start log's line about the dashboard at `url`: where it is and how to sign in."""
+    if credentials.open:
+        return f"dashboard: {url} (no token configured: no sign-in)"
+    if credentials.has_admin:
+        return f"dashboard: {url} (sign in with an admin token from --tokens-file)"
+    return (
+        f"dashboard: {url} needs an admin token, and this server has none: put a line "
+        f"'TOKEN admin' in a file (TOKEN from {NEW_TOKEN}) and restart with --tokens-file FILE"
+    )
+
+
+def url_host(host: str) -> str:
+    """`host` as it goes in a URL: this machine's name for a wildcard, IPv6 in brackets."""
+    if host in WILDCARD:
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
 
 
 @dataclass(frozen=True)
@@ -139,6 +161,7 @@ class CoordinatorServer(uvicorn.Server):
         self.port_file = port_file
         self.bound_port: int | None = None
         self.flushed_at_shutdown = False
+        self.announce: Callable[[int], str] | None = None  # the start log's line, by port
 
     async def startup(self, sockets=None) -> None:  # type: ignore[override]
         anyio.to_thread.current_default_thread_limiter().total_tokens = THREAD_LIMIT
@@ -147,6 +170,8 @@ class CoordinatorServer(uvicorn.Server):
         await super().startup(sockets)
         if self.servers and self.servers[0].sockets:
             self.bound_port = self.servers[0].sockets[0].getsockname()[1]
+        if self.announce is not None and self.bound_port is not None:
+            log.info(self.announce(self.bound_port))  # logged before the port file appears
         if self.port_file is not None and self.bound_port is not None:
             temporary = self.port_file.with_name(self.port_file.name + ".tmp")
             temporary.write_text(f"{self.bound_port}\n")
@@ -209,6 +234,10 @@ def build_server(
         ssl_keyfile=None if tls is None else str(tls.key),
     )
     built.append(CoordinatorServer(config, EvictionTicker(coordinator), port_file))
+    if isinstance(credentials, Credentials):
+        scheme = "http" if tls is None else "https"
+        where = f"{scheme}://{url_host(host)}"
+        built[0].announce = lambda bound: dashboard_line(f"{where}:{bound}/", credentials)
     return built[0]
 
 

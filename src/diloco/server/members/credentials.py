@@ -223,6 +223,11 @@ class Credentials:
         """No secret configured: every caller may do everything (loopback development)."""
         return not self._static
 
+    @property
+    def has_admin(self) -> bool:
+        """An admin secret is configured: the dashboard and `diloco admin` can sign in."""
+        return ADMIN in self._static.values()
+
     def describe(self) -> str:
         """One line for the start log: what callers need."""
         if self.open:
