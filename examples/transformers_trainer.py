@@ -26,7 +26,11 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from diloco.data import TokenWindows, load_named_corpus, split_train_val
-from diloco.integrations.transformers import DiLoCoCallback, DiLoCoCallbackError
+from diloco.integrations.transformers import (
+    DiLoCoCallback,
+    DiLoCoCallbackError,
+    worker_data_seed,
+)
 from diloco.models.causal_lm import CausalLMConfig, ModelConfigError
 from diloco.worker import ServerError, ServerUnavailable
 
@@ -67,7 +71,7 @@ def eval_loss(model: torch.nn.Module, windows: ByteWindows, batch_size: int) -> 
     return total / count
 
 
-def main() -> int:
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", required=True)
     parser.add_argument("--worker-id", default=None)
@@ -80,29 +84,35 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--save-steps", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0, help="the same on every worker")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the same on every worker: the initial weights (with --data-dispatch local, each "
+        "worker shuffles its data with a seed of its own, from --seed and --worker-id)",
+    )
     parser.add_argument("--resume", action="store_true", help="from the newest checkpoint")
     parser.add_argument(
         "--data-dispatch",
         choices=("local", "server"),
         default="local",
         help="server: train the work units the server leases (each sample "
-        "once across the workers); local: this Trainer's own shuffled order",
+        "once across the workers); local: this Trainer's own shuffled order, seeded by "
+        "--seed and --worker-id",
     )
     parser.add_argument("--unit-size", type=int, default=256, help="samples per work unit")
     parser.add_argument("--json", default=None, help="write the figures here")
-    options = parser.parse_args()
+    return parser.parse_args(argv)
 
-    try:
-        spec = CausalLMConfig.from_file(options.model_config)
-        split = split_train_val(load_named_corpus(options.corpus))
-        train, val = (ByteWindows(t, options.seq_len) for t in (split.train, split.val))
-    except (ModelConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    torch.manual_seed(options.seed)  # every worker builds the same initial weights
-    model = spec.build()
-    args = TrainingArguments(
+
+def training_arguments(options: argparse.Namespace) -> TrainingArguments:
+    """The Trainer's settings. Its data order comes from data_seed: the worker's own (from
+    --seed and --worker-id), so two workers train different batches; without --worker-id
+    (the server names the worker) it is --seed, and the callback warns."""
+    data_seed = options.seed
+    if options.worker_id is not None:
+        data_seed = worker_data_seed(options.seed, options.worker_id)
+    return TrainingArguments(
         output_dir=options.output_dir,
         max_steps=options.steps,
         per_device_train_batch_size=options.batch_size,
@@ -116,12 +126,26 @@ def main() -> int:
         save_steps=options.save_steps,
         logging_steps=max(1, min(10, options.steps // 5)),
         seed=options.seed,
-        data_seed=options.seed,
+        data_seed=data_seed,
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
         ignore_data_skip=options.data_dispatch == "server",  # the worker resumes the data
     )
+
+
+def main() -> int:
+    options = parse_options()
+    try:
+        spec = CausalLMConfig.from_file(options.model_config)
+        split = split_train_val(load_named_corpus(options.corpus))
+        train, val = (ByteWindows(t, options.seq_len) for t in (split.train, split.val))
+    except (ModelConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    torch.manual_seed(options.seed)  # every worker builds the same initial weights
+    model = spec.build()
+    args = training_arguments(options)
     callback = DiLoCoCallback(options.server, options.worker_id)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
                       callbacks=[callback])  # fmt: skip

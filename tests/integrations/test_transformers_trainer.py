@@ -25,7 +25,9 @@ from example_runs import (
 from diloco.integrations.transformers import (
     DiLoCoCallback,
     DiLoCoCallbackError,
+    same_data_warning,
     torch_optimizer,
+    worker_data_seed,
 )
 from diloco.worker import DiLoCoClient, RetryPolicy
 from processes import global_weights
@@ -278,3 +280,101 @@ def test_binding_leased_data_to_a_worker_of_several_processes_is_refused_and_it_
     with pytest.raises(DiLoCoCallbackError, match="one process per worker"):
         LeasedTrainSampler(10, "ds").bind(worker, processes=2)
     assert closed == [False]  # the worker left the run, with no last sync
+
+
+def the_example():
+    """examples/transformers_trainer.py as a module (its main() is not run)."""
+    import importlib.util
+
+    from example_runs import EXAMPLES
+
+    spec = importlib.util.spec_from_file_location(
+        "transformers_trainer_example", EXAMPLES / "transformers_trainer.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Indices(torch.utils.data.Dataset):
+    """Sample i is the number i: a batch shows which samples the Trainer drew."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.tensor([index]), "labels": torch.tensor([index])}
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+
+    def forward(self, input_ids, labels=None):  # the columns the Trainer keeps
+        return {"loss": self.linear(input_ids.float()).sum()}
+
+
+def first_batch(args) -> list[int]:
+    """The samples of the first batch that a Trainer with `args` trains."""
+    from transformers import Trainer, set_seed
+
+    trainer = Trainer(model=_Model(), args=args, train_dataset=_Indices())
+    set_seed(args.seed)  # as train() does before it draws
+    return next(iter(trainer.get_train_dataloader()))["input_ids"].flatten().tolist()
+
+
+def test_the_example_s_workers_train_different_batches(tmp_path: Path) -> None:
+    """Issue 27: the README's two Trainer workers (w0, w1, one --seed) logged identical loss
+    lines: --data-dispatch local shuffled with --seed alone, the same on every worker."""
+    example = the_example()
+
+    def args(*worker: str):
+        return example.training_arguments(example.parse_options(
+            ["--server", "http://127.0.0.1:9", "--output-dir", str(tmp_path), *worker]
+        ))  # fmt: skip
+
+    w0, w1 = args("--worker-id", "w0"), args("--worker-id", "w1")
+    assert w0.seed == w1.seed == 0  # the same initial weights
+    assert first_batch(w0) != first_batch(w1)
+    assert first_batch(w0) == first_batch(args("--worker-id", "w0"))  # a resume: the same
+    assert same_data_warning(w0, "w0") is None
+    # Without --worker-id the server names the worker: the order is --seed's, and it says so
+    anonymous = args()
+    assert anonymous.data_seed == 0
+    assert same_data_warning(anonymous, "w-1a2b") == (
+        "worker w-1a2b: the Trainer shuffles its train data with TrainingArguments data_seed=0, "
+        "which is not the worker's own: every worker started with it trains the same batches "
+        "in the same order. Give each worker its own, data_seed=worker_data_seed(0, 'w-1a2b') "
+        "(diloco.integrations.transformers), or train leased data (callback.lease_data); a "
+        "train_dataset that is a shard of this worker's own needs neither"
+    )
+
+
+def test_a_trainer_that_shuffles_like_every_other_worker_is_warned(live_server, caplog) -> None:
+    """The integration's default: TrainingArguments' seed (42) orders every worker's data."""
+    from transformers import TrainingArguments
+
+    from diloco.server.settings import ServerSettings
+
+    plain = TrainingArguments(output_dir="/nonexistent", report_to=[], use_cpu=True)
+    assert same_data_warning(plain, "w0").startswith(
+        "worker w0: the Trainer shuffles its train data with TrainingArguments seed=42, which "
+        "is not the worker's own"
+    )
+    own = TrainingArguments(output_dir="/nonexistent", report_to=[], use_cpu=True,
+                            data_seed=worker_data_seed(42, "w0"))  # fmt: skip
+    assert same_data_warning(own, "w0") is None
+
+    with live_server(ServerSettings(sync_every=2)) as server:
+        for args, warned in ((plain, True), (own, False)):
+            caplog.clear()
+            callback = DiLoCoCallback(server.url, "w0")
+            model = torch.nn.Linear(2, 2)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            with caplog.at_level("WARNING", logger="diloco.integrations.transformers"):
+                callback.on_train_begin(args, _State(), None, model=model, optimizer=optimizer)
+            callback.on_train_end(args, _State(), None)
+            shown = [r.getMessage() for r in caplog.records if "shuffles" in r.getMessage()]
+            assert shown == ([same_data_warning(args, "w0")] if warned else [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,14 @@ OWNED_OPTIONS = ("checkpoint_dir", "scheduler", "save_every_round")
 
 class DiLoCoCallbackError(ValueError):
     """The trainer cannot run as a DiLoCo worker as set up; the message names the cause."""
+
+
+def worker_data_seed(seed: int, worker_id: str) -> int:
+    """A data-order seed of the worker's own: `seed` mixed with its id (SHA-256, < 2**32), so
+    workers started with one seed (which must build the same initial weights) shuffle their
+    data apart, and a worker resumed under its id shuffles as it did before."""
+    digest = hashlib.sha256(f"{seed}\0{worker_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -30,6 +30,7 @@ from diloco.integrations.common import (
     refuse_owned_options,
     resume_on_every_rank,
     torch_optimizer,
+    worker_data_seed,
 )
 from diloco.worker import DiLoCoWorker
 from diloco.worker.data.tokens import TokenCounter, batch_samples
@@ -42,7 +43,13 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         "diloco.integrations.transformers needs transformers: pip install 'diloco[transformers]'"
     ) from exc
 
-__all__ = ["DiLoCoCallback", "DiLoCoCallbackError", "torch_optimizer"]
+__all__ = [
+    "DiLoCoCallback",
+    "DiLoCoCallbackError",
+    "same_data_warning",
+    "torch_optimizer",
+    "worker_data_seed",
+]
 log = logging.getLogger("diloco.integrations.transformers")
 STATE_DIR = "diloco"  # inside each checkpoint-N folder
 RUN_FILE = "trainer_run.json"  # the Trainer settings a resume must keep
@@ -53,6 +60,25 @@ def _run_settings(args: Any) -> dict:
         "gradient_accumulation_steps": int(args.gradient_accumulation_steps),
         "per_device_train_batch_size": int(args.per_device_train_batch_size),
     }
+
+
+def same_data_warning(args: Any, worker_id: str | None) -> str | None:
+    """The warning for a Trainer whose data order every worker shares: its sampler shuffles
+    with `data_seed`, else `seed`, and a seed that is not the worker's own (data_seed other
+    than seed) is most likely the same on every worker, which then trains the same batches.
+    None when data_seed differs from seed (say, `worker_data_seed(seed, worker_id)`)."""
+    seed, data_seed = getattr(args, "seed", None), getattr(args, "data_seed", None)
+    if seed is None or (data_seed is not None and data_seed != seed):
+        return None
+    option = "seed" if data_seed is None else "data_seed"
+    own = f"worker_data_seed({seed}, {worker_id!r})" if worker_id else "worker_data_seed(...)"
+    return (
+        f"worker {worker_id}: the Trainer shuffles its train data with TrainingArguments "
+        f"{option}={seed}, which is not the worker's own: every worker started with it trains "
+        f"the same batches in the same order. Give each worker its own, data_seed={own} "
+        "(diloco.integrations.transformers), or train leased data (callback.lease_data); "
+        "a train_dataset that is a shard of this worker's own needs neither"
+    )
 
 
 class DiLoCoCallback(TrainerCallback):
@@ -159,6 +185,10 @@ class DiLoCoCallback(TrainerCallback):
         self.worker = worker
         if self._leased is not None:
             self._bind_leased_data(worker, model)
+        elif worker.is_leader:
+            warning = same_data_warning(args, worker.worker_id)
+            if warning is not None:
+                log.warning(warning)
 
     def _bind_leased_data(self, worker: DiLoCoWorker, model: Any) -> None:
         assert self._leased is not None
