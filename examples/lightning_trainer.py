@@ -29,6 +29,7 @@ from diloco.data import (
     load_named_corpus,
     split_train_val,
 )
+from diloco.integrations.common import worker_data_seed
 from diloco.integrations.lightning import DiLoCoCallback, DiLoCoCallbackError
 from diloco.models import GPTConfig
 from diloco.training import inner_lr, make_inner_optimizer
@@ -79,7 +80,10 @@ class ByteGPT(L.LightningModule):
                                                sampler=self.leased)  # fmt: skip
         passes = o.steps * o.grad_accum
         start = self.trainer.global_step * o.grad_accum  # restored by now on a resume
-        seed = o.seed + self.global_rank  # the ranks of a DDP group train different batches
+        # each worker's own data order (the same --seed builds the same initial weights), and
+        # the ranks of a DDP group train different batches
+        own = worker_data_seed(o.seed, o.worker_id) if o.worker_id else o.seed
+        seed = own + self.global_rank
         data = StepBatches(self.train_tokens, o.batch_size, o.seq_len, seed, start, passes)
         return torch.utils.data.DataLoader(data, batch_size=None)
 
