@@ -231,3 +231,58 @@ def test_tied_tensors_are_refused_in_streaming_mode() -> None:
     with pytest.raises(ValueError, match=r"tied tensors \(embed.weight, head.weight share"):
         _refuse_tied_tensors(Tied())
     _refuse_tied_tensors(torch.nn.Linear(2, 2))  # untied: nothing to say
+
+
+def test_a_gpu_out_of_memory_coding_a_fragment_moves_the_anchor_to_the_cpu_and_goes_on(
+    live_server, caplog, monkeypatch
+) -> None:
+    """Streaming int8 with error feedback, one worker: the first fragment's coding runs out
+    of GPU memory halfway; the anchor and residual move to the CPU, the fragment is coded
+    again, and after a whole cycle the worker holds exactly what a worker that never ran
+    out holds (weights, residual, fragment rounds)."""
+    import diloco.worker.anchor as anchors
+
+    real_update = anchors.updated_anchor  # a "cuda" anchor's tensors stay on this CPU
+    monkeypatch.setattr(
+        anchors, "updated_anchor", lambda anchor, tensors, _device: real_update(anchor, tensors)
+    )
+    settings = ServerSettings(
+        **{**STREAMING, "alpha": 0.0}, upload_codec="int8", error_feedback_beta=0.9
+    )
+    ended = []
+    for inject in (False, True):
+        with live_server(settings) as server:
+            model = make_model()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+            worker._anchor.device = torch.device("cuda")  # as on a GPU
+            failed = []
+            real = worker._uploads.body_from
+
+            def out_of_memory(*args, real=real, failed=failed, **kwargs):
+                if not failed:
+                    failed.append(real(*args, **kwargs))  # its residuals half written
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+                return real(*args, **kwargs)
+
+            if inject:
+                worker._uploads.body_from = out_of_memory
+            train(model, optimizer, steps=8)  # two cycles of H = 4
+            worker.streamer.flush()
+            ended.append(
+                (
+                    snapshot(model.state_dict()),
+                    snapshot(worker._uploads.residual),
+                    list(worker.streamer.fragment_rounds),
+                    worker._anchor.device.type,
+                )
+            )
+            assert failed or not inject
+            worker.close(final_sync=False)
+    (weights, residual, rounds, device), (weights_2, residual_2, rounds_2, device_2) = ended
+    assert device == "cuda" and device_2 == "cpu"
+    assert rounds == rounds_2 and rounds[0] >= 2
+    assert all(torch.equal(weights[n], weights_2[n]) for n in weights)
+    assert residual.keys() == residual_2.keys() and residual
+    assert all(torch.equal(residual[n], residual_2[n]) for n in residual)
+    assert any("ran out of memory in a sync" in r.getMessage() for r in caplog.records)

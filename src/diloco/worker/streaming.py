@@ -95,6 +95,7 @@ class FragmentStreamer:
         on_merged: Callable[[int], None],
         uploads: UploadCoder,
         before_send: Callable[[], None] = lambda: None,
+        coding: Callable[[Callable[[], bytearray]], bytearray] = lambda code: code(),
     ) -> None:
         if len(plan) != settings.fragments or len(fragment_rounds) != settings.fragments:
             raise ValueError(
@@ -108,6 +109,7 @@ class FragmentStreamer:
         self.alpha = settings.alpha
         self.uploads = uploads
         self.before_send = before_send  # every rank, before a fragment's values leave
+        self.coding = coding  # runs a body's coding (the worker's: a GPU out of memory -> CPU)
         self.fragment_rounds = list(fragment_rounds)
         self.fragment_timeout = fragment_timeout
         self.session = session
@@ -156,10 +158,15 @@ class FragmentStreamer:
         if session is None:
             self.in_flight = InFlight(outcome, merge_at, threading.Thread(target=lambda: None))
             return
-        names, local = self.plan[fragment], self.anchor.model.state_dict()
-        body = self.uploads.body_from(
-            {n: self.anchor.tensors[n] for n in names}, {n: local[n] for n in names}
-        )
+        names = self.plan[fragment]
+
+        def code() -> bytearray:
+            local = self.anchor.model.state_dict()
+            return self.uploads.body_from(
+                {n: self.anchor.tensors[n] for n in names}, {n: local[n] for n in names}
+            )
+
+        body = self.coding(code)
         outcome.finished = self.units.finished()
         everything = set(range(len(self.plan)))
         outcome.units = [

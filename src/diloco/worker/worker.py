@@ -265,6 +265,7 @@ class DiLoCoWorker(WorkerResumption):
                 on_merged=self._fragment_merged,
                 uploads=self._uploads,
                 before_send=self._check_replicas,
+                coding=lambda code: self._on_host_after_oom(code, coding=True),
             )
         self._skip_rounds_missed()
         self._resume_mid_round()
