@@ -101,3 +101,26 @@ def test_a_round_over_https_and_an_untrusted_certificate(
     assert f"TLS certificate of {url}" in line
     assert time.monotonic() - started < 60
     one_error_line(run_cli("status", url, env=TOKEN_ENV), "not trusted", "--ca-file")
+
+
+def test_a_tls_server_with_an_idle_keep_alive_client_stops_at_once(
+    server_process, tmp_path: Path
+) -> None:
+    """An open dashboard tab holds an idle TLS keep-alive connection: SIGTERM must close it
+    and exit 0, not wait out the graceful-shutdown timeout for a TLS close the client never
+    sends (uvicorn then logs 'timeout graceful shutdown exceeded')."""
+    cert, key = self_signed_certificate(tmp_path)
+    server = server_process("--tls-cert", str(cert), "--tls-key", str(key))
+    port = urlsplit(server.url).port
+    context = ssl.create_default_context(cafile=str(cert))
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    with context.wrap_socket(raw, server_hostname="localhost") as tls:
+        tls.sendall(b"GET /v1/info HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += tls.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        server.process.terminate()  # the connection stays open, idle
+        assert server.process.wait(timeout=30) == 0
+    log = server.log.read_text()
+    assert "graceful shutdown exceeded" not in log, log[-2000:]
