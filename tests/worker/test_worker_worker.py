@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -290,7 +291,9 @@ class FlakyProxy:
         self.listener.close()
 
 
-def test_cut_connections_are_retried_and_each_round_counts_once(live_server) -> None:
+def test_cut_connections_are_retried_and_each_round_counts_once(live_server, caplog) -> None:
+    """Each retry is logged, and so is the answer that ends them: the server is back."""
+    caplog.set_level("WARNING", logger="diloco.worker")
     settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0)
     with live_server(settings) as server:
         proxy = FlakyProxy(int(server.url.rsplit(":", 1)[1]))
@@ -312,6 +315,14 @@ def test_cut_connections_are_retried_and_each_round_counts_once(live_server) -> 
                 optimizer.zero_grad()
             assert worker.rounds == 3
             assert proxy.cut >= 1 and worker.stats()["retries"] >= 1
+            retried = [m for m in caplog.messages if "; retrying in " in m]
+            back = [m for m in caplog.messages if "the server answered again" in m]
+            assert retried and back, caplog.messages
+            operation = retried[0].split(":")[0]  # upload_initial or submit: ~66 KB bodies
+            assert re.fullmatch(
+                rf"{operation}: the server answered again after \d+ retr(y|ies) in \d+\.\d s",
+                back[0],
+            ), caplog.messages
             assert server.coordinator.membership.workers["flaky"].rounds_contributed == 3
             assert server.coordinator.round_number == 3
             weights = server_weights(server.url)
@@ -322,23 +333,30 @@ def test_cut_connections_are_retried_and_each_round_counts_once(live_server) -> 
             proxy.close()
 
 
-def test_a_worker_held_by_min_workers_says_why(live_server, monkeypatch, caplog) -> None:
+def test_a_worker_held_by_min_workers_says_why(live_server, caplog) -> None:
     """Alone under --min-workers 2, the worker's wait is logged with the server's reason
-    (never silent); a second worker's submission then releases it."""
-    monkeypatch.setattr("diloco.worker.session.WAIT_REPORT_SECONDS", 0.3)
+    (never silent), once until a minute has passed; a second worker's submission then
+    releases it."""
     caplog.set_level("WARNING", logger="diloco.worker")
     with live_server(ServerSettings(sync_every=2, min_workers=2)) as server:
         models = [make_model(), make_model()]
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-        first = DiLoCoWorker(models[0], optimizers[0], server.url, worker_id="a", result_wait=0.1)
+        first = DiLoCoWorker(
+            models[0], optimizers[0], server.url, worker_id="a", wait_report_after=1.0
+        )
         trainer = threading.Thread(target=train, args=(models[0], optimizers[0], 2))
         trainer.start()
         deadline = time.monotonic() + 30
         while "still open" not in caplog.text:
             assert time.monotonic() < deadline, caplog.text
             time.sleep(0.05)
-        assert "round 0 still open after" in caplog.text
-        assert "--min-workers needs 1 more submission than its live workers" in caplog.text
+        time.sleep(0.5)  # the long-poll goes on: no second line before a minute
+        [line] = caplog.messages
+        assert re.fullmatch(
+            r"round 0 still open after \d+ s, waiting for: 1 more submission \(--min-workers\);"
+            r" the round commits once more workers join and submit",
+            line,
+        )
         assert first.rounds == 0 and trainer.is_alive()
         second = DiLoCoWorker(models[1], optimizers[1], server.url, worker_id="b")
         train(models[1], optimizers[1], 2, seed=2)

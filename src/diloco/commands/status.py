@@ -9,15 +9,13 @@ import typer
 from diloco.commands.options import CaFileOption, TokenFileOption, TokenOption, server_client
 from diloco.console import check_output_path, megabytes, out, summary_table, write_json
 from diloco.worker import DiLoCoClient
+from diloco.worker.session import waiting_text as whom_it_waits_for
 
 
 def waiting_text(status: dict) -> str:
-    """Who the open round waits for, and any workers it needs beyond them (--min-workers)."""
-    parts = list(status["waiting_for"])
-    short = status.get("more_submissions_needed", 0)
-    if short:
-        parts.append(f"{short} more submission{'s' if short > 1 else ''} (--min-workers)")
-    return ", ".join(parts) or "-"
+    """Who the open round waits for, and any workers it needs beyond them (--min-workers),
+    in the words of a waiting worker's log."""
+    return whom_it_waits_for(status) or "-"
 
 
 def status_command(

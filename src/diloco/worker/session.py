@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -30,7 +31,12 @@ from diloco.worker.net.client import DiLoCoClient, Weights
 
 log = logging.getLogger("diloco.worker")
 
-WAIT_REPORT_SECONDS = 60.0  # a result long-poll this long unanswered is logged, and again
+# A result this long in coming is logged with why the server waits (its "waiting" answer),
+# and again at most once a minute; DILOCO_WAIT_REPORT_SECONDS (or the worker's
+# wait_report_after) sets the first.
+WAIT_REPORT_SECONDS = 30.0
+WAIT_REPEAT_SECONDS = 60.0
+WAIT_REPORT_ENV_VAR = "DILOCO_WAIT_REPORT_SECONDS"
 
 
 @dataclass(frozen=True)
@@ -45,20 +51,58 @@ class Exchanged:
     folded: bool = True
 
 
-def describe_wait(round_number: int, fragment: int, seconds: float, waiting: Mapping) -> str:
-    """Why a round has not committed yet, from the server's "waiting" answer."""
-    what = f"round {round_number}" + (f" of fragment {fragment}" if fragment else "")
-    reasons = []
-    if waiting.get("waiting_for"):
-        reasons.append(f"waiting for {', '.join(waiting['waiting_for'])}")
+def wait_report_seconds(seconds: float | None = None) -> float:
+    """When a sync that is still waiting is first logged: `seconds`, else
+    $DILOCO_WAIT_REPORT_SECONDS, else WAIT_REPORT_SECONDS; ValueError for a bad value."""
+    if seconds is None:
+        text = os.environ.get(WAIT_REPORT_ENV_VAR, "").strip()
+        if not text:
+            return WAIT_REPORT_SECONDS
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ValueError(
+                f"{WAIT_REPORT_ENV_VAR} must be a number of seconds, got {text!r}"
+            ) from None
+    if isinstance(seconds, bool) or not (
+        isinstance(seconds, (int, float)) and 0 < seconds < math.inf
+    ):
+        raise ValueError(f"wait_report_after must be > 0 seconds, got {seconds!r}")
+    return float(seconds)
+
+
+def waiting_text(waiting: Mapping) -> str:
+    """Whom an open round waits for, as `diloco status` and the worker's log say it: the
+    workers yet to submit, and the submissions --min-workers needs beyond them ("" if none)."""
+    parts = [str(w) for w in waiting.get("waiting_for") or []]
     short = waiting.get("more_submissions_needed") or 0
     if short:
-        reasons.append(
-            f"the server's --min-workers needs {short} more submission{'s' if short > 1 else ''}"
-            " than its live workers will send; it commits once more workers join and submit"
+        parts.append(f"{short} more submission{'s' if short > 1 else ''} (--min-workers)")
+    return ", ".join(parts)
+
+
+def describe_wait(
+    round_number: int,
+    fragment: int,
+    seconds: float,
+    waiting: Mapping,
+    heartbeat_timeout: float | None = None,
+) -> str:
+    """Why a round has not committed yet, from the server's "waiting" answer."""
+    what = f"round {round_number}" + (f" of fragment {fragment}" if fragment else "")
+    whom = waiting_text(waiting)
+    if not whom:
+        return f"{what} still open after {seconds:.0f} s: the server is committing it"
+    hints = []
+    if waiting.get("waiting_for"):
+        evicted = "" if heartbeat_timeout is None else f" ({heartbeat_timeout:g} s)"
+        hints.append(
+            "a worker that stopped is waited for until the server's heartbeat timeout"
+            f"{evicted} evicts it"
         )
-    why = "; ".join(reasons) or "the server is committing it"
-    return f"{what} still open after {seconds:.0f} s: {why}"
+    if waiting.get("more_submissions_needed"):
+        hints.append("the round commits once more workers join and submit")
+    return f"{what} still open after {seconds:.0f} s, waiting for: {whom}; " + "; ".join(hints)
 
 
 class ServerSession:
@@ -81,8 +125,11 @@ class ServerSession:
         worker_id: str | None = None,
         saved_identity: Mapping[str, Any] | None = None,
         result_wait: float = 30.0,
+        wait_report_after: float = WAIT_REPORT_SECONDS,
     ) -> None:
-        """`saved_identity`: what `identity()` returned to a checkpoint this worker resumes."""
+        """`saved_identity`: what `identity()` returned to a checkpoint this worker resumes.
+        `wait_report_after`: a result that long in coming is logged with why, and again
+        every WAIT_REPEAT_SECONDS (at least)."""
         self.client = client
         self.specs = specs
         self.units = units
@@ -93,6 +140,8 @@ class ServerSession:
         if saved_credential:  # refused by the server (a fresh one): the client enrolls again
             client.credential = str(saved_credential)
         self.result_wait = result_wait
+        self.wait_report_after = wait_report_after
+        self.heartbeat_timeout: float | None = None  # the server's, once joined
         self.plan: list[list[str]] | None = None
         self.reuse_downloads = True
         # With a download codec: (delta body, fragment) -> the new values of the fragment's
@@ -143,6 +192,7 @@ class ServerSession:
     ) -> Weights:
         """Register (waiting while our id is still held); the first worker uploads
         `initial_weights()`; everyone starts from the server's weights, returned here."""
+        self.heartbeat_timeout = heartbeat_timeout
         with self._register_lock:
             reply = self._register_when_free(heartbeat_timeout, heartbeat_interval)
         if reply["needs_initial_weights"]:
@@ -279,20 +329,25 @@ class ServerSession:
     ) -> Exchanged:
         assert self.worker_id is not None
         started = time.monotonic()
-        next_report = started + WAIT_REPORT_SECONDS
+        next_report = started + self.wait_report_after
         while True:
             if cancelled is not None and cancelled():
                 raise ClientClosed(f"the sync of round {round_number} was given up")
             now = time.monotonic()
             if now >= next_report:
-                waited = now - started
-                log.warning(describe_wait(round_number, fragment, waited, self.client.last_waiting))
-                next_report = now + WAIT_REPORT_SECONDS
+                waiting = self.client.last_waiting
+                log.warning(
+                    describe_wait(
+                        round_number, fragment, now - started, waiting, self.heartbeat_timeout
+                    )
+                )
+                next_report = now + max(WAIT_REPEAT_SECONDS, self.wait_report_after)
             try:
                 got = self.client.wait_result(
                     round_number,
                     self.worker_id,
-                    wait=self.result_wait,
+                    # no longer than until the next report is due, so that it comes on time
+                    wait=min(self.result_wait, max(0.0, next_report - now)),
                     fragment=fragment,
                     into=self._reusable_download(),
                     have=round_number if self.apply_delta is not None else None,

@@ -46,8 +46,9 @@ from diloco.worker.net.transport import ClientStats
 from diloco.worker.pace import Pace
 from diloco.worker.parallel import distributed
 from diloco.worker.parallel.fsdp import ShardedAnchor, check_sharded_settings, is_sharded
+from diloco.worker.round_log import RoundLines, joined_line, log_recovered
 from diloco.worker.schedule import DyLU, EveryH
-from diloco.worker.session import Exchanged, ServerSession
+from diloco.worker.session import Exchanged, ServerSession, wait_report_seconds
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.state.checkpoint import Checkpointer, WorkerCheckpoint
 from diloco.worker.state.resumption import WorkerResumption
@@ -107,6 +108,7 @@ class DiLoCoWorker(WorkerResumption):
         ca_file: str | os.PathLike[str] | None = None,
         save_every_round: bool = True,
         anchor_device: str | torch.device = "auto",
+        wait_report_after: float | None = None,
     ) -> None:
         """`checkpoint_dir`: after every round (unless `save_every_round` is False: then only
         when `save_checkpoint` is called, e.g. with a trainer's own checkpoints) the worker
@@ -130,6 +132,12 @@ class DiLoCoWorker(WorkerResumption):
         (the default) keeps them beside a model on a GPU when they fit in half of its free
         memory, so that a round's arithmetic and coding run there; "cpu" keeps them in host
         memory (the GPU's memory then holds only training); or a device name.
+
+        `wait_report_after`: a sync whose result has not come after this many seconds is
+        logged (WARNING, logger "diloco.worker") with what the server waits for, and again
+        at most once a minute; None: $DILOCO_WAIT_REPORT_SECONDS, else 30 s. The logger also
+        says (INFO) when the worker joins and each round, and (WARNING) when the server
+        answers again after retries.
         """
         # Checked before anything reaches the server (the upload cap by the client's limiter).
         if isinstance(result_wait, bool) or not (
@@ -144,6 +152,7 @@ class DiLoCoWorker(WorkerResumption):
         ):
             raise ValueError(f"fragment_timeout must be > 0 seconds, got {fragment_timeout!r}")
         requested_anchor_device = parse_anchor_device(anchor_device)
+        report_after = wait_report_seconds(wait_report_after)
         self.model = _unwrap(model)
         self.optimizer = optimizer
         self.server_url = server_url
@@ -157,6 +166,7 @@ class DiLoCoWorker(WorkerResumption):
         client_options = {
             "retry": retry or RetryPolicy(),
             "on_retry": _log_retry,
+            "on_recovered": log_recovered,
             "max_upload_mbps": max_upload_mbps,
             "ca_file": ca_file,
         }
@@ -173,6 +183,7 @@ class DiLoCoWorker(WorkerResumption):
         self.rounds = 0
         self.last_loss: float | None = None
         self._pace = Pace()
+        self._round_lines = RoundLines()
         self._tokens = TokenTally()
         self._units = UnitReports(data)
         self.sample_trace = SampleTrace.from_env()  # DILOCO_TRACE_SAMPLES: audits only
@@ -204,6 +215,7 @@ class DiLoCoWorker(WorkerResumption):
                 worker_id=self.worker_id,
                 saved_identity=None if self.resumed is None else self.resumed.extra,
                 result_wait=result_wait,
+                wait_report_after=report_after,
             )
             if self.client is not None
             else None
@@ -386,8 +398,18 @@ class DiLoCoWorker(WorkerResumption):
         self.fragment_rounds = weights.fragment_rounds or [weights.round]
         if self.settings.mode == "streaming":
             self.fragment_plan = session.fragment_plan()
-        log.info("worker %s joined at round %d", session.worker_id, weights.round)
         assert session.worker_id is not None
+        settings = self.settings
+        log.info(
+            joined_line(
+                session.worker_id,
+                self.server_url,
+                weights.round,
+                settings.mode,
+                settings.sync_every,
+                self.local_step,
+            )
+        )
         return session.worker_id
 
     def _initial_body(self, gathered: bytearray | None) -> bytearray:
@@ -441,6 +463,7 @@ class DiLoCoWorker(WorkerResumption):
             return
         self._check_replicas()
         started = time.monotonic()
+        submitted = self.round
         calls = self.client.stats if self.client is not None else None
         body = self._gathered(self._sharded_upload) if self.sharded else None
         try:
@@ -458,6 +481,17 @@ class DiLoCoWorker(WorkerResumption):
         self._saved_round()
         self.last_round_phases = self._phases(calls, exchanged - started)
         self.last_round_phases["save"] = time.monotonic() - exchanged
+        if self.settings.mode == "async":
+            self._log_round(f"sync {self.rounds} (server version {self.round})")
+        else:
+            self._log_round(f"round {submitted}")
+
+    def _log_round(self, what: str) -> None:
+        """The round's line (rank 0's): see round_log.RoundLines."""
+        if self.is_leader and log.isEnabledFor(logging.INFO):
+            client = self.client.stats if self.client is not None else None
+            loss, blocked = self.last_loss, self._pace.blocked_seconds
+            log.info(self._round_lines.line(what, self.local_step, loss, client, blocked))
 
     def _phases(self, before: ClientStats | None, blocked: float) -> dict[str, float]:
         """Where the round's blocked time went (rank 0's view; seconds): encode (the
@@ -581,6 +615,8 @@ class DiLoCoWorker(WorkerResumption):
         self._pace.window_done(self.local_step)
         if self.streamer is not None and fragment == self.streamer.last_fragment:
             self._saved_round()
+            rounds = ", ".join(str(r) for r in self.streamer.fragment_rounds)
+            self._log_round(f"a cycle of fragments (rounds now {rounds})")
 
     # ----------------------------------------------------------------- reporting and exit
 

@@ -28,6 +28,7 @@ from diloco.worker.net.retry import RetryPolicy
 from diloco.worker.net.transport import (
     Body,
     ClientStats,
+    OnRecovered,
     OnRetry,
     Reply,
     Transport,
@@ -128,9 +129,11 @@ class DiLoCoClient:
         max_upload_mbps: float | None = None,
         auth: BearerAuth | None = None,
         ca_file: str | os.PathLike[str] | None = None,
+        on_recovered: OnRecovered | None = None,
     ) -> None:
         """`max_upload_mbps` paces tensor uploads to that many megabits per second; `token`,
-        `auth` and `ca_file` as `Transport` takes them (enrollment, credentials, TLS)."""
+        `auth`, `ca_file`, `on_retry` and `on_recovered` as `Transport` takes them
+        (enrollment, credentials, TLS, retries and recoveries)."""
         self._transport = Transport(
             base_url,
             token,
@@ -144,6 +147,7 @@ class DiLoCoClient:
             max_upload_mbps=max_upload_mbps,
             auth=auth,
             ca_file=ca_file,
+            on_recovered=on_recovered,
         )
         self.auth = self._transport.auth
         self.base_url = self._transport.base_url

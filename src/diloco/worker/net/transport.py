@@ -55,6 +55,8 @@ from diloco.worker.net.tls import (
 
 Body = bytes | bytearray | memoryview
 OnRetry = Callable[[str, BaseException | int, float], None]
+# (operation, retries, seconds): a call that had to be retried got its answer at last
+OnRecovered = Callable[[str, int, float], None]
 
 RETRIED_STATUSES = frozenset({429, 502, 503, 504})
 # Failures of the connection itself; anything else (a TLS certificate error, a bad URL) will
@@ -284,8 +286,11 @@ class Transport:
         max_upload_mbps: float | None = None,
         auth: BearerAuth | None = None,
         ca_file: str | os.PathLike[str] | None = None,
+        on_recovered: OnRecovered | None = None,
     ) -> None:
         """`max_upload_mbps` paces tensor uploads to that many megabits per second.
+        `on_retry` hears of each retry before its wait, `on_recovered` of a retried call's
+        answer (both from the calling thread).
 
         `token` is the enrollment token (None: $DILOCO_TOKEN, if set); `auth` shares another
         client's secrets instead (the worker's heartbeat client). `ca_file`: PEM certificates
@@ -307,6 +312,7 @@ class Transport:
         self.read_timeout = float(read_timeout)
         self._connect_timeout = float(connect_timeout)
         self._on_retry = on_retry
+        self._on_recovered = on_recovered
         self._closed = threading.Event()
         self._sleep = sleep if sleep is not None else self._closed.wait
         self._clock = clock
@@ -401,6 +407,10 @@ class Transport:
                             continue  # at once, with the secret that replaces the refused one
                         raise server_error(reply)
                     if reply.status not in RETRIED_STATUSES:
+                        if attempts > 1 + auth_tries and self._on_recovered is not None:
+                            self._on_recovered(
+                                operation, attempts - 1 - auth_tries, self._clock() - started
+                            )
                         return reply
                     cause, signal = server_error(reply), reply.status
                     retry_after = _retry_after(reply)

@@ -1,0 +1,61 @@
+"""The worker's lines about its progress, on the "diloco.worker" logger: one when it joins
+(INFO), one per round (INFO), one when the server answers again after retries (WARNING, as
+the retries it ends were). `diloco worker` shows them all; a library user sees the
+warnings, and the rest with `logging.getLogger("diloco.worker").setLevel(logging.INFO)`."""
+
+from __future__ import annotations
+
+import logging
+
+from diloco.worker.net.transport import ClientStats
+
+log = logging.getLogger("diloco.worker")
+
+
+def joined_line(
+    worker_id: str, server: str, round_number: int, mode: str, sync_every: int, step: int
+) -> str:
+    """The join line: who joined where, at which round, in which mode and with which H."""
+    line = f"worker {worker_id} joined {server} at round {round_number}"
+    line += f" ({mode} mode, H={sync_every})"
+    return line + (f", resuming at step {step}" if step else "")
+
+
+def log_recovered(operation: str, retries: int, seconds: float) -> None:
+    """A call that was retried got its answer: the server is back (after the retry lines)."""
+    log.warning(
+        "%s: the server answered again after %d retr%s in %.1f s",
+        operation,
+        retries,
+        "y" if retries == 1 else "ies",
+        seconds,
+    )
+
+
+class RoundLines:
+    """One line per round: the round, the step, the last reported loss, the megabytes this
+    worker's client sent and received since the last line, and the seconds training was
+    blocked on the server since then."""
+
+    def __init__(self) -> None:
+        self._sent = self._received = 0
+        self._blocked = 0.0
+
+    def line(
+        self,
+        what: str,
+        step: int,
+        loss: float | None,
+        client: ClientStats | None,
+        blocked_seconds: float,
+    ) -> str:
+        sent = client.bytes_sent if client is not None else 0
+        received = client.bytes_received if client is not None else 0
+        up, down = (sent - self._sent) / 1e6, (received - self._received) / 1e6
+        blocked = blocked_seconds - self._blocked
+        self._sent, self._received, self._blocked = sent, received, blocked_seconds
+        shown = "-" if loss is None else f"{loss:.4f}"
+        return (
+            f"{what} done at step {step}: loss {shown}, {up:.2f} MB up, {down:.2f} MB down, "
+            f"blocked {blocked:.1f} s"
+        )
