@@ -26,6 +26,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 # Piped output (CI logs, log files, tests) gets a wide console so that summary tables are not
 # squeezed, and lines of text are never wrapped: a log line stays one line for grep, whatever
@@ -49,6 +50,35 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 def warn(message: str) -> None:
     """One WARNING line on stderr (the run goes on)."""
     err.print(f"WARNING: {escape(message)}", highlight=False, soft_wrap=True)
+
+
+class _LinesOnStderr(logging.Handler):
+    """Log records as lines printed through `err`, so that a live progress bar stays below
+    them: INFO as the message alone, WARNING and above as "LEVEL logger: message"."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.levelno >= logging.WARNING:
+                text = f"{record.levelname} {record.name}: {text}"
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            err.print(Text(text), highlight=False, soft_wrap=True)
+        except Exception:
+            self.handleError(record)
+
+
+def log_to_stderr(info_from: Sequence[str] = ()) -> None:
+    """A command's log on stderr: WARNING and above of every logger, and the INFO lines of
+    the loggers `info_from` names. Nothing changes when the root logger has handlers already
+    (the caller's own logging, a test's capture)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    root.addHandler(_LinesOnStderr())
+    root.setLevel(logging.WARNING)
+    for name in info_from:
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def check_output_path(path: Path | None, option: str) -> None:

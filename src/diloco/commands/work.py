@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +34,7 @@ from diloco.console import (
     check_output_path,
     err,
     fail,
+    log_to_stderr,
     megabytes,
     out,
     progress_bar,
@@ -51,6 +55,7 @@ from diloco.models.causal_lm import CausalLMConfig
 from diloco.training import Replica
 from diloco.worker import (
     AuthError,
+    DiLoCoClient,
     DiLoCoWorker,
     RetryPolicy,
     ServerError,
@@ -151,6 +156,52 @@ def _model_spec(path: Path | None, seq_len: int, width: int, depth: int, heads: 
             f"in {path})"
         )
     return spec
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT came: the worker stops where it is, leaves and reports. Not an
+    Exception, so that nothing on its way takes it for a failure to retry or to report."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.name = signal.Signals(signum).name
+        self.code = 128 + signum  # the exit status a shell shows for a process it ended
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGINT raise Stopped in the main thread, once (a second one ends
+    the process as the signal does); the handlers before come back on the way out. A SIGINT
+    the process ignores (a shell's background job) stays ignored; outside the main thread (a
+    test's runner) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    watched = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        watched.append(signal.SIGINT)
+    before = {signum: signal.getsignal(signum) for signum in watched}
+
+    def stop(signum: int, _frame: object) -> None:
+        for each in watched:
+            signal.signal(each, signal.SIG_DFL)
+        raise Stopped(signum)
+
+    for signum in watched:
+        signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def _leave_at_once(worker: DiLoCoWorker) -> None:
+    """A stopped worker leaves the run without a last sync, trying the server once (one that
+    does not answer evicts the worker after its heartbeat timeout)."""
+    if isinstance(worker.client, DiLoCoClient):
+        worker.client.retry = RetryPolicy(attempts=1)
+    worker.close(final_sync=False)
 
 
 def worker_command(
@@ -285,7 +336,7 @@ def worker_command(
     secret = read_token(token, token_file)
     sent = secret is not None
     check_ca_file(ca_file)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log_to_stderr(info_from=["diloco.worker"])  # joined, each round, waits, retries
     try:
         config = _model_spec(model_config, seq_len, width, depth, heads)
         corpus_bytes = load_named_corpus(corpus)
@@ -318,19 +369,23 @@ def worker_command(
         raise fail(f"--max-retry-delay must be > 0 seconds, got {max_retry_delay}")
     retry = retry_policy(give_up_after, max_retry_delay, checkpoint_dir)
     try:
-        worker = DiLoCoWorker(
-            replica.model,
-            replica.optimizer,
-            server,
-            worker_id,
-            secret,
-            retry=retry,
-            checkpoint_dir=checkpoint_dir,
-            fragment_timeout=fragment_timeout,
-            max_upload_mbps=max_upload_mbps,
-            ca_file=ca_file,
-            anchor_device=anchor_device,
-        )
+        with stop_signals():
+            worker = DiLoCoWorker(
+                replica.model,
+                replica.optimizer,
+                server,
+                worker_id,
+                secret,
+                retry=retry,
+                checkpoint_dir=checkpoint_dir,
+                fragment_timeout=fragment_timeout,
+                max_upload_mbps=max_upload_mbps,
+                ca_file=ca_file,
+                anchor_device=anchor_device,
+            )
+    except Stopped as stop:
+        err.print(f"worker stopped by {stop.name} before it joined {server}", highlight=False)
+        raise typer.Exit(code=stop.code) from None
     except ValueError as exc:
         raise fail(str(exc).replace("anchor_device", "--anchor-device")) from None
     except ServerUnreachable as exc:  # a wrong --server (or a shard of it that never answered)
@@ -359,37 +414,63 @@ def worker_command(
             sampler.skip(done)  # the same batches as a run that never stopped
     tokens_per_step = batch_size * seq_len
     started = time.monotonic()
+
+    def figures(
+        final_loss: float | None, train_seconds: float, stopped: Stopped | None = None
+    ) -> dict:
+        """What --json holds: the worker's figures, and whether a signal stopped it."""
+        stats = worker.stats()
+        return {
+            **stats,
+            "train_seconds": train_seconds,  # the training loop and the final sync, wall time
+            "blocked_fraction": stats["blocked_seconds"] / train_seconds if train_seconds else 0.0,
+            "server": server,
+            "steps": steps,
+            "data_dispatch": data_dispatch,
+            "resumed_at_step": done,
+            "shard": shard,
+            "num_shards": num_shards,
+            "seed": seed,
+            "final_eval_loss": final_loss,  # None when stopped: no final sync, no eval
+            "tokens": (steps if stopped is None else worker.local_step) * tokens_per_step,
+            "device": str(train_device),
+            "dtype": dtype,
+            "interrupted": stopped is not None,
+            "stopped_by": None if stopped is None else stopped.name,
+        }
+
     try:
-        with progress_bar(f"worker {worker.worker_id}", steps, enabled=progress) as advance:
-            advance(min(done, steps))
-            for _ in range(max(0, steps - done)):
-                loss = replica.train_step()
-                worker.report(loss=loss, tokens=tokens_per_step)
-                advance(1)
-        worker.close()
+        with stop_signals():
+            with progress_bar(f"worker {worker.worker_id}", steps, enabled=progress) as advance:
+                advance(min(done, steps))
+                for _ in range(max(0, steps - done)):
+                    loss = replica.train_step()
+                    worker.report(loss=loss, tokens=tokens_per_step)
+                    advance(1)
+            worker.close()
+    except Stopped as stop:
+        _leave_at_once(worker)
+        result = figures(None, time.monotonic() - started, stop)
+        resume = f"; the same command resumes from {checkpoint_dir}" if checkpoint_dir else ""
+        err.print(
+            f"worker {worker.worker_id} stopped by {stop.name} at step {worker.local_step} of "
+            f"{steps}: {result['rounds']} rounds, {megabytes(result['bytes_sent'])} MB sent, "
+            f"{megabytes(result['bytes_received'])} MB received, "
+            f"{result['blocked_seconds']:.1f} s blocked; it left the run{resume}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        if json_path is not None:
+            write_json(json_path, result)
+            err.print(f"wrote {json_path}")
+        raise typer.Exit(code=stop.code) from None
     except (ServerError, ServerUnavailable, LeaderFailed) as exc:
         worker.close(final_sync=False)
         message = refusal(exc, sent)
         raise fail(f"worker {worker.worker_id} stopped: {message}", code=1) from None
     train_seconds = time.monotonic() - started
     final_loss = evaluator.loss(replica.model.state_dict())
-    stats = worker.stats()
-    result = {
-        **stats,
-        "train_seconds": train_seconds,  # the training loop and the final sync, wall time
-        "blocked_fraction": stats["blocked_seconds"] / train_seconds if train_seconds else 0.0,
-        "server": server,
-        "steps": steps,
-        "data_dispatch": data_dispatch,
-        "resumed_at_step": done,
-        "shard": shard,
-        "num_shards": num_shards,
-        "seed": seed,
-        "final_eval_loss": final_loss,
-        "tokens": steps * tokens_per_step,
-        "device": str(train_device),
-        "dtype": dtype,
-    }
+    result = stats = figures(final_loss, train_seconds)
     out.print(
         summary_table(
             f"diloco worker {worker.worker_id}",

@@ -41,6 +41,11 @@ class RoundLines:
         self._sent = self._received = 0
         self._blocked = 0.0
 
+    def since(self, client: ClientStats | None) -> None:
+        """Count traffic from here (after joining: the first round's line is the round's)."""
+        if client is not None:
+            self._sent, self._received = client.bytes_sent, client.bytes_received
+
     def line(
         self,
         what: str,

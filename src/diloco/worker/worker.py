@@ -281,6 +281,7 @@ class DiLoCoWorker(WorkerResumption):
             )
         self._skip_rounds_missed()
         self._resume_mid_round()
+        self._round_lines.since(self.client.stats if self.client is not None else None)
         self._hook = optimizer.register_step_post_hook(self._after_step)
         if self.settings.weighting == "tokens":  # token weighting needs counts: count them
             self._tokens.count_forwards(self.model)
@@ -470,6 +471,10 @@ class DiLoCoWorker(WorkerResumption):
             distributed.lead(lambda: self._exchange_round(body), self._share_result)
         except distributed.LeaderFailed:
             self._uploads.settle(folded=False)  # rank 0 settled its own rows already
+            self._pace.blocked_seconds += time.monotonic() - started
+            raise
+        except BaseException:  # a sync cut short (a failure, a signal) blocked training too
+            self._pace.blocked_seconds += time.monotonic() - started
             raise
         exchanged = time.monotonic()
         self._pace.blocked_seconds += exchanged - started

@@ -1,0 +1,94 @@
+"""What `diloco worker` says while it runs, with its output in a file (issue 27, item 3): a
+line when it joins, one per round, why a sync waits, and on SIGTERM or SIGINT a summary line
+and its --json. Real `diloco server` and `diloco worker` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco.worker import DiLoCoClient, RetryPolicy
+from processes import start_worker
+
+ROUND = (
+    r"round {} done at step {}: loss \d+\.\d{{4}}, \d+\.\d\d MB up, \d+\.\d\d MB down, "
+    r"blocked \d+\.\d s"
+)
+
+
+def lines_of(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if line.strip()]
+
+
+def assert_lines(log: Path, patterns: list[str]) -> None:
+    """The log is these lines, each matching its pattern whole (numbers as \\d+)."""
+    lines = lines_of(log)
+    assert len(lines) == len(patterns), "\n".join(lines)
+    for line, pattern in zip(lines, patterns, strict=True):
+        assert re.fullmatch(pattern, line), f"{line!r} does not match {pattern!r}"
+
+
+def wait_for_line(log: Path, needle: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def test_a_worker_logging_to_a_file_says_when_it_joins_and_each_round(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    server = server_process("--sync-every", "2")
+    worker = start_worker(server.url, "w0", 0, 1, 5, corpus_file, tmp_path)
+    assert worker.wait(timeout=120) == 0, (tmp_path / "w0.log").read_text()
+    assert_lines(
+        tmp_path / "w0.log",
+        [
+            re.escape(f"worker w0 joined {server.url} at round 0 (sync mode, H=2)"),
+            ROUND.format(0, 2),
+            ROUND.format(1, 4),
+            ROUND.format(2, 5),  # the last, partial round: close() syncs it
+            re.escape(f"wrote {tmp_path / 'w0.json'}"),
+        ],
+    )
+    report = json.loads((tmp_path / "w0.json").read_text())
+    assert report["rounds"] == 3 and report["interrupted"] is False
+    assert report["stopped_by"] is None and report["final_eval_loss"] > 0
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_worker_held_by_min_workers_says_why_and_a_signal_ends_it_with_a_summary(
+    stop: signal.Signals, server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    """Alone under --min-workers 2 its first sync waits: after DILOCO_WAIT_REPORT_SECONDS
+    (30 s unless set) it says for what; a SIGTERM or SIGINT then ends it at once with a
+    summary line and its --json (marked interrupted), and it leaves the run."""
+    server = server_process("--sync-every", "2", "--min-workers", "2")
+    log = tmp_path / "w0.log"
+    worker = start_worker(server.url, "w0", 0, 1, 1000, corpus_file, tmp_path,
+                          env={"DILOCO_WAIT_REPORT_SECONDS": "1"})  # fmt: skip
+    wait_for_line(log, "still open")
+    worker.send_signal(stop)
+    assert worker.wait(timeout=30) == 128 + stop, log.read_text()
+    assert_lines(
+        log,
+        [
+            re.escape(f"worker w0 joined {server.url} at round 0 (sync mode, H=2)"),
+            r"WARNING diloco\.worker: round 0 still open after \d+ s, waiting for: 1 more "
+            r"submission \(--min-workers\); the round commits once more workers join and submit",
+            rf"worker w0 stopped by {stop.name} at step 2 of 1000: 0 rounds, \d+\.\d\d MB sent, "
+            r"\d+\.\d\d MB received, \d+\.\d s blocked; it left the run",
+            re.escape(f"wrote {tmp_path / 'w0.json'}"),
+        ],
+    )
+    report = json.loads((tmp_path / "w0.json").read_text())
+    assert report["interrupted"] is True and report["stopped_by"] == stop.name
+    assert report["local_steps"] == 2 and report["rounds"] == 0 and report["steps"] == 1000
+    assert report["final_eval_loss"] is None and report["blocked_seconds"] >= 1.0
+    with DiLoCoClient(server.url, retry=RetryPolicy(attempts=3), read_timeout=10) as client:
+        assert not [w for w in client.status()["workers"] if w["live"]]
