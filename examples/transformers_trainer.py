@@ -20,10 +20,11 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from diloco.data import TokenWindows, load_named_corpus, split_train_val
 from diloco.integrations.transformers import (
@@ -35,6 +36,7 @@ from diloco.models.causal_lm import CausalLMConfig, ModelConfigError
 from diloco.worker import ServerError, ServerUnavailable
 
 HERE = Path(__file__).resolve().parent
+EVAL_REPORT_SECONDS = 15.0  # an evaluation says how far it is this often
 
 
 class ByteWindows(torch.utils.data.Dataset):
@@ -52,23 +54,68 @@ class ByteWindows(torch.utils.data.Dataset):
 
 
 @torch.no_grad()
-def eval_loss(model: torch.nn.Module, windows: ByteWindows, batch_size: int) -> float:
-    """Mean loss per window over `windows`, outside the Trainer: under torchrun a
-    Trainer.evaluate() before train() marks the model as prepared, and train() then never
-    wraps it in DDP (transformers 5.24, accelerate 1.15), so the ranks would train apart."""
+def eval_loss(
+    model: torch.nn.Module,
+    windows: ByteWindows,
+    batch_size: int,
+    what: str,
+    max_batches: int | None = None,
+    say: bool = True,
+) -> float:
+    """Mean loss per window over `windows` (its first `max_batches` batches), outside the
+    Trainer: under torchrun a Trainer.evaluate() before train() marks the model as prepared,
+    and train() then never wraps it in DDP (transformers 5.24, accelerate 1.15), so the ranks
+    would train apart. With `say`, it tells stderr how many batches it reads, how far it is
+    every EVAL_REPORT_SECONDS, and the loss."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    batches = math.ceil(len(windows) / batch_size)
+    if max_batches is not None:
+        batches = min(batches, max_batches)
+
+    def report(line: str) -> None:
+        if say:
+            print(f"eval of {what}: {line}", file=sys.stderr, flush=True)
+
+    report(f"{batches:,} batches of {batch_size} windows")
+    started = time.monotonic()
+    next_report = started + EVAL_REPORT_SECONDS
     total, count = 0.0, 0
-    for start in range(0, len(windows), batch_size):
+    for batch in range(batches):
+        start = batch * batch_size
         ids = torch.stack(
             [windows[i]["input_ids"] for i in range(start, min(start + batch_size, len(windows)))]
         )
         ids = ids.to(device)
         total += float(model(input_ids=ids, labels=ids).loss) * len(ids)
         count += len(ids)
+        if time.monotonic() >= next_report:
+            report(f"{batch + 1:,}/{batches:,} batches, {time.monotonic() - started:.0f} s")
+            next_report = time.monotonic() + EVAL_REPORT_SECONDS
     model.train(was_training)
+    report(f"loss {total / count:.4f} ({time.monotonic() - started:.0f} s)")
     return total / count
+
+
+class EvalAtStart(TrainerCallback):
+    """The eval loss of the weights training starts from: after the Trainer restored its
+    checkpoint (--resume) and the worker joined (a worker joining a run under way starts from
+    the server's weights), so that "eval loss A -> B" is this run's own. Put it after the
+    DiLoCoCallback."""
+
+    def __init__(self, measure) -> None:
+        self.measure = measure
+        self.loss: float | None = None
+        self.step = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.loss is None:
+            self.step = state.global_step
+            what = "the weights it starts from" if not self.step else (
+                f"the weights it resumes from (step {self.step})"
+            )  # fmt: skip
+            self.loss = self.measure(model, what)
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,6 +148,12 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
         "--seed and --worker-id",
     )
     parser.add_argument("--unit-size", type=int, default=256, help="samples per work unit")
+    parser.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        help="validation batches of the eval at the start and at the end (default: all)",
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     return parser.parse_args(argv)
 
@@ -147,14 +200,19 @@ def main() -> int:
     model = spec.build()
     args = training_arguments(options)
     callback = DiLoCoCallback(options.server, options.worker_id)
+    say = args.process_index == 0  # under torchrun the group is one worker: one report
+
+    def measure(weights: torch.nn.Module, what: str) -> float:
+        return eval_loss(weights, val, options.batch_size, what, options.eval_batches, say)
+
+    at_start = EvalAtStart(measure)  # after the callback: once the worker has joined
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
-                      callbacks=[callback])  # fmt: skip
+                      callbacks=[callback, at_start])  # fmt: skip
     if options.data_dispatch == "server":
         # every worker names the same bytes and window length with the same id
         digest = hashlib.sha256(split.train.numpy().tobytes()).hexdigest()[:16]
         callback.lease_data(trainer, f"bytes-{digest}-w{options.seq_len}",
                             unit_size=options.unit_size)  # fmt: skip
-    initial_loss = eval_loss(model, val, options.batch_size)
     try:
         trainer.train(resume_from_checkpoint=True if options.resume else None)
     except DiLoCoCallbackError as exc:
@@ -163,16 +221,19 @@ def main() -> int:
     except (ServerError, ServerUnavailable) as exc:
         print(f"error: the server failed us: {exc}", file=sys.stderr)
         return 1
-    final_loss = eval_loss(model, val, options.batch_size)
+    final_loss = measure(model, "the final weights")
+    initial_loss = at_start.loss
     figures = {
-        "initial_eval_loss": initial_loss,
+        "initial_eval_loss": initial_loss,  # of the weights this run started from
+        "initial_step": at_start.step,  # > 0: where a resumed run resumed
         "final_eval_loss": final_loss,
         "global_step": trainer.state.global_step,
         "resumed_from": callback.resumed_from,
         "worker": callback.worker_stats,
     }
     if trainer.is_world_process_zero():  # under torchrun the group is one worker: one report
-        print(f"eval loss {initial_loss:.4f} -> {final_loss:.4f} (ln 256 = "
+        since = f" from step {at_start.step}, where it resumed," if at_start.step else ""
+        print(f"eval loss {initial_loss:.4f} -> {final_loss:.4f}{since} (ln 256 = "
               f"{math.log(256):.4f}), {figures['worker']['rounds']} rounds")  # fmt: skip
         if options.json:
             Path(options.json).write_text(json.dumps(figures, indent=2))

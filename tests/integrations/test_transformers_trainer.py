@@ -3,7 +3,9 @@ server, with a kill -9 after a Trainer checkpoint and a resume that must continu
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -15,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from example_runs import (
+    EXAMPLES,
     assert_leased_samples_once,
     assert_same_global_weights,
     example_worker,
@@ -35,6 +38,24 @@ from processes import global_weights
 
 def trainer_worker(url: str, worker_id: str, out: Path, *extra: str, **kwargs):
     return example_worker("transformers_trainer.py", url, worker_id, out, *extra, **kwargs)
+
+
+def eval_of_checkpoint(checkpoint: Path, corpus: Path) -> float:
+    """The example's eval loss of the weights a Trainer checkpoint holds (its options as
+    example_worker gives them: windows of 32 bytes, batches of 4)."""
+    from transformers import AutoModelForCausalLM
+
+    from diloco.data import load_named_corpus, split_train_val
+
+    spec = importlib.util.spec_from_file_location(
+        "trainer_example", EXAMPLES / "transformers_trainer.py"
+    )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    val = example.ByteWindows(split_train_val(load_named_corpus(str(corpus))).val, 32)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    return example.eval_loss(model, val, 4, "a checkpoint", say=False)
 
 
 @pytest.mark.slow  # in `make test-slow`; the leased-data test is the default suite's sample
@@ -89,6 +110,14 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_ends_as_an_unbroken_ru
     finished(straight, unbroken_dir, "w")
     report = json.loads((broken_dir / "w.json").read_text())
     assert report["resumed_from"].endswith("checkpoint-3/diloco")
+    # Its "eval loss A -> B" starts where it resumed (the server still at its round), not
+    # at the random initial weights the fresh run starts from
+    fresh = json.loads((unbroken_dir / "w.json").read_text())
+    assert fresh["initial_step"] == 0 and report["initial_step"] == 3
+    assert report["initial_eval_loss"] == pytest.approx(
+        eval_of_checkpoint(broken_dir / "w" / "checkpoint-3", corpus_file), rel=1e-5
+    )
+    assert report["initial_eval_loss"] < fresh["initial_eval_loss"]
     # rounds end at steps 2, 4 and 6 on both servers: none repeated, none lost
     assert_same_global_weights(broken.url, unbroken.url, rounds=3)
 
@@ -103,6 +132,14 @@ def test_leased_data_trains_every_sample_once_through_two_trainers_a_kill_and_a_
     )
     v = json.loads((tmp_path / "v.json").read_text())
     assert v["resumed_from"].endswith("checkpoint-3/diloco")
+    # Each evaluation says what it reads; the resumed run's first is of where it resumed
+    log = (tmp_path / "v.log").read_text()
+    evals = [line for line in log.splitlines() if line.startswith("eval of ")]
+    assert v["initial_step"] == 3
+    assert re.fullmatch(r"eval of the weights it starts from: \d+ batches of 4 windows", evals[0])
+    assert re.fullmatch(r"eval of the weights it starts from: loss \d+\.\d{4} \(\d+ s\)", evals[1])
+    resumed = r"eval of the weights it resumes from \(step 3\): \d+ batches of 4 windows"
+    assert any(re.fullmatch(resumed, line) for line in evals), evals
 
 
 class _Args:
