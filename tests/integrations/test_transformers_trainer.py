@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,29 @@ def test_options_the_callback_owns_are_refused() -> None:
 
 def torchrun_trainer(url: str, out: Path, corpus: Path, *extra: str, crash_at: str = ""):
     return torchrun_example("transformers_trainer.py", url, out, corpus, *extra, crash_at=crash_at)
+
+
+def test_a_trainer_held_by_min_workers_says_why(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    """Alone under --min-workers 2, the Trainer's first sync waits, and its log says for what
+    (the library's line, as `diloco worker` prints it) after DILOCO_WAIT_REPORT_SECONDS."""
+    server = server_process("--sync-every", "2", "--min-workers", "2")
+    trainer = trainer_worker(server.url, "w", tmp_path, "--eval-batches", "2", corpus=corpus_file,
+                             env={"DILOCO_WAIT_REPORT_SECONDS": "1"})  # fmt: skip
+    log = tmp_path / "w.log"
+    deadline = time.monotonic() + 120
+    while "still open" not in log.read_text():
+        assert time.monotonic() < deadline and trainer.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.1)
+    trainer.kill()
+    trainer.wait(timeout=30)
+    [line] = [line for line in log.read_text().splitlines() if "still open" in line]
+    assert re.fullmatch(
+        r"round 0 still open after \d+ s, waiting for: 1 more submission \(--min-workers\); "
+        r"the round commits once more workers join and submit",
+        line,
+    )
 
 
 @pytest.mark.slow  # in `make test-slow`: torchrun starts 2 more interpreters
