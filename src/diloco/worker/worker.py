@@ -620,8 +620,10 @@ class DiLoCoWorker(WorkerResumption):
         self._pace.window_done(self.local_step)
         if self.streamer is not None and fragment == self.streamer.last_fragment:
             self._saved_round()
-            rounds = ", ".join(str(r) for r in self.streamer.fragment_rounds)
-            self._log_round(f"a cycle of fragments (rounds now {rounds})")
+            rounds = self.streamer.fragment_rounds
+            shown = ", ".join(str(r) for r in rounds)
+            plural = "s" if len(rounds) > 1 else ""
+            self._log_round(f"a cycle of {len(rounds)} fragment{plural} (rounds now {shown})")
 
     # ----------------------------------------------------------------- reporting and exit
 
