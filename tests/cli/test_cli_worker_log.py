@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from diloco.worker import DiLoCoClient, RetryPolicy
-from processes import start_worker
+from processes import run_cli_in_process, start_worker
+from tiny import TINY_CLI
 
 ROUND = (
     r"round {} done at step {}: loss \d+\.\d{{4}}, \d+\.\d\d MB up, \d+\.\d\d MB down, "
@@ -92,3 +93,20 @@ def test_a_worker_held_by_min_workers_says_why_and_a_signal_ends_it_with_a_summa
     assert report["final_eval_loss"] is None and report["blocked_seconds"] >= 1.0
     with DiLoCoClient(server.url, retry=RetryPolicy(attempts=3), read_timeout=10) as client:
         assert not [w for w in client.status()["workers"] if w["live"]]
+
+
+@pytest.mark.parametrize("value", ["soon", "0"])
+def test_a_bad_wait_report_setting_is_one_line(
+    value: str, corpus_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DILOCO_WAIT_REPORT_SECONDS", value)
+    result = run_cli_in_process(
+        "worker", "--server", "http://127.0.0.1:9", "--corpus", str(corpus_file), "--steps", "2",
+        "--no-progress", *TINY_CLI,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    expected = {
+        "soon": "DILOCO_WAIT_REPORT_SECONDS must be a number of seconds, got 'soon'",
+        "0": "DILOCO_WAIT_REPORT_SECONDS must be > 0 seconds, got 0.0",
+    }[value]
+    assert result.stderr.strip().splitlines() == [f"error: {expected}"]

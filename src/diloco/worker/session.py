@@ -54,20 +54,19 @@ class Exchanged:
 def wait_report_seconds(seconds: float | None = None) -> float:
     """When a sync that is still waiting is first logged: `seconds`, else
     $DILOCO_WAIT_REPORT_SECONDS, else WAIT_REPORT_SECONDS; ValueError for a bad value."""
+    name = "wait_report_after"
     if seconds is None:
-        text = os.environ.get(WAIT_REPORT_ENV_VAR, "").strip()
+        name, text = WAIT_REPORT_ENV_VAR, os.environ.get(WAIT_REPORT_ENV_VAR, "").strip()
         if not text:
             return WAIT_REPORT_SECONDS
         try:
             seconds = float(text)
         except ValueError:
-            raise ValueError(
-                f"{WAIT_REPORT_ENV_VAR} must be a number of seconds, got {text!r}"
-            ) from None
+            raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
     if isinstance(seconds, bool) or not (
         isinstance(seconds, (int, float)) and 0 < seconds < math.inf
     ):
-        raise ValueError(f"wait_report_after must be > 0 seconds, got {seconds!r}")
+        raise ValueError(f"{name} must be > 0 seconds, got {seconds!r}")
     return float(seconds)
 
 
