@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -110,3 +111,19 @@ def test_a_bad_wait_report_setting_is_one_line(
         "0": "DILOCO_WAIT_REPORT_SECONDS must be > 0 seconds, got 0.0",
     }[value]
     assert result.stderr.strip().splitlines() == [f"error: {expected}"]
+
+
+def test_a_worker_stopped_before_it_joined_says_so(corpus_file: Path, tmp_path: Path) -> None:
+    """SIGTERM while it retries a server that is not there (yet): one line, exit 143."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed: nobody listens
+    log = tmp_path / "w0.log"
+    worker = start_worker(url, "w0", 0, 1, 2, corpus_file, tmp_path)
+    wait_for_line(log, "retrying in")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
+    lines = lines_of(log)
+    assert lines[-1] == f"worker stopped by SIGTERM before it joined {url}", lines
+    assert all(line.startswith("WARNING diloco.worker: info: ") for line in lines[:-1]), lines
+    assert not (tmp_path / "w0.json").exists()
