@@ -35,7 +35,7 @@ from diloco.server.ops.control import RunControl
 from diloco.server.ops.metrics import ServerMetrics, Traffic
 from diloco.server.ops.tensorboard import TensorBoardScalars
 from diloco.server.rounds.admission import Intake, book
-from diloco.server.rounds.engine import RoundEngine
+from diloco.server.rounds.engine import ShardEngine
 from diloco.server.rounds.engine_context import EngineContext
 from diloco.server.rounds.engines import engine_for
 from diloco.server.rounds.robust import RobustScreen
@@ -124,7 +124,7 @@ class Coordinator:
             paused=lambda: self.control.paused,
             screen=self.screen,
         )
-        self.engine: RoundEngine = engine_for(context, self.role)
+        self.engine: ShardEngine = engine_for(context, self.role)
         self.intake = Intake(
             self._lock,
             settings,
@@ -150,7 +150,7 @@ class Coordinator:
         if not self.role.single:
             self.shard = ShardCommit(
                 self._lock,
-                self.engine,  # type: ignore[arg-type]  (a shard's engine: engine_for)
+                self.engine,
                 self.role,
                 self.membership,
                 self.journal,

@@ -8,6 +8,10 @@ the `submissions` table of the state store says whether and by which step it was
 a retry, even across a restart, is never applied twice. Staleness (outer steps between the
 worker's anchor and now) is recorded per submission and may scale the pseudo-gradient by
 (1 + staleness)^-1/2.
+
+Sharded servers (async) run the same engine with another role (`ArrivalsRole`,
+server/shards/async_decisions.py): every slice is held until shard 0 decides the step. One
+server's role, `OneServerArrivals`, changes nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from diloco.algorithm import GraceWindow, staleness_scale
 from diloco.server.errors import Rejection
@@ -29,11 +34,151 @@ from diloco.wire.format.spool import CheckedPieces
 log = logging.getLogger("diloco.server")
 
 
+class ArrivalsRole(Protocol):
+    """Where a shard's arrivals differ from one server's: shard 0's (`AsyncLeader`) and the
+    other shards' (`AsyncFollower`) hold every slice until a step's decision folds it. A
+    method that needs the grace window (`window`, `anchors`) is handed the engine."""
+
+    holds_slices: bool  # scanned, then held: nothing is folded before its step
+    follows: bool  # steps wait for shard 0's decisions, not members or a window of arrivals
+
+    def start(self, engine: AsyncArrivals) -> None:
+        """The weights exist (or were restored): the engine's window is empty."""
+        ...
+
+    def already_holds(self, submission: Submission) -> bool:
+        """Whether the submission's slice is held already (admit: a "duplicate")."""
+        ...
+
+    def take(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
+        """Hold an admitted slice (holds_slices)."""
+        ...
+
+    def before_commit(self, engine: AsyncArrivals, now: float) -> bool:
+        """Before the engine tries to commit its window: whether it may (a follower builds
+        the window from shard 0's decision here)."""
+        ...
+
+    def after_commit(self, engine: AsyncArrivals) -> None:
+        """After the engine tried to commit its window (`engine.window` is None once the step
+        is made)."""
+        ...
+
+    def fold_held(self, engine: AsyncArrivals, window: Round, now: float) -> None:
+        """Before the step: fold what the window holds unfolded."""
+        ...
+
+    def sessions_of(self, window: Round) -> dict[str, str]:
+        """Each contributor's session digest, for the step's record."""
+        ...
+
+    def on_leave(self, worker_id: str) -> None:
+        """The worker left (before its window place goes)."""
+        ...
+
+    def drop_pending(self, engine: AsyncArrivals, worker_id: str) -> bool:
+        """An admin banned the worker: whether any of its arrivals was dropped."""
+        ...
+
+    def waiting_for(self) -> list[str]:
+        """A follower: the workers whose decided slices are missing here."""
+        ...
+
+    def poll_result(
+        self, engine: AsyncArrivals, round_number: int, worker_id: str | None
+    ) -> RoundResult | None:
+        """A follower's result poll."""
+        ...
+
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None
+    ) -> tuple[int, str] | None: ...
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None) -> float: ...
+
+    def confirm(
+        self, engine: AsyncArrivals, worker_id: str, round_number: int, bound: float, now: float
+    ) -> int:
+        """Shard 0: the held slice is on every shard; it joins the window. Its staleness."""
+        ...
+
+    def take_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """A follower: shard 0's decision of the next version; whether it is news."""
+        ...
+
+    def weights_at(self, engine: AsyncArrivals, version: int) -> RoundResult:
+        """The weights of exactly `version`: the current ones, or one this shard kept."""
+        ...
+
+
+class OneServerArrivals:
+    """One server's arrivals: each one folds into the grace window as it comes, nothing is
+    decided elsewhere."""
+
+    holds_slices = False
+    follows = False
+
+    def start(self, engine: AsyncArrivals) -> None:
+        pass
+
+    def already_holds(self, submission: Submission) -> bool:
+        return False
+
+    def take(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
+        raise AssertionError("one server holds no slices")
+
+    def before_commit(self, engine: AsyncArrivals, now: float) -> bool:
+        return True
+
+    def after_commit(self, engine: AsyncArrivals) -> None:
+        pass
+
+    def fold_held(self, engine: AsyncArrivals, window: Round, now: float) -> None:
+        pass  # every arrival was folded when it came
+
+    def sessions_of(self, window: Round) -> dict[str, str]:
+        return {}
+
+    def on_leave(self, worker_id: str) -> None:
+        pass
+
+    def drop_pending(self, engine: AsyncArrivals, worker_id: str) -> bool:
+        return False  # an arrival is folded into its window when it arrives
+
+    def waiting_for(self) -> list[str]:
+        raise AssertionError("one server decides its steps")
+
+    def poll_result(
+        self, engine: AsyncArrivals, round_number: int, worker_id: str | None
+    ) -> RoundResult | None:
+        raise AssertionError("one server decides its steps")
+
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None
+    ) -> tuple[int, str] | None:
+        return None
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None) -> float:
+        return 0.0
+
+    def confirm(
+        self, engine: AsyncArrivals, worker_id: str, round_number: int, bound: float, now: float
+    ) -> int:
+        raise AssertionError("one server decides its steps")
+
+    def take_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        raise AssertionError("one server decides its steps")
+
+    def weights_at(self, engine: AsyncArrivals, version: int) -> RoundResult:
+        raise AssertionError("one server serves no exact versions")
+
+
 class AsyncArrivals:
     """The open grace window (when one is) and the keys of the arrivals it holds."""
 
-    def __init__(self, context: EngineContext) -> None:
+    def __init__(self, context: EngineContext, role: ArrivalsRole) -> None:
         self.c = context
+        self.role = role  # one server's, or a shard's: held slices, decisions
         self.grace = GraceWindow(context.settings.grace_seconds)  # the simulator's rule too
         self.window: Round | None = None
         self.anchors: dict[str, int] = {}  # worker -> the version its pending arrival was for
@@ -45,6 +190,7 @@ class AsyncArrivals:
             raise ValueError(f"async mode has one fragment, the state holds {len(fragment_rounds)}")
         self.window = None
         self.anchors.clear()
+        self.role.start(self)
 
     def fragment_rounds(self) -> list[int]:
         return [self.c.model.version]
@@ -56,16 +202,23 @@ class AsyncArrivals:
         return self.window
 
     def waiting_for(self) -> list[str]:
+        if self.role.follows:
+            return self.role.waiting_for() if self.window is None else []
         return [] if self.window is None else self.window.waiting_for()
 
     def more_submissions_needed(self) -> int:
         return 0  # no quorum: an arrival never waits for workers to join
 
     def on_register(self, worker_id: str) -> None:
+        if self.role.follows:
+            return  # membership is shard 0's: a follower's steps wait for its decisions
         if self.window is not None:
             self.window.members.add(worker_id)  # the window closes early once it arrives too
 
     def on_leave(self, worker_id: str, now: float) -> None:
+        if self.role.follows:
+            return  # a slice shard 0 may have confirmed stays until a decision uses or passes it
+        self.role.on_leave(worker_id)
         if self.window is not None:
             self.window.leave(worker_id)
         self._try_commit(now)
@@ -80,7 +233,7 @@ class AsyncArrivals:
         return []  # no barrier: a hung worker holds nobody up
 
     def drop_pending(self, worker_id: str, reason: str) -> bool:
-        return False  # an arrival is folded into its window when it arrives
+        return self.role.drop_pending(self, worker_id)
 
     def on_resume(self, paused_since: float, now: float) -> None:
         """Arrivals held while paused went into one window: it is applied now, as one step."""
@@ -102,7 +255,7 @@ class AsyncArrivals:
         c = self.c
         worker_id, round_number = submission.worker_id, submission.round
         if round_number > c.model.version:
-            raise self._future(round_number)
+            raise self.future_round(round_number)
         applied = c.applied_version(worker_id, round_number)
         if applied is None:
             return None
@@ -111,10 +264,22 @@ class AsyncArrivals:
 
     def admit(self, submission: Submission) -> dict | None:
         c = self.c
-        worker_id, round_number = submission.worker_id, submission.round
         answer = self._applied_answer(submission)
         if answer is not None:
             return answer
+        if not self.role.follows:  # (a follower's window is shard 0's decision)
+            answer = self._pending(submission)
+            if answer is not None:
+                return answer
+        if self.role.already_holds(submission):
+            submission.record.last_seen = c.clock()
+            return self._answer("duplicate", submission.round, None)
+        return None  # (a follower: another process's slice of the same anchor stays)
+
+    def _pending(self, submission: Submission) -> dict | None:
+        """A "duplicate" for the arrival the window holds; 409 while another is pending."""
+        c = self.c
+        worker_id, round_number = submission.worker_id, submission.round
         pending = self.anchors.get(worker_id)
         if pending is not None:
             if pending == round_number:
@@ -136,6 +301,11 @@ class AsyncArrivals:
 
     def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
         c = self.c
+        if self.role.holds_slices:  # held until a decision (shard 0: until confirmed)
+            self.role.take(submission, checked)
+            if self.role.follows:
+                self._try_commit(c.clock())
+            return self._answer("accepted", submission.round, None)
         now = c.clock()
         worker_id, round_number = submission.worker_id, submission.round
         staleness = c.model.version - round_number
@@ -177,7 +347,7 @@ class AsyncArrivals:
             staleness,
         )
 
-    def _future(self, round_number: int) -> Rejection:
+    def future_round(self, round_number: int) -> Rejection:
         """A worker ahead of the server: it restarted from an older checkpoint (a rebase)."""
         version = self.c.model.version
         return Rejection(
@@ -210,14 +380,21 @@ class AsyncArrivals:
         return self.grace.closed(window.first_submission_at, last, not window.waiting_for(), now)
 
     def _try_commit(self, now: float) -> None:
-        """Apply the pending arrivals as one outer step once the window closes (lock held)."""
+        """Apply the pending arrivals as one outer step once the window closes (lock held); a
+        follower: the step shard 0 decided, once every decided slice is here."""
+        if not self.role.before_commit(self, now):
+            return
+        self._commit_window(now)
+        self.role.after_commit(self)
+
+    def _commit_window(self, now: float) -> None:
         c = self.c
         if c.model.masters is None or c.stopped() or not self._ready(now):
             return  # (a broken server commits nothing until restarted)
         window = self.window
         assert window is not None
         started = time.perf_counter()
-        self._fold_held(window, now)
+        self.role.fold_held(self, window, now)
         assert window.running is not None
         running = window.running  # stays the window's until the step is durable
         submitters = sorted(window.submitters)
@@ -231,7 +408,7 @@ class AsyncArrivals:
             seconds=time.perf_counter() - started,
             # Staleness of each: the window opened at the current version, its anchor before.
             submissions=[(w, self.anchors[w], window.number - self.anchors[w]) for w in submitters],
-            sessions=self._sessions_of(window),
+            sessions=self.role.sessions_of(window),
             **screened_record(c.screen, 0, window),
         )
         c.commit(running, record, self.fragment_rounds_after(record))
@@ -249,14 +426,6 @@ class AsyncArrivals:
             started,
         )
 
-    def _sessions_of(self, window: Round) -> dict[str, str]:
-        """Sharded servers: each contributor's session digest, for the step's record."""
-        return {}
-
-    def _fold_held(self, window: Round, now: float) -> None:
-        """Before the step: fold what the window holds unfolded (sharded servers hold every
-        arrival until the step, so that each shard folds them in the same order)."""
-
     # ----------------------------------------------------------------- results
 
     def poll_result(
@@ -268,6 +437,8 @@ class AsyncArrivals:
         its contribution too); `round` of the result says which version they are.
         """
         c = self.c
+        if self.role.follows:
+            return self.role.poll_result(self, round_number, worker_id)
         if worker_id is None:
             raise Rejection(
                 422,
@@ -283,7 +454,7 @@ class AsyncArrivals:
         if c.applied_version(worker_id, round_number) is not None:
             return c.model.current_weights(self.fragment_rounds()).lend()
         if round_number > c.model.version:
-            raise self._future(round_number)
+            raise self.future_round(round_number)
         if c.closing():
             return None
         raise Rejection(
@@ -297,3 +468,69 @@ class AsyncArrivals:
 
     def waiting(self, round_number: int, fragment: int) -> Waiting:
         return Waiting(round_number, self.waiting_for())
+
+    # ----------------------------------------------------------------- sharded servers (async)
+
+    def open_number(self) -> int | None:
+        """The version the next step makes from (None before the weights exist)."""
+        return None if self.c.model.masters is None else self.c.model.version
+
+    def pending_anchor(self, worker_id: str) -> int | None:
+        """The anchor of the worker's confirmed arrival in the open window, if any."""
+        return self.anchors.get(worker_id)
+
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> tuple[int, str] | None:
+        """(tokens, session digest) of the slice held for (worker, anchor) from the process
+        of `digest` (any, when not given), or None."""
+        return self.role.holds(worker_id, round_number, digest)
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
+        """The bound of the values of the slice `holds` names (0 when none is held)."""
+        return self.role.bound_of(worker_id, round_number, digest)
+
+    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+        """Shard 0: the held slice of (worker, anchor) is on every shard (checked by the
+        caller), bounded by `bound`: it joins the grace window, which may now close."""
+        now = self.c.clock()
+        staleness = self.role.confirm(self, worker_id, round_number, bound, now)
+        self._try_commit(now)
+        applied = None if worker_id in self.anchors else self.c.model.version - 1
+        return self._answer("accepted", round_number, applied, staleness)
+
+    def apply_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """A follower: shard 0 made `version` from these arrivals (worker -> anchor, session
+        digest): apply it once every one of their slices is here. False if it is not the
+        next version here."""
+        if self.c.model.masters is None or version != self.c.model.version:
+            return False
+        if self.role.take_decision(version, decided):
+            self._try_commit(self.c.clock())
+        return True
+
+    def weights_at(self, version: int) -> RoundResult:
+        """The weights of exactly `version`: the current ones, or one this shard kept."""
+        return self.role.weights_at(self, version)
+
+    def poll_version(
+        self, round_number: int, worker_id: str | None, version: int, now: float
+    ) -> RoundResult | None:
+        """The result of (worker, round_number)'s arrival at exactly `version` (shard 0's,
+        which the worker took first): None until this shard has applied the arrival and
+        reached `version`."""
+        if self.poll_result(round_number, 0, worker_id, now) is None:
+            return None
+        applied = self.c.applied_version(worker_id, round_number)
+        if applied is not None and version <= applied:
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'version' ({version}) names weights from before the step that applied "
+                f"this arrival (which made version {applied + 1})",
+                field="version",
+                got=version,
+            )
+        if version > self.c.model.version:
+            return None
+        return self.weights_at(version)

@@ -500,3 +500,14 @@ class BarrierRounds:
         if self.role.take_decision(current, decided):
             self._try_commit(0, self.c.clock())
         return True
+
+    def pending_anchor(self, worker_id: str) -> int | None:
+        raise AssertionError("sync rounds have no arrivals (async)")
+
+    def weights_at(self, version: int) -> RoundResult:
+        raise AssertionError("sync shards serve no exact versions (async)")
+
+    def poll_version(
+        self, round_number: int, worker_id: str | None, version: int, now: float
+    ) -> RoundResult | None:
+        raise AssertionError("sync shards serve no exact versions (async)")

@@ -1,7 +1,8 @@
 """The interface of a round engine: when the coordinator combines pseudo-gradients into an
 outer step (`BarrierRounds` for sync and streaming, `AsyncArrivals` for async; built by
 `engines.engine_for`). The coordinator calls every method under its lock. Only the type lives
-here, so a module that holds an engine imports nothing else.
+here, so a module that holds an engine imports nothing else. `ShardEngine` adds what sharded
+servers' cross-shard commit (server/shards/commit.py) asks of either engine.
 """
 
 from __future__ import annotations
@@ -82,3 +83,45 @@ class RoundEngine(Protocol):
     ) -> RoundResult | None: ...
 
     def waiting(self, round_number: int, fragment: int) -> Waiting: ...
+
+
+class ShardEngine(RoundEngine, Protocol):
+    """A round engine's part in sharded servers: held slices, shard 0's confirmations, a
+    follower's decisions, and (async) exact versions. Both engines are one; their role
+    (one server, shard 0, another shard) answers, or asserts it is never asked."""
+
+    def open_number(self) -> int | None:
+        """The round this shard has open (async: the version the next step makes from)."""
+        ...
+
+    def holds(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> tuple[int, str] | None:
+        """(tokens, session digest) of the worker's held slice of `round_number`, or None."""
+        ...
+
+    def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
+        """The bound of the values of the slice `holds` names (0 when none is held)."""
+        ...
+
+    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+        """Shard 0: the worker's slice is on every shard; it counts for the round (window)."""
+        ...
+
+    def pending_anchor(self, worker_id: str) -> int | None:
+        """Async: the anchor of the worker's confirmed arrival in the open window, if any."""
+        ...
+
+    def apply_decision(self, round_number: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """A follower: shard 0's decision of `round_number`; False if it is not the open one."""
+        ...
+
+    def weights_at(self, version: int) -> RoundResult:
+        """Async: the weights of exactly `version`."""
+        ...
+
+    def poll_version(
+        self, round_number: int, worker_id: str | None, version: int, now: float
+    ) -> RoundResult | None:
+        """Async: a result poll answered only with exactly `version`'s weights."""
+        ...

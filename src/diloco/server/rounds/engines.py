@@ -10,20 +10,16 @@ from __future__ import annotations
 
 from diloco.server.rounds.async_arrivals import AsyncArrivals
 from diloco.server.rounds.barrier import BarrierRounds
-from diloco.server.rounds.engine import RoundEngine
+from diloco.server.rounds.engine import ShardEngine
 from diloco.server.rounds.engine_context import EngineContext
-from diloco.server.shards.async_decisions import FollowerArrivals, LeaderArrivals
 from diloco.server.shards.role import ShardRole
 
 __all__ = ["engine_for"]
 
 
-def engine_for(context: EngineContext, role: ShardRole) -> RoundEngine:
+def engine_for(context: EngineContext, role: ShardRole) -> ShardEngine:
     """The mode's engine, with this server's part in it (`role`): sharded servers hold slices
-    until shard 0 decides each round."""
-    settings = context.settings
-    if settings.mode == "async" and settings.shards > 1:
-        return LeaderArrivals(context) if settings.leads else FollowerArrivals(context)
-    if settings.mode == "async":
-        return AsyncArrivals(context)
+    until shard 0 decides each round (each step, async)."""
+    if context.settings.mode == "async":
+        return AsyncArrivals(context, role.arrivals_part(context))
     return BarrierRounds(context, role.rounds_part(context))

@@ -10,12 +10,15 @@ the decisions in version order, folding the same slices in the same order with t
 scales, so the Delayed Nesterov counters and buffers of every shard move in step. A follower
 keeps the last few versions it served, so a worker can take every shard's part of one version
 while the versions move on (docs/architecture.md, "Sharded servers").
+
+`AsyncLeader` and `AsyncFollower` are an `AsyncArrivals`'s role (its `ArrivalsRole`): the
+engine calls them where a shard's arrivals differ from one server's, handing itself over where
+they need its grace window.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diloco.algorithm import staleness_scale
@@ -51,23 +54,22 @@ def _release(submission: Submission) -> None:
         submission.tensors.release()
 
 
-class _HeldArrivals(AsyncArrivals):
+class HeldArrivals:
     """Slices held by (worker, anchor version, session digest) until a step folds them (both
     sides): two processes under one id never share a key, so a decision that names the
     digest it used picks the same slice on every shard."""
 
+    holds_slices = True  # scanned, then held: nothing is folded before its step
+    follows = False
+
     def __init__(self, context: EngineContext) -> None:
-        super().__init__(context)
+        self.c = context
         self.held: dict[tuple[str, int, str], HeldSlice] = {}
         self.kept: deque[RoundResult] = deque(maxlen=KEPT_VERSIONS + 1)  # and the current
         self.window_sessions: dict[str, str] = {}  # worker -> digest of the window's slice
 
-    def folds_first(self, fragment: int) -> bool:
-        return False  # scanned, then held: nothing is folded before its step
-
-    def open_number(self) -> int | None:
-        """The version the next step makes from (None before the weights exist)."""
-        return None if self.c.model.masters is None else self.c.model.version
+    def start(self, engine: AsyncArrivals) -> None:
+        pass
 
     def _of(self, worker_id: str, round_number: int) -> list[tuple[str, int, str]]:
         return [k for k in self.held if k[0] == worker_id and k[1] == round_number]
@@ -99,6 +101,9 @@ class _HeldArrivals(AsyncArrivals):
             session_digest(submission.record.session),
         )
 
+    def already_holds(self, submission: Submission) -> bool:
+        return self._key(submission) in self.held
+
     def _hold(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
         assert isinstance(checked, ValueScan)
         c = self.c
@@ -111,21 +116,30 @@ class _HeldArrivals(AsyncArrivals):
         # its worker's sign of life and bytes; units join the window at the confirmation
         c.book(submission, Round(submission.round, set(), c.settings.weighting, now), now)
 
+    def take(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
+        self._hold(submission, checked)
+
     def _drop(self, keys: list[tuple[str, int, str]]) -> bool:
         for key in keys:
             _release(self.held.pop(key).submission)
         return bool(keys)
 
-    def _sessions_of(self, window: Round) -> dict[str, str]:
+    def before_commit(self, engine: AsyncArrivals, now: float) -> bool:
+        return True
+
+    def after_commit(self, engine: AsyncArrivals) -> None:
+        pass
+
+    def sessions_of(self, window: Round) -> dict[str, str]:
         return {w: d for w, d in self.window_sessions.items() if w in window.submitters}
 
-    def _fold_held(self, window: Round, now: float) -> None:
+    def fold_held(self, engine: AsyncArrivals, window: Round, now: float) -> None:
         """Fold the window's arrivals in worker-id order, each scaled by its staleness: the
         order and scales every shard uses, so their sums are the same function of the
         same slices."""
         storage = self.c.model.sums_storage()
         for submission, scan in sorted(window.held, key=lambda pair: pair[0].worker_id):
-            anchor = self.anchors[submission.worker_id]
+            anchor = engine.anchors[submission.worker_id]
             scale = staleness_scale(window.number - anchor, self.c.settings.staleness_weighting)
             fold(window, submission, scan, storage, now, scale, record=False)
         for submission, _ in window.held:
@@ -134,42 +148,39 @@ class _HeldArrivals(AsyncArrivals):
         if window.running is None:
             window.open_sums(storage)  # nobody left in it: a step that changes nothing
 
-    def _pending_answer(self, submission: Submission) -> dict:
-        return self._answer("accepted", submission.round, None)
+    def on_leave(self, worker_id: str) -> None:
+        pass
 
-    def poll_version(
-        self, round_number: int, worker_id: str | None, version: int, now: float
+    def drop_pending(self, engine: AsyncArrivals, worker_id: str) -> bool:
+        return False
+
+    def waiting_for(self) -> list[str]:
+        raise NotImplementedError
+
+    def poll_result(
+        self, engine: AsyncArrivals, round_number: int, worker_id: str | None
     ) -> RoundResult | None:
-        """The result of (worker, round_number)'s arrival at exactly `version` (shard 0's,
-        which the worker took first): None until this shard has applied the arrival and
-        reached `version`."""
-        if self.poll_result(round_number, 0, worker_id, now) is None:
-            return None
-        applied = self.c.applied_version(worker_id, round_number)
-        if applied is not None and version <= applied:
-            raise Rejection(
-                422,
-                "invalid_request",
-                f"field 'version' ({version}) names weights from before the step that applied "
-                f"this arrival (which made version {applied + 1})",
-                field="version",
-                got=version,
-            )
-        if version > self.c.model.version:
-            return None
-        return self.weights_at(version)
+        raise NotImplementedError
 
-    def weights_at(self, version: int) -> RoundResult:
+    def confirm(
+        self, engine: AsyncArrivals, worker_id: str, round_number: int, bound: float, now: float
+    ) -> int:
+        raise Rejection(409, "not_shard_0", "confirmations go to shard 0, which decides the rounds")
+
+    def take_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        raise Rejection(409, "not_shard_0", "shard 0 makes the decisions")
+
+    def weights_at(self, engine: AsyncArrivals, version: int) -> RoundResult:
         """The weights of exactly `version`: the current ones, or one this shard kept."""
         c = self.c
         current = c.model.version
         if version == current:
-            return c.model.current_weights(self.fragment_rounds()).lend()
+            return c.model.current_weights(engine.fragment_rounds()).lend()
         for kept in self.kept:
             if kept.round == version:
                 return kept
         if version > current:
-            raise self._future(version)
+            raise engine.future_round(version)
         raise Rejection(
             409,
             "version_gone",
@@ -180,7 +191,7 @@ class _HeldArrivals(AsyncArrivals):
         )
 
 
-class LeaderArrivals(_HeldArrivals):
+class AsyncLeader(HeldArrivals):
     """Shard 0: membership, confirmations, the grace window, and each step's decision."""
 
     def __init__(self, context: EngineContext) -> None:
@@ -189,35 +200,22 @@ class LeaderArrivals(_HeldArrivals):
         self.window_tokens: dict[str, int] = {}
         self.window_bounds: dict[str, float] = {}
 
-    def admit(self, submission: Submission) -> dict | None:
-        answer = super().admit(submission)  # applied, pending in the window, future
-        if answer is not None:
-            return answer
-        if self._key(submission) in self.held:
-            submission.record.last_seen = self.c.clock()
-            return self._answer("duplicate", submission.round, None)
-        return None
-
-    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+    def take(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
         """Held until confirmed. Its worker's other slices (another anchor, or an older
         process's) were never confirmed, so no decision names them: they go, now that this
         one passed its checks."""
         self._drop([k for k in self.held if k[0] == submission.worker_id])
         self._hold(submission, checked)
-        return self._pending_answer(submission)
 
-    def pending_anchor(self, worker_id: str) -> int | None:
-        """The anchor of the worker's confirmed arrival in the open window, if any."""
-        return self.anchors.get(worker_id)
-
-    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+    def confirm(
+        self, engine: AsyncArrivals, worker_id: str, round_number: int, bound: float, now: float
+    ) -> int:
         """The held slice of (worker, anchor) is on every shard (checked by the caller), its
-        values bounded by `bound` on all of them: it joins the grace window, which may now
-        close. 422 `sum_overflow` (nothing changed) when, added to the window, it could
-        overflow some shard's fp32 sums: refused here, where every shard's bound is known,
-        not when each shard folds."""
+        values bounded by `bound` on all of them: it joins the grace window (which the
+        engine then tries to close); its staleness. 422 `sum_overflow` (nothing changed)
+        when, added to the window, it could overflow some shard's fp32 sums: refused here,
+        where every shard's bound is known, not when each shard folds."""
         c = self.c
-        now = c.clock()
         (key,) = self._of(worker_id, round_number)
         held = self.held[key]
         staleness = c.model.version - round_number
@@ -231,7 +229,7 @@ class LeaderArrivals(_HeldArrivals):
             c.settings,
         )
         del self.held[key]
-        window = self.window
+        window = engine.window
         if window is None:
             window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
         window.hold(held.submission, held.scan, now)
@@ -241,31 +239,27 @@ class LeaderArrivals(_HeldArrivals):
         window.add_units(worker_id, held.submission.units)
         if held.submission.progress:
             window.add_progress(worker_id, held.submission.progress)
-        self.window = window
-        self.anchors[worker_id] = round_number
+        engine.window = window
+        engine.anchors[worker_id] = round_number
         c.metrics.staleness.observe(staleness)
-        self._try_commit(now)
-        applied = None if worker_id in self.anchors else c.model.version - 1
-        return self._answer("accepted", round_number, applied, staleness)
+        return staleness
 
-    def _try_commit(self, now: float) -> None:
-        super()._try_commit(now)
-        if self.window is None:  # the step is made (or nothing was open)
+    def after_commit(self, engine: AsyncArrivals) -> None:
+        if engine.window is None:  # the step is made (or nothing was open)
             self.window_tokens.clear()
             self.window_bounds.clear()
             self.window_sessions.clear()
 
-    def on_leave(self, worker_id: str, now: float) -> None:
+    def on_leave(self, worker_id: str) -> None:
         """A slice never confirmed is in no decision: it goes with its worker."""
         self._drop([k for k in self.held if k[0] == worker_id])
-        super().on_leave(worker_id, now)
 
-    def drop_pending(self, worker_id: str, reason: str) -> bool:
+    def drop_pending(self, engine: AsyncArrivals, worker_id: str) -> bool:
         """An admin banned the worker: its arrivals, confirmed or not, are in no step (the
         window folds nothing before it closes)."""
         dropped = self._drop([k for k in self.held if k[0] == worker_id])
-        window = self.window
-        if window is not None and worker_id in self.anchors:
+        window = engine.window
+        if window is not None and worker_id in engine.anchors:
             for pair in [p for p in window.held if p[0].worker_id == worker_id]:
                 window.held.remove(pair)
                 _release(pair[0])
@@ -279,55 +273,35 @@ class LeaderArrivals(_HeldArrivals):
             window.units.pop(worker_id, None)
             window.progress.pop(worker_id, None)
             window.members.discard(worker_id)
-            del self.anchors[worker_id]
+            del engine.anchors[worker_id]
             if not window.submitted:
-                self.window = None
+                engine.window = None
             dropped = True
         return dropped
 
 
-class FollowerArrivals(_HeldArrivals):
-    """Shards 1..S-1: hold slices; apply shard 0's decisions in version order."""
+class AsyncFollower(HeldArrivals):
+    """Shards 1..S-1: hold slices; apply shard 0's decisions in version order. Membership is
+    shard 0's: a follower's steps wait for decisions, not members or a grace window."""
+
+    follows = True
 
     def __init__(self, context: EngineContext) -> None:
         super().__init__(context)
         # version, worker -> (anchor, session digest)
         self.decided: tuple[int, dict[str, tuple[int, str | None]]] | None = None
 
-    def start(self, fragment_rounds: Sequence[int], now: float) -> None:
-        super().start(fragment_rounds, now)
+    def start(self, engine: AsyncArrivals) -> None:
         self.kept.clear()
-        self.kept.append(self.c.model.current_weights(self.fragment_rounds()).lend())
+        self.kept.append(self.c.model.current_weights(engine.fragment_rounds()).lend())
 
-    def on_register(self, worker_id: str) -> None:
-        """Membership is shard 0's: a follower's steps wait for decisions, not members."""
-
-    def on_leave(self, worker_id: str, now: float) -> None:
-        """A slice shard 0 may have confirmed stays until a decision uses or passes it."""
-
-    def admit(self, submission: Submission) -> dict | None:
-        answer = self._applied_answer(submission)
-        if answer is not None:
-            return answer
-        if self._key(submission) in self.held:
-            submission.record.last_seen = self.c.clock()
-            return self._answer("duplicate", submission.round, None)
-        return None  # (another process's slice of the same anchor stays: see the decision)
-
-    def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
-        self._hold(submission, checked)
-        self._try_commit(self.c.clock())
-        return self._pending_answer(submission)
-
-    def apply_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
-        """Shard 0 made `version` from these arrivals (worker -> anchor, session digest):
-        apply it once every one of their slices is here. False if it is not the next
-        version here."""
-        if self.c.model.masters is None or version != self.c.model.version:
+    def take_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+        """Shard 0 made `version` (the next version here, checked by the engine) from these
+        arrivals (worker -> anchor, session digest); whether it is news (the engine applies
+        it once every one of their slices is here)."""
+        if self.decided is not None:
             return False
-        if self.decided is None:
-            self.decided = (version, dict(decided))
-            self._try_commit(self.c.clock())
+        self.decided = (version, dict(decided))
         return True
 
     def _decided_key(self, worker_id: str, anchor: int, digest: str | None):
@@ -338,48 +312,53 @@ class FollowerArrivals(_HeldArrivals):
             keys = [k for k in keys if k[2] == digest]
         return max(keys, key=lambda k: self.held[k].at) if keys else None
 
-    def _try_commit(self, now: float) -> None:
-        """Apply the decided step once its slices are all here (lock held)."""
+    def before_commit(self, engine: AsyncArrivals, now: float) -> bool:
+        """The decided step may be applied once its slices are all here (lock held): its
+        window is built from them, in worker-id order."""
         c = self.c
         if self.decided is None or c.model.masters is None or c.stopped():
-            return
+            return False
         version, decided = self.decided
         if version != c.model.version:
             self.decided = None  # applied already (a restart found it durable)
-            return
-        if self.window is None:  # (else a step that failed to write: tried again)
+            return False
+        if engine.window is None:  # (else a step that failed to write: tried again)
             keys = {w: self._decided_key(w, a, d) for w, (a, d) in decided.items()}
             if any(key is None for key in keys.values()):
-                return  # a decided slice is missing here until its worker sends it again
+                return False  # a decided slice is missing here until its worker sends it again
             window = Round(version, set(), c.settings.weighting, now)
             for worker_id, key in sorted(keys.items()):
                 assert key is not None
                 held = self.held.pop(key)
                 window.hold(held.submission, held.scan, now)
                 self.window_sessions[worker_id] = held.digest
-            self.window = window
-            self.anchors = {w: a for w, (a, _) in decided.items()}
-        super()._try_commit(now)
-        if self.window is not None:
+            engine.window = window
+            engine.anchors = {w: a for w, (a, _) in decided.items()}
+        return True
+
+    def after_commit(self, engine: AsyncArrivals) -> None:
+        """Once the step is made: keep its version, drop the slices it passed."""
+        if engine.window is not None:
             return
+        assert self.decided is not None
+        _, decided = self.decided
         self.decided = None
         self.window_sessions.clear()
-        self.kept.append(c.model.current_weights(self.fragment_rounds()).lend())
+        self.kept.append(self.c.model.current_weights(engine.fragment_rounds()).lend())
         # these workers' slices of this anchor or older can no longer be decided
         for worker_id, (anchor, _) in decided.items():
             self._drop([k for k in self.held if k[0] == worker_id and k[1] <= anchor])
 
-    def tick(self, now: float) -> None:
-        self._try_commit(now)
-
     def waiting_for(self) -> list[str]:
-        if self.decided is None or self.window is not None:
+        """The decided workers whose slices are missing here (the engine: while it has no
+        window)."""
+        if self.decided is None:
             return []
         _, decided = self.decided
         return sorted(w for w, (a, d) in decided.items() if self._decided_key(w, a, d) is None)
 
     def poll_result(
-        self, round_number: int, fragment: int, worker_id: str | None, now: float
+        self, engine: AsyncArrivals, round_number: int, worker_id: str | None
     ) -> RoundResult | None:
         """The current weights once this shard has applied (worker, round_number); None
         while it holds that slice. A slice neither held nor applied here is asked for again
@@ -396,7 +375,7 @@ class FollowerArrivals(_HeldArrivals):
             if self._of(worker_id, round_number) or c.closing():
                 return None
             if round_number > c.model.version:
-                raise self._future(round_number)
+                raise engine.future_round(round_number)
             raise Rejection(
                 409,
                 "not_submitted",
@@ -405,4 +384,4 @@ class FollowerArrivals(_HeldArrivals):
                 round=round_number,
                 worker_id=worker_id,
             )
-        return c.model.current_weights(self.fragment_rounds()).lend()
+        return c.model.current_weights(engine.fragment_rounds()).lend()

@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping
 from diloco.server.errors import Rejection
 from diloco.server.members.membership import Membership
 from diloco.server.model.results import RoundResult
-from diloco.server.rounds.barrier import BarrierRounds
-from diloco.server.shards.async_decisions import FollowerArrivals, LeaderArrivals
+from diloco.server.rounds.engine import ShardEngine
 from diloco.server.shards.peers import PeerUnavailable
 from diloco.server.shards.role import ShardRole
 from diloco.server.state.journal import RoundJournal
@@ -30,7 +29,7 @@ class ShardCommit:
     def __init__(
         self,
         lock: threading.Condition,
-        engine: BarrierRounds | LeaderArrivals | FollowerArrivals,
+        engine: ShardEngine,
         role: ShardRole,
         membership: Membership,
         journal: RoundJournal,
@@ -291,7 +290,7 @@ class ShardCommit:
                 self.lock.wait(timeout=min(remaining, 1.0))
 
     @staticmethod
-    def _exact(shard: ShardCommit | None) -> LeaderArrivals | FollowerArrivals:
+    def _exact(shard: ShardCommit | None) -> ShardEngine:
         """The engine that serves exact versions: a shard's in async mode; else 422."""
         if shard is None or not shard.role.serves_versions:
             raise Rejection(
@@ -301,7 +300,7 @@ class ShardCommit:
                 "every shard's part of one version",
                 field="version",
             )
-        return shard.engine  # type: ignore[return-value]  (an async shard's: engine_for)
+        return shard.engine
 
     @staticmethod
     def weights_at(shard: ShardCommit | None, version: int) -> RoundResult:

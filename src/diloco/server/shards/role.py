@@ -11,9 +11,11 @@ eviction tick (membership is shard 0's). The calls it makes to shard 0 go throug
 from __future__ import annotations
 
 from diloco.server.errors import Rejection
+from diloco.server.rounds.async_arrivals import ArrivalsRole, OneServerArrivals
 from diloco.server.rounds.barrier import OneServer, RoundsRole
 from diloco.server.rounds.engine_context import EngineContext
 from diloco.server.settings import ServerSettings
+from diloco.server.shards.async_decisions import AsyncFollower, AsyncLeader
 from diloco.server.shards.peers import PeerUnavailable, ShardPeers
 from diloco.server.shards.sync_decisions import SyncFollower, SyncLeader
 
@@ -67,6 +69,13 @@ class ShardRole:
         if not self.decides:
             return OneServer()
         return SyncLeader(context) if self.leads else SyncFollower(context)
+
+    def arrivals_part(self, context: EngineContext) -> ArrivalsRole:
+        """An `AsyncArrivals`'s role: async shards hold every slice until shard 0 decides the
+        step; one server's arrivals change nothing."""
+        if not self.decides:
+            return OneServerArrivals()
+        return AsyncLeader(context) if self.leads else AsyncFollower(context)
 
     def vouch(self, worker_id: str, session: str) -> bool:
         """A follower (lock held: a rare call, one round trip): whether shard 0 holds
