@@ -118,7 +118,13 @@ def _no_worker_outlives_its_test() -> Iterator[None]:
 # The modules whose tests start the most real processes go first: pytest-xdist hands a
 # module (--dist loadscope) to whichever worker is free, so a long one left for the end keeps
 # one worker busy while the other idles.
-_LONG_FIRST = ("e2e/", "integrations/", "test_worker_distributed.py", "test_worker_fsdp.py")
+_LONG_FIRST = (
+    "e2e/",
+    "integrations/",
+    "cli/",
+    "test_worker_distributed.py",
+    "test_worker_fsdp.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

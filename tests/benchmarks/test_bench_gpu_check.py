@@ -15,6 +15,7 @@ import pytest
 from processes import BENCHMARKS, run_benchmark
 
 
+@pytest.mark.slow  # the default suite runs its checks in process (below)
 def test_the_codec_comparison_reports_every_codec_and_check(tmp_path: Path) -> None:
     result = run_benchmark(
         "codec_devices.py", "--device", "cpu", "--codecs", "int4,topk:0.03+int2",

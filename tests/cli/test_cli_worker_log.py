@@ -63,7 +63,13 @@ def test_a_worker_logging_to_a_file_says_when_it_joins_and_each_round(
     assert report["stopped_by"] is None and report["final_eval_loss"] > 0
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "stop",
+    [
+        pytest.param(signal.SIGTERM, id="SIGTERM"),
+        pytest.param(signal.SIGINT, id="SIGINT", marks=pytest.mark.slow),  # the same path
+    ],
+)
 def test_a_worker_held_by_min_workers_says_why_and_a_signal_ends_it_with_a_summary(
     stop: signal.Signals, server_process, corpus_file: Path, tmp_path: Path
 ) -> None:

@@ -180,6 +180,7 @@ def torchrun_trainer(url: str, out: Path, corpus: Path, *extra: str, crash_at: s
     return torchrun_example("transformers_trainer.py", url, out, corpus, *extra, crash_at=crash_at)
 
 
+@pytest.mark.slow  # the same line in the default suite: test_worker_worker, test_cli_worker_log
 def test_a_trainer_held_by_min_workers_says_why(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
