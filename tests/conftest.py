@@ -122,6 +122,8 @@ _LONG_FIRST = (
     "e2e/",
     "integrations/",
     "cli/",
+    "benchmarks/",
+    "test_server_hardening.py",
     "test_worker_distributed.py",
     "test_worker_fsdp.py",
 )

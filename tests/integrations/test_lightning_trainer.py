@@ -27,7 +27,7 @@ def lightning_worker(url: str, worker_id: str, out: Path, *extra: str, **kwargs)
     return example_worker("lightning_trainer.py", url, worker_id, out, *extra, **kwargs)
 
 
-@pytest.mark.slow  # in `make test-slow`; the leased-data kill and resume is the default's sample
+@pytest.mark.slow  # in `make test-slow`, with the rest of this file
 def test_two_lightning_fits_train_one_model_through_a_real_server(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
@@ -42,7 +42,7 @@ def test_two_lightning_fits_train_one_model_through_a_real_server(
     assert reports[0]["final_eval_loss"] < reports[0]["initial_eval_loss"] - 0.5
 
 
-@pytest.mark.slow  # in `make test-slow`; the leased-data kill and resume is the default's sample
+@pytest.mark.slow  # in `make test-slow`, with the rest of this file
 def test_a_killed_fit_resumes_from_its_checkpoint_and_ends_as_an_unbroken_run(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
@@ -73,6 +73,7 @@ def test_a_killed_fit_resumes_from_its_checkpoint_and_ends_as_an_unbroken_run(
     assert_same_global_weights(broken.url, unbroken.url, rounds=3)
 
 
+@pytest.mark.slow  # the Trainer's twin (test_transformers_trainer.py) is the default's sample
 def test_leased_data_trains_every_sample_once_through_two_fits_a_kill_and_a_resume(
     server_process, tmp_path: Path
 ) -> None:
