@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from processes import run_cli_in_process, self_signed_certificate
-from tiny import TINY_CLI, TINY_MODEL
+from tiny import LLAMA, TINY_CLI, TINY_MODEL
 
 TOKEN = "first-hour-token-0123"
 
@@ -171,20 +171,6 @@ def test_a_missing_or_wrong_token_says_how_to_give_one(
 
 
 # -- item 5a: another model than the run's ----------------------------------------------------
-
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-    "bos_token_id": None,
-    "eos_token_id": None,
-}
 
 
 def test_a_worker_with_another_model_hears_which_side_has_what(

@@ -14,22 +14,10 @@ import torch
 from diloco.models.causal_lm import CausalLMConfig, ModelConfigError
 from diloco.sim import SimConfig, simulate
 from processes import global_weights, sampled, start_worker, wait_all
+from tiny import LLAMA
 
 pytest.importorskip("transformers")
 
-LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-    "bos_token_id": None,
-    "eos_token_id": None,
-}
 GPT2_TIED = {
     "model_type": "gpt2",
     "vocab_size": 256,

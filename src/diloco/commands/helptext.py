@@ -44,8 +44,11 @@ def _without_braces(pieces: list[str]) -> list[str]:
     return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in pieces]
 
 
-class HelpCommand(TyperCommand):
-    """A command whose help reads as the module docstring says."""
+class _ReadableHelp:
+    """What a command and a group share: their text unwrapped, their options tidied."""
+
+    help: str | None
+    params: list[Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -53,28 +56,21 @@ class HelpCommand(TyperCommand):
         _tidy_params(self.params)
 
     def get_help_option(self, ctx: Any) -> Any:
-        option = super().get_help_option(ctx)
+        option = super().get_help_option(ctx)  # type: ignore[misc]
         if option is not None:
             _tidy_params([option])
         return option
+
+
+class HelpCommand(_ReadableHelp, TyperCommand):
+    """A command whose help reads as the module docstring says."""
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         return _without_braces(super().collect_usage_pieces(ctx))
 
 
-class HelpGroup(TyperGroup):
+class HelpGroup(_ReadableHelp, TyperGroup):
     """A group (`diloco`, `diloco admin`) whose help reads as the module docstring says."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.help = unwrap(self.help)
-        _tidy_params(self.params)
-
-    def get_help_option(self, ctx: Any) -> Any:
-        option = super().get_help_option(ctx)
-        if option is not None:
-            _tidy_params([option])
-        return option
 
 
 class App(typer.Typer):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -127,19 +127,18 @@ class UploadCoder:
         buffer into its e' = beta e + g; the others' differences are small."""
         if not self.keeps_residual or not (self.codec.is_quantized or self.codec.is_sparse):
             return self.body(pseudo_gradient(anchor, local))
-        coded = [n for n, t in anchor.items() if n in self.coded_names and t.is_floating_point()]
+        coded = self._coded(anchor)
         others = [n for n in anchor if n not in set(coded)]
         exact = pseudo_gradient({n: anchor[n] for n in others}, {n: local[n] for n in others})
-        if self._pending is not None:  # no answer came for the last body: it counts as folded
-            self.settle(folded=True)
         largest = max((anchor[n].numel() for n in coded), default=0)
         scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
-        pending: dict[str, torch.Tensor] = {}
-        for name in coded:
-            difference = scratch[: anchor[name].numel()].view(anchor[name].shape)
-            pseudo_gradient_into({name: anchor[name]}, {name: local[name]}, {name: difference})
-            pending[name] = self._accumulate(name, difference)
-        self._pending = pending
+
+        def difference(name: str) -> torch.Tensor:  # in the scratch, used before the next
+            into = scratch[: anchor[name].numel()].view(anchor[name].shape)
+            pseudo_gradient_into({name: anchor[name]}, {name: local[name]}, {name: into})
+            return into
+
+        pending = self._accumulated(coded, difference)
         source = {n: pending[n] if n in pending else exact[n] for n in anchor}
         return encode_compressed(
             source, self.codec, exact=set(exact), fold_into=pending, weight=-1.0
@@ -164,14 +163,27 @@ class UploadCoder:
     ) -> tuple[list[str], dict[str, torch.Tensor]]:
         """The coded names, and what is coded for each: e' = beta e + g in a buffer of its own
         where a residual is kept (pending until `settle`), else the gradient itself."""
-        coded = [n for n, t in gradient.items() if n in self.coded_names and t.is_floating_point()]
+        coded = self._coded(gradient)
         source = dict(gradient)
-        if self._pending is not None:  # no answer came for the last body: it counts as folded
-            self.settle(folded=True)
         if self.keeps_residual:
-            self._pending = {name: self._accumulate(name, gradient[name]) for name in coded}
-            source.update(self._pending)
+            source.update(self._accumulated(coded, gradient.__getitem__))
+        elif self._pending is not None:  # (none is kept without a residual)
+            self.settle(folded=True)
         return coded, source
+
+    def _coded(self, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+        """The names of `tensors` that the codec codes: trainable floating tensors."""
+        return [n for n, t in tensors.items() if n in self.coded_names and t.is_floating_point()]
+
+    def _accumulated(
+        self, coded: Sequence[str], gradient_of: Callable[[str], torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """e' = beta e + g for each coded name, pending until `settle`; a last body that got
+        no answer counts as folded first."""
+        if self._pending is not None:
+            self.settle(folded=True)
+        self._pending = {name: self._accumulate(name, gradient_of(name)) for name in coded}
+        return self._pending
 
     def settle(self, folded: bool) -> None:
         """The server's answer to the last body: folded in ("accepted", "duplicate"), its

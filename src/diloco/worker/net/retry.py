@@ -66,20 +66,10 @@ class RetryPolicy:
         )
         jitter = self.jitter
         _require(_is_real(jitter) and 0 <= jitter <= 1, "jitter", "in [0, 1]", jitter)
-        deadline = self.deadline
-        _require(
-            deadline is None or (_is_real(deadline) and math.isfinite(deadline) and deadline > 0),
-            "deadline",
-            "None or > 0",
-            deadline,
-        )
-        first = self.first_contact
-        _require(
-            first is None or (_is_real(first) and math.isfinite(first) and first > 0),
-            "first_contact",
-            "None or > 0",
-            first,
-        )
+        for name in ("deadline", "first_contact"):  # seconds, or None: no limit
+            value = getattr(self, name)
+            finite = _is_real(value) and math.isfinite(value) and value > 0
+            _require(value is None or finite, name, "None or > 0", value)
 
     def delays(self, rng: random.Random | None = None) -> Iterator[float]:
         """Yield the wait before each retry: one fewer than `attempts`, or forever.
