@@ -35,8 +35,7 @@ from diloco.server.ops.control import RunControl
 from diloco.server.ops.metrics import ServerMetrics, Traffic
 from diloco.server.ops.tensorboard import TensorBoardScalars
 from diloco.server.rounds.admission import Intake, book
-from diloco.server.rounds.engine import ShardEngine
-from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.engine import EngineContext, ShardEngine
 from diloco.server.rounds.engines import engine_for
 from diloco.server.rounds.robust import RobustScreen
 from diloco.server.rounds.round import Round

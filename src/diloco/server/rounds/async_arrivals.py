@@ -24,10 +24,9 @@ from typing import Protocol
 from diloco.algorithm import GraceWindow, staleness_scale
 from diloco.server.errors import Rejection
 from diloco.server.model.results import RoundResult, Waiting
-from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.engine import EngineContext
 from diloco.server.rounds.robust import screened_record
-from diloco.server.rounds.round import Round, ValueScan, fold
-from diloco.server.rounds.submission import Submission
+from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.state.journal import CommitRecord
 from diloco.wire.format.spool import CheckedPieces
 

@@ -20,10 +20,9 @@ from typing import Protocol
 
 from diloco.server.errors import Rejection
 from diloco.server.model.results import Published, RoundResult, Waiting
-from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.engine import EngineContext
 from diloco.server.rounds.robust import decide_round, drop_held, screened_record
-from diloco.server.rounds.round import Round, ValueScan, fold
-from diloco.server.rounds.submission import Submission
+from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.state.journal import CommitRecord
 from diloco.wire.format.spool import CheckedPieces
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from diloco.server.rounds.async_arrivals import AsyncArrivals
 from diloco.server.rounds.barrier import BarrierRounds
-from diloco.server.rounds.engine import ShardEngine
-from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.engine import EngineContext, ShardEngine
 from diloco.server.shards.role import ShardRole
 
 __all__ = ["engine_for"]

@@ -25,8 +25,7 @@ import torch
 
 from diloco.algorithm.robust import Aggregation, NormHistory, OpposedCheck, Screened, aggregate
 from diloco.algorithm.tensors import TensorKind
-from diloco.server.rounds.round import Round, ValueScan, fold
-from diloco.server.rounds.submission import Submission
+from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.wire import TensorSpec, WireError
 from diloco.wire.format.spool import PieceBody, SpooledTensors
 

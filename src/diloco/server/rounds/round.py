@@ -1,18 +1,43 @@
 """One round (of a fragment), or an async grace window: its barrier set, the submissions
-folded in so far, and its timing."""
+folded in so far, and its timing; and `Submission`, one pseudo-gradient as the intake hands it
+to a round engine."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from diloco.algorithm import Contribution, RunningMean
-from diloco.server.rounds.submission import Submission
+from diloco.server.members.membership import WorkerRecord
 from diloco.wire import WireError
 from diloco.wire.format.spool import CheckedPieces, PieceBody, sum_overflow
+
+
+@dataclass(frozen=True)
+class Submission:
+    """Keyed by (worker, round, fragment); `units` are the work units it reports finished,
+    `progress` those trained in part (unit -> samples of it trained so far)."""
+
+    record: WorkerRecord
+    round: int
+    fragment: int
+    tensors: Mapping[str, torch.Tensor] | PieceBody  # a compressed body: decoded pieces
+    tokens: int
+    units: list[int]
+    progress: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def worker_id(self) -> str:
+        return self.record.worker_id
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.tensors, PieceBody):
+            return self.tensors.nbytes
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 @dataclass

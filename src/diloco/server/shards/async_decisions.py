@@ -25,9 +25,8 @@ from diloco.algorithm import staleness_scale
 from diloco.server.errors import Rejection
 from diloco.server.model.results import RoundResult
 from diloco.server.rounds.async_arrivals import AsyncArrivals
-from diloco.server.rounds.engine_context import EngineContext
-from diloco.server.rounds.round import Round, ValueScan, fold
-from diloco.server.rounds.submission import Submission
+from diloco.server.rounds.engine import EngineContext
+from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.shards.sync_decisions import checked_load, session_digest
 from diloco.wire.format.spool import CheckedPieces, PieceBody
 

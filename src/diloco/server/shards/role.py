@@ -13,7 +13,7 @@ from __future__ import annotations
 from diloco.server.errors import Rejection
 from diloco.server.rounds.async_arrivals import ArrivalsRole, OneServerArrivals
 from diloco.server.rounds.barrier import OneServer, RoundsRole
-from diloco.server.rounds.engine_context import EngineContext
+from diloco.server.rounds.engine import EngineContext
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.async_decisions import AsyncFollower, AsyncLeader
 from diloco.server.shards.peers import PeerUnavailable, ShardPeers

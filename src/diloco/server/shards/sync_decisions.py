@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from diloco.algorithm import Contribution
 from diloco.algorithm.contributions import FINITE_SUM_LIMIT, contribution_weight
 from diloco.server.errors import Rejection
-from diloco.server.rounds.engine_context import EngineContext
-from diloco.server.rounds.round import Round, ValueScan, fold
-from diloco.server.rounds.submission import Submission
+from diloco.server.rounds.engine import EngineContext
+from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.settings import ServerSettings
 from diloco.wire.format.spool import PieceBody
 
