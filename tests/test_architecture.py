@@ -245,3 +245,55 @@ def test_every_function_architecture_md_points_to_exists() -> None:
                 break
             scope = getattr(found, "body", [])
     assert missing == []
+
+
+ROUND_STEPS = ("admit", "fold", "decide", "step", "persist", "publish")
+MAX_ROUND_FUNCTION_LINES = 100
+
+
+def round_functions(text: str) -> dict[str, tuple[str, str]]:
+    """The "Life of a round" table: round kind -> (module path, Class.function)."""
+    section = text.split("## Life of a round", 1)[1].split("\n## ", 1)[0]
+    found = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        pointer = re.match(r"`([a-z_/]+\.py)::([A-Za-z_.]+)`", cells[1]) if len(cells) > 2 else None
+        if pointer is not None:
+            found[cells[0]] = (pointer.group(1), pointer.group(2))
+    return found
+
+
+def test_each_round_kind_reads_in_one_short_function_naming_its_steps() -> None:
+    """Issue 26: a newcomer reads a round top to bottom in one function of under ~100 lines
+    whose text names the six steps in order (the doc's table says which function)."""
+    functions = round_functions(ARCHITECTURE.read_text())
+    assert set(functions) == {"sync round", "streaming fragment round", "async arrival"}
+    for kind, (path, dotted) in functions.items():
+        class_name, function_name = dotted.split(".")
+        tree = ast.parse((SOURCE / "diloco" / path).read_text())
+        owner = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
+        function = next(
+            n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == function_name
+        )
+        assert function.end_lineno is not None
+        length = function.end_lineno - function.lineno + 1
+        assert length < MAX_ROUND_FUNCTION_LINES, f"{kind}: {dotted} is {length} lines"
+        text = ast.get_source_segment((SOURCE / "diloco" / path).read_text(), function) or ""
+        places = [text.find(f"{number}. {step}") for number, step in enumerate(ROUND_STEPS, 1)]
+        assert -1 not in places, f"{kind}: {dotted} does not name every step: {places}"
+        assert places == sorted(places), f"{kind}: {dotted} names its steps out of order"
+
+
+def test_the_round_table_reader_finds_each_kind() -> None:
+    text = """## Life of a round
+
+| round kind | the function | steps 1-2 |
+|---|---|---|
+| sync round | `server/rounds/barrier.py::BarrierRounds.complete_round` (one) | `Intake.submit` |
+
+## Next
+| other | `server/x.py::X.y` | no |
+"""
+    assert round_functions(text) == {
+        "sync round": ("server/rounds/barrier.py", "BarrierRounds.complete_round")
+    }

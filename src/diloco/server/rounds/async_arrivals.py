@@ -220,13 +220,13 @@ class AsyncArrivals:
         self.role.on_leave(worker_id)
         if self.window is not None:
             self.window.leave(worker_id)
-        self._try_commit(now)
+        self.complete_window(now)
 
     def units_of(self, worker_id: str) -> set[int]:
         return set() if self.window is None else self.window.units_of(worker_id)
 
     def tick(self, now: float) -> None:
-        self._try_commit(now)
+        self.complete_window(now)
 
     def overdue(self, now: float) -> list[str]:
         return []  # no barrier: a hung worker holds nobody up
@@ -236,7 +236,7 @@ class AsyncArrivals:
 
     def on_resume(self, paused_since: float, now: float) -> None:
         """Arrivals held while paused went into one window: it is applied now, as one step."""
-        self._try_commit(now)
+        self.complete_window(now)
 
     def wake_within(self, now: float) -> float:
         """A long-poll wakes by the window's deadline, which it may then close itself (not
@@ -299,11 +299,13 @@ class AsyncArrivals:
         return False
 
     def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        """2. fold (see `complete_window`): an admitted arrival into the grace window, which
+        may then close."""
         c = self.c
         if self.role.holds_slices:  # held until a decision (shard 0: until confirmed)
             self.role.take(submission, checked)
             if self.role.follows:
-                self._try_commit(c.clock())
+                self.complete_window(c.clock())
             return self._answer("accepted", submission.round, None)
         now = c.clock()
         worker_id, round_number = submission.worker_id, submission.round
@@ -337,7 +339,7 @@ class AsyncArrivals:
         self.anchors[worker_id] = round_number
         c.metrics.staleness.observe(staleness)
         c.book(submission, window, now)
-        self._try_commit(now)
+        self.complete_window(now)
         return self._answer(
             "accepted",
             round_number,
@@ -378,52 +380,67 @@ class AsyncArrivals:
         last = max(window.submitted.values())
         return self.grace.closed(window.first_submission_at, last, not window.waiting_for(), now)
 
-    def _try_commit(self, now: float) -> None:
-        """Apply the pending arrivals as one outer step once the window closes (lock held); a
-        follower: the step shard 0 decided, once every decided slice is here."""
+    def complete_window(self, now: float) -> None:
+        """The life of an async arrival, in order (lock held; docs/architecture.md, "Life of
+        a round"). Steps 1-2 happen per arrival:
+
+        1. admit   `Intake.submit` -> `admit` below: member, anchor version, units, layout,
+                   and never one applied already (the submissions table)
+        2. fold    `accept` below: into the grace window's running mean at once, scaled by
+                   its staleness (robust aggregation: judged against the window's norms)
+        3. decide  here: the grace window closes (its deadline passed, or every live worker
+                   has arrived); a shard: shard 0's decision, once its slices are all here
+        4. step    `EngineContext.commit` -> `GlobalModel.commit`: Delayed Nesterov
+        5. persist the same call: the journal makes the step durable before it counts
+        6. publish here: the new weights coded once for every worker, long-polls woken
+
+        Called after every arrival, departure, tick and (a shard) decision: it returns at
+        once while the window is open.
+        """
+        c = self.c
+        # 3. decide (a follower builds the window from shard 0's decision here)
         if not self.role.before_commit(self, now):
             return
-        self._commit_window(now)
-        self.role.after_commit(self)
-
-    def _commit_window(self, now: float) -> None:
-        c = self.c
-        if c.model.masters is None or c.stopped() or not self._ready(now):
-            return  # (a broken server commits nothing until restarted)
         window = self.window
-        assert window is not None
-        started = time.perf_counter()
-        self.role.fold_held(self, window, now)
-        assert window.running is not None
-        running = window.running  # stays the window's until the step is durable
-        submitters = sorted(window.submitters)
-        record = CommitRecord(
-            round=c.model.version,
-            contributors=submitters,
-            units=window.all_units(),
-            progress=window.all_progress(),
-            released=window.progress_of_departed(c.membership.is_live),
-            tokens=window.tokens,
-            seconds=time.perf_counter() - started,
-            # Staleness of each: the window opened at the current version, its anchor before.
-            submissions=[(w, self.anchors[w], window.number - self.anchors[w]) for w in submitters],
-            sessions=self.role.sessions_of(window),
-            **screened_record(c.screen, 0, window),
-        )
-        c.commit(running, record, self.fragment_rounds_after(record))
-        c.screen.restore(record.norm_history or ())  # what the step made durable
-        self.window = None
-        self.anchors.clear()
-        c.model.current_weights(
-            self.fragment_rounds()
-        )  # encoded once for every worker of this step
-        for when in window.submitted.values():
-            c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
-        c.publish(
-            f"async step {record.round}: {len(submitters)} arrival(s) from "
-            f"{', '.join(f'{w} (staleness {s})' for w, _, s in record.submissions)}",
-            started,
-        )
+        # (a broken server commits nothing until restarted)
+        ready = c.model.masters is not None and not c.stopped() and self._ready(now)
+        if window is not None and ready:
+            started = time.perf_counter()
+            self.role.fold_held(self, window, now)
+            assert window.running is not None
+            running = window.running  # stays the window's until the step is durable
+            submitters = sorted(window.submitters)
+            record = CommitRecord(
+                round=c.model.version,
+                contributors=submitters,
+                units=window.all_units(),
+                progress=window.all_progress(),
+                released=window.progress_of_departed(c.membership.is_live),
+                tokens=window.tokens,
+                seconds=time.perf_counter() - started,
+                # Staleness of each: the window opened at the current version, its anchor
+                # before.
+                submissions=[
+                    (w, self.anchors[w], window.number - self.anchors[w]) for w in submitters
+                ],
+                sessions=self.role.sessions_of(window),
+                **screened_record(c.screen, 0, window),
+            )
+            # 4-5. step and persist: the outer step on the masters, durable before it counts
+            c.commit(running, record, self.fragment_rounds_after(record))
+            c.screen.restore(record.norm_history or ())  # what the step made durable
+            self.window = None
+            self.anchors.clear()
+            # 6. publish: coded once for every worker of this step
+            c.model.current_weights(self.fragment_rounds())
+            for when in window.submitted.values():
+                c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
+            c.publish(
+                f"async step {record.round}: {len(submitters)} arrival(s) from "
+                f"{', '.join(f'{w} (staleness {s})' for w, _, s in record.submissions)}",
+                started,
+            )
+        self.role.after_commit(self)
 
     # ----------------------------------------------------------------- results
 
@@ -447,7 +464,7 @@ class AsyncArrivals:
                 field="worker_id",
             )
         if self.anchors.get(worker_id) == round_number:
-            self._try_commit(now)  # the deadline may have passed with nobody else to close it
+            self.complete_window(now)  # the deadline may have passed with nobody else to close it
             if self.anchors.get(worker_id) == round_number:
                 return None
         if c.applied_version(worker_id, round_number) is not None:
@@ -494,7 +511,7 @@ class AsyncArrivals:
         caller), bounded by `bound`: it joins the grace window, which may now close."""
         now = self.c.clock()
         staleness = self.role.confirm(self, worker_id, round_number, bound, now)
-        self._try_commit(now)
+        self.complete_window(now)
         applied = None if worker_id in self.anchors else self.c.model.version - 1
         return self._answer("accepted", round_number, applied, staleness)
 
@@ -505,7 +522,7 @@ class AsyncArrivals:
         if self.c.model.masters is None or version != self.c.model.version:
             return False
         if self.role.take_decision(version, decided):
-            self._try_commit(self.c.clock())
+            self.complete_window(self.c.clock())
         return True
 
     def weights_at(self, version: int) -> RoundResult:

@@ -190,7 +190,7 @@ class BarrierRounds:
         for current in self.rounds:
             current.leave(worker_id)
         for fragment in range(len(self.rounds)):
-            self._try_commit(fragment, now)
+            self.complete_round(fragment, now)
 
     def units_of(self, worker_id: str) -> set[int]:
         return {unit for current in self.rounds for unit in current.units_of(worker_id)}
@@ -201,7 +201,7 @@ class BarrierRounds:
         if self.c.screen.on:
             for fragment, current in enumerate(self.rounds):
                 if current.held:
-                    self._try_commit(fragment, now)
+                    self.complete_round(fragment, now)
 
     def overdue(self, now: float) -> list[str]:
         if self.role.follows:
@@ -234,7 +234,7 @@ class BarrierRounds:
             if first is not None:
                 current.first_submission_at = first + max(0.0, now - max(first, paused_since))
         for fragment in range(len(self.rounds)):
-            self._try_commit(fragment, now)
+            self.complete_round(fragment, now)
 
     # ----------------------------------------------------------------- submissions
 
@@ -284,6 +284,8 @@ class BarrierRounds:
         return not self.c.screen.on and self.rounds[fragment].running is None
 
     def accept(self, submission: Submission, checked: CheckedPieces | ValueScan) -> dict:
+        """2. fold (see `complete_round`): an admitted submission into its round, which may
+        then be complete."""
         c = self.c
         now = c.clock()
         current = self.rounds[submission.fragment]
@@ -299,7 +301,7 @@ class BarrierRounds:
             fold(current, submission, checked, c.model.sums_storage(), now)
             c.metrics.round_part_seconds.labels(part="fold").observe(time.perf_counter() - folding)
         c.book(submission, current, now)
-        self._try_commit(submission.fragment, now)
+        self.complete_round(submission.fragment, now)
         return self._answer("accepted", submission.round, submission.fragment)
 
     def _of(self, fragment: int) -> str:
@@ -316,10 +318,24 @@ class BarrierRounds:
             "waiting_for": current.waiting_for() if current.number == round_number else [],
         }
 
-    def _try_commit(self, fragment: int, now: float) -> None:
-        """Commit the fragment's round if its barrier is satisfied (lock held)."""
+    def complete_round(self, fragment: int, now: float) -> None:
+        """The life of a sync round (streaming: fragment `fragment`'s round), in order (lock
+        held; docs/architecture.md, "Life of a round"). Steps 1-2 happen per submission:
+
+        1. admit   `Intake.submit` -> `admit` below: member, round, fragment, units, layout
+        2. fold    `accept` below: into the round's running mean as each body comes (held
+                   unfolded under robust aggregation, and on a shard until shard 0 decides)
+        3. decide  here: the barrier is met; a held round is folded as its decision says
+        4. step    `EngineContext.commit` -> `GlobalModel.commit`: the outer optimizer
+        5. persist the same call: the journal makes the step durable before it counts
+        6. publish here: the result coded once, the next round opened, long-polls woken
+
+        Called after every submission, departure, resume and (a shard) decision: it returns
+        at once while the barrier waits.
+        """
         c = self.c
         current = self.rounds[fragment]
+        # 3. decide: every member has submitted or left, on a server that may step
         if (
             c.model.masters is None
             or c.model.broken is not None
@@ -345,9 +361,11 @@ class BarrierRounds:
             sessions=self.role.sessions_of(current),
             **screened_record(c.screen, fragment, current),
         )
+        # 4-5. step and persist: the outer step on the masters, durable before it counts
         c.commit(running, record, self.fragment_rounds_after(record))
         c.screen.restore(record.norm_history or ())  # what the step made durable
         current.running = None  # used up by the step
+        # 6. publish: the fragment's result, then the next round with today's live workers
         self._fragment_rounds[fragment] = current.number + 1
         self.results[fragment] = None  # free the old body before encoding the new one
         self.results[fragment] = self._encode_result(fragment, current.number + 1)
@@ -485,7 +503,7 @@ class BarrierRounds:
         """Shard 0: the worker's slices of the open round are on every shard (checked by the
         caller), bounded by `bound`: it counts for the barrier, which may now be met."""
         self.role.confirm(self.rounds[0], worker_id, round_number, bound)
-        self._try_commit(0, self.c.clock())
+        self.complete_round(0, self.c.clock())
         return self._answer("accepted", round_number, 0)
 
     def apply_decision(self, round_number: int, decided: dict[str, tuple[int, str | None]]) -> bool:
@@ -497,7 +515,7 @@ class BarrierRounds:
         if current is None or current.number != round_number:
             return False
         if self.role.take_decision(current, decided):
-            self._try_commit(0, self.c.clock())
+            self.complete_round(0, self.c.clock())
         return True
 
     def pending_anchor(self, worker_id: str) -> int | None:
