@@ -7,7 +7,7 @@ anything.
 
 The coordinator composes classes with one job each: `Membership` (who is live, DyLU advice),
 `GlobalModel` (masters, outer optimizer, version, the durable step), `Intake` (admit, scan,
-fold a submission), `DataDispatch` (datasets and leases) and the mode's round engine
+fold a submission), `DataLeases` (datasets and leases) and the mode's round engine
 (`BarrierRounds` or `AsyncArrivals`), which decides when pseudo-gradients combine into a step
 and sees the run only through an `EngineContext`.
 """
@@ -34,7 +34,7 @@ from diloco.server.ops.admin import AdminActions
 from diloco.server.ops.control import RunControl
 from diloco.server.ops.metrics import ServerMetrics, Traffic
 from diloco.server.ops.tensorboard import TensorBoardScalars
-from diloco.server.rounds.admission import Intake, book
+from diloco.server.rounds.admission import Intake, record_folded
 from diloco.server.rounds.engine import EngineContext, ShardEngine
 from diloco.server.rounds.engines import engine_for
 from diloco.server.rounds.robust import RobustScreen
@@ -45,7 +45,7 @@ from diloco.server.shards.peers import ShardPeers
 from diloco.server.shards.role import ShardRole
 from diloco.server.state.journal import CommitRecord, LoggedStep, RoundJournal
 from diloco.server.state.store import StateStore
-from diloco.server.workunits.transactions import DataDispatch
+from diloco.server.workunits.leases import DataLeases
 from diloco.wire import (
     PROTOCOL_VERSION,
     SpooledTensors,
@@ -103,7 +103,7 @@ class Coordinator:
         self.rounds_committed = 0
         self.closing = False
         self.pool = self.journal.pool
-        self.dispatch = DataDispatch(self.pool, self.journal.state)
+        self.data_leases = DataLeases(self.pool, self.journal.state)
         self.last_commit: CommitRecord | None = None
         self.screen = RobustScreen(settings.robust, settings.fragments)
         # one server, shard 0 or another shard: given to whoever behaves differently by role
@@ -114,9 +114,9 @@ class Coordinator:
             model=self.model,
             membership=self.membership,
             metrics=self.metrics,
-            dispatch=self.dispatch,
+            data_leases=self.data_leases,
             applied_version=self.journal.state.applied_version,
-            book=functools.partial(book, self.traffic),
+            record_folded=functools.partial(record_folded, self.traffic),
             commit=self._commit_step,
             publish=self._published,
             closing=lambda: self.closing,
@@ -322,7 +322,7 @@ class Coordinator:
                 "bytes_in": self.traffic.bytes_in,
                 "bytes_out": self.traffic.bytes_out,
                 "rounds_per_hour": self.rounds_committed / uptime * 3600.0,
-                "datasets": self.dispatch.progress(),
+                "datasets": self.data_leases.progress(),
                 "uptime_seconds": uptime,
                 **self.admin.state_of(),  # paused, outer_lr, banned
             }
@@ -399,7 +399,7 @@ class Coordinator:
             self._require_usable(worker_id)
             if self.shard is not None:
                 self.shard.require_datasets()
-            return self.dispatch.register(worker_id, dataset_id, length, shuffle_seed, unit_size)
+            return self.data_leases.register(worker_id, dataset_id, length, shuffle_seed, unit_size)
 
     def lease_units(
         self,
@@ -412,17 +412,17 @@ class Coordinator:
         """Hand out work units; each belongs to `worker_id` until completed or released."""
         with self._lock:
             self._require_usable(worker_id)
-            return self.dispatch.lease(worker_id, dataset_id, count, next_epoch, lease_key)
+            return self.data_leases.lease(worker_id, dataset_id, count, next_epoch, lease_key)
 
     def leases_of(self, worker_id: str, dataset_id: str) -> dict:
         """The units of a dataset leased to a live worker, with the samples still to train."""
         with self._lock:
             self._require_usable(worker_id)
-            return self.dispatch.leases_of(worker_id, dataset_id)
+            return self.data_leases.leases_of(worker_id, dataset_id)
 
     def data_progress(self) -> list[dict]:
         with self._lock:
-            return self.dispatch.progress()
+            return self.data_leases.progress()
 
     # ----------------------------------------------------------------- weights
 

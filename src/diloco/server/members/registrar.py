@@ -109,7 +109,11 @@ class Registrar:
         if holder is not None and session is not None and holder.session == session:
             holder.last_seen = now
             return self._registration(worker_id)
-        if holder is not None and session is not None and self.role.vouch(worker_id, session):
+        if (
+            holder is not None
+            and session is not None
+            and self.role.known_to_shard0(worker_id, session)
+        ):
             # A follower shard: shard 0 holds the id under this new session (the worker
             # restarted without its checkpoint, and shard 0 evicted its old self).
             holder.session, holder.last_seen = session, now
@@ -123,7 +127,7 @@ class Registrar:
                 worker_id=worker_id,
             )
         # a streaming follower commits rounds alone: only workers shard 0 admitted (not banned)
-        if not self.role.admits_alone and not self.role.vouch(worker_id, session or ""):
+        if not self.role.admits_alone and not self.role.known_to_shard0(worker_id, session or ""):
             raise Rejection(
                 409,
                 "not_on_shard_0",

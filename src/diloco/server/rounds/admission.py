@@ -412,8 +412,8 @@ def _require_own_fragment(plan: Sequence[Sequence[str]], fragment: int) -> None:
         )
 
 
-def book(traffic: Traffic, submission: Submission, target: Round, now: float) -> None:
-    """Book a folded submission (lock held): its worker's sign of life, the units it reports
+def record_folded(traffic: Traffic, submission: Submission, target: Round, now: float) -> None:
+    """Record a folded submission (lock held): its worker's sign of life, the units it reports
     (they complete with the step that applies it), the bytes it brought."""
     submission.record.last_seen = now  # only now: a rejection leaves the state as it was
     target.add_units(submission.worker_id, submission.units)

@@ -338,7 +338,7 @@ class AsyncArrivals:
         self.window = window
         self.anchors[worker_id] = round_number
         c.metrics.staleness.observe(staleness)
-        c.book(submission, window, now)
+        c.record_folded(submission, window, now)
         self.complete_window(now)
         return self._answer(
             "accepted",

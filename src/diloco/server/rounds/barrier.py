@@ -260,7 +260,7 @@ class BarrierRounds:
             # committed round already completed, a lost answer's retry, is not counted twice).
             c.check_units(submission)
             worker_id = submission.worker_id
-            finished, partial = c.dispatch.still_leased(
+            finished, partial = c.data_leases.still_leased(
                 worker_id, submission.units, submission.progress
             )
             if finished:
@@ -300,7 +300,7 @@ class BarrierRounds:
             folding = time.perf_counter()
             fold(current, submission, checked, c.model.sums_storage(), now)
             c.metrics.round_part_seconds.labels(part="fold").observe(time.perf_counter() - folding)
-        c.book(submission, current, now)
+        c.record_folded(submission, current, now)
         self.complete_round(submission.fragment, now)
         return self._answer("accepted", submission.round, submission.fragment)
 

@@ -22,7 +22,7 @@ from diloco.server.rounds.robust import RobustScreen
 from diloco.server.rounds.round import Round, Submission, ValueScan
 from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import CommitRecord
-from diloco.server.workunits.transactions import DataDispatch
+from diloco.server.workunits.leases import DataLeases
 from diloco.wire.format.spool import CheckedPieces
 
 
@@ -35,9 +35,9 @@ class EngineContext:
     model: GlobalModel  # masters, plan, version, encodings; read, and stepped via `commit`
     membership: Membership  # who is live (read only)
     metrics: ServerMetrics
-    dispatch: DataDispatch  # whether reported units are the worker's
+    data_leases: DataLeases  # whether reported units are the worker's
     applied_version: Callable[[str, int], int | None]  # async: (worker, anchor) -> its step
-    book: Callable[[Submission, Round, float], None]  # a folded submission's bookkeeping
+    record_folded: Callable[[Submission, Round, float], None]  # a folded submission's bookkeeping
     commit: Callable[[RunningMean, CommitRecord, Sequence[int]], None]  # step, make durable
     publish: Callable[[str, float], None]  # after a step's result is out: log, wake polls
     closing: Callable[[], bool]  # the server is shutting down
@@ -51,7 +51,7 @@ class EngineContext:
 
     def check_units(self, submission: Submission) -> None:
         """422 unless every unit the submission reports is the worker's (reads only)."""
-        self.dispatch.check_reported(submission.worker_id, submission.units, submission.progress)
+        self.data_leases.check_reported(submission.worker_id, submission.units, submission.progress)
 
 
 class RoundEngine(Protocol):

@@ -113,7 +113,7 @@ class HeldArrivals:
             submission, checked, submission.record.session, now
         )
         # its worker's sign of life and bytes; units join the window at the confirmation
-        c.book(submission, Round(submission.round, set(), c.settings.weighting, now), now)
+        c.record_folded(submission, Round(submission.round, set(), c.settings.weighting, now), now)
 
     def take(self, submission: Submission, checked: CheckedPieces | ValueScan) -> None:
         self._hold(submission, checked)

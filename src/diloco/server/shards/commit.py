@@ -70,7 +70,7 @@ class ShardCommit:
                 "not_built",
                 "sharded servers in streaming mode do not lease work units (a fragment's "
                 "submission may go to a shard that keeps no dataset); give each worker its "
-                "own data (diloco worker --dispatch static)",
+                "own data (diloco worker --data-dispatch static)",
             )
 
     def whole_plan(self) -> dict:

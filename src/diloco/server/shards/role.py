@@ -77,7 +77,7 @@ class ShardRole:
             return OneServerArrivals()
         return AsyncLeader(context) if self.leads else AsyncFollower(context)
 
-    def vouch(self, worker_id: str, session: str) -> bool:
+    def known_to_shard0(self, worker_id: str, session: str) -> bool:
         """A follower (lock held: a rare call, one round trip): whether shard 0 holds
         `worker_id` live under `session`. Never on one server or shard 0."""
         if self.leads or self.peers is None:

@@ -1,4 +1,4 @@
-"""The data dispatch: which work units of which dataset each worker trains.
+"""The data leases: which work units of which dataset each worker trains.
 
 The work-unit pool (`workunits.WorkPool`) is the durable ledger; this is the coordinator's door
 to it: a dataset's registration (audited), leases in one transaction each, and the checks that
@@ -16,7 +16,7 @@ from diloco.server.state.store import StateStore
 from diloco.server.workunits.pool import WorkPool
 
 
-class DataDispatch:
+class DataLeases:
     """Datasets and leases, through the pool, in the state store's transactions."""
 
     def __init__(self, pool: WorkPool, state: StateStore) -> None:
