@@ -15,7 +15,7 @@ progress is never thrown away.
 The worker is a facade over one part per job: `ServerSession` (join, submit, await, rebase),
 `Anchor` (the global weights the model started from; `ShardedAnchor` under FSDP2), a schedule
 (`EveryH`, `DyLU`, or the `FragmentStreamer`'s windows), `TokenTally`, `UnitReports` (work
-units), `Pace` (blocked time, window speeds), `Checkpointer` (through `WorkerResumption`,
+units), `Pace` (blocked time, window speeds), `Resumption` (its own checkpoints,
 worker/state/resumption.py) and `Heartbeat`. It wires them together and owns the optimizer hook,
 the step count and the report.
 """
@@ -50,8 +50,8 @@ from diloco.worker.round_log import RoundLines, joined_line, log_recovered
 from diloco.worker.schedule import DyLU, EveryH
 from diloco.worker.session import Exchanged, ServerSession, wait_report_seconds
 from diloco.worker.settings import WorkerSettings
-from diloco.worker.state.checkpoint import Checkpointer, WorkerCheckpoint
-from diloco.worker.state.resumption import WorkerResumption
+from diloco.worker.state.checkpoint import WorkerCheckpoint
+from diloco.worker.state.resumption import Progress, Rejoined, Resumption
 from diloco.worker.streaming import FragmentStreamer
 from diloco.worker.upload_coder import UploadCoder
 
@@ -86,7 +86,7 @@ def _refuse_tied_tensors(model: nn.Module) -> None:
         )
 
 
-class DiLoCoWorker(WorkerResumption):
+class DiLoCoWorker:
     """One DiLoCo worker (one process, or one torch.distributed group led by rank 0)."""
 
     def __init__(
@@ -195,18 +195,31 @@ class DiLoCoWorker(WorkerResumption):
         self.last_round_phases: dict[str, float] | None = None
         self._encode_seconds = self._apply_seconds = 0.0
         self.dropped_round = False  # a resume inside a round the server had gone past
-        self._checkpointer: Checkpointer | None = None
         distributed.check_same_choice("checkpoint_dir", checkpoint_dir is not None)
-        if checkpoint_dir is not None:
-            if self.sharded or (distributed.group_size() > 1 and save_every_round):
-                raise ValueError(
-                    "checkpoint_dir is for unsharded workers, and under torch.distributed only "
-                    "with save_every_round=False: rank 0 then saves the worker state beside a "
-                    "trainer's own checkpoints, which restore every rank's model, optimizer "
-                    "and RNG (under FSDP the worker state is not saved)"
-                )
-            self._checkpointer = Checkpointer(checkpoint_dir, self.model, optimizer, scheduler)
-            self._resume(self._checkpointer)
+        if checkpoint_dir is not None and (
+            self.sharded or (distributed.group_size() > 1 and save_every_round)
+        ):
+            raise ValueError(
+                "checkpoint_dir is for unsharded workers, and under torch.distributed only "
+                "with save_every_round=False: rank 0 then saves the worker state beside a "
+                "trainer's own checkpoints, which restore every rank's model, optimizer "
+                "and RNG (under FSDP the worker state is not saved)"
+            )
+        self._resumption = Resumption(
+            self.model,
+            optimizer,
+            scheduler,
+            checkpoint_dir,
+            leader=self.is_leader,
+            sharded=self.sharded,
+        )
+        saved = self._resumption.load(self.worker_id)
+        if saved is not None:  # registering under the saved id, counting on from its counters
+            self.resumed = saved
+            self.worker_id = saved.worker_id
+            self.local_step = saved.local_step
+            self._tokens.total = saved.tokens
+            self.rounds = int(saved.extra.get("rounds", 0))
         self._session = (
             ServerSession(
                 self.client,
@@ -279,8 +292,15 @@ class DiLoCoWorker(WorkerResumption):
                 before_send=self._check_replicas,
                 coding=lambda code: self._on_host_after_oom(code, coding=True),
             )
-        self._skip_rounds_missed()
-        self._resume_mid_round()
+        self._go_on(
+            self._resumption.after_join(
+                self.round,
+                self.settings.mode,
+                self.settings.sync_every,
+                self.client,
+                self.worker_id,
+            )
+        )
         self._round_lines.since(self.client.stats if self.client is not None else None)
         self._hook = optimizer.register_step_post_hook(self._after_step)
         if self.settings.weighting == "tokens":  # token weighting needs counts: count them
@@ -304,6 +324,17 @@ class DiLoCoWorker(WorkerResumption):
                 self._schedule.advise,
             )
             self._heartbeat.start()
+
+    def _go_on(self, rejoined: Rejoined) -> None:
+        """Where the resumption says a resumed worker goes on after joining."""
+        self.local_step += rejoined.steps_skipped
+        self.dropped_round = rejoined.dropped_round
+        inside = rejoined.inside_round
+        if inside is not None:
+            self._schedule.steps_in_round = inside.steps
+            if inside.window is not None:
+                self._schedule.window = inside.window
+            self._tokens.resume_round(inside.tokens)
 
     def _anchor_device(self, requested: torch.device | None) -> torch.device:
         """The anchor's device (see `anchor_device`); said once at the start when it is not
@@ -532,6 +563,33 @@ class DiLoCoWorker(WorkerResumption):
         """A round (or a streaming cycle) ended: checkpoint it, unless saves are the caller's."""
         if self._save_every_round:
             self.save_checkpoint()
+
+    def save_checkpoint(self, directory: str | os.PathLike[str] | None = None) -> None:
+        """Save the worker's state now (done after every round when checkpoint_dir is set),
+        into `directory` if given (a trainer's checkpoint folder; mid-round is fine: the
+        anchor, the steps into the round and the residual are saved with the model). In a
+        torch.distributed group rank 0 saves the group's state; the other ranks do nothing."""
+        self._resumption.save(self._progress, directory)
+
+    def _progress(self) -> Progress:
+        """What a checkpoint keeps of this worker now (rank 0's parts)."""
+        assert self.worker_id is not None  # set by the join, before any save
+        residual, residual_key = self._uploads.state()
+        return Progress(
+            worker_id=self.worker_id,
+            identity=self._leader_session().identity(),
+            rounds=self.rounds,
+            local_step=self.local_step,
+            anchor=self.anchor,
+            anchor_round=self.round,
+            steps_in_round=self._schedule.steps_in_round,
+            window=self._schedule.window,
+            tokens=self._tokens.total,
+            round_tokens=self._tokens.round_state(),
+            data=self._units.state(),
+            residual=residual,
+            residual_key=residual_key,
+        )
 
     def _exchange_round(self, body: bytearray | None = None) -> Exchanged:
         """Send this round's pseudo-gradient (`body` when a sharded group gathered it)."""
