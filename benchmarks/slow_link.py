@@ -1,0 +1,327 @@
+"""Rounds through a slow link, measured rather than projected: each worker behind its own link.
+
+One real `diloco server` on 127.0.0.1 and K `diloco worker` processes of the bundled GPT, each
+talking to the server through its own `LinkProxy` (benchmarks/shaped_link.py: a host's link of
+`--mbps` each way and `--rtt-ms` round trip, shared by that worker's connections). For every
+codec pair and mode the workers train the same steps from the same seed, so their eval losses
+compare; per run:
+
+- blocked per round: a worker's time in its sync hook (`blocked_seconds` of `diloco worker
+  --json`) over its rounds, mean over the workers; its ratio to fp32's in the same mode;
+- wall per round: the training loop's wall time over the rounds (compute + blocked);
+- projection: what the paper arithmetic says a sync costs on this link: the round's bytes
+  (up and down, from the worker's own byte counters, the initial weights left out) over the
+  rate, plus two round trips (the submission, the result);
+
+Worker 0 starts first and the others once the server holds its initial weights: a worker
+that registers before then uploads the whole model as well (the server keeps one), which on
+a slow link costs each of them a model's transfer before training.
+- hidden (streaming): the share of the same codec's sync-mode blocked time that streaming
+  hides behind compute;
+- final eval loss and the run's wall time (time to that loss).
+
+Writes benchmarks/results/slow_link.md and .json.
+
+    python benchmarks/slow_link.py                   # K = 4, 25M, 100 Mbit/s, 50 ms (~30 min)
+    python benchmarks/slow_link.py --size 2M --workers 2 --steps 8 --sync-every 4 --out-dir /tmp/s
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import torch
+import typer
+
+from diloco.console import (
+    check_output_path,
+    err,
+    fail,
+    out,
+    progress_bar,
+    summary_table,
+    write_json,
+)
+from diloco.data import generated_corpus
+from diloco.models.gpt import GPTConfig
+from diloco.server.ops.launch import diloco_command, start_server, stop_process
+from shaped_link import LinkProxy, LinkShape  # benchmarks/ is sys.path[0]
+
+RESULTS = Path(__file__).parent / "results"
+# the bundled GPT: width, depth (as benchmarks/model_scale.py sizes it)
+SIZES = {"2M": (256, 2), "25M": (512, 8)}
+CODECS = {
+    "fp32": ("fp32", "fp32"),
+    "int8": ("int8", "int8"),
+    "int2": ("int2", "int2"),
+    "topk:0.03+int2": ("topk:0.03+int2", "int2"),
+}
+
+
+def mode_args(mode: str, sync_every: int, fragments: int, delay: int, workers: int) -> list[str]:
+    common = ["--sync-every", str(sync_every), "--min-workers", str(workers)]
+    if mode == "sync":
+        return common
+    return [*common, "--mode", "streaming", "--fragments", str(fragments), "--delay", str(delay)]
+
+
+def run_once(job: dict, scratch: Path) -> dict:
+    """One server, K workers each behind its own shaped link; the workers' --json reports."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    up, down = CODECS[job["codec"]]
+    server_args = [
+        *mode_args(job["mode"], job["sync_every"], job["fragments"], job["delay"], job["workers"]),
+        *("--upload-codec", up, "--download-codec", down, "--threads", "1"),
+    ]
+    process, url = start_server(
+        scratch / "port", *server_args, output=(scratch / "server.log").open("wb")
+    )
+    target = urlsplit(url)
+    shape = LinkShape(job["mbps"], job["rtt_ms"])
+    width, depth = SIZES[job["size"]]
+    try:
+        with ExitStack() as links:
+            proxies = [
+                links.enter_context(LinkProxy((target.hostname, target.port), shape))
+                for _ in range(job["workers"])
+            ]
+            workers = []
+            started = time.monotonic()
+            for i, proxy in enumerate(proxies):
+                if i == 1:
+                    # the others join once w0's initial weights are in: every worker that
+                    # registers before then uploads the whole model too (only one is kept)
+                    wait_for_weights(url, workers[0])
+                args = [
+                    *("worker", "--server", proxy.url, "--worker-id", f"w{i}"),
+                    *("--steps", str(job["steps"]), "--data-dispatch", "static"),
+                    *("--shard", str(i), "--num-shards", str(job["workers"])),
+                    *("--corpus", str(job["corpus"]), "--no-progress", "--threads", "1"),
+                    *("--width", str(width), "--depth", str(depth), "--heads", "4"),
+                    *("--seq-len", "64", "--batch-size", str(job["batch_size"])),
+                    *("--eval-batches", "4", "--json", str(scratch / f"w{i}.json")),
+                ]
+                workers.append(
+                    subprocess.Popen(
+                        diloco_command(*args),
+                        stdout=subprocess.DEVNULL,
+                        stderr=(scratch / f"w{i}.log").open("wb"),
+                    )
+                )
+            for i, worker in enumerate(workers):
+                if worker.wait(timeout=3600) != 0:
+                    log = (scratch / f"w{i}.log").read_text()[-3000:]
+                    raise RuntimeError(f"worker {i} failed: {log}")
+            seconds = time.monotonic() - started
+            carried = [(p.up.carried, p.down.carried) for p in proxies]
+    finally:
+        stop_process(process)
+    reports = [json.loads((scratch / f"w{i}.json").read_text()) for i in range(job["workers"])]
+    return {"reports": reports, "seconds": seconds, "carried": carried}
+
+
+def wait_for_weights(url: str, first: subprocess.Popen, timeout: float = 600.0) -> None:
+    """Until the server holds global weights (worker `first` uploads them)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if first.poll() is not None:
+            raise RuntimeError(f"worker 0 exited ({first.returncode}) before uploading weights")
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(f"{url}/v1/info", timeout=5) as reply,
+        ):
+            if json.loads(reply.read())["model_fingerprint"] is not None:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"no global weights after {timeout:g} s")
+
+
+def summarize(job: dict, run: dict, model_bytes: int) -> dict:
+    reports = run["reports"]
+    shape = LinkShape(job["mbps"], job["rtt_ms"])
+    rounds = [max(1, r["rounds"]) for r in reports]
+    # w0 uploaded the initial weights, every worker downloaded them: not a round's bytes
+    sent = [r["bytes_sent"] - (model_bytes if i == 0 else 0) for i, r in enumerate(reports)]
+    up = statistics.mean(n_bytes / n for n_bytes, n in zip(sent, rounds, strict=True))
+    down = statistics.mean(
+        max(0, r["bytes_received"] - model_bytes) / n for r, n in zip(reports, rounds, strict=True)
+    )
+    exchanges = 2 if job["mode"] == "sync" else 2 * job["fragments"]  # per round of H steps
+    return {
+        **{k: job[k] for k in ("codec", "mode")},
+        "rounds": rounds,
+        "blocked_per_round": statistics.mean(
+            r["blocked_seconds"] / n for r, n in zip(reports, rounds, strict=True)
+        ),
+        "wall_per_round": statistics.mean(
+            r["train_seconds"] / n for r, n in zip(reports, rounds, strict=True)
+        ),
+        "up_bytes_per_round": up,
+        "down_bytes_per_round": down,
+        "projected_per_round": shape.transfer_seconds(up + down, exchanges),
+        "final_eval_loss": statistics.mean(r["final_eval_loss"] for r in reports),
+        "run_seconds": run["seconds"],
+        "link_bytes": run["carried"],
+    }
+
+
+def main(
+    size: str = typer.Option("25M", help=f"Bundled GPT size: {', '.join(SIZES)}."),
+    workers: int = typer.Option(4, help="K worker processes, each behind its own link."),
+    steps: int = typer.Option(60, help="Inner steps per worker per run."),
+    sync_every: int = typer.Option(20, help="H."),
+    fragments: int = typer.Option(4, help="P for the streaming runs."),
+    delay: int = typer.Option(4, help="tau for the streaming runs (inner steps a sync hides in)."),
+    batch_size: int = typer.Option(2, help="Sequences of 64 bytes per inner step."),
+    mbps: float = typer.Option(100.0, help="Each link's rate, each direction (Mbit/s)."),
+    rtt_ms: float = typer.Option(50.0, help="Each link's round-trip time (ms)."),
+    codecs: str = typer.Option(",".join(CODECS), help=f"From: {', '.join(CODECS)}."),
+    modes: str = typer.Option("sync,streaming", help="sync and/or streaming."),
+    out_dir: Path = typer.Option(RESULTS, help="Where slow_link.md and .json go."),
+) -> None:
+    check_output_path(out_dir / "slow_link.json", "--out-dir")
+    chosen = [c.strip() for c in codecs.split(",") if c.strip()]
+    chosen_modes = [m.strip() for m in modes.split(",") if m.strip()]
+    if size not in SIZES:
+        raise fail(f"--size must be one of {', '.join(SIZES)}, got {size!r}")
+    if not chosen or any(c not in CODECS for c in chosen):
+        raise fail(f"--codecs must name some of {', '.join(CODECS)}, got {codecs!r}")
+    if not chosen_modes or any(m not in ("sync", "streaming") for m in chosen_modes):
+        raise fail(f"--modes must be sync and/or streaming, got {modes!r}")
+    if min(workers, steps, sync_every, fragments, batch_size) < 1 or delay < 0:
+        raise fail("--workers, --steps, --sync-every, --fragments, --batch-size must be >= 1")
+    if "streaming" in chosen_modes and (
+        sync_every % fragments or delay >= sync_every // fragments or fragments > SIZES[size][1]
+    ):
+        raise fail("streaming needs P | H, tau < H / P and P <= the model's depth")
+    try:
+        LinkShape(mbps, rtt_ms)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    width, depth = SIZES[size]
+    state = GPTConfig(context=64, width=width, depth=depth, heads=4).build().state_dict()
+    params = sum(t.numel() for t in state.values() if t.is_floating_point())
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())  # first download
+    del state
+    jobs = [
+        {
+            **{"size": size, "workers": workers, "steps": steps, "sync_every": sync_every},
+            **{"fragments": fragments, "delay": delay, "batch_size": batch_size},
+            **{"mbps": mbps, "rtt_ms": rtt_ms, "codec": codec, "mode": mode},
+        }
+        for mode in chosen_modes
+        for codec in chosen
+    ]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="diloco-slow-link-") as scratch:
+        corpus = Path(scratch) / "corpus.txt"
+        corpus.write_bytes(generated_corpus(num_bytes=2_000_000, seed=1))
+        with progress_bar("slow-link runs", len(jobs)) as advance:
+            for index, job in enumerate(jobs):
+                run = run_once({**job, "corpus": corpus}, Path(scratch) / str(index))
+                results.append(summarize(job, run, model_bytes))
+                advance(1)
+    by = {(r["mode"], r["codec"]): r for r in results}
+    for r in results:
+        fp32 = by.get((r["mode"], "fp32"))
+        r["blocked_vs_fp32"] = r["blocked_per_round"] / fp32["blocked_per_round"] if fp32 else None
+        r["wall_vs_fp32"] = r["wall_per_round"] / fp32["wall_per_round"] if fp32 else None
+        synced = by.get(("sync", r["codec"]))
+        r["hidden"] = (
+            1 - r["blocked_per_round"] / synced["blocked_per_round"]
+            if r["mode"] == "streaming" and synced
+            else None
+        )
+    document = {
+        "setup": {**jobs[0], "codecs": chosen, "modes": chosen_modes, "parameters": params},
+        "results": results,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "torch": torch.__version__,
+    }
+    columns, rows = table(results)
+    out.print(summary_table(f"Through {mbps:g} Mbit/s, {rtt_ms:g} ms", columns, rows))
+    write_json(out_dir / "slow_link.json", document)
+    (out_dir / "slow_link.md").write_text(markdown(document, columns, rows))
+    err.print(f"wrote {out_dir}/slow_link.md and slow_link.json")
+
+
+def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
+    columns = [
+        "mode",
+        "codec (up / down)",
+        "blocked s / round",
+        "x fp32",
+        "projected s / round",
+        "wall s / round",
+        "x fp32 (wall)",
+        "hidden by streaming",
+        "MB up / down per round",
+        "final eval loss",
+        "run s",
+    ]
+    rows = []
+    for r in results:
+        up, down = CODECS[r["codec"]]
+        rows.append(
+            [
+                r["mode"],
+                f"{up} / {down}",
+                f"{r['blocked_per_round']:.2f}",
+                "-" if r["blocked_vs_fp32"] is None else f"{r['blocked_vs_fp32']:.2f}x",
+                f"{r['projected_per_round']:.2f}",
+                f"{r['wall_per_round']:.2f}",
+                "-" if r["wall_vs_fp32"] is None else f"{r['wall_vs_fp32']:.2f}x",
+                "-" if r["hidden"] is None else f"{100 * r['hidden']:.0f} %",
+                f"{r['up_bytes_per_round'] / 1e6:.2f} / {r['down_bytes_per_round'] / 1e6:.2f}",
+                f"{r['final_eval_loss']:.4f}",
+                f"{r['run_seconds']:.0f}",
+            ]
+        )
+    return columns, rows
+
+
+def markdown(document: dict, columns: list[str], rows: list[list[str]]) -> str:
+    s = document["setup"]
+    command = (
+        f"python benchmarks/slow_link.py --size {s['size']} --workers {s['workers']} "
+        f"--steps {s['steps']} --sync-every {s['sync_every']} --fragments {s['fragments']} "
+        f"--delay {s['delay']} --batch-size {s['batch_size']} --mbps {s['mbps']:g} "
+        f"--rtt-ms {s['rtt_ms']:g}"
+    )
+    return "\n".join(
+        [
+            "# Rounds through a slow link, measured",
+            "",
+            f"Command: `{command}` ({document['machine']}, torch {document['torch']}).",
+            "",
+            f"- {s['workers']} `diloco worker` processes of the bundled GPT "
+            f"({s['parameters']:,} parameters), each behind its own {s['mbps']:g} Mbit/s, "
+            f"{s['rtt_ms']:g} ms link (benchmarks/shaped_link.py), one `diloco server`; "
+            f"H = {s['sync_every']}, {s['steps']} steps, streaming P = {s['fragments']}, "
+            f"tau = {s['delay']}; one core each.",
+            "- blocked: the workers' time in their sync hook per round (mean); projected: the "
+            "round's bytes over the link's rate plus two round trips per exchange, the paper "
+            "arithmetic; hidden: the share of the same codec's sync-mode blocked time that "
+            "streaming hides.",
+            "",
+            "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns),
+            *["| " + " | ".join(row) + " |" for row in rows],
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    typer.run(main)

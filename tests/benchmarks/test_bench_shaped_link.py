@@ -1,0 +1,172 @@
+"""The slow-link proxy: bytes pass intact and in order, never faster than the link's rate and
+never sooner than its delay; bad shapes are refused in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import socketserver
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from processes import BENCHMARKS, run_benchmark
+
+
+def shaped_link() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("shaped_link", BENCHMARKS / "shaped_link.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["shaped_link"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class Echo(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        while data := self.request.recv(65536):
+            self.request.sendall(data)
+
+
+@contextmanager
+def echo_server() -> Iterator[tuple[str, int]]:
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Echo)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[:2]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def echo_through(port: int, payload: bytes) -> tuple[bytes, float]:
+    """Send `payload` and read it back through the proxy; (what came back, seconds)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        sender = threading.Thread(target=conn.sendall, args=(payload,))
+        sender.start()
+        received = bytearray()
+        while len(received) < len(payload):
+            chunk = conn.recv(1 << 20)
+            assert chunk, "the proxy closed the connection early"
+            received += chunk
+        sender.join()
+    return bytes(received), time.monotonic() - started
+
+
+def test_a_line_sends_chunks_one_after_another_and_delays_each_by_half_the_rtt() -> None:
+    link = shaped_link()
+    line = link.Line(link.LinkShape(mbps=8.0, rtt_ms=100.0))  # 1 MB/s, 50 ms each way
+    # 100 kB at 1 MB/s: on the line from 0 to 0.1 s, arrives at 0.15 s
+    assert line.arrival(100_000, now=0.0) == pytest.approx(0.15)
+    # sent at 0.05 s while the line is still busy: waits for it, 0.1 to 0.2 s, arrives 0.25 s
+    assert line.arrival(100_000, now=0.05) == pytest.approx(0.25)
+    # sent once the line is idle again: no waiting
+    assert line.arrival(1_000, now=1.0) == pytest.approx(1.0 + 0.001 + 0.05)
+    assert line.carried == 201_000
+
+
+def test_the_paper_projection_is_bytes_over_rate_plus_round_trips() -> None:
+    shape = shaped_link().LinkShape(mbps=100.0, rtt_ms=50.0)
+    # 100 MB at 12.5 MB/s is 8 s, plus two round trips of 50 ms
+    assert shape.transfer_seconds(100e6, exchanges=2) == pytest.approx(8.1)
+    assert shape.buffer_bytes() == 12.5e6 * 0.05 + (1 << 20)
+
+
+def test_bytes_cross_intact_no_faster_than_the_rate_and_no_sooner_than_the_delay() -> None:
+    link = shaped_link()
+    shape = link.LinkShape(mbps=40.0, rtt_ms=200.0)  # 5 MB/s each way
+    payload = bytes(range(256)) * 4096  # 1 MiB, every byte value, in order
+    with echo_server() as target, link.LinkProxy(target, shape) as proxy:
+        received, seconds = echo_through(proxy.port, payload)
+        assert received == payload
+        assert proxy.up.carried == proxy.down.carried == len(payload)
+    # up and down are separate lines, so the echo overlaps: at least one line's time plus
+    # one round trip (a lower bound: a busy machine only adds to it)
+    assert seconds >= len(payload) / shape.bytes_per_second + 0.2
+
+
+def test_connections_through_one_proxy_share_its_line() -> None:
+    link = shaped_link()
+    shape = link.LinkShape(mbps=40.0, rtt_ms=0.0)
+    payload = b"x" * 500_000
+    with echo_server() as target, link.LinkProxy(target, shape) as proxy:
+        started = time.monotonic()
+        threads = [threading.Thread(target=echo_through, args=(proxy.port, payload)) for _ in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        seconds = time.monotonic() - started
+        assert proxy.connections == 2 and proxy.up.carried == 2 * len(payload)
+    assert seconds >= 2 * len(payload) / shape.bytes_per_second  # one line carried both
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["127.0.0.1:1", "--mbps", "0"], "rate must be a positive number of Mbit/s, got 0"),
+        (["127.0.0.1:1", "--rtt-ms", "-5"], "round-trip time must be >= 0 ms, got -5"),
+        (["localhost"], "TARGET must be HOST:PORT"),
+    ],
+)
+def test_a_shape_that_makes_no_sense_is_refused_in_one_line(args: list[str], says: str) -> None:
+    result = run_benchmark("shaped_link.py", *args, timeout=60)
+    assert result.returncode == 2
+    assert says in " ".join(result.stderr.split())
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # real server and workers behind proxies: ~30 s
+def test_the_slow_link_benchmark_measures_rounds_through_the_links(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "slow_link.py",
+        *("--size", "2M", "--workers", "2", "--steps", "4", "--sync-every", "2"),
+        *("--codecs", "fp32,int8", "--modes", "sync", "--rtt-ms", "100"),
+        *("--out-dir", str(tmp_path)),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads((tmp_path / "slow_link.json").read_text())
+    fp32, int8 = document["results"]
+    model_bytes = 4 * document["setup"]["parameters"]
+    for run in (fp32, int8):
+        assert run["rounds"] == [2, 2]
+        # every byte a worker counted went through its own link, and at least one round trip
+        # of 100 ms sits in each sync
+        assert run["blocked_per_round"] >= 0.1
+        for up, down in run["link_bytes"]:
+            assert up >= 2 * run["up_bytes_per_round"] * 0.99 and down > model_bytes
+    # fp32 sends the model each round; int8 a quarter of it plus a scale per 128 values
+    assert fp32["up_bytes_per_round"] >= model_bytes
+    assert int8["up_bytes_per_round"] < 0.3 * fp32["up_bytes_per_round"]
+    assert fp32["blocked_vs_fp32"] == 1.0 and int8["blocked_vs_fp32"] is not None
+    assert "| sync | int8 / int8 |" in (tmp_path / "slow_link.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--codecs", "fp16"], "--codecs must name some of fp32, int8"),
+        (["--modes", "async"], "--modes must be sync and/or streaming"),
+        (["--mbps", "-1"], "rate must be a positive number of Mbit/s"),
+        (["--sync-every", "10", "--fragments", "4"], "streaming needs P | H"),
+        (["--size", "7B"], "--size must be one of 2M, 25M"),
+    ],
+)
+def test_the_slow_link_benchmark_refuses_a_setup_that_makes_no_sense(
+    args: list[str], says: str, tmp_path: Path
+) -> None:
+    result = run_benchmark("slow_link.py", *args, "--out-dir", str(tmp_path), timeout=60)
+    assert result.returncode == 2
+    assert says in " ".join(result.stderr.split())
+    assert not (tmp_path / "slow_link.json").exists()
