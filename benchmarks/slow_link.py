@@ -6,12 +6,13 @@ talking to the server through its own `LinkProxy` (benchmarks/shaped_link.py: a 
 codec pair and mode the workers train the same steps from the same seed, so their eval losses
 compare; per run:
 
-- blocked per round: a worker's time in its sync hook (`blocked_seconds` of `diloco worker
-  --json`) over its rounds, mean over the workers; its ratio to fp32's in the same mode;
-- wall per round: the training loop's wall time over the rounds (compute + blocked);
+- blocked per round: a worker's time in its sync hook in a round (`round_figures` of `diloco
+  worker --json`; the median over its rounds but the first, which waits for the late
+  joiners), mean over the workers; its ratio to fp32's in the same mode;
+- wall per round: compute per round (the loop's time not blocked, over the rounds) + blocked;
 - projection: what the paper arithmetic says a sync costs on this link: the round's bytes
-  (up and down, from the worker's own byte counters, the initial weights left out) over the
-  rate, plus two round trips (the submission, the result);
+  (up and down, the worker's own counters per round) over the rate, plus two round trips per
+  exchange (the submission, the result);
 
 Worker 0 starts first and the others once the server holds its initial weights: a worker
 that registers before then uploads the whole model as well (the server keeps one), which on
@@ -147,26 +148,28 @@ def wait_for_weights(url: str, first: subprocess.Popen, timeout: float = 600.0) 
     raise RuntimeError(f"no global weights after {timeout:g} s")
 
 
-def summarize(job: dict, run: dict, model_bytes: int) -> dict:
+def per_round(report: dict, key: str) -> float:
+    """The median over a worker's rounds of one figure, its first round left out when there
+    are others (it waits for the late joiners)."""
+    figures = report["round_figures"]
+    return statistics.median(f[key] for f in (figures[1:] or figures))
+
+
+def summarize(job: dict, run: dict) -> dict:
     reports = run["reports"]
     shape = LinkShape(job["mbps"], job["rtt_ms"])
-    rounds = [max(1, r["rounds"]) for r in reports]
-    # w0 uploaded the initial weights, every worker downloaded them: not a round's bytes
-    sent = [r["bytes_sent"] - (model_bytes if i == 0 else 0) for i, r in enumerate(reports)]
-    up = statistics.mean(n_bytes / n for n_bytes, n in zip(sent, rounds, strict=True))
-    down = statistics.mean(
-        max(0, r["bytes_received"] - model_bytes) / n for r, n in zip(reports, rounds, strict=True)
+    up = statistics.mean(per_round(r, "mb_up") * 1e6 for r in reports)
+    down = statistics.mean(per_round(r, "mb_down") * 1e6 for r in reports)
+    blocked = statistics.mean(per_round(r, "blocked_seconds") for r in reports)
+    compute = statistics.mean(
+        (r["train_seconds"] - r["blocked_seconds"]) / max(1, r["rounds"]) for r in reports
     )
     exchanges = 2 if job["mode"] == "sync" else 2 * job["fragments"]  # per round of H steps
     return {
         **{k: job[k] for k in ("codec", "mode")},
-        "rounds": rounds,
-        "blocked_per_round": statistics.mean(
-            r["blocked_seconds"] / n for r, n in zip(reports, rounds, strict=True)
-        ),
-        "wall_per_round": statistics.mean(
-            r["train_seconds"] / n for r, n in zip(reports, rounds, strict=True)
-        ),
+        "rounds": [r["rounds"] for r in reports],
+        "blocked_per_round": blocked,
+        "wall_per_round": compute + blocked,
         "up_bytes_per_round": up,
         "down_bytes_per_round": down,
         "projected_per_round": shape.transfer_seconds(up + down, exchanges),
@@ -212,7 +215,6 @@ def main(
     width, depth = SIZES[size]
     state = GPTConfig(context=64, width=width, depth=depth, heads=4).build().state_dict()
     params = sum(t.numel() for t in state.values() if t.is_floating_point())
-    model_bytes = sum(t.numel() * t.element_size() for t in state.values())  # first download
     del state
     jobs = [
         {
@@ -230,7 +232,7 @@ def main(
         with progress_bar("slow-link runs", len(jobs)) as advance:
             for index, job in enumerate(jobs):
                 run = run_once({**job, "corpus": corpus}, Path(scratch) / str(index))
-                results.append(summarize(job, run, model_bytes))
+                results.append(summarize(job, run))
                 advance(1)
     by = {(r["mode"], r["codec"]): r for r in results}
     for r in results:

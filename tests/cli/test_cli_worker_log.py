@@ -61,6 +61,14 @@ def test_a_worker_logging_to_a_file_says_when_it_joins_and_each_round(
     report = json.loads((tmp_path / "w0.json").read_text())
     assert report["rounds"] == 3 and report["interrupted"] is False
     assert report["stopped_by"] is None and report["final_eval_loss"] > 0
+    # --json keeps each round's figures, the same as its line says
+    figures = report["round_figures"]
+    assert [f["step"] for f in figures] == [2, 4, 5]
+    for line, f in zip(lines_of(tmp_path / "w0.log")[1:4], figures, strict=True):
+        shown = f"{f['mb_up']:.2f} MB up, {f['mb_down']:.2f} MB down, "
+        assert shown + f"blocked {f['blocked_seconds']:.1f} s" in line
+    assert sum(f["blocked_seconds"] for f in figures) <= report["blocked_seconds"] + 1e-9
+    assert all(f["mb_up"] > 0 and f["mb_down"] > 0 for f in figures)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ warnings, and the rest with `logging.getLogger("diloco.worker").setLevel(logging
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from diloco.worker.net.transport import ClientStats
 
@@ -32,35 +33,55 @@ def log_recovered(operation: str, retries: int, seconds: float) -> None:
     )
 
 
+@dataclass(frozen=True)
+class RoundFigures:
+    """One round as this worker saw it: where it ended, the megabytes its client sent and
+    received during it, and the seconds training was blocked on the server."""
+
+    step: int
+    loss: float | None
+    mb_up: float
+    mb_down: float
+    blocked_seconds: float
+
+
 class RoundLines:
     """One line per round: the round, the step, the last reported loss, the megabytes this
     worker's client sent and received since the last line, and the seconds training was
-    blocked on the server since then."""
+    blocked on the server since then. Every round's figures are kept (`rounds`) for the
+    worker's --json, whether or not the lines are shown."""
 
     def __init__(self) -> None:
         self._sent = self._received = 0
         self._blocked = 0.0
+        self.rounds: list[RoundFigures] = []
 
     def since(self, client: ClientStats | None) -> None:
         """Count traffic from here (after joining: the first round's line is the round's)."""
         if client is not None:
             self._sent, self._received = client.bytes_sent, client.bytes_received
 
-    def line(
-        self,
-        what: str,
-        step: int,
-        loss: float | None,
-        client: ClientStats | None,
-        blocked_seconds: float,
-    ) -> str:
+    def record(
+        self, step: int, loss: float | None, client: ClientStats | None, blocked_seconds: float
+    ) -> RoundFigures:
+        """The round that just ended, from the counters' growth since the last one."""
         sent = client.bytes_sent if client is not None else 0
         received = client.bytes_received if client is not None else 0
-        up, down = (sent - self._sent) / 1e6, (received - self._received) / 1e6
-        blocked = blocked_seconds - self._blocked
+        figures = RoundFigures(
+            step,
+            loss,
+            (sent - self._sent) / 1e6,
+            (received - self._received) / 1e6,
+            blocked_seconds - self._blocked,
+        )
         self._sent, self._received, self._blocked = sent, received, blocked_seconds
-        shown = "-" if loss is None else f"{loss:.4f}"
+        self.rounds.append(figures)
+        return figures
+
+    @staticmethod
+    def line(what: str, figures: RoundFigures) -> str:
+        shown = "-" if figures.loss is None else f"{figures.loss:.4f}"
         return (
-            f"{what} done at step {step}: loss {shown}, {up:.2f} MB up, {down:.2f} MB down, "
-            f"blocked {blocked:.1f} s"
+            f"{what} done at step {figures.step}: loss {shown}, {figures.mb_up:.2f} MB up, "
+            f"{figures.mb_down:.2f} MB down, blocked {figures.blocked_seconds:.1f} s"
         )

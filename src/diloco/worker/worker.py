@@ -27,6 +27,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import torch
@@ -524,10 +525,13 @@ class DiLoCoWorker:
 
     def _log_round(self, what: str) -> None:
         """The round's line (rank 0's): see round_log.RoundLines."""
-        if self.is_leader and log.isEnabledFor(logging.INFO):
-            client = self.client.stats if self.client is not None else None
-            loss, blocked = self.last_loss, self._pace.blocked_seconds
-            log.info(self._round_lines.line(what, self.local_step, loss, client, blocked))
+        if not self.is_leader:
+            return
+        client = self.client.stats if self.client is not None else None
+        figures = self._round_lines.record(
+            self.local_step, self.last_loss, client, self._pace.blocked_seconds
+        )
+        log.info(self._round_lines.line(what, figures))
 
     def _phases(self, before: ClientStats | None, blocked: float) -> dict[str, float]:
         """Where the round's blocked time went (rank 0's view; seconds): encode (the
@@ -716,6 +720,8 @@ class DiLoCoWorker:
             "sync_every_now": self._schedule.window,
             # blocked share of wall time from the end of the first window to close(), or None
             "steady_blocked_fraction": self._pace.steady_blocked_fraction(),
+            # each round's own: the step it ended at, MB up and down, seconds blocked
+            "round_figures": [asdict(figures) for figures in self._round_lines.rounds],
         }
 
     def close(self, final_sync: bool = True) -> None:
