@@ -20,6 +20,7 @@ from diloco.algorithm.codecs import (
     error_feedback_step,
     max_abs,
     parse_codec,
+    require_kept_values,
 )
 
 
@@ -107,6 +108,46 @@ def test_parse_refuses_bad_specs_naming_the_value_and_the_allowed_set(
 def test_block_and_chunk_must_be_powers_of_two_in_range(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_codec("int8", **kwargs)
+
+
+def test_a_fraction_over_one_names_the_k_it_would_keep_and_the_chunk() -> None:
+    message = "got 1.5: each chunk of 128 would keep k = round(1.5 x 128) = 192 values"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_codec("topk:1.5", chunk=128)
+
+
+@pytest.mark.parametrize(
+    ("text", "chunk", "message"),
+    [
+        (
+            "topk:0.0001",
+            128,
+            "top-k topk:0.0001 keeps k = round(0.0001 x 128) = 0 values of each chunk of 128 "
+            "(k must be at least 1): give a fraction of at least 1/128 = 0.007812 or a chunk "
+            "of at least 8192",
+        ),
+        ("topk:0.03+int2", 16, "round(0.03 x 16) = 0 values of each chunk of 16"),  # 0.48
+        ("topk:0.5", 2, None),  # round(1.0) = 1
+        ("topk:0.03+int2", 32, None),  # round(0.96) = 1
+        ("topk:1e-7", 128, "at least 1/128 = 0.007812"),  # and no chunk would do
+        ("int8", 128, None),
+    ],
+)
+def test_a_fraction_that_keeps_no_value_of_a_chunk_is_refused_for_a_user_s_settings(
+    text: str, chunk: int, message: str | None
+) -> None:
+    """parse_codec keeps the wire's k = max(1, ...) rule (a worker decodes what it is sent);
+    require_kept_values, which the server's and the simulator's settings call, refuses the
+    fraction that would silently send 1 value per chunk instead of round(F x chunk) = 0."""
+    codec = parse_codec(text, chunk=chunk)
+    if message is None:
+        assert require_kept_values(codec) is codec
+        return
+    assert codec.k == 1  # what the wire rule would have sent
+    with pytest.raises(ValueError) as refused:
+        require_kept_values(codec)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert ("a chunk of at least" in str(refused.value)) == (text != "topk:1e-7")
 
 
 def test_direct_construction_is_checked_too() -> None:

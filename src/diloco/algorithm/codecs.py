@@ -172,6 +172,12 @@ def parse_codec(text: str, *, block: int = 128, chunk: int = 128) -> Codec:
         raise ValueError(
             f"top-k fraction must be a number in (0, 1], got {fraction_text.strip()!r}"
         ) from None
+    if math.isfinite(fraction) and fraction > 1:
+        raise ValueError(
+            f"top-k fraction must be in (0, 1], got {fraction_text.strip()}: each chunk of "
+            f"{chunk} would keep k = round({fraction_text.strip()} x {chunk}) = "
+            f"{round(fraction * chunk)} values, more than it holds"
+        )
     if not (math.isfinite(fraction) and 0 < fraction <= 1):
         raise ValueError(f"top-k fraction must be in (0, 1], got {fraction_text.strip()}")
     codec = Codec(values, fraction, block, chunk)
@@ -181,6 +187,26 @@ def parse_codec(text: str, *, block: int = 128, chunk: int = 128) -> Codec:
             f"values; at most {MAX_GROUP_ELEMENTS} are allowed: choose a smaller block or chunk"
         )
     return codec
+
+
+def require_kept_values(codec: Codec) -> Codec:
+    """`codec`, refused (ValueError naming k, the fraction and the chunk) when its top-k
+    fraction keeps round(F x chunk) = 0 values per chunk: the k = max(1, ...) rule would then
+    send 1 per chunk, far more than the fraction asked for. For the settings a user gives (the
+    server's and the simulator's); a worker adopts what its server has already checked."""
+    if codec.fraction is None or round(codec.fraction * codec.chunk) >= 1:
+        return codec
+    fits = [c for c in _powers_of_two(*CHUNK_RANGE) if round(codec.fraction * c) >= 1]
+    larger = f" or a chunk of at least {fits[0]}" if fits else ""
+    raise ValueError(
+        f"top-k {codec} keeps k = round({codec.fraction!r} x {codec.chunk}) = 0 values of each "
+        f"chunk of {codec.chunk} (k must be at least 1): give a fraction of at least "
+        f"1/{codec.chunk} = {1 / codec.chunk:.4g}{larger}"
+    )
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    return [1 << bits for bits in range(low.bit_length() - 1, high.bit_length())]
 
 
 # ------------------------------------------------------------------ where everything sits

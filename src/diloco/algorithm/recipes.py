@@ -1,0 +1,155 @@
+"""The outer optimizer that goes with an upload codec, and what other combinations measured.
+
+Top-k codecs (sparse) follow SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706): the workers'
+error-feedback accumulator e <- beta e + Delta already plays the part of outer momentum, so the
+outer step is plain SGD, theta <- theta - alpha * mean(sent), with alpha = 1. Every other codec
+keeps DiLoCo's outer Nesterov, lr 0.7, momentum 0.9 (the quantizers cost within +0.1 % of fp32
+there). `outer_defaults` says which; a setting the user gives is always kept (the server's and
+the simulator's settings resolve each of optimizer, lr, momentum on their own).
+
+`MEASURED_COSTS` holds our measurements of these combinations, each with the file it comes
+from; `outer_warnings` turns those over `WARN_ABOVE_PERCENT` into one sentence each. A
+combination is warned about, never refused: researchers may want it. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco.algorithm.codecs import Codec, parse_codec
+
+TOPK_RESULTS = "benchmarks/results/compression-topk/README.md"
+COMPRESSION_RESULTS = "benchmarks/results/compression.md"
+WARN_ABOVE_PERCENT = 5.0  # a measured cost above this (final eval loss vs fp32 DiLoCo) warns
+
+
+@dataclass(frozen=True)
+class OuterDefaults:
+    """The outer optimizer a codec's run starts with when the user names none."""
+
+    optimizer: str
+    lr: float
+    momentum: float
+    why: str
+
+    def __str__(self) -> str:
+        momentum = "" if self.optimizer == "sgd" else f" momentum {self.momentum:g}"
+        return f"{self.optimizer} lr {self.lr:g}{momentum} ({self.why})"
+
+
+DENSE_DEFAULTS = OuterDefaults("nesterov", 0.7, 0.9, "DiLoCo's outer Nesterov")
+SPARSE_DEFAULTS = OuterDefaults(
+    "sgd",
+    1.0,
+    0.0,
+    "SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706: for a top-k codec the workers' "
+    "error-feedback accumulator stands in for outer momentum",
+)
+
+
+def outer_defaults(upload_codec: Codec | str) -> OuterDefaults:
+    """Top-k codecs: sgd, lr 1.0, no momentum (SparseLoCo); any other codec: nesterov, lr 0.7,
+    momentum 0.9. `upload_codec` is a Codec or its spec ("topk:0.03+int2")."""
+    return SPARSE_DEFAULTS if _codec(upload_codec).is_sparse else DENSE_DEFAULTS
+
+
+@dataclass(frozen=True)
+class MeasuredCost:
+    """One measured run: its final eval loss above fp32 DiLoCo's at the same H, in percent."""
+
+    upload_codec: str
+    outer_optimizer: str
+    outer_lr: float
+    outer_momentum: float
+    sync_every: int
+    topk_chunk: int | None  # None: a dense codec
+    percent: float
+    setup: str  # the model and the run, in words
+    source: str  # the results file, from the repository root
+
+    @property
+    def sparse(self) -> bool:
+        return self.topk_chunk is not None
+
+
+_TOPK_SETUP = "137k-parameter GPT, K = 4, 5000 inner steps, EF 0.95"
+_QUANT_SETUP = "237k-parameter GPT, K = 4, 1200 inner steps, EF 0.95"
+MEASURED_COSTS: tuple[MeasuredCost, ...] = (
+    MeasuredCost("topk:0.03+int2", "nesterov", 1.0, 0.9, 50, 128, 39.0, _TOPK_SETUP, TOPK_RESULTS),
+    MeasuredCost("topk:0.03+int2", "nesterov", 1.0, 0.9, 50, 4096, 26.9, _TOPK_SETUP, TOPK_RESULTS),
+    MeasuredCost("topk:0.03+int2", "sgd", 1.0, 0.0, 50, 128, 12.2, _TOPK_SETUP, TOPK_RESULTS),
+    MeasuredCost("topk:0.03+int2", "sgd", 1.0, 0.0, 50, 4096, 11.3, _TOPK_SETUP, TOPK_RESULTS),
+    MeasuredCost("topk:0.03+int2", "sgd", 1.0, 0.0, 10, 4096, 6.8, _TOPK_SETUP, TOPK_RESULTS),
+    MeasuredCost("bf16", "nesterov", 0.7, 0.9, 50, None, -0.0, _QUANT_SETUP, COMPRESSION_RESULTS),
+    MeasuredCost("int8", "nesterov", 0.7, 0.9, 50, None, -0.01, _QUANT_SETUP, COMPRESSION_RESULTS),
+    MeasuredCost("int4", "nesterov", 0.7, 0.9, 50, None, 0.0, _QUANT_SETUP, COMPRESSION_RESULTS),
+    MeasuredCost("int2", "nesterov", 0.7, 0.9, 50, None, 0.10, _QUANT_SETUP, COMPRESSION_RESULTS),
+)
+
+
+def outer_warnings(upload_codec: Codec | str, optimizer: str, momentum: float) -> list[str]:
+    """One sentence per measured cost over WARN_ABOVE_PERCENT that this combination risks.
+
+    Measured so: top-k with outer momentum (nesterov or momentum with momentum > 0), and top-k
+    at its own companion settings (outer sgd). The quantizers (bf16, int8, int4, int2) cost
+    within +0.1 % at nesterov 0.7 and warn nothing; combinations nobody measured warn nothing.
+    """
+    codec = _codec(upload_codec)
+    with_momentum = optimizer != "sgd" and momentum > 0
+    rows = [
+        row
+        for row in MEASURED_COSTS
+        if row.sparse == codec.is_sparse and (row.outer_momentum > 0) == with_momentum
+    ]
+    if not any(row.percent > WARN_ABOVE_PERCENT for row in rows):
+        return []
+    first = rows[0]
+    if with_momentum:
+        chunks = " and ".join(str(row.topk_chunk) for row in rows)
+        return [
+            f"upload codec {codec} with outer {optimizer} momentum {momentum:g}: top-k with "
+            f"outer momentum ended {_span(rows)} above fp32 DiLoCo in our runs "
+            f"({first.upload_codec}, H = {first.sync_every}, chunks {chunks}; {first.setup}; "
+            f"{first.source}) against {_span(_companion_rows(50))} with outer sgd lr 1.0, "
+            "what a top-k codec picks when no outer optimizer is given (its error feedback "
+            "already acts as momentum)"
+        ]
+    at_10 = _companion_rows(10)
+    return [
+        f"upload codec {codec} at its companion settings (outer sgd, no momentum) still ended "
+        f"{_span(_companion_rows(50))} above fp32 DiLoCo at H = 50"
+        + (f" ({_span(at_10)} at H = 10)" if at_10 else "")
+        + f" in our runs ({first.upload_codec}; {first.setup}; {first.source}); SparseLoCo "
+        "reports parity at 512M parameters, so check your own loss against an fp32 run"
+    ]
+
+
+def error_feedback_note(upload_codec: Codec | str, beta: float) -> str | None:
+    """A sentence when an error-feedback beta was given that cannot act: the identity codec
+    (fp32) sends every value as it is, so no residual is ever left to feed back. bf16 does
+    round, so its residual is real. A note, not a refusal: a sweep over codecs gives one beta
+    to all of them."""
+    codec = _codec(upload_codec)
+    if codec.is_identity and beta > 0:
+        return (
+            f"error-feedback beta {beta:g} has no effect with upload codec {codec}: it sends "
+            "every value as it is, so no residual is left to feed back"
+        )
+    return None
+
+
+def _companion_rows(sync_every: int) -> list[MeasuredCost]:
+    return [
+        row
+        for row in MEASURED_COSTS
+        if row.sparse and row.outer_momentum == 0 and row.sync_every == sync_every
+    ]
+
+
+def _span(rows: list[MeasuredCost]) -> str:
+    low, high = min(r.percent for r in rows), max(r.percent for r in rows)
+    return f"+{low:.1f} %" if low == high else f"+{low:.1f} % to +{high:.1f} %"
+
+
+def _codec(upload_codec: Codec | str) -> Codec:
+    return upload_codec if isinstance(upload_codec, Codec) else parse_codec(upload_codec)
