@@ -301,3 +301,36 @@ def test_the_step_log_splits_its_sums_into_files_of_about_equal_bytes() -> None:
     assert all(groups["sums-0"][n] is sums[n] for n in ("a", "b"))  # no copies
     assert list(_sum_groups(sums, 8)) == ["sums-0", "sums-2", "sums-4"]  # each its own file
     assert _sum_groups({}, 4) == {"sums-0": {}}
+
+
+def test_a_top_k_run_begun_before_its_codec_chose_sgd_resumes_as_it_ran(
+    tmp_path: Path, caplog
+) -> None:
+    """Issue 30, item 1: a top-k codec now picks outer sgd 1.0 when none is given. A state
+    dir whose run began with the old default (nesterov 0.7, momentum 0.9) must still start
+    with the same command line, keeping its optimizer (and its momentum buffers)."""
+    old = ServerSettings(
+        sync_every=2, min_workers=2, upload_codec="topk:0.03+int2",
+        outer_optimizer="nesterov", outer_lr=0.7,
+    )  # fmt: skip
+    first = coordinator(tmp_path, old)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    crash(first)
+    now = ServerSettings(sync_every=2, min_workers=2, upload_codec="topk:0.03+int2")
+    assert now.outer_optimizer == "sgd"  # what a new run would get
+    with caplog.at_level("WARNING", logger="diloco.server"):
+        second = coordinator(tmp_path, now)
+    assert second.round_number == 0
+    assert second.model.optimizer.describe() == {"kind": "nesterov", "lr": 0.7, "momentum": 0.9}
+    assert second.info()["settings"]["outer_defaults_from_codec"] == []
+    assert any("the state dir's run began with outer_optimizer 'nesterov'" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    crash(second)
+    # What was given on the command line is compared as before: other values are refused.
+    given = ServerSettings(
+        sync_every=2, min_workers=2, upload_codec="topk:0.03+int2", outer_optimizer="sgd",
+        outer_lr=1.0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"outer_optimizer: .*'nesterov'.* in the state dir"):
+        coordinator(tmp_path, given)

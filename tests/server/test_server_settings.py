@@ -79,3 +79,175 @@ def test_codec_settings_are_canonical_in_info_and_bf16_has_one_meaning():
         ServerSettings(error_feedback_beta=-0.1)
     with pytest.raises(ValueError, match="give one or the other"):
         ServerSettings(upload_codec="int4", upload_dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------ issue 30, item 1: the outer
+# optimizer follows the upload codec where not given (algorithm/recipes.py)
+
+TOPK = "topk:0.03+int2"
+OPTIMIZER, LR, MOMENTUM = ALL_THREE = ("outer_optimizer", "outer_lr", "outer_momentum")
+
+
+@pytest.mark.parametrize(
+    ("given", "optimizer", "lr", "momentum", "from_codec"),
+    [
+        ({}, "nesterov", 0.7, 0.9, ALL_THREE),
+        ({"upload_codec": "int8"}, "nesterov", 0.7, 0.9, ALL_THREE),
+        ({"upload_codec": "bf16"}, "nesterov", 0.7, 0.9, ALL_THREE),
+        ({"upload_codec": TOPK}, "sgd", 1.0, 0.0, ALL_THREE),
+        ({"upload_codec": "topk:0.1", "topk_chunk": 4096}, "sgd", 1.0, 0.0, ALL_THREE),
+        # a value given is kept; the others still follow the codec
+        ({"upload_codec": TOPK, "outer_lr": 0.5}, "sgd", 0.5, 0.0, (OPTIMIZER, MOMENTUM)),
+        ({"upload_codec": TOPK, "outer_optimizer": "nesterov"}, "nesterov", 1.0, 0.9, (LR,)),
+        (
+            {"upload_codec": TOPK, "outer_optimizer": "momentum", "outer_momentum": 0.5},
+            "momentum",
+            1.0,
+            0.5,
+            (LR,),
+        ),
+        ({"upload_codec": TOPK, "outer_momentum": 0.0}, "sgd", 1.0, 0.0, (OPTIMIZER, LR)),
+        ({"upload_codec": "int8", "outer_optimizer": "sgd"}, "sgd", 0.7, 0.0, (LR,)),
+        ({"upload_codec": TOPK, "outer_optimizer": "sgd", "outer_lr": 1.0}, "sgd", 1.0, 0.0, ()),
+        # async steps with Delayed Nesterov whatever the codec: the codec chooses nothing
+        ({"mode": "async", "upload_codec": TOPK}, "nesterov", 0.7, 0.9, ()),
+        (
+            {"mode": "streaming", "sync_every": 10, "fragments": 2, "upload_codec": TOPK},
+            "sgd",
+            1.0,
+            0.0,
+            ALL_THREE,
+        ),
+    ],
+)
+def test_outer_settings_not_given_follow_the_upload_codec(
+    given: dict, optimizer: str, lr: float, momentum: float, from_codec: tuple
+) -> None:
+    settings = ServerSettings(**given)
+    assert (settings.outer_optimizer, settings.outer_lr, settings.outer_momentum) == (
+        optimizer,
+        lr,
+        momentum,
+    )
+    assert settings.outer_defaults_from_codec == from_codec
+    wire = settings.to_wire()
+    assert wire["outer_defaults_from_codec"] == list(from_codec)
+    assert (wire["outer_optimizer"]["lr"], wire["outer_optimizer"]["momentum"]) == (lr, momentum)
+
+
+def test_a_momentum_given_against_the_codec_s_sgd_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError) as refused:
+        ServerSettings(upload_codec=TOPK, outer_momentum=0.9)
+    assert str(refused.value) == (
+        "outer_momentum 0.9 needs outer_optimizer momentum or nesterov: upload codec "
+        "topk:0.03+int2 picks outer sgd, which has no momentum (SparseLoCo: the workers' error "
+        "feedback stands in for it)"
+    )
+    with pytest.raises(ValueError, match="outer_optimizer must be nesterov, got 'sgd'"):
+        ServerSettings(mode="async", upload_codec=TOPK, outer_optimizer="sgd")
+
+
+def test_a_top_k_fraction_that_keeps_nothing_of_a_chunk_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"keeps k = round\(0.0001 x 128\) = 0 values"):
+        ServerSettings(upload_codec="topk:0.0001", topk_chunk=128)
+    with pytest.raises(ValueError, match=r"round\(0.001 x 256\) = 0 values of each chunk of 256"):
+        ServerSettings(download_codec="topk:0.001+int8", topk_chunk=256)
+    with pytest.raises(ValueError, match=r"k = round\(1.5 x 128\) = 192 values, more than"):
+        ServerSettings(upload_codec="topk:1.5")
+    assert ServerSettings(upload_codec="topk:0.0001", topk_chunk=8192).upload.k == 1
+
+
+def test_the_recipe_line_and_the_warnings_name_what_the_codec_chose() -> None:
+    topk = ServerSettings(upload_codec=TOPK)
+    assert topk.outer_recipe().startswith(
+        "outer optimizer sgd lr 1 momentum 0 (optimizer, lr, momentum chosen by upload codec "
+        "topk:0.03+int2: SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706"
+    )
+    (companion,) = topk.outer_warnings()
+    assert "+11.3 % to +12.2 % above fp32 DiLoCo at H = 50 (+6.8 % at H = 10)" in companion
+    (momentum,) = ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov").outer_warnings()
+    assert "+26.9 % to +39.0 %" in momentum
+    (asynchronous,) = ServerSettings(mode="async", upload_codec=TOPK).outer_warnings()
+    assert asynchronous == momentum  # Delayed Nesterov: momentum 0.9, as measured
+    assert ServerSettings(upload_codec="int8").outer_warnings() == []
+    assert ServerSettings().outer_recipe() == (
+        "outer optimizer nesterov lr 0.7 momentum 0.9 (optimizer, lr, momentum chosen by "
+        "upload codec fp32: DiLoCo's outer Nesterov)"
+    )
+    given = ServerSettings(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    assert given.outer_recipe() == "outer optimizer nesterov lr 0.7 momentum 0.9 (given)"
+
+
+def test_the_start_up_log_says_the_recipe_and_each_warning(caplog) -> None:
+    from diloco.server.http.runner import log_outer_recipe
+
+    with caplog.at_level("INFO", logger="diloco.server"):
+        log_outer_recipe(ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov"))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines[0] == (
+        "INFO",
+        ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov").outer_recipe(),
+    )
+    assert [level for level, _ in lines] == ["INFO", "WARNING"]
+    assert "+26.9 % to +39.0 %" in lines[1][1]
+
+
+def test_info_states_the_codec_s_choices_and_a_worker_reads_them() -> None:
+    from diloco.server.coordinator import Coordinator
+    from diloco.wire.schemas import InfoResponse
+    from diloco.worker.settings import WorkerSettings
+
+    info = Coordinator(ServerSettings(upload_codec=TOPK, outer_lr=0.5)).info()
+    settings = info["settings"]
+    assert settings["outer_defaults_from_codec"] == ["outer_optimizer", "outer_momentum"]
+    assert settings["outer_optimizer"] == {"kind": "sgd", "lr": 0.5, "momentum": 0.0}
+    parsed = InfoResponse.model_validate(info)
+    assert parsed.settings.outer_defaults_from_codec == ["outer_optimizer", "outer_momentum"]
+    worker = WorkerSettings.from_info(info, "http://server")
+    assert worker.outer_optimizer == {"kind": "sgd", "lr": 0.5, "momentum": 0.0}
+    # a server from before the field: the schema's default
+    older = {
+        **info,
+        "settings": {k: v for k, v in settings.items() if k != "outer_defaults_from_codec"},
+    }
+    assert InfoResponse.model_validate(older).settings.outer_defaults_from_codec == []
+
+
+def test_a_restart_keeps_the_outer_settings_its_run_began_with_where_the_codec_chooses() -> None:
+    # a top-k run begun before the codec chose sgd: its stored settings say nesterov 0.7
+    stored = ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov", outer_lr=0.7).to_wire()
+    del stored["outer_defaults_from_codec"]
+    settings = ServerSettings(upload_codec=TOPK)
+    assert settings.keep_stored_outer(stored) == [
+        "outer_optimizer 'nesterov' (upload codec topk:0.03+int2's default: 'sgd')",
+        "outer_lr 0.7 (upload codec topk:0.03+int2's default: 1.0)",
+        "outer_momentum 0.9 (upload codec topk:0.03+int2's default: 0.0)",
+    ]
+    assert (settings.outer_optimizer, settings.outer_lr, settings.outer_momentum) == (
+        "nesterov",
+        0.7,
+        0.9,
+    )
+    assert settings.outer_defaults_from_codec == ()
+    assert settings.to_wire()["outer_optimizer"] == stored["outer_optimizer"]
+    # what was given is not touched, nor are settings that agree
+    explicit = ServerSettings(upload_codec=TOPK, outer_optimizer="sgd", outer_lr=1.0)
+    assert explicit.keep_stored_outer(stored) == []
+    assert explicit.outer_optimizer == "sgd"
+    same = ServerSettings(upload_codec=TOPK)
+    assert same.keep_stored_outer(same.to_wire()) == []
+    assert same.outer_defaults_from_codec == ALL_THREE
+    lr_only = ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov")  # lr from codec
+    assert lr_only.keep_stored_outer(stored) == [
+        "outer_lr 0.7 (upload codec topk:0.03+int2's default: 1.0)"
+    ]
+
+
+def test_shards_do_not_compare_how_a_setting_was_chosen() -> None:
+    from diloco.server.shards.peers import settings_difference
+
+    defaults = ServerSettings().to_wire()
+    given = ServerSettings(outer_optimizer="nesterov", outer_lr=0.7).to_wire()
+    assert defaults["outer_defaults_from_codec"] != given["outer_defaults_from_codec"]
+    assert settings_difference(defaults, given) is None
+    assert settings_difference(defaults, ServerSettings(outer_lr=0.5).to_wire()) is not None

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,8 +16,10 @@ from diloco.algorithm import (
     OuterOptimizer,
 )
 from diloco.algorithm._checks import require_fraction, require_positive
-from diloco.algorithm.codecs import Codec, parse_codec
+from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.fragments import StreamingSchedule
+from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
+from diloco.algorithm.recipes import DENSE_DEFAULTS, OuterDefaults, outer_defaults, outer_warnings
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO, Aggregation
 from diloco.wire import dtype_name
 
@@ -26,6 +29,10 @@ DEFAULT_BARRIER_TIMEOUT = 600.0
 # The decay of the workers' error-feedback accumulator e <- beta e + g (SparseLoCo, Sarfi et
 # al. 2025, decays it too); 0 turns error feedback off. benchmarks/compression.py measures it.
 DEFAULT_ERROR_FEEDBACK_BETA = 0.95
+# /v1/info settings that say how a value was chosen rather than set one: a restart on a state
+# dir and a shard against shard 0 do not compare them.
+DESCRIPTIVE_SETTINGS = frozenset({"outer_defaults_from_codec"})
+OUTER_SETTINGS = ("outer_optimizer", "outer_lr", "outer_momentum")
 
 
 @dataclass(frozen=True)
@@ -38,9 +45,13 @@ class ServerSettings:
 
     mode: str = "sync"
     sync_every: int = 50
-    outer_optimizer: str = "nesterov"
-    outer_lr: float = 0.7
-    outer_momentum: float | None = None  # None: 0.9 for momentum/nesterov, 0 for sgd
+    # None: follow the upload codec (algorithm/recipes.py): top-k picks sgd, lr 1.0, no
+    # momentum (SparseLoCo), any other codec nesterov, lr 0.7, momentum 0.9. A value given is
+    # kept; a momentum not given is the optimizer's own (0.9, or 0 for sgd). Resolved on
+    # construction; `outer_defaults_from_codec` names the ones the codec chose.
+    outer_optimizer: str | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     weighting: str = "uniform"
     policy: str = "default"
     upload_dtype: torch.dtype = torch.float32
@@ -84,6 +95,7 @@ class ServerSettings:
     # (shard 0 leads: membership and each round's decision); empty: one server, no shards.
     shard: int = 0
     shard_urls: tuple[str, ...] = ()
+    outer_defaults_from_codec: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in SERVER_MODES:
@@ -118,6 +130,7 @@ class ServerSettings:
             if getattr(self, name) not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"{name} must be float32 or bfloat16, got {getattr(self, name)}")
         self._check_codec_settings()
+        self._resolve_outer()
         self._check_mode_settings()
         self._check_aggregation()
         self._check_shards()
@@ -125,6 +138,7 @@ class ServerSettings:
 
     def _check_codec_settings(self) -> None:
         codec = parse_codec(self.upload_codec, block=self.codec_block, chunk=self.topk_chunk)
+        require_kept_values(codec)
         if codec.is_sparse or codec.is_quantized:
             if self.upload_dtype != torch.float32:
                 raise ValueError(
@@ -137,6 +151,7 @@ class ServerSettings:
             codec = Codec("bf16", None, codec.block, codec.chunk)
         object.__setattr__(self, "upload_codec", str(codec))
         download = parse_codec(self.download_codec, block=self.codec_block, chunk=self.topk_chunk)
+        require_kept_values(download)
         if not download.is_identity and self.download_dtype != torch.float32:
             raise ValueError(
                 f"download_dtype {dtype_name(self.download_dtype)} applies to full-weight "
@@ -150,6 +165,97 @@ class ServerSettings:
             raise ValueError(
                 f"error_feedback_beta must be in [0, 1) (0: no error feedback), got {beta!r}"
             )
+
+    def _resolve_outer(self) -> None:
+        """Each of outer_optimizer, outer_lr, outer_momentum not given follows the upload
+        codec (`outer_defaults`); a given one is kept. Mode async always steps with Delayed
+        Nesterov (lr 0.7, momentum 0.9 unless given): SparseLoCo's sgd is measured for rounds
+        that average K workers, not for arrivals applied one by one, so there the codec
+        chooses nothing (and a top-k codec's momentum warning stands)."""
+        defaults = self.outer_defaults
+        chosen = [name for name in OUTER_SETTINGS[:2] if getattr(self, name) is None]
+        if self.outer_optimizer is None:
+            object.__setattr__(self, "outer_optimizer", defaults.optimizer)
+        if self.outer_lr is None:
+            object.__setattr__(self, "outer_lr", defaults.lr)
+        if self.outer_momentum is None:
+            if "outer_optimizer" in chosen:
+                chosen.append("outer_momentum")
+                momentum = defaults.momentum
+            else:  # the optimizer the user named, with its own momentum
+                momentum = 0.0 if self.outer_optimizer == "sgd" else DEFAULT_MOMENTUM
+            object.__setattr__(self, "outer_momentum", momentum)
+        elif "outer_optimizer" in chosen and self.outer_optimizer == "sgd" and self.outer_momentum:
+            raise ValueError(
+                f"outer_momentum {self.outer_momentum!r} needs outer_optimizer momentum or "
+                f"nesterov: upload codec {self.upload_codec} picks outer sgd, which has no "
+                "momentum (SparseLoCo: the workers' error feedback stands in for it)"
+            )
+        from_codec = tuple(chosen) if self.mode != "async" else ()
+        object.__setattr__(self, "outer_defaults_from_codec", from_codec)
+
+    @property
+    def outer_defaults(self) -> OuterDefaults:
+        """What the upload codec picks for an outer setting not given (async: Delayed
+        Nesterov's lr 0.7 and momentum 0.9, whatever the codec)."""
+        return DENSE_DEFAULTS if self.mode == "async" else outer_defaults(self.upload)
+
+    def outer_recipe(self) -> str:
+        """The outer optimizer in words, saying which settings the codec chose (the server's
+        start-up log line)."""
+        described = self.make_outer_optimizer().describe()
+        kind, lr, momentum = described["kind"], described["lr"], described["momentum"]
+        text = f"outer optimizer {kind} lr {lr:g} momentum {momentum:g}"
+        chosen = [name.removeprefix("outer_") for name in self.outer_defaults_from_codec]
+        if not chosen:
+            given = "given" if self.mode != "async" else "mode async's Delayed Nesterov"
+            return f"{text} ({given})"
+        return (
+            f"{text} ({', '.join(chosen)} chosen by upload codec {self.upload_codec}: "
+            f"{self.outer_defaults.why})"
+        )
+
+    def outer_warnings(self) -> list[str]:
+        """The measured costs over 5 % this codec and outer optimizer risk, one sentence each
+        (algorithm/recipes.py); a warning, never a refusal."""
+        return outer_warnings(self.upload, str(self.outer_optimizer), float(self.outer_momentum))
+
+    def keep_stored_outer(self, stored: Mapping) -> list[str]:
+        """A restart on a state dir: the outer settings this start let the codec choose take
+        the values the stored run began with, so a run keeps its outer optimizer (and its
+        momentum state) when the codec's defaults have changed since (runs of top-k codecs
+        started before SparseLoCo's sgd became their default kept nesterov 0.7). Returns the
+        settings taken, in words; none when they agree. `stored`: /v1/info settings."""
+        outer = stored.get("outer_optimizer")
+        if not isinstance(outer, dict) or not self.outer_defaults_from_codec:
+            return []
+        if outer.get("kind") not in ("sgd", "momentum", "nesterov"):
+            return []  # another mode's optimizer: the settings check names the difference
+        wanted = {
+            "outer_optimizer": outer.get("kind"),
+            "outer_lr": outer.get("lr"),
+            "outer_momentum": outer.get("momentum"),
+        }
+        taken = {name: wanted[name] for name in self.outer_defaults_from_codec}
+        if all(value == getattr(self, name) for name, value in taken.items()):
+            return []
+        kind = taken.get("outer_optimizer", self.outer_optimizer)
+        lr = taken.get("outer_lr", self.outer_lr)
+        momentum = taken.get("outer_momentum", self.outer_momentum)
+        try:
+            OuterOptimizer(str(kind), lr=lr, momentum=momentum)  # type: ignore[arg-type]
+        except ValueError:
+            return []  # not a setting we can take: the settings check names the difference
+        said = [
+            f"{name} {value!r} (upload codec {self.upload_codec}'s default: "
+            f"{getattr(self, name)!r})"
+            for name, value in taken.items()
+            if value != getattr(self, name)
+        ]
+        for name, value in taken.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "outer_defaults_from_codec", ())
+        return said
 
     @property
     def upload(self) -> Codec:
@@ -341,6 +447,8 @@ class ServerSettings:
             "min_workers": self.min_workers,
             "max_body_bytes": self.max_body_bytes,
             "outer_optimizer": self.make_outer_optimizer().describe(),
+            # which of outer_optimizer, outer_lr, outer_momentum the upload codec chose
+            "outer_defaults_from_codec": list(self.outer_defaults_from_codec),
             "aggregation": self.aggregation,
             "clip_multiple": float(self.clip_multiple),
             "outlier_ratio": float(self.outlier_ratio),

@@ -165,6 +165,8 @@ class Settings(_Response):
     min_workers: int
     max_body_bytes: int
     outer_optimizer: OuterOptimizerSummary
+    # which of outer_optimizer, outer_lr, outer_momentum the upload codec chose; for people
+    outer_defaults_from_codec: list[str] = []
     aggregation: str = "mean"  # the server's; a worker needs nothing of it
     clip_multiple: float = 2.0
     outlier_ratio: float = 10.0

@@ -241,6 +241,14 @@ def build_server(
     return built[0]
 
 
+def log_outer_recipe(settings: ServerSettings) -> None:
+    """The start-up lines of the outer optimizer: which settings the upload codec chose (after
+    a restart kept a state dir's), and each measured cost over 5 % the run risks."""
+    log.info(settings.outer_recipe())
+    for warning in settings.outer_warnings():
+        log.warning(warning)
+
+
 def serve(
     settings: ServerSettings,
     host: str,
@@ -293,6 +301,7 @@ def serve(
         state.close()
         raise
     del initial
+    log_outer_recipe(coordinator.settings)
     log.log(logging.WARNING if credentials.open else logging.INFO, credentials.describe())
     if tls is None and host not in LOOPBACK:
         log.warning(

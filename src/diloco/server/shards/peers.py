@@ -19,6 +19,7 @@ from urllib.parse import urlencode
 
 import urllib3
 
+from diloco.server.settings import DESCRIPTIVE_SETTINGS
 from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
 
 log = logging.getLogger("diloco.server")
@@ -135,7 +136,7 @@ class ShardPeers:
 
 def settings_difference(mine: Mapping[str, Any], leader: Mapping[str, Any]) -> str | None:
     """The first setting that differs between two shards' /v1/info settings, in words."""
-    for key in sorted(set(mine) | set(leader)):
+    for key in sorted((set(mine) | set(leader)) - DESCRIPTIVE_SETTINGS):
         if mine.get(key) != leader.get(key):
             return f"{key} is {mine.get(key)!r} here and {leader.get(key)!r} on shard 0"
     return None

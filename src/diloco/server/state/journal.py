@@ -39,7 +39,7 @@ import torch
 from diloco import faults
 from diloco.algorithm import RunningMean
 from diloco.server.ops.control import OUTER_LR
-from diloco.server.settings import ServerSettings
+from diloco.server.settings import DESCRIPTIVE_SETTINGS, ServerSettings
 from diloco.server.state.store import StateStore
 from diloco.server.workunits.pool import WorkPool
 from diloco.wire import TensorSpec
@@ -218,6 +218,7 @@ class RoundJournal:
         self.state = state
         self.settings = settings
         self.override_settings = override_settings
+        self._keep_stored_outer()
         self.durability = durability
         self.checkpoint_every = checkpoint_every
         self.pool = WorkPool(state.conn)
@@ -229,6 +230,21 @@ class RoundJournal:
         self._write_error: BaseException | None = None
         self.on_checkpoint_written: Callable[[float], None] | None = None  # its seconds
         self.on_checkpoint_failed: Callable[[str], None] | None = None  # why
+
+    def _keep_stored_outer(self) -> None:
+        """Before the model is built: an outer setting this start left to the upload codec
+        takes the value the stored run began with (ServerSettings.keep_stored_outer), so a
+        run begun before the codec's defaults changed resumes as it ran."""
+        stored = self.state.get_meta("settings")
+        if not isinstance(stored, dict):
+            return
+        taken = self.settings.keep_stored_outer(stored)
+        if taken:
+            log.warning(
+                "the state dir's run began with %s and keeps it; to change, give the outer "
+                "settings and --override-settings",
+                ", ".join(taken),
+            )
 
     @property
     def durable(self) -> bool:
@@ -625,7 +641,7 @@ class RoundJournal:
         conflicts = [
             f"{key}: {stored[key]!r} in the state dir, {current.get(key)!r} now"
             for key in sorted(stored)
-            if stored[key] != current.get(key)
+            if stored[key] != current.get(key) and key not in DESCRIPTIVE_SETTINGS
         ]
         fixed = [
             key for key in ("mode", "fragments") if key in stored and stored[key] != current[key]
