@@ -84,6 +84,40 @@ def test_int8_uploads_are_counted_and_reported(tmp_path: Path, corpus_file: Path
     assert document["bytes_received_per_worker"] == 2 * 4 * 42_880
 
 
+def test_simulate_warns_of_measured_costs_and_records_what_the_codec_chose(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    """Issue 30, item 1: top-k picks outer sgd 1.0 when none is given, and the run warns of
+    its measured cost (once over a sweep, stderr, one line each); a beta given to fp32 uploads
+    is noted. The --json carries the resolved settings and which the codec chose."""
+    path = tmp_path / "sweep.json"
+    result = run_cli_in_process(
+        "simulate",
+        *("--workers", "2", "--sync-every", "2", "--steps", "2", "--error-feedback-beta", "0.5"),
+        *("--sweep", "upload-codec=fp32,topk:0.03+int2", "--sweep", "seed=0,1"),
+        *("--corpus", str(corpus_file), "--json", str(path)),
+        *TINY,
+    )
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING:")]
+    assert len(warnings) == 2, result.stderr
+    assert warnings[0].startswith(
+        "WARNING: error-feedback beta 0.5 has no effect with upload codec fp32"
+    )
+    assert warnings[1].startswith(
+        "WARNING: upload codec topk:0.03+int2 at its companion settings (outer sgd, no "
+        "momentum) still ended +11.3 % to +12.2 % above fp32 DiLoCo at H = 50 (+6.8 % at H = 10)"
+    )
+    assert "benchmarks/results/compression-topk/README.md" in warnings[1]
+    configs = {
+        run["config"]["upload_codec"]: run["config"] for run in json.loads(path.read_text())["runs"]
+    }
+    outer = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_defaults_from_codec")
+    every = ["outer_optimizer", "outer_lr", "outer_momentum"]
+    assert [configs["topk:0.03+int2"][k] for k in outer] == ["sgd", 1.0, 0.0, every]
+    assert [configs["fp32"][k] for k in outer] == ["nesterov", 0.7, 0.9, every]
+
+
 @pytest.mark.slow  # the int8 upload case above is the default suite's sample
 def test_int8_delta_downloads_are_counted_and_labelled(tmp_path: Path, corpus_file: Path) -> None:
     path = tmp_path / "down.json"
@@ -148,6 +182,9 @@ BAD_INPUTS = [
     (["--mode", "async", "--staleness-weighting", "log"], "staleness_weighting must be one of"),
     (["--upload-codec", "int3"], "unknown codec 'int3'; allowed: fp32, bf16, int8"),
     (["--upload-codec", "topk:1.5+int2"], "top-k fraction must be in (0, 1], got 1.5"),
+    (["--upload-codec", "topk:1.5"], "would keep k = round(1.5 x 128) = 192 values"),
+    (["--upload-codec", "topk:0.0001"], "keeps k = round(0.0001 x 128) = 0 values of each chunk"),
+    (["--upload-codec", "topk:0.03", "--outer-momentum", "0.5"], "outer_momentum 0.5 needs"),
     (["--codec-block", "100"], "block size must be a positive power of two in [8, 65536]"),
     (["--topk-chunk", "1"], "chunk size must be a positive power of two in [2, 65536], got 1"),
     (["--error-feedback-beta", "1"], "error_feedback_beta must be in [0, 1)"),

@@ -116,6 +116,14 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
             ["--upload-codec", "topk:1.5+int2"],
             "top-k fraction must be in (0, 1], got 1.5",
         ),
+        "top-k fraction keeping no value of a chunk": (
+            ["--upload-codec", "topk:0.0001", "--topk-chunk", "128"],
+            "top-k topk:0.0001 keeps k = round(0.0001 x 128) = 0 values of each chunk of 128",
+        ),
+        "outer momentum against the codec's sgd": (
+            ["--upload-codec", "topk:0.03+int2", "--outer-momentum", "0.9"],
+            "outer_momentum 0.9 needs outer_optimizer momentum or nesterov",
+        ),
         "block not a power of two": (
             ["--codec-block", "100"],
             "block size must be a positive power of two in [8, 65536], got 100",

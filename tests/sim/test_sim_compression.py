@@ -73,12 +73,48 @@ def test_defaults_and_messages_are_the_servers() -> None:
         dict(topk_chunk=1),
         dict(error_feedback_beta=1.0),
         dict(error_feedback_beta=-0.5),
+        dict(upload_codec="topk:0.0001"),  # k = round(0.0128) = 0
+        dict(upload_codec="topk:0.03+int2", outer_momentum=0.9),  # the codec picks sgd
     ):
         with pytest.raises(ValueError) as from_server:
             ServerSettings(**bad)
         with pytest.raises(ValueError) as from_sim:
             SimConfig(**bad)
         assert str(from_sim.value) == str(from_server.value)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {},
+        {"upload_codec": "int8"},
+        {"upload_codec": "topk:0.03+int2"},
+        {"upload_codec": "topk:0.03+int2", "outer_lr": 0.5},
+        {"upload_codec": "topk:0.03+int2", "outer_optimizer": "nesterov"},
+        {"upload_codec": "int2", "outer_optimizer": "sgd"},
+        {"mode": "async", "upload_codec": "topk:0.03+int2"},
+        {"mode": "streaming", "fragments": 2, "upload_codec": "topk:0.03+int2"},
+    ],
+)
+def test_outer_settings_follow_the_upload_codec_as_the_server_s(given: dict) -> None:
+    """Issue 30, item 1: each outer setting not given follows the codec, in both."""
+    server_mode = {"diloco": "sync"}.get(given.get("mode", "diloco"), given.get("mode"))
+    server = ServerSettings(**{**given, "mode": server_mode, "sync_every": 10})
+    sim = SimConfig(**{**given, "sync_every": 10})
+    resolved = ("outer_optimizer", "outer_lr", "outer_momentum", "outer_defaults_from_codec")
+    assert [getattr(sim, n) for n in resolved] == [getattr(server, n) for n in resolved]
+    assert sim.outer_warnings() == server.outer_warnings()
+
+
+def test_a_top_k_run_s_outer_settings_are_sparseloco_s_and_survive_json() -> None:
+    config = SimConfig(upload_codec="topk:0.03+int2", outer_lr=0.5)
+    assert (config.outer_optimizer, config.outer_lr, config.outer_momentum) == ("sgd", 0.5, 0.0)
+    data = config.to_dict()
+    assert data["outer_defaults_from_codec"] == ["outer_optimizer", "outer_momentum"]
+    assert (data["outer_optimizer"], data["outer_lr"], data["outer_momentum"]) == ("sgd", 0.5, 0)
+    assert SimConfig.from_dict(data) == config  # a sweep's child process runs the same run
+    assert SimConfig(mode="ddp").outer_warnings() == []
+    assert SimConfig(mode="ddp").outer_defaults_from_codec == ()  # no outer step at all
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,18 @@ from diloco.worker.net.transport import split_base_url
 Client = TypeVar("Client", bound=DiLoCoClient)
 
 CORPUS_HELP = "'shakespeare' (default, fetched once into a cache), 'generated[:SEED]', or a path"
+# The outer settings follow the upload codec when not given (algorithm/recipes.py).
+OUTER_OPTIMIZER_HELP = (
+    "sgd, momentum or nesterov. Default: follows --upload-codec: sgd for a top-k codec "
+    "(SparseLoCo: its error feedback stands in for momentum), else nesterov (mode async: "
+    "Delayed Nesterov whatever the codec)."
+)
+OUTER_LR_HELP = "Outer learning rate. Default: follows --upload-codec: 1.0 for top-k, else 0.7."
+OUTER_MOMENTUM_HELP = "Outer momentum (default 0.9 for momentum and nesterov, 0 for sgd)."
+ERROR_FEEDBACK_HELP = (
+    "Each worker keeps what compression left out: e = beta e + g, send C(e), e -= D(C(e)); "
+    "in [0, 1), 0 turns error feedback off (default 0.95; no effect with fp32 uploads)."
+)
 
 # --help panels (typer's rich_help_panel) that several commands share.
 AUTH_PANEL = "Auth and TLS"

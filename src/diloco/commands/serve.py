@@ -6,12 +6,17 @@ from pathlib import Path
 
 import typer
 
+from diloco.algorithm.recipes import error_feedback_note
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO
 from diloco.commands.options import (
     ASYNC_PANEL,
     AUTH_PANEL,
     CODEC_PANEL,
     DURABILITY_PANEL,
+    ERROR_FEEDBACK_HELP,
+    OUTER_LR_HELP,
+    OUTER_MOMENTUM_HELP,
+    OUTER_OPTIMIZER_HELP,
     OUTPUTS_PANEL,
     STREAMING_PANEL,
     TokenFileOption,
@@ -23,10 +28,10 @@ from diloco.commands.threads import (
     apply_thread_budget,
     server_threads,
 )
-from diloco.console import err, fail
+from diloco.console import err, fail, warn
 from diloco.server.http.runner import TlsFiles, serve
 from diloco.server.members.credentials import TokensFileError, load_tokens_file
-from diloco.server.settings import ServerSettings
+from diloco.server.settings import DEFAULT_ERROR_FEEDBACK_BETA, ServerSettings
 from diloco.wire import parse_wire_dtype
 
 # --help panels of this command's own options (the shared ones are in options.py).
@@ -104,11 +109,11 @@ def server_command(
         50, help="H: inner optimizer steps per round.", rich_help_panel=ROUNDS_PANEL
     ),
     outer_optimizer: str = typer.Option(
-        "nesterov", help="sgd, momentum or nesterov.", rich_help_panel=ROUNDS_PANEL
+        None, help=OUTER_OPTIMIZER_HELP, rich_help_panel=ROUNDS_PANEL
     ),
-    outer_lr: float = typer.Option(0.7, help="Outer learning rate.", rich_help_panel=ROUNDS_PANEL),
+    outer_lr: float = typer.Option(None, help=OUTER_LR_HELP, rich_help_panel=ROUNDS_PANEL),
     outer_momentum: float = typer.Option(
-        None, help="Outer momentum (default 0.9; sgd: 0).", rich_help_panel=ROUNDS_PANEL
+        None, help=OUTER_MOMENTUM_HELP, rich_help_panel=ROUNDS_PANEL
     ),
     weighting: str = typer.Option(
         "uniform", help="uniform or tokens.", rich_help_panel=ROUNDS_PANEL
@@ -159,10 +164,7 @@ def server_command(
         128, help="Elements per top-k chunk (a power of two, 2-65536).", rich_help_panel=CODEC_PANEL
     ),
     error_feedback_beta: float = typer.Option(
-        0.95,
-        help="Workers keep what compression left out: e = beta e + g, send C(e), e -= D(C(e)); "
-        "in [0, 1), 0 turns error feedback off.",
-        rich_help_panel=CODEC_PANEL,
+        None, help=ERROR_FEEDBACK_HELP, rich_help_panel=CODEC_PANEL
     ),
     heartbeat_interval: float = typer.Option(
         5.0, help="Seconds between worker heartbeats.", rich_help_panel=MEMBERSHIP_PANEL
@@ -344,7 +346,9 @@ def server_command(
             download_codec=download_codec,
             codec_block=codec_block,
             topk_chunk=topk_chunk,
-            error_feedback_beta=error_feedback_beta,
+            error_feedback_beta=(
+                DEFAULT_ERROR_FEEDBACK_BETA if error_feedback_beta is None else error_feedback_beta
+            ),
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             barrier_timeout=barrier_timeout,
@@ -355,6 +359,9 @@ def server_command(
             shard=0 if shard is None else shard,
             shard_urls=tuple(shard_url or ()),
         )
+        note = error_feedback_note(settings.upload, settings.error_feedback_beta)
+        if error_feedback_beta is not None and note is not None:
+            warn(note)
         if keep_checkpoints < 1:
             raise ValueError(f"--keep-checkpoints must be >= 1, got {keep_checkpoints}")
         if durability not in ("round", "interval"):

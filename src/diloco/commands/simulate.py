@@ -6,12 +6,17 @@ from pathlib import Path
 
 import typer
 
+from diloco.algorithm.recipes import error_feedback_note
 from diloco.commands.options import (
     ASYNC_PANEL,
     CODEC_PANEL,
     CORPUS_HELP,
     DATA_PANEL,
+    ERROR_FEEDBACK_HELP,
     MODEL_PANEL,
+    OUTER_LR_HELP,
+    OUTER_MOMENTUM_HELP,
+    OUTER_OPTIMIZER_HELP,
     OUTPUTS_PANEL,
     STREAMING_PANEL,
 )
@@ -54,6 +59,19 @@ def _config(options: dict) -> SimConfig:
     model = GPTConfig(context=o["seq_len"], width=o.pop("width"), depth=o.pop("depth"),
                       heads=o.pop("heads"))  # fmt: skip
     return SimConfig(**{**o, "model": model, "speeds": _parse_speeds(o["speeds"])})
+
+
+def _warnings(configs: list[SimConfig], grid: list[dict], beta_given: bool) -> list[str]:
+    """Each run's measured risks (SimConfig.outer_warnings) and an error-feedback beta given
+    where it cannot act, each sentence once over a sweep."""
+    lines: list[str] = []
+    for config, overrides in zip(configs, grid, strict=True):
+        lines.extend(config.outer_warnings())
+        if beta_given or "error_feedback_beta" in overrides:
+            note = error_feedback_note(config.upload, config.error_feedback_beta)
+            if note is not None and config.mode not in ("single", "ddp"):
+                lines.append(note)
+    return list(dict.fromkeys(lines))
 
 
 def _report_sweep(
@@ -143,13 +161,11 @@ def simulate_command(
     sync_every: int = typer.Option(50, help="H: inner optimizer steps between syncs."),
     steps: int = typer.Option(500, help="Inner optimizer steps per worker."),
     outer_optimizer: str = typer.Option(
-        "nesterov", help="sgd, momentum or nesterov.", rich_help_panel=OUTER_PANEL
+        None, help=OUTER_OPTIMIZER_HELP, rich_help_panel=OUTER_PANEL
     ),
-    outer_lr: float = typer.Option(0.7, help="Outer learning rate.", rich_help_panel=OUTER_PANEL),
+    outer_lr: float = typer.Option(None, help=OUTER_LR_HELP, rich_help_panel=OUTER_PANEL),
     outer_momentum: float = typer.Option(
-        None,
-        help="Outer momentum (default 0.9 for momentum and nesterov, 0 for sgd).",
-        rich_help_panel=OUTER_PANEL,
+        None, help=OUTER_MOMENTUM_HELP, rich_help_panel=OUTER_PANEL
     ),
     fragments: int = typer.Option(
         1, help="Streaming: number of fragments P.", rich_help_panel=STREAMING_PANEL
@@ -205,10 +221,7 @@ def simulate_command(
         128, help="Elements per top-k chunk (a power of two, 2-65536).", rich_help_panel=CODEC_PANEL
     ),
     error_feedback_beta: float = typer.Option(
-        DEFAULT_ERROR_FEEDBACK_BETA,
-        help="Each worker keeps what compression left out: e = beta e + g, send C(e), "
-        "e -= D(C(e)); in [0, 1), 0 turns error feedback off.",
-        rich_help_panel=CODEC_PANEL,
+        None, help=ERROR_FEEDBACK_HELP, rich_help_panel=CODEC_PANEL
     ),
     aggregation: str = typer.Option(
         "mean",
@@ -271,6 +284,9 @@ def simulate_command(
         for key, value in locals().items()
         if key not in ("sweep", "jobs", "json_path", "plot")
     }
+    beta_given = error_feedback_beta is not None  # else the default, which warns of nothing
+    if not beta_given:
+        options["error_feedback_beta"] = DEFAULT_ERROR_FEEDBACK_BETA
     check_output_path(json_path, "--json")
     check_output_path(plot, "--plot")
     if jobs < 1:
@@ -284,6 +300,8 @@ def simulate_command(
             require_matplotlib()
         grid = parse_sweeps(sweep or [], options)
         configs = [_config({**options, **overrides}) for overrides in grid]
+        for line in _warnings(configs, grid, beta_given):
+            warn(line)
         data = _load_corpus_or_fail(corpus)
         if not sweep:
             documents = [_run(configs[0], data, f"{mode} K={configs[0].effective_workers}")]

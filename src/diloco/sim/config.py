@@ -7,7 +7,9 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from diloco.algorithm import STALENESS_WEIGHTINGS
-from diloco.algorithm.codecs import Codec, parse_codec
+from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
+from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
+from diloco.algorithm.recipes import DENSE_DEFAULTS, OuterDefaults, outer_defaults, outer_warnings
 from diloco.algorithm.robust import Aggregation
 from diloco.models import GPTConfig, ModelSpec
 from diloco.models.causal_lm import CausalLMConfig
@@ -33,9 +35,12 @@ class SimConfig:
     workers: int = 4
     sync_every: int = 50
     steps: int = 500
-    outer_optimizer: str = "nesterov"
-    outer_lr: float = 0.7
-    outer_momentum: float | None = None  # None: 0.9 for momentum/nesterov, 0 for sgd
+    # None: follow the upload codec, as the server's (server/settings.py, algorithm/recipes.py):
+    # top-k sgd 1.0 with no momentum, any other codec nesterov 0.7 momentum 0.9; a value given
+    # is kept. Resolved on construction; `outer_defaults_from_codec` names the codec's choices.
+    outer_optimizer: str | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     fragments: int = 1
     delay: int = 0
     alpha: float = 0.0
@@ -67,6 +72,7 @@ class SimConfig:
     # Robust aggregation (algorithm/robust.py) and a bad last worker (sim/hostile.py)
     aggregation: str = "mean"
     hostile: str = "none"
+    outer_defaults_from_codec: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -108,6 +114,7 @@ class SimConfig:
         if self.staleness_weighting != "none" and self.mode != "async":
             raise ValueError("staleness_weighting applies to --mode async only")
         self._check_codec_settings()
+        self._resolve_outer()
         object.__setattr__(self, "aggregation", str(Aggregation.parse(self.aggregation)))
         check_hostile(self.hostile)
         if (self.aggregation != "mean" or self.hostile != "none") and self.mode != "diloco":
@@ -118,8 +125,9 @@ class SimConfig:
     def _check_codec_settings(self) -> None:
         """As the server's: the codec spec is stored in its canonical spelling."""
         codec = parse_codec(self.upload_codec, block=self.codec_block, chunk=self.topk_chunk)
-        object.__setattr__(self, "upload_codec", str(codec))
+        object.__setattr__(self, "upload_codec", str(require_kept_values(codec)))
         download = parse_codec(self.download_codec, block=self.codec_block, chunk=self.topk_chunk)
+        require_kept_values(download)
         object.__setattr__(self, "download_codec", str(download))
         if not download.is_identity and self.mode in ("single", "ddp"):
             raise ValueError(
@@ -137,6 +145,45 @@ class SimConfig:
                 f"upload_codec {codec} applies to modes diloco, streaming and async only "
                 f"(mode {self.mode} sends no pseudo-gradients)"
             )
+
+    def _resolve_outer(self) -> None:
+        """As the server's: each outer setting not given follows the upload codec; mode async
+        steps with Delayed Nesterov (lr 0.7, momentum 0.9 unless given), which the codec does
+        not change; single and ddp have no outer step (their recorded defaults are unused)."""
+        defaults = self.outer_defaults
+        chosen = [name for name in ("outer_optimizer", "outer_lr") if getattr(self, name) is None]
+        if self.outer_optimizer is None:
+            object.__setattr__(self, "outer_optimizer", defaults.optimizer)
+        if self.outer_lr is None:
+            object.__setattr__(self, "outer_lr", defaults.lr)
+        if self.outer_momentum is None:
+            if "outer_optimizer" in chosen:
+                chosen.append("outer_momentum")
+                momentum = defaults.momentum
+            else:  # the optimizer the user named, with its own momentum
+                momentum = 0.0 if self.outer_optimizer == "sgd" else DEFAULT_MOMENTUM
+            object.__setattr__(self, "outer_momentum", momentum)
+        elif "outer_optimizer" in chosen and self.outer_optimizer == "sgd" and self.outer_momentum:
+            raise ValueError(
+                f"outer_momentum {self.outer_momentum!r} needs outer_optimizer momentum or "
+                f"nesterov: upload codec {self.upload_codec} picks outer sgd, which has no "
+                "momentum (SparseLoCo: the workers' error feedback stands in for it)"
+            )
+        from_codec = tuple(chosen) if self.mode in ("diloco", "streaming") else ()
+        object.__setattr__(self, "outer_defaults_from_codec", from_codec)
+
+    @property
+    def outer_defaults(self) -> OuterDefaults:
+        """What the upload codec picks for an outer setting not given (async: Delayed
+        Nesterov's 0.7 and 0.9 whatever the codec)."""
+        return DENSE_DEFAULTS if self.mode == "async" else outer_defaults(self.upload)
+
+    def outer_warnings(self) -> list[str]:
+        """The measured costs over 5 % this run's codec and outer optimizer risk (none for
+        single and ddp, which send no pseudo-gradients)."""
+        if self.mode in ("single", "ddp"):
+            return []
+        return outer_warnings(self.upload, str(self.outer_optimizer), float(self.outer_momentum))
 
     @property
     def spec(self) -> ModelSpec:
@@ -174,14 +221,19 @@ class SimConfig:
         return max(1, self.steps // 20)
 
     def to_dict(self) -> dict:
+        """Every setting as resolved (outer ones too), and which the upload codec chose."""
         data = asdict(self)
         data["speeds"] = list(self.worker_speeds)
+        data["outer_defaults_from_codec"] = list(self.outer_defaults_from_codec)
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> SimConfig:
         """The inverse of `to_dict` (a sweep's child process gets its run this way, as JSON)."""
         fields = dict(data)
+        # what the codec chose it chooses again (the same codec: the same values)
+        for name in fields.pop("outer_defaults_from_codec", ()):
+            fields[name] = None
         fields["model"] = GPTConfig(**fields["model"])
         # to_dict writes every worker's speed; only async runs take them as a setting
         fields["speeds"] = tuple(fields["speeds"]) if fields["mode"] == "async" else ()
