@@ -243,6 +243,13 @@ def test_a_restart_keeps_the_outer_settings_its_run_began_with_where_the_codec_c
     ]
 
 
+def test_an_outer_lr_an_admin_set_is_no_longer_the_codec_s_choice() -> None:
+    settings = ServerSettings(upload_codec=TOPK)
+    settings.change_outer_lr(0.5)
+    assert settings.outer_lr == 0.5
+    assert settings.to_wire()["outer_defaults_from_codec"] == [OPTIMIZER, MOMENTUM]
+
+
 def test_shards_do_not_compare_how_a_setting_was_chosen() -> None:
     from diloco.server.shards.peers import settings_difference
 

@@ -360,6 +360,8 @@ class ServerSettings:
         value at once (and /v1/info and the next checkpoint state it); the caller sets the
         live optimizer's lr. Validated like the constructor's."""
         object.__setattr__(self, "outer_lr", require_positive("outer_lr", lr))
+        chosen = tuple(name for name in self.outer_defaults_from_codec if name != "outer_lr")
+        object.__setattr__(self, "outer_defaults_from_codec", chosen)  # an admin chose it
 
     @property
     def effective_barrier_timeout(self) -> float | None:
