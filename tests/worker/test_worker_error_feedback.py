@@ -119,3 +119,45 @@ def test_a_gpu_out_of_memory_in_a_sync_moves_the_anchor_to_the_cpu_and_the_round
         assert all(torch.equal(residual[n], clean[1][n]) for n in residual), fail_in
     moved = [r for r in caplog.records if "ran out of memory in a sync" in r.getMessage()]
     assert len(moved) == 2 and all(r.levelname == "WARNING" for r in moved)
+
+
+def test_a_delta_that_fails_part_way_gives_the_servers_whole_weights(
+    live_server, caplog, monkeypatch
+) -> None:
+    """The anchor moves in place: when the coded delta is refused after half of it moved the
+    anchor, the worker takes the server's whole current weights instead, with a warning,
+    and ends the round exactly where a clean one ends (model and anchor equal to the
+    server's published weights), then goes on with deltas."""
+    import diloco.worker.anchor as anchors
+    from diloco.wire import WireError, decode_tensors
+
+    real = anchors.apply_delta
+    failures = []
+
+    def half_then_refused(delta, targets, codec, **kwargs):
+        if failures:
+            return real(delta, targets, codec, **kwargs)
+        first = next(iter(targets))
+        targets[first].add_(1.0)  # (a part of the anchor moved)
+        failures.append(first)
+        raise WireError(422, "invalid_tensor", f"tensor {first!r}: refused (injected)")
+
+    monkeypatch.setattr(anchors, "apply_delta", half_then_refused)
+    settings = ServerSettings(
+        sync_every=1, upload_codec="int8", download_codec="int8", error_feedback_beta=0.9,
+        heartbeat_interval=0.2, heartbeat_timeout=30.0,
+    )  # fmt: skip
+    with live_server(settings) as server:
+        worker, model = _worker(server.url, "a")
+        _step(worker, model, 1.0)
+        assert failures and worker.round == 1 and not worker._anchor.torn
+        published = decode_tensors(server.coordinator.weights().body)
+        assert torch.equal(model.weight.detach(), published["weight"])
+        assert torch.equal(worker._anchor.tensors["weight"], published["weight"])
+        _step(worker, model, 2.0)  # the next round's delta applies as usual
+        published = decode_tensors(server.coordinator.weights().body)
+        assert worker.round == 2 and torch.equal(model.weight.detach(), published["weight"])
+        worker.close(final_sync=False)
+    taken = [r for r in caplog.records if "taking the server's whole weights" in r.getMessage()]
+    assert len(taken) == 1 and taken[0].levelname == "WARNING"
+    assert "refused part way" in taken[0].getMessage()

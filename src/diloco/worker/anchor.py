@@ -70,20 +70,18 @@ class Anchor:
         self.download_dtype = download_dtype  # what a follower's broadcast buffers hold
         self.tensors: dict[str, torch.Tensor] = {}
         self.round = 0
-        # A coded delta moves a copy of the whole anchor (`values_after`); adopted, that copy
-        # becomes the anchor and the old anchor's memory the next copy's (`_spare`): no
-        # model-sized allocation, and its page faults, every round. `_lent`: the copy out.
-        self._spare: dict[str, torch.Tensor] | None = None
-        self._lent: dict[str, torch.Tensor] | None = None
+        # A coded delta moves the whole anchor in place (`values_after`): no copy of it is kept.
+        # One that fails part way leaves it torn until whole weights are adopted again.
+        self.torn = False
 
     def move_to(self, device: torch.device | str) -> None:
         """Keep the anchor on `device` from now on (a GPU that ran out of memory: the CPU)."""
         self.device = torch.device(device)
         self.tensors = {name: t.to(self.device) for name, t in self.tensors.items()}
-        self._spare = self._lent = None
 
     def pseudo_gradient(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """anchor - local (fp32) for `names`, or for every tensor; rank 0 only."""
+        assert not self.torn, "a torn anchor is replaced by whole weights before it is used"
         local = self.model.state_dict()
         if names is None:
             return pseudo_gradient(self.tensors, local)
@@ -99,31 +97,21 @@ class Anchor:
         """The new global values of `names` when the server sent a coded delta against our
         anchor: anchor + D(body) for coded tensors, the sent value for the others, computed
         with the server's own function so that they equal its published copy bit for bit.
-        New tensors: the anchor itself changes when they are adopted."""
-        targets = self._copy_of(names)  # a refused body leaves the anchor as it is
-        exact = {n for n in names if n not in coded}
-        apply_delta(delta, targets, codec, exact=exact, scratch=True)
-        return targets
 
-    def _copy_of(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The anchor's `names`, copied: for the whole anchor into the spare buffers when
-        they fit (and lent: `adopt` takes them back as the anchor)."""
-        spare, self._spare, self._lent = self._spare, None, None
-        if list(names) != list(self.tensors):  # a streaming fragment: fresh copies
-            return {name: self.tensors[name].clone() for name in names}
-        if (
-            spare is None
-            or spare.keys() != self.tensors.keys()
-            or any(
-                (s.shape, s.dtype, s.device) != (a.shape, a.dtype, a.device)
-                for s, a in zip(spare.values(), self.tensors.values(), strict=True)
-            )
-        ):
-            spare = {name: torch.empty_like(t) for name, t in self.tensors.items()}
-        for name, target in spare.items():
-            target.copy_(self.tensors[name])
-        self._lent = spare
-        return spare
+        The whole anchor moves in place, each span checked as it is applied (no model-sized
+        copy, no pass of its own to check the body first); `adopt` then takes these very
+        tensors. A failure part way leaves the anchor `torn`: the caller adopts the server's
+        whole weights instead (AnchorTorn). A streaming fragment moves fresh copies, so a
+        refused one leaves the anchor as it was."""
+        exact = {n for n in names if n not in coded}
+        if list(names) != list(self.tensors):
+            targets = {name: self.tensors[name].clone() for name in names}
+            apply_delta(delta, targets, codec, exact=exact, scratch=True)
+            return targets
+        self.torn = True  # until the last span is in
+        apply_delta(delta, self.tensors, codec, exact=exact, scratch=True)
+        self.torn = False
+        return self.tensors
 
     def adopt(self, tensors: Mapping[str, torch.Tensor], round_number: int) -> None:
         """New global weights become the model and (this is rank 0) the fp32 anchor."""
@@ -131,10 +119,9 @@ class Anchor:
         with torch.no_grad():
             for name, target in state.items():
                 target.copy_(tensors[name])
-        if tensors is self._lent:  # our own copy, moved by a delta: it becomes the anchor
-            self._spare, self.tensors, self._lent = self.tensors, self._lent, None
-        else:
+        if tensors is not self.tensors:  # (the anchor itself: a delta moved it in place)
             self.tensors = updated_anchor(self.tensors, tensors, self.device)
+        self.torn = False
         self.round = round_number
 
     def share(self) -> None:

@@ -115,3 +115,9 @@ class UntrustedCertificate(ServerUnavailable):
             f"the TLS certificate of {self.origin} is not trusted ({self.why}); pass the "
             "certificate or the CA that signed it with --ca-file (ca_file= in Python)"
         )
+
+
+class AnchorTorn(Exception):
+    """A coded delta failed part way through moving the anchor in place (refused, or the GPU
+    ran out of memory): the anchor is no longer what the server published, and the round's
+    result is taken as the server's whole current weights instead."""

@@ -26,7 +26,7 @@ import torch
 
 from diloco.wire import TensorSpec, decode_tensors
 from diloco.worker.data.units import UnitReports
-from diloco.worker.errors import ClientClosed, ServerError
+from diloco.worker.errors import AnchorTorn, ClientClosed, ServerError
 from diloco.worker.net.client import DiLoCoClient, Weights
 
 log = logging.getLogger("diloco.worker")
@@ -373,7 +373,11 @@ class ServerSession:
                             f"round {round_number}"
                             + ("" if self.apply_delta else " and we asked for none"),
                         )
-                    return Exchanged(self.apply_delta(got.body, fragment), got.round)
+                    try:
+                        return Exchanged(self.apply_delta(got.body, fragment), got.round)
+                    except AnchorTorn as exc:
+                        log.warning("%s; taking the server's whole weights instead", exc)
+                        return self._from_current_weights(fragment)
                 return Exchanged(decode_tensors(got.body), got.round)
 
     # ----------------------------------------------------------------- whole weights

@@ -34,11 +34,12 @@ import torch
 from torch import nn
 
 from diloco.algorithm import classify_tensors
-from diloco.wire import decode_tensors, encode_tensors, specs_of
+from diloco.wire import WireError, decode_tensors, encode_tensors, specs_of
 from diloco.worker.anchor import Anchor, choose_anchor_device, parse_anchor_device
 from diloco.worker.data.tokens import TokenTally
 from diloco.worker.data.trace import SampleTrace
 from diloco.worker.data.units import ReportsUnits, UnitReports
+from diloco.worker.errors import AnchorTorn
 from diloco.worker.heartbeat import Heartbeat
 from diloco.worker.net.client import MAX_RESULT_WAIT, DiLoCoClient
 from diloco.worker.net.retry import RetryPolicy
@@ -638,19 +639,27 @@ class DiLoCoWorker:
                 raise
             if coding:
                 self._uploads.settle(folded=False)  # the half-coded body's residuals go
-            log.warning(
-                "the GPU ran out of memory in a sync: the fp32 anchor and error-feedback "
-                "residual move to the CPU for the rest of the run (anchor_device='cpu' "
-                "keeps them there from the start)"
-            )
-            self._anchor.move_to("cpu")
-            self._uploads.move_to("cpu")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self._to_host_after_oom()
             return work()
 
+    def _to_host_after_oom(self) -> None:
+        log.warning(
+            "the GPU ran out of memory in a sync: the fp32 anchor and error-feedback "
+            "residual move to the CPU for the rest of the run (anchor_device='cpu' "
+            "keeps them there from the start)"
+        )
+        self._anchor.move_to("cpu")
+        self._uploads.move_to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def _values_after_delta(self, body: bytearray, fragment: int) -> dict[str, torch.Tensor]:
-        """A result sent as a coded delta (--download-codec): the new values from our anchor."""
+        """A result sent as a coded delta (--download-codec): the new values from our anchor.
+
+        The whole anchor moves in place: a delta refused or out of GPU memory part way
+        raises AnchorTorn, and the session takes the server's whole weights instead (after
+        an OOM the anchor lives on the CPU from then on). A fragment's copies are moved, so
+        there an OOM just runs the apply again on the CPU."""
         names = (
             list(self._anchor.tensors) if self.streamer is None else self.fragment_plan[fragment]
         )
@@ -659,7 +668,18 @@ class DiLoCoWorker:
         def values() -> dict[str, torch.Tensor]:
             return self._anchor.values_after(body, names, self.settings.download_codec, coded)
 
-        return self._on_host_after_oom(values)
+        if self.streamer is not None:
+            return self._on_host_after_oom(values)
+        try:
+            return values()
+        except torch.OutOfMemoryError as exc:
+            if self._anchor.device.type == "cpu":
+                raise
+            self._anchor.torn = True  # (whatever part of it moved)
+            self._to_host_after_oom()
+            raise AnchorTorn(f"the GPU ran out of memory applying the delta: {exc}") from exc
+        except WireError as exc:
+            raise AnchorTorn(f"the server's delta was refused part way: {exc}") from exc
 
     def _sharded_upload(self) -> dict[str, torch.Tensor]:
         """This rank's rows of the upload (and its own rows' error-feedback residual)."""
