@@ -69,7 +69,7 @@ async def read_body(
     max_bytes: int,
     watcher: ChunkWatcher | None = None,
 ) -> bytearray:
-    """Read exactly `content_length` bytes from `chunks` into one preallocated bytearray.
+    """Read exactly `content_length` bytes from `chunks` into one bytearray of that size.
 
     No Content-Length is 411 and one over `max_bytes` is 413, both raised before the first
     chunk is read. A body longer or shorter than declared is 422 invalid_request. `watcher`
@@ -77,8 +77,11 @@ async def read_body(
     """
     check_length(content_length, max_bytes)
     assert content_length is not None
-    buffer = bytearray(content_length)
-    target = memoryview(buffer)
+    # The body's buffer is allocated once `watcher` has passed its header: a body refused on
+    # its header costs the chunks read so far, not Content-Length bytes of memory.
+    early: list[bytes] = []
+    buffer: bytearray | None = None
+    target: memoryview | None = None
     filled = 0
     try:
         async for chunk in chunks:
@@ -94,12 +97,19 @@ async def read_body(
                     content_length=content_length,
                     received_at_least=end,
                 )
-            target[filled:end] = chunk
-            filled = end
             if watcher is not None and not watcher.done:
                 await watcher.feed(chunk)
+            if target is None and (watcher is None or watcher.done):
+                buffer, target = _allocated(content_length, early)
+                early = []
+            if target is None:
+                early.append(bytes(chunk))
+            else:
+                target[filled:end] = chunk
+            filled = end
     finally:
-        target.release()
+        if target is not None:
+            target.release()
     if filled < content_length:
         raise WireError(
             422,
@@ -108,4 +118,18 @@ async def read_body(
             content_length=content_length,
             received=filled,
         )
+    if buffer is None:  # (an empty body, or a watcher never done: its header was all of it)
+        buffer, view = _allocated(content_length, early)
+        view.release()
     return buffer
+
+
+def _allocated(size: int, chunks: list[bytes]) -> tuple[bytearray, memoryview]:
+    """A body's buffer of `size` bytes holding `chunks` at its start, and a view of it."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    filled = 0
+    for chunk in chunks:
+        view[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return buffer, view
