@@ -239,6 +239,33 @@ def test_first_worker_without_init_uploads_and_first_upload_wins() -> None:
     assert c.status()["waiting_for"] == ["a", "b", "c"]
 
 
+def test_workers_that_wait_are_told_one_uploader_and_the_task_moves_when_it_leaves() -> None:
+    """Registrants that wait for another's weights: the first is told to upload them, the
+    others whom they wait for; a worker that does not wait (the old way) still offers its
+    own. Once the uploader leaves, the next waiting worker to register again is told to."""
+    c, _ = make(base=None, workers=(), **SGD_FEDAVG)
+
+    def register(worker_id: str, waits: bool = True) -> dict:
+        return c.register(
+            worker_id, W_SPEC, protocol_version=1, session=f"session-{worker_id}",
+            waits_for_initial=waits,
+        )  # fmt: skip
+
+    first, second = register("a"), register("b")
+    assert (first["needs_initial_weights"], first["initial_upload_by"]) == (True, "a")
+    assert (second["needs_initial_weights"], second["initial_upload_by"]) == (False, "a")
+    assert register("a")["needs_initial_weights"] is True  # asked again: still a's task
+    assert register("b")["needs_initial_weights"] is False
+    assert register("old", waits=False)["needs_initial_weights"] is True  # offers its own
+    c.deregister("a")  # the uploader left before uploading
+    again = register("b")
+    assert (again["needs_initial_weights"], again["initial_upload_by"]) == (True, "b")
+    assert register("c")["needs_initial_weights"] is False
+    assert c.upload_initial("b", {"w": scalar(7.0)}) == 0
+    done = register("c")
+    assert (done["needs_initial_weights"], done["initial_upload_by"]) == (False, None)
+
+
 def test_initial_upload_is_validated_and_bf16_upload_becomes_fp32_masters() -> None:
     specs = [TensorSpec("w", (2,), torch.float32, "trainable")]
     c, _ = make(base=None, workers=("a",), specs=specs)

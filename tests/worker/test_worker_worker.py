@@ -146,6 +146,44 @@ def test_a_later_worker_starts_from_the_server_s_weights(live_server) -> None:
             torch.testing.assert_close(second.state_dict()[name], tensor, rtol=0, atol=0)
 
 
+def test_workers_starting_together_send_the_initial_weights_once(live_server) -> None:
+    """Three workers join at once while the first upload is still arriving: the server tells
+    one to upload and the others wait for it, so the model crosses the link once (before,
+    every worker that registered before the first upload landed sent its whole model), and
+    all start from the uploader's weights."""
+    with live_server(ServerSettings(sync_every=100)) as server:
+        coordinator = server.coordinator
+        real_upload = coordinator.upload_initial
+        uploads: list[str] = []
+
+        def slow_upload(worker_id, tensors):  # a large model on a slow link
+            uploads.append(worker_id)
+            time.sleep(1.0)
+            return real_upload(worker_id, tensors)
+
+        coordinator.upload_initial = slow_upload
+        models = [make_model(seed=s) for s in (1, 2, 3)]
+        start = threading.Barrier(3)
+
+        def join(model: torch.nn.Module, worker_id: str) -> None:
+            start.wait(timeout=10)
+            DiLoCoWorker(
+                model, torch.optim.SGD(model.parameters(), lr=0.1), server.url,
+                worker_id=worker_id, heartbeat=False,
+            )  # fmt: skip
+
+        threads = [threading.Thread(target=join, args=(m, f"w{i}")) for i, m in enumerate(models)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert len(uploads) == 1, uploads
+        weights = server_weights(server.url)
+        for model in models:
+            for name, tensor in model.state_dict().items():
+                torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
+
+
 def test_an_evicted_worker_registers_again_and_its_progress_counts(live_server) -> None:
     settings = ServerSettings(
         sync_every=3,

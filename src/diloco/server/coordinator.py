@@ -335,10 +335,13 @@ class Coordinator:
         specs: Sequence[TensorSpec],
         protocol_version: int,
         session: str | None = None,
+        waits_for_initial: bool = False,
     ) -> dict:
         """Admit a worker (see `Registrar.register`)."""
         with self._lock:
-            return self.registrar.register(worker_id, specs, protocol_version, session)
+            return self.registrar.register(
+                worker_id, specs, protocol_version, session, waits_for_initial
+            )
 
     def deregister(self, worker_id: str) -> None:
         with self._lock:

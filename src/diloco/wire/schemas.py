@@ -118,6 +118,10 @@ class RegisterRequest(_Request):
     # A random value a worker process picks once: a retried registration (its answer lost)
     # carries the same session, so the server answers it again instead of 409.
     session: Annotated[StrictStr, Field(min_length=8, max_length=64)] | None = None
+    # The worker waits for another's initial weights rather than offering its own: while none
+    # exist the server tells one such registrant to upload them (`needs_initial_weights`) and
+    # the others who does (`initial_upload_by`), so a slow link carries the model once.
+    waits_for_initial: StrictBool = False
 
     @field_validator("tensors")
     @classmethod
@@ -191,6 +195,7 @@ class RegisterResponse(_Response):
     round: int
     fragment_rounds: list[int] | None = None
     needs_initial_weights: bool
+    initial_upload_by: str | None = None  # the worker uploading the initial weights, if waited on
     model_fingerprint: str | None
     settings: Settings
     # The worker's own bearer secret from now on (null from a server without tokens): new

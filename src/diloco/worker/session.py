@@ -169,8 +169,9 @@ class ServerSession:
 
     def register(self) -> dict[str, Any]:
         reply = self.client.register(
-            self.worker_id, [s.to_json() for s in self.specs], session=self.key
-        )
+            self.worker_id, [s.to_json() for s in self.specs], session=self.key,
+            waits_for_initial=True,
+        )  # fmt: skip
         self.worker_id = reply["worker_id"]
         return reply
 
@@ -194,16 +195,35 @@ class ServerSession:
         self.heartbeat_timeout = heartbeat_timeout
         with self._register_lock:
             reply = self._register_when_free(heartbeat_timeout, heartbeat_interval)
-        if reply["needs_initial_weights"]:
-            assert self.worker_id is not None
+        told = -math.inf
+        while True:
+            if reply["needs_initial_weights"]:
+                self._upload_initial(initial_weights)
             try:
-                self.client.upload_initial(self.worker_id, initial_weights())
+                return self.fetch_weights()
             except ServerError as exc:
-                # Another worker won, or ours landed and the answer was lost (a restart):
-                # either way the server's copy is what every worker starts from.
-                if exc.kind != "weights_exist":
+                waited_for = reply.get("initial_upload_by")
+                if exc.kind != "no_weights" or waited_for in (None, self.worker_id):
                     raise
-        return self.fetch_weights()
+            # Another worker is uploading them: wait, registering again (which keeps us live
+            # and hands us the upload if that worker has left the run).
+            if time.monotonic() - told >= 30:
+                told = time.monotonic()
+                log.info("waiting for %s to upload the initial weights", waited_for)
+            time.sleep(min(1.0, heartbeat_interval))
+            with self._register_lock:
+                reply = self.register()
+
+    def _upload_initial(self, initial_weights: Callable[[], bytes | bytearray]) -> None:
+        """Offer the first global weights (the server told us to)."""
+        assert self.worker_id is not None
+        try:
+            self.client.upload_initial(self.worker_id, initial_weights())
+        except ServerError as exc:
+            # Another worker won, or ours landed and the answer was lost (a restart):
+            # either way the server's copy is what every worker starts from.
+            if exc.kind != "weights_exist":
+                raise
 
     def _register_when_free(self, timeout: float, interval: float) -> dict[str, Any]:
         """Register; while our id is held by a live worker (most often an earlier process of

@@ -279,6 +279,7 @@ def create_app(
             message.specs(),
             message.protocol_version,
             message.session,
+            message.waits_for_initial,
         )
         answer["credential"] = credentials.credential_for(caller, answer["worker_id"])
         return answer

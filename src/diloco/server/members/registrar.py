@@ -60,6 +60,7 @@ class Registrar:
         self.journal = journal
         self.engine = engine
         self.metrics = metrics
+        self._uploader: str | None = None  # who was told to upload the initial weights
         self._registered_plan: list[list[str]] | None = None  # a streaming shard's part
         self._whole_plan: list[list[str]] | None = None  # and the whole model's plan
         self.available_memory: Callable[[], int | None] = available_bytes  # (tests replace it)
@@ -70,6 +71,7 @@ class Registrar:
         specs: Sequence[TensorSpec],
         protocol_version: int,
         session: str | None = None,
+        waits_for_initial: bool = False,
     ) -> dict:
         """Admit a worker; checks the protocol, then the model, then the id (in that order).
 
@@ -108,7 +110,7 @@ class Registrar:
         holder = self.membership.get_live(worker_id)
         if holder is not None and session is not None and holder.session == session:
             holder.last_seen = now
-            return self._registration(worker_id)
+            return self._registration(worker_id, waits_for_initial)
         if (
             holder is not None
             and session is not None
@@ -118,7 +120,7 @@ class Registrar:
             # restarted without its checkpoint, and shard 0 evicted its old self).
             holder.session, holder.last_seen = session, now
             self.journal.worker_joined(worker_id, session, self.model.version)
-            return self._registration(worker_id)
+            return self._registration(worker_id, waits_for_initial)
         if holder is not None:
             raise Rejection(
                 409,
@@ -156,7 +158,7 @@ class Registrar:
         log.info("worker %s registered at round %d", worker_id, self.model.version)
         self.engine.on_register(worker_id)
         self.metrics.live_workers.set(len(self.membership.live_ids()))
-        return self._registration(worker_id)
+        return self._registration(worker_id, waits_for_initial)
 
     def _own_part(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
         """A shard keeps the tensors the layout gives it of the worker's whole model."""
@@ -240,16 +242,28 @@ class Registrar:
             available_bytes=available,
         )
 
-    def _registration(self, worker_id: str) -> dict:
+    def _registration(self, worker_id: str, waits_for_initial: bool = False) -> dict:
         has_weights = self.model.masters is not None
+        needs = not has_weights and (not waits_for_initial or self._claims_upload(worker_id))
         return {
             "worker_id": worker_id,
             "round": self.model.version,
             "fragment_rounds": self.engine.fragment_rounds(),
-            "needs_initial_weights": not has_weights,
+            "needs_initial_weights": needs,
+            "initial_upload_by": None if has_weights else self._uploader,
             "model_fingerprint": self.model.fingerprint if has_weights else None,
             "settings": self.settings.to_wire(),
         }
+
+    def _claims_upload(self, worker_id: str) -> bool:
+        """Whether `worker_id` (which waits for another's weights) is the one to upload the
+        initial weights: the first such registrant, until it leaves the run; then the next
+        to ask (a waiting worker asks again by registering again under its session)."""
+        holder = self._uploader
+        if holder is None or holder == worker_id or self.membership.get_live(holder) is None:
+            self._uploader = worker_id
+            return True
+        return False
 
     def deregister(self, worker_id: str) -> None:
         self.membership.require_live(worker_id)

@@ -212,8 +212,11 @@ class DiLoCoClient:
         protocol_version: int = PROTOCOL_VERSION,
         *,
         session: str | None = None,
+        waits_for_initial: bool = False,
     ) -> dict[str, Any]:
-        """Register; with a `session`, a retry whose first answer was lost is answered again."""
+        """Register; with a `session`, a retry whose first answer was lost is answered again.
+        `waits_for_initial`: while no weights exist, upload them only if the server says so
+        (else wait for the worker it names) instead of every early worker offering its own."""
         payload: dict[str, Any] = {
             "protocol_version": protocol_version,
             "worker_id": worker_id,
@@ -221,6 +224,8 @@ class DiLoCoClient:
         }
         if session is not None:
             payload["session"] = session
+        if waits_for_initial:
+            payload["waits_for_initial"] = True
         answer = self._json_call("register", "POST", "/v1/workers", payload=payload)
         if answer.get("credential"):  # none from an open server
             self.auth.credential = answer["credential"]

@@ -207,8 +207,11 @@ class ShardedClient:
         protocol_version: int | None = None,
         *,
         session: str | None = None,
+        waits_for_initial: bool = False,
     ) -> dict[str, Any]:
-        """Shard 0 admits us (and names us); the others then register the same id."""
+        """Shard 0 admits us (and names us); the others then register the same id. Every
+        early worker offers its weights to sharded servers (`waits_for_initial` is not sent):
+        shard 0 keeps the first and only its sender gives the other shards theirs."""
         self.set_model([TensorSpec.from_json(t) for t in tensors])
         extra = {} if protocol_version is None else {"protocol_version": protocol_version}
         first = self.leader.register(worker_id, tensors, session=session, **extra)
