@@ -120,16 +120,36 @@ def run_once(job: dict, scratch: Path) -> dict:
                         stderr=(scratch / f"w{i}.log").open("wb"),
                     )
                 )
-            for i, worker in enumerate(workers):
-                if worker.wait(timeout=3600) != 0:
-                    log = (scratch / f"w{i}.log").read_text()[-3000:]
-                    raise RuntimeError(f"worker {i} failed: {log}")
+            wait_for_all(workers, scratch)
             seconds = time.monotonic() - started
             carried = [(p.up.carried, p.down.carried) for p in proxies]
     finally:
         stop_process(process)
     reports = [json.loads((scratch / f"w{i}.json").read_text()) for i in range(job["workers"])]
     return {"reports": reports, "seconds": seconds, "carried": carried}
+
+
+def wait_for_all(workers: list[subprocess.Popen], scratch: Path, timeout: float = 3600) -> None:
+    """Until every worker has exited; the first that fails stops the others (a barrier would
+    keep them waiting for it) and is reported with its log."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(w.poll() is None for w in workers):
+            failed = [i for i, w in enumerate(workers) if w.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                i = failed[0] if failed else 0
+                log = (scratch / f"w{i}.log").read_text()[-3000:]
+                raise RuntimeError(f"worker {i} failed or timed out: {log}")
+            time.sleep(0.5)
+        failed = [i for i, w in enumerate(workers) if w.returncode != 0]
+        if failed:
+            log = (scratch / f"w{failed[0]}.log").read_text()[-3000:]
+            raise RuntimeError(f"worker {failed[0]} failed: {log}")
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(timeout=30)
 
 
 def wait_for_weights(url: str, first: subprocess.Popen, timeout: float = 600.0) -> None:
