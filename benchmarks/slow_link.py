@@ -170,8 +170,11 @@ def wait_for_weights(url: str, first: subprocess.Popen, timeout: float = 600.0) 
 
 def per_round(report: dict, key: str) -> float:
     """The median over a worker's rounds of one figure, its first round left out when there
-    are others (it waits for the late joiners)."""
+    are others (it waits for the late joiners); in streaming mode a round is a cycle of every
+    fragment, and the last line (close(): every fragment synced at once) is left out too."""
     figures = report["round_figures"]
+    if report["mode"] == "streaming" and len(figures) > 2:
+        figures = figures[:-1]
     return statistics.median(f[key] for f in (figures[1:] or figures))
 
 
@@ -181,9 +184,8 @@ def summarize(job: dict, run: dict) -> dict:
     up = statistics.mean(per_round(r, "mb_up") * 1e6 for r in reports)
     down = statistics.mean(per_round(r, "mb_down") * 1e6 for r in reports)
     blocked = statistics.mean(per_round(r, "blocked_seconds") for r in reports)
-    compute = statistics.mean(
-        (r["train_seconds"] - r["blocked_seconds"]) / max(1, r["rounds"]) for r in reports
-    )
+    windows = max(1.0, job["steps"] / job["sync_every"])  # rounds of H steps (cycles)
+    compute = statistics.mean(r["train_seconds"] - r["blocked_seconds"] for r in reports) / windows
     exchanges = 2 if job["mode"] == "sync" else 2 * job["fragments"]  # per round of H steps
     return {
         **{k: job[k] for k in ("codec", "mode")},
@@ -196,6 +198,7 @@ def summarize(job: dict, run: dict) -> dict:
         "final_eval_loss": statistics.mean(r["final_eval_loss"] for r in reports),
         "run_seconds": run["seconds"],
         "link_bytes": run["carried"],
+        "round_figures": [r["round_figures"] for r in reports],
     }
 
 
