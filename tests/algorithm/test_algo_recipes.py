@@ -94,3 +94,22 @@ def test_an_error_feedback_beta_is_noted_only_where_it_cannot_act() -> None:
     assert error_feedback_note("fp32", 0.0) is None  # off: nothing to say
     for codec in ("bf16", "int8", "topk:0.03+int2"):  # they round: the residual is real
         assert error_feedback_note(codec, 0.9) is None
+
+
+def test_resolve_outer_keeps_what_is_given_and_names_what_the_codec_chose() -> None:
+    from diloco.algorithm.recipes import DENSE_DEFAULTS, SPARSE_DEFAULTS, resolve_outer
+
+    topk = resolve_outer(SPARSE_DEFAULTS, "topk:0.03+int2", None, None, None, 0.9)
+    assert (topk.optimizer, topk.lr, topk.momentum) == ("sgd", 1.0, 0.0)
+    assert topk.chosen == ("outer_optimizer", "outer_lr", "outer_momentum")
+    lr_given = resolve_outer(SPARSE_DEFAULTS, "topk:0.03+int2", None, 0.5, None, 0.9)
+    assert (lr_given.optimizer, lr_given.lr, lr_given.momentum) == ("sgd", 0.5, 0.0)
+    assert lr_given.chosen == ("outer_optimizer", "outer_momentum")
+    named = resolve_outer(SPARSE_DEFAULTS, "topk:0.03+int2", "nesterov", None, None, 0.9)
+    assert (named.optimizer, named.lr, named.momentum, named.chosen) == (
+        "nesterov", 1.0, 0.9, ("outer_lr",)
+    )  # fmt: skip
+    dense = resolve_outer(DENSE_DEFAULTS, "int8", "sgd", 0.3, None, 0.9)
+    assert (dense.optimizer, dense.lr, dense.momentum, dense.chosen) == ("sgd", 0.3, 0.0, ())
+    with pytest.raises(ValueError, match=r"upload codec topk:0\.03\+int2 picks outer sgd"):
+        resolve_outer(SPARSE_DEFAULTS, "topk:0.03+int2", None, None, 0.9, 0.9)

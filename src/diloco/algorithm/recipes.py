@@ -54,6 +54,49 @@ def outer_defaults(upload_codec: Codec | str) -> OuterDefaults:
 
 
 @dataclass(frozen=True)
+class ResolvedOuter:
+    """An outer optimizer's settings once each one not given took the codec's default;
+    `chosen` names those the codec chose (outer_optimizer, outer_lr, outer_momentum)."""
+
+    optimizer: str
+    lr: float
+    momentum: float
+    chosen: tuple[str, ...]
+
+
+def resolve_outer(
+    defaults: OuterDefaults,
+    codec_name: str,
+    optimizer: str | None,
+    lr: float | None,
+    momentum: float | None,
+    plain_momentum: float,
+) -> ResolvedOuter:
+    """Each of `optimizer`, `lr`, `momentum` that is None takes `defaults`' (the server's and
+    the simulator's settings share this). A momentum not given follows the codec only when
+    the codec also chose the optimizer; under an optimizer the user named it is that
+    optimizer's own (0 for sgd, else `plain_momentum`). A momentum given against the
+    codec's sgd is a ValueError: sgd has none."""
+    given = {"outer_optimizer": optimizer, "outer_lr": lr}
+    chosen = [name for name, value in given.items() if value is None]
+    optimizer = defaults.optimizer if optimizer is None else optimizer
+    lr = defaults.lr if lr is None else lr
+    if momentum is None:
+        if "outer_optimizer" in chosen:
+            chosen.append("outer_momentum")
+            momentum = defaults.momentum
+        else:  # the optimizer the user named, with its own momentum
+            momentum = 0.0 if optimizer == "sgd" else plain_momentum
+    elif "outer_optimizer" in chosen and optimizer == "sgd" and momentum:
+        raise ValueError(
+            f"outer_momentum {momentum!r} needs outer_optimizer momentum or nesterov: upload "
+            f"codec {codec_name} picks outer sgd, which has no momentum (SparseLoCo: the "
+            "workers' error feedback stands in for it)"
+        )
+    return ResolvedOuter(optimizer, lr, momentum, tuple(chosen))
+
+
+@dataclass(frozen=True)
 class MeasuredCost:
     """One measured run: its final eval loss above fp32 DiLoCo's at the same H, in percent."""
 

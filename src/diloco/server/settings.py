@@ -19,7 +19,13 @@ from diloco.algorithm._checks import require_fraction, require_positive
 from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
-from diloco.algorithm.recipes import DENSE_DEFAULTS, OuterDefaults, outer_defaults, outer_warnings
+from diloco.algorithm.recipes import (
+    DENSE_DEFAULTS,
+    OuterDefaults,
+    outer_defaults,
+    outer_warnings,
+    resolve_outer,
+)
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO, Aggregation
 from diloco.wire import dtype_name
 
@@ -172,25 +178,18 @@ class ServerSettings:
         Nesterov (lr 0.7, momentum 0.9 unless given): SparseLoCo's sgd is measured for rounds
         that average K workers, not for arrivals applied one by one, so there the codec
         chooses nothing (and a top-k codec's momentum warning stands)."""
-        defaults = self.outer_defaults
-        chosen = [name for name in OUTER_SETTINGS[:2] if getattr(self, name) is None]
-        if self.outer_optimizer is None:
-            object.__setattr__(self, "outer_optimizer", defaults.optimizer)
-        if self.outer_lr is None:
-            object.__setattr__(self, "outer_lr", defaults.lr)
-        if self.outer_momentum is None:
-            if "outer_optimizer" in chosen:
-                chosen.append("outer_momentum")
-                momentum = defaults.momentum
-            else:  # the optimizer the user named, with its own momentum
-                momentum = 0.0 if self.outer_optimizer == "sgd" else DEFAULT_MOMENTUM
-            object.__setattr__(self, "outer_momentum", momentum)
-        elif "outer_optimizer" in chosen and self.outer_optimizer == "sgd" and self.outer_momentum:
-            raise ValueError(
-                f"outer_momentum {self.outer_momentum!r} needs outer_optimizer momentum or "
-                f"nesterov: upload codec {self.upload_codec} picks outer sgd, which has no "
-                "momentum (SparseLoCo: the workers' error feedback stands in for it)"
-            )
+        outer = resolve_outer(
+            self.outer_defaults,
+            self.upload_codec,
+            self.outer_optimizer,
+            self.outer_lr,
+            self.outer_momentum,
+            DEFAULT_MOMENTUM,
+        )
+        object.__setattr__(self, "outer_optimizer", outer.optimizer)
+        object.__setattr__(self, "outer_lr", outer.lr)
+        object.__setattr__(self, "outer_momentum", outer.momentum)
+        chosen = outer.chosen
         from_codec = tuple(chosen) if self.mode != "async" else ()
         object.__setattr__(self, "outer_defaults_from_codec", from_codec)
 

@@ -9,7 +9,13 @@ from dataclasses import asdict, dataclass, field
 from diloco.algorithm import STALENESS_WEIGHTINGS
 from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
-from diloco.algorithm.recipes import DENSE_DEFAULTS, OuterDefaults, outer_defaults, outer_warnings
+from diloco.algorithm.recipes import (
+    DENSE_DEFAULTS,
+    OuterDefaults,
+    outer_defaults,
+    outer_warnings,
+    resolve_outer,
+)
 from diloco.algorithm.robust import Aggregation
 from diloco.models import GPTConfig, ModelSpec
 from diloco.models.causal_lm import CausalLMConfig
@@ -150,25 +156,18 @@ class SimConfig:
         """As the server's: each outer setting not given follows the upload codec; mode async
         steps with Delayed Nesterov (lr 0.7, momentum 0.9 unless given), which the codec does
         not change; single and ddp have no outer step (their recorded defaults are unused)."""
-        defaults = self.outer_defaults
-        chosen = [name for name in ("outer_optimizer", "outer_lr") if getattr(self, name) is None]
-        if self.outer_optimizer is None:
-            object.__setattr__(self, "outer_optimizer", defaults.optimizer)
-        if self.outer_lr is None:
-            object.__setattr__(self, "outer_lr", defaults.lr)
-        if self.outer_momentum is None:
-            if "outer_optimizer" in chosen:
-                chosen.append("outer_momentum")
-                momentum = defaults.momentum
-            else:  # the optimizer the user named, with its own momentum
-                momentum = 0.0 if self.outer_optimizer == "sgd" else DEFAULT_MOMENTUM
-            object.__setattr__(self, "outer_momentum", momentum)
-        elif "outer_optimizer" in chosen and self.outer_optimizer == "sgd" and self.outer_momentum:
-            raise ValueError(
-                f"outer_momentum {self.outer_momentum!r} needs outer_optimizer momentum or "
-                f"nesterov: upload codec {self.upload_codec} picks outer sgd, which has no "
-                "momentum (SparseLoCo: the workers' error feedback stands in for it)"
-            )
+        outer = resolve_outer(
+            self.outer_defaults,
+            self.upload_codec,
+            self.outer_optimizer,
+            self.outer_lr,
+            self.outer_momentum,
+            DEFAULT_MOMENTUM,
+        )
+        object.__setattr__(self, "outer_optimizer", outer.optimizer)
+        object.__setattr__(self, "outer_lr", outer.lr)
+        object.__setattr__(self, "outer_momentum", outer.momentum)
+        chosen = outer.chosen
         from_codec = tuple(chosen) if self.mode in ("diloco", "streaming") else ()
         object.__setattr__(self, "outer_defaults_from_codec", from_codec)
 
