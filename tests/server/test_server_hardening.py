@@ -1,10 +1,13 @@
-"""Defects an outside test found, each checked where a user meets it: a real `diloco server`
-process, raw HTTP (urllib3, never our client), expected values computed by hand here."""
+"""Defects an outside test found, each checked where a user meets it: raw HTTP (urllib3, never
+our client) to a real `diloco server` process where a restart, a state dir, an injected fault or
+the server's log is part of the defect, else to the same app on real uvicorn in a thread of the
+test process (`in_thread`: no interpreter start per test, issue 26 item 5); expected values
+computed by hand here."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,9 @@ import torch
 from safetensors.torch import save_file
 from test_server_http import SHAPES, Api, check_error, gradient, registration
 
+from diloco.server.settings import ServerSettings
 from diloco.wire import decode_tensors
+from processes import run_cli_in_process
 
 
 def init_file(tmp_path: Path, value: float = 0.0) -> Path:
@@ -21,21 +26,33 @@ def init_file(tmp_path: Path, value: float = 0.0) -> Path:
     return path
 
 
+@pytest.fixture
+def in_thread(live_server) -> Iterator[Callable[..., Api]]:
+    """`in_thread(value, setting=...)`: what `diloco server --init (all `value`) --setting ...`
+    serves, on a real uvicorn in a thread of this process (the same app and HTTP protocol;
+    ServerSettings resolves what the options leave out as the command does); it stops after
+    the test."""
+    with ExitStack() as servers:
+
+        def start(value: float = 0.0, **settings: object) -> Api:
+            initial = {name: torch.full(shape, value) for name, shape in SHAPES.items()}
+            server = servers.enter_context(live_server(ServerSettings(**settings), initial))
+            return Api(server.url)
+
+        yield start
+
+
 def weights_of(api: Api) -> tuple[int, dict[str, torch.Tensor]]:
     response = api.call("GET", "/v1/weights")
     assert response.status == 200, response.data[:300]
     return int(response.headers["X-Diloco-Round"]), decode_tensors(response.data)
 
 
-def test_delayed_nesterov_n4_cycle_applies_one_momentum_step_over_http(server_process, tmp_path):
+def test_delayed_nesterov_n4_cycle_applies_one_momentum_step_over_http(in_thread):
     """--dn-period 4 --dn-c 0.1, lr 1, beta 0.9, g = 1 per arrival from theta 0: by hand
     (tests/algorithm/test_algo_delayed_nesterov.py) -1.63 after 4 arrivals, -4.097 after 8;
     the (1 - c) reading of the c term gave -1.81 after 4."""
-    server = server_process(
-        "--mode", "async", "--dn-period", "4", "--dn-c", "0.1", "--outer-lr", "1",
-        "--init", str(init_file(tmp_path)),
-    )  # fmt: skip
-    api = Api(server.url)
+    api = in_thread(0.0, mode="async", dn_period=4, dn_c=0.1, outer_lr=1.0)
     api.register("a")
     seen = {}
     for version in range(8):
@@ -49,11 +66,11 @@ def test_delayed_nesterov_n4_cycle_applies_one_momentum_step_over_http(server_pr
     assert seen[8] == pytest.approx(-4.097, abs=1e-5)
 
 
-def test_dn_c_over_its_bound_is_one_error_line(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "server", "--mode", "async", "--dn-period", "8",
-         "--dn-c", "0.2", "--port", "0"],
-        capture_output=True, text=True, timeout=60,
+def test_dn_c_over_its_bound_is_one_error_line():
+    """The command in this process (a bad option's one line from a real process: the
+    one-process case of tests/server/test_server_http_cli.py)."""
+    result = run_cli_in_process(
+        "server", "--mode", "async", "--dn-period", "8", "--dn-c", "0.2", "--port", "0"
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -62,13 +79,9 @@ def test_dn_c_over_its_bound_is_one_error_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_token_weighting_refuses_a_submission_without_tokens(server_process, tmp_path):
+def test_token_weighting_refuses_a_submission_without_tokens(in_thread):
     """It would weigh 0: with every worker like it the model never moved, silently."""
-    server = server_process(
-        "--weighting", "tokens", "--outer-optimizer", "sgd", "--outer-lr", "1",
-        "--init", str(init_file(tmp_path, 10.0)),
-    )  # fmt: skip
-    api = Api(server.url)
+    api = in_thread(10.0, weighting="tokens", outer_optimizer="sgd", outer_lr=1.0)
     api.register("a")
     before = api.snapshot()
     for query in ("", "&tokens=0"):
@@ -256,15 +269,12 @@ def test_a_member_that_heartbeats_but_never_submits_is_evicted_at_the_barrier_ti
 
 
 def test_units_reported_with_a_submission_answered_committed_complete_with_the_next_round(
-    server_process, tmp_path
+    in_thread,
 ):
     """b registers after round 0's first submission, so round 0 commits without it; b's
     round-0 submission is answered `committed` and its units used to stay leased to it for
     ever (skipped until it left). They now complete with the open round."""
-    server = server_process(
-        "--outer-optimizer", "sgd", "--outer-lr", "1", "--init", str(init_file(tmp_path, 10.0))
-    )  # fmt: skip
-    api = Api(server.url)
+    api = in_thread(10.0, outer_optimizer="sgd", outer_lr=1.0)
     api.register("a")
     dataset = {"worker_id": "a", "dataset_id": "ds", "length": 40, "shuffle_seed": 1,
                "unit_size": 10}  # fmt: skip
@@ -289,14 +299,11 @@ def test_units_reported_with_a_submission_answered_committed_complete_with_the_n
     assert (progress["completed"], progress["leased"]) == (3, 0)
 
 
-def test_partly_trained_units_over_http_and_their_bad_reports(server_process, tmp_path):
+def test_partly_trained_units_over_http_and_their_bad_reports(in_thread):
     """`units=ID:COUNT` reports a unit's trained prefix; the round that commits records it,
     and after the worker leaves, the next lease hands out only the rest. Bad counts, syntax
     and units of others are 422 naming the field, and change nothing."""
-    server = server_process(
-        "--outer-optimizer", "sgd", "--outer-lr", "1", "--init", str(init_file(tmp_path, 10.0))
-    )  # fmt: skip
-    api = Api(server.url)
+    api = in_thread(10.0, outer_optimizer="sgd", outer_lr=1.0)
     api.register("a")
     api.register("b")
     dataset = {"worker_id": "a", "dataset_id": "ds", "length": 20, "shuffle_seed": 1,
