@@ -9,7 +9,7 @@ open to follow the round (issue 26 aims at 8 at most for a sync round, server si
 The client's own files are not counted: it runs on the main thread, which is not profiled.
 Writes benchmarks/results/round_path.md and .json.
 
-    python benchmarks/round_path.py
+    python benchmarks/round_path.py [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -117,9 +117,10 @@ def play(mode: str, settings: dict[str, Any], workers: int, state: Path) -> dict
 
 def main(
     workers: int = typer.Option(2, help="protocol workers (K)"),
-    json_path: Path = typer.Option(RESULTS / "round_path.json", "--json", help="results (JSON)"),
+    out_dir: Path = typer.Option(RESULTS, help="Where round_path.md and .json go."),
 ) -> None:
-    check_output_path(json_path, "--json")
+    check_output_path(out_dir / "round_path.json", "--out-dir")
+    json_path = out_dir / "round_path.json"
     results: dict[str, Any] = {}
     for kind, settings in MODES.items():
         with tempfile.TemporaryDirectory() as state:

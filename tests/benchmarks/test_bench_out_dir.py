@@ -8,7 +8,8 @@ import pytest
 
 from processes import BENCHMARKS, run_benchmark, sampled
 
-HELPERS = {"wire_codecs.py"}  # modules that a benchmark imports, not benchmarks to run
+# modules that a benchmark imports (shaped_link.py also runs alone: a proxy, no results)
+HELPERS = {"shaped_link.py", "wire_codecs.py"}
 SCRIPTS = sorted(path.name for path in BENCHMARKS.glob("*.py") if path.name not in HELPERS)
 
 
@@ -25,8 +26,10 @@ def test_every_benchmark_is_listed() -> None:
         "model_scale.py",
         "robust_aggregation.py",
         "round_parts.py",
+        "round_path.py",
         "scale.py",
         "simulated_modes.py",
+        "slow_link.py",
         "utilization.py",
         "wire.py",
     }
