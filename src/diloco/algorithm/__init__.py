@@ -3,6 +3,7 @@
 The server and the simulator both call `outer_step` for a round, so they apply the same update.
 """
 
+from diloco.algorithm.arrivals import STALENESS_WEIGHTINGS, GraceWindow, staleness_scale
 from diloco.algorithm.contributions import (
     WEIGHTINGS,
     Contribution,
@@ -18,7 +19,6 @@ from diloco.algorithm.fragments import (
     block_prefixes_from_names,
     plan_fragments,
 )
-from diloco.algorithm.grace_window import GraceWindow
 from diloco.algorithm.outer import (
     APPLY_POLICIES,
     OuterStepResult,
@@ -29,7 +29,6 @@ from diloco.algorithm.outer import (
     pseudo_gradient,
 )
 from diloco.algorithm.outer_optimizer import OUTER_KINDS, OuterOptimizer
-from diloco.algorithm.staleness import STALENESS_WEIGHTINGS, staleness_scale
 from diloco.algorithm.tensors import TensorDict, TensorKind, classify_tensors, to_fp32_masters
 
 __all__ = [

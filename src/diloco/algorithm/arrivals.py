@@ -1,15 +1,24 @@
-"""When an asynchronous grace window closes: one rule for the server and the simulator.
+"""How asynchronous arrivals combine: when a grace window closes, and how much a stale one
+counts. One rule each for the server and the simulator.
 
 With a grace of S (seconds on the server, simulated time in `diloco simulate`), arrivals
 within S of the window's first one are averaged into one outer step. The deadline does not
 slide with later arrivals, and the window closes early, at its last arrival, once every
 worker still training has arrived. A grace of 0 is no window: each arrival is its own step.
+
+Staleness is the number of outer steps applied between the worker's anchor and the arrival of
+its pseudo-gradient. `inverse_sqrt` scales the values (not the weight) by (1 + staleness)^-1/2,
+so an old update moves the model less; `none` applies it as it is.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from diloco.algorithm._checks import require_choice
+
+STALENESS_WEIGHTINGS = ("none", "inverse_sqrt")
 
 
 @dataclass(frozen=True)
@@ -38,3 +47,13 @@ class GraceWindow:
 
     def closed(self, opened_at: float, last_arrival: float, all_arrived: bool, now: float) -> bool:
         return now >= self.closes_at(opened_at, last_arrival, all_arrived)
+
+
+def staleness_scale(staleness: int, weighting: str) -> float:
+    """The factor a pseudo-gradient `staleness` outer steps old is multiplied by."""
+    require_choice("staleness weighting", weighting, STALENESS_WEIGHTINGS)
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    if weighting == "inverse_sqrt":
+        return 1.0 / math.sqrt(1.0 + staleness)
+    return 1.0
