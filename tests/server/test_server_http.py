@@ -278,6 +278,9 @@ BAD_REQUESTS = [
         422, "invalid_request", ("'tensors.0.dtype'",), {"field": "tensors.0.dtype"}),
     Bad("register: unknown field", _post_json("/v1/workers", registration("w2", colour="red")),
         422, "invalid_request", ("'colour'",), {"field": "colour"}),
+    Bad("register: waits_for_initial not a bool", _post_json(
+        "/v1/workers", registration("w2", waits_for_initial="yes")),
+        422, "invalid_request", ("'waits_for_initial'",), {"field": "waits_for_initial"}),
     Bad("register: bad id", _post_json("/v1/workers", registration("bad id!")),
         422, "invalid_request", ("'worker_id'",), {"field": "worker_id"}),
     Bad("register: protocol 2", _post_json("/v1/workers", registration("w2", protocol_version=2)),
