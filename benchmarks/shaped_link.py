@@ -109,9 +109,11 @@ class LinkProxy:
 
     def stop(self) -> None:
         if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=10)
+            asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=20)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> LinkProxy:
         return self.start()
@@ -124,8 +126,15 @@ class LinkProxy:
         return self._server.sockets[0].getsockname()[1]
 
     async def _close(self) -> None:
+        """Stop listening and end every connection's pumps: none is left suspended for the
+        garbage collector to close once the loop has stopped."""
         assert self._server is not None
         self._server.close()
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._server.wait_closed(), timeout=5)
 

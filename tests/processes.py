@@ -145,6 +145,84 @@ def run_benchmark(
     )
 
 
+def process_group(args: list[str], ranks: int, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python ARGS` as `ranks` processes of one torch.distributed group, started as torchrun
+    starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT for init_process_group's env://) without
+    torchrun's own interpreter and agent (about 3 s a group; the DDP group test of
+    tests/worker/test_worker_distributed.py runs under torchrun itself). Each
+    rank's stderr lines are prefixed "[rankN]:" as torchrun prefixes them; stdout is the
+    ranks' in rank order; the exit status is the first rank's that failed. Every rank has a
+    session of its own and is killed whole if the group outlives `timeout`."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks),
+             "LOCAL_WORLD_SIZE": str(ranks)}  # fmt: skip
+    processes = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env={**os.environ, **group, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(ranks)
+    ]
+    outputs: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, 9)
+                process.communicate()
+    codes = [process.returncode for process in processes]
+    stderr = "".join(
+        f"[rank{rank}]:{line}\n"
+        for rank, (_, err) in enumerate(outputs)
+        for line in err.splitlines()
+    )
+    failed = [code for code in codes if code != 0]
+    return subprocess.CompletedProcess(
+        args, failed[0] if failed else 0, "".join(out for out, _ in outputs), stderr
+    )
+
+
+def run_benchmark_in_process(script: str, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/`script` run as `__main__` in this process with `args`: its exit code and
+    both streams, without a new interpreter (about 2.5 s of imports per case). For the
+    benchmarks' refusals, which exit before any work (a run that measures gets a process of
+    its own: `run_benchmark`)."""
+    import contextlib
+    import io
+    import runpy
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code: int | str | None = 0
+    argv, path = sys.argv, list(sys.path)
+    sys.argv = [str(BENCHMARKS / script), *args]
+    sys.path.insert(0, str(BENCHMARKS))  # the scripts import their neighbours
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        sys.argv = argv
+        sys.path[:] = path
+    if isinstance(code, str):  # sys.exit("message"): printed to stderr, exit status 1
+        stderr.write(code + "\n")
+        code = 1
+    return subprocess.CompletedProcess(
+        [script, *args], code or 0, stdout.getvalue(), stderr.getvalue()
+    )
+
+
 def run_cli_in_process(*args: str) -> subprocess.CompletedProcess:
     """The `diloco` command run by typer's test runner in this process: its exit code and both
     streams, without a new interpreter (about 2 s of imports per case). An exception the

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 CODECS = ["fp32", "bf16", "int8", "int4", "int2", "topk:0.03+int2", "topk:0.01+int2"]
 
@@ -43,6 +43,6 @@ def test_reduced_codec_benchmark_writes_both_files(tmp_path: Path) -> None:
 
 
 def test_bad_sizes_are_one_line(tmp_path: Path) -> None:
-    result = run_benchmark("codecs.py", "--elements", "0", "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process("codecs.py", "--elements", "0", "--out-dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--elements must be >= 1" in result.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 SMOKE = [
     "--steps", "8", "--sync-every", "4", "--width", "16", "--depth", "2", "--seq-len", "16",
@@ -89,13 +89,17 @@ def test_reduced_compression_benchmark_writes_tables_json_and_plot(
 
 
 def test_a_bad_codec_is_one_line_before_any_training(tmp_path: Path) -> None:
-    result = run_benchmark("compression.py", "--codecs", "int3", "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process(
+        "compression.py", "--codecs", "int3", "--out-dir", str(tmp_path)
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "unknown codec 'int3'" in result.stderr
     assert not (tmp_path / "compression.json").exists()
 
 
 def test_a_download_item_without_a_pair_is_one_line(tmp_path: Path) -> None:
-    result = run_benchmark("compression.py", "--downloads", "int8", "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process(
+        "compression.py", "--downloads", "int8", "--out-dir", str(tmp_path)
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "--downloads takes UPLOAD/DOWNLOAD codec pairs, got 'int8'" in result.stderr

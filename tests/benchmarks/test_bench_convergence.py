@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 
 @pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
@@ -74,7 +74,7 @@ def test_reduced_convergence_benchmark_writes_table_json_and_plot(
 
 def test_a_results_file_of_another_shape_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text('{"runs": []}')
-    result = run_benchmark(
+    result = run_benchmark_in_process(
         "convergence.py", "--from-json", str(tmp_path / "other.json"), "--out-dir", str(tmp_path)
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -37,6 +37,8 @@ def test_reduced_durability_benchmark_times_every_part(tmp_path: Path) -> None:
 
 
 def test_bad_sizes_are_one_line(tmp_path: Path) -> None:
-    result = run("--restart-sizes", "25M", "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process(
+        "durability.py", "--restart-sizes", "25M", "--out-dir", str(tmp_path)
+    )
     assert result.returncode == 2
     assert "--restart-sizes" in result.stderr and "Traceback" not in result.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 
 @pytest.mark.slow  # in `make test-slow`: three worker runs (two under torchrun)
@@ -30,6 +30,6 @@ def test_reduced_fsdp_memory_benchmark_measures_every_wrap(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(("option", "value"), [("--steps", "0"), ("--width", "12")])
 def test_bad_sizes_are_one_line(tmp_path: Path, option: str, value: str) -> None:
-    result = run_benchmark("fsdp_memory.py", option, value, "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process("fsdp_memory.py", option, value, "--out-dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert option in result.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 pytest.importorskip("schemathesis")
 
@@ -28,6 +28,6 @@ def test_reduced_fuzz_benchmark_reaches_every_route_without_a_5xx(tmp_path: Path
 
 
 def test_bad_examples_is_one_line(tmp_path: Path) -> None:
-    result = run_benchmark("fuzz.py", "--examples", "0", "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process("fuzz.py", "--examples", "0", "--out-dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--examples must be at least 1" in result.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import BENCHMARKS, run_benchmark
+from processes import BENCHMARKS, run_benchmark, run_benchmark_in_process
 
 
 @pytest.mark.slow  # the default suite runs its checks in process (below)
@@ -112,7 +112,7 @@ def test_the_codec_comparison_refuses_bad_options_in_one_line(
 ) -> None:
     if args == ["--device", "cuda"] and __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = run_benchmark("codec_devices.py", *args, "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process("codec_devices.py", *args, "--out-dir", str(tmp_path))
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -70,26 +70,17 @@ def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
     ("args", "needle"),
     [
         (["--sizes", "3B"], "--sizes must be from"),
-        # one process in the default suite; the rest with -m slow
-        pytest.param(["--codecs", "int4"], "--codecs must be from", marks=pytest.mark.slow),
-        pytest.param(
-            ["--modes", "streaming", "--sync-every", "6"],
-            "divisible by the fragments (4 for 25M)",
-            marks=pytest.mark.slow,
-        ),
-        pytest.param(["--device", "tpu"], "--device must be cpu or cuda", marks=pytest.mark.slow),
-        pytest.param(["--dtype", "fp16"], "--dtype must be fp32 or bf16", marks=pytest.mark.slow),
-        pytest.param(["--max-seconds", "0"], "must be positive", marks=pytest.mark.slow),
-        pytest.param(["--fragments", "0"], "--fragments must be >= 1", marks=pytest.mark.slow),
-        pytest.param(
-            ["--modes", "streaming", "--delay", "4"], "--delay below", marks=pytest.mark.slow
-        ),
-        pytest.param(
-            ["--anchor-devices", "gpu"], "--anchor-devices must be from", marks=pytest.mark.slow
-        ),
+        (["--codecs", "int4"], "--codecs must be from"),
+        (["--modes", "streaming", "--sync-every", "6"], "divisible by the fragments (4 for 25M)"),
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+        (["--dtype", "fp16"], "--dtype must be fp32 or bf16"),
+        (["--max-seconds", "0"], "must be positive"),
+        (["--fragments", "0"], "--fragments must be >= 1"),
+        (["--modes", "streaming", "--delay", "4"], "--delay below"),
+        (["--anchor-devices", "gpu"], "--anchor-devices must be from"),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) -> None:
-    result = run(*args, "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process("model_scale.py", *args, "--out-dir", str(tmp_path))
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 
 @pytest.mark.slow  # in `make test-slow`: 17 short simulated runs
@@ -32,6 +32,8 @@ def test_reduced_robust_aggregation_benchmark_runs_every_case(tmp_path: Path) ->
 
 
 def test_bad_jobs_is_one_line(tmp_path: Path) -> None:
-    result = run_benchmark("robust_aggregation.py", "--jobs", "0", "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process(
+        "robust_aggregation.py", "--jobs", "0", "--out-dir", str(tmp_path)
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--jobs must be a positive integer" in result.stderr

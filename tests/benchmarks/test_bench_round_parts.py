@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 PARTS = {
     "receive_ms",
@@ -37,6 +37,8 @@ def test_reduced_round_parts_benchmark_times_every_part(tmp_path: Path) -> None:
 
 
 def test_bad_sizes_are_one_line(tmp_path: Path) -> None:
-    result = run_benchmark("round_parts.py", "--repeats", "0", "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process(
+        "round_parts.py", "--repeats", "0", "--out-dir", str(tmp_path)
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--repeats >= 1" in result.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 SMOKE = [
     "--steps", "16", "--sync-every", "8", "--width", "16", "--seq-len", "16",
@@ -19,6 +19,11 @@ SMOKE = [
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return run_benchmark("simulated_modes.py", *args, timeout=240, one_thread=True)
+
+
+def refused(*args: str) -> subprocess.CompletedProcess:
+    """A run that must stop before any training: in this process (no interpreter to start)."""
+    return run_benchmark_in_process("simulated_modes.py", *args)
 
 
 @pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
@@ -84,16 +89,15 @@ def test_reduced_simulated_modes_benchmark_writes_sane_figures(tmp_path: Path) -
 
 
 def test_bad_settings_are_one_clear_error(tmp_path: Path) -> None:
-    result = run(*SMOKE, "--fragments", "8", "--out-dir", str(tmp_path))
+    result = refused(*SMOKE, "--fragments", "8", "--out-dir", str(tmp_path))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "exceed --depth 4" in result.stderr
-    result = run(*SMOKE, "--sync-every", "6", "--out-dir", str(tmp_path))  # 6 % 4 != 0
+    result = refused(*SMOKE, "--sync-every", "6", "--out-dir", str(tmp_path))  # 6 % 4 != 0
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "divisible by fragments" in result.stderr
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.slow  # in `make test-slow`; its sibling keeps the bad settings in the default suite
 def test_bad_options_and_results_files_are_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "other.json").write_text("{}")
     (tmp_path / "broken.json").write_text("{not json")
@@ -106,7 +110,7 @@ def test_bad_options_and_results_files_are_one_clear_error(tmp_path: Path) -> No
     out = tmp_path / "out"
     out.mkdir()
     for args, message in cases.items():
-        result = run(*SMOKE, *args, "--out-dir", str(out))
+        result = refused(*SMOKE, *args, "--out-dir", str(out))
         assert result.returncode == 2, (args, result.stderr[-2000:])
         assert "Traceback" not in result.stderr and message in result.stderr, args
     assert not list(out.iterdir())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark, sampled
+from processes import run_benchmark, run_benchmark_in_process
 
 SMALL = [
     "--steps", "24", "--sync-every", "24", "--fragments", "4", "--width", "16",
@@ -58,10 +58,10 @@ BAD_OPTIONS = [
 
 
 @pytest.mark.parametrize(
-    "args, message", sampled(BAD_OPTIONS, [" ".join(args) for args, _ in BAD_OPTIONS])
-)  # every third case in the default suite (each starts a process), all with -m slow
+    "args, message", BAD_OPTIONS, ids=[" ".join(args) for args, _ in BAD_OPTIONS]
+)  # each refused in this process, before any work
 def test_bad_options_are_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
-    result = run(*args, "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process("utilization.py", *args, "--out-dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert message in result.stderr
     assert not (tmp_path / "utilization.json").exists()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark
+from processes import run_benchmark, run_benchmark_in_process
 
 
 @pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
@@ -71,12 +71,11 @@ def test_reduced_wire_benchmark_measures_every_path(tmp_path: Path) -> None:
 
 
 def test_bad_worker_counts_are_one_line(tmp_path: Path) -> None:
-    result = run_benchmark("wire.py", "--workers", "0,2", "--out-dir", str(tmp_path))
+    result = run_benchmark_in_process("wire.py", "--workers", "0,2", "--out-dir", str(tmp_path))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--workers must be in [1, 8]" in result.stderr
 
 
-@pytest.mark.slow  # in `make test-slow`; the default suite keeps a sample
 def test_bad_codec_pairs_are_one_line(tmp_path: Path) -> None:
     cases = (
         (("--codecs", "int8"), "UPLOAD/DOWNLOAD pairs"),
@@ -84,6 +83,6 @@ def test_bad_codec_pairs_are_one_line(tmp_path: Path) -> None:
         (("--links", "100,-1"), "--links takes positive speeds"),
     )
     for args, message in cases:
-        result = run_benchmark("wire.py", *args, "--out-dir", str(tmp_path))
+        result = run_benchmark_in_process("wire.py", *args, "--out-dir", str(tmp_path))
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert message in result.stderr

@@ -66,7 +66,7 @@ def test_ddp_against_diloco_h50_moves_at_least_40x_fewer_bytes(
 
 def test_int8_uploads_are_counted_and_reported(tmp_path: Path, corpus_file: Path) -> None:
     path = tmp_path / "int8.json"
-    result = run_cli(
+    result = run_cli_in_process(
         "simulate",
         *("--mode", "diloco", "--workers", "2", "--sync-every", "2", "--steps", "4"),
         *("--upload-codec", "INT8", "--codec-block", "64", "--error-feedback-beta", "0.5"),
@@ -307,13 +307,13 @@ def test_demo_runs_a_real_server_and_workers(tmp_path: Path, corpus_file: Path) 
 
 
 def test_demo_with_no_workers_is_one_line() -> None:
-    result = run_cli("demo", "--workers", "0")
+    result = run_cli_in_process("demo", "--workers", "0")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == "error: workers must be a positive integer, got 0"
 
 
 def test_demo_bad_corpus_is_one_line(tmp_path: Path) -> None:
-    result = run_cli("demo", "--corpus", str(tmp_path / "nothing"))
+    result = run_cli_in_process("demo", "--corpus", str(tmp_path / "nothing"))
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error:")
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
@@ -340,11 +340,7 @@ def test_demo_in_streaming_mode_syncs_fragments(tmp_path: Path, corpus_file: Pat
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        pytest.param(
-            ["--mode", "bogus"],
-            "error: --mode must be one of sync, streaming, async, got 'bogus'",
-            marks=pytest.mark.slow,
-        ),
+        (["--mode", "bogus"], "error: --mode must be one of sync, streaming, async, got 'bogus'"),
         (
             ["--mode", "streaming", "--sync-every", "7"],
             "error: sync_every H must be divisible by fragments P, got H = 7, P = 2",
@@ -352,6 +348,6 @@ def test_demo_in_streaming_mode_syncs_fragments(tmp_path: Path, corpus_file: Pat
     ],
 )
 def test_demo_bad_mode_settings_are_one_line(args: list[str], message: str) -> None:
-    result = run_cli("demo", *args)
+    result = run_cli_in_process("demo", *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == message

@@ -13,7 +13,7 @@ import torch
 
 from diloco.models.causal_lm import CausalLMConfig, ModelConfigError
 from diloco.sim import SimConfig, simulate
-from processes import global_weights, sampled, start_worker, wait_all
+from processes import global_weights, run_cli_in_process, start_worker, wait_all
 from tiny import LLAMA
 
 pytest.importorskip("transformers")
@@ -120,23 +120,35 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("fields", "needle"), sampled(BAD_CONFIGS, [needle[:30] for _, needle in BAD_CONFIGS])
-)
-def test_a_bad_model_config_is_one_line_and_exit_2(
-    fields, needle: str, tmp_path: Path, corpus_file: Path
-) -> None:
-    path = tmp_path / "missing.json" if fields is None else write_config(tmp_path, fields)
-    result = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "worker", "--server", "http://127.0.0.1:9",
-         "--steps", "2", "--seq-len", "32", "--corpus", str(corpus_file),
-         "--model-config", str(path)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+def worker_with_config(path: Path, corpus: Path) -> list[str]:
+    return ["worker", "--server", "http://127.0.0.1:9", "--steps", "2", "--seq-len", "32",
+            "--corpus", str(corpus), "--model-config", str(path)]  # fmt: skip
+
+
+def one_error_line(result: subprocess.CompletedProcess, needle: str) -> None:
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --"), result.stderr
     assert needle in lines[0]
+
+
+@pytest.mark.parametrize(("fields", "needle"), BAD_CONFIGS, ids=[n[:30] for _, n in BAD_CONFIGS])
+def test_a_bad_model_config_is_one_line_and_exit_2(
+    fields, needle: str, tmp_path: Path, corpus_file: Path
+) -> None:
+    """`diloco worker` run in this process (typer's runner): one line, exit 2, per case."""
+    path = tmp_path / "missing.json" if fields is None else write_config(tmp_path, fields)
+    one_error_line(run_cli_in_process(*worker_with_config(path, corpus_file)), needle)
+
+
+def test_a_bad_model_config_is_one_line_from_a_real_process(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "diloco.cli", *worker_with_config(tmp_path / "x", corpus_file)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    one_error_line(result, "cannot read it")
 
 
 def test_bad_configs_raise_model_config_errors_in_process(tmp_path: Path) -> None:

@@ -59,7 +59,6 @@ def eval_of_checkpoint(checkpoint: Path, corpus: Path) -> float:
     return example.eval_loss(model, val, 4, "a checkpoint", say=False)
 
 
-@pytest.mark.slow  # in `make test-slow`; the leased-data test is the default suite's sample
 def test_two_trainers_train_one_model_through_a_real_server(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
@@ -83,7 +82,7 @@ def test_two_trainers_train_one_model_through_a_real_server(
     }
 
 
-@pytest.mark.slow  # in `make test-slow`; the leased-data kill and resume is the default's sample
+@pytest.mark.slow  # in `make test-slow`; two Trainers through a server are the default's sample
 def test_a_killed_trainer_resumes_from_its_checkpoint_and_ends_as_an_unbroken_run(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
@@ -123,6 +122,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint_and_ends_as_an_unbroken_ru
     assert_same_global_weights(broken.url, unbroken.url, rounds=3)
 
 
+@pytest.mark.slow  # kills and resumes leasing once: tests/e2e/test_e2e_samples_once.py (default)
 def test_leased_data_trains_every_sample_once_through_two_trainers_a_kill_and_a_resume(
     server_process, tmp_path: Path
 ) -> None:

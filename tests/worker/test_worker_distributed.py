@@ -13,30 +13,24 @@ import torch
 from diloco.server.settings import ServerSettings
 from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoClient
+from processes import process_group
 
 SCRIPT = Path(__file__).with_name("ddp_worker_script.py")
 
 
-def torchrun(url: str, token: str, steps: int, wrap: str = "ddp") -> subprocess.CompletedProcess:
+def torchrun(
+    url: str, token: str, steps: int, wrap: str = "ddp", real: bool = False
+) -> subprocess.CompletedProcess:
+    """The script as a 2-rank group: under torchrun itself (`real`: the group test below, as
+    users launch it), or started as torchrun starts its ranks (tests/processes.py)."""
+    args = [str(SCRIPT), url, token, str(steps), wrap]
+    if not real:
+        return process_group(args, ranks=2)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(SCRIPT),
-            url,
-            token,
-            str(steps),
-            wrap,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+        [sys.executable, *launcher, *args], capture_output=True, text=True, timeout=180,
         check=False,
-    )
+    )  # fmt: skip
 
 
 # sync in the slow suite: tests/integrations/test_fsdp_worker.py runs a DDP group (and FSDP)
@@ -54,7 +48,7 @@ def test_ddp_group_is_one_worker_and_ranks_agree(live_server, mode: str) -> None
             outer_lr=1.0,
         )  # fmt: skip
     with live_server(settings, token="s3cret") as server:
-        result = torchrun(server.url, "s3cret", steps=6)
+        result = torchrun(server.url, "s3cret", steps=6, real=True)
         assert result.returncode == 0, result.stderr[-3000:]
         lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
         assert sorted(line["rank"] for line in lines) == [0, 1]

@@ -8,8 +8,6 @@ same batches, computed here with torch alone.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 from diloco.server.settings import ServerSettings
 from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoClient
+from processes import process_group
 
 if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
     pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6", allow_module_level=True)
@@ -29,27 +28,16 @@ STEPS = 5  # H = 2: rounds after steps 2 and 4, and close() syncs step 5
 
 
 def run_group(url: str, variant: str, out: Path, ranks: int = 2) -> list[dict]:
-    """The script under torchrun (`plain`: one process); every rank's report, by rank.
-
-    torchrun and its ranks get a session of their own, killed whole if they outlive the
-    timeout (a hang must fail the test, not leave ranks behind)."""
-    launcher = [sys.executable]
-    if variant != "plain":
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    process = subprocess.Popen(
-        [*launcher, str(SCRIPT), url, variant, str(STEPS), str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    assert process.returncode == 0, stderr[-3000:]
+    """The script as a group of `ranks` processes (as torchrun starts them: tests/processes.py;
+    `plain`: one process without a group); every rank's report, by rank."""
+    args = [str(SCRIPT), url, variant, str(STEPS), str(out)]
+    if variant == "plain":
+        result = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=180, check=False
+        )
+    else:
+        result = process_group(args, ranks)
+    assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(ranks)]
     assert [report["rank"] for report in reports] == list(range(ranks))
     return reports
