@@ -239,3 +239,28 @@ def test_a_group_is_written_byte_for_byte_as_encode_tensors_writes_it(tmp_path: 
     assert loaded is not None
     for name, tensor in group.items():
         assert torch.equal(loaded.tensors["weights"][name], tensor), name
+
+
+def test_a_generation_hashed_when_made_durable_keeps_what_was_staged(tmp_path: Path) -> None:
+    """The step log's way (`hash_when_durable`): once `stage` returns, the tensors' memory may
+    move (the outer step divides the sums in place) while another thread hashes each file
+    from the page cache and syncs it; the generation holds the staged values, and its
+    manifest the SHA-256 of the bytes encode_tensors makes of them (hashlib, by hand)."""
+    sums = {"a": torch.arange(3 * (9 << 20) // 4, dtype=torch.float32), "b": torch.ones(5)}
+    staged = {name: tensor.clone() for name, tensor in sums.items()}
+    store = CheckpointStore(tmp_path)
+    durable = store.stage(0, {"steps": sums}, {"round": 0}, hash_when_durable=True)
+    for tensor in sums.values():
+        tensor.mul_(-3.0)  # the step, after stage: the files no longer read this memory
+    path = durable()
+    expected = bytes(encode_tensors(staged))
+    assert len(expected) > 8 << 20  # read back in more than one 8 MiB read
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    assert manifest["files"]["steps.safetensors"] == {
+        "bytes": len(expected),
+        "sha256": hashlib.sha256(expected).hexdigest(),
+    }
+    loaded = store.load_latest()
+    assert loaded is not None
+    for name, tensor in staged.items():
+        assert torch.equal(loaded.tensors["steps"][name], tensor), name

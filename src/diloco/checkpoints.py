@@ -96,15 +96,19 @@ class CheckpointStore:
         generation: int,
         tensors: Mapping[str, Mapping[str, torch.Tensor]],
         metadata: Mapping[str, object],
+        *,
+        hash_when_durable: bool = False,
     ) -> Callable[[], Path]:
-        """Write `generation`'s files and hash them now; the function returned makes them
-        durable and the generation visible (fsyncs, manifest, rename) and returns its
-        directory.
+        """Write `generation`'s files (and hash them, from memory, as they are written); the
+        function returned makes them durable and the generation visible (fsyncs, manifest,
+        rename) and returns its directory.
 
-        Once `stage` returns the files no longer need the tensors' memory, so the fsyncs can
+        Once `stage` returns the files no longer need the tensors' memory, so the rest can
         run on another thread while the caller moves that memory (the step log: see
-        server/state/journal.py). A generation staged and never made durable is a temporary
-        directory, removed by the next prune or drop."""
+        server/state/journal.py). `hash_when_durable`: `stage` only writes, and the returned
+        function hashes each file by reading it back (from the page cache) before its fsync,
+        so the hashing leaves the caller's critical path for that thread. A generation staged
+        and never made durable is a temporary directory, removed by the next prune or drop."""
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
         existing = self.generations()
@@ -136,6 +140,7 @@ class CheckpointStore:
                         group_tensors,
                         _file_mode(previous, group + _SUFFIX),
                         pool,
+                        hash_memory=not hash_when_durable,
                     )
                     for group, group_tensors in tensors.items()
                 }
@@ -148,9 +153,14 @@ class CheckpointStore:
             raise
 
         def durable() -> Path:
+            def settled(name: str) -> None:  # hashed as written (when still to be), then synced
+                if files[name]["sha256"] is None:
+                    files[name]["sha256"] = _file_sha256(temp / name)
+                _fsync_file(temp / name)
+
             try:
                 with ThreadPoolExecutor(max(1, len(files))) as pool:
-                    list(pool.map(_fsync_file, [temp / name for name in files]))
+                    list(pool.map(settled, list(files)))
                 manifest = {
                     "format": FORMAT_VERSION,
                     "generation": generation,
@@ -314,13 +324,18 @@ def _write_atomic(path: Path, data: bytes | bytearray, mode: int) -> None:
 
 
 def _write_tensors(
-    path: Path, tensors: Mapping[str, torch.Tensor], mode: int, pool: Executor
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    mode: int,
+    pool: Executor,
+    hash_memory: bool = True,
 ) -> _Written:
     """Write `tensors` as the safetensors file `encode_tensors` would make, byte for byte,
     straight from their memory: no model-sized body is allocated and copied first (at 85M
     parameters that copy and its page faults were about a quarter of a checkpoint's time).
     The file is written by one of `pool`'s threads (into the page cache: `_fsync_file` makes
-    it durable) and its SHA-256 computed by another from the same memory at the same time."""
+    it durable) and, with `hash_memory`, its SHA-256 computed by another from the same memory
+    at the same time (else the digest is None: `_file_sha256` reads it back later)."""
     layout = FrameLayout.of(tensors)
     pieces = [memoryview(layout.header)]
     for name, slot in layout.slots.items():
@@ -340,7 +355,7 @@ def _write_tensors(
             for piece in pieces:
                 handle.write(piece)
 
-    digest = pool.submit(hashed)
+    digest = pool.submit(hashed) if hash_memory else None
     return _Written(layout.size, pool.submit(written), digest)
 
 
@@ -350,12 +365,24 @@ class _Written:
 
     size: int
     written: Future[None]
-    digest: Future[str]
+    digest: Future[str] | None  # None: hashed from the file later
 
-    def result(self) -> tuple[int, str]:
+    def result(self) -> tuple[int, str | None]:
         """(size, SHA-256) once the file is written; the write's error if it failed."""
         self.written.result()
-        return self.size, self.digest.result()
+        return self.size, None if self.digest is None else self.digest.result()
+
+
+def _file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes as written (read back in 8 MiB reads, from the page
+    cache when it was just written)."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as handle:
+        buffer = bytearray(8 << 20)
+        view = memoryview(buffer)
+        while read := handle.readinto(buffer):
+            digest.update(view[:read])
+    return digest.hexdigest()
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -241,11 +241,13 @@ class GlobalModel:
         self.step_seconds = {
             "outer_step": stepped - started,
             "delta": coded - stepped,
-            # the step log (written before the step, its fsyncs waited for after the delta),
-            # then its record; or the checkpoint, written before the result
+            # the step log (written before the step, made durable beside the step and the
+            # delta, then waited for), then its record; or the checkpoint, written before the
+            # result
             **(
                 {
-                    "step_log": started - logging_started + synced - coded,
+                    "step_log": started - logging_started,  # written, before the step
+                    "step_log_wait": synced - coded,  # its hashes and fsyncs, past the delta
                     "record": time.perf_counter() - synced,
                 }
                 if log_step is not None

@@ -47,9 +47,10 @@ class ServerMetrics:
 
         self.round_part_seconds = Histogram(
             "diloco_round_part_seconds",
-            "Each part of a round: scan and fold (per submission), outer_step, delta (coding "
-            "the download delta), checkpoint (the durable write), commit (the whole step and "
-            "its result, from the last fold to a servable result)",
+            "Each part of a round: scan and fold (per submission), step_log (the step's input "
+            "written), outer_step, delta (coding the download delta), step_log_wait (the "
+            "log's hashes and fsyncs past the delta), record, checkpoint (the durable write), "
+            "commit (the whole step and its result, from the last fold to a servable result)",
             ["part"],
             registry=r,
             buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),

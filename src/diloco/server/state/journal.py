@@ -359,12 +359,12 @@ class RoundJournal:
         lr: float,
     ) -> Callable[[], None]:
         """Write step `record.round`'s input before the step moves anything: its sums (fp32
-        files, each hashed by its own thread as it is written), totals, count and bound, its
-        record, the fragments' rounds after it and the lr it uses. The log keeps one step.
+        files), totals, count and bound, its record, the fragments' rounds after it and the lr
+        it uses. The log keeps one step.
 
-        Returns the function that makes the log durable (its fsyncs): the step may run
-        meanwhile, since the files no longer read the sums, but nothing may be recorded or
-        published before it has returned."""
+        Returns the function that makes the log durable (each file hashed from the page cache,
+        then its fsyncs): the step may run meanwhile, since the files no longer read the sums,
+        but nothing may be recorded or published before it has returned."""
         steps = self.state.steps
         assert steps is not None
         faults.crash_point("before_step_log")
@@ -381,6 +381,7 @@ class RoundJournal:
                 "fragment_rounds": list(fragment_rounds),
                 "lr": lr,
             },
+            hash_when_durable=True,  # the hashes off the step's critical path
         )
 
         def logged() -> None:
