@@ -247,3 +247,78 @@ def test_a_streaming_follower_whose_state_was_lost_refuses_to_start(tmp_path: Pa
         assert last.startswith("error: shard 0 holds the run's weights and this shard none")
     finally:
         stop_process(leader)
+
+
+def refused(result: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 2 with one error line holding every needle."""
+    one_error_line(result, 2, needles[0])
+    assert all(needle in result.stderr for needle in needles), result.stderr
+
+
+def shard_tokens(path: Path, shard_secret: str) -> Path:
+    path.write_text(f"enroll-secret-0123456789 enroll\n{shard_secret} shard\n")
+    return path
+
+
+def test_a_shard_whose_secret_or_certificate_differs_from_shard_0s_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    """Issue 28, item 2: shard 0 serves HTTPS and calls the others with its shard secret.
+    Shard 1 (through typer's runner in this process) refuses to start, in one line, when it
+    does not trust shard 0's certificate, holds another shard secret, or none."""
+    from processes import self_signed_certificate
+
+    cert, key = self_signed_certificate(tmp_path)
+    ports = free_ports(2)
+    shared = [o for port in ports for o in ("--shard-url", f"https://127.0.0.1:{port}")]
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    leader, _ = start_server(
+        tmp_path / "port-0", "--port", str(ports[0]), "--shard", "0", *shared, *tls,
+        "--tokens-file", str(shard_tokens(tmp_path / "t0", "shard-secret-0123456789")),
+        "--state-dir", str(tmp_path / "s0"),
+    )  # fmt: skip
+    shard_1 = ("server", "--port", str(ports[1]), "--shard", "1", *shared, *tls,
+               "--state-dir", str(tmp_path / "s1"))  # fmt: skip
+    same = ("--tokens-file", str(tmp_path / "t0"))
+    try:
+        refused(run_cli_in_process(*shard_1, *same), "the TLS certificate of shard 0", "--ca-file")
+        trusted = ("--ca-file", str(cert))
+        other = shard_tokens(tmp_path / "t1", "another-secret-0123456789")
+        refused(
+            run_cli_in_process(*shard_1, *trusted, "--tokens-file", str(other)),
+            "shard 0 refused this shard's secret", "answered 401",
+        )  # fmt: skip
+        one_error_line(
+            run_cli_in_process(*shard_1, *trusted), 2, "shard 0 needs a secret and this shard"
+        )
+        no_shard_line = tmp_path / "t2"
+        no_shard_line.write_text("enroll-secret-0123456789 enroll\n")
+        one_error_line(
+            run_cli_in_process(*shard_1, *trusted, "--tokens-file", str(no_shard_line)),
+            2, "add a line 'SECRET shard' to --tokens-file",
+        )  # fmt: skip
+        one_error_line(
+            run_cli_in_process("server", "--port", "0", "--ca-file", str(cert)),
+            2, "--ca-file is for sharded servers",
+        )  # fmt: skip
+    finally:
+        stop_process(leader)
+
+
+@pytest.mark.slow  # a second shard 0 process; its sibling above runs the other refusals
+def test_a_shard_with_secrets_refuses_an_open_shard_0(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    shared = [o for port in ports for o in ("--shard-url", f"http://127.0.0.1:{port}")]
+    leader, _ = start_server(
+        tmp_path / "port-0", "--port", str(ports[0]), "--shard", "0", *shared,
+        "--state-dir", str(tmp_path / "s0"),
+    )  # fmt: skip
+    try:
+        result = run_cli_in_process(
+            "server", "--port", str(ports[1]), "--shard", "1", *shared,
+            "--tokens-file", str(shard_tokens(tmp_path / "t", "shard-secret-0123456789")),
+            "--state-dir", str(tmp_path / "s1"),
+        )  # fmt: skip
+        one_error_line(result, 2, "shard 0 runs without secrets and this shard with them")
+    finally:
+        stop_process(leader)

@@ -66,3 +66,38 @@ def test_two_shards_and_two_workers_match_the_simulator(
         torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
     assert [r["rounds"] for r in reports] == [3, 3]
+
+
+def test_an_https_cluster_with_a_shard_secret_completes_a_run(
+    shards, corpus_file: Path, tmp_path: Path
+) -> None:
+    """Issue 28, item 2, as a deployment runs it: two shards serve HTTPS and call each other
+    over TLS (--ca-file) with the tokens file's shard secret; two workers enroll with the
+    enrollment token, trust the certificate, and finish their rounds on both shards."""
+    from diloco.worker import DiLoCoClient
+    from processes import self_signed_certificate
+
+    cert, key = self_signed_certificate(tmp_path)
+    enroll = "enroll-secret-0123456789"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{enroll} enroll\nshard-secret-0123456789 shard\n")
+    token_file = tmp_path / "token"
+    token_file.write_text(enroll + "\n")
+    urls = shards(
+        2, "--sync-every", "2", "--min-workers", "2", "--tls-cert", str(cert), "--tls-key",
+        str(key), "--ca-file", str(cert), "--tokens-file", str(tokens), state=True,
+    )  # fmt: skip
+    assert all(url.startswith("https://") for url in urls)
+    trusted = ("--ca-file", str(cert), "--token-file", str(token_file))
+    workers = [
+        start_worker(urls[i], f"w{i}", i, 2, 4, corpus_file, tmp_path, extra=trusted)
+        for i in range(2)
+    ]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    for url in urls:
+        with DiLoCoClient(url, enroll, ca_file=cert) as client:
+            status = client.status()
+        assert status["round"] == 2  # 4 steps at H = 2, committed on both shards
+        assert sorted(w["worker_id"] for w in status["workers"]) == ["w0", "w1"]

@@ -27,7 +27,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load, save
-from test_server_http_shards import HTTP, PROTOCOL, TOKEN, call, json_of, serve_in_thread
+from test_server_http_shards import (
+    HTTP,
+    PROTOCOL,
+    SHARD_SECRET,
+    TOKEN,
+    call,
+    json_of,
+    serve_in_thread,
+)
 from urllib3 import HTTPHeaderDict
 
 from diloco.server.coordinator import Coordinator
@@ -92,7 +100,7 @@ def streaming_shards(
                 **{**STREAMING, **overrides}, shard=index, shard_urls=tuple(urls)
             )
             journal = RoundJournal(StateStore(root / f"shard-{index}"), settings)
-            peers = ShardPeers(urls, index, token)
+            peers = ShardPeers(urls, index, SHARD_SECRET if token else None)
             peers_of.append(peers)
             coordinator = Coordinator(settings, None, journal=journal, peers=peers)
             server, thread = serve_in_thread(coordinator, port, token)
@@ -392,13 +400,14 @@ def test_a_workers_own_credential_may_not_ask_who_is_live(start) -> None:
     shard0, _ = shards
     (answer, _) = join(shards, "w1", secret=TOKEN)
     credential = answer["credential"]
-    status, data = call(shard0.url, "GET", "/v1/shard/live", secret=credential)
-    detail = refusal(status, data, 403, "forbidden")
-    assert set(detail) == {"scope"} and isinstance(detail["scope"], str)
+    for secret, scope in ((credential, "worker:w1"), (TOKEN, "enroll")):
+        status, data = call(shard0.url, "GET", "/v1/shard/live", secret=secret)
+        detail = refusal(status, data, 403, "forbidden")
+        assert detail == {"scope": scope, "required": "shard"}
     status, data = call(shard0.url, "GET", "/v1/shard/live")
     assert status == 401, data
     assert json.loads(data)["kind"] == "unauthorized"
-    status, data = call(shard0.url, "GET", "/v1/shard/live", secret=TOKEN)
+    status, data = call(shard0.url, "GET", "/v1/shard/live", secret=SHARD_SECRET)
     assert status == 200, data
     assert json.loads(data) == {"live": ["w1"]}
 

@@ -20,6 +20,7 @@ from safetensors.torch import load, save
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.http.runner import build_server
+from diloco.server.members.credentials import Credentials
 from diloco.server.ops.launch import free_ports
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.peers import DecisionFollower, ShardPeers
@@ -68,11 +69,16 @@ def two_shards_with_token() -> Iterator[list[tuple[str, Coordinator]]]:
 
 
 TOKEN = "enroll-secret-0123456789"
+SHARD_SECRET = "shard-secret-0123456789"  # the tokens file's line "SHARD_SECRET shard"
+ADMIN_SECRET = "admin-secret-0123456789"
 
 
 def serve_in_thread(coordinator: Coordinator, port: int, token: str | None):
-    """uvicorn over `coordinator` on 127.0.0.1:`port` in a daemon thread, once it listens."""
-    server = build_server(coordinator, "127.0.0.1", port, token, log_level="warning")
+    """uvicorn over `coordinator` on 127.0.0.1:`port` in a daemon thread, once it listens;
+    with `token`, also the tokens file's shard and admin secrets."""
+    tokens = {SHARD_SECRET: "shard", ADMIN_SECRET: "admin"}
+    credentials = Credentials([token], tokens) if token else None
+    server = build_server(coordinator, "127.0.0.1", port, credentials, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while server.bound_port is None:
@@ -95,7 +101,7 @@ def started_shards(token: str | None) -> Iterator[list[tuple[str, Coordinator]]]
             shard_urls=tuple(urls),
         )
         initial = {name: INITIAL[name].clone() for name in OWNED[shard]}
-        peers = ShardPeers(urls, shard, token)
+        peers = ShardPeers(urls, shard, SHARD_SECRET if token else None)
         coordinator = Coordinator(settings, initial, peers=peers)
         server, thread = serve_in_thread(coordinator, port, token)
         if shard:
@@ -326,7 +332,10 @@ def test_a_follower_takes_a_new_session_only_when_shard_0_holds_it(two_shards) -
     assert json.loads(data)["worker_id"] == "w1"
 
 
-def test_a_workers_own_credential_may_not_read_the_shard_routes(two_shards_with_token) -> None:
+def test_only_the_shard_secret_and_admin_may_read_the_shard_routes(two_shards_with_token) -> None:
+    """Issue 28, item 2: the shards call each other with a secret of their own (scope shard
+    of the tokens file); a worker's credential and the enrollment token are 403 there, and
+    the shard secret registers and acts as no worker."""
     (url0, _), _ = two_shards_with_token
     body = json.dumps({"protocol_version": 1, "worker_id": "w1", "tensors": SPECS}).encode()
     status, data = call(url0, "POST", "/v1/workers", body, secret=TOKEN)
@@ -336,13 +345,30 @@ def test_a_workers_own_credential_may_not_read_the_shard_routes(two_shards_with_
         ("/v1/shard/prepared", {"round": 0, "worker_id": "w1"}),
         ("/v1/shard/decisions/0", {}),
         ("/v1/shard/members", {"worker_id": "w1", "session": "x"}),
+        ("/v1/shard/live", {}),
+        ("/v1/shard/plan", {}),
     ):
-        status, data = call(url0, "GET", path, secret=credential, **fields)
-        assert (status, json.loads(data)["kind"]) == (403, "forbidden"), path
+        for secret, scope in ((credential, "worker:w1"), (TOKEN, "enroll")):
+            status, data = call(url0, "GET", path, secret=secret, **fields)
+            refused = json.loads(data)
+            assert (status, refused["kind"]) == (403, "forbidden"), (path, scope)
+            assert refused["detail"] == {"scope": scope, "required": "shard"}
+            assert "the /v1/shard routes are for the shards' own secret" in refused["error"]
         status, data = call(url0, "GET", path, secret=None, **fields)
         assert status == 401, path
-        status, data = call(url0, "GET", path, secret=TOKEN, **fields)
-        assert status == 200, (path, data)
+        for secret in (SHARD_SECRET, ADMIN_SECRET):
+            status, data = call(url0, "GET", path, secret=secret, **fields)
+            assert status == 200, (path, data)
+    other = json.dumps({"protocol_version": 1, "worker_id": "w2", "tensors": SPECS}).encode()
+    status, data = call(url0, "POST", "/v1/workers", other, secret=SHARD_SECRET)
+    assert (status, json.loads(data)["kind"]) == (403, "forbidden"), data
+    assert "a shard secret registers no worker" in json.loads(data)["error"]
+    status, data = call(url0, "POST", "/v1/workers/w1/heartbeat", b"{}", secret=SHARD_SECRET)
+    assert status == 403, data  # acts as no worker either
+    assert [
+        w["worker_id"]
+        for w in json.loads(call(url0, "GET", "/v1/status", secret=SHARD_SECRET)[1])["workers"]
+    ] == ["w1"]
 
 
 def test_a_follower_refuses_to_be_steered(two_shards) -> None:

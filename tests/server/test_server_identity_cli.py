@@ -43,7 +43,7 @@ def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path, par
         ),
         "unknown scope": (
             ["--tokens-file", write("scope", f"{ENROLL} root\n")],
-            "line 1: unknown scope 'root' (expected admin, enroll or worker:ID)",
+            "line 1: unknown scope 'root' (expected admin, enroll, shard or worker:ID)",
             "",
         ),
         "bad worker id": (
@@ -62,6 +62,11 @@ def test_bad_tokens_and_tls_files_exit_2_with_one_error_line(tmp_path: Path, par
             "",
         ),
         "no tokens": (["--tokens-file", write("empty", "# nothing\n")], "holds no tokens", ""),
+        "two shard secrets": (
+            ["--tokens-file", write("shards", f"{ENROLL} shard\n{ENROLL[::-1]} shard\n")],
+            "lines 1 and 2: one 'shard' secret",
+            "",
+        ),
         "missing token file": (["--token-file", missing], "--token-file", "cannot be read"),
         "cert without key": (["--tls-cert", pem], "--tls-cert and --tls-key go together", ""),
         "key without cert": (["--tls-key", pem], "--tls-cert and --tls-key go together", ""),

@@ -243,9 +243,10 @@ def server_command(
     tokens_file: Path = typer.Option(
         None,
         help="More tokens: a file of lines 'TOKEN SCOPE' (TOKEN: 16+ characters, no spaces; "
-        "SCOPE: enroll, admin or worker:ID; lines starting with # are comments). An admin "
-        "token signs in to the dashboard and diloco admin (docs/protocol.md, Auth). With no "
-        "token at all the server is open.",
+        "SCOPE: enroll, admin, shard or worker:ID; lines starting with # are comments). An "
+        "admin token signs in to the dashboard and diloco admin; sharded servers with tokens "
+        "call each other with their one shard line (docs/protocol.md, Auth). With no token at "
+        "all the server is open.",
         rich_help_panel=AUTH_PANEL,
     ),
     tls_cert: Path = typer.Option(
@@ -255,6 +256,12 @@ def server_command(
     ),
     tls_key: Path = typer.Option(
         None, help="The PEM private key of --tls-cert.", rich_help_panel=AUTH_PANEL
+    ),
+    ca_file: Path = typer.Option(
+        None,
+        help="Sharded servers: the PEM certificate (or CA) that signs the other shards' "
+        "certificates, for https:// --shard-url (default: the system's trusted ones).",
+        rich_help_panel=AUTH_PANEL,
     ),
     tensorboard: Path = typer.Option(
         None,
@@ -305,6 +312,10 @@ def server_command(
         raise fail(f"--spool-dir is not a directory: {spool_dir}")
     if (shard is None) != (not shard_url):
         raise fail("--shard and --shard-url go together: give both or neither")
+    if ca_file is not None and not shard_url:
+        raise fail("--ca-file is for sharded servers' calls to each other (with --shard-url)")
+    if ca_file is not None and not ca_file.is_file():
+        raise fail(f"--ca-file {ca_file} is not a readable file")
     if max_body_mib is not None and max_body_mb is not None:
         raise fail("give --max-body-mib or its old name --max-body-mb, not both")
     if max_body_mib is None:
@@ -388,6 +399,7 @@ def server_command(
             tokens=tokens,
             tls=tls,
             tensorboard=tensorboard,
+            ca_file=ca_file,
         )
     except ValueError as exc:
         raise fail(str(exc)) from None

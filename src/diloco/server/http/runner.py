@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from diloco.server.coordinator import Coordinator
 from diloco.server.http.app import create_app
 from diloco.server.http.uvicorn_protocol import DilocoHttpProtocol, PlainHttpNoticed
-from diloco.server.members.credentials import Credentials
+from diloco.server.members.credentials import Credentials, shard_secret
 from diloco.server.ops.tensorboard import TensorBoardScalars
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.start import ShardStart
@@ -265,13 +265,15 @@ def serve(
     tokens: Mapping[str, str] | None = None,
     tls: TlsFiles | None = None,
     tensorboard: Path | None = None,
+    ca_file: Path | None = None,
 ) -> dict:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests).
 
     With `state_dir`, every round (or every `checkpoint_every`-th with durability "interval")
     is durable before its result is published, and a restart on the same directory resumes
     from the newest verified checkpoint; so are the worker credentials it issued. `token` is
-    the enrollment token, `tokens` the tokens file's {token: scope}.
+    the enrollment token, `tokens` the tokens file's {token: scope}; sharded servers with
+    any secret call each other with its `shard` one, trusting `ca_file` for https:// URLs.
     """
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -279,9 +281,17 @@ def serve(
     return_large_frees_to_the_os()
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     initial = load_initial_weights(init) if init is not None else None
-    sharding = (
-        ShardStart(settings, token, initial, durability, state_dir) if settings.shards > 1 else None
-    )
+    sharding = None
+    if settings.shards > 1:
+        secret = shard_secret(tokens)
+        if secret is None and (token or tokens):
+            raise ValueError(
+                "sharded servers with tokens call each other with a secret of their own: add "
+                "a line 'SECRET shard' to --tokens-file, the same on every shard (the "
+                "enrollment token no longer speaks for a shard)"
+            )
+        where = None if ca_file is None else str(ca_file)
+        sharding = ShardStart(settings, secret, initial, durability, state_dir, where)
     if sharding is not None:
         initial = sharding.own_part(initial)
         sharding.check_against_shard_0()

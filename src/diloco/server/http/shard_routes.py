@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from diloco.server.errors import Rejection
-from diloco.server.members.credentials import Caller
+from diloco.server.members.credentials import ADMIN, OPEN, SHARD, Caller
 from diloco.server.shards.commit import MAX_DECISION_WAIT, ShardCommit
 from diloco.wire import MAX_COUNT
 
@@ -22,20 +22,21 @@ def add_shard_routes(
     act_as: Callable[[Request, str], None],
     caller_of: Callable[[Request], Caller],
 ) -> None:
-    async def not_a_worker(request: Request) -> None:
-        """What shards ask each other is not a worker's to read (their enrollment or admin
-        secret is): 403 for a worker's own credential."""
+    async def shards_only(request: Request) -> None:
+        """What shards ask each other is theirs (and an admin's) to read: 403 for any other
+        secret, a worker's credential or the enrollment token included."""
         caller = caller_of(request)
-        if caller.worker_id is not None:
+        if caller.scope not in (SHARD, ADMIN, OPEN):
             raise Rejection(
                 403,
                 "forbidden",
-                "the /v1/shard routes are for the shards (an enrollment or admin secret), "
-                f"not a worker's credential (scope {caller.scope})",
+                "the /v1/shard routes are for the shards' own secret (scope shard in "
+                f"--tokens-file), not this credential (scope {caller.scope})",
                 scope=caller.scope,
+                required=SHARD,
             )
 
-    peers_only = [*authed, Depends(not_a_worker)]
+    peers_only = [*authed, Depends(shards_only)]
 
     @app.post("/v1/rounds/{round_number}/confirm", dependencies=list(authed))
     async def confirm(

@@ -9,6 +9,9 @@ leave as any worker. Now every secret has a scope:
 - `worker:ID`: acts as worker ID only, and reads the run. Issued by the server when ID
   registers with an enrollment (or admin) token, or written in the tokens file.
 - `admin`: everything, acting as any worker included (control routes; the tokens file).
+- `shard`: the secret sharded servers call each other's /v1/shard routes with (one line,
+  the same on every shard); it reads the run, but registers and acts as no worker, and no
+  other scope but admin may call those routes.
 
 Issued credentials are random (`secrets.token_urlsafe(32)`); only their SHA-256 is kept, in
 memory and, with `--state-dir`, in the `credentials` table of state.sqlite, so a restarted
@@ -35,6 +38,7 @@ __all__ = [
     "ADMIN",
     "ENROLL",
     "OPEN",
+    "SHARD",
     "Caller",
     "Credentials",
     "TokensFileError",
@@ -44,6 +48,7 @@ __all__ = [
 
 ENROLL = "enroll"
 ADMIN = "admin"
+SHARD = "shard"
 OPEN = "open"  # the scope of every caller of a server without secrets
 WORKER = "worker:"
 MIN_TOKEN_CHARS = 16  # tokens-file secrets: guessing one must be hopeless
@@ -67,14 +72,14 @@ def digest(secret: str) -> str:
 
 def _check_scope(scope: str) -> str | None:
     """None when `scope` is one we grant, else why not."""
-    if scope in (ENROLL, ADMIN):
+    if scope in (ENROLL, ADMIN, SHARD):
         return None
     if scope.startswith(WORKER):
         worker_id = scope[len(WORKER) :]
         if is_worker_id(worker_id):
             return None
         return f"worker id {worker_id!r} is not a valid id ([A-Za-z0-9][A-Za-z0-9._-]{{0,63}})"
-    return f"unknown scope {scope!r} (expected admin, enroll or worker:ID)"
+    return f"unknown scope {scope!r} (expected admin, enroll, shard or worker:ID)"
 
 
 def parse_tokens_file(text: str, source: str) -> dict[str, str]:
@@ -106,7 +111,18 @@ def parse_tokens_file(text: str, source: str) -> dict[str, str]:
         first_line[token] = number
     if not tokens:
         raise TokensFileError(f"{source} holds no tokens")
+    shard_lines = [first_line[token] for token, scope in tokens.items() if scope == SHARD]
+    if len(shard_lines) > 1:
+        raise TokensFileError(
+            f"{source} lines {shard_lines[0]} and {shard_lines[1]}: one 'shard' secret, the "
+            "one every shard calls the others with"
+        )
     return tokens
+
+
+def shard_secret(tokens: Mapping[str, str] | None) -> str | None:
+    """The tokens file's `shard` secret, if it has one."""
+    return next((token for token, scope in (tokens or {}).items() if scope == SHARD), None)
 
 
 def load_tokens_file(path: Path) -> dict[str, str]:
@@ -268,6 +284,13 @@ class Credentials:
         403 when it may not: a worker's own credential registers only its id (a null id means
         that one), and an id the tokens file names only with that token or an admin's.
         """
+        if caller.scope == SHARD:
+            raise Rejection(
+                403,
+                "forbidden",
+                "a shard secret registers no worker: enroll with the enrollment token",
+                scope=caller.scope,
+            )
         if caller.worker_id is not None:
             if worker_id not in (None, caller.worker_id):
                 raise Rejection(

@@ -117,9 +117,11 @@ def start_shards(
     timeout: float = 120.0,
 ) -> list[tuple[subprocess.Popen, str]]:
     """Start `count` shard servers on 127.0.0.1 (shard 0 first), each with `args` and its own
-    `per_shard(i)` options (a --state-dir); returns (process, URL) of each, in shard order."""
+    `per_shard(i)` options (a --state-dir); returns (process, URL) of each, in shard order
+    (https:// URLs when `args` give --tls-cert: the shards then call each other over TLS)."""
     ports = free_ports(count)
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    scheme = "https" if "--tls-cert" in args else "http"
+    urls = [f"{scheme}://127.0.0.1:{port}" for port in ports]
     shared = [option for url in urls for option in ("--shard-url", url)]
     started: list[tuple[subprocess.Popen, str]] = []
     try:
@@ -136,7 +138,7 @@ def start_shards(
                 output=output(shard),
                 timeout=timeout,
             )
-            started.append((process, url))
+            started.append((process, url.replace("http://", f"{scheme}://", 1)))
     except BaseException:
         for process, _ in started:
             stop_process(process)

@@ -27,27 +27,66 @@ CALL_TIMEOUT = 10.0  # seconds to connect, and to read beyond a long-poll's own 
 
 
 class PeerUnavailable(Exception):
-    """A shard did not answer (down, restarting, or refusing): the step waits for it."""
+    """A shard did not answer (down, restarting, or refusing): the step waits for it.
+    `status` is the HTTP status of an answer that refused (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None, tls: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.tls = tls  # the TLS handshake failed (a certificate not trusted)
 
 
 class ShardPeers:
-    """Calls of the other shards' /v1/shard routes, authenticated as an enrolled reader."""
+    """Calls of the other shards' /v1/shard routes, with the shards' own secret (scope
+    `shard` of --tokens-file: server/members/credentials.py) and, for https:// shard URLs,
+    the certificates `ca_file` signs (None: the system's trusted ones)."""
 
-    def __init__(self, urls: Sequence[str], index: int, token: str | None = None) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        index: int,
+        secret: str | None = None,
+        ca_file: str | None = None,
+    ) -> None:
         self.urls = [url.rstrip("/") for url in urls]
         self.index = index
         self._headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        if secret:
+            self._headers["Authorization"] = f"Bearer {secret}"
         # Shard 0 asks the others for every confirmation, from many request threads at once.
-        self._pool = urllib3.PoolManager(num_pools=len(urls), maxsize=64, retries=False)
+        self._pool = urllib3.PoolManager(
+            num_pools=len(urls),
+            maxsize=64,
+            retries=False,
+            **({"ca_certs": ca_file, "cert_reqs": "CERT_REQUIRED"} if ca_file else {}),
+        )
         self._asking = ThreadPoolExecutor(4 * len(urls), thread_name_prefix="diloco-peers")
 
-    def _get(self, shard: int, path: str, query: Mapping[str, Any], wait: float = 0.0) -> dict:
+    @property
+    def secured(self) -> bool:
+        """This shard calls the others with a secret (its own routes then need one too)."""
+        return "Authorization" in self._headers
+
+    def _get(
+        self,
+        shard: int,
+        path: str,
+        query: Mapping[str, Any],
+        wait: float = 0.0,
+        anonymous: bool = False,
+    ) -> dict:
         url = f"{self.urls[shard]}{path}?{urlencode(query)}"
         timeout = urllib3.Timeout(connect=CALL_TIMEOUT, read=CALL_TIMEOUT + wait)
+        headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)} if anonymous else self._headers
         try:
-            response = self._pool.request("GET", url, headers=self._headers, timeout=timeout)
+            response = self._pool.request("GET", url, headers=headers, timeout=timeout)
+        except urllib3.exceptions.SSLError as exc:
+            raise PeerUnavailable(
+                f"the TLS certificate of shard {shard} at {self.urls[shard]} is not trusted "
+                f"({exc}): give every shard --ca-file with the certificate (or CA) that signs "
+                "the other shards'",
+                tls=True,
+            ) from None
         except urllib3.exceptions.HTTPError as exc:
             raise PeerUnavailable(
                 f"shard {shard} at {self.urls[shard]} did not answer: {exc}"
@@ -59,7 +98,8 @@ class ShardPeers:
         if response.status >= 300 or not isinstance(body, dict):
             raise PeerUnavailable(
                 f"shard {shard} at {self.urls[shard]} answered {response.status}: "
-                f"{body.get('error') if isinstance(body, dict) else response.data[:200]!r}"
+                f"{body.get('error') if isinstance(body, dict) else response.data[:200]!r}",
+                status=response.status,
             )
         return body
 
@@ -129,6 +169,16 @@ class ShardPeers:
     def leader_info(self) -> dict:
         return self._get(0, "/v1/info", {})
 
+    def leader_is_open(self) -> bool:
+        """Whether shard 0 answers a call that carries no secret (it has none configured)."""
+        try:
+            self._get(0, "/v1/info", {}, anonymous=True)
+        except PeerUnavailable as exc:
+            if exc.status in (401, 403):
+                return False
+            raise
+        return True
+
     def close(self) -> None:
         self._pool.clear()
         self._asking.shutdown(wait=False)
@@ -151,9 +201,26 @@ def wait_for_leader(peers: ShardPeers, settings: Mapping[str, Any], timeout: flo
             info = peers.leader_info()
             break
         except PeerUnavailable as exc:
+            if exc.tls:  # waiting cannot make a certificate trusted
+                raise ValueError(str(exc)) from None
+            if exc.status in (401, 403):
+                what = (
+                    "refused this shard's secret"
+                    if peers.secured
+                    else ("needs a secret and this shard has none")
+                )
+                raise ValueError(
+                    f"shard 0 {what} ({exc}): start every shard with the same --tokens-file "
+                    "(its 'SECRET shard' line)"
+                ) from None
             if time.monotonic() > deadline:
                 raise ValueError(f"shard 0 did not answer within {timeout:g} s ({exc})") from None
             time.sleep(0.2)
+    if peers.secured and peers.leader_is_open():
+        raise ValueError(
+            "shard 0 runs without secrets and this shard with them: start every shard with "
+            "the same --tokens-file (its 'SECRET shard' line), or none"
+        )
     difference = settings_difference(settings, info.get("settings") or {})
     if difference is not None:
         raise ValueError(f"this shard's settings differ from shard 0's: {difference}")

@@ -29,11 +29,14 @@ class ShardStart:
     def __init__(
         self,
         settings: ServerSettings,
-        token: str | None,
+        secret: str | None,
         initial: Mapping[str, torch.Tensor] | None,
         durability: str,
         state_dir: object | None,
+        ca_file: str | None = None,
     ) -> None:
+        """`secret`: the tokens file's `shard` secret (None: the shards run open); `ca_file`:
+        what signs the other shards' certificates (https:// shard URLs)."""
         if state_dir is None:
             raise ValueError(
                 "sharded servers need --state-dir: a shard that restarted without its state "
@@ -45,7 +48,7 @@ class ShardStart:
                 "served could not be brought back to the version the other shards hold"
             )
         self.settings = settings
-        self.peers = ShardPeers(settings.shard_urls, settings.shard, token)
+        self.peers = ShardPeers(settings.shard_urls, settings.shard, secret, ca_file)
         # The whole --init model's fingerprint: shards started on other files refuse.
         self.whole_model = None
         self.fragment_plan: list[list[str]] | None = None  # streaming: this shard's part
