@@ -159,7 +159,9 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
             steady["up"], steady["down"] = stats.bytes_sent - sent, stats.bytes_received - received
         window = {"compute": 0.0, "blocked": 0.0}
         report.update(windows=number // sync_every, steady=steady, peak_rss_mb=_rss_kb() / 1024)
-        Path(path).write_text(json.dumps(report))
+        # whole or not at all: a deadline may stop this process while the report is written
+        Path(f"{path}.tmp").write_text(json.dumps(report))
+        os.replace(f"{path}.tmp", path)
     worker.close(final_sync=False)
 
 

@@ -435,7 +435,8 @@ def _code_values(values: torch.Tensor, codec: Codec, piece: Encoded) -> None:
     if padded != count:  # the last block is short: pad it with zeros
         values = torch.cat([values, values.new_zeros(padded - count)])
     blocks = values.view(-1, codec.block)
-    absmax = torch.maximum(blocks.amax(1), blocks.amin(1).neg_())
+    low, high = torch.aminmax(blocks, dim=1)  # one pass for both (exact, as amax and amin)
+    absmax = torch.maximum(high, low.neg_())
     # by a tensor, not a Python number: CUDA multiplies by the reciprocal of a number (off by
     # an ulp now and then), and a scale must be the same on every device
     torch.div(absmax, absmax.new_tensor(codec.level_offset), out=piece.scales)

@@ -195,7 +195,7 @@ class DiLoCoWorker:
         self.resumed: WorkerCheckpoint | None = None
         # where the last round's blocked time went (see _phases); None before the first
         self.last_round_phases: dict[str, float] | None = None
-        self._encode_seconds = self._apply_seconds = 0.0
+        self._encode_seconds = self._apply_seconds = self._delta_seconds = 0.0
         self.dropped_round = False  # a resume inside a round the server had gone past
         distributed.check_same_choice("checkpoint_dir", checkpoint_dir is not None)
         if checkpoint_dir is not None and (
@@ -537,9 +537,11 @@ class DiLoCoWorker:
     def _phases(self, before: ClientStats | None, blocked: float) -> dict[str, float]:
         """Where the round's blocked time went (rank 0's view; seconds): encode (the
         pseudo-gradient and its upload body), upload (the submit call), wait (the long-poll
-        until the result was ready), download (reading the result), apply (the new weights
-        into model and anchor), other (the rest: a sharded group's gathers, broadcasts)."""
-        phases = {"blocked": blocked, "encode": self._encode_seconds, "apply": self._apply_seconds}
+        until the result was ready), download (reading the result), apply (a coded delta onto
+        the anchor, then the new weights into model and anchor), other (the rest: a sharded
+        group's gathers, broadcasts)."""
+        applied = self._apply_seconds + self._delta_seconds  # a coded delta's, then the load
+        phases = {"blocked": blocked, "encode": self._encode_seconds, "apply": applied}
         if before is not None and self.client is not None:
             after = self.client.stats
 
@@ -600,6 +602,7 @@ class DiLoCoWorker:
         """Send this round's pseudo-gradient (`body` when a sharded group gathered it)."""
         session = self._leader_session()
         encoding = time.monotonic()
+        self._delta_seconds = 0.0  # (set again if this round's result comes as a delta)
         if body is None:
             body = self._on_host_after_oom(self._upload_body, coding=True)
         self._encode_seconds = time.monotonic() - encoding
@@ -666,7 +669,11 @@ class DiLoCoWorker:
         coded = self._uploads.coded_names  # trainable tensors: coded both ways
 
         def values() -> dict[str, torch.Tensor]:
-            return self._anchor.values_after(body, names, self.settings.download_codec, coded)
+            started = time.monotonic()
+            try:
+                return self._anchor.values_after(body, names, self.settings.download_codec, coded)
+            finally:
+                self._delta_seconds = time.monotonic() - started
 
         if self.streamer is not None:
             return self._on_host_after_oom(values)
