@@ -68,6 +68,8 @@ def test_two_shards_and_two_workers_match_the_simulator(
     assert [r["rounds"] for r in reports] == [3, 3]
 
 
+@pytest.mark.slow  # ~14 s; the default suite keeps the shard secret's routes (in process) and
+# every refusal at start against a real HTTPS shard 0 (tests/cli/test_cli_shards.py)
 def test_an_https_cluster_with_a_shard_secret_completes_a_run(
     shards, corpus_file: Path, tmp_path: Path
 ) -> None:
