@@ -194,7 +194,10 @@ def test_random_async_shard_kills_apply_every_arrival_once_on_every_shard(
     finally:
         shards.stop()
     assert killed, "no shard was killed: the run ended first"
-    assert versions == [2 * ARRIVALS] * SHARDS  # one step per arrival
+    # one step per arrival (on a failure: every shard's steps, to tell a lost arrival from
+    # two that shared a step; one such failure under a full `-m slow -n 2` did not recur)
+    steps_of = [shard_steps(tmp_path, shard) for shard in range(SHARDS)]
+    assert versions == [2 * ARRIVALS] * SHARDS, (versions, steps_of)
     steps = check_same_steps_everywhere(tmp_path, 2 * ARRIVALS)
     assert [v for v, *_ in steps] == list(range(2 * ARRIVALS))
     assert all(stale == v - anchor for v, _, anchor, stale in steps), steps
