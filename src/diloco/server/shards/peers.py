@@ -199,6 +199,8 @@ def wait_for_leader(peers: ShardPeers, settings: Mapping[str, Any], timeout: flo
     while True:
         try:
             info = peers.leader_info()
+            # a shard with secrets asks once more without any: does shard 0 take that too?
+            leader_open = peers.secured and peers.leader_is_open()
             break
         except PeerUnavailable as exc:
             if exc.tls:  # waiting cannot make a certificate trusted
@@ -216,7 +218,7 @@ def wait_for_leader(peers: ShardPeers, settings: Mapping[str, Any], timeout: flo
             if time.monotonic() > deadline:
                 raise ValueError(f"shard 0 did not answer within {timeout:g} s ({exc})") from None
             time.sleep(0.2)
-    if peers.secured and peers.leader_is_open():
+    if leader_open:
         raise ValueError(
             "shard 0 runs without secrets and this shard with them: start every shard with "
             "the same --tokens-file (its 'SECRET shard' line), or none"
