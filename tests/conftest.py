@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # Every process of the suite gets one torch thread (a thread budget, commands/threads.py):
-# pytest-xdist runs two tests at once on this 2-core machine, each with its own server and
+# pytest-xdist runs several tests at once on this 2-core machine, each with its own server and
 # worker processes (the default suite took 271-336 s so, and 367-389 s without it).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
