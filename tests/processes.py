@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -179,7 +180,7 @@ def process_group(args: list[str], ranks: int, timeout: float = 180) -> subproce
     finally:
         for process in processes:
             if process.poll() is None:
-                os.killpg(process.pid, 9)
+                os.killpg(process.pid, signal.SIGKILL)
                 process.communicate()
     codes = [process.returncode for process in processes]
     stderr = "".join(

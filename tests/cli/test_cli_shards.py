@@ -301,6 +301,8 @@ def test_a_shard_whose_secret_or_certificate_differs_from_shard_0s_refuses_to_st
             run_cli_in_process("server", "--port", "0", "--ca-file", str(cert)),
             2, "--ca-file is for sharded servers",
         )  # fmt: skip
+        for bad, says in ((tmp_path / "absent.pem", "does not exist"), (key, "not a readable PEM")):
+            refused(run_cli_in_process(*shard_1, "--ca-file", str(bad), *same), "--ca-file", says)
     finally:
         stop_process(leader)
 

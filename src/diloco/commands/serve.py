@@ -21,6 +21,7 @@ from diloco.commands.options import (
     STREAMING_PANEL,
     TokenFileOption,
     TokenOption,
+    check_ca_file,
     read_token,
 )
 from diloco.commands.threads import (
@@ -314,8 +315,7 @@ def server_command(
         raise fail("--shard and --shard-url go together: give both or neither")
     if ca_file is not None and not shard_url:
         raise fail("--ca-file is for sharded servers' calls to each other (with --shard-url)")
-    if ca_file is not None and not ca_file.is_file():
-        raise fail(f"--ca-file {ca_file} is not a readable file")
+    check_ca_file(ca_file)  # the worker's check: PEM certificates, one line otherwise
     if max_body_mib is not None and max_body_mb is not None:
         raise fail("give --max-body-mib or its old name --max-body-mb, not both")
     if max_body_mib is None:

@@ -126,7 +126,7 @@ def start_shards(
     started: list[tuple[subprocess.Popen, str]] = []
     try:
         for shard, port in enumerate(ports):
-            process, url = start_server(
+            process, _ = start_server(
                 directory / f"shard-{shard}.port",
                 *args,
                 "--port",
@@ -138,7 +138,7 @@ def start_shards(
                 output=output(shard),
                 timeout=timeout,
             )
-            started.append((process, url.replace("http://", f"{scheme}://", 1)))
+            started.append((process, urls[shard]))
     except BaseException:
         for process, _ in started:
             stop_process(process)

@@ -50,9 +50,12 @@ class ShardPeers:
     ) -> None:
         self.urls = [url.rstrip("/") for url in urls]
         self.index = index
-        self._headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
-        if secret:
-            self._headers["Authorization"] = f"Bearer {secret}"
+        self.secured = bool(secret)  # it calls with a secret (its own routes need one too)
+        self._anonymous = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
+        self._headers = {
+            **self._anonymous,
+            **({"Authorization": f"Bearer {secret}"} if secret else {}),
+        }
         # Shard 0 asks the others for every confirmation, from many request threads at once.
         self._pool = urllib3.PoolManager(
             num_pools=len(urls),
@@ -61,11 +64,6 @@ class ShardPeers:
             **({"ca_certs": ca_file, "cert_reqs": "CERT_REQUIRED"} if ca_file else {}),
         )
         self._asking = ThreadPoolExecutor(4 * len(urls), thread_name_prefix="diloco-peers")
-
-    @property
-    def secured(self) -> bool:
-        """This shard calls the others with a secret (its own routes then need one too)."""
-        return "Authorization" in self._headers
 
     def _get(
         self,
@@ -77,7 +75,7 @@ class ShardPeers:
     ) -> dict:
         url = f"{self.urls[shard]}{path}?{urlencode(query)}"
         timeout = urllib3.Timeout(connect=CALL_TIMEOUT, read=CALL_TIMEOUT + wait)
-        headers = {PROTOCOL_HEADER: str(PROTOCOL_VERSION)} if anonymous else self._headers
+        headers = self._anonymous if anonymous else self._headers
         try:
             response = self._pool.request("GET", url, headers=headers, timeout=timeout)
         except urllib3.exceptions.SSLError as exc:
@@ -206,11 +204,9 @@ def wait_for_leader(peers: ShardPeers, settings: Mapping[str, Any], timeout: flo
             if exc.tls:  # waiting cannot make a certificate trusted
                 raise ValueError(str(exc)) from None
             if exc.status in (401, 403):
-                what = (
-                    "refused this shard's secret"
-                    if peers.secured
-                    else ("needs a secret and this shard has none")
-                )
+                what = "refused this shard's secret"
+                if not peers.secured:
+                    what = "needs a secret and this shard has none"
                 raise ValueError(
                     f"shard 0 {what} ({exc}): start every shard with the same --tokens-file "
                     "(its 'SECRET shard' line)"
