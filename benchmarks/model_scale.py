@@ -206,7 +206,13 @@ def _server_parts(url: str) -> dict[str, dict[str, float]]:
 
 
 def run_one(
-    size: str, codec: str, mode: str, settings: dict, scratch: Path, anchor_device: str = "auto"
+    size: str,
+    codec: str,
+    mode: str,
+    settings: dict,
+    scratch: Path,
+    anchor_device: str = "auto",
+    checkpoint_every: int | None = None,
 ) -> dict:
     """One server and `workers` worker processes; the row of the results table."""
     width, depth = SIZES[size]
@@ -237,6 +243,7 @@ def run_one(
         "600",
         *CODECS[codec],
         *mode_args,
+        *([] if checkpoint_every is None else ["--checkpoint-every", str(checkpoint_every)]),
         output=log,
     )
     job = {
@@ -294,6 +301,7 @@ def run_one(
         **{k: settings[k] for k in ("workers", "sync_every", "device", "context", "batch_size")},
         "dtype": settings["dtype"],
         "anchor_device": anchor_device,
+        "checkpoint_every": checkpoint_every,  # None: the server's default
         "rounds": windows,
         "cut_short": cut_short,
         "server_threads": server_threads,
@@ -350,6 +358,11 @@ def main(
         help="Where the workers keep their anchor: auto (beside a GPU model when it fits), "
         "cpu; comma-separated to compare both in one run.",
     ),
+    checkpoint_every: str = typer.Option(
+        "server",
+        help="Rounds between the server's full checkpoints: 'server' (its default) or N; "
+        "comma-separated to compare in one run.",
+    ),
     out_dir: Path = typer.Option(RESULTS, help="Where model_scale.md and .json go."),
 ) -> None:
     """Measure rounds at real model sizes against loopback and a memory pass."""
@@ -383,6 +396,14 @@ def main(
     anchor_list = [a.strip() for a in anchor_devices.split(",") if a.strip()]
     if not anchor_list or any(a not in ("auto", "cpu") for a in anchor_list):
         raise fail(f"--anchor-devices must be from auto, cpu, got {anchor_devices!r}")
+    every_list: list[int | None] = []
+    for every in (e.strip() for e in checkpoint_every.split(",")):
+        if every == "server":
+            every_list.append(None)
+        elif every.isdigit() and int(every) >= 1:
+            every_list.append(int(every))
+        else:
+            raise fail(f"--checkpoint-every must be 'server' or integers >= 1, got {every!r}")
     if dtype not in ("fp32", "bf16"):
         raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
     if context < 1 or batch_size < 1 or not max_seconds > 0:
@@ -404,14 +425,14 @@ def main(
     with tempfile.TemporaryDirectory(prefix="diloco-model-scale-") as scratch:
         for size in chosen:
             for codec in codec_list:
-                for mode, anchor in itertools.product(mode_list, anchor_list):
+                for mode, anchor, every in itertools.product(mode_list, anchor_list, every_list):
                     err.print(
-                        f"{size} {codec} {mode} (anchor {anchor}): {workers} workers x "
-                        f"{rounds} rounds ..."
+                        f"{size} {codec} {mode} (anchor {anchor}, checkpoint every "
+                        f"{every or 'server default'}): {workers} workers x {rounds} rounds ..."
                     )
                     started = time.perf_counter()
                     try:
-                        row = run_one(size, codec, mode, settings, Path(scratch), anchor)
+                        row = run_one(size, codec, mode, settings, Path(scratch), anchor, every)
                     except RuntimeError as exc:
                         raise fail(str(exc), code=1) from None
                     err.print(
@@ -473,6 +494,11 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 + (
                     f", anchor {r['anchor_device']}"
                     if r.get("anchor_device", "auto") != "auto"
+                    else ""
+                )
+                + (
+                    f", checkpoint every {r['checkpoint_every']}"
+                    if r.get("checkpoint_every")
                     else ""
                 ),
                 f"{r['compute_seconds']:.2f}",

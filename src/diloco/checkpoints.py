@@ -192,6 +192,18 @@ class CheckpointStore:
                 )
         return None
 
+    def load(self, generation: int) -> LoadedCheckpoint | None:
+        """Generation `generation` if it is on disk and verifies; None (with a warning for
+        one that does not verify) otherwise: a step log's chain is read one step at a time."""
+        path = self._final_dirs().get(generation)
+        if path is None:
+            return None
+        try:
+            return _load(generation, path)
+        except _Unusable as error:
+            logger.warning("checkpoint %s is unusable (%s)", path, error)
+            return None
+
     def drop(self, first: int = 0, last: int | None = None) -> None:
         """Remove the generations numbered `first` to `last` (None: every later one), and any
         temporary leftover, durably: a step log's steps once their checkpoints are written,

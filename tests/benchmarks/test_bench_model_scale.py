@@ -20,7 +20,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> None:
     result = run(
         "--sizes", "2M", "--codecs", "fp32,int8", "--modes", "sync,streaming", "--rounds", "3",
-        "--sync-every", "4", "--out-dir", str(tmp_path),
+        "--sync-every", "4", "--checkpoint-every", "2", "--out-dir", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "model_scale.json").read_text())["results"]
@@ -31,7 +31,7 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
         ("2M", "int8", "streaming"),
     ]
     for row in rows:
-        assert row["rounds"] == 3 and not row["cut_short"]
+        assert row["rounds"] == 3 and not row["cut_short"] and row["checkpoint_every"] == 2
         assert row["loopback_seconds"] > 0 and row["memory_pass_seconds"] > 0
         limit = row["loopback_seconds"] + row["memory_pass_seconds"]
         assert row["ratio_to_limit"] == pytest.approx(row["blocked_seconds"] / limit)
@@ -78,6 +78,7 @@ def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
         (["--fragments", "0"], "--fragments must be >= 1"),
         (["--modes", "streaming", "--delay", "4"], "--delay below"),
         (["--anchor-devices", "gpu"], "--anchor-devices must be from"),
+        (["--checkpoint-every", "server,0"], "--checkpoint-every must be 'server' or"),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) -> None:

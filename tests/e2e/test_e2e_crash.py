@@ -1,13 +1,15 @@
 """Crash equivalence: a server killed with SIGKILL and restarted ends where an unbroken run ends.
 
 Two `diloco worker` processes (static shards, fixed seeds) train through a `diloco server
---state-dir`. In each case the server dies by SIGKILL once, at a named point of the round
-lifecycle (the server kills itself there: `diloco.faults`, so the crash lands exactly between
-the step log and the step, or inside the checkpoint written in the background) or from outside
-at a moment picked by a seeded clock; a watcher restarts it on the same port and state dir. The
-final global weights must equal those of an uninterrupted run (rtol 1e-6), the rounds table must
-hold every round exactly once, and the audit log must show one outer step per round: none lost, none
-applied twice.
+--state-dir --checkpoint-every 2` (so a restart replays a chain of up to two steps from the
+step log, and the background checkpoint of every other round is a kill point). In each case
+the server dies by SIGKILL once, at a named point of the round lifecycle (the server kills
+itself there: `diloco.faults`, so the crash lands exactly between the step log and the step,
+or inside the checkpoint written in the background) or from outside at a moment picked by a
+seeded clock; a watcher restarts it on the same port and state dir. The final global weights
+must equal those of an uninterrupted run (rtol 1e-6), the rounds table must hold every round
+exactly once, and the audit log must show one outer step per round: none lost, none applied
+twice.
 
 CI runs a sample of the points; `-m slow` runs them all.
 """
@@ -57,6 +59,8 @@ KILL_POINTS = [
     KillPoint("barrier full, before the outer step", "submission_folded:4"),
     KillPoint("before the step log", "before_step_log:2"),
     KillPoint("step logged, nothing applied", "after_step_log:3"),
+    # steps 2 and 3 only in the log (round 2's checkpoint is the newest): both replayed
+    KillPoint("two steps only in the step log", "after_step_log:4"),
     KillPoint("stepped and recorded, result not yet published", "after_store_commit:4"),
     KillPoint("right after the commit", "result_published:2"),
     # the checkpoint, written in the background once the result is out: a restart replays
@@ -66,7 +70,7 @@ KILL_POINTS = [
     KillPoint("checkpoint files written, before the rename", "checkpoint_rename:3"),
     KillPoint("checkpoint durable", "after_checkpoint:3"),
 ]
-CI_SAMPLE = {"during the background checkpoint write"}  # mid-upload and the rest: -m slow
+CI_SAMPLE = {"two steps only in the step log"}  # mid-upload and the rest: -m slow
 
 
 def free_port() -> str:
@@ -75,7 +79,9 @@ def free_port() -> str:
         return str(probe.getsockname()[1])
 
 
-def server_args(port: str, state: Path, min_workers: int = 2) -> tuple[str, ...]:
+def server_args(
+    port: str, state: Path, min_workers: int = 2, checkpoint_every: int = 2
+) -> tuple[str, ...]:
     return (
         "--port",
         port,
@@ -89,6 +95,8 @@ def server_args(port: str, state: Path, min_workers: int = 2) -> tuple[str, ...]
         "20",
         "--min-workers",
         str(min_workers),  # 2: every round waits for both workers, however late one starts
+        "--checkpoint-every",
+        str(checkpoint_every),
     )
 
 
@@ -194,7 +202,7 @@ def test_sigterm_flushes_and_a_restart_resumes_without_loss(
     """With --durability interval nothing is on disk between checkpoints, except that a
     graceful stop (SIGTERM) writes the current round: the run then loses nothing at all."""
     port, state = free_port(), tmp_path / "state"
-    args = (*server_args(port, state), "--durability", "interval", "--checkpoint-every", "100")
+    args = (*server_args(port, state, checkpoint_every=100), "--durability", "interval")
     first = server_process(*args)
     workers = train_two_workers(first.url, corpus_file, tmp_path)
     kill_from_outside(first, KillPoint("sigterm", after_round=2), sig=signal.SIGTERM)
@@ -219,12 +227,14 @@ def test_interval_durability_rolls_back_to_the_last_checkpoint_and_workers_rebas
     documented price), their rows are rolled back, and the workers, both ahead of the
     restarted server, rebase onto its weights and finish."""
     port, state = free_port(), tmp_path / "state"
-    interval = ("--durability", "interval", "--checkpoint-every", "4")
+    interval = ("--durability", "interval")
     # The server dies right after publishing its third round (version 3; the last checkpoint
     # is version 0). Until then --min-workers 2 keeps both workers in every round, so both
     # hold weights the restarted server has lost, whenever each process happened to start.
     first = server_process(
-        *server_args(port, state), *interval, env={ENV_VAR: "result_published:3"}
+        *server_args(port, state, checkpoint_every=4),
+        *interval,
+        env={ENV_VAR: "result_published:3"},
     )
     workers = train_two_workers(first.url, corpus_file, tmp_path)
     first.process.wait(timeout=180)
@@ -233,7 +243,9 @@ def test_interval_durability_rolls_back_to_the_last_checkpoint_and_workers_rebas
     # received the last result when the server died) and so finish a round later: with
     # --min-workers 2 that last round would wait for a partner that has left.
     restarted = server_process(
-        *server_args(port, state, min_workers=1), *interval, "--override-settings"
+        *server_args(port, state, min_workers=1, checkpoint_every=4),
+        *interval,
+        "--override-settings",
     )
     wait_all(workers, timeout=300)
     for i, worker in enumerate(workers):

@@ -181,7 +181,13 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
         "negative grace": (["--mode", "async", "--grace-seconds", "-1"], "grace_seconds must be"),
         "dylu in sync mode": (["--dylu"], "dylu applies to"),
         "interval without a state dir": (["--durability", "interval"], "needs --state-dir"),
-        "checkpoint-every without interval": (["--checkpoint-every", "5"], "--durability interval"),
+        "checkpoint-every on a shard": (
+            [
+                *("--shard", "1", "--shard-url", "http://127.0.0.1:9"),
+                *("--shard-url", "http://127.0.0.1:10", "--checkpoint-every", "5"),
+            ],
+            "sharded servers checkpoint every round",
+        ),
         "checkpoint-every 0": (
             [
                 "--state-dir",

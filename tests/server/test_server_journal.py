@@ -181,6 +181,98 @@ def test_a_step_logged_but_never_checkpointed_is_replayed_bit_for_bit(tmp_path: 
     assert [r["round"] for r in third.journal.state.committed_rounds()] == [0, 1, 2]
 
 
+CHAIN = [(0.2, 0.4), (0.1, -0.3), (0.3, 0.3), (-0.2, 0.0), (0.5, 0.1)]  # each round's a, b
+
+
+def nesterov_by_hand(start: float, rounds: list[tuple[float, float]]) -> tuple[float, float]:
+    """The weight and momentum after `rounds` (the mean of a and b each), written out:
+    buffer = 0.9 * buffer + g, then w -= 0.7 * (g + 0.9 * buffer)."""
+    w, buffer = start, 0.0
+    for a, b in rounds:
+        g = (a + b) / 2
+        buffer = 0.9 * buffer + g
+        w -= 0.7 * (g + 0.9 * buffer)
+    return w, buffer
+
+
+def chained(state: Path) -> Coordinator:
+    """Five rounds with a checkpoint every third: round 3's in the background, and the step
+    log keeps steps 3 and 4 (a crash then loses their checkpoint, never the steps)."""
+    first = coordinator(state, checkpoint_every=3)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    for number, (a, b) in enumerate(CHAIN):
+        round_of(first, number, a, b)
+    first.journal.settle()
+    return first
+
+
+def test_steps_since_the_last_checkpoint_are_replayed_in_order_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    state, copy = tmp_path / "state", tmp_path / "copy"
+    first = chained(state)
+    assert first.round_number == 5
+    rounds = [g.metadata["round"] for g in map(first.journal.state.checkpoints.load, [0, 1])]
+    assert rounds == [0, 3] and first.journal.state.checkpoints.generations() == [0, 1]
+    assert first.journal.state.steps.generations() == [3, 4]  # steps 0-2 went with round 3's
+    weight, buffer = nesterov_by_hand(2.0, CHAIN)  # START's w[1] is 2.0
+    assert torch.allclose(first.masters["w"][1], torch.tensor(weight), rtol=1e-6)
+    shutil.copytree(state, copy)  # as kill -9 leaves it; `first` goes on in its own dir
+
+    second = coordinator(copy, checkpoint_every=3)
+    assert second.round_number == 5
+    assert torch.equal(second.masters["w"], first.masters["w"])
+    momentum = second.model.optimizer.state_dict()["w"]
+    assert torch.equal(momentum, first.model.optimizer.state_dict()["w"])
+    assert torch.allclose(momentum, torch.full((3,), buffer), rtol=1e-6)
+    assert [r["round"] for r in second.journal.state.committed_rounds()] == [0, 1, 2, 3, 4]
+    (restarted,) = second.journal.state.audit_log("restarted")
+    assert restarted["detail"]["replayed_steps"] == [3, 4] and restarted["round"] == 5
+    newest = second.journal.state.checkpoints.load_latest()
+    assert newest is not None and newest.metadata["round"] == 5  # written by the restart
+    assert second.journal.state.steps.generations() == []
+    round_of(second, 5, 0.3, -0.1)  # and it goes on as the uninterrupted one
+    round_of(first, 5, 0.3, -0.1)
+    assert first.weights().body == second.weights().body
+    crash(second)
+    third = coordinator(copy, checkpoint_every=3)  # round 5's step in the log, replayed
+    assert third.round_number == 6 and torch.equal(third.masters["w"], first.masters["w"])
+    crash(first)
+
+
+def test_a_chain_missing_a_step_resumes_at_the_step_before_the_gap(tmp_path: Path) -> None:
+    """A step log file lost from the disk (an operator, a broken disk): the steps after it
+    cannot apply, so the run resumes where the chain stops, its later rows rolled back."""
+    first = chained(tmp_path)
+    w_at_4, _ = nesterov_by_hand(2.0, CHAIN[:4])
+    crash(first)
+    steps = tmp_path / "steps"
+    shutil.rmtree(steps / "gen-000000000004")  # steps 3 kept, 4 gone
+    second = coordinator(tmp_path, checkpoint_every=3)
+    assert second.round_number == 4
+    assert torch.allclose(second.masters["w"][1], torch.tensor(w_at_4), rtol=1e-6)
+    assert [r["round"] for r in second.journal.state.committed_rounds()] == [0, 1, 2, 3]
+    crash(second)
+    first = chained(tmp_path.parent / "again")
+    crash(first)
+    shutil.rmtree(tmp_path.parent / "again" / "steps" / "gen-000000000003")  # 3 gone, 4 kept
+    third = coordinator(tmp_path.parent / "again", checkpoint_every=3)
+    assert third.round_number == 3  # step 4 cannot apply without step 3
+    assert third.journal.state.steps.generations() == []
+    assert [r["round"] for r in third.journal.state.committed_rounds()] == [0, 1, 2]
+
+
+def test_a_graceful_stop_checkpoints_the_chain_and_empties_the_log(tmp_path: Path) -> None:
+    first = chained(tmp_path)
+    weights = first.masters["w"].clone()
+    assert first.shutdown()  # round 5 was only in the log
+    assert not list((tmp_path / "steps").glob("gen-*"))
+    second = coordinator(tmp_path, checkpoint_every=3)
+    assert second.round_number == 5 and torch.equal(second.masters["w"], weights)
+    assert second.journal.state.audit_log("restarted")[-1]["detail"]["replayed_steps"] == []
+
+
 def test_a_failed_step_log_stops_the_server_before_anything_moves(tmp_path: Path) -> None:
     first = coordinator(tmp_path)
     first.register("a", SPECS, 1)
@@ -278,7 +370,7 @@ def test_a_logged_step_is_replayed_only_under_the_settings_it_was_logged_with(
     round_of(first, 0, 0.2, 0.4)
     crash(first)
     changed = ServerSettings(sync_every=2, min_workers=2, outer_momentum=0.5)
-    refused = r"step log holds a step .*momentum.: 0.9} in the state dir"
+    refused = r"step log holds steps .*momentum.: 0.9} in the state dir"
     with pytest.raises(ValueError, match=refused):
         coordinator(tmp_path, changed, override_settings=True)
     replayed = coordinator(tmp_path)  # the stored settings: replayed and checkpointed

@@ -33,6 +33,11 @@ from diloco.console import err, fail, warn
 from diloco.server.http.runner import TlsFiles, serve
 from diloco.server.members.credentials import TokensFileError, load_tokens_file
 from diloco.server.settings import DEFAULT_ERROR_FEEDBACK_BETA, ServerSettings
+from diloco.server.state.journal import (
+    INTERVAL_CHECKPOINT_EVERY,
+    ROUND_CHECKPOINT_EVERY,
+    default_checkpoint_every,
+)
 from diloco.wire import parse_wire_dtype
 
 # --help panels of this command's own options (the shared ones are in options.py).
@@ -90,13 +95,17 @@ def server_command(
     ),
     durability: str = typer.Option(
         "round",
-        help="round: every round is on disk before its result is sent; interval: every "
-        "--checkpoint-every rounds (a crash then rolls back to the last checkpoint).",
+        help="round: every round is on disk before its result is sent (its input in the "
+        "step log; a full checkpoint every --checkpoint-every rounds, the steps since "
+        "replayed after a crash); interval: a checkpoint every --checkpoint-every rounds "
+        "and no step log (a crash then rolls back to the last checkpoint).",
         rich_help_panel=DURABILITY_PANEL,
     ),
     checkpoint_every: int = typer.Option(
         None,
-        help="With --durability interval: rounds between checkpoints (default 10).",
+        help="Rounds between full checkpoints (default "
+        f"{ROUND_CHECKPOINT_EVERY} with --durability round, whose step log keeps the rounds "
+        f"between: about one model-sized file each; {INTERVAL_CHECKPOINT_EVERY} with interval).",
         rich_help_panel=DURABILITY_PANEL,
     ),
     mode: str = typer.Option(
@@ -377,10 +386,13 @@ def server_command(
             raise ValueError(f"--keep-checkpoints must be >= 1, got {keep_checkpoints}")
         if durability not in ("round", "interval"):
             raise ValueError(f"--durability must be round or interval, got {durability!r}")
-        if checkpoint_every is not None and durability != "interval":
-            raise ValueError("--checkpoint-every needs --durability interval")
         if checkpoint_every is not None and checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
+        if checkpoint_every is not None and checkpoint_every > 1 and shard_url:
+            raise ValueError(
+                "sharded servers checkpoint every round (their steps are decided across "
+                "shards, not replayed from a step log): drop --checkpoint-every"
+            )
         if durability == "interval" and state_dir is None:
             raise ValueError("--durability interval needs --state-dir (nothing is written without)")
         stopped = serve(
@@ -395,7 +407,9 @@ def server_command(
             keep_checkpoints=keep_checkpoints,
             override_settings=override_settings,
             durability=durability,
-            checkpoint_every=(checkpoint_every or 10) if durability == "interval" else 1,
+            checkpoint_every=(
+                checkpoint_every or default_checkpoint_every(durability, bool(shard_url))
+            ),
             tokens=tokens,
             tls=tls,
             tensorboard=tensorboard,

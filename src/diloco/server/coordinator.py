@@ -185,9 +185,9 @@ class Coordinator:
             self.model.adopt(restored.masters, restored.round, restored.published)
             self.model.optimizer.load_state_dict(restored.optimizer_state)
             fragment_rounds = restored.fragment_rounds
-            if restored.pending is not None:
-                self._replay(restored.pending)
-                fragment_rounds = restored.pending.fragment_rounds
+            for step in restored.pending:
+                self._replay(step, last=step is restored.pending[-1])
+                fragment_rounds = step.fragment_rounds
             self.screen.restore(restored.norm_history or [])
             # The workers live at the crash are members again: the restored round waits for
             # them (a missing one is evicted after the heartbeat timeout, as always), so a
@@ -206,11 +206,12 @@ class Coordinator:
                 self.model.set_specs(known, kinds_known=True)
                 self._readmit(self.journal.state.live_workers())
 
-    def _replay(self, step: LoggedStep) -> None:
-        """The step a crash caught between its step log and its checkpoint: applied again
-        from the log (its sums, through the same commit, at the lr it used), so the weights,
-        the momentum and the published copy are the ones the workers saw; then its
-        checkpoint is written, before anything is served."""
+    def _replay(self, step: LoggedStep, last: bool) -> None:
+        """A step the newest checkpoint does not hold (logged since, or caught between its
+        log and its checkpoint): applied again from the log (its sums, through the same
+        commit, at the lr it used), so the weights, the momentum and the published copy are
+        the ones the workers saw; after the `last` of them their checkpoint is written,
+        before anything is served."""
         model = self.model
         optimizer = model.optimizer
         lr, optimizer.lr = optimizer.lr, step.lr
@@ -218,27 +219,31 @@ class Coordinator:
             model.commit(
                 step.running,
                 step.record.round + 1,
-                lambda: self.journal.write_replayed(
-                    step,
-                    model.masters,
-                    model.optimizer.state_dict(copy=False),
-                    model.specs,
-                    model.published_tensors,
+                lambda: (
+                    self.journal.write_replayed(
+                        step,
+                        model.masters,
+                        model.optimizer.state_dict(copy=False),
+                        model.specs,
+                        model.published_tensors,
+                    )
+                    if last
+                    else None
                 ),
                 step.names,
             )
         except Exception as exc:
             raise ValueError(
                 f"the step log's outer step {step.record.round} cannot be applied again ({exc}); "
-                "move the state dir's steps/ folder aside to resume from the checkpoint before "
-                f"it (round {step.record.round}), losing that step"
+                "move the state dir's steps/ folder aside to resume from the newest "
+                "checkpoint, losing the steps logged since it"
             ) from exc
         finally:
             optimizer.lr = lr
         self.last_commit = step.record
         log.warning(
-            "outer step %d (round %d -> %d) replayed from the step log: its checkpoint had not "
-            "been written when the server stopped",
+            "outer step %d (round %d -> %d) replayed from the step log: no checkpoint held it "
+            "when the server stopped",
             step.record.round,
             step.record.round,
             model.version,

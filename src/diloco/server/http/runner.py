@@ -269,9 +269,11 @@ def serve(
 ) -> dict:
     """Serve until SIGINT/SIGTERM (uvicorn handles both and drains open requests).
 
-    With `state_dir`, every round (or every `checkpoint_every`-th with durability "interval")
-    is durable before its result is published, and a restart on the same directory resumes
-    from the newest verified checkpoint; so are the worker credentials it issued. `token` is
+    With `state_dir`, every round is durable before its result is published (its step log;
+    a full checkpoint every `checkpoint_every`-th round), or with durability "interval" only
+    every `checkpoint_every`-th round; a restart on the same directory resumes from the
+    newest verified checkpoint and the steps logged since. So are the worker credentials it
+    issued. `token` is
     the enrollment token, `tokens` the tokens file's {token: scope}; sharded servers with
     any secret call each other with its `shard` one, trusting `ca_file` for https:// URLs.
     """

@@ -6,16 +6,19 @@ tensor specs, the settings, and the record of that commit (its contributors, tok
 units it completed). With `durability="round"` (the default) no acknowledged outer step is ever
 lost or applied twice: before a step moves anything, its input (the round's running sums,
 the commit record, the optimizer's lr) goes to the step log (D/steps), one model-sized fp32
-file made durable; then the step is applied, recorded in SQLite and published, and its
-checkpoint is written in the background while the workers train. The next step waits for
-that checkpoint, so at most one step is ever only in the log, and a restart that finds the
-step after its newest checkpoint applies it again from the log (the same sums through the
-same code: the same weights, bit for bit) and writes its checkpoint. (Writing the whole
-checkpoint before the result, as sharded servers still do, cost 2-3 model-sized files and
-their hashes on every round's critical path.) With `durability="interval"` only every
-`checkpoint_every`-th round (and the state at a graceful shutdown) is checkpointed, and a
-crash rolls the run back to the last one: the SQLite rows of the lost rounds are dropped and
-their work units go back to the pool to be trained again.
+file made durable; then the step is applied, recorded in SQLite and published. Every
+`checkpoint_every`-th step (and at a graceful shutdown) its checkpoint is written in the
+background while the workers train, and the step after it waits for that checkpoint; the
+steps between stay in the log, a chain from the newest checkpoint. A restart applies the
+chain again, step by step (the same sums through the same code: the same weights, bit for
+bit), and writes the checkpoint of its last step before anything is served. (Writing the
+whole checkpoint before the result, as sharded servers still do, cost 2-3 model-sized files
+and their hashes on every round's critical path; writing it in the background every round
+still competed for memory bandwidth and cores with the next round's delta and downloads.)
+With `durability="interval"` there is no step log: only every `checkpoint_every`-th round
+(and the state at a graceful shutdown) is checkpointed, and a crash rolls the run back to the
+last one: the SQLite rows of the lost rounds are dropped and their work units go back to the
+pool to be trained again.
 
 SQLite (the `StateStore`) holds the metadata written in the same critical section: the round
 row, the completed units, worker membership, audit and metrics history. A restart reconciles
@@ -47,6 +50,18 @@ from diloco.wire import TensorSpec
 log = logging.getLogger("diloco.server")
 
 DURABILITY_MODES = ("round", "interval")
+# Rounds between full checkpoints. With "round" the steps between stay in the step log (one
+# model-sized fp32 file each) and are replayed after a crash; with "interval" a crash rolls
+# back to the last checkpoint.
+ROUND_CHECKPOINT_EVERY = 4
+INTERVAL_CHECKPOINT_EVERY = 10
+
+
+def default_checkpoint_every(durability: str, sharded: bool) -> int:
+    """Sharded servers log no steps: with "round" every round is its own checkpoint."""
+    if durability == "interval":
+        return INTERVAL_CHECKPOINT_EVERY
+    return 1 if sharded else ROUND_CHECKPOINT_EVERY
 
 
 @dataclass(frozen=True)
@@ -188,7 +203,8 @@ class RestoredState:
     fragment_rounds: list[int]  # streaming: each fragment's round; else [round]
     published: dict[str, torch.Tensor] | None = None  # P, with --download-codec
     norm_history: list[list[float]] | None = None  # robust aggregation's, per fragment
-    pending: LoggedStep | None = None  # the step after `round`, logged but not checkpointed
+    # the steps after `round`, logged but not checkpointed, in order (a restart applies them)
+    pending: list[LoggedStep] = field(default_factory=list)
 
 
 class RoundJournal:
@@ -210,11 +226,6 @@ class RoundJournal:
             raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every}")
-        if durability == "round" and checkpoint_every != 1:
-            raise ValueError(
-                "checkpoint_every applies to durability 'interval' only "
-                f"(got checkpoint_every={checkpoint_every} with durability 'round')"
-            )
         self.state = state
         self.settings = settings
         self.override_settings = override_settings
@@ -223,6 +234,7 @@ class RoundJournal:
         self.checkpoint_every = checkpoint_every
         self.pool = WorkPool(state.conn)
         self.saved_round: int | None = None  # the round of the newest checkpoint on disk
+        self.scheduled_round: int | None = None  # ... or being written in the background
         # Steps are logged and checkpointed in the background unless the caller says not
         # (sharded servers: their commits are decided across shards, not replayed from one).
         self.log_steps = True
@@ -252,7 +264,8 @@ class RoundJournal:
 
     @property
     def logs_steps(self) -> bool:
-        """Each step's input is logged and its checkpoint written in the background."""
+        """Each step's input is logged, and every `checkpoint_every`-th step's checkpoint
+        written in the background."""
         return self.durable and self.durability == "round" and self.log_steps
 
     # ----------------------------------------------------------------- writing
@@ -286,6 +299,7 @@ class RoundJournal:
             },
         )
         self.saved_round = round_number
+        self.scheduled_round = round_number
 
     def save_initial(
         self,
@@ -345,8 +359,15 @@ class RoundJournal:
             record.apply_to(self.pool)
             self.state.record_metrics(record.round, seconds=record.seconds, **metrics)
         faults.crash_point("after_store_commit")
-        if logged:  # (the checkpoint then holds the record with its measured seconds)
+        if logged and self.checkpoint_due(new_round):
+            # (the checkpoint then holds the record with its measured seconds)
             self._checkpoint_in_background(new_round, write_checkpoint)
+
+    def checkpoint_due(self, new_round: int) -> bool:
+        """Whether a logged step that makes `new_round` is checkpointed: every
+        `checkpoint_every`-th round since the last checkpoint (the log holds the rest)."""
+        last = self.scheduled_round
+        return last is None or new_round - last >= self.checkpoint_every
 
     # ----------------------------------------------------------------- the step log
 
@@ -360,7 +381,7 @@ class RoundJournal:
     ) -> Callable[[], None]:
         """Write step `record.round`'s input before the step moves anything: its sums (fp32
         files), totals, count and bound, its record, the fragments' rounds after it and the lr
-        it uses. The log keeps one step.
+        it uses. The log keeps the steps since the newest checkpoint.
 
         Returns the function that makes the log durable (each file hashed from the page cache,
         then its fsyncs): the step may run meanwhile, since the files no longer read the sums,
@@ -368,7 +389,7 @@ class RoundJournal:
         steps = self.state.steps
         assert steps is not None
         faults.crash_point("before_step_log")
-        durable = steps.stage(  # the last step's log went once its checkpoint was written
+        durable = steps.stage(  # the steps before the last checkpoint went once it was written
             record.round,
             _sum_groups(running.sums, min(8, os.cpu_count() or 1)),
             {
@@ -390,37 +411,36 @@ class RoundJournal:
 
         return logged
 
-    def _logged_step(self, round_number: int) -> LoggedStep | None:
-        """The logged step that starts from `round_number` (the newest checkpoint's), if the
-        log holds it; any other logged step is stale and dropped."""
+    def _logged_steps(self, round_number: int) -> list[LoggedStep]:
+        """The chain of logged steps that starts from `round_number` (the newest
+        checkpoint's): steps round_number, round_number + 1, ... up to the first one the log
+        lacks. Any other logged step is stale and dropped: an older one is in the checkpoint;
+        one past a gap cannot apply (a gap needs a step lost from the disk: it is logged)."""
         steps = self.state.steps
         if steps is None:
-            return None
-        loaded = steps.load_latest()
-        if loaded is None or loaded.generation != round_number:
-            steps.drop()  # older: its checkpoint exists; newer: it cannot apply
-            return None
-        meta = loaded.metadata
-        bound = meta.get("bound")
-        running = RunningMean.restored(
-            str(meta["weighting"]),
-            {
-                name: tensor
-                for group, tensors in loaded.tensors.items()
-                if group == "sums" or group.startswith("sums-")
-                for name, tensor in tensors.items()
-            },
-            {str(n): float(t) for n, t in meta["totals"].items()},
-            int(meta["count"]),
-            math.inf if bound is None else float(bound),
-        )
-        return LoggedStep(
-            record=CommitRecord.from_json(meta["record"]),
-            running=running,
-            names=None if meta.get("names") is None else [str(n) for n in meta["names"]],
-            fragment_rounds=[int(r) for r in meta["fragment_rounds"]],
-            lr=float(meta["lr"]),
-        )
+            return []
+        chain: list[LoggedStep] = []
+        on_disk = steps.generations()
+        for generation in on_disk:
+            if generation != round_number + len(chain):
+                continue
+            loaded = steps.load(generation)
+            if loaded is None:
+                break
+            chain.append(_logged_step_of(loaded.metadata, loaded.tensors))
+        reached = round_number + len(chain)
+        unusable = [g for g in on_disk if g >= reached]
+        if unusable:
+            log.error(
+                "the step log's steps %s cannot be applied (step %d is missing or does not "
+                "verify) and are dropped: the run resumes at round %d",
+                unusable,
+                reached,
+                reached,
+            )
+        steps.drop(last=round_number - 1)
+        steps.drop(first=reached)
+        return chain
 
     def write_replayed(
         self,
@@ -511,6 +531,8 @@ class RoundJournal:
                 fragment_rounds,
                 published,
             )
+            if self.state.steps is not None:
+                self._drop_logged(through=round_number - 1)  # the steps it holds
             log.info("checkpoint of round %d written at shutdown", round_number)
             return True
         return False
@@ -583,13 +605,13 @@ class RoundJournal:
                 )
             return None
         round_number = int(loaded.metadata["round"])
-        pending = self._logged_step(round_number)
-        self._check_settings(loaded.metadata["settings"], pending is not None)
+        pending = self._logged_steps(round_number)
+        self._check_settings(loaded.metadata["settings"], bool(pending))
         commit = loaded.metadata.get("commit")
-        record = None if commit is None else CommitRecord.from_json(commit)
-        reached = round_number  # the round SQLite keeps: the checkpoint's, or the log's
-        if pending is not None:
-            record, reached = pending.record, round_number + 1
+        records = [] if commit is None else [CommitRecord.from_json(commit)]
+        records += [step.record for step in pending]
+        # the round SQLite keeps: the checkpoint's, or the last logged step's
+        reached = round_number + len(pending)
         with self.state.transaction():
             lost = self.state.rounds_from(reached)
             if lost:
@@ -602,19 +624,21 @@ class RoundJournal:
                 self.state.forget_rounds_from(reached)
                 self.pool.rollback_after(reached - 1)
                 self.state.audit("rolled_back", round=reached, rounds=lost)
-            if record is not None and not self.state.rounds_from(record.round):
-                record.store_in(self.state)
-                record.apply_to(self.pool)
+            for record in records:  # a crash between a step's log and its rows
+                if not self.state.rounds_from(record.round):
+                    record.store_in(self.state)
+                    record.apply_to(self.pool)
             for departed in self.state.departed_workers():
                 # Units a departed worker kept for an open round the crash lost: lease again.
                 self.pool.release_worker(departed)
             self.state.audit(
                 "restarted",
-                round=reached,  # the replayed step's round when the log held one
+                round=reached,  # past the replayed steps when the log held some
                 checkpoint=str(loaded.path),
-                replayed_step=None if pending is None else pending.record.round,
+                replayed_step=pending[-1].record.round if pending else None,
+                replayed_steps=[step.record.round for step in pending],
             )
-        self.saved_round = round_number
+        self.saved_round = self.scheduled_round = round_number
         specs = [TensorSpec.from_json(s) for s in loaded.metadata["specs"]]
         log.info("resuming round %d from %s", round_number, loaded.path)
         return RestoredState(
@@ -627,7 +651,7 @@ class RoundJournal:
                 int(r) for r in loaded.metadata.get("fragment_rounds", [round_number])
             ],
             published=dict(loaded.tensors["published"]) if "published" in loaded.tensors else None,
-            norm_history=None if record is None else record.norm_history,
+            norm_history=records[-1].norm_history if records else None,
             pending=pending,
         )
 
@@ -658,10 +682,10 @@ class RoundJournal:
             )
         if conflicts and step_pending:
             raise ValueError(
-                "the step log holds a step the server applied before it stopped, and it must be "
-                "applied again with the settings it was logged under ("
+                "the step log holds steps the server applied before it stopped, and they must "
+                "be applied again with the settings they were logged under ("
                 + "; ".join(conflicts)
-                + "): start once with the stored settings (the step is replayed and "
+                + "): start once with the stored settings (the steps are replayed and "
                 "checkpointed at once), then restart with the new ones"
             )
         if conflicts and not self.override_settings:
@@ -676,6 +700,30 @@ class RoundJournal:
             with self.state.transaction():
                 self.state.set_meta("settings", self.settings.to_wire())
                 self.state.audit("settings_overridden", conflicts=conflicts)
+
+
+def _logged_step_of(meta: dict, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> LoggedStep:
+    """A step log generation's step: its sums (every "sums-*" group), totals and record."""
+    bound = meta.get("bound")
+    running = RunningMean.restored(
+        str(meta["weighting"]),
+        {
+            name: tensor
+            for group, group_tensors in tensors.items()
+            if group == "sums" or group.startswith("sums-")
+            for name, tensor in group_tensors.items()
+        },
+        {str(n): float(t) for n, t in meta["totals"].items()},
+        int(meta["count"]),
+        math.inf if bound is None else float(bound),
+    )
+    return LoggedStep(
+        record=CommitRecord.from_json(meta["record"]),
+        running=running,
+        names=None if meta.get("names") is None else [str(n) for n in meta["names"]],
+        fragment_rounds=[int(r) for r in meta["fragment_rounds"]],
+        lr=float(meta["lr"]),
+    )
 
 
 def _sum_groups(
