@@ -194,10 +194,15 @@ def test_random_async_shard_kills_apply_every_arrival_once_on_every_shard(
     finally:
         shards.stop()
     assert killed, "no shard was killed: the run ended first"
-    # one step per arrival (on a failure: every shard's steps, to tell a lost arrival from
-    # two that shared a step; one such failure under a full `-m slow -n 2` did not recur)
+    # One step per arrival, except that the first two may share version 0: shard 0 is paused
+    # until both workers are live, and a first worker quick enough to confirm an arrival
+    # before then holds the window open, which the other's first arrival then joins if it
+    # comes before the resume (seen once under a loaded `-m slow -n 2`: versions [7, 7]).
     steps_of = [shard_steps(tmp_path, shard) for shard in range(SHARDS)]
-    assert versions == [2 * ARRIVALS] * SHARDS, (versions, steps_of)
-    steps = check_same_steps_everywhere(tmp_path, 2 * ARRIVALS)
-    assert [v for v, *_ in steps] == list(range(2 * ARRIVALS))
+    versions_of = [v for v, *_ in steps_of[0]]
+    shared = sorted({v for v in versions_of if versions_of.count(v) > 1})
+    assert shared in ([], [0]), steps_of
+    assert versions == [2 * ARRIVALS - len(shared)] * SHARDS, (versions, steps_of)
+    steps = check_same_steps_everywhere(tmp_path, versions[0])
+    assert sorted(set(versions_of)) == list(range(versions[0]))
     assert all(stale == v - anchor for v, _, anchor, stale in steps), steps
