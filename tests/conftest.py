@@ -95,8 +95,12 @@ def server_process(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
         port_file = tmp_path / f"port-{len(started)}"
         log = tmp_path / f"server-{len(started)}.log"
         try:
-            process, url = start_server(
-                port_file, *args, output=log.open("wb"), timeout=60, env=env
+            process, url = start_server(  # (a start that hangs dumps its stacks to the log)
+                port_file,
+                *args,
+                output=log.open("wb"),
+                timeout=60,
+                env={"PYTHONFAULTHANDLER": "1", **(env or {})},
             )
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}: {log.read_text()}") from None

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco.faults import STALL_ENV_VAR
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
+from diloco.server.ops.launch import start_server
 from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import RoundJournal
 from diloco.server.state.store import StateStore
@@ -431,3 +433,25 @@ def test_a_top_k_run_begun_before_its_codec_chose_sgd_resumes_as_it_ran(
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"outer_optimizer: .*'nesterov'.* in the state dir"):
         coordinator(tmp_path, given)
+
+
+def test_a_start_that_hangs_dumps_where_it_is(tmp_path: Path) -> None:
+    """A real `diloco server` restarted on a chain whose replay stalls (a disk that hangs in
+    the replayed step's checkpoint): past its timeout the launcher has the process dump its
+    threads' stacks into the log before it goes (PYTHONFAULTHANDLER, SIGABRT), so a start
+    that hangs in a test says where."""
+    crash(chained(tmp_path / "state"))
+    log = tmp_path / "server.log"
+    stalled = {"PYTHONFAULTHANDLER": "1", STALL_ENV_VAR: "checkpoint_file:60"}
+    with pytest.raises(RuntimeError, match="did not start"):
+        start_server(
+            tmp_path / "port",
+            *("--state-dir", str(tmp_path / "state"), "--checkpoint-every", "3"),
+            *("--sync-every", "2", "--min-workers", "2"),
+            output=log.open("wb"),
+            timeout=8,
+            env=stalled,
+        )
+    dump = log.read_text()
+    assert "Fatal Python error: Aborted" in dump
+    assert "in _replay" in dump and "in write_replayed" in dump and "in crash_point" in dump

@@ -3,8 +3,10 @@ benchmarks and the tests, which all need a real server process and its URL."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +54,12 @@ def start_server(
     deadline = time.monotonic() + timeout
     while not port_file.exists():
         if process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is None and (env or {}).get("PYTHONFAULTHANDLER"):
+                # still starting: its threads' stacks to `output` first (faulthandler's
+                # SIGABRT dump), so a start that hangs says where
+                process.send_signal(signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=10)
             stop_process(process)
             raise RuntimeError(f"the server did not start (exit code {process.returncode})")
         time.sleep(0.05)
