@@ -33,6 +33,16 @@ def test_trimmed_mean_drops_floor_f_k_values_from_each_end() -> None:
     assert aggregate(four, KINDS, Aggregation.parse("trimmed_mean:0.2"))["w"].tolist() == [26.5]
 
 
+def test_sparse_mean_averages_each_element_over_the_workers_that_sent_it() -> None:
+    three = grads([3.0, 0.0, 0.0, 1.0], [0.0, 0.0, -4.0, 2.0], [6.0, 0.0, 0.0, 3.0])
+    # element 0: 3 and 6 sent -> 4.5; element 1: nobody -> 0; element 2: -4 alone -> -4;
+    # element 3: all three -> (1 + 2 + 3) / 3 = 2 (the plain mean would give 3, 0, -4/3, 2)
+    combined = aggregate(three, KINDS, Aggregation.parse("sparse_mean"))
+    assert combined["w"].tolist() == [4.5, 0.0, -4.0, 2.0]
+    assert not Aggregation.parse("sparse_mean").screens
+    assert NormHistory().verdict([1.0, 1e9], Aggregation.parse("sparse_mean")).scales == [1, 1]
+
+
 def test_buffers_take_the_plain_mean_under_every_rule() -> None:
     gradients = [{"w": torch.tensor([1.0]), "count": torch.tensor(c)} for c in (0, 0, 9)]
     combined = aggregate(gradients, KINDS, Aggregation.parse("median"))
@@ -75,7 +85,7 @@ def test_the_plain_mean_screens_nothing() -> None:
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("average", "aggregation must be one of mean, clipped_mean, trimmed_mean:F, median"),
+        ("average", "must be one of mean, clipped_mean, trimmed_mean:F, median, sparse_mean"),
         ("trimmed_mean", "trimmed_mean takes its trimmed fraction F"),
         ("trimmed_mean:x", "trimmed_mean takes its trimmed fraction F"),
         ("trimmed_mean:0.5", "the trimmed fraction F must be in [0, 0.5), got 0.5"),

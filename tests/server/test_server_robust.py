@@ -176,6 +176,7 @@ def test_elementwise_rules_combine_what_screening_keeps(aggregation: str, expect
         ({"aggregation": "clipped_mean", "weighting": "tokens"}, "weighs every pseudo-gradient"),
         ({"aggregation": "trimmed_mean:0.5"}, "must be in [0, 0.5)"),
         ({"aggregation": "mode"}, "aggregation must be one of mean, clipped_mean"),
+        ({"aggregation": "sparse_mean"}, "runs in diloco simulate only for now"),
         ({"aggregation": "clipped_mean", "clip_multiple": -1.0}, "clip multiple must be > 0"),
         ({"aggregation": "clipped_mean", "outlier_ratio": 1.0}, "outlier ratio must be > 1"),
     ],

@@ -49,6 +49,18 @@ def test_with_nobody_bad_a_robust_rule_refuses_nothing() -> None:
     assert result.to_json()["aggregation"] == "clipped_mean"
 
 
+def test_sparse_mean_is_the_mean_for_dense_uploads_and_differs_for_top_k() -> None:
+    """fp32 pseudo-gradients hold no zeros, so every element has all K senders: the plain
+    mean's run (to rounding); top-k ones leave most elements to fewer workers."""
+    plain, sparse = simulate(small()), simulate(small(aggregation="sparse_mean"))
+    assert sparse.final_eval_loss == pytest.approx(plain.final_eval_loss, rel=1e-4)
+    assert sparse.to_json()["aggregation"] == "sparse_mean" and sparse.refused_contributions == 0
+    codec = {"upload_codec": "topk:0.1", "outer_optimizer": "sgd", "outer_lr": 1.0}
+    top_k = simulate(small(**codec))
+    top_k_sparse = simulate(small(aggregation="sparse_mean", **codec))
+    assert abs(top_k_sparse.final_eval_loss - top_k.final_eval_loss) > 1e-3
+
+
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [

@@ -14,6 +14,11 @@ the norms of recent accepted pseudo-gradients and of this round's; one more than
   - `median`: the per-element median (the same paper); for an even K the mean of the two
     middle values, so that K = 2 is the plain mean.
 
+`sparse_mean` is not a robust rule (it screens nothing): per element, the mean over the
+contributions that sent it (a value other than 0), 0 where none did. SparseLoCo (Sarfi et
+al. 2025) averages top-k uploads this way (its code's `scatter_reduce(reduce="mean",
+include_self=False)`), where the plain mean divides a value only one of K workers kept by K.
+
 Buffers, frozen and integer tensors are not trained by the outer optimizer: they take the
 mean of the accepted contributions under every rule (each scaled as its contribution is, so
 that a clipped worker moves them no more than it moves the weights). Uniform weights only: a
@@ -33,7 +38,7 @@ import torch
 from diloco.algorithm._checks import require_positive
 from diloco.algorithm.tensors import TensorDict, TensorKind
 
-AGGREGATIONS = ("mean", "clipped_mean", "trimmed_mean", "median")
+AGGREGATIONS = ("mean", "clipped_mean", "trimmed_mean", "median", "sparse_mean")
 DEFAULT_CLIP_MULTIPLE = 2.0
 DEFAULT_OUTLIER_RATIO = 10.0
 NORM_HISTORY = 32  # accepted norms the reference remembers
@@ -55,12 +60,13 @@ class Aggregation:
         clip_multiple: float = DEFAULT_CLIP_MULTIPLE,
         outlier_ratio: float = DEFAULT_OUTLIER_RATIO,
     ) -> Aggregation:
-        """`mean`, `clipped_mean`, `trimmed_mean:F` (0 <= F < 0.5) or `median`."""
+        """`mean`, `clipped_mean`, `trimmed_mean:F` (0 <= F < 0.5), `median` or
+        `sparse_mean`."""
         rule, _, argument = str(text).partition(":")
         if rule not in AGGREGATIONS:
             raise ValueError(
-                f"aggregation must be one of mean, clipped_mean, trimmed_mean:F, median; "
-                f"got {text!r}"
+                f"aggregation must be one of mean, clipped_mean, trimmed_mean:F, median, "
+                f"sparse_mean; got {text!r}"
             )
         trim = 0.0
         if rule == "trimmed_mean":
@@ -85,8 +91,8 @@ class Aggregation:
 
     @property
     def screens(self) -> bool:
-        """Whether norms are compared at all (every rule but the plain mean)."""
-        return self.rule != "mean"
+        """Whether norms are compared at all (every rule but the plain and sparse means)."""
+        return self.rule not in ("mean", "sparse_mean")
 
 
 def trained(kinds: Mapping[str, TensorKind], name: str, tensor: torch.Tensor) -> bool:
@@ -172,6 +178,10 @@ def aggregate(
         trainable = trained(kinds, name, values[0])
         if not trainable or aggregation.rule in ("mean", "clipped_mean"):
             combined[name] = torch.stack(values).mean(dim=0)
+        elif aggregation.rule == "sparse_mean":
+            stacked = torch.stack(values)
+            senders = (stacked != 0).sum(dim=0).clamp(min=1)
+            combined[name] = stacked.sum(dim=0) / senders
         elif aggregation.rule == "median":
             combined[name] = _median(torch.stack(values))
         else:

@@ -227,7 +227,9 @@ def simulate_command(
         "mean",
         help="How a round's pseudo-gradients combine: mean, clipped_mean, trimmed_mean:F "
         "(0 <= F < 0.5) or median; the robust ones refuse norms over 10x the median, and "
-        "(3 kept or more) one pointing away from the round's element-wise median.",
+        "(3 kept or more) one pointing away from the round's element-wise median. "
+        "sparse_mean: each element over the workers that sent it (SparseLoCo's, for top-k "
+        "uploads; not yet in the server).",
         rich_help_panel=ROBUST_PANEL,
     ),
     hostile: str = typer.Option(

@@ -329,6 +329,12 @@ class ServerSettings:
 
     def _check_aggregation(self) -> None:
         rule = self.robust.rule  # raises for an unknown rule, a bad F, multiple or ratio
+        if rule == "sparse_mean":
+            raise ValueError(
+                "aggregation sparse_mean (each element averaged over the workers that sent "
+                "it, SparseLoCo's) runs in diloco simulate only for now: the server's fold "
+                "does not count each element's senders yet; use mean"
+            )
         if rule in ("trimmed_mean", "median") and self.mode == "async":
             raise ValueError(
                 f"aggregation {self.aggregation} combines a round's pseudo-gradients element "

@@ -1,10 +1,11 @@
 """How the simulated server combines a sync round, and what a bad worker sends instead.
 
-`--aggregation mean` is `outer_step`'s plain mean, as before. A robust rule screens the round's
-norms against the norm history and refuses what points away from the round's median
-(algorithm/robust.py), combines what is left with the rule, and applies it with `apply_mean`,
-as the server's commit does. `--hostile` makes the last worker send its pseudo-gradient
-corrupted (sim/hostile.py).
+`--aggregation mean` is `outer_step`'s plain mean, as before; `sparse_mean` averages each
+element over the workers that sent it (SparseLoCo's aggregation of top-k uploads). A robust
+rule screens the round's norms against the norm history and refuses what points away from the
+round's median (algorithm/robust.py), combines what is left with the rule, and applies it with
+`apply_mean`, as the server's commit does. `--hostile` makes the last worker send its
+pseudo-gradient corrupted (sim/hostile.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class SyncAggregation:
         kinds: Mapping[str, TensorKind],
     ) -> None:
         """One outer step on the round's contributions under the rule."""
+        if self.rule.rule == "sparse_mean":  # each element over the workers that sent it
+            gradients = [c.pseudo_gradient for c in contributions]
+            apply_mean(masters, aggregate(gradients, kinds, self.rule), optimizer, kinds)
+            return
         if not self.rule.screens:
             outer_step(masters, contributions, optimizer, kinds)
             return
