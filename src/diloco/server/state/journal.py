@@ -379,13 +379,13 @@ class RoundJournal:
         fragment_rounds: Sequence[int],
         lr: float,
     ) -> Callable[[], None]:
-        """Write step `record.round`'s input: its sums (fp32 files), totals, count and bound,
-        its record, the fragments' rounds after it and the lr it uses (on a thread beside the
-        step, which only reads the sums: GlobalModel.commit). The log keeps the steps since
-        the newest checkpoint.
+        """Write step `record.round`'s input before the step moves anything: its sums (fp32
+        files), totals, count and bound, its record, the fragments' rounds after it and the lr
+        it uses. The log keeps the steps since the newest checkpoint.
 
         Returns the function that makes the log durable (each file hashed from the page cache,
-        then its fsyncs): nothing may be recorded or published before it has returned."""
+        then its fsyncs): the step may run meanwhile, since the files no longer read the sums,
+        but nothing may be recorded or published before it has returned."""
         steps = self.state.steps
         assert steps is not None
         faults.crash_point("before_step_log")
