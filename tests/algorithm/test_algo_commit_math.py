@@ -19,9 +19,7 @@ from diloco.algorithm import (
     TensorKind,
     apply_mean,
     apply_running_mean,
-    outer_optimizer,
 )
-from diloco.algorithm.delayed_nesterov import DelayedNesterov
 from diloco.algorithm.tensors import finite_bound
 
 KINDS = {
@@ -99,49 +97,6 @@ def test_apply_running_mean_is_bit_identical_to_apply_mean(
         assert_identical(fast_optimizer.state_dict(), reference_optimizer.state_dict())
         with pytest.raises(RuntimeError, match="consumed"):
             running.consume()
-
-
-@pytest.mark.parametrize(("kind", "momentum"), [("nesterov", 0.9), ("momentum", 0.8), ("sgd", 0)])
-@pytest.mark.parametrize("policy", ["default", "all_floating"])
-def test_kept_sums_are_never_written_and_step_to_the_same_bits(
-    kind: str, momentum: float, policy: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """keep_sums (the server's step log reads the sums on another thread during the step):
-    the division goes piece by piece into a scratch buffer, here in pieces of 64 elements
-    that cut across a 300-element "w" and a 70-element "b", and the weights and momentum come
-    out bit for bit as with the division in place, while the sums stay as they were."""
-    monkeypatch.setattr(outer_optimizer, "KEPT_PIECE", 64)
-    generator = torch.Generator().manual_seed(5)
-    shapes = {"w": (20, 15), "b": (70,), "frozen": (3,), "norm": (2,)}
-    start = {n: torch.randn(s, generator=generator) for n, s in shapes.items()}
-    start |= {"count": torch.tensor([10, 20, 31]), "mask": torch.tensor([True, False, True])}
-    in_place, kept = clone(start), clone(start)
-    in_place_optimizer = OuterOptimizer(kind, lr=0.7, momentum=momentum)
-    kept_optimizer = OuterOptimizer(kind, lr=0.7, momentum=momentum)
-    for _ in range(3):  # the first round creates the momentum, the others use it
-        draw = {n: t.shape for n, t in start.items()}
-        items = [
-            Contribution({n: torch.randn(s, generator=generator) for n, s in draw.items()}, k)
-            for k in (3, 1, 7)
-        ]
-        running = running_of(items, "tokens", True)
-        apply_running_mean(in_place, running, in_place_optimizer, KINDS, policy=policy)
-        running = running_of(items, "tokens", True, storage=True)
-        sums = clone(running.sums)
-        apply_running_mean(kept, running, kept_optimizer, KINDS, policy=policy, keep_sums=True)
-        assert_identical(running.sums, sums)
-        assert_identical(kept, in_place)
-        assert_identical(kept_optimizer.state_dict(), in_place_optimizer.state_dict())
-
-
-def test_delayed_nesterov_keeps_its_sums_too() -> None:
-    steps = [DelayedNesterov(lr=0.7, momentum=0.9, delay=2, c=0.5) for _ in range(2)]
-    weights = [{"w": torch.ones(4)}, {"w": torch.ones(4)}]
-    for total in (torch.tensor([1.0, -2.0, 3.0, 0.5]), torch.tensor([0.3, 0.0, -1.0, 2.0])):
-        kept = total.clone()
-        steps[0].step(weights[0], {"w": total.clone()}, divisors={"w": 3.0})
-        steps[1].step(weights[1], {"w": kept}, divisors={"w": 3.0}, keep_grads=True)
-        assert torch.equal(kept, total) and torch.equal(weights[0]["w"], weights[1]["w"])
 
 
 def test_a_non_finite_sum_is_refused_before_anything_changes() -> None:

@@ -22,10 +22,6 @@ from diloco.algorithm.tensors import TensorDict, all_finite
 
 OUTER_KINDS = ("sgd", "momentum", "nesterov")
 DEFAULT_MOMENTUM = 0.9
-# Elements a kept grad is divided and stepped in at a time (4 MiB of fp32). A multiple of 64,
-# so every piece starts on a vector boundary of the kernel's SIMD loop: its scalar tail (which
-# rounds differently, without fused multiply-adds) then holds the same elements as in one call.
-KEPT_PIECE = 1 << 20
 
 
 def check_step_inputs(
@@ -86,65 +82,17 @@ class OuterOptimizer:
         *,
         divisors: Mapping[str, float] | None = None,
         finite: bool = False,
-        keep_grads: bool = False,
     ) -> None:
         """Update `params` in place for the names in `grads`; other names are untouched.
 
         `divisors`: the gradient of a name is grads[name] / divisors[name] (a running sum and
         its total weight); the division is done in place, on the grads, inside the step's one
         pass. `finite=True`: the caller has proven every grad finite, so they are not scanned.
-        `keep_grads=True`: the grads are never written (each is divided piece by piece into a
-        scratch buffer and stepped from there: the same values, element for element), so
-        another thread may read them meanwhile (the server writes its step log from them).
         """
         check_step_inputs(params, grads, "outer step", scan_values=not finite)
         for name, grad in grads.items():
             divisor = 1.0 if divisors is None else divisors[name]
-            if keep_grads and divisor != 1.0:
-                self._step_kept(name, params[name], grad, divisor)
-            else:
-                self._step_one(name, params[name], grad, divisor)
-
-    def _step_kept(
-        self, name: str, param: torch.Tensor, grad: torch.Tensor, divisor: float
-    ) -> None:
-        """`_step_one` of grad / divisor without writing `grad`: piece by piece through a
-        scratch buffer when the fused kernel can update param and buffer in place (every
-        term of the update is element-wise); else the whole quotient at once."""
-        g = grad.detach()
-        buf = self._buffers.get(name)
-        in_place = (
-            param.is_contiguous()
-            and g.is_contiguous()
-            and g.dtype == param.dtype
-            and g.device == param.device
-            and (self.kind == "sgd" or buf is not None)
-            and (
-                buf is None
-                or (
-                    buf.shape == param.shape
-                    and buf.dtype == param.dtype
-                    and buf.device == param.device
-                    and buf.is_contiguous()
-                )
-            )
-        )
-        if not in_place:  # (a name's first momentum step, or a grad on another device)
-            quotient = torch.div(g.to(device=param.device, dtype=param.dtype), divisor)
-            self._step_one(name, param, quotient)
-            return
-        flat_param, flat_grad = param.view(-1), g.view(-1)
-        flat_buf = None if buf is None else buf.view(-1)
-        total = flat_param.numel()
-        scratch = torch.empty(min(total, KEPT_PIECE), dtype=param.dtype, device=param.device)
-        for start in range(0, total, KEPT_PIECE):
-            stop = min(total, start + KEPT_PIECE)
-            piece = torch.div(flat_grad[start:stop], divisor, out=scratch[: stop - start])
-            self._fused_step(
-                flat_param[start:stop],
-                piece,
-                [None if flat_buf is None else flat_buf[start:stop]],
-            )
+            self._step_one(name, params[name], grad, divisor)
 
     def _step_one(
         self, name: str, param: torch.Tensor, grad: torch.Tensor, divisor: float = 1.0

@@ -182,25 +182,19 @@ class GlobalModel:
         durable with `write`, and only then count it as `new_version`. Rejection 503 if the
         write fails.
 
-        `log_step`, when given, writes the step's input (the sums) and returns what makes it
-        durable: both run on a thread beside the step, which then only reads the sums (it
-        divides them piece by piece into a scratch buffer), and the delta, and `write` (which
-        then only records the step: the journal writes its checkpoint in the background, see
-        state/journal.py) waits for them. A log that fails leaves the masters moved in memory
-        and the server refusing everything until a restart, which resumes from the disk."""
+        `log_step`, when given, writes the step's input (the sums) before anything moves and
+        returns what makes it durable: its fsyncs run on a thread beside the step and the
+        delta, and `write` (which then only records the step: the journal writes its
+        checkpoint in the background, see state/journal.py) waits for them."""
         assert self.frames is not None and self.specs is not None
         self.require_healthy()
         logging_started = time.perf_counter()
-        syncing: Future[float] | None = None
+        syncing: Future[None] | None = None
         if log_step is not None:
-
-            def logged() -> float:  # the seconds the files took to write, then durable
-                staged = log_step()
-                written = time.perf_counter() - logging_started
-                staged()
-                return written
-
-            syncing = _SYNCS.submit(logged)
+            staged: list[Callable[[], None]] = []
+            what = f"logging the outer step of round {new_version}"
+            self.durably(what, lambda: staged.append(log_step()))
+            syncing = _SYNCS.submit(staged[0])
         started = time.perf_counter()
         try:
             if running.count:  # (writable() copies the masters away from a straggler's download)
@@ -213,7 +207,6 @@ class GlobalModel:
                         self.optimizer,
                         kinds,
                         policy=self.settings.policy,
-                        keep_sums=log_step is not None,  # the step log's thread reads them
                     )
 
                 if log_step is None:
@@ -239,12 +232,8 @@ class GlobalModel:
                 with contextlib.suppress(Exception):
                     syncing.result()
             raise
-        written = 0.0
         if syncing is not None:  # the step's log is durable before anything is recorded
-            seconds: list[float] = []
-            what = f"logging the outer step of round {new_version}"
-            self.durably(what, lambda: seconds.append(syncing.result()))
-            written = seconds[0]
+            self.durably(f"logging the outer step of round {new_version}", syncing.result)
         synced = time.perf_counter()
         what = "recording" if log_step is not None else "writing the checkpoint of"
         self.durably(f"{what} round {new_version}", write)
@@ -252,12 +241,13 @@ class GlobalModel:
         self.step_seconds = {
             "outer_step": stepped - started,
             "delta": coded - stepped,
-            # the step log (written and made durable beside the step and the delta, then
-            # waited for), then its record; or the checkpoint, written before the result
+            # the step log (written before the step, made durable beside the step and the
+            # delta, then waited for), then its record; or the checkpoint, written before the
+            # result
             **(
                 {
-                    "step_log": written,  # its files written, beside the step
-                    "step_log_wait": synced - coded,  # the log's time past the step and delta
+                    "step_log": started - logging_started,  # written, before the step
+                    "step_log_wait": synced - coded,  # its hashes and fsyncs, past the delta
                     "record": time.perf_counter() - synced,
                 }
                 if log_step is not None
