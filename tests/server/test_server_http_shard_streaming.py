@@ -371,7 +371,8 @@ def test_the_cross_shard_commit_routes_do_not_apply_and_change_nothing(start) ->
         assert refusal(status, data, 409, "not_applicable") == {}, shard.url
     status, data = call(shard1.url, "GET", "/v1/shard/live")
     assert refusal(status, data, 409, "not_shard_0") == {}
-    assert json_of(call(shard0.url, "GET", "/v1/shard/live")) == {"live": ["w1", "w2"]}
+    live = json_of(call(shard0.url, "GET", "/v1/shard/live"))
+    assert live == {"live": ["w1", "w2"], "paused": False}
     assert json_of(call(shard0.url, "GET", "/v1/status"))["waiting_for"] == ["w2"]
     assert [s.coordinator.version for s in shards] == [0, 0]
     for shard, owned in zip(shards, OWNED, strict=True):
@@ -409,7 +410,7 @@ def test_a_workers_own_credential_may_not_ask_who_is_live(start) -> None:
     assert json.loads(data)["kind"] == "unauthorized"
     status, data = call(shard0.url, "GET", "/v1/shard/live", secret=SHARD_SECRET)
     assert status == 200, data
-    assert json.loads(data) == {"live": ["w1"]}
+    assert json.loads(data) == {"live": ["w1"], "paused": False}
 
 
 def test_a_worker_evicted_on_shard_0_is_evicted_on_shard_1_and_its_round_goes_on(start) -> None:
@@ -482,6 +483,59 @@ def test_a_worker_heard_from_after_shard_0_answered_waits_for_the_next_question(
         w["worker_id"]: w["live"] for w in json_of(call(shard1.url, "GET", "/v1/status"))["workers"]
     }
     assert workers == {"w1": False, "w2": False}
+
+
+def test_a_pause_on_shard_0_holds_every_shards_fragment_rounds_until_resumed(start) -> None:
+    """Shard 0 tells shard 1 at once (its answer names no shard it could not tell); while
+    paused, both workers' slices of fragment 0 fold on shard 1 and nothing commits; the
+    resume commits the round there (the plain mean: G - 0.95 g, worked out above)."""
+    shards = ready(start)
+    shard0, shard1 = shards
+    status, data = call(shard0.url, "POST", "/v1/admin/pause", b"")
+    answer = json.loads(data)
+    assert status == 200 and answer["paused"] is True and answer["shards_not_told"] == [], data
+    assert json_of(call(shard1.url, "GET", "/v1/status"))["paused"] is True
+    assert json_of(call(shard0.url, "GET", "/v1/shard/live"))["paused"] is True
+    assert submit(shard1.url, "w1", 0)[0] == 200
+    status, answer = submit(shard1.url, "w2", 0)
+    assert status == 200 and answer["waiting_for"] == [], answer
+    time.sleep(0.3)
+    assert shard1.coordinator.version == 0  # held: the pause
+    events = json_of(call(shard1.url, "GET", "/v1/admin/audit"))["events"]
+    assert [e["detail"].get("by") for e in events if e["event"] == "paused"] == ["shard 0"]
+    status, data = call(shard0.url, "POST", "/v1/admin/resume", b"")
+    assert status == 200 and json.loads(data)["shards_not_told"] == [], data
+    wait_until(lambda: shard1.coordinator.version == 1, "the resume never committed fragment 0")
+    fragment0 = {"blocks.0.w": torch.tensor([1.0 - 0.95, 2.0]), "head": torch.tensor([5.95])}
+    assert_tensors(weights(shard1.url)[0], fragment0)
+    assert json_of(call(shard1.url, "GET", "/v1/status"))["paused"] is False
+    # shard 1 itself stays steered from shard 0; shard 0's word is the shards' own route
+    status, data = call(shard1.url, "POST", "/v1/admin/pause", b"")
+    assert refusal(status, data, 409, "not_shard_0") == {}
+    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": "yes"}')
+    assert status == 422 and json.loads(data)["detail"]["field"] == "paused", data
+    status, data = call(shard0.url, "POST", "/v1/shard/paused", b'{"paused": true}')
+    assert refusal(status, data, 409, "not_applicable") == {}
+    assert json_of(call(shard0.url, "GET", "/v1/status"))["paused"] is False
+
+
+def test_a_shard_that_missed_shard_0s_word_follows_when_it_next_asks(start) -> None:
+    """follow_members(live, asked_at, paused): shard 0's state from the question of who is
+    live, unless shard 0 said otherwise after the question was asked."""
+    shards = start(follow=False)
+    _, shard1 = shards
+    coordinator = shard1.coordinator
+    assert coordinator.shard is not None
+    join(shards, "w1")
+    coordinator.shard.follow_members({"w1"}, coordinator.clock(), paused=True)
+    assert coordinator.control.paused
+    stale = coordinator.clock()
+    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": false}')
+    assert status == 200 and json.loads(data) == {"paused": False, "changed": True}, data
+    coordinator.shard.follow_members({"w1"}, stale, paused=True)  # asked before the word
+    assert not coordinator.control.paused
+    coordinator.shard.follow_members({"w1"}, coordinator.clock(), paused=True)
+    assert coordinator.control.paused
 
 
 def test_streaming_shards_need_one_fragment_per_shard() -> None:

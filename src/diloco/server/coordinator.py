@@ -157,6 +157,8 @@ class Coordinator:
                 self.model.require_healthy,
                 self.registrar.remove,
                 lambda: self.closing,
+                lambda: self.control.paused,
+                lambda paused: self.admin.follow_pause(paused),
             )
         self.admin = AdminActions(
             self._lock,

@@ -332,6 +332,12 @@ class OuterLrRequest(_Request):
     outer_lr: Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False, strict=True)]
 
 
+class ShardPausedRequest(_Request):
+    """`POST /v1/shard/paused` (shard scope): streaming shard 0 paused or resumed the rounds."""
+
+    paused: StrictBool
+
+
 class ErrorBody(_Response):
     """Every rejection: one sentence, a stable kind, and the facts as fields."""
 

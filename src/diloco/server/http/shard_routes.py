@@ -10,9 +10,10 @@ from fastapi import Depends, FastAPI, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from diloco.server.errors import Rejection
+from diloco.server.http.request_json import json_body, json_body_schema
 from diloco.server.members.credentials import ADMIN, OPEN, SHARD, Caller
 from diloco.server.shards.commit import MAX_DECISION_WAIT, ShardCommit
-from diloco.wire import MAX_COUNT
+from diloco.wire import MAX_COUNT, ShardPausedRequest
 
 
 def add_shard_routes(
@@ -77,6 +78,16 @@ def add_shard_routes(
     async def live() -> dict:
         """Shard 0: the live workers (streaming: the others evict whom shard 0 evicted)."""
         return await run_in_threadpool(shard.live_members)
+
+    @app.post(
+        "/v1/shard/paused",
+        dependencies=peers_only,
+        openapi_extra=json_body_schema(ShardPausedRequest),
+    )
+    async def paused(request: Request) -> dict:
+        """A streaming follower: shard 0 paused or resumed the rounds."""
+        told = await json_body(request, ShardPausedRequest)
+        return await run_in_threadpool(shard.told_paused, told.paused)
 
     @app.get("/v1/shard/plan", dependencies=peers_only)
     async def plan() -> dict:

@@ -54,13 +54,13 @@ class AdminActions:
         self.clock = clock
         # Sharded servers: the other shards follow shard 0's decisions, so the run is steered
         # there (a ban or pause on one shard alone would make the shards disagree), and only
-        # with what it passes on: not the outer lr (each shard steps with its own), nor in
-        # streaming mode a pause (each shard commits its own fragments).
+        # with what it passes on: not the outer lr (each shard steps with its own). In
+        # streaming mode, where each shard commits its own fragments, shard 0 tells the
+        # others of a pause or resume (and they ask it, with who is live).
         self.steered_elsewhere = role.follows
-        streaming = {"pause", "resume"} if role.mode == "streaming" else set()
-        self.not_for_shards = (
-            frozenset() if role.single else frozenset({"the outer lr", *streaming})
-        )
+        self.not_for_shards = frozenset() if role.single else frozenset({"the outer lr"})
+        self.tells_shards = not role.single and role.leads and role.mode == "streaming"
+        self.peers = role.peers if self.tells_shards else None
 
     def _require_steerable(self, action: str = "") -> None:
         if self.steered_elsewhere:
@@ -83,7 +83,8 @@ class AdminActions:
         self._require_steerable("pause")
         with self._lock:
             changed = self.control.pause(by, self.model.version)
-            return {"paused": True, "changed": changed, "round": self.model.version}
+            answer = {"paused": True, "changed": changed, "round": self.model.version}
+        return self._told_shards(answer, True)
 
     def resume(self, by: str) -> dict:
         self._require_steerable("resume")
@@ -93,12 +94,33 @@ class AdminActions:
             if since is not None:
                 self.engine.on_resume(since, now)
                 self._lock.notify_all()  # results that committed now wake their long-polls
-            return {
+            answer = {
                 "paused": False,
                 "changed": since is not None,
                 "paused_seconds": None if since is None else max(0.0, now - since),
                 "round": self.model.version,
             }
+        return self._told_shards(answer, False)
+
+    def _told_shards(self, answer: dict, paused: bool) -> dict:
+        """Streaming shard 0: the other shards told at once (outside the lock); the answer
+        names those that did not answer (they follow within a heartbeat interval of coming
+        back, when they next ask shard 0 who is live)."""
+        if self.peers is None:
+            return answer
+        return {**answer, "shards_not_told": self.peers.tell_paused(paused)}
+
+    def follow_pause(self, paused: bool) -> bool:
+        """A streaming follower (lock held): pause or resume as shard 0 did; whether that
+        changed anything here."""
+        if paused:
+            return self.control.pause("shard 0", self.model.version)
+        now = self.clock()
+        since = self.control.resume("shard 0", self.model.version)
+        if since is None:
+            return False
+        self.engine.on_resume(since, now)
+        return True
 
     def set_outer_lr(self, lr: float, by: str) -> dict:
         self._require_steerable("the outer lr")

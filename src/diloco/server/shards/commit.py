@@ -37,9 +37,13 @@ class ShardCommit:
         require_healthy: Callable[[], None],
         remove_worker: Callable[..., None],
         closing: Callable[[], bool] = lambda: False,
+        paused: Callable[[], bool] = lambda: False,
+        follow_pause: Callable[[bool], bool] = lambda paused: False,
     ) -> None:
         """`remove_worker`: ends a worker's membership here (the registrar's `remove`; a
-        streaming follower's evictions)."""
+        streaming follower's evictions). `paused`: whether this shard's rounds are paused;
+        `follow_pause(paused)`: a streaming follower pauses or resumes as shard 0 did (lock
+        held; whether that changed anything)."""
         self.lock = lock
         self.engine = engine
         self.role = role
@@ -50,6 +54,9 @@ class ShardCommit:
         self.require_healthy = require_healthy
         self.remove_worker = remove_worker
         self.closing = closing
+        self.paused = paused
+        self.follow_pause = follow_pause
+        self.pause_told_at = float("-inf")  # when shard 0 last said paused or resumed
         self.whole_model: str | None = None  # the --init model's fingerprint, if started so
 
     def _require_decisions(self) -> None:
@@ -81,22 +88,41 @@ class ShardCommit:
             return {"plan": self.journal.state.get_meta("whole_fragment_plan")}
 
     def live_members(self) -> dict:
-        """Shard 0: the workers live here (streaming followers evict the rest)."""
+        """Shard 0: the workers live here (streaming followers evict the rest), and whether
+        its rounds are paused (they pause too)."""
         if not self.leads:
             raise Rejection(409, "not_shard_0", "membership is shard 0's")
         with self.lock:
-            return {"live": sorted(self.membership.live_ids())}
+            return {"live": sorted(self.membership.live_ids()), "paused": self.paused()}
 
-    def follow_members(self, live: set[str], asked_at: float) -> None:
+    def follow_members(self, live: set[str], asked_at: float, paused: bool | None = None) -> None:
         """A streaming follower: evict the workers shard 0 no longer holds live (asked at
         `asked_at`; one registered or heard from since then waits for the next question,
-        since it may have registered on shard 0 after the answer)."""
+        since it may have registered on shard 0 after the answer), and pause or resume as
+        shard 0 is (unless shard 0 said otherwise since this question was asked)."""
         with self.lock:
             for worker_id in sorted(set(self.membership.live_ids()) - live):
                 record = self.membership.get_live(worker_id)
                 if record is not None and record.last_seen < asked_at:
                     self.remove_worker(worker_id, "evicted_on_shard_0")
+            if paused is not None and asked_at > self.pause_told_at:
+                self.follow_pause(paused)
             self.lock.notify_all()
+
+    def told_paused(self, paused: bool) -> dict:
+        """A streaming follower: shard 0's admin paused or resumed the rounds (shard 0
+        tells every shard at once)."""
+        if self.leads or self.role.mode != "streaming":
+            raise Rejection(
+                409,
+                "not_applicable",
+                "only the other shards of streaming servers follow shard 0's pause",
+            )
+        with self.lock:
+            self.pause_told_at = self.clock()
+            changed = self.follow_pause(paused)
+            self.lock.notify_all()
+            return {"paused": paused, "changed": changed}
 
     def info(self, specs: Mapping[str, TensorSpec] | None) -> dict:
         """Where the model's parts live, for a worker that knows one shard's URL: every

@@ -72,12 +72,23 @@ class ShardPeers:
         query: Mapping[str, Any],
         wait: float = 0.0,
         anonymous: bool = False,
+        posted: Mapping[str, Any] | None = None,
     ) -> dict:
+        """GET `path` of `shard` with `query` (POST with the JSON body `posted` when given)."""
         url = f"{self.urls[shard]}{path}?{urlencode(query)}"
         timeout = urllib3.Timeout(connect=CALL_TIMEOUT, read=CALL_TIMEOUT + wait)
         headers = self._anonymous if anonymous else self._headers
         try:
-            response = self._pool.request("GET", url, headers=headers, timeout=timeout)
+            if posted is None:
+                response = self._pool.request("GET", url, headers=headers, timeout=timeout)
+            else:
+                response = self._pool.request(
+                    "POST",
+                    url,
+                    body=json.dumps(posted).encode(),
+                    headers={**headers, "Content-Type": "application/json"},
+                    timeout=timeout,
+                )
         except urllib3.exceptions.SSLError as exc:
             raise PeerUnavailable(
                 f"the TLS certificate of shard {shard} at {self.urls[shard]} is not trusted "
@@ -157,12 +168,31 @@ class ShardPeers:
             raise PeerUnavailable("shard 0's fragment plan is malformed")
         return plan
 
-    def live_members(self) -> set[str]:
-        """The workers shard 0 holds live."""
-        live = self._get(0, "/v1/shard/live", {}).get("live")
-        if not isinstance(live, list):
+    def live_members(self) -> tuple[set[str], bool | None]:
+        """The workers shard 0 holds live, and whether its rounds are paused (None: a shard
+        0 that does not say)."""
+        answer = self._get(0, "/v1/shard/live", {})
+        live, paused = answer.get("live"), answer.get("paused")
+        if not isinstance(live, list) or not isinstance(paused, (bool, type(None))):
             raise PeerUnavailable("shard 0's list of live workers is malformed")
-        return {str(worker) for worker in live}
+        return {str(worker) for worker in live}, paused
+
+    def tell_paused(self, paused: bool) -> list[int]:
+        """Shard 0 (streaming): every other shard pauses or resumes its rounds now, all asked
+        at once; the shards that did not answer (they follow on their next question of who
+        is live, `MembershipFollower`)."""
+        others = [shard for shard in range(len(self.urls)) if shard != self.index]
+
+        def tell(shard: int) -> int | None:
+            try:
+                self._get(shard, "/v1/shard/paused", {}, posted={"paused": paused})
+            except PeerUnavailable as exc:
+                log.warning("shard %d was not told the rounds are %s: %s", shard,
+                            "paused" if paused else "resumed", exc)  # fmt: skip
+                return shard
+            return None
+
+        return [shard for shard in self._asking.map(tell, others) if shard is not None]
 
     def leader_info(self) -> dict:
         return self._get(0, "/v1/info", {})
@@ -275,13 +305,14 @@ class DecisionFollower(threading.Thread):
 class MembershipFollower(threading.Thread):
     """A follower shard's loop in streaming mode, where each shard commits the rounds of its
     own fragments: every `interval` seconds it asks shard 0 (which takes the heartbeats) who
-    is live, and `follow(live, asked_at)` evicts here whom shard 0 no longer holds, so no
-    barrier here waits for a worker that is gone."""
+    is live and whether its rounds are paused, and `follow(live, asked_at, paused)` evicts
+    here whom shard 0 no longer holds, so no barrier here waits for a worker that is gone,
+    and pauses or resumes as shard 0 is (a shard that missed shard 0's word follows here)."""
 
     def __init__(
         self,
         peers: ShardPeers,
-        follow: Callable[[set[str], float], None],
+        follow: Callable[[set[str], float, bool | None], None],
         interval: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -297,14 +328,14 @@ class MembershipFollower(threading.Thread):
         while not self.stopped.wait(self.interval):
             asked_at = self.clock()
             try:
-                live = self.peers.live_members()
+                live, paused = self.peers.live_members()
             except PeerUnavailable as exc:
                 if time.monotonic() - told > 30:
                     told = time.monotonic()
                     log.warning("cannot ask shard 0 who is live: %s", exc)
                 continue
             try:
-                self.follow(live, asked_at)
+                self.follow(live, asked_at, paused)
             except Exception:  # said, and asked again
                 log.exception("following shard 0's membership failed")
 
