@@ -168,6 +168,36 @@ def test_elementwise_rules_combine_what_screening_keeps(aggregation: str, expect
     assert [e["worker_id"] for e in c.journal.state.audit_log("contribution_refused")] == ["f"]
 
 
+def test_sparse_mean_averages_each_element_over_its_senders_and_replays_from_the_log(
+    tmp_path: Path,
+) -> None:
+    """--aggregation sparse_mean, outer SGD lr 1, by hand: a sends w = (0.4, 0), b (0, -0.6):
+    each element has one sender, so the step is (0.4, -0.6) (the plain mean would halve it);
+    then a (1, 2), b (3, 0): (2, 2). The step log holds the means (totals 1): a restart that
+    replays both steps from it, with no checkpoint since round 0, ends on the same bits."""
+    settings = ServerSettings(
+        outer_optimizer="sgd", outer_lr=1.0, aggregation="sparse_mean", min_workers=2
+    )
+    journal = RoundJournal(StateStore(tmp_path), settings, checkpoint_every=3)
+    c = Coordinator(settings, {"w": torch.tensor([10.0, 10.0]), "count": torch.tensor(0)},
+                    journal=journal)  # fmt: skip
+    for worker in ("a", "b"):
+        c.register(worker, SPECS, 1)
+    for number, (a, b) in enumerate((([0.4, 0.0], [0.0, -0.6]), ([1.0, 2.0], [3.0, 0.0]))):
+        for worker, values in (("a", a), ("b", b)):
+            c.submit(worker, number, {"w": torch.tensor(values), "count": torch.tensor(0)})
+    assert c.round_number == 2
+    assert w(c) == pytest.approx([10.0 - 0.4 - 2.0, 10.0 + 0.6 - 2.0], abs=1e-6)
+    weights = c.masters["w"].clone()
+    c.journal.settle()
+    assert c.journal.state.steps.generations() == [0, 1]  # no checkpoint since round 0
+    c.journal.state.close()
+    again = Coordinator(
+        settings, journal=RoundJournal(StateStore(tmp_path), settings, checkpoint_every=3)
+    )
+    assert again.round_number == 2 and torch.equal(again.masters["w"], weights)
+
+
 @pytest.mark.parametrize(
     ("settings", "needle"),
     [
@@ -176,7 +206,8 @@ def test_elementwise_rules_combine_what_screening_keeps(aggregation: str, expect
         ({"aggregation": "clipped_mean", "weighting": "tokens"}, "weighs every pseudo-gradient"),
         ({"aggregation": "trimmed_mean:0.5"}, "must be in [0, 0.5)"),
         ({"aggregation": "mode"}, "aggregation must be one of mean, clipped_mean"),
-        ({"aggregation": "sparse_mean"}, "runs in diloco simulate only for now"),
+        ({"aggregation": "sparse_mean", "mode": "async"}, "needs mode sync or streaming"),
+        ({"aggregation": "sparse_mean", "weighting": "tokens"}, "and weighting uniform"),
         ({"aggregation": "clipped_mean", "clip_multiple": -1.0}, "clip multiple must be > 0"),
         ({"aggregation": "clipped_mean", "outlier_ratio": 1.0}, "outlier ratio must be > 1"),
     ],

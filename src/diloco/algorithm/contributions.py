@@ -61,15 +61,24 @@ class RunningMean:
     """
 
     def __init__(
-        self, weighting: str = "uniform", storage: Mapping[str, torch.Tensor] | None = None
+        self,
+        weighting: str = "uniform",
+        storage: Mapping[str, torch.Tensor] | None = None,
+        count_senders: bool = False,
     ) -> None:
         """`storage`: preallocated contiguous fp32 CPU tensors, by name, for the sums to live in.
 
         Their old values are never read: a name's first contribution is written over them. A
         server passes the same buffers every round, so a round neither allocates (and
         page-faults) a model-sized sum nor zeroes one.
+
+        `count_senders`: also sum, per element, the weights of the contributions whose value
+        there is not 0, so that `divide_by_senders` can make each element's mean over the
+        workers that sent it (`--aggregation sparse_mean`: SparseLoCo's mean of top-k
+        uploads); one more fp32 model of memory.
         """
         self.weighting = check_weighting(weighting)
+        self.senders: TensorDict | None = {} if count_senders else None
         self.sums: TensorDict = {}
         self.totals: dict[str, float] = {}
         self.count = 0
@@ -138,6 +147,9 @@ class RunningMean:
                 )
         for name, tensor in contribution.pseudo_gradient.items():
             value = tensor.detach().to(device="cpu", dtype=torch.float32)
+            if self.senders is not None:
+                sent = self.senders.setdefault(name, torch.zeros(value.shape))
+                sent.add_(value.ne(0).to(torch.float32), alpha=weight)
             total = self.sums.get(name)
             slot = None if total is not None else self._slot(name, tuple(tensor.shape))
             if slot is not None:
@@ -200,7 +212,16 @@ class RunningMean:
                 slot = self._slot(name, tuple(shape))
                 new_sums[name] = torch.empty(shape, dtype=torch.float32) if slot is None else slot
         fresh = dict.fromkeys(new_sums, 0)  # elements written so far
+        senders: TensorDict = {}  # (counting them) registered with the sums, at the end
+        if self.senders is not None:
+            senders = {
+                name: self.senders[name] if name in self.senders else torch.zeros(shape)
+                for name, shape in shapes.items()
+            }
         for name, first, piece in pieces:
+            if name in senders:
+                span = senders[name].view(-1)[first : first + piece.numel()]
+                span.add_(piece.ne(0).to(torch.float32), alpha=weight)
             target = self.sums.get(name)
             part = (new_sums[name] if target is None else target).view(-1)
             part = part[first : first + piece.numel()]
@@ -213,6 +234,8 @@ class RunningMean:
             if written != new_sums[name].numel():
                 raise RuntimeError(f"the pieces of {name!r} did not cover it once, in full")
         self.sums.update(new_sums)
+        if self.senders is not None:
+            self.senders.update(senders)
         for name in shapes:
             self.totals[name] = self.totals.get(name, 0.0) + weight
         self.count += 1
@@ -237,6 +260,19 @@ class RunningMean:
         a mean divides a sum by a total weight of at least 1.
         """
         return self.bound <= FINITE_SUM_LIMIT
+
+    def divide_by_senders(self) -> None:
+        """Make each sum its elements' means over the contributions that sent them (0 where
+        none did), in place, and each total 1, so that the step's division changes nothing;
+        the sender counts go. Before the server logs its step (the log then holds the
+        means, and a replay divides by 1 again)."""
+        if self.senders is None:
+            raise RuntimeError("this RunningMean does not count senders")
+        tiny = torch.finfo(torch.float32).tiny  # where nobody sent, the sum is 0: 0 / tiny
+        for name, total in self.sums.items():
+            total.div_(self.senders[name].clamp_(min=tiny))
+            self.totals[name] = 1.0
+        self.senders = None
 
     def consume(self) -> tuple[TensorDict, dict[str, float]]:
         """The sums and total weights, not yet divided; uses this object up, as `mean()` does."""

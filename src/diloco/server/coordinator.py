@@ -555,6 +555,8 @@ class Coordinator:
             "bytes_out": self.traffic.bytes_out,
             "workers": self.membership.snapshot(self.clock()),
         }
+        if running.senders is not None:  # sparse_mean: the means over senders, then logged
+            running.divide_by_senders()
         journal = self.journal
         log_step = None
         if journal.logs_steps:

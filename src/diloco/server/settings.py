@@ -329,11 +329,11 @@ class ServerSettings:
 
     def _check_aggregation(self) -> None:
         rule = self.robust.rule  # raises for an unknown rule, a bad F, multiple or ratio
-        if rule == "sparse_mean":
+        if rule == "sparse_mean" and (self.mode == "async" or self.weighting != "uniform"):
             raise ValueError(
-                "aggregation sparse_mean (each element averaged over the workers that sent "
-                "it, SparseLoCo's) runs in diloco simulate only for now: the server's fold "
-                "does not count each element's senders yet; use mean"
+                "aggregation sparse_mean averages each element over the workers of a round "
+                "that sent it, with uniform weights: it needs mode sync or streaming and "
+                f"weighting uniform (got mode {self.mode!r}, weighting {self.weighting!r})"
             )
         if rule in ("trimmed_mean", "median") and self.mode == "async":
             raise ValueError(

@@ -383,7 +383,9 @@ class BarrierRounds:
 
     def _new_round(self, number: int, members: set[str], now: float) -> Round:
         """A fragment's next round (sharded servers open their own kind)."""
-        return self.role.new_round(number, members, self.c.settings.weighting, now)
+        opened = self.role.new_round(number, members, self.c.settings.weighting, now)
+        opened.count_senders = self.c.settings.aggregation == "sparse_mean"
+        return opened
 
     def _decide(self, fragment: int, current: Round, now: float) -> None:
         """Fold what a complete round held into its sums (robust aggregation holds every

@@ -65,6 +65,7 @@ class Round:
     norms: dict[str, float] = field(default_factory=dict)
     clipped: dict[str, float] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
+    count_senders: bool = False  # --aggregation sparse_mean: each element's senders counted
 
     def units_of(self, worker_id: str) -> set[int]:
         """Units reported (finished or in part) with a submission in this round: they complete
@@ -111,7 +112,9 @@ class Round:
 
     def open_sums(self, storage: dict[str, torch.Tensor]) -> None:
         """Start the running mean, its fp32 sums written over the tensors of `storage`."""
-        self.running = RunningMean(self.weighting, storage=storage)
+        self.running = RunningMean(
+            self.weighting, storage=storage, count_senders=self.count_senders
+        )
 
     def add(
         self,
