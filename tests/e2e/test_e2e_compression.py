@@ -34,6 +34,7 @@ CASES = [
     pytest.param("int8", "streaming", "mean", marks=pytest.mark.slow),
     pytest.param("topk:0.03+int2", "streaming", "mean", marks=pytest.mark.slow),
     pytest.param("topk:0.03+int2", "sync", "sparse_mean"),
+    pytest.param("topk:0.03+int2", "streaming", "sparse_mean", marks=pytest.mark.slow),
 ]
 
 

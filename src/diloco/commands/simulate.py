@@ -229,7 +229,7 @@ def simulate_command(
         "(0 <= F < 0.5) or median; the robust ones refuse norms over 10x the median, and "
         "(3 kept or more) one pointing away from the round's element-wise median. "
         "sparse_mean: each element over the workers that sent it (SparseLoCo's, for top-k "
-        "uploads; the server takes it too, in sync and streaming mode).",
+        "uploads; --mode diloco and streaming, as the server in sync and streaming mode).",
         rich_help_panel=ROBUST_PANEL,
     ),
     hostile: str = typer.Option(

@@ -123,9 +123,12 @@ class SimConfig:
         self._resolve_outer()
         object.__setattr__(self, "aggregation", str(Aggregation.parse(self.aggregation)))
         check_hostile(self.hostile)
-        if (self.aggregation != "mean" or self.hostile != "none") and self.mode != "diloco":
+        sparse_in_streaming = self.aggregation == "sparse_mean" and self.mode == "streaming"
+        robust = self.aggregation != "mean" and not sparse_in_streaming
+        if (robust or self.hostile != "none") and self.mode != "diloco":
             raise ValueError(
-                "aggregation and hostile apply to --mode diloco in the simulator (sync rounds)"
+                "aggregation and hostile apply to --mode diloco in the simulator (sync rounds; "
+                "sparse_mean also to --mode streaming)"
             )
 
     def _check_codec_settings(self) -> None:

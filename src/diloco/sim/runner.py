@@ -291,6 +291,7 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
     replicas = [setup.replica(w) for w in range(c.effective_workers)]
     uplinks = setup.uplinks()
     optimizer = setup.outer_optimizer()
+    combine = SyncAggregation(c.aggregation, "none", len(replicas), c.seed)  # mean, sparse_mean
     masters = to_fp32_masters(setup.initial)
     downlink = setup.downlink(masters)
     published = downlink.published  # what workers hold: the masters, or P (--download-codec)
@@ -311,7 +312,7 @@ def run_streaming(setup: SimSetup, progress: Progress) -> ModeOutcome:
             anchor = {n: published[n] for n in names}
             gradient = pseudo_gradient(anchor, {n: local[n] for n in names})
             contributions.append(Contribution(uplinks[w].send(gradient), worker=str(w)))
-        outer_step(masters, contributions, optimizer, setup.kinds)
+        combine.apply(masters, contributions, optimizer, setup.kinds)
         downlink.publish(names)
         fragment_bytes = sum(setup.tensor_bytes.get(n, 0) for n in names)
         sent += sum(setup.upload_bytes[n] for n in names)
