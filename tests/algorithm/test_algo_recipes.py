@@ -72,10 +72,12 @@ def test_top_k_with_outer_momentum_warns_of_the_27_to_39_percent() -> None:
         assert "\n" not in line
 
 
-def test_top_k_at_its_companion_settings_warns_of_the_11_percent_and_of_scale() -> None:
+def test_top_k_at_its_companion_settings_warns_of_the_11_percent_and_says_sparse_mean() -> None:
     (line,) = outer_warnings("topk:0.03+int2", "sgd", 0.0)
     assert "+11.3 % to +12.2 % above fp32 DiLoCo at H = 50 (+6.8 % at H = 10)" in line
-    assert "137k-parameter" in line and "512M" in line and "check your own loss" in line
+    assert "137k-parameter" in line and "--aggregation sparse_mean" in line
+    assert line.endswith("+4.3 % at H = 50 and -0.8 % at H = 10")
+    assert outer_warnings("topk:0.03+int2", "sgd", 0.0, "sparse_mean") == []
     # nesterov without momentum is plain sgd: the same (measured) companion cost
     assert outer_warnings("topk:0.1", "nesterov", 0.0) == outer_warnings("topk:0.1", "sgd", 0)
 

@@ -165,6 +165,11 @@ def test_the_recipe_line_and_the_warnings_name_what_the_codec_chose() -> None:
     )
     (companion,) = topk.outer_warnings()
     assert "+11.3 % to +12.2 % above fp32 DiLoCo at H = 50 (+6.8 % at H = 10)" in companion
+    assert companion.endswith("the same runs ended +4.3 % at H = 50 and -0.8 % at H = 10")
+    assert ServerSettings(upload_codec=TOPK, aggregation="sparse_mean").outer_warnings() == []
+    momentum_too = ServerSettings(upload_codec=TOPK, aggregation="sparse_mean", outer_lr=1.0,
+                                  outer_optimizer="nesterov").outer_warnings()  # fmt: skip
+    assert len(momentum_too) == 1 and "+26.9 % to +39.0 %" in momentum_too[0]
     (momentum,) = ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov").outer_warnings()
     assert "+26.9 % to +39.0 %" in momentum
     (asynchronous,) = ServerSettings(mode="async", upload_codec=TOPK).outer_warnings()

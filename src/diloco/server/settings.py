@@ -217,7 +217,9 @@ class ServerSettings:
     def outer_warnings(self) -> list[str]:
         """The measured costs over 5 % this codec and outer optimizer risk, one sentence each
         (algorithm/recipes.py); a warning, never a refusal."""
-        return outer_warnings(self.upload, str(self.outer_optimizer), float(self.outer_momentum))
+        return outer_warnings(
+            self.upload, str(self.outer_optimizer), float(self.outer_momentum), self.aggregation
+        )
 
     def keep_stored_outer(self, stored: Mapping) -> list[str]:
         """A restart on a state dir: the outer settings this start let the codec choose take

@@ -185,7 +185,9 @@ class SimConfig:
         single and ddp, which send no pseudo-gradients)."""
         if self.mode in ("single", "ddp"):
             return []
-        return outer_warnings(self.upload, str(self.outer_optimizer), float(self.outer_momentum))
+        return outer_warnings(
+            self.upload, str(self.outer_optimizer), float(self.outer_momentum), self.aggregation
+        )
 
     @property
     def spec(self) -> ModelSpec:
