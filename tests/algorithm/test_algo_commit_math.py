@@ -101,21 +101,23 @@ def test_apply_running_mean_is_bit_identical_to_apply_mean(
 
 def test_senders_make_each_element_a_mean_over_those_that_sent_it() -> None:
     """Three contributions, by hand: w element 0 sent by the first two (3 + 6) / 2 = 4.5,
-    element 1 by nobody 0, element 2 by the third alone -4; "b" by all, (1 + 2 + 3) / 3 = 2.
-    The third arrives in pieces, as a spooled or compressed body does."""
+    element 1 by nobody 0, element 2 by the third alone -4. "b" (not among the names divided:
+    a buffer) keeps the plain mean, (1 + 0 + 3) / 3, though only two sent a value. The third
+    arrives in pieces, as a spooled or compressed body does."""
     running = RunningMean("uniform", count_senders=True)
     running.add(Contribution({"w": torch.tensor([3.0, 0.0, 0.0]), "b": torch.tensor([1.0])}, 1))
-    running.add(Contribution({"w": torch.tensor([6.0, 0.0, 0.0]), "b": torch.tensor([2.0])}, 1))
+    running.add(Contribution({"w": torch.tensor([6.0, 0.0, 0.0]), "b": torch.tensor([0.0])}, 1))
     pieces = [("w", 0, torch.tensor([0.0, 0.0])), ("w", 2, torch.tensor([-4.0])),
               ("b", 0, torch.tensor([3.0]))]  # fmt: skip
     running.add_pieces({"w": (3,), "b": (1,)}, pieces, tokens=1)
     assert running.senders is not None and running.senders["w"].tolist() == [2.0, 0.0, 1.0]
-    running.divide_by_senders()
-    assert running.senders is None and running.totals == {"w": 1.0, "b": 1.0}
+    running.divide_by_senders(["w"])
+    assert running.senders is None and running.totals == {"w": 1.0, "b": 3.0}
     mean = running.mean()
-    assert mean["w"].tolist() == [4.5, 0.0, -4.0] and mean["b"].tolist() == [2.0]
+    assert mean["w"].tolist() == [4.5, 0.0, -4.0]
+    assert mean["b"].tolist() == pytest.approx([4.0 / 3.0])
     with pytest.raises(RuntimeError, match="does not count senders"):
-        RunningMean().divide_by_senders()
+        RunningMean().divide_by_senders(["w"])
 
 
 def test_a_non_finite_sum_is_refused_before_anything_changes() -> None:

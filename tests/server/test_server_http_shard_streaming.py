@@ -28,6 +28,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 from test_server_http_shards import (
+    ADMIN_SECRET,
     HTTP,
     PROTOCOL,
     SHARD_SECRET,
@@ -399,7 +400,7 @@ def test_datasets_are_not_built_on_streaming_shards(start) -> None:
 def test_a_workers_own_credential_may_not_ask_who_is_live(start) -> None:
     shards = start(token=TOKEN)
     shard0, _ = shards
-    (answer, _) = join(shards, "w1", secret=TOKEN)
+    (answer, on_shard_1) = join(shards, "w1", secret=TOKEN)
     credential = answer["credential"]
     for secret, scope in ((credential, "worker:w1"), (TOKEN, "enroll")):
         status, data = call(shard0.url, "GET", "/v1/shard/live", secret=secret)
@@ -411,6 +412,16 @@ def test_a_workers_own_credential_may_not_ask_who_is_live(start) -> None:
     status, data = call(shard0.url, "GET", "/v1/shard/live", secret=SHARD_SECRET)
     assert status == 200, data
     assert json.loads(data) == {"live": ["w1"], "paused": False}
+    # pausing a follower is shard 0's alone: not even an admin (who pauses shard 0)
+    _, shard1 = shards
+    for secret, scope in ((ADMIN_SECRET, "admin"), (on_shard_1["credential"], "worker:w1")):
+        status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": true}',
+                            secret=secret)  # fmt: skip
+        assert refusal(status, data, 403, "forbidden") == {"scope": scope, "required": "shard"}
+    assert not shard1.coordinator.control.paused
+    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": true}',
+                        secret=SHARD_SECRET)  # fmt: skip
+    assert status == 200 and shard1.coordinator.control.paused, data
 
 
 def test_a_worker_evicted_on_shard_0_is_evicted_on_shard_1_and_its_round_goes_on(start) -> None:

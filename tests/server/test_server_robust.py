@@ -173,21 +173,26 @@ def test_sparse_mean_averages_each_element_over_its_senders_and_replays_from_the
 ) -> None:
     """--aggregation sparse_mean, outer SGD lr 1, by hand: a sends w = (0.4, 0), b (0, -0.6):
     each element has one sender, so the step is (0.4, -0.6) (the plain mean would halve it);
-    then a (1, 2), b (3, 0): (2, 2). The step log holds the means (totals 1): a restart that
-    replays both steps from it, with no checkpoint since round 0, ends on the same bits."""
+    then a (1, 2), b (3, 0): (2, 2). The float buffer bn is not trained: it takes the plain
+    mean of what both sent, (0.5 + 0) / 2 = 0.25, then (1 + 0) / 2 = 0.5, as the simulator
+    does. The step log holds the means (totals 1 for w): a restart that replays both steps
+    from it, with no checkpoint since round 0, ends on the same bits."""
     settings = ServerSettings(
         outer_optimizer="sgd", outer_lr=1.0, aggregation="sparse_mean", min_workers=2
     )
+    specs = [SPECS[0], TensorSpec("bn", (1,), torch.float32, "float_buffer")]
     journal = RoundJournal(StateStore(tmp_path), settings, checkpoint_every=3)
-    c = Coordinator(settings, {"w": torch.tensor([10.0, 10.0]), "count": torch.tensor(0)},
+    c = Coordinator(settings, {"w": torch.tensor([10.0, 10.0]), "bn": torch.tensor([1.0])},
                     journal=journal)  # fmt: skip
     for worker in ("a", "b"):
-        c.register(worker, SPECS, 1)
-    for number, (a, b) in enumerate((([0.4, 0.0], [0.0, -0.6]), ([1.0, 2.0], [3.0, 0.0]))):
-        for worker, values in (("a", a), ("b", b)):
-            c.submit(worker, number, {"w": torch.tensor(values), "count": torch.tensor(0)})
+        c.register(worker, specs, 1)
+    rounds = ((([0.4, 0.0], 0.5), ([0.0, -0.6], 0.0)), (([1.0, 2.0], 1.0), ([3.0, 0.0], 0.0)))
+    for number, sent in enumerate(rounds):
+        for worker, (values, bn) in zip(("a", "b"), sent, strict=True):
+            c.submit(worker, number, {"w": torch.tensor(values), "bn": torch.tensor([bn])})
     assert c.round_number == 2
     assert w(c) == pytest.approx([10.0 - 0.4 - 2.0, 10.0 + 0.6 - 2.0], abs=1e-6)
+    assert c.masters["bn"].tolist() == pytest.approx([1.0 - 0.25 - 0.5])
     weights = c.masters["w"].clone()
     c.journal.settle()
     assert c.journal.state.steps.generations() == [0, 1]  # no checkpoint since round 0

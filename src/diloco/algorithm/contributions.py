@@ -148,8 +148,9 @@ class RunningMean:
         for name, tensor in contribution.pseudo_gradient.items():
             value = tensor.detach().to(device="cpu", dtype=torch.float32)
             if self.senders is not None:
-                sent = self.senders.setdefault(name, torch.zeros(value.shape))
-                sent.add_(value.ne(0).to(torch.float32), alpha=weight)
+                if name not in self.senders:
+                    self.senders[name] = torch.zeros(value.shape)
+                self.senders[name].add_(value.ne(0).to(torch.float32), alpha=weight)
             total = self.sums.get(name)
             slot = None if total is not None else self._slot(name, tuple(tensor.shape))
             if slot is not None:
@@ -261,17 +262,19 @@ class RunningMean:
         """
         return self.bound <= FINITE_SUM_LIMIT
 
-    def divide_by_senders(self) -> None:
-        """Make each sum its elements' means over the contributions that sent them (0 where
-        none did), in place, and each total 1, so that the step's division changes nothing;
-        the sender counts go. Before the server logs its step (the log then holds the
-        means, and a replay divides by 1 again)."""
+    def divide_by_senders(self, names: Iterable[str]) -> None:
+        """Make the sums of `names` (the trained tensors: buffers keep the plain mean, as in
+        robust.aggregate) their elements' means over the contributions that sent them (0
+        where none did), in place, with totals 1, so that the step's division changes
+        nothing there; the sender counts go. Before the server logs its step (the log then
+        holds the means, and a replay divides by 1 again)."""
         if self.senders is None:
             raise RuntimeError("this RunningMean does not count senders")
         tiny = torch.finfo(torch.float32).tiny  # where nobody sent, the sum is 0: 0 / tiny
-        for name, total in self.sums.items():
-            total.div_(self.senders[name].clamp_(min=tiny))
-            self.totals[name] = 1.0
+        for name in names:
+            if name in self.sums:
+                self.sums[name].div_(self.senders[name].clamp_(min=tiny))
+                self.totals[name] = 1.0
         self.senders = None
 
     def consume(self) -> tuple[TensorDict, dict[str, float]]:

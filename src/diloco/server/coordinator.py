@@ -197,7 +197,11 @@ class Coordinator:
             self._readmit(restored.live_workers)
             self.engine.start(fragment_rounds, self.started_at)
             self.metrics.round.set(self.model.version)
-            self.sent_rounds.rollback_possible = self.journal.durability == "interval"
+            # workers may hold rounds this restart forgot: interval durability, or a step log
+            # cut short (a step missing or corrupt)
+            self.sent_rounds.rollback_possible = (
+                self.journal.durability == "interval" or restored.rolled_back
+            )
         elif initial is not None:
             self._adopt_weights(initial, kinds=None)
         else:
@@ -237,8 +241,8 @@ class Coordinator:
         except Exception as exc:
             raise ValueError(
                 f"the step log's outer step {step.record.round} cannot be applied again ({exc}); "
-                "move the state dir's steps/ folder aside to resume from the newest "
-                "checkpoint, losing the steps logged since it"
+                f"move the state dir's steps/gen-{step.record.round:012d} and every later "
+                "generation aside to resume before it, losing those steps"
             ) from exc
         finally:
             optimizer.lr = lr
@@ -556,7 +560,8 @@ class Coordinator:
             "workers": self.membership.snapshot(self.clock()),
         }
         if running.senders is not None:  # sparse_mean: the means over senders, then logged
-            running.divide_by_senders()
+            assert model.specs is not None  # the trained tensors (buffers: the plain mean)
+            running.divide_by_senders(name for name, spec in model.specs.items() if spec.trained)
         journal = self.journal
         log_step = None
         if journal.logs_steps:

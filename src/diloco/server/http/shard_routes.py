@@ -37,6 +37,20 @@ def add_shard_routes(
                 required=SHARD,
             )
 
+    async def shard_itself(request: Request) -> None:
+        """What only a shard may do to another (shard 0 pausing a follower): not even an
+        admin, who steers the run on shard 0 (a follower refuses a pause of its own)."""
+        caller = caller_of(request)
+        if caller.scope not in (SHARD, OPEN):
+            raise Rejection(
+                403,
+                "forbidden",
+                "only shard 0 pauses and resumes the other shards (with the shards' own secret); "
+                f"not this credential (scope {caller.scope}): pause shard 0 instead",
+                scope=caller.scope,
+                required=SHARD,
+            )
+
     peers_only = [*authed, Depends(shards_only)]
 
     @app.post("/v1/rounds/{round_number}/confirm", dependencies=list(authed))
@@ -81,7 +95,7 @@ def add_shard_routes(
 
     @app.post(
         "/v1/shard/paused",
-        dependencies=peers_only,
+        dependencies=[*authed, Depends(shard_itself)],
         openapi_extra=json_body_schema(ShardPausedRequest),
     )
     async def paused(request: Request) -> dict:

@@ -205,6 +205,7 @@ class RestoredState:
     norm_history: list[list[float]] | None = None  # robust aggregation's, per fragment
     # the steps after `round`, logged but not checkpointed, in order (a restart applies them)
     pending: list[LoggedStep] = field(default_factory=list)
+    rolled_back: bool = False  # rounds SQLite recorded were forgotten (workers may be ahead)
 
 
 class RoundJournal:
@@ -653,6 +654,7 @@ class RoundJournal:
             published=dict(loaded.tensors["published"]) if "published" in loaded.tensors else None,
             norm_history=records[-1].norm_history if records else None,
             pending=pending,
+            rolled_back=bool(lost),
         )
 
     def _check_settings(self, stored: dict, step_pending: bool = False) -> None:
