@@ -216,6 +216,22 @@ class CheckpointStore:
                 shutil.rmtree(entry, ignore_errors=True)
         _fsync_dir(self.directory)
 
+    def set_aside(self, first: int, into: Path) -> list[Path]:
+        """Move the generations numbered `first` and later into the directory `into` (made
+        if needed), durably, instead of deleting them: what a restart cannot use but an
+        operator may still want (a step log's steps past one that did not read back)."""
+        moved = []
+        for generation, path in sorted(self._final_dirs().items()):
+            if generation >= first:
+                into.mkdir(mode=_DEFAULT_DIR_MODE, parents=True, exist_ok=True)
+                target = into / f"{path.name}-{secrets.token_hex(4)}"
+                os.rename(path, target)
+                moved.append(target)
+        if moved:
+            _fsync_dir(into)
+            _fsync_dir(self.directory)
+        return moved
+
     def _final_dirs(self) -> dict[int, Path]:
         """Every directory with a final generation name, complete or not."""
         found: dict[int, Path] = {}

@@ -265,6 +265,25 @@ def test_a_chain_missing_a_step_resumes_at_the_step_before_the_gap(tmp_path: Pat
     assert third.round_number == 3  # step 4 cannot apply without step 3
     assert third.journal.state.steps.generations() == []
     assert [r["round"] for r in third.journal.state.committed_rounds()] == [0, 1, 2]
+    aside = tmp_path.parent / "again" / "steps-set-aside"
+    assert [p.name[:16] for p in aside.iterdir()] == ["gen-000000000004"]  # moved, not deleted
+    crash(third)
+
+
+def test_a_step_that_does_not_verify_is_set_aside_with_the_steps_after_it(tmp_path: Path) -> None:
+    """A step log file changed on disk (a bad sector, a partial copy): its hash fails, so it
+    and step 4 after it cannot be applied; both are moved aside, the run resumes at 3."""
+    crash(chained(tmp_path))
+    broken = next((tmp_path / "steps" / "gen-000000000003").glob("sums-*.safetensors"))
+    data = bytearray(broken.read_bytes())
+    data[-1] ^= 0xFF
+    broken.write_bytes(bytes(data))
+    second = coordinator(tmp_path, checkpoint_every=3)
+    assert second.round_number == 3 and second.sent_rounds.rollback_possible
+    aside = sorted(p.name[:16] for p in (tmp_path / "steps-set-aside").iterdir())
+    assert aside == ["gen-000000000003", "gen-000000000004"]
+    crash(second)
+    assert coordinator(tmp_path, checkpoint_every=3).round_number == 3  # and it starts again
 
 
 def test_a_graceful_stop_checkpoints_the_chain_and_empties_the_log(tmp_path: Path) -> None:

@@ -430,17 +430,19 @@ class RoundJournal:
                 break
             chain.append(_logged_step_of(loaded.metadata, loaded.tensors))
         reached = round_number + len(chain)
-        unusable = [g for g in on_disk if g >= reached]
-        if unusable:
+        steps.drop(last=round_number - 1)
+        if any(g >= reached for g in on_disk):
+            aside = steps.directory.parent / "steps-set-aside"
+            moved = steps.set_aside(reached, aside)
             log.error(
                 "the step log's steps %s cannot be applied (step %d is missing or does not "
-                "verify) and are dropped: the run resumes at round %d",
-                unusable,
+                "read back and verify): the run resumes at round %d; they are moved to %s, "
+                "not deleted",
+                [path.name for path in moved],
                 reached,
                 reached,
+                aside,
             )
-        steps.drop(last=round_number - 1)
-        steps.drop(first=reached)
         return chain
 
     def write_replayed(
