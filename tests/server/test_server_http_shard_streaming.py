@@ -549,6 +549,29 @@ def test_a_shard_that_missed_shard_0s_word_follows_when_it_next_asks(start) -> N
     assert coordinator.control.paused
 
 
+def test_a_follower_asks_shard_0_at_once_when_it_starts() -> None:
+    """A follower restarted while shard 0 is paused learns it from its first question, asked
+    as it starts, not a heartbeat interval later (here 60 s)."""
+
+    class Shard0:
+        def live_members(self) -> tuple[set[str], bool]:
+            return {"w1"}, True
+
+    heard: list[tuple[set[str], bool | None]] = []
+    follower = MembershipFollower(
+        Shard0(),
+        lambda live, asked_at, paused: heard.append((live, paused)),
+        60.0,  # type: ignore[arg-type]
+    )
+    follower.start()
+    try:
+        wait_until(lambda: bool(heard), "the follower did not ask at once", seconds=5)
+    finally:
+        follower.stop()
+        follower.join(timeout=5)
+    assert heard == [({"w1"}, True)]
+
+
 def test_streaming_shards_need_one_fragment_per_shard() -> None:
     urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
     with pytest.raises(ValueError, match="at least one fragment per shard") as refused:

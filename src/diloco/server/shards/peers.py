@@ -324,8 +324,12 @@ class MembershipFollower(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        """Asks at once (a follower started while shard 0 is paused pauses before its first
+        interval has passed), then every interval."""
         told = 0.0
-        while not self.stopped.wait(self.interval):
+        first = True
+        while first or not self.stopped.wait(self.interval):
+            first = False
             asked_at = self.clock()
             try:
                 live, paused = self.peers.live_members()
