@@ -59,8 +59,8 @@ class AdminActions:
         # others of a pause or resume (and they ask it, with who is live).
         self.steered_elsewhere = role.follows
         self.not_for_shards = frozenset() if role.single else frozenset({"the outer lr"})
-        self.tells_shards = not role.single and role.leads and role.mode == "streaming"
-        self.peers = role.peers if self.tells_shards else None
+        tells_shards = not role.single and role.leads and role.mode == "streaming"
+        self.peers = role.peers if tells_shards else None  # shard 0 tells them of a pause
 
     def _require_steerable(self, action: str = "") -> None:
         if self.steered_elsewhere:
@@ -89,10 +89,8 @@ class AdminActions:
     def resume(self, by: str) -> dict:
         self._require_steerable("resume")
         with self._lock:
-            now = self.clock()
-            since = self.control.resume(by, self.model.version)
+            now, since = self._resumed(by)
             if since is not None:
-                self.engine.on_resume(since, now)
                 self._lock.notify_all()  # results that committed now wake their long-polls
             answer = {
                 "paused": False,
@@ -115,12 +113,16 @@ class AdminActions:
         changed anything here."""
         if paused:
             return self.control.pause("shard 0", self.model.version)
+        return self._resumed("shard 0")[1] is not None
+
+    def _resumed(self, by: str) -> tuple[float, float | None]:
+        """Resume (lock held): now, and since when the rounds were paused (None: they were
+        not); the rounds that filled up meanwhile commit."""
         now = self.clock()
-        since = self.control.resume("shard 0", self.model.version)
-        if since is None:
-            return False
-        self.engine.on_resume(since, now)
-        return True
+        since = self.control.resume(by, self.model.version)
+        if since is not None:
+            self.engine.on_resume(since, now)
+        return now, since
 
     def set_outer_lr(self, lr: float, by: str) -> dict:
         self._require_steerable("the outer lr")

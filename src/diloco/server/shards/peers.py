@@ -78,17 +78,11 @@ class ShardPeers:
         url = f"{self.urls[shard]}{path}?{urlencode(query)}"
         timeout = urllib3.Timeout(connect=CALL_TIMEOUT, read=CALL_TIMEOUT + wait)
         headers = self._anonymous if anonymous else self._headers
+        method = "GET" if posted is None else "POST"
         try:
-            if posted is None:
-                response = self._pool.request("GET", url, headers=headers, timeout=timeout)
-            else:
-                response = self._pool.request(
-                    "POST",
-                    url,
-                    body=json.dumps(posted).encode(),
-                    headers={**headers, "Content-Type": "application/json"},
-                    timeout=timeout,
-                )
+            response = self._pool.request(
+                method, url, headers=headers, json=posted, timeout=timeout
+            )
         except urllib3.exceptions.SSLError as exc:
             raise PeerUnavailable(
                 f"the TLS certificate of shard {shard} at {self.urls[shard]} is not trusted "
@@ -322,26 +316,29 @@ class MembershipFollower(threading.Thread):
         self.clock = clock  # the coordinator's, which its workers' last_seen are in
         self.interval = max(0.05, interval)
         self.stopped = threading.Event()
+        self._told = 0.0  # when a failure to ask shard 0 was last said
 
     def run(self) -> None:
         """Asks at once (a follower started while shard 0 is paused pauses before its first
         interval has passed), then every interval."""
-        told = 0.0
-        first = True
-        while first or not self.stopped.wait(self.interval):
-            first = False
-            asked_at = self.clock()
-            try:
-                live, paused = self.peers.live_members()
-            except PeerUnavailable as exc:
-                if time.monotonic() - told > 30:
-                    told = time.monotonic()
-                    log.warning("cannot ask shard 0 who is live: %s", exc)
-                continue
-            try:
-                self.follow(live, asked_at, paused)
-            except Exception:  # said, and asked again
-                log.exception("following shard 0's membership failed")
+        while True:
+            self._ask()
+            if self.stopped.wait(self.interval):
+                return
+
+    def _ask(self) -> None:
+        asked_at = self.clock()
+        try:
+            live, paused = self.peers.live_members()
+        except PeerUnavailable as exc:
+            if time.monotonic() - self._told > 30:
+                self._told = time.monotonic()
+                log.warning("cannot ask shard 0 who is live: %s", exc)
+            return
+        try:
+            self.follow(live, asked_at, paused)
+        except Exception:  # said, and asked again
+            log.exception("following shard 0's membership failed")
 
     def stop(self) -> None:
         self.stopped.set()

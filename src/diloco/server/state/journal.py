@@ -235,7 +235,6 @@ class RoundJournal:
         self.checkpoint_every = checkpoint_every
         self.pool = WorkPool(state.conn)
         self.saved_round: int | None = None  # the round of the newest checkpoint on disk
-        self.scheduled_round: int | None = None  # ... or being written in the background
         # Steps are logged and checkpointed in the background unless the caller says not
         # (sharded servers: their commits are decided across shards, not replayed from one).
         self.log_steps = True
@@ -300,7 +299,6 @@ class RoundJournal:
             },
         )
         self.saved_round = round_number
-        self.scheduled_round = round_number
 
     def save_initial(
         self,
@@ -366,8 +364,9 @@ class RoundJournal:
 
     def checkpoint_due(self, new_round: int) -> bool:
         """Whether a logged step that makes `new_round` is checkpointed: every
-        `checkpoint_every`-th round since the last checkpoint (the log holds the rest)."""
-        last = self.scheduled_round
+        `checkpoint_every`-th round since the last checkpoint (the log holds the rest; the
+        last one's write has settled, since every step waits for it first)."""
+        last = self.saved_round
         return last is None or new_round - last >= self.checkpoint_every
 
     # ----------------------------------------------------------------- the step log
@@ -422,12 +421,7 @@ class RoundJournal:
             return []
         chain: list[LoggedStep] = []
         on_disk = steps.generations()
-        for generation in on_disk:
-            if generation != round_number + len(chain):
-                continue
-            loaded = steps.load(generation)
-            if loaded is None:
-                break
+        while (loaded := steps.load(round_number + len(chain))) is not None:
             chain.append(_logged_step_of(loaded.metadata, loaded.tensors))
         reached = round_number + len(chain)
         steps.drop(last=round_number - 1)
@@ -641,7 +635,7 @@ class RoundJournal:
                 replayed_step=pending[-1].record.round if pending else None,
                 replayed_steps=[step.record.round for step in pending],
             )
-        self.saved_round = self.scheduled_round = round_number
+        self.saved_round = round_number
         specs = [TensorSpec.from_json(s) for s in loaded.metadata["specs"]]
         log.info("resuming round %d from %s", round_number, loaded.path)
         return RestoredState(
