@@ -3,7 +3,9 @@ bodies spooled (--memory-bodies 0) and in memory (1): the committed weights equa
 out by hand below, and every malformed body is a 422 naming the tensor (and part) that leaves
 the round where it was; a header-level fault is answered from the header alone.
 
-Outer SGD with lr 1 throughout, so the new masters are BASE - the mean decoded pseudo-gradient.
+Outer SGD with lr 1 throughout, so the new masters are BASE - the mean decoded pseudo-gradient
+(top-k: each element's mean over the workers that sent it, its default sparse_mean, and the plain
+mean when given).
 """
 
 from __future__ import annotations
@@ -60,13 +62,22 @@ TOPK_A = {
     "b": {0: 0.5, 1: 3.0, 2: -0.1, 4: -1.5},
 }
 TOPK_B = {"w": {5: -1.5, 6: 1.5, 64: -0.2, 65: 0.1, 127: 0.75}, "b": {3: 1.5, 4: -0.75}}
+# Under --aggregation mean each decoded value is halved (two workers):
 TOPK_W = {5: 9.25, 6: 9.25, 40: 10.5, 64: 10.25, 70: 11.5, 100: 9.5, 127: 9.75}
 TOPK_B_NEW = [10.0, 8.5, 10.0, 9.25, 10.75]
+# Under sparse_mean, a top-k codec's default, each over the workers that sent it: only w[5]
+# and b[4] come from both ((3 - 1.5) / 2 = 0.75, (-1 - 0.5) / 2 = -0.75), every other kept
+# value from one worker, whole (w[6]: 10 - 1.5 = 8.5, w[40]: 10 + 1 = 11, ...). The buffers f
+# and n keep the plain mean.
+TOPK_SPARSE_W = {5: 9.25, 6: 8.5, 40: 11.0, 64: 10.5, 70: 13.0, 100: 9.0, 127: 9.5}
+TOPK_SPARSE_B_NEW = [10.0, 7.0, 10.0, 8.5, 10.75]
 
 HAND = {
     "int8": (INT8_A, INT8_B, INT8_W, INT8_B_NEW),
-    "topk": (TOPK_A, TOPK_B, TOPK_W, TOPK_B_NEW),
+    "topk": (TOPK_A, TOPK_B, TOPK_SPARSE_W, TOPK_SPARSE_B_NEW),
+    "topk-mean": (TOPK_A, TOPK_B, TOPK_W, TOPK_B_NEW),
 }
+AGGREGATION = {"topk-mean": ("--aggregation", "mean")}
 
 
 def gradient_body(values: dict, codec: Codec, f=None, n=None) -> bytearray:
@@ -182,21 +193,23 @@ def test_the_hand_made_bodies_hold_what_the_comments_say() -> None:
 
 
 @pytest.mark.parametrize("memory_bodies", ["0", "1"])
-@pytest.mark.parametrize("name", ["int8", "topk"])
+@pytest.mark.parametrize("name", ["int8", "topk", "topk-mean"])
 def test_malformed_bodies_are_refused_then_two_workers_commit_the_hand_computed_weights(
     server_process, tmp_path, name, memory_bodies
 ) -> None:
-    codec_args, codec = CODECS[name]
+    codec_args, codec = CODECS[name.removesuffix("-mean")]
     a_values, b_values, w_expected, b_expected = HAND[name]
     server, api = start(server_process, tmp_path, codec_args, *SGD, "--memory-bodies",
-                        memory_bodies)  # fmt: skip
+                        memory_bodies, *AGGREGATION.get(name, ()))  # fmt: skip
     register(api, "a")
     register(api, "b")
     valid_a = gradient_body(
         a_values, codec, f=torch.tensor([0.5, 0.0, -1.0]), n=torch.tensor([1, -2])
     )
     before = api.snapshot()
-    for case, (data, kind, tensor, part, early) in malformed_bodies(name, codec, valid_a).items():
+    for case, (data, kind, tensor, part, early) in malformed_bodies(
+        name.removesuffix("-mean"), codec, valid_a
+    ).items():
         error = api.rejects(submit(api, "a", data), 422, kind, f"'{tensor}'")
         assert error["detail"]["tensor"] == tensor, (case, error)
         if part is not None:

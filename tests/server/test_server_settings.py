@@ -86,42 +86,93 @@ def test_codec_settings_are_canonical_in_info_and_bf16_has_one_meaning():
 
 TOPK = "topk:0.03+int2"
 OPTIMIZER, LR, MOMENTUM = ALL_THREE = ("outer_optimizer", "outer_lr", "outer_momentum")
+SPARSE = "aggregation"  # named in outer_defaults_from_codec where the codec picked sparse_mean
+ALL_FOUR = (*ALL_THREE, SPARSE)
 
 
 @pytest.mark.parametrize(
-    ("given", "optimizer", "lr", "momentum", "from_codec"),
+    ("given", "optimizer", "lr", "momentum", "aggregation", "from_codec"),
     [
-        ({}, "nesterov", 0.7, 0.9, ALL_THREE),
-        ({"upload_codec": "int8"}, "nesterov", 0.7, 0.9, ALL_THREE),
-        ({"upload_codec": "bf16"}, "nesterov", 0.7, 0.9, ALL_THREE),
-        ({"upload_codec": TOPK}, "sgd", 1.0, 0.0, ALL_THREE),
-        ({"upload_codec": "topk:0.1", "topk_chunk": 4096}, "sgd", 1.0, 0.0, ALL_THREE),
+        ({}, "nesterov", 0.7, 0.9, "mean", ALL_THREE),
+        ({"upload_codec": "int8"}, "nesterov", 0.7, 0.9, "mean", ALL_THREE),
+        ({"upload_codec": "bf16"}, "nesterov", 0.7, 0.9, "mean", ALL_THREE),
+        ({"upload_codec": TOPK}, "sgd", 1.0, 0.0, "sparse_mean", ALL_FOUR),
+        (
+            {"upload_codec": "topk:0.1", "topk_chunk": 4096},
+            "sgd",
+            1.0,
+            0.0,
+            "sparse_mean",
+            ALL_FOUR,
+        ),
         # a value given is kept; the others still follow the codec
-        ({"upload_codec": TOPK, "outer_lr": 0.5}, "sgd", 0.5, 0.0, (OPTIMIZER, MOMENTUM)),
-        ({"upload_codec": TOPK, "outer_optimizer": "nesterov"}, "nesterov", 1.0, 0.9, (LR,)),
+        (
+            {"upload_codec": TOPK, "outer_lr": 0.5},
+            "sgd",
+            0.5,
+            0.0,
+            "sparse_mean",
+            (OPTIMIZER, MOMENTUM, SPARSE),
+        ),
+        (
+            {"upload_codec": TOPK, "outer_optimizer": "nesterov"},
+            "nesterov",
+            1.0,
+            0.9,
+            "sparse_mean",
+            (LR, SPARSE),
+        ),
         (
             {"upload_codec": TOPK, "outer_optimizer": "momentum", "outer_momentum": 0.5},
             "momentum",
             1.0,
             0.5,
-            (LR,),
+            "sparse_mean",
+            (LR, SPARSE),
         ),
-        ({"upload_codec": TOPK, "outer_momentum": 0.0}, "sgd", 1.0, 0.0, (OPTIMIZER, LR)),
-        ({"upload_codec": "int8", "outer_optimizer": "sgd"}, "sgd", 0.7, 0.0, (LR,)),
-        ({"upload_codec": TOPK, "outer_optimizer": "sgd", "outer_lr": 1.0}, "sgd", 1.0, 0.0, ()),
-        # async steps with Delayed Nesterov whatever the codec: the codec chooses nothing
-        ({"mode": "async", "upload_codec": TOPK}, "nesterov", 0.7, 0.9, ()),
+        (
+            {"upload_codec": TOPK, "outer_momentum": 0.0},
+            "sgd",
+            1.0,
+            0.0,
+            "sparse_mean",
+            (OPTIMIZER, LR, SPARSE),
+        ),
+        ({"upload_codec": "int8", "outer_optimizer": "sgd"}, "sgd", 0.7, 0.0, "mean", (LR,)),
+        (
+            {"upload_codec": TOPK, "outer_optimizer": "sgd", "outer_lr": 1.0},
+            "sgd",
+            1.0,
+            0.0,
+            "sparse_mean",
+            (SPARSE,),
+        ),
+        # the mean given is kept, and so is a robust rule
+        ({"upload_codec": TOPK, "aggregation": "mean"}, "sgd", 1.0, 0.0, "mean", ALL_THREE),
+        (
+            {"upload_codec": TOPK, "aggregation": "clipped_mean"},
+            "sgd",
+            1.0,
+            0.0,
+            "clipped_mean",
+            ALL_THREE,
+        ),
+        # token weighting: sparse_mean needs uniform weights, so the codec cannot pick it
+        ({"upload_codec": TOPK, "weighting": "tokens"}, "sgd", 1.0, 0.0, "mean", ALL_THREE),
+        # async steps with Delayed Nesterov and the mean whatever the codec: it chooses nothing
+        ({"mode": "async", "upload_codec": TOPK}, "nesterov", 0.7, 0.9, "mean", ()),
         (
             {"mode": "streaming", "sync_every": 10, "fragments": 2, "upload_codec": TOPK},
             "sgd",
             1.0,
             0.0,
-            ALL_THREE,
+            "sparse_mean",
+            ALL_FOUR,
         ),
     ],
 )
 def test_outer_settings_not_given_follow_the_upload_codec(
-    given: dict, optimizer: str, lr: float, momentum: float, from_codec: tuple
+    given: dict, optimizer: str, lr: float, momentum: float, aggregation: str, from_codec: tuple
 ) -> None:
     settings = ServerSettings(**given)
     assert (settings.outer_optimizer, settings.outer_lr, settings.outer_momentum) == (
@@ -129,10 +180,12 @@ def test_outer_settings_not_given_follow_the_upload_codec(
         lr,
         momentum,
     )
+    assert settings.aggregation == aggregation
     assert settings.outer_defaults_from_codec == from_codec
     wire = settings.to_wire()
     assert wire["outer_defaults_from_codec"] == list(from_codec)
     assert (wire["outer_optimizer"]["lr"], wire["outer_optimizer"]["momentum"]) == (lr, momentum)
+    assert wire["aggregation"] == aggregation
 
 
 def test_a_momentum_given_against_the_codec_s_sgd_is_refused_in_one_line() -> None:
@@ -160,10 +213,11 @@ def test_a_top_k_fraction_that_keeps_nothing_of_a_chunk_is_refused() -> None:
 def test_the_recipe_line_and_the_warnings_name_what_the_codec_chose() -> None:
     topk = ServerSettings(upload_codec=TOPK)
     assert topk.outer_recipe().startswith(
-        "outer optimizer sgd lr 1 momentum 0 (optimizer, lr, momentum chosen by upload codec "
-        "topk:0.03+int2: SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706"
+        "outer optimizer sgd lr 1 momentum 0, sparse_mean (optimizer, lr, momentum, aggregation "
+        "chosen by upload codec topk:0.03+int2: SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706"
     )
-    (companion,) = topk.outer_warnings()
+    assert topk.outer_warnings() == []  # sparse_mean: +4.3 % at H = 50, under the 5 % line
+    (companion,) = ServerSettings(upload_codec=TOPK, aggregation="mean").outer_warnings()
     assert "+11.3 % to +12.2 % above fp32 DiLoCo at H = 50 (+6.8 % at H = 10)" in companion
     assert companion.endswith("the same runs ended +4.3 % at H = 50 and -0.8 % at H = 10")
     assert ServerSettings(upload_codec=TOPK, aggregation="sparse_mean").outer_warnings() == []
@@ -176,11 +230,11 @@ def test_the_recipe_line_and_the_warnings_name_what_the_codec_chose() -> None:
     assert asynchronous == momentum  # Delayed Nesterov: momentum 0.9, as measured
     assert ServerSettings(upload_codec="int8").outer_warnings() == []
     assert ServerSettings().outer_recipe() == (
-        "outer optimizer nesterov lr 0.7 momentum 0.9 (optimizer, lr, momentum chosen by "
+        "outer optimizer nesterov lr 0.7 momentum 0.9, mean (optimizer, lr, momentum chosen by "
         "upload codec fp32: DiLoCo's outer Nesterov)"
     )
     given = ServerSettings(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
-    assert given.outer_recipe() == "outer optimizer nesterov lr 0.7 momentum 0.9 (given)"
+    assert given.outer_recipe() == "outer optimizer nesterov lr 0.7 momentum 0.9, mean (given)"
 
 
 def test_the_start_up_log_says_the_recipe_and_each_warning(caplog) -> None:
@@ -204,10 +258,12 @@ def test_info_states_the_codec_s_choices_and_a_worker_reads_them() -> None:
 
     info = Coordinator(ServerSettings(upload_codec=TOPK, outer_lr=0.5)).info()
     settings = info["settings"]
-    assert settings["outer_defaults_from_codec"] == ["outer_optimizer", "outer_momentum"]
+    chosen = ["outer_optimizer", "outer_momentum", "aggregation"]
+    assert settings["outer_defaults_from_codec"] == chosen
     assert settings["outer_optimizer"] == {"kind": "sgd", "lr": 0.5, "momentum": 0.0}
+    assert settings["aggregation"] == "sparse_mean"
     parsed = InfoResponse.model_validate(info)
-    assert parsed.settings.outer_defaults_from_codec == ["outer_optimizer", "outer_momentum"]
+    assert parsed.settings.outer_defaults_from_codec == chosen
     worker = WorkerSettings.from_info(info, "http://server")
     assert worker.outer_optimizer == {"kind": "sgd", "lr": 0.5, "momentum": 0.0}
     # a server from before the field: the schema's default
@@ -219,40 +275,55 @@ def test_info_states_the_codec_s_choices_and_a_worker_reads_them() -> None:
 
 
 def test_a_restart_keeps_the_outer_settings_its_run_began_with_where_the_codec_chooses() -> None:
-    # a top-k run begun before the codec chose sgd: its stored settings say nesterov 0.7
-    stored = ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov", outer_lr=0.7).to_wire()
+    # a top-k run begun before the codec chose sgd and sparse_mean: its stored settings say
+    # nesterov 0.7 and the mean
+    stored = ServerSettings(
+        upload_codec=TOPK, outer_optimizer="nesterov", outer_lr=0.7, aggregation="mean"
+    ).to_wire()
     del stored["outer_defaults_from_codec"]
     settings = ServerSettings(upload_codec=TOPK)
     assert settings.keep_stored_outer(stored) == [
         "outer_optimizer 'nesterov' (upload codec topk:0.03+int2's default: 'sgd')",
         "outer_lr 0.7 (upload codec topk:0.03+int2's default: 1.0)",
         "outer_momentum 0.9 (upload codec topk:0.03+int2's default: 0.0)",
+        "aggregation 'mean' (upload codec topk:0.03+int2's default: 'sparse_mean')",
     ]
     assert (settings.outer_optimizer, settings.outer_lr, settings.outer_momentum) == (
         "nesterov",
         0.7,
         0.9,
     )
+    assert settings.aggregation == "mean"
     assert settings.outer_defaults_from_codec == ()
     assert settings.to_wire()["outer_optimizer"] == stored["outer_optimizer"]
     # what was given is not touched, nor are settings that agree
-    explicit = ServerSettings(upload_codec=TOPK, outer_optimizer="sgd", outer_lr=1.0)
+    explicit = ServerSettings(
+        upload_codec=TOPK, outer_optimizer="sgd", outer_lr=1.0, aggregation="sparse_mean"
+    )
     assert explicit.keep_stored_outer(stored) == []
     assert explicit.outer_optimizer == "sgd"
     same = ServerSettings(upload_codec=TOPK)
     assert same.keep_stored_outer(same.to_wire()) == []
-    assert same.outer_defaults_from_codec == ALL_THREE
-    lr_only = ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov")  # lr from codec
+    assert same.outer_defaults_from_codec == ALL_FOUR
+    lr_only = ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov", aggregation="mean")
     assert lr_only.keep_stored_outer(stored) == [
         "outer_lr 0.7 (upload codec topk:0.03+int2's default: 1.0)"
     ]
+    # a server from before aggregation was stored ran the mean
+    sgd_run = ServerSettings(upload_codec=TOPK, aggregation="mean").to_wire()
+    del sgd_run["aggregation"]
+    older = ServerSettings(upload_codec=TOPK)
+    assert older.keep_stored_outer(sgd_run) == [
+        "aggregation 'mean' (upload codec topk:0.03+int2's default: 'sparse_mean')"
+    ]
+    assert (older.aggregation, older.outer_optimizer) == ("mean", "sgd")
 
 
 def test_an_outer_lr_an_admin_set_is_no_longer_the_codec_s_choice() -> None:
     settings = ServerSettings(upload_codec=TOPK)
     settings.change_outer_lr(0.5)
     assert settings.outer_lr == 0.5
-    assert settings.to_wire()["outer_defaults_from_codec"] == [OPTIMIZER, MOMENTUM]
+    assert settings.to_wire()["outer_defaults_from_codec"] == [OPTIMIZER, MOMENTUM, SPARSE]
 
 
 def test_shards_do_not_compare_how_a_setting_was_chosen() -> None:

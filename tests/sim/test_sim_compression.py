@@ -106,15 +106,26 @@ def test_outer_settings_follow_the_upload_codec_as_the_server_s(given: dict) -> 
     assert sim.outer_warnings() == server.outer_warnings()
 
 
+ALL_THREE = ("outer_optimizer", "outer_lr", "outer_momentum")
+
+
 def test_a_top_k_run_s_outer_settings_are_sparseloco_s_and_survive_json() -> None:
     config = SimConfig(upload_codec="topk:0.03+int2", outer_lr=0.5)
     assert (config.outer_optimizer, config.outer_lr, config.outer_momentum) == ("sgd", 0.5, 0.0)
+    assert config.aggregation == "sparse_mean"
     data = config.to_dict()
-    assert data["outer_defaults_from_codec"] == ["outer_optimizer", "outer_momentum"]
+    assert data["outer_defaults_from_codec"] == ["outer_optimizer", "outer_momentum", "aggregation"]
     assert (data["outer_optimizer"], data["outer_lr"], data["outer_momentum"]) == ("sgd", 0.5, 0)
     assert SimConfig.from_dict(data) == config  # a sweep's child process runs the same run
     assert SimConfig(mode="ddp").outer_warnings() == []
     assert SimConfig(mode="ddp").outer_defaults_from_codec == ()  # no outer step at all
+    # the mean given is kept; async and the dense codecs average with the mean
+    given = SimConfig(upload_codec="topk:0.03+int2", aggregation="mean")
+    assert (given.aggregation, given.outer_defaults_from_codec) == ("mean", ALL_THREE)
+    assert SimConfig(mode="async", upload_codec="topk:0.03+int2").aggregation == "mean"
+    assert SimConfig(mode="streaming", upload_codec="topk:0.03+int2").aggregation == "sparse_mean"
+    assert SimConfig(upload_codec="int8").aggregation == "mean"
+    assert SimConfig.from_dict(given.to_dict()) == given
 
 
 @pytest.mark.parametrize(
@@ -287,6 +298,7 @@ def test_each_worker_keeps_its_residual_and_the_server_applies_what_was_sent(
         outer_optimizer="sgd",
         outer_lr=1.0,
         outer_momentum=0.0,
+        aggregation="mean",  # sparse_mean, a top-k codec's default, has its own test
     )
     result = simulate(config, corpus=small_corpus)
     assert len(calls) == 3 * 2  # rounds x workers, worker 0 first
@@ -324,7 +336,9 @@ def test_after_one_round_sent_plus_residual_is_the_fp32_pseudo_gradient(
     """Round 1 starts from the same weights either way, so the fp32 run's pseudo-gradients g_w
     are the compressed run's. With outer SGD lr 1 the fp32 run ends at initial - mean(g_w) and
     the top-k run at initial - mean(s_w), and e_w = g_w - s_w (beta has nothing to decay yet)."""
-    one_round = dict(steps=4, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+    one_round = dict(
+        steps=4, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0, aggregation="mean"
+    )
     fp32 = simulate(tiny(**one_round), corpus=small_corpus)
     topk = simulate(tiny(**one_round, upload_codec="topk:0.05"), corpus=small_corpus)
     k, chunk = round(0.05 * 128), 128

@@ -56,8 +56,9 @@ def test_sparse_mean_is_the_mean_for_dense_uploads_and_differs_for_top_k() -> No
     assert sparse.final_eval_loss == pytest.approx(plain.final_eval_loss, rel=1e-4)
     assert sparse.to_json()["aggregation"] == "sparse_mean" and sparse.refused_contributions == 0
     codec = {"upload_codec": "topk:0.1", "outer_optimizer": "sgd", "outer_lr": 1.0}
-    top_k = simulate(small(**codec))
-    top_k_sparse = simulate(small(aggregation="sparse_mean", **codec))
+    top_k = simulate(small(aggregation="mean", **codec))
+    top_k_sparse = simulate(small(**codec))  # a top-k codec's default
+    assert top_k_sparse.to_json()["aggregation"] == "sparse_mean"
     assert abs(top_k_sparse.final_eval_loss - top_k.final_eval_loss) > 1e-3
 
 

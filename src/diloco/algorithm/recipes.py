@@ -2,10 +2,12 @@
 
 Top-k codecs (sparse) follow SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706): the workers'
 error-feedback accumulator e <- beta e + Delta already plays the part of outer momentum, so the
-outer step is plain SGD, theta <- theta - alpha * mean(sent), with alpha = 1. Every other codec
-keeps DiLoCo's outer Nesterov, lr 0.7, momentum 0.9 (the quantizers cost within +0.1 % of fp32
-there). `outer_defaults` says which; a setting the user gives is always kept (the server's and
-the simulator's settings resolve each of optimizer, lr, momentum on their own).
+outer step is plain SGD, theta <- theta - alpha * mean(sent), with alpha = 1, and the mean of
+each element is over the workers that sent it (aggregation sparse_mean). Every other codec
+keeps DiLoCo's outer Nesterov, lr 0.7, momentum 0.9 and the plain mean (the quantizers cost
+within +0.1 % of fp32 there). `outer_defaults` says which; a setting the user gives is always
+kept (the server's and the simulator's settings resolve each of optimizer, lr, momentum and
+aggregation on their own).
 
 `MEASURED_COSTS` holds our measurements of these combinations, each with the file it comes
 from; `outer_warnings` turns those over `WARN_ABOVE_PERCENT` into one sentence each. A
@@ -30,27 +32,46 @@ class OuterDefaults:
     optimizer: str
     lr: float
     momentum: float
+    aggregation: str
     why: str
 
     def __str__(self) -> str:
         momentum = "" if self.optimizer == "sgd" else f" momentum {self.momentum:g}"
-        return f"{self.optimizer} lr {self.lr:g}{momentum} ({self.why})"
+        return f"{self.optimizer} lr {self.lr:g}{momentum}, {self.aggregation} ({self.why})"
 
 
-DENSE_DEFAULTS = OuterDefaults("nesterov", 0.7, 0.9, "DiLoCo's outer Nesterov")
+DENSE_DEFAULTS = OuterDefaults("nesterov", 0.7, 0.9, "mean", "DiLoCo's outer Nesterov")
 SPARSE_DEFAULTS = OuterDefaults(
     "sgd",
     1.0,
     0.0,
+    "sparse_mean",
     "SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706: for a top-k codec the workers' "
-    "error-feedback accumulator stands in for outer momentum",
+    "error-feedback accumulator stands in for outer momentum, and each element is averaged "
+    "over the workers that sent it",
 )
 
 
 def outer_defaults(upload_codec: Codec | str) -> OuterDefaults:
-    """Top-k codecs: sgd, lr 1.0, no momentum (SparseLoCo); any other codec: nesterov, lr 0.7,
-    momentum 0.9. `upload_codec` is a Codec or its spec ("topk:0.03+int2")."""
+    """Top-k codecs: sgd, lr 1.0, no momentum, sparse_mean (SparseLoCo); any other codec:
+    nesterov, lr 0.7, momentum 0.9, the plain mean. `upload_codec` is a Codec or its spec
+    ("topk:0.03+int2")."""
     return SPARSE_DEFAULTS if _codec(upload_codec).is_sparse else DENSE_DEFAULTS
+
+
+def resolve_aggregation(
+    defaults: OuterDefaults, aggregation: str | None, uniform_rounds: bool
+) -> tuple[str, bool]:
+    """The aggregation rule, and whether the codec chose it. A rule given is kept; none given
+    is the plain mean, unless the codec picks another (top-k: sparse_mean) and the run averages
+    rounds of workers with uniform weights (`uniform_rounds`, which sparse_mean needs). Only
+    that pick counts as the codec's choice: the plain mean is every run's rule, and what a
+    top-k codec costs under it the codec's warning says."""
+    if aggregation is not None:
+        return aggregation, False
+    if defaults.aggregation == "mean" or not uniform_rounds:
+        return "mean", False
+    return defaults.aggregation, True
 
 
 @dataclass(frozen=True)

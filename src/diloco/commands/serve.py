@@ -129,12 +129,15 @@ def server_command(
         "uniform", help="uniform or tokens.", rich_help_panel=ROUNDS_PANEL
     ),
     aggregation: str = typer.Option(
-        "mean",
+        None,
         help="How pseudo-gradients combine: mean; clipped_mean (each scaled down to "
         "--clip-multiple x the median recent norm); trimmed_mean:F or median (element by "
         "element; sync and streaming, plain uploads). The robust rules refuse norms over "
         "--outlier-ratio x the median (audited); rounds decide at their barrier, async at "
-        "each arrival.",
+        "each arrival. sparse_mean: each element over the workers that sent it "
+        "(SparseLoCo's; sync and streaming, weighting uniform). Default: follows "
+        "--upload-codec: sparse_mean for top-k in sync and streaming mode with weighting "
+        "uniform, else mean.",
         rich_help_panel=ROBUST_PANEL,
     ),
     clip_multiple: float = typer.Option(

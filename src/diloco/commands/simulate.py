@@ -224,12 +224,14 @@ def simulate_command(
         None, help=ERROR_FEEDBACK_HELP, rich_help_panel=CODEC_PANEL
     ),
     aggregation: str = typer.Option(
-        "mean",
+        None,
         help="How a round's pseudo-gradients combine: mean, clipped_mean, trimmed_mean:F "
         "(0 <= F < 0.5) or median; the robust ones refuse norms over 10x the median, and "
         "(3 kept or more) one pointing away from the round's element-wise median. "
         "sparse_mean: each element over the workers that sent it (SparseLoCo's, for top-k "
-        "uploads; --mode diloco and streaming, as the server in sync and streaming mode).",
+        "uploads; --mode diloco and streaming, as the server in sync and streaming mode). "
+        "Default: follows --upload-codec: sparse_mean for top-k in modes diloco and "
+        "streaming, else mean.",
         rich_help_panel=ROBUST_PANEL,
     ),
     hostile: str = typer.Option(

@@ -24,6 +24,7 @@ from diloco.algorithm.recipes import (
     OuterDefaults,
     outer_defaults,
     outer_warnings,
+    resolve_aggregation,
     resolve_outer,
 )
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO, Aggregation
@@ -89,7 +90,9 @@ class ServerSettings:
     dylu: bool = False
     # Robust aggregation (algorithm/robust.py): mean, or clipped_mean with outliers refused;
     # the clip bound and the outlier threshold are multiples of the median recent norm.
-    aggregation: str = "mean"
+    # None: follows the upload codec (sparse_mean for top-k in sync and streaming rounds of
+    # uniform weight, else mean; algorithm/recipes.py)
+    aggregation: str | None = None
     clip_multiple: float = DEFAULT_CLIP_MULTIPLE
     outlier_ratio: float = DEFAULT_OUTLIER_RATIO
     # Server-side only (not sent to workers): how many tensor bodies may sit in RAM at once;
@@ -173,11 +176,11 @@ class ServerSettings:
             )
 
     def _resolve_outer(self) -> None:
-        """Each of outer_optimizer, outer_lr, outer_momentum not given follows the upload
-        codec (`outer_defaults`); a given one is kept. Mode async always steps with Delayed
-        Nesterov (lr 0.7, momentum 0.9 unless given): SparseLoCo's sgd is measured for rounds
-        that average K workers, not for arrivals applied one by one, so there the codec
-        chooses nothing (and a top-k codec's momentum warning stands)."""
+        """Each of outer_optimizer, outer_lr, outer_momentum and aggregation not given follows
+        the upload codec (`outer_defaults`); a given one is kept. Mode async always steps with
+        Delayed Nesterov (lr 0.7, momentum 0.9 unless given) and the mean: SparseLoCo's sgd
+        is measured for rounds that average K workers, not for arrivals applied one by one,
+        so there the codec chooses nothing (and a top-k codec's momentum warning stands)."""
         outer = resolve_outer(
             self.outer_defaults,
             self.upload_codec,
@@ -189,7 +192,13 @@ class ServerSettings:
         object.__setattr__(self, "outer_optimizer", outer.optimizer)
         object.__setattr__(self, "outer_lr", outer.lr)
         object.__setattr__(self, "outer_momentum", outer.momentum)
-        chosen = outer.chosen
+        aggregation, codec_chose = resolve_aggregation(
+            self.outer_defaults,
+            self.aggregation,
+            uniform_rounds=self.mode != "async" and self.weighting == "uniform",
+        )
+        object.__setattr__(self, "aggregation", aggregation)
+        chosen = outer.chosen + (("aggregation",) if codec_chose else ())
         from_codec = tuple(chosen) if self.mode != "async" else ()
         object.__setattr__(self, "outer_defaults_from_codec", from_codec)
 
@@ -204,7 +213,7 @@ class ServerSettings:
         start-up log line)."""
         described = self.make_outer_optimizer().describe()
         kind, lr, momentum = described["kind"], described["lr"], described["momentum"]
-        text = f"outer optimizer {kind} lr {lr:g} momentum {momentum:g}"
+        text = f"outer optimizer {kind} lr {lr:g} momentum {momentum:g}, {self.aggregation}"
         chosen = [name.removeprefix("outer_") for name in self.outer_defaults_from_codec]
         if not chosen:
             given = "given" if self.mode != "async" else "mode async's Delayed Nesterov"
@@ -236,6 +245,7 @@ class ServerSettings:
             "outer_optimizer": outer.get("kind"),
             "outer_lr": outer.get("lr"),
             "outer_momentum": outer.get("momentum"),
+            "aggregation": stored.get("aggregation", "mean"),  # older servers: the mean
         }
         taken = {name: wanted[name] for name in self.outer_defaults_from_codec}
         if all(value == getattr(self, name) for name, value in taken.items()):
@@ -245,6 +255,8 @@ class ServerSettings:
         momentum = taken.get("outer_momentum", self.outer_momentum)
         try:
             OuterOptimizer(str(kind), lr=lr, momentum=momentum)  # type: ignore[arg-type]
+            if taken.get("aggregation", "mean") not in ("mean", "sparse_mean"):
+                raise ValueError("a codec chooses only these")
         except ValueError:
             return []  # not a setting we can take: the settings check names the difference
         said = [
@@ -419,9 +431,9 @@ class ServerSettings:
                 f"shard owns whole fragments): {self.fragments} fragments for {count} shards"
             )
         unsupported = {
-            "aggregation": (self.aggregation, "mean"),
             "upload_codec": (self.upload_codec, "fp32 or bf16"),
             "download_codec": (self.download_codec, "fp32"),
+            "aggregation": (self.aggregation, "mean"),
         }
         for name, (value, allowed) in unsupported.items():
             ok = value in allowed.split(" or ") if " or " in allowed else value == allowed

@@ -14,6 +14,7 @@ from diloco.algorithm.recipes import (
     OuterDefaults,
     outer_defaults,
     outer_warnings,
+    resolve_aggregation,
     resolve_outer,
 )
 from diloco.algorithm.robust import Aggregation
@@ -76,7 +77,7 @@ class SimConfig:
     topk_chunk: int = 128
     error_feedback_beta: float = DEFAULT_ERROR_FEEDBACK_BETA
     # Robust aggregation (algorithm/robust.py) and a bad last worker (sim/hostile.py)
-    aggregation: str = "mean"
+    aggregation: str | None = None  # None: follows the upload codec, as the server's
     hostile: str = "none"
     outer_defaults_from_codec: tuple[str, ...] = field(default=(), init=False)
 
@@ -156,9 +157,10 @@ class SimConfig:
             )
 
     def _resolve_outer(self) -> None:
-        """As the server's: each outer setting not given follows the upload codec; mode async
-        steps with Delayed Nesterov (lr 0.7, momentum 0.9 unless given), which the codec does
-        not change; single and ddp have no outer step (their recorded defaults are unused)."""
+        """As the server's: each outer setting (and the aggregation) not given follows the
+        upload codec; mode async steps with Delayed Nesterov (lr 0.7, momentum 0.9 unless
+        given) and the mean, which the codec does not change; single and ddp have no outer
+        step (their recorded defaults are unused)."""
         outer = resolve_outer(
             self.outer_defaults,
             self.upload_codec,
@@ -170,8 +172,13 @@ class SimConfig:
         object.__setattr__(self, "outer_optimizer", outer.optimizer)
         object.__setattr__(self, "outer_lr", outer.lr)
         object.__setattr__(self, "outer_momentum", outer.momentum)
-        chosen = outer.chosen
-        from_codec = tuple(chosen) if self.mode in ("diloco", "streaming") else ()
+        rounds = self.mode in ("diloco", "streaming")
+        aggregation, codec_chose = resolve_aggregation(
+            self.outer_defaults, self.aggregation, uniform_rounds=rounds
+        )
+        object.__setattr__(self, "aggregation", aggregation)
+        chosen = outer.chosen + (("aggregation",) if codec_chose else ())
+        from_codec = tuple(chosen) if rounds else ()
         object.__setattr__(self, "outer_defaults_from_codec", from_codec)
 
     @property
