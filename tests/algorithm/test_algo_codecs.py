@@ -219,6 +219,9 @@ def test_an_all_zero_block_has_scale_zero_and_zero_level_codes() -> None:
         assert encoded.scales[0] == 0
         assert encoded.codes[:8].tolist() == [zero_level] * 8
         assert torch.equal(decode(encoded, codec)[:8], torch.zeros(8))
+        # of either sign: the scale is +0.0 (sign bit clear), the same bytes on every device
+        negative = encode(torch.cat([-torch.zeros(8), torch.zeros(8)]), codec)
+        assert negative.scales.view(torch.int32).tolist() == [0, 0]
 
 
 def test_a_block_whose_scale_underflows_is_coded_as_zeros() -> None:

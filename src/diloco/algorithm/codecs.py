@@ -435,8 +435,8 @@ def _code_values(values: torch.Tensor, codec: Codec, piece: Encoded) -> None:
     if padded != count:  # the last block is short: pad it with zeros
         values = torch.cat([values, values.new_zeros(padded - count)])
     blocks = values.view(-1, codec.block)
-    low, high = torch.aminmax(blocks, dim=1)  # one pass for both (exact, as amax and amin)
-    absmax = torch.maximum(high, low.neg_())
+    # exact; torch's CPU aminmax along rows of a block is ~10x slower than abs and amax
+    absmax = blocks.abs().amax(dim=1)
     # by a tensor, not a Python number: CUDA multiplies by the reciprocal of a number (off by
     # an ulp now and then), and a scale must be the same on every device
     torch.div(absmax, absmax.new_tensor(codec.level_offset), out=piece.scales)
@@ -447,7 +447,9 @@ def _code_values(values: torch.Tensor, codec: Codec, piece: Encoded) -> None:
     else:
         qmax = QMAX[codec.values]
         scaled.round_().clamp_(-qmax, qmax).add_(qmax)
-    piece.codes.copy_(scaled.view(-1)[:count])
+    # the levels are whole numbers in 0..254: through int16 is exact, and on CPU several times
+    # faster than fp32 straight to uint8
+    piece.codes.copy_(scaled.view(-1)[:count].to(torch.int16))
 
 
 class _KeyCache(threading.local):
