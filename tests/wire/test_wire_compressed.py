@@ -225,6 +225,30 @@ def _within_codec_error(x: torch.Tensor, got: torch.Tensor, codec: Codec) -> Non
         assert bool(((got - x).abs() <= bound * step * slack * (1 + 1e-5) + 1e-30).all())
 
 
+@pytest.mark.parametrize("spec", ["int8", "int2", "topk:0.25+int4", "topk:0.5"])
+def test_a_body_written_over_an_old_one_is_byte_for_byte_a_new_one(spec: str) -> None:
+    """`reuse`: the old body's bytes (other values, the same shapes) are all written over,
+    padding included; a body of another size is not reused."""
+    codec = parse_codec(spec, block=8, chunk=8)
+    generator = torch.Generator().manual_seed(5)
+
+    def tensors(scale: float) -> dict[str, torch.Tensor]:
+        return {
+            "w": torch.randn(3, 7, generator=generator) * scale,  # a short last block and chunk
+            "b": torch.randn(5, generator=generator),
+            "steps": torch.tensor([3, -1], dtype=torch.int64),
+            "norm": torch.randn(3, generator=generator),
+        }
+
+    old = encode_compressed(tensors(1e6), codec, exact={"norm"})
+    new = tensors(1e-3)
+    fresh = encode_compressed(new, codec, exact={"norm"})
+    reused = encode_compressed(new, codec, exact={"norm"}, reuse=old)
+    assert reused is old and reused == fresh
+    other = encode_compressed({"w": torch.randn(9)}, codec, reuse=old)
+    assert other is not old and len(other) != len(old)
+
+
 def test_exact_tensors_keep_their_plain_entry() -> None:
     tensors = {"w": torch.randn(20), "norm": torch.tensor([1.25, -3.0])}
     body = encode_compressed(tensors, INT2_8, exact={"norm"})

@@ -196,13 +196,19 @@ def test_a_body_from_anchor_and_local_is_the_body_of_their_pseudo_gradient():
     for text, beta in (("int8", 0.9), ("topk:0.5+int2", 0.5), ("int4", 0.0)):
         codec = parse_codec(text, chunk=8, block=8)
         ours, theirs = UploadCoder(codec, beta, SPECS), UploadCoder(codec, beta, SPECS)
+        last = None
         for answer in answers:
             local = {
                 "w": anchor["w"] - torch.randn(64, generator=generator),
                 "norm.running_mean": torch.tensor([0.125, 0.75]),
                 "steps": torch.tensor(9, dtype=torch.int64),
             }
-            assert ours.body_from(anchor, local) == theirs.body(pseudo_gradient(anchor, local))
+            # reuse (sync mode): the last body's memory, written over with the same bytes as
+            # a new body's
+            body = ours.body_from(anchor, local, reuse=True)
+            assert body == theirs.body(pseudo_gradient(anchor, local))
+            assert last is None or body is last, text
+            last = body
             if answer is not None:
                 ours.settle(answer)
                 theirs.settle(answer)

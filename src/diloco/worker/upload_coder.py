@@ -50,6 +50,7 @@ class UploadCoder:
         self.coded_names = {s.name for s in specs if s.kind == TensorKind.TRAINABLE.value}
         self._residual: dict[str, torch.Tensor] = {}  # settled: what the server has missed
         self._plain_buffer: tuple[FrameLayout, bytearray] | None = None  # (plain_body)
+        self._coded_buffer: bytearray | None = None  # (body_from with reuse)
         # The residuals the body under way leaves, in buffers of their own: they replace the
         # residuals once the server folds the body in, and are dropped if it never does (see
         # `settle`); None when nothing is pending. A replaced residual's memory is the next
@@ -119,14 +120,21 @@ class UploadCoder:
         return buffer
 
     def body_from(
-        self, anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
+        self,
+        anchor: Mapping[str, torch.Tensor],
+        local: Mapping[str, torch.Tensor],
+        reuse: bool = False,
     ) -> bytearray:
         """`body(pseudo_gradient(anchor, local))`, byte for byte. A codec that keeps a residual
         gets there without the model-sized pseudo-gradient (allocated, page-faulted and read
         again every round): each coded tensor's anchor - local goes through one scratch
-        buffer into its e' = beta e + g; the others' differences are small."""
+        buffer into its e' = beta e + g; the others' differences are small.
+
+        `reuse`: written over the last body made with `reuse` when it has this body's size;
+        the caller promises that body's request is over (sync mode: a round's exchange starts
+        after the last one's ended; streaming mode's uploads overlap and take new bodies)."""
         if not self.keeps_residual or not (self.codec.is_quantized or self.codec.is_sparse):
-            return self.body(pseudo_gradient(anchor, local))
+            return self.body(pseudo_gradient(anchor, local), reuse=reuse)
         coded = self._coded(anchor)
         others = [n for n in anchor if n not in set(coded)]
         exact = pseudo_gradient({n: anchor[n] for n in others}, {n: local[n] for n in others})
@@ -140,12 +148,27 @@ class UploadCoder:
 
         pending = self._accumulated(coded, difference)
         source = {n: pending[n] if n in pending else exact[n] for n in anchor}
-        return encode_compressed(
-            source, self.codec, exact=set(exact), fold_into=pending, weight=-1.0
+        return self._kept(
+            encode_compressed(
+                source,
+                self.codec,
+                exact=set(exact),
+                fold_into=pending,
+                weight=-1.0,
+                reuse=self._coded_buffer if reuse else None,
+            ),
+            reuse,
         )
 
-    def body(self, gradient: Mapping[str, torch.Tensor]) -> bytearray:
-        """The body that uploads `gradient` (anchor - local); updates the residuals."""
+    def _kept(self, body: bytearray, reuse: bool) -> bytearray:
+        """`body`, kept to be written over by the next body made with `reuse`."""
+        if reuse:
+            self._coded_buffer = body
+        return body
+
+    def body(self, gradient: Mapping[str, torch.Tensor], reuse: bool = False) -> bytearray:
+        """The body that uploads `gradient` (anchor - local); updates the residuals.
+        `reuse`: a compressed body is written over the last one, as in `body_from`."""
         codec = self.codec
         if codec.is_identity:
             return encode_tensors(gradient, float_dtype=torch.float32)
@@ -156,7 +179,17 @@ class UploadCoder:
         # e <- e - D(C(e)) as each piece is coded: the decode_into the server's fold runs on
         # the same pieces of this body, so e is exactly what the server missed.
         residual = {n: source[n] for n in coded} if self.keeps_residual else None
-        return encode_compressed(source, codec, exact=exact, fold_into=residual, weight=-1.0)
+        return self._kept(
+            encode_compressed(
+                source,
+                codec,
+                exact=exact,
+                fold_into=residual,
+                weight=-1.0,
+                reuse=self._coded_buffer if reuse else None,
+            ),
+            reuse,
+        )
 
     def _with_residuals(
         self, gradient: Mapping[str, torch.Tensor]

@@ -628,7 +628,8 @@ class DiLoCoWorker:
         """This round's upload body: anchor - local, coded (with error feedback)."""
         if self._uploads.codec.is_identity:
             return self._uploads.plain_body(self._anchor.tensors, self.model.state_dict())
-        return self._uploads.body_from(self._anchor.tensors, self.model.state_dict())
+        # sync mode: this round's exchange starts after the last one's has ended
+        return self._uploads.body_from(self._anchor.tensors, self.model.state_dict(), reuse=True)
 
     def _on_host_after_oom(self, work: Callable[[], T], coding: bool = False) -> T:
         """`work`; if the GPU runs out of memory on it (the anchor's arithmetic and coding

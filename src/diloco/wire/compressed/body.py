@@ -95,16 +95,18 @@ def encode_compressed(
     *,
     fold_into: Mapping[str, torch.Tensor] | None = None,
     weight: float = 1.0,
+    reuse: bytearray | None = None,
 ) -> bytearray:
     """A safetensors body of `tensors`: floating ones not in `exact` coded by `codec` as parts,
     the others as plain entries (their own dtype). The codec is in the header's metadata.
     `fold_into` (name -> fp32 tensor): each gets weight * what its entry decodes to, as
-    `write_parts` does (error feedback: the residual loses what was sent)."""
+    `write_parts` does (error feedback: the residual loses what was sent). `reuse`: an
+    earlier body that nobody reads any more (see `compressed_frame`)."""
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
-    buffer, views = compressed_frame(shapes, codec, exact)
+    buffer, views = compressed_frame(shapes, codec, exact, reuse=reuse)
     folds = fold_into or {}
     for name, tensor in tensors.items():
         write_entry(views, name, tensor, codec, exact, fold_into=folds.get(name), weight=weight)
@@ -115,10 +117,18 @@ def compressed_frame(
     shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     codec: Codec,
     exact: Collection[str] = frozenset(),
+    *,
+    reuse: bytearray | None = None,
 ) -> tuple[bytearray, dict[str, torch.Tensor]]:
     """An empty body for tensors of `shapes` (name -> (shape, dtype)), its header written, and
     the views of its entries: fill it one tensor at a time with `write_entry`, so that a
-    sender never needs every tensor to send at once (a server's deltas, one at a time)."""
+    sender never needs every tensor to send at once (a server's deltas, one at a time).
+
+    `reuse`: a body this function made for the same shapes and codec, that nobody reads any
+    more; when its size is this body's it is written over instead of allocating, zero-filling
+    and page-faulting a new one (about 0.07 s a round at 85M parameters). Once every entry is
+    written the bytes are a new body's: the header and every part are written again, and the
+    alignment padding between them was left zero by the first write."""
     entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for name, (shape, dtype) in shapes.items():
         if is_compressed(name, dtype, exact):
@@ -127,7 +137,7 @@ def compressed_frame(
         else:
             entries[name] = (tuple(shape), dtype)
     layout = FrameLayout.plan(entries, metadata=codec_metadata(codec))
-    buffer = bytearray(layout.size)
+    buffer = reuse if reuse is not None and len(reuse) == layout.size else bytearray(layout.size)
     body = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
     layout.write_header(body)
     return buffer, layout.views(body)
