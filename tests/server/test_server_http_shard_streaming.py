@@ -373,7 +373,8 @@ def test_the_cross_shard_commit_routes_do_not_apply_and_change_nothing(start) ->
     status, data = call(shard1.url, "GET", "/v1/shard/live")
     assert refusal(status, data, 409, "not_shard_0") == {}
     live = json_of(call(shard0.url, "GET", "/v1/shard/live"))
-    assert live == {"live": ["w1", "w2"], "paused": False}
+    stamp = shard0.coordinator.control.pause_stamp
+    assert live == {"live": ["w1", "w2"], "paused": False, "pause_stamp": stamp}
     assert json_of(call(shard0.url, "GET", "/v1/status"))["waiting_for"] == ["w2"]
     assert [s.coordinator.version for s in shards] == [0, 0]
     for shard, owned in zip(shards, OWNED, strict=True):
@@ -411,7 +412,8 @@ def test_a_workers_own_credential_may_not_ask_who_is_live(start) -> None:
     assert json.loads(data)["kind"] == "unauthorized"
     status, data = call(shard0.url, "GET", "/v1/shard/live", secret=SHARD_SECRET)
     assert status == 200, data
-    assert json.loads(data) == {"live": ["w1"], "paused": False}
+    stamp = shard0.coordinator.control.pause_stamp
+    assert json.loads(data) == {"live": ["w1"], "paused": False, "pause_stamp": stamp}
     # pausing a follower is shard 0's alone: not even an admin (who pauses shard 0)
     _, shard1 = shards
     for secret, scope in ((ADMIN_SECRET, "admin"), (on_shard_1["credential"], "worker:w1")):
@@ -531,22 +533,50 @@ def test_a_pause_on_shard_0_holds_every_shards_fragment_rounds_until_resumed(sta
 
 
 def test_a_shard_that_missed_shard_0s_word_follows_when_it_next_asks(start) -> None:
-    """follow_members(live, asked_at, paused): shard 0's state from the question of who is
-    live, unless shard 0 said otherwise after the question was asked."""
+    """follow_members(live, asked_at, paused, stamp): shard 0's state from the question of who
+    is live; a word stamped no later than one already taken, pushed or answered, changes
+    nothing (a pause and a resume pushed close together may arrive in either order)."""
     shards = start(follow=False)
     _, shard1 = shards
     coordinator = shard1.coordinator
     assert coordinator.shard is not None
     join(shards, "w1")
-    coordinator.shard.follow_members({"w1"}, coordinator.clock(), paused=True)
+    coordinator.shard.follow_members({"w1"}, coordinator.clock(), paused=True, stamp=10)
     assert coordinator.control.paused
-    stale = coordinator.clock()
-    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": false}')
-    assert status == 200 and json.loads(data) == {"paused": False, "changed": True}, data
-    coordinator.shard.follow_members({"w1"}, stale, paused=True)  # asked before the word
+    # shard 0 resumed (stamp 12), then paused again (14): the pause's push arrives first
+    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": true, "stamp": 14}')
+    assert status == 200 and json.loads(data) == {"paused": True, "changed": False}, data
+    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": false, "stamp": 12}')
+    assert status == 200 and json.loads(data) == {"paused": True, "changed": False}, data
+    assert coordinator.control.paused  # the older resume is not taken
+    coordinator.shard.follow_members({"w1"}, coordinator.clock(), paused=False, stamp=13)
+    assert coordinator.control.paused  # nor an answer older than the newest word
+    # shard 0 resumed (16): the answer that says so comes before the push
+    coordinator.shard.follow_members({"w1"}, coordinator.clock(), paused=False, stamp=16)
     assert not coordinator.control.paused
-    coordinator.shard.follow_members({"w1"}, coordinator.clock(), paused=True)
-    assert coordinator.control.paused
+    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": false, "stamp": 16}')
+    assert status == 200 and json.loads(data) == {"paused": False, "changed": False}, data
+    # a word without a stamp (a shard 0 that does not send one) is taken as it comes
+    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": true}')
+    assert status == 200 and json.loads(data) == {"paused": True, "changed": True}, data
+    status, data = call(shard1.url, "POST", "/v1/shard/paused", b'{"paused": true, "stamp": -1}')
+    assert status == 422 and json.loads(data)["detail"]["field"] == "stamp", data
+
+
+def test_shard_0s_stamps_order_its_pauses_and_resumes(start) -> None:
+    """Each pause or resume on shard 0 gets a later stamp than the last, and its answer to who
+    is live says the stamp of its state."""
+    shard0, _ = start(follow=False)
+    control = shard0.coordinator.control
+    stamps = [json_of(call(shard0.url, "GET", "/v1/shard/live"))["pause_stamp"]]
+    for action in ("pause", "resume", "pause"):
+        getattr(control, action)("admin", 0)
+        live = json_of(call(shard0.url, "GET", "/v1/shard/live"))
+        assert live["paused"] == (action == "pause")
+        stamps.append(live["pause_stamp"])
+    assert stamps == sorted(stamps) and len(set(stamps)) == 4, stamps
+    assert control.pause("admin", 0) is False  # already paused: the same word, the same stamp
+    assert json_of(call(shard0.url, "GET", "/v1/shard/live"))["pause_stamp"] == stamps[-1]
 
 
 def test_a_follower_asks_shard_0_at_once_when_it_starts() -> None:
@@ -554,13 +584,13 @@ def test_a_follower_asks_shard_0_at_once_when_it_starts() -> None:
     as it starts, not a heartbeat interval later (here 60 s)."""
 
     class Shard0:
-        def live_members(self) -> tuple[set[str], bool]:
-            return {"w1"}, True
+        def live_members(self) -> tuple[set[str], bool, int]:
+            return {"w1"}, True, 7
 
-    heard: list[tuple[set[str], bool | None]] = []
+    heard: list[tuple[set[str], bool | None, int | None]] = []
     follower = MembershipFollower(
         Shard0(),
-        lambda live, asked_at, paused: heard.append((live, paused)),
+        lambda live, asked_at, paused, stamp: heard.append((live, paused, stamp)),
         60.0,  # type: ignore[arg-type]
     )
     follower.start()
@@ -569,7 +599,7 @@ def test_a_follower_asks_shard_0_at_once_when_it_starts() -> None:
     finally:
         follower.stop()
         follower.join(timeout=5)
-    assert heard == [({"w1"}, True)]
+    assert heard == [({"w1"}, True, 7)]
 
 
 def test_streaming_shards_need_one_fragment_per_shard() -> None:

@@ -159,6 +159,7 @@ class Coordinator:
                 lambda: self.closing,
                 lambda: self.control.paused,
                 lambda paused: self.admin.follow_pause(paused),
+                lambda: self.control.pause_stamp,
             )
         self.admin = AdminActions(
             self._lock,

@@ -336,6 +336,9 @@ class ShardPausedRequest(_Request):
     """`POST /v1/shard/paused` (shard scope): streaming shard 0 paused or resumed the rounds."""
 
     paused: StrictBool
+    # orders shard 0's words (a follower takes only one newer than the last it took); absent:
+    # taken whatever came before
+    stamp: Annotated[int, Field(ge=0, strict=True)] | None = None
 
 
 class ErrorBody(_Response):

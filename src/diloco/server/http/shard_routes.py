@@ -101,7 +101,7 @@ def add_shard_routes(
     async def paused(request: Request) -> dict:
         """A streaming follower: shard 0 paused or resumed the rounds."""
         told = await json_body(request, ShardPausedRequest)
-        return await run_in_threadpool(shard.told_paused, told.paused)
+        return await run_in_threadpool(shard.told_paused, told.paused, told.stamp)
 
     @app.get("/v1/shard/plan", dependencies=peers_only)
     async def plan() -> dict:

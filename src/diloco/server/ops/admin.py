@@ -84,7 +84,8 @@ class AdminActions:
         with self._lock:
             changed = self.control.pause(by, self.model.version)
             answer = {"paused": True, "changed": changed, "round": self.model.version}
-        return self._told_shards(answer, True)
+            stamp = self.control.pause_stamp
+        return self._told_shards(answer, True, stamp)
 
     def resume(self, by: str) -> dict:
         self._require_steerable("resume")
@@ -98,15 +99,17 @@ class AdminActions:
                 "paused_seconds": None if since is None else max(0.0, now - since),
                 "round": self.model.version,
             }
-        return self._told_shards(answer, False)
+            stamp = self.control.pause_stamp
+        return self._told_shards(answer, False, stamp)
 
-    def _told_shards(self, answer: dict, paused: bool) -> dict:
-        """Streaming shard 0: the other shards told at once (outside the lock); the answer
-        names those that did not answer (they follow within a heartbeat interval of coming
-        back, when they next ask shard 0 who is live)."""
+    def _told_shards(self, answer: dict, paused: bool, stamp: int) -> dict:
+        """Streaming shard 0: the other shards told at once (outside the lock, so a pause and
+        a resume close together may reach a shard in either order: `stamp` orders them); the
+        answer names those that did not answer (they follow within a heartbeat interval of
+        coming back, when they next ask shard 0 who is live)."""
         if self.peers is None:
             return answer
-        return {**answer, "shards_not_told": self.peers.tell_paused(paused)}
+        return {**answer, "shards_not_told": self.peers.tell_paused(paused, stamp)}
 
     def follow_pause(self, paused: bool) -> bool:
         """A streaming follower (lock held): pause or resume as shard 0 did; whether that

@@ -10,6 +10,7 @@ in memory and last as long as the process.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from diloco.algorithm._checks import require_positive
@@ -38,6 +39,10 @@ class RunControl:
         self.settings = settings
         self.clock = clock
         self.paused_since: float | None = clock() if state.get_meta(PAUSED) else None
+        # Orders this process's word on the pause among everything said before (streaming
+        # shard 0 sends it with each push and answer, and a follower takes only newer
+        # words): nanoseconds since the epoch, so a restarted process's word is newer too.
+        self.pause_stamp = time.time_ns()
         self.banned: set[str] = set(state.get_meta(BANNED) or ())
         self._adopt_stored_lr(command_line_wins)
 
@@ -79,6 +84,7 @@ class RunControl:
             self.state.set_meta(PAUSED, True)
             self.state.audit("paused", round=round_number, by=by)
         self.paused_since = self.clock()
+        self._stamp_pause()
         log.warning("rounds paused by %s at round %d", by, round_number)
         return True
 
@@ -93,8 +99,12 @@ class RunControl:
             self.state.set_meta(PAUSED, False)
             self.state.audit("resumed", round=round_number, by=by, paused_seconds=paused_for)
         self.paused_since = None
+        self._stamp_pause()
         log.warning("rounds resumed by %s after %.1f s paused", by, paused_for)
         return since
+
+    def _stamp_pause(self) -> None:
+        self.pause_stamp = max(self.pause_stamp + 1, time.time_ns())
 
     # ----------------------------------------------------------------- outer lr
 

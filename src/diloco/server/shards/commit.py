@@ -39,11 +39,13 @@ class ShardCommit:
         closing: Callable[[], bool] = lambda: False,
         paused: Callable[[], bool] = lambda: False,
         follow_pause: Callable[[bool], bool] = lambda paused: False,
+        pause_stamp: Callable[[], int] = lambda: 0,
     ) -> None:
         """`remove_worker`: ends a worker's membership here (the registrar's `remove`; a
         streaming follower's evictions). `paused`: whether this shard's rounds are paused;
         `follow_pause(paused)`: a streaming follower pauses or resumes as shard 0 did (lock
-        held; whether that changed anything)."""
+        held; whether that changed anything); `pause_stamp`: shard 0's, the stamp of its last
+        pause or resume (ops/control.py)."""
         self.lock = lock
         self.engine = engine
         self.role = role
@@ -56,7 +58,8 @@ class ShardCommit:
         self.closing = closing
         self.paused = paused
         self.follow_pause = follow_pause
-        self.pause_told_at = float("-inf")  # when shard 0 last said paused or resumed
+        self.pause_stamp = pause_stamp
+        self.pause_stamp_taken = -1  # a follower: the stamp of shard 0's last word it took
         self.whole_model: str | None = None  # the --init model's fingerprint, if started so
 
     def _require_decisions(self) -> None:
@@ -93,25 +96,46 @@ class ShardCommit:
         if not self.leads:
             raise Rejection(409, "not_shard_0", "membership is shard 0's")
         with self.lock:
-            return {"live": sorted(self.membership.live_ids()), "paused": self.paused()}
+            return {
+                "live": sorted(self.membership.live_ids()),
+                "paused": self.paused(),
+                "pause_stamp": self.pause_stamp(),
+            }
 
-    def follow_members(self, live: set[str], asked_at: float, paused: bool | None = None) -> None:
+    def follow_members(
+        self,
+        live: set[str],
+        asked_at: float,
+        paused: bool | None = None,
+        stamp: int | None = None,
+    ) -> None:
         """A streaming follower: evict the workers shard 0 no longer holds live (asked at
         `asked_at`; one registered or heard from since then waits for the next question,
         since it may have registered on shard 0 after the answer), and pause or resume as
-        shard 0 is (unless shard 0 said otherwise since this question was asked)."""
+        shard 0 is, unless a newer word of shard 0's came first (`stamp`)."""
         with self.lock:
             for worker_id in sorted(set(self.membership.live_ids()) - live):
                 record = self.membership.get_live(worker_id)
                 if record is not None and record.last_seen < asked_at:
                     self.remove_worker(worker_id, "evicted_on_shard_0")
-            if paused is not None and asked_at > self.pause_told_at:
-                self.follow_pause(paused)
+            if paused is not None:
+                self._take_word(paused, stamp)
             self.lock.notify_all()
 
-    def told_paused(self, paused: bool) -> dict:
+    def _take_word(self, paused: bool, stamp: int | None) -> bool:
+        """Pause or resume as shard 0 said, unless a word stamped later was taken already
+        (a push and an answer, or two pushes, may arrive in either order); a word without a
+        stamp is taken as it comes. Whether anything changed (lock held)."""
+        if stamp is not None:
+            if stamp <= self.pause_stamp_taken:
+                return False
+            self.pause_stamp_taken = stamp
+        return self.follow_pause(paused)
+
+    def told_paused(self, paused: bool, stamp: int | None = None) -> dict:
         """A streaming follower: shard 0's admin paused or resumed the rounds (shard 0
-        tells every shard at once)."""
+        tells every shard at once). The answer says this shard's state after the word, which
+        a word older than one already taken leaves as it was."""
         if self.leads or self.role.mode != "streaming":
             raise Rejection(
                 409,
@@ -119,10 +143,9 @@ class ShardCommit:
                 "only the other shards of streaming servers follow shard 0's pause",
             )
         with self.lock:
-            self.pause_told_at = self.clock()
-            changed = self.follow_pause(paused)
+            changed = self._take_word(paused, stamp)
             self.lock.notify_all()
-            return {"paused": paused, "changed": changed}
+            return {"paused": self.paused(), "changed": changed}
 
     def info(self, specs: Mapping[str, TensorSpec] | None) -> dict:
         """Where the model's parts live, for a worker that knows one shard's URL: every

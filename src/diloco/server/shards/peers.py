@@ -162,16 +162,17 @@ class ShardPeers:
             raise PeerUnavailable("shard 0's fragment plan is malformed")
         return plan
 
-    def live_members(self) -> tuple[set[str], bool | None]:
-        """The workers shard 0 holds live, and whether its rounds are paused (None: a shard
-        0 that does not say)."""
+    def live_members(self) -> tuple[set[str], bool | None, int | None]:
+        """The workers shard 0 holds live, whether its rounds are paused and the stamp of
+        that word (None: a shard 0 that does not say)."""
         answer = self._get(0, "/v1/shard/live", {})
-        live, paused = answer.get("live"), answer.get("paused")
-        if not isinstance(live, list) or not isinstance(paused, (bool, type(None))):
+        live, paused, stamp = answer.get("live"), answer.get("paused"), answer.get("pause_stamp")
+        stamp_ok = stamp is None or (isinstance(stamp, int) and not isinstance(stamp, bool))
+        if not isinstance(live, list) or not isinstance(paused, (bool, type(None))) or not stamp_ok:
             raise PeerUnavailable("shard 0's list of live workers is malformed")
-        return {str(worker) for worker in live}, paused
+        return {str(worker) for worker in live}, paused, stamp
 
-    def tell_paused(self, paused: bool) -> list[int]:
+    def tell_paused(self, paused: bool, stamp: int) -> list[int]:
         """Shard 0 (streaming): every other shard pauses or resumes its rounds now, all asked
         at once; the shards that did not answer (they follow on their next question of who
         is live, `MembershipFollower`)."""
@@ -179,7 +180,7 @@ class ShardPeers:
 
         def tell(shard: int) -> int | None:
             try:
-                self._get(shard, "/v1/shard/paused", {}, posted={"paused": paused})
+                self._get(shard, "/v1/shard/paused", {}, posted={"paused": paused, "stamp": stamp})
             except PeerUnavailable as exc:
                 log.warning("shard %d was not told the rounds are %s: %s", shard,
                             "paused" if paused else "resumed", exc)  # fmt: skip
@@ -299,14 +300,14 @@ class DecisionFollower(threading.Thread):
 class MembershipFollower(threading.Thread):
     """A follower shard's loop in streaming mode, where each shard commits the rounds of its
     own fragments: every `interval` seconds it asks shard 0 (which takes the heartbeats) who
-    is live and whether its rounds are paused, and `follow(live, asked_at, paused)` evicts
+    is live and whether its rounds are paused, and `follow(live, asked_at, paused, stamp)` evicts
     here whom shard 0 no longer holds, so no barrier here waits for a worker that is gone,
     and pauses or resumes as shard 0 is (a shard that missed shard 0's word follows here)."""
 
     def __init__(
         self,
         peers: ShardPeers,
-        follow: Callable[[set[str], float, bool | None], None],
+        follow: Callable[[set[str], float, bool | None, int | None], None],
         interval: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -329,14 +330,14 @@ class MembershipFollower(threading.Thread):
     def _ask(self) -> None:
         asked_at = self.clock()
         try:
-            live, paused = self.peers.live_members()
+            live, paused, stamp = self.peers.live_members()
         except PeerUnavailable as exc:
             if time.monotonic() - self._told > 30:
                 self._told = time.monotonic()
                 log.warning("cannot ask shard 0 who is live: %s", exc)
             return
         try:
-            self.follow(live, asked_at, paused)
+            self.follow(live, asked_at, paused, stamp)
         except Exception:  # said, and asked again
             log.exception("following shard 0's membership failed")
 
