@@ -9,7 +9,12 @@ import urllib3
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
-from diloco.server.model.footprint import available_bytes, bytes_needed, model_bytes
+from diloco.server.model.footprint import (
+    available_bytes,
+    bytes_needed,
+    disk_bytes_needed,
+    model_bytes,
+)
 from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec
 
@@ -73,3 +78,49 @@ def test_over_http_the_refusal_is_a_507_json_body_and_the_run_has_no_model(live_
         assert "this model is 0 MiB in fp32" in refusal["error"]
         info = pool.request("GET", server.url + "/v1/info").json()
         assert info["model_fingerprint"] is None
+
+
+def test_the_state_dir_holds_the_kept_checkpoints_one_being_written_and_the_step_log() -> None:
+    # 3 kept + 1 written, each masters and momentum (2 x 4424), and 4 logged steps of 4424;
+    # delta downloads add the published copy to each generation
+    assert disk_bytes_needed(SPECS, ServerSettings(), 3, 4) == 4 * 2 * 4424 + 4 * 4424
+    with_deltas = ServerSettings(download_codec="int8")
+    assert disk_bytes_needed(SPECS, with_deltas, 3, 0) == 4 * 3 * 4424
+
+
+def test_a_model_whose_state_the_disk_cannot_hold_is_refused_naming_the_sizes(tmp_path) -> None:
+    from diloco.server.state.journal import RoundJournal
+    from diloco.server.state.store import StateStore
+
+    settings = ServerSettings()
+    journal = RoundJournal(StateStore(tmp_path / "state"), settings, checkpoint_every=4)
+    coordinator = Coordinator(settings, journal=journal)
+    needed = 4 * 2 * 4424 + coordinator.journal.checkpoint_every * 4424  # step log: default 4
+    asked: list[object] = []
+
+    def free(directory):
+        asked.append(directory)
+        return needed - 1
+
+    coordinator.registrar.free_disk = free
+    with pytest.raises(Rejection) as refused:
+        coordinator.register("w0", SPECS, protocol_version=1)
+    rejection = refused.value
+    assert rejection.status == 507 and rejection.kind == "insufficient_storage"
+    assert rejection.detail == {
+        "model_bytes": 4424,
+        "needed_bytes": needed,
+        "free_bytes": needed - 1,
+    }
+    assert "4 logged steps of one model each: --checkpoint-every" in rejection.error
+    assert asked == [tmp_path / "state"]
+    assert coordinator.model.specs is None and coordinator.membership.live_ids() == set()
+    coordinator.registrar.free_disk = lambda directory: needed
+    assert coordinator.register("w0", SPECS, protocol_version=1)["worker_id"] == "w0"
+    coordinator.close()
+
+
+def test_without_a_state_dir_the_disk_is_not_asked() -> None:
+    coordinator = Coordinator(ServerSettings(), None)
+    coordinator.registrar.free_disk = lambda directory: pytest.fail("asked")  # type: ignore[assignment]
+    assert coordinator.register("w0", SPECS, protocol_version=1)["worker_id"] == "w0"

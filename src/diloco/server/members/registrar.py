@@ -11,11 +11,19 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from diloco import faults
 from diloco.server.errors import Rejection
 from diloco.server.members.membership import Membership
-from diloco.server.model.footprint import available_bytes, bytes_needed, model_bytes, model_size
+from diloco.server.model.footprint import (
+    available_bytes,
+    bytes_needed,
+    disk_bytes_needed,
+    free_disk_bytes,
+    model_bytes,
+    model_size,
+)
 from diloco.server.model.global_model import GlobalModel, fragment_plan
 from diloco.server.ops.metrics import ServerMetrics
 from diloco.server.rounds.engine import RoundEngine
@@ -64,6 +72,7 @@ class Registrar:
         self._registered_plan: list[list[str]] | None = None  # a streaming shard's part
         self._whole_plan: list[list[str]] | None = None  # and the whole model's plan
         self.available_memory: Callable[[], int | None] = available_bytes  # (tests replace it)
+        self.free_disk: Callable[[Path], int | None] = free_disk_bytes  # (and this)
 
     def register(
         self,
@@ -209,6 +218,7 @@ class Registrar:
         if the first one's model is more than this machine's memory can hold."""
         if self.model.specs is None:
             self._check_memory(specs)
+            self._check_disk(specs)
             return
         run_specs = list(self.model.specs.values())
         difference = first_difference(run_specs, list(specs), "the run's model")
@@ -240,6 +250,30 @@ class Registrar:
             model_bytes=model,
             needed_bytes=needed,
             available_bytes=available,
+        )
+
+    def _check_disk(self, specs: Sequence[TensorSpec]) -> None:
+        """507 if the state dir's disk cannot hold this model's checkpoints and step log."""
+        state = self.journal.state
+        if state.directory is None or state.checkpoints is None:
+            return
+        free = self.free_disk(state.directory)
+        logged = self.journal.checkpoint_every if self.journal.logs_steps else 0
+        needed = disk_bytes_needed(specs, self.settings, state.checkpoints.keep, logged)
+        if free is None or needed <= free:
+            return
+        model = model_bytes(specs)
+        raise Rejection(
+            507,
+            "insufficient_storage",
+            f"this model is {model / 2**20:,.0f} MiB in fp32 and its state dir "
+            f"{state.directory} keeps up to {needed / 2**30:.1f} GiB ({state.checkpoints.keep} "
+            f"checkpoints and the one being written, and {logged} logged steps of one model "
+            f"each: --checkpoint-every), but its disk has {free / 2**30:.1f} GiB free: free "
+            "some, give another --state-dir, or a smaller --checkpoint-every",
+            model_bytes=model,
+            needed_bytes=needed,
+            free_bytes=free,
         )
 
     def _registration(self, worker_id: str, waits_for_initial: bool = False) -> dict:

@@ -6,12 +6,14 @@ flight and the step's temporaries; with --download-codec, the published copy P a
 (issue 29's targets: at most 4x the model, 5x with delta downloads). Uploads held in RAM
 (--memory-bodies) add a body each. A registration that would define a model this machine
 cannot hold is refused then, naming the sizes, instead of the server being killed for memory
-halfway through a round.
+halfway through a round; so is one whose checkpoints and step log the state dir's disk
+cannot hold, instead of the server stopping at a full disk (503 checkpoint_failed) later.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,6 +51,26 @@ def bytes_needed(specs: Sequence[TensorSpec], settings: ServerSettings) -> int:
     copies = 5 if settings.delta_downloads else 4
     upload = model * settings.upload_dtype.itemsize // 4
     return copies * model + settings.memory_bodies * upload
+
+
+def disk_bytes_needed(
+    specs: Sequence[TensorSpec], settings: ServerSettings, keep_checkpoints: int, logged_steps: int
+) -> int:
+    """The most a run's state dir holds for this model: `keep_checkpoints` checkpoint
+    generations plus the one being written, each the masters, the outer optimizer's state (one
+    model, an upper bound) and, with delta downloads, the published copy; and up to
+    `logged_steps` steps of the step log, one model each (`--checkpoint-every`)."""
+    model = model_bytes(specs)
+    generation = model * (3 if settings.delta_downloads else 2)
+    return (keep_checkpoints + 1) * generation + logged_steps * model
+
+
+def free_disk_bytes(directory: Path) -> int | None:
+    """Bytes free for this process on `directory`'s file system (None if it cannot be read)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
 
 
 def available_bytes() -> int | None:
