@@ -334,3 +334,19 @@ def test_shards_do_not_compare_how_a_setting_was_chosen() -> None:
     assert defaults["outer_defaults_from_codec"] != given["outer_defaults_from_codec"]
     assert settings_difference(defaults, given) is None
     assert settings_difference(defaults, ServerSettings(outer_lr=0.5).to_wire()) is not None
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_sparse_mean_with_a_codec_that_codes_small_values_as_zero_is_refused(codec: str) -> None:
+    """A quantized 0 would count as not sent: refused in one line naming both; top-k (its
+    default), the exact codecs and int2 (no zero level) take it."""
+    with pytest.raises(ValueError) as refused:
+        ServerSettings(upload_codec=codec, aggregation="sparse_mean")
+    assert str(refused.value).startswith(
+        f"aggregation sparse_mean counts an element as sent where its value is not 0, and "
+        f"upload codec {codec} codes every small value as 0"
+    )
+    for fine in ("fp32", "bf16", "int2", TOPK):
+        assert ServerSettings(upload_codec=fine, aggregation="sparse_mean").aggregation == (
+            "sparse_mean"
+        )

@@ -69,6 +69,10 @@ def test_sparse_mean_is_the_mean_for_dense_uploads_and_differs_for_top_k() -> No
         ({"aggregation": "mode"}, "aggregation must be one of mean, clipped_mean"),
         ({"hostile": "evil"}, "hostile must be one of none, scale100, sign_flip, noise"),
         ({"mode": "async", "aggregation": "median"}, "apply to --mode diloco in the simulator"),
+        (
+            {"upload_codec": "int8", "aggregation": "sparse_mean"},
+            "upload codec int8 codes every small value as 0",
+        ),
         ({"mode": "ddp", "hostile": "noise"}, "apply to --mode diloco in the simulator"),
     ],
 )

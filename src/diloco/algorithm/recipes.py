@@ -201,6 +201,22 @@ def outer_warnings(
     ]
 
 
+def aggregation_conflict(upload_codec: Codec | str, aggregation: str) -> str | None:
+    """Why `aggregation` contradicts the upload codec, or None. sparse_mean counts an element
+    as sent where its value is not 0: right for top-k (a value left out is 0) and the same as
+    the mean for fp32 and bf16 (whose zeros are exact, so nothing is lost), but an int8 or int4
+    upload codes every small value as its zero level, and those would count as not sent, so
+    the mean of the rest is biased away from 0. (int2 has no zero level.)"""
+    codec = _codec(upload_codec)
+    if aggregation != "sparse_mean" or codec.values not in ("int8", "int4") or codec.is_sparse:
+        return None
+    return (
+        f"aggregation sparse_mean counts an element as sent where its value is not 0, and "
+        f"upload codec {codec} codes every small value as 0, so those would count as not sent "
+        "and bias the mean: use sparse_mean with a top-k codec (its default there), or mean"
+    )
+
+
 def error_feedback_note(upload_codec: Codec | str, beta: float) -> str | None:
     """A sentence when an error-feedback beta was given that cannot act: the identity codec
     (fp32) sends every value as it is, so no residual is ever left to feed back. bf16 does

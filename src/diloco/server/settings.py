@@ -22,6 +22,7 @@ from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
     DENSE_DEFAULTS,
     OuterDefaults,
+    aggregation_conflict,
     outer_defaults,
     outer_warnings,
     resolve_aggregation,
@@ -343,6 +344,9 @@ class ServerSettings:
 
     def _check_aggregation(self) -> None:
         rule = self.robust.rule  # raises for an unknown rule, a bad F, multiple or ratio
+        conflict = aggregation_conflict(self.upload, rule)
+        if conflict is not None:
+            raise ValueError(conflict)
         if rule == "sparse_mean" and (self.mode == "async" or self.weighting != "uniform"):
             raise ValueError(
                 "aggregation sparse_mean averages each element over the workers of a round "

@@ -12,6 +12,7 @@ from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
     DENSE_DEFAULTS,
     OuterDefaults,
+    aggregation_conflict,
     outer_defaults,
     outer_warnings,
     resolve_aggregation,
@@ -123,6 +124,9 @@ class SimConfig:
         self._check_codec_settings()
         self._resolve_outer()
         object.__setattr__(self, "aggregation", str(Aggregation.parse(self.aggregation)))
+        conflict = aggregation_conflict(self.upload, self.aggregation)
+        if conflict is not None:
+            raise ValueError(conflict)
         check_hostile(self.hostile)
         sparse_in_streaming = self.aggregation == "sparse_mean" and self.mode == "streaming"
         robust = self.aggregation != "mean" and not sparse_in_streaming
