@@ -602,6 +602,20 @@ def test_a_follower_asks_shard_0_at_once_when_it_starts() -> None:
     assert heard == [({"w1"}, True, 7)]
 
 
+def test_which_codecs_and_aggregations_sharded_servers_take() -> None:
+    """Sync shards take every upload codec, and a top-k codec's aggregation there is the
+    mean (sparse_mean is not built across shards); the other modes plain uploads only."""
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    for codec in ("int8", "int2", "topk:0.03+int2"):
+        settings = ServerSettings(upload_codec=codec, shard_urls=urls)
+        assert (settings.upload_codec, settings.aggregation) == (codec, "mean")
+    with pytest.raises(ValueError, match="sharded servers in streaming mode run upload_codec"):
+        ServerSettings(mode="streaming", fragments=2, sync_every=4, upload_codec="int8",
+                       shard_urls=urls)  # fmt: skip
+    with pytest.raises(ValueError, match="in sync mode run aggregation mean"):
+        ServerSettings(upload_codec="topk:0.03+int2", aggregation="sparse_mean", shard_urls=urls)
+
+
 def test_streaming_shards_need_one_fragment_per_shard() -> None:
     urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
     with pytest.raises(ValueError, match="at least one fragment per shard") as refused:

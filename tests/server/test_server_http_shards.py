@@ -68,6 +68,11 @@ def two_shards_with_token() -> Iterator[list[tuple[str, Coordinator]]]:
     yield from started_shards(TOKEN)
 
 
+@pytest.fixture
+def two_int8_shards() -> Iterator[list[tuple[str, Coordinator]]]:
+    yield from started_shards(None, upload_codec="int8", codec_block=8)
+
+
 TOKEN = "enroll-secret-0123456789"
 SHARD_SECRET = "shard-secret-0123456789"  # the tokens file's line "SHARD_SECRET shard"
 ADMIN_SECRET = "admin-secret-0123456789"
@@ -87,7 +92,7 @@ def serve_in_thread(coordinator: Coordinator, port: int, token: str | None):
     return server, thread
 
 
-def started_shards(token: str | None) -> Iterator[list[tuple[str, Coordinator]]]:
+def started_shards(token: str | None, **overrides) -> Iterator[list[tuple[str, Coordinator]]]:
     ports = free_ports(2)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     started, threads, followers = [], [], []
@@ -99,6 +104,7 @@ def started_shards(token: str | None) -> Iterator[list[tuple[str, Coordinator]]]
             min_workers=1,
             shard=shard,
             shard_urls=tuple(urls),
+            **overrides,
         )
         initial = {name: INITIAL[name].clone() for name in OWNED[shard]}
         peers = ShardPeers(urls, shard, SHARD_SECRET if token else None)
@@ -413,3 +419,49 @@ def test_a_new_process_under_the_same_id_replaces_its_old_slices_everywhere(two_
     got1, _ = weights(url1)
     torch.testing.assert_close(got1["b"], torch.tensor([10.0, -10.0 + 3.8]))
     torch.testing.assert_close(got1["c"], torch.tensor([0.5 + 2.85]))
+
+
+def test_sync_shards_fold_int8_slices_as_one_server_would(two_int8_shards) -> None:
+    """Issue 28, item 1: each shard takes its tensors' parts of an int8 body (the codec in
+    every slice's header), and the round commits the hand-computed step on both. Each
+    tensor's largest |value| is 127, so its scale is 1 and every value decodes exactly:
+    mean g: a [65, 63.5, 0, 1], b [63.5, -62.5], c [0]; nesterov lr 0.5, mu 0.9, first
+    step: G - 0.95 g."""
+    from diloco.algorithm.codecs import Codec
+    from diloco.wire.compressed.body import encode_compressed, split_body
+
+    (url0, _), (url1, follower) = two_int8_shards
+    codec = Codec("int8", block=8)
+    sent = {
+        "w1": {"a": [127.0, 0.0, -1.0, 2.0], "b": [127.0, 2.0], "c": [127.0]},
+        "w2": {"a": [3.0, 127.0, 1.0, 0.0], "b": [0.0, -127.0], "c": [-127.0]},
+    }
+    register([url0, url1], "w1")
+    register([url0, url1], "w2")
+    for worker, values in sent.items():
+        body = encode_compressed({n: torch.tensor(v) for n, v in values.items()}, codec)
+        slices = split_body(body, OWNED)
+        # a slice without the codec's metadata is refused, naming it, and changes nothing
+        plain = save({n: torch.tensor(values[n]) for n in OWNED[1]})
+        status, data = call(url1, "POST", "/v1/rounds/0/submissions", plain, worker_id=worker)
+        assert status == 422 and json.loads(data)["kind"] == "codec_mismatch", data
+        for url, part in zip((url0, url1), slices, strict=True):
+            status, data = call(url, "POST", "/v1/rounds/0/submissions", bytes(part),
+                                worker_id=worker)  # fmt: skip
+            assert status == 200, data
+        confirmed = json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id=worker))
+        assert confirmed["status"] == "accepted", confirmed
+    expected = {
+        "a": torch.tensor([1.0 - 0.95 * 65, 2.0 - 0.95 * 63.5, 3.0, 4.0 - 0.95]),
+        "b": torch.tensor([10.0 - 0.95 * 63.5, -10.0 + 0.95 * 62.5]),
+        "c": torch.tensor([0.5]),
+    }
+    deadline = time.monotonic() + 20
+    while follower.version < 1:
+        assert time.monotonic() < deadline, "shard 1 never applied shard 0's decision"
+        time.sleep(0.05)
+    got0, round0 = weights(url0)
+    got1, round1 = weights(url1)
+    assert (round0, round1) == (1, 1)
+    for name, tensor in {**got0, **got1}.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-5, msg=name)

@@ -249,6 +249,35 @@ def test_a_body_written_over_an_old_one_is_byte_for_byte_a_new_one(spec: str) ->
     assert other is not old and len(other) != len(old)
 
 
+@pytest.mark.parametrize("spec", ["int8", "topk:0.25+int2", "fp32"])
+def test_a_body_cut_for_shards_is_each_shard_s_own_body_byte_for_byte(spec: str) -> None:
+    """split_body: each shard's part is the body its tensors alone are coded into (codec
+    metadata kept, a tensor's parts together, a plain entry with its tensor); a name the
+    layout lacks is a ValueError naming it."""
+    from diloco.wire.compressed.body import split_body
+
+    codec = parse_codec(spec, block=8, chunk=8)
+    generator = torch.Generator().manual_seed(9)
+    tensors = {
+        "a#b": torch.randn(30, generator=generator),  # a '#' in a tensor's own name
+        "w": torch.randn(4, 5, generator=generator),
+        "norm": torch.randn(3, generator=generator),
+        "steps": torch.tensor([2, 7]),
+    }
+    layout = [["w", "steps"], ["a#b", "norm"]]
+
+    def body_of(names: list[str]) -> bytearray:
+        part = {n: tensors[n] for n in names}
+        if codec.is_identity:
+            return encode_tensors(part)
+        return encode_compressed(part, codec, exact={"norm"} & set(names))
+
+    whole = body_of(["a#b", "w", "norm", "steps"])
+    assert split_body(whole, layout) == [body_of(names) for names in layout]
+    with pytest.raises(ValueError, match="tensor 'norm' is owned by no shard"):
+        split_body(whole, [["w", "steps"], ["a#b"]])
+
+
 def test_exact_tensors_keep_their_plain_entry() -> None:
     tensors = {"w": torch.randn(20), "norm": torch.tensor([1.25, -3.0])}
     body = encode_compressed(tensors, INT2_8, exact={"norm"})

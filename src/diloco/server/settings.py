@@ -196,7 +196,10 @@ class ServerSettings:
         aggregation, codec_chose = resolve_aggregation(
             self.outer_defaults,
             self.aggregation,
-            uniform_rounds=self.mode != "async" and self.weighting == "uniform",
+            # (sharded servers average with the mean: sparse_mean is not built across them)
+            uniform_rounds=self.mode != "async"
+            and self.weighting == "uniform"
+            and not self.shard_urls,
         )
         object.__setattr__(self, "aggregation", aggregation)
         chosen = outer.chosen + (("aggregation",) if codec_chose else ())
@@ -434,17 +437,23 @@ class ServerSettings:
                 f"sharded servers in streaming mode need at least one fragment per shard (each "
                 f"shard owns whole fragments): {self.fragments} fragments for {count} shards"
             )
+        # sync shards take every upload codec: a worker codes each tensor on its own and
+        # sends each shard its tensors' parts, which the shard folds as one server would
+        uploads = "any" if self.mode == "sync" else "fp32 or bf16"
         unsupported = {
-            "upload_codec": (self.upload_codec, "fp32 or bf16"),
+            "upload_codec": (self.upload_codec, uploads),
             "download_codec": (self.download_codec, "fp32"),
             "aggregation": (self.aggregation, "mean"),
         }
         for name, (value, allowed) in unsupported.items():
-            ok = value in allowed.split(" or ") if " or " in allowed else value == allowed
+            ok = allowed == "any" or (
+                value in allowed.split(" or ") if " or " in allowed else value == allowed
+            )
             if not ok:
+                built = "the mean" if name == "aggregation" else "sync mode's codecs"
                 raise ValueError(
-                    f"sharded servers run {name} {allowed} (the cross-shard commit is built "
-                    f"for plain bodies and the mean), got {value!r}"
+                    f"sharded servers in {self.mode} mode run {name} {allowed} (the cross-shard "
+                    f"commit is built for plain bodies, {built}), got {value!r}"
                 )
 
     def to_wire(self) -> dict:

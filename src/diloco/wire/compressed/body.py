@@ -21,7 +21,7 @@ for a body in memory.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from diloco.wire.compressed.bitpack import pack
 from diloco.wire.compressed.header import (
     CODES,
     INDICES,
+    META_CODEC,
     PARTS,
     SCALES,
     SEPARATOR,
@@ -54,6 +55,7 @@ from diloco.wire.compressed.values import as_bytes, read_span
 from diloco.wire.format.checks import check_finite
 from diloco.wire.format.frames import decode_frame
 from diloco.wire.format.layout import FrameLayout
+from diloco.wire.format.shard_layout import split_by_layout
 
 # read(part, begin, end): the bytes [begin, end) of one part, counted from the part's first byte.
 PartReader = Callable[[str, int, int], torch.Tensor | bytes | bytearray | memoryview]
@@ -303,3 +305,37 @@ def fold_entry(
         parts = {part: read(part, *where) for part, where in entry.part_ranges(span).items()}
         piece = read_span(entry, span, parts).to(flat.device)
         decode_into(piece, codec, flat[span.start : span.stop], weight)
+
+
+# ------------------------------------------------------------------ cutting a body for shards
+
+
+def split_body(
+    body: bytes | bytearray | memoryview, layout: Sequence[Sequence[str]]
+) -> list[bytearray]:
+    """A body cut into each shard's body by the tensor names of `layout` (sharded servers).
+
+    A compressed body's parts ("w#codes", "w#scales", ...) go with their tensor ("w"), and
+    every shard's body keeps the header's metadata (the codec): a codec codes each tensor on
+    its own, so each shard gets byte for byte the body its tensors alone would have been
+    coded into. A plain body's tensors go as `encode_tensors` would write them. A name the
+    layout lacks, or one it names and the body lacks, is a ValueError naming it."""
+    entries, metadata = decode_frame(body)
+    coded = META_CODEC in metadata
+    by_tensor: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in entries.items():
+        base, separator, part = name.rpartition(SEPARATOR)
+        owner = base if coded and separator and part in PARTS else name
+        by_tensor.setdefault(owner, {})[name] = tensor
+    bodies = []
+    for owned in split_by_layout(by_tensor, layout):  # type: ignore[arg-type]
+        flat = {name: t for group in owned.values() for name, t in group.items()}  # type: ignore[attr-defined]
+        shapes = {name: (tuple(t.shape), t.dtype) for name, t in flat.items()}
+        frame = FrameLayout.plan(shapes, metadata=metadata if coded else None)
+        buffer = bytearray(frame.size)
+        view = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
+        frame.write_header(view)
+        for name, slot in frame.views(view).items():
+            slot.copy_(flat[name])
+        bodies.append(buffer)
+    return bodies

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from diloco.wire import TensorSpec, decode_tensors, encode_tensors
-from diloco.wire.format.shard_layout import shard_layout, split_by_layout
+from diloco.wire.compressed.body import split_body
+from diloco.wire.format.shard_layout import shard_layout
 from diloco.worker.errors import ServerError
 from diloco.worker.net.client import DiLoCoClient, Weights
 from diloco.worker.net.transport import Body, ClientStats
@@ -118,9 +119,9 @@ class ShardedClient:
         return self.fragment_owner[fragment]
 
     def _split(self, body: Body) -> list[bytearray]:
+        """Each shard's slice of a body: its tensors, or a compressed body's parts of them."""
         assert self.layout is not None, "register first: the layout comes from the model"
-        parts = split_by_layout(decode_tensors(bytearray(body)), self.layout)
-        return [encode_tensors(part) for part in parts]
+        return split_body(body, self.layout)
 
     @staticmethod
     def _join(bodies: Sequence[bytearray]) -> bytearray:
