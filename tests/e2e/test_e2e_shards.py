@@ -107,22 +107,24 @@ def test_an_https_cluster_with_a_shard_secret_completes_a_run(
 
 @pytest.mark.slow  # ~27 s; in the default suite: the in-process int8 round worked by hand
 # (tests/server/test_server_http_shards.py) and split_body's bytes (tests/wire)
-def test_two_shards_with_int8_uploads_match_the_simulator(
-    shards, corpus_file: Path, small_corpus: bytes, tmp_path: Path
+@pytest.mark.parametrize("codec", ["int8", "topk:0.1+int2"])
+def test_two_shards_with_coded_uploads_match_the_simulator(
+    shards, corpus_file: Path, small_corpus: bytes, tmp_path: Path, codec: str
 ) -> None:
-    """Issue 28, item 1: each worker codes its pseudo-gradient with int8 and error feedback
-    and sends each shard its tensors' parts; the shards fold them as one server would, and
-    the run ends where the simulator's one model ends with the same codec."""
-    urls = shards(
-        2, "--sync-every", "4", "--min-workers", "2", "--upload-codec", "int8", state=True
-    )
+    """Issue 28, item 1: each worker codes its pseudo-gradient (error feedback on) and sends
+    each shard its tensors' parts; the shards fold them as one server would, and the run
+    ends where the simulator's one model ends with the same codec (top-k: the mean, as on
+    shards, and the codec's outer sgd)."""
+    urls = shards(2, "--sync-every", "4", "--min-workers", "2", "--upload-codec", codec, state=True)
     workers = [start_worker(urls[1], f"w{i}", i, 2, 10, corpus_file, tmp_path) for i in range(2)]
     wait_all(workers)
     for i, worker in enumerate(workers):
         assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
     real, rounds = joined_weights(urls)
     assert rounds == [3, 3]
-    simulated = simulated_run(small_corpus, workers=2, steps=10, upload_codec="int8")
+    simulated = simulated_run(
+        small_corpus, workers=2, steps=10, upload_codec=codec, aggregation="mean"
+    )
     assert real.keys() == simulated.final_state.keys()
     for name, tensor in simulated.final_state.items():
         torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
