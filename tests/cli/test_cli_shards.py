@@ -26,8 +26,8 @@ SERVER_CASES = [
           "http://127.0.0.1:2", "--mode", "async", "--upload-codec", "int8"),
          "sharded servers in async mode run upload_codec fp32 or bf16"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
-          "http://127.0.0.1:2", "--upload-codec", "int8", "--download-codec", "int8"),
-         "sharded servers in sync mode run download_codec fp32"),
+          "http://127.0.0.1:2", "--mode", "async", "--download-codec", "int8"),
+         "sharded servers in async mode run download_codec fp32"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
           "http://127.0.0.1:2", "--aggregation", "median"), "aggregation mean"),
     ]  # fmt: skip

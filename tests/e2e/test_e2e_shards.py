@@ -130,3 +130,34 @@ def test_two_shards_with_coded_uploads_match_the_simulator(
         torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     plain = simulated_run(small_corpus, workers=2, steps=10)  # the codec made a difference
     assert any(not torch.equal(plain.final_state[n], t) for n, t in simulated.final_state.items())
+
+
+@pytest.mark.slow  # ~28 s; in the default suite: the in-process delta round
+# (tests/server/test_server_http_shards.py)
+def test_two_shards_with_int8_both_ways_match_the_simulator(
+    shards, corpus_file: Path, small_corpus: bytes, tmp_path: Path
+) -> None:
+    """Each shard codes its tensors' change of the weights as an int8 delta; a worker joins
+    the shards' deltas into one and applies it to its anchor: the run ends where the
+    simulator ends with int8 both ways."""
+    urls = shards(
+        2, "--sync-every", "4", "--min-workers", "2", "--upload-codec", "int8",
+        "--download-codec", "int8", state=True,
+    )  # fmt: skip
+    workers = [start_worker(urls[1], f"w{i}", i, 2, 10, corpus_file, tmp_path) for i in range(2)]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    real, rounds = joined_weights(urls)
+    assert rounds == [3, 3]
+    simulated = simulated_run(
+        small_corpus, workers=2, steps=10, upload_codec="int8", download_codec="int8"
+    )
+    for name, tensor in simulated.final_state.items():
+        torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+    assert all(r["rounds"] == 3 for r in reports)
+    # the initial weights whole, then three int8 deltas (about a quarter of the model each):
+    # had any round come as whole weights, the workers would have received twice the model
+    fp32_bytes = sum(t.numel() * 4 for t in real.values())
+    assert all(r["bytes_received"] < 2 * fp32_bytes for r in reports), reports

@@ -70,7 +70,7 @@ def two_shards_with_token() -> Iterator[list[tuple[str, Coordinator]]]:
 
 @pytest.fixture
 def two_int8_shards() -> Iterator[list[tuple[str, Coordinator]]]:
-    yield from started_shards(None, upload_codec="int8", codec_block=8)
+    yield from started_shards(None, upload_codec="int8", download_codec="int8", codec_block=8)
 
 
 TOKEN = "enroll-secret-0123456789"
@@ -421,16 +421,17 @@ def test_a_new_process_under_the_same_id_replaces_its_old_slices_everywhere(two_
     torch.testing.assert_close(got1["c"], torch.tensor([0.5 + 2.85]))
 
 
-def test_sync_shards_fold_int8_slices_as_one_server_would(two_int8_shards) -> None:
+def test_sync_shards_take_int8_both_ways_as_one_server_would(two_int8_shards) -> None:
     """Issue 28, item 1: each shard takes its tensors' parts of an int8 body (the codec in
-    every slice's header), and the round commits the hand-computed step on both. Each
+    every slice's header), the round commits the hand-computed step on both, and each shard
+    codes its tensors' int8 delta, which joined move a worker's anchor to the weights. Each
     tensor's largest |value| is 127, so its scale is 1 and every value decodes exactly:
     mean g: a [65, 63.5, 0, 1], b [63.5, -62.5], c [0]; nesterov lr 0.5, mu 0.9, first
     step: G - 0.95 g."""
     from diloco.algorithm.codecs import Codec
     from diloco.wire.compressed.body import encode_compressed, split_body
 
-    (url0, _), (url1, follower) = two_int8_shards
+    (url0, leader), (url1, follower) = two_int8_shards
     codec = Codec("int8", block=8)
     sent = {
         "w1": {"a": [127.0, 0.0, -1.0, 2.0], "b": [127.0, 2.0], "c": [127.0]},
@@ -460,8 +461,31 @@ def test_sync_shards_fold_int8_slices_as_one_server_would(two_int8_shards) -> No
     while follower.version < 1:
         assert time.monotonic() < deadline, "shard 1 never applied shard 0's decision"
         time.sleep(0.05)
+    # the masters moved to `expected`; what workers hold (and a full download gives) is the
+    # published copy P, moved by each shard's int8 delta of its tensors: within one int8
+    # step of the masters (what it held back goes with the next delta)
+    masters = {**leader.model.masters, **follower.model.masters}
+    for name, tensor in masters.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-5, msg=name)
     got0, round0 = weights(url0)
     got1, round1 = weights(url1)
     assert (round0, round1) == (1, 1)
-    for name, tensor in {**got0, **got1}.items():
-        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-5, msg=name)
+    published = {**got0, **got1}
+    for name, tensor in published.items():
+        step = float((expected[name] - INITIAL[name]).abs().max()) / 127
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=step + 1e-5, msg=name)
+    assert not torch.equal(published["a"], INITIAL["a"])
+    # a worker whose anchor is round 0's gets each shard's delta, and joined they move its
+    # anchor to exactly P
+    from diloco.wire.compressed.body import apply_delta, join_bodies
+
+    deltas = []
+    for url in (url0, url1):
+        answer = HTTP.request("GET", f"{url}/v1/rounds/0/result?worker_id=w1&wait=5&have=0",
+                              headers=PROTOCOL)  # fmt: skip
+        assert answer.status == 200 and answer.headers["X-Diloco-Delta-From"] == "0"
+        deltas.append(answer.data)
+    anchor = {name: tensor.clone() for name, tensor in INITIAL.items()}
+    apply_delta(join_bodies(deltas), anchor, codec)
+    for name, tensor in anchor.items():
+        assert torch.equal(tensor, published[name]), name

@@ -437,12 +437,14 @@ class ServerSettings:
                 f"sharded servers in streaming mode need at least one fragment per shard (each "
                 f"shard owns whole fragments): {self.fragments} fragments for {count} shards"
             )
-        # sync shards take every upload codec: a worker codes each tensor on its own and
-        # sends each shard its tensors' parts, which the shard folds as one server would
+        # sync shards take every codec: a worker codes each tensor on its own and sends each
+        # shard its tensors' parts, which the shard folds as one server would; each shard
+        # codes its tensors' delta, and the worker joins the shards' deltas into one
         uploads = "any" if self.mode == "sync" else "fp32 or bf16"
+        downloads = "any" if self.mode == "sync" else "fp32"
         unsupported = {
             "upload_codec": (self.upload_codec, uploads),
-            "download_codec": (self.download_codec, "fp32"),
+            "download_codec": (self.download_codec, downloads),
             "aggregation": (self.aggregation, "mean"),
         }
         for name, (value, allowed) in unsupported.items():

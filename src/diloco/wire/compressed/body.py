@@ -327,15 +327,42 @@ def split_body(
         base, separator, part = name.rpartition(SEPARATOR)
         owner = base if coded and separator and part in PARTS else name
         by_tensor.setdefault(owner, {})[name] = tensor
-    bodies = []
-    for owned in split_by_layout(by_tensor, layout):  # type: ignore[arg-type]
-        flat = {name: t for group in owned.values() for name, t in group.items()}  # type: ignore[attr-defined]
-        shapes = {name: (tuple(t.shape), t.dtype) for name, t in flat.items()}
-        frame = FrameLayout.plan(shapes, metadata=metadata if coded else None)
-        buffer = bytearray(frame.size)
-        view = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
-        frame.write_header(view)
-        for name, slot in frame.views(view).items():
-            slot.copy_(flat[name])
-        bodies.append(buffer)
-    return bodies
+    return [
+        _framed(
+            {name: t for group in owned.values() for name, t in group.items()},  # type: ignore[attr-defined]
+            metadata if coded else None,
+        )
+        for owned in split_by_layout(by_tensor, layout)  # type: ignore[arg-type]
+    ]
+
+
+def join_bodies(bodies: Sequence[bytes | bytearray | memoryview]) -> bytearray:
+    """The shards' bodies as one (`split_body`'s inverse): every entry of each, under the
+    header metadata they share (a coded delta's codec; none for plain weights). Bodies whose
+    metadata differ, or that name one entry twice, are a ValueError."""
+    joined: dict[str, torch.Tensor] = {}
+    shared: dict[str, str] | None = None
+    for body in bodies:
+        entries, metadata = decode_frame(body)
+        if shared is not None and metadata != shared:
+            raise ValueError(
+                f"the shards' bodies disagree on their metadata: {shared} and {metadata}"
+            )
+        shared = metadata
+        twice = sorted(set(entries) & set(joined))
+        if twice:
+            raise ValueError(f"entry {twice[0]!r} came from two shards")
+        joined.update(entries)
+    return _framed(joined, shared or None)
+
+
+def _framed(entries: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytearray:
+    """A safetensors body of `entries` as they are (their dtypes), with `metadata`."""
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in entries.items()}
+    frame = FrameLayout.plan(shapes, metadata=metadata)
+    buffer = bytearray(frame.size)
+    view = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
+    frame.write_header(view)
+    for name, slot in frame.views(view).items():
+        slot.copy_(entries[name])
+    return buffer

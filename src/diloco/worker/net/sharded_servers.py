@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from diloco.wire import TensorSpec, decode_tensors, encode_tensors
-from diloco.wire.compressed.body import split_body
+from diloco.wire import TensorSpec
+from diloco.wire.compressed.body import join_bodies, split_body
 from diloco.wire.format.shard_layout import shard_layout
 from diloco.worker.errors import ServerError
 from diloco.worker.net.client import DiLoCoClient, Weights
@@ -125,10 +125,11 @@ class ShardedClient:
 
     @staticmethod
     def _join(bodies: Sequence[bytearray]) -> bytearray:
-        joined: dict = {}
-        for body in bodies:
-            joined.update(decode_tensors(body))
-        return encode_tensors(joined)
+        """The shards' weights, or their coded deltas, as one body."""
+        try:
+            return join_bodies(bodies)
+        except ValueError as exc:
+            raise ServerError(200, "invalid_response", f"the shards' bodies: {exc}") from None
 
     # ----------------------------------------------------------------- identity and counters
 
@@ -392,18 +393,20 @@ class ShardedClient:
         for attempt in range(1_000_000):
             if attempt:  # a shard moved on past what it keeps: back off, then again
                 time.sleep(min(2.0, 0.05 * 2**attempt))
-            first = self.leader.wait_result(round, worker_id, wait)
+            first = self.leader.wait_result(round, worker_id, wait, have=have)
             self.last_waiting = self.leader.last_waiting
             if first is None:
                 return None
             version = first.round if self.exact_versions else None
             rest = self._each(
-                lambda s, _client, v=version: self._follower_result(s, round, worker_id, wait, v),
+                lambda s, _client, v=version: self._follower_result(
+                    s, round, worker_id, wait, v, have
+                ),
                 range(1, len(self.clients)),
             )
             if all(got is not None for got in rest):
-                bodies = [first.body, *[got.body for got in rest if got is not None]]
-                return Weights(self._join(bodies), first.round)
+                got = [first, *[weights for weights in rest if weights is not None]]
+                return self._joined_result(got, round, worker_id, version)
             log.info("a shard moved past version %d before we took it; again", first.round)
             if time.monotonic() > deadline:
                 break
@@ -414,8 +417,37 @@ class ShardedClient:
             "faster than a download; fewer, larger steps: --grace-seconds)",
         )
 
+    def _joined_result(
+        self, got: list[Weights], round: int, worker_id: str, version: int | None
+    ) -> Weights:
+        """Every shard's result as one: their coded deltas joined when each sent one against
+        the same round (a shard sends one only when our anchor is its last step's start);
+        else their full weights, asking a shard that sent a delta for its weights instead."""
+        deltas = {weights.delta_from for weights in got}
+        if len(deltas) == 1:
+            return Weights(
+                self._join([w.body for w in got]), got[0].round, delta_from=got[0].delta_from
+            )
+        full = [
+            weights
+            if weights.delta_from is None
+            else self.clients[shard].wait_result(round, worker_id, 0.0, version=version)
+            for shard, weights in enumerate(got)
+        ]
+        if any(weights is None or weights.delta_from is not None for weights in full):
+            raise ServerError(
+                200, "invalid_response", f"a shard gave no whole weights of round {round}"
+            )
+        return Weights(self._join([w.body for w in full if w is not None]), got[0].round)
+
     def _follower_result(
-        self, shard: int, round: int, worker_id: str, wait: float, version: int | None
+        self,
+        shard: int,
+        round: int,
+        worker_id: str,
+        wait: float,
+        version: int | None,
+        have: int | None = None,
     ) -> Weights | None:
         """A shard's result of a round shard 0 decided (None: it no longer keeps `version`);
         a slice it lost goes again."""
@@ -434,7 +466,7 @@ class ShardedClient:
                     time.monotonic() - started,
                 )
             try:
-                got = client.wait_result(round, worker_id, wait, version=version)
+                got = client.wait_result(round, worker_id, wait, version=version, have=have)
             except ServerError as exc:
                 if exc.kind == "version_gone":
                     return None
