@@ -102,10 +102,24 @@ def finish(workers: list[subprocess.Popen], out: Path) -> None:
         assert worker.returncode == 0, (out / f"w{i}.log").read_text()
 
 
+INT8_BOTH_WAYS = (*SYNC_MODE, "--upload-codec", "int8", "--download-codec", "int8")
+
+
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path):
+    return unbroken_run(tmp_path_factory, corpus_file, SYNC_MODE)
+
+
+@pytest.fixture(scope="module")
+def unbroken_int8(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path):
+    return unbroken_run(tmp_path_factory, corpus_file, INT8_BOTH_WAYS)
+
+
+def unbroken_run(
+    tmp_path_factory: pytest.TempPathFactory, corpus_file: Path, mode: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("unbroken-shards")
-    shards = Shards(out)
+    shards = Shards(out, mode=mode)
     try:
         finish(train(shards.urls[0], corpus_file, out), out)
         weights, rounds = shards.weights()
@@ -149,10 +163,12 @@ KILLS = [
 CI_POINT = "shard 0 decided durably, shard 1 not yet"
 
 
-def run_with_kill(kill: ShardKill, corpus: Path, out: Path) -> dict[str, torch.Tensor]:
+def run_with_kill(
+    kill: ShardKill, corpus: Path, out: Path, mode: tuple[str, ...] = SYNC_MODE
+) -> dict[str, torch.Tensor]:
     """Two workers through two shards, `kill.shard` dying at `kill.spec` once and restarted;
     the joined final weights, once every shard is at the last round."""
-    shards = Shards(out, env={kill.shard: {ENV_VAR: kill.spec}})
+    shards = Shards(out, env={kill.shard: {ENV_VAR: kill.spec}}, mode=mode)
     try:
         workers = train(shards.urls[1], corpus, out)  # one URL, not shard 0's, is enough
         shards.processes[kill.shard].wait(timeout=180)
@@ -270,5 +286,40 @@ def test_a_shard_that_stops_answering_holds_every_shard_at_one_version(
         shards.stop()
     assert rounds == [ROUNDS] * SHARDS
     for name, tensor in unbroken.items():
+        assert torch.equal(weights[name], tensor), name
+    check_applied_once(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kill", [k for k in KILLS if k.shard == 0 or "applying" in k.name], ids=str
+)
+def test_int8_both_ways_a_shard_killed_in_the_commit_ends_as_unbroken(
+    kill: ShardKill, unbroken_int8, corpus_file: Path, tmp_path: Path
+) -> None:
+    """Issue 28, item 1's check: with int8 uploads and int8 delta downloads, a shard killed
+    at a point of the commit (shard 0 before and after deciding, a follower applying) and
+    restarted ends bit-identical to the unbroken int8 run, each round applied once."""
+    weights = run_with_kill(kill, corpus_file, tmp_path, mode=INT8_BOTH_WAYS)
+    assert weights.keys() == unbroken_int8.keys()
+    for name, tensor in unbroken_int8.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+@pytest.mark.slow
+def test_int8_both_ways_random_shard_kills_end_as_unbroken(
+    unbroken_int8, corpus_file: Path, tmp_path: Path
+) -> None:
+    shards = Shards(tmp_path, mode=INT8_BOTH_WAYS)
+    try:
+        workers = train(shards.urls[1], corpus_file, tmp_path)
+        killed = kill_at_random(shards, workers, seed=21, delays=(1.0, 4.0))
+        finish(workers, tmp_path)
+        weights, rounds = shards.weights()
+    finally:
+        shards.stop()
+    assert killed, "no shard was killed: the run ended first"
+    assert rounds == [ROUNDS] * SHARDS
+    for name, tensor in unbroken_int8.items():
         assert torch.equal(weights[name], tensor), name
     check_applied_once(tmp_path)
