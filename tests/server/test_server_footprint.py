@@ -33,6 +33,8 @@ def test_the_footprint_is_four_model_copies_five_with_deltas_and_the_ram_bodies(
     assert bytes_needed(SPECS, ServerSettings(memory_bodies=2)) == 4 * 4424 + 2 * 4424
     bf16 = ServerSettings(memory_bodies=2, upload_dtype=torch.bfloat16)
     assert bytes_needed(SPECS, bf16) == 4 * 4424 + 2 * 2212
+    # sparse_mean (top-k's default) counts each element's senders: one fp32 model more
+    assert bytes_needed(SPECS, ServerSettings(upload_codec="topk:0.5+int2")) == 5 * 4424
 
 
 def test_this_machine_reports_its_available_memory() -> None:

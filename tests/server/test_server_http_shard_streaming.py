@@ -662,3 +662,48 @@ def test_shard_0_states_the_whole_plan_and_a_follower_refers_to_it(start) -> Non
     assert json_of(call(shard0.url, "GET", "/v1/shard/plan")) == {"plan": FRAGMENT}
     status, data = call(shard1.url, "GET", "/v1/shard/plan")
     assert refusal(status, data, 409, "not_shard_0") == {}
+
+
+def test_a_word_whose_pause_failed_is_taken_when_it_comes_again(start) -> None:
+    """A follower whose pause failed part way (its state write, say) has not used up the
+    word's stamp: the same answer at the next question pauses it."""
+    shards = start(follow=False)
+    _, shard1 = shards
+    commit = shard1.coordinator.shard
+    assert commit is not None
+    real = commit.follow_pause
+    calls: list[bool] = []
+
+    def failing_once(paused: bool) -> bool:
+        calls.append(paused)
+        if len(calls) == 1:
+            raise OSError("the state write failed")
+        return real(paused)
+
+    commit.follow_pause = failing_once
+    with pytest.raises(OSError):
+        commit.follow_members(set(), shard1.coordinator.clock(), paused=True, stamp=100)
+    assert not shard1.coordinator.control.paused
+    commit.follow_members(set(), shard1.coordinator.clock(), paused=True, stamp=100)
+    assert shard1.coordinator.control.paused and calls == [True, True]
+
+
+def test_shard_0s_stamps_stay_ordered_across_a_restart_whose_clock_went_back(
+    tmp_path, monkeypatch
+) -> None:
+    from diloco.server.ops import control as control_module
+    from diloco.server.ops.control import RunControl
+    from diloco.server.state.store import StateStore
+
+    state = StateStore(tmp_path / "state")
+    try:
+        first = RunControl(state, ServerSettings(), lambda: 0.0)
+        first.pause("admin", 0)
+        stamp = first.pause_stamp
+        monkeypatch.setattr(control_module.time, "time_ns", lambda: stamp - 10**12)
+        restarted = RunControl(state, ServerSettings(), lambda: 0.0)
+        assert restarted.pause_stamp > stamp  # its words still come after the stored one
+        restarted.resume("admin", 0)
+        assert restarted.pause_stamp == stamp + 2
+    finally:
+        state.close()

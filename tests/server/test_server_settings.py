@@ -350,3 +350,16 @@ def test_sparse_mean_with_a_codec_that_codes_small_values_as_zero_is_refused(cod
         assert ServerSettings(upload_codec=fine, aggregation="sparse_mean").aggregation == (
             "sparse_mean"
         )
+
+
+def test_top_k_with_int8_or_int4_values_averages_with_the_mean() -> None:
+    """A kept value can fall on int8's or int4's zero level and would count as not sent, so
+    those top-k codecs do not pick sparse_mean, and refuse it when given."""
+    for codec in ("topk:0.03+int8", "topk:0.03+int4"):
+        settings = ServerSettings(upload_codec=codec)
+        assert settings.aggregation == "mean" and "aggregation" not in (
+            settings.outer_defaults_from_codec
+        )
+        with pytest.raises(ValueError, match="codes its kept values' smallest as 0"):
+            ServerSettings(upload_codec=codec, aggregation="sparse_mean")
+    assert ServerSettings(upload_codec="topk:0.03").aggregation == "sparse_mean"  # fp32 values

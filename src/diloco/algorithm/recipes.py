@@ -60,17 +60,20 @@ def outer_defaults(upload_codec: Codec | str) -> OuterDefaults:
 
 
 def resolve_aggregation(
-    defaults: OuterDefaults, aggregation: str | None, uniform_rounds: bool
+    defaults: OuterDefaults, aggregation: str | None, uniform_rounds: bool, codec: Codec | str
 ) -> tuple[str, bool]:
     """The aggregation rule, and whether the codec chose it. A rule given is kept; none given
     is the plain mean, unless the codec picks another (top-k: sparse_mean) and the run averages
-    rounds of workers with uniform weights (`uniform_rounds`, which sparse_mean needs). Only
+    rounds of workers with uniform weights (`uniform_rounds`, which sparse_mean needs) and
+    the codec's values have no zero level for a kept value to fall on (`aggregation_conflict`). Only
     that pick counts as the codec's choice: the plain mean is every run's rule, and what a
     top-k codec costs under it the codec's warning says."""
     if aggregation is not None:
         return aggregation, False
     if defaults.aggregation == "mean" or not uniform_rounds:
         return "mean", False
+    if aggregation_conflict(codec, defaults.aggregation) is not None:
+        return "mean", False  # top-k with int8/int4 values: see aggregation_conflict
     return defaults.aggregation, True
 
 
@@ -208,12 +211,14 @@ def aggregation_conflict(upload_codec: Codec | str, aggregation: str) -> str | N
     upload codes every small value as its zero level, and those would count as not sent, so
     the mean of the rest is biased away from 0. (int2 has no zero level.)"""
     codec = _codec(upload_codec)
-    if aggregation != "sparse_mean" or codec.values not in ("int8", "int4") or codec.is_sparse:
+    if aggregation != "sparse_mean" or codec.values not in ("int8", "int4"):
         return None
+    kept = "its kept values' smallest" if codec.is_sparse else "every small value"
     return (
         f"aggregation sparse_mean counts an element as sent where its value is not 0, and "
-        f"upload codec {codec} codes every small value as 0, so those would count as not sent "
-        "and bias the mean: use sparse_mean with a top-k codec (its default there), or mean"
+        f"upload codec {codec} codes {kept} as 0, so those would count as not sent and bias "
+        "the mean: use sparse_mean with top-k and int2, fp32 or bf16 values (its default "
+        "there), or mean"
     )
 
 

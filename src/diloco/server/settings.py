@@ -196,6 +196,7 @@ class ServerSettings:
         aggregation, codec_chose = resolve_aggregation(
             self.outer_defaults,
             self.aggregation,
+            codec=self.upload,
             # (sharded servers average with the mean: sparse_mean is not built across them)
             uniform_rounds=self.mode != "async"
             and self.weighting == "uniform"
@@ -452,10 +453,15 @@ class ServerSettings:
                 value in allowed.split(" or ") if " or " in allowed else value == allowed
             )
             if not ok:
-                built = "the mean" if name == "aggregation" else "sync mode's codecs"
+                why = (
+                    "sparse_mean and the robust rules are not built across shards"
+                    if name == "aggregation"
+                    else "sync mode takes every codec; the other modes' cross-shard commits "
+                    "are built for plain bodies"
+                )
                 raise ValueError(
-                    f"sharded servers in {self.mode} mode run {name} {allowed} (the cross-shard "
-                    f"commit is built for plain bodies, {built}), got {value!r}"
+                    f"sharded servers in {self.mode} mode run {name} {allowed} ({why}), "
+                    f"got {value!r}"
                 )
 
     def to_wire(self) -> dict:

@@ -178,7 +178,7 @@ class SimConfig:
         object.__setattr__(self, "outer_momentum", outer.momentum)
         rounds = self.mode in ("diloco", "streaming")
         aggregation, codec_chose = resolve_aggregation(
-            self.outer_defaults, self.aggregation, uniform_rounds=rounds
+            self.outer_defaults, self.aggregation, uniform_rounds=rounds, codec=self.upload
         )
         object.__setattr__(self, "aggregation", aggregation)
         chosen = outer.chosen + (("aggregation",) if codec_chose else ())

@@ -45,10 +45,13 @@ def model_size(specs: Sequence[TensorSpec]) -> str:
 
 
 def bytes_needed(specs: Sequence[TensorSpec], settings: ServerSettings) -> int:
-    """What the server will hold for this model: 4x it (5x with delta downloads), plus the
-    uploads it keeps in RAM (each the model at the upload dtype, an upper bound for codecs)."""
+    """What the server will hold for this model: 4x it (5x with delta downloads, one more
+    with sparse_mean's counts of senders), plus the uploads it keeps in RAM (each the model
+    at the upload dtype, an upper bound for codecs)."""
     model = model_bytes(specs)
     copies = 5 if settings.delta_downloads else 4
+    if settings.aggregation == "sparse_mean":
+        copies += 1  # each element's count of senders, an fp32 model
     upload = model * settings.upload_dtype.itemsize // 4
     return copies * model + settings.memory_bodies * upload
 

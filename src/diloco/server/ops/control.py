@@ -20,6 +20,7 @@ from diloco.server.state.store import StateStore
 log = logging.getLogger("diloco.server")
 
 PAUSED = "admin_paused"
+PAUSE_STAMP = "admin_pause_stamp"
 OUTER_LR = "admin_outer_lr"
 BANNED = "admin_banned"
 
@@ -39,10 +40,11 @@ class RunControl:
         self.settings = settings
         self.clock = clock
         self.paused_since: float | None = clock() if state.get_meta(PAUSED) else None
-        # Orders this process's word on the pause among everything said before (streaming
-        # shard 0 sends it with each push and answer, and a follower takes only newer
-        # words): nanoseconds since the epoch, so a restarted process's word is newer too.
-        self.pause_stamp = time.time_ns()
+        # Orders this run's words on the pause (streaming shard 0 sends it with each push and
+        # answer, and a follower takes only newer words): nanoseconds since the epoch, and
+        # past the last one stored, so a restart's word is newer even if the clock went back.
+        stored = state.get_meta(PAUSE_STAMP)
+        self.pause_stamp = max(time.time_ns(), int(stored) + 1 if stored is not None else 0)
         self.banned: set[str] = set(state.get_meta(BANNED) or ())
         self._adopt_stored_lr(command_line_wins)
 
@@ -80,11 +82,13 @@ class RunControl:
         """Hold every outer step until `resume`; False if already paused (nothing written)."""
         if self.paused:
             return False
+        stamp = self._next_stamp()
         with self.state.transaction():
             self.state.set_meta(PAUSED, True)
+            self.state.set_meta(PAUSE_STAMP, stamp)
             self.state.audit("paused", round=round_number, by=by)
         self.paused_since = self.clock()
-        self._stamp_pause()
+        self.pause_stamp = stamp
         log.warning("rounds paused by %s at round %d", by, round_number)
         return True
 
@@ -95,16 +99,18 @@ class RunControl:
             return None
         since = self.paused_since
         paused_for = max(0.0, self.clock() - since)
+        stamp = self._next_stamp()
         with self.state.transaction():
             self.state.set_meta(PAUSED, False)
+            self.state.set_meta(PAUSE_STAMP, stamp)
             self.state.audit("resumed", round=round_number, by=by, paused_seconds=paused_for)
         self.paused_since = None
-        self._stamp_pause()
+        self.pause_stamp = stamp
         log.warning("rounds resumed by %s after %.1f s paused", by, paused_for)
         return since
 
-    def _stamp_pause(self) -> None:
-        self.pause_stamp = max(self.pause_stamp + 1, time.time_ns())
+    def _next_stamp(self) -> int:
+        return max(self.pause_stamp + 1, time.time_ns())
 
     # ----------------------------------------------------------------- outer lr
 

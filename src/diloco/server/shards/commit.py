@@ -126,11 +126,12 @@ class ShardCommit:
         """Pause or resume as shard 0 said, unless a word stamped later was taken already
         (a push and an answer, or two pushes, may arrive in either order); a word without a
         stamp is taken as it comes. Whether anything changed (lock held)."""
+        if stamp is not None and stamp <= self.pause_stamp_taken:
+            return False
+        changed = self.follow_pause(paused)  # (a failure leaves the word to be taken again)
         if stamp is not None:
-            if stamp <= self.pause_stamp_taken:
-                return False
             self.pause_stamp_taken = stamp
-        return self.follow_pause(paused)
+        return changed
 
     def told_paused(self, paused: bool, stamp: int | None = None) -> dict:
         """A streaming follower: shard 0's admin paused or resumed the rounds (shard 0

@@ -423,6 +423,11 @@ class ShardedClient:
         """Every shard's result as one: their coded deltas joined when each sent one against
         the same round (a shard sends one only when our anchor is its last step's start);
         else their full weights, asking a shard that sent a delta for its weights instead."""
+        rounds = {weights.round for weights in got}
+        if len(rounds) != 1:  # sync shards apply one decision: never expected
+            raise ServerError(
+                200, "shards_apart", f"the shards answered round {round} with {sorted(rounds)}"
+            )
         deltas = {weights.delta_from for weights in got}
         if len(deltas) == 1:
             return Weights(
@@ -434,7 +439,10 @@ class ShardedClient:
             else self.clients[shard].wait_result(round, worker_id, 0.0, version=version)
             for shard, weights in enumerate(got)
         ]
-        if any(weights is None or weights.delta_from is not None for weights in full):
+        if any(
+            weights is None or weights.delta_from is not None or weights.round != got[0].round
+            for weights in full
+        ):
             raise ServerError(
                 200, "invalid_response", f"a shard gave no whole weights of round {round}"
             )
