@@ -104,13 +104,17 @@ def test_senders_make_each_element_a_mean_over_those_that_sent_it() -> None:
     element 1 by nobody 0, element 2 by the third alone -4. "b" (not among the names divided:
     a buffer) keeps the plain mean, (1 + 0 + 3) / 3, though only two sent a value. The third
     arrives in pieces, as a spooled or compressed body does."""
-    running = RunningMean("uniform", count_senders=True)
+    # the counts of "w" go to a preallocated tensor (its old values never read), as a
+    # server's do every round; "b"'s, of another shape than its slot, to new memory
+    kept = {"w": torch.full((3,), 7.0), "b": torch.full((2,), 7.0)}
+    running = RunningMean("uniform", count_senders=True, senders_storage=kept)
     running.add(Contribution({"w": torch.tensor([3.0, 0.0, 0.0]), "b": torch.tensor([1.0])}, 1))
     running.add(Contribution({"w": torch.tensor([6.0, 0.0, 0.0]), "b": torch.tensor([0.0])}, 1))
     pieces = [("w", 0, torch.tensor([0.0, 0.0])), ("w", 2, torch.tensor([-4.0])),
               ("b", 0, torch.tensor([3.0]))]  # fmt: skip
     running.add_pieces({"w": (3,), "b": (1,)}, pieces, tokens=1)
     assert running.senders is not None and running.senders["w"].tolist() == [2.0, 0.0, 1.0]
+    assert running.senders["w"] is kept["w"] and kept["b"].tolist() == [7.0, 7.0]
     running.divide_by_senders(["w"])
     assert running.senders is None and running.totals == {"w": 1.0, "b": 3.0}
     mean = running.mean()

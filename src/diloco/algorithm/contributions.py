@@ -65,6 +65,7 @@ class RunningMean:
         weighting: str = "uniform",
         storage: Mapping[str, torch.Tensor] | None = None,
         count_senders: bool = False,
+        senders_storage: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """`storage`: preallocated contiguous fp32 CPU tensors, by name, for the sums to live in.
 
@@ -75,7 +76,8 @@ class RunningMean:
         `count_senders`: also sum, per element, the weights of the contributions whose value
         there is not 0, so that `divide_by_senders` can make each element's mean over the
         workers that sent it (`--aggregation sparse_mean`: SparseLoCo's mean of top-k
-        uploads); one more fp32 model of memory.
+        uploads); one more fp32 model of memory, the tensors of `senders_storage` (zeroed as
+        each name is first counted) where they have the name's shape, as for `storage`.
         """
         self.weighting = check_weighting(weighting)
         self.senders: TensorDict | None = {} if count_senders else None
@@ -87,6 +89,7 @@ class RunningMean:
         self.bound = 0.0
         self._consumed = False
         self._storage = dict(storage or {})
+        self._senders_storage = dict(senders_storage or {})
         for name, slot in self._storage.items():
             if slot.dtype != torch.float32 or slot.device.type != "cpu" or not slot.is_contiguous():
                 raise ValueError(f"storage for {name!r} must be a contiguous fp32 CPU tensor")
@@ -149,7 +152,7 @@ class RunningMean:
             value = tensor.detach().to(device="cpu", dtype=torch.float32)
             if self.senders is not None:
                 if name not in self.senders:
-                    self.senders[name] = torch.zeros(value.shape)
+                    self.senders[name] = self._zeroed_count(name, tuple(value.shape))
                 self.senders[name].add_(value.ne(0).to(torch.float32), alpha=weight)
             total = self.sums.get(name)
             slot = None if total is not None else self._slot(name, tuple(tensor.shape))
@@ -216,7 +219,9 @@ class RunningMean:
         senders: TensorDict = {}  # (counting them) registered with the sums, at the end
         if self.senders is not None:
             senders = {
-                name: self.senders[name] if name in self.senders else torch.zeros(shape)
+                name: self.senders[name]
+                if name in self.senders
+                else self._zeroed_count(name, tuple(shape))
                 for name, shape in shapes.items()
             }
         for name, first, piece in pieces:
@@ -261,6 +266,13 @@ class RunningMean:
         a mean divides a sum by a total weight of at least 1.
         """
         return self.bound <= FINITE_SUM_LIMIT
+
+    def _zeroed_count(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Zeros for `name`'s count of senders: its preallocated tensor when it has one."""
+        slot = self._senders_storage.get(name)
+        if slot is not None and tuple(slot.shape) == shape:
+            return slot.zero_()
+        return torch.zeros(shape)
 
     def divide_by_senders(self, names: Iterable[str]) -> None:
         """Make the sums of `names` (the trained tensors: buffers keep the plain mean, as in

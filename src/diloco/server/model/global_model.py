@@ -169,6 +169,11 @@ class GlobalModel:
         assert self.frames is not None
         return self.frames.sums()
 
+    def senders_storage(self) -> dict[str, torch.Tensor]:
+        """The buffers a running mean's counts of senders are written over (sparse_mean);
+        none before the weights exist."""
+        return {} if self.frames is None else self.frames.senders()
+
     def commit(
         self,
         running: RunningMean,

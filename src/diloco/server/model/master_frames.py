@@ -41,6 +41,7 @@ class MasterFrames:
         self.current = FrameBuffer(self.layout)
         self.current.fill(tensors)
         self._sums: dict[str, torch.Tensor] | None = None
+        self._senders: dict[str, torch.Tensor] | None = None
         self._encoded: FrameBuffer | None = None
 
     @property
@@ -56,6 +57,15 @@ class MasterFrames:
                 if view.dtype == torch.float32
             }
         return self._sums
+
+    def senders(self) -> dict[str, torch.Tensor]:
+        """fp32 buffers for a round's counts of senders (sparse_mean), as `sums`."""
+        if self._senders is None:
+            self._senders = {
+                name: torch.empty(tensor.shape, dtype=torch.float32)
+                for name, tensor in self.sums().items()
+            }
+        return self._senders
 
     def writable(self) -> dict[str, torch.Tensor]:
         """The masters, to be updated in place; first copied to a new buffer if a response

@@ -384,7 +384,9 @@ class BarrierRounds:
     def _new_round(self, number: int, members: set[str], now: float) -> Round:
         """A fragment's next round (sharded servers open their own kind)."""
         opened = self.role.new_round(number, members, self.c.settings.weighting, now)
-        opened.count_senders = self.c.settings.aggregation == "sparse_mean"
+        if self.c.settings.aggregation == "sparse_mean":
+            opened.count_senders = True
+            opened.senders_storage = self.c.model.senders_storage()  # the same every round
         return opened
 
     def _decide(self, fragment: int, current: Round, now: float) -> None:

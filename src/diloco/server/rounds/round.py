@@ -66,6 +66,7 @@ class Round:
     clipped: dict[str, float] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
     count_senders: bool = False  # --aggregation sparse_mean: each element's senders counted
+    senders_storage: dict[str, torch.Tensor] | None = None  # (where the counts are written)
 
     def units_of(self, worker_id: str) -> set[int]:
         """Units reported (finished or in part) with a submission in this round: they complete
@@ -111,9 +112,13 @@ class Round:
         return (worker_id, fragment) in self.submitted
 
     def open_sums(self, storage: dict[str, torch.Tensor]) -> None:
-        """Start the running mean, its fp32 sums written over the tensors of `storage`."""
+        """Start the running mean, its fp32 sums written over the tensors of `storage` (and
+        its counts of senders over `senders_storage`'s)."""
         self.running = RunningMean(
-            self.weighting, storage=storage, count_senders=self.count_senders
+            self.weighting,
+            storage=storage,
+            count_senders=self.count_senders,
+            senders_storage=self.senders_storage,
         )
 
     def add(
