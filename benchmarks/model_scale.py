@@ -47,7 +47,7 @@ import urllib3
 
 from diloco.commands.threads import machine_cores, split_cores
 from diloco.console import check_output_path, err, fail, out, summary_table, write_json
-from diloco.server.ops.launch import start_server, stop_process
+from diloco.server.ops.launch import start_server, start_shards, stop_process
 from wire import _memory_kb, raw_tcp  # benchmarks/ is sys.path[0]
 
 RESULTS = Path(__file__).parent / "results"
@@ -205,6 +205,13 @@ def _server_parts(url: str) -> dict[str, dict[str, float]]:
     return parts
 
 
+def _bytes_moved(url: str) -> tuple[float, float]:
+    """A server's tensor bytes received and sent so far (its /metrics)."""
+    text = urllib3.PoolManager().request("GET", url + "/metrics", timeout=30).data.decode()
+    found = dict(re.findall(r"^diloco_bytes_(in|out)_total ([0-9.e+-]+)$", text, re.M))
+    return float(found.get("in", 0.0)), float(found.get("out", 0.0))
+
+
 def run_one(
     size: str,
     codec: str,
@@ -213,8 +220,10 @@ def run_one(
     scratch: Path,
     anchor_device: str = "auto",
     checkpoint_every: int | None = None,
+    shards: int = 1,
 ) -> dict:
-    """One server and `workers` worker processes; the row of the results table."""
+    """One server (or `shards` sharded servers) and `workers` worker processes; the row of
+    the results table."""
     width, depth = SIZES[size]
     from diloco.models.gpt import GPTConfig
 
@@ -230,11 +239,7 @@ def run_one(
         else []
     )
     directory = Path(tempfile.mkdtemp(dir=scratch))
-    log = (directory / "server.log").open("wb")
-    server, url = start_server(
-        directory / "port",
-        "--state-dir",
-        str(directory / "state"),
+    server_args = (
         "--sync-every",
         str(sync_every),
         "--threads",
@@ -244,8 +249,26 @@ def run_one(
         *CODECS[codec],
         *mode_args,
         *([] if checkpoint_every is None else ["--checkpoint-every", str(checkpoint_every)]),
-        output=log,
     )
+    if shards == 1:
+        server, url = start_server(
+            directory / "port",
+            "--state-dir",
+            str(directory / "state"),
+            *server_args,
+            output=(directory / "server.log").open("wb"),
+        )
+        servers, urls = [server], [url]
+    else:
+        launched = start_shards(
+            directory,
+            shards,
+            *server_args,
+            per_shard=lambda i: ("--state-dir", str(directory / f"state-{i}")),
+            output=lambda i: (directory / f"shard-{i}.log").open("wb"),
+        )
+        servers, urls = [p for p, _ in launched], [u for _, u in launched]
+        server, url = servers[0], urls[0]
     job = {
         "size": size,
         "device": device,
@@ -272,9 +295,11 @@ def run_one(
             elif process.exitcode != 0:
                 raise RuntimeError(f"a worker failed (exit {process.exitcode}); see {directory}")
         parts = _server_parts(url)
-        server_peak_mb = _memory_kb(server.pid, "VmHWM") / 1024
+        server_peak_mb = max(_memory_kb(s.pid, "VmHWM") / 1024 for s in servers)
+        shard_bytes = [_bytes_moved(u) for u in urls] if shards > 1 else []
     finally:
-        stop_process(server)
+        for process in servers:
+            stop_process(process)
     reports = [json.loads(path.read_text()) for path in paths if path.exists()]
     windows = min((r["windows"] for r in reports), default=0)
     if len(reports) < workers or windows < 2:
@@ -302,6 +327,12 @@ def run_one(
         "dtype": settings["dtype"],
         "anchor_device": anchor_device,
         "checkpoint_every": checkpoint_every,  # None: the server's default
+        "shards": shards,
+        # sharded: each shard's tensor bytes in and out over the run, per round (the first
+        # round's include the initial weights); server_peak_mb is then the largest shard's
+        "shard_mb_per_round": [
+            [round(b / 1e6 / windows, 1) for b in moved] for moved in shard_bytes
+        ],
         "rounds": windows,
         "cut_short": cut_short,
         "server_threads": server_threads,
@@ -363,6 +394,11 @@ def main(
         help="Rounds between the server's full checkpoints: 'server' (its default) or N; "
         "comma-separated to compare in one run.",
     ),
+    shards: str = typer.Option(
+        "1",
+        help="Sharded servers (diloco server --shard) instead of one: S, or several to compare "
+        "(e.g. 1,2,4); sync mode with the server's default checkpoints.",
+    ),
     out_dir: Path = typer.Option(RESULTS, help="Where model_scale.md and .json go."),
 ) -> None:
     """Measure rounds at real model sizes against loopback and a memory pass."""
@@ -404,6 +440,14 @@ def main(
             every_list.append(int(every))
         else:
             raise fail(f"--checkpoint-every must be 'server' or integers >= 1, got {every!r}")
+    shard_list = [s.strip() for s in shards.split(",") if s.strip()]
+    if not shard_list or any(not s.isdigit() or int(s) < 1 for s in shard_list):
+        raise fail(f"--shards must be integers >= 1, got {shards!r}")
+    shard_counts = [int(s) for s in shard_list]
+    if any(s > 1 for s in shard_counts) and (
+        mode_list != ["sync"] or any(e is not None for e in every_list)
+    ):
+        raise fail("--shards above 1 runs sync mode with the servers' default checkpoints")
     if dtype not in ("fp32", "bf16"):
         raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
     if context < 1 or batch_size < 1 or not max_seconds > 0:
@@ -425,14 +469,19 @@ def main(
     with tempfile.TemporaryDirectory(prefix="diloco-model-scale-") as scratch:
         for size in chosen:
             for codec in codec_list:
-                for mode, anchor, every in itertools.product(mode_list, anchor_list, every_list):
+                for mode, anchor, every, count in itertools.product(
+                    mode_list, anchor_list, every_list, shard_counts
+                ):
                     err.print(
                         f"{size} {codec} {mode} (anchor {anchor}, checkpoint every "
-                        f"{every or 'server default'}): {workers} workers x {rounds} rounds ..."
+                        f"{every or 'server default'}, {count} server(s)): {workers} workers x "
+                        f"{rounds} rounds ..."
                     )
                     started = time.perf_counter()
                     try:
-                        row = run_one(size, codec, mode, settings, Path(scratch), anchor, every)
+                        row = run_one(
+                            size, codec, mode, settings, Path(scratch), anchor, every, count
+                        )
                     except RuntimeError as exc:
                         raise fail(str(exc), code=1) from None
                     err.print(
@@ -499,6 +548,13 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 + (
                     f", checkpoint every {r['checkpoint_every']}"
                     if r.get("checkpoint_every")
+                    else ""
+                )
+                + (
+                    f", {r['shards']} shards (MB in/out per round: "
+                    + ", ".join(f"{i:g}/{o:g}" for i, o in r["shard_mb_per_round"])
+                    + ")"
+                    if r.get("shards", 1) > 1
                     else ""
                 ),
                 f"{r['compute_seconds']:.2f}",

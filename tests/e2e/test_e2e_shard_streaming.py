@@ -120,12 +120,16 @@ def test_a_worker_evicted_on_shard_0_is_evicted_on_every_shard(
     try:
         survivor = start_worker(shards.urls[1], "w0", 0, 2, 40, corpus_file, tmp_path)
         doomed = start_worker(shards.urls[1], "w1", 1, 2, 400, corpus_file, tmp_path)
-        with DiLoCoClient(shards.urls[0], retry=RetryPolicy(attempts=20)) as client:
+        with (
+            DiLoCoClient(shards.urls[0], retry=RetryPolicy(attempts=20)) as client,
+            DiLoCoClient(shards.urls[1], retry=RetryPolicy(attempts=20)) as follower,
+        ):
             deadline = time.monotonic() + 120
-            while True:  # both registered (w1 may start last), and rounds going on
+            while True:  # both registered on both shards (w1 may start last), rounds going on
                 status = client.status()
                 live = {w["worker_id"] for w in status["workers"] if w["live"]}
-                if live == {"w0", "w1"} and status["round"] >= 2:
+                there = {w["worker_id"] for w in follower.status()["workers"] if w["live"]}
+                if live == there == {"w0", "w1"} and status["round"] >= 2:
                     break
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
