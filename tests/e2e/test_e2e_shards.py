@@ -35,6 +35,18 @@ def shards(tmp_path: Path):
         stop_process(process)
 
 
+def train_two(urls: list[str], corpus: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Two tiny workers for 10 steps through the shards' second URL; the joined weights,
+    every shard at round 3."""
+    workers = [start_worker(urls[1], f"w{i}", i, 2, 10, corpus, out) for i in range(2)]
+    wait_all(workers)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (out / f"w{i}.log").read_text()
+    real, rounds = joined_weights(urls)
+    assert rounds == [3, 3]
+    return real
+
+
 def joined_weights(urls: list[str]) -> tuple[dict[str, torch.Tensor], list[int]]:
     from processes import global_weights
 
@@ -116,12 +128,7 @@ def test_two_shards_with_coded_uploads_match_the_simulator(
     ends where the simulator's one model ends with the same codec (top-k: the mean, as on
     shards, and the codec's outer sgd)."""
     urls = shards(2, "--sync-every", "4", "--min-workers", "2", "--upload-codec", codec, state=True)
-    workers = [start_worker(urls[1], f"w{i}", i, 2, 10, corpus_file, tmp_path) for i in range(2)]
-    wait_all(workers)
-    for i, worker in enumerate(workers):
-        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
-    real, rounds = joined_weights(urls)
-    assert rounds == [3, 3]
+    real = train_two(urls, corpus_file, tmp_path)
     simulated = simulated_run(
         small_corpus, workers=2, steps=10, upload_codec=codec, aggregation="mean"
     )
@@ -144,12 +151,7 @@ def test_two_shards_with_int8_both_ways_match_the_simulator(
         2, "--sync-every", "4", "--min-workers", "2", "--upload-codec", "int8",
         "--download-codec", "int8", state=True,
     )  # fmt: skip
-    workers = [start_worker(urls[1], f"w{i}", i, 2, 10, corpus_file, tmp_path) for i in range(2)]
-    wait_all(workers)
-    for i, worker in enumerate(workers):
-        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
-    real, rounds = joined_weights(urls)
-    assert rounds == [3, 3]
+    real = train_two(urls, corpus_file, tmp_path)
     simulated = simulated_run(
         small_corpus, workers=2, steps=10, upload_codec="int8", download_codec="int8"
     )
