@@ -97,7 +97,7 @@ def test_a_model_whose_state_the_disk_cannot_hold_is_refused_naming_the_sizes(tm
     settings = ServerSettings()
     journal = RoundJournal(StateStore(tmp_path / "state"), settings, checkpoint_every=4)
     coordinator = Coordinator(settings, journal=journal)
-    needed = 4 * 2 * 4424 + coordinator.journal.checkpoint_every * 4424  # step log: default 4
+    needed = 4 * 2 * 4424 + 4 * 4424  # 3 kept + 1 written, and 4 logged steps
     asked: list[object] = []
 
     def free(directory):

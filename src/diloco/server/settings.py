@@ -258,10 +258,10 @@ class ServerSettings:
         kind = taken.get("outer_optimizer", self.outer_optimizer)
         lr = taken.get("outer_lr", self.outer_lr)
         momentum = taken.get("outer_momentum", self.outer_momentum)
+        if taken.get("aggregation", "mean") not in ("mean", "sparse_mean"):
+            return []  # not a rule a codec chooses: the settings check names the difference
         try:
             OuterOptimizer(str(kind), lr=lr, momentum=momentum)  # type: ignore[arg-type]
-            if taken.get("aggregation", "mean") not in ("mean", "sparse_mean"):
-                raise ValueError("a codec chooses only these")
         except ValueError:
             return []  # not a setting we can take: the settings check names the difference
         said = [
@@ -441,27 +441,26 @@ class ServerSettings:
         # sync shards take every codec: a worker codes each tensor on its own and sends each
         # shard its tensors' parts, which the shard folds as one server would; each shard
         # codes its tensors' delta, and the worker joins the shards' deltas into one
-        uploads = "any" if self.mode == "sync" else "fp32 or bf16"
-        downloads = "any" if self.mode == "sync" else "fp32"
-        unsupported = {
-            "upload_codec": (self.upload_codec, uploads),
-            "download_codec": (self.download_codec, downloads),
-            "aggregation": (self.aggregation, "mean"),
-        }
-        for name, (value, allowed) in unsupported.items():
-            ok = allowed == "any" or (
-                value in allowed.split(" or ") if " or " in allowed else value == allowed
-            )
-            if not ok:
-                why = (
-                    "sparse_mean and the robust rules are not built across shards"
-                    if name == "aggregation"
-                    else "sync mode takes every codec; the other modes' cross-shard commits "
-                    "are built for plain bodies"
-                )
+        plain = self.mode != "sync"
+        codecs = (
+            "sync mode takes every codec; the other modes' cross-shard commits are built for "
+            "plain bodies"
+        )
+        limits = [
+            ("upload_codec", ("fp32", "bf16") if plain else None, codecs),
+            ("download_codec", ("fp32",) if plain else None, codecs),
+            (
+                "aggregation",
+                ("mean",),
+                "sparse_mean and the robust rules are not built across shards",
+            ),
+        ]
+        for name, allowed, why in limits:
+            value = getattr(self, name)
+            if allowed is not None and value not in allowed:
                 raise ValueError(
-                    f"sharded servers in {self.mode} mode run {name} {allowed} ({why}), "
-                    f"got {value!r}"
+                    f"sharded servers in {self.mode} mode run {name} {' or '.join(allowed)} "
+                    f"({why}), got {value!r}"
                 )
 
     def to_wire(self) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -148,20 +148,25 @@ class UploadCoder:
 
         pending = self._accumulated(coded, difference)
         source = {n: pending[n] if n in pending else exact[n] for n in anchor}
-        return self._kept(
-            encode_compressed(
-                source,
-                self.codec,
-                exact=set(exact),
-                fold_into=pending,
-                weight=-1.0,
-                reuse=self._coded_buffer if reuse else None,
-            ),
-            reuse,
-        )
+        return self._compressed(source, set(exact), pending, reuse)
 
-    def _kept(self, body: bytearray, reuse: bool) -> bytearray:
-        """`body`, kept to be written over by the next body made with `reuse`."""
+    def _compressed(
+        self,
+        source: Mapping[str, torch.Tensor],
+        exact: Collection[str],
+        residual: Mapping[str, torch.Tensor] | None,
+        reuse: bool,
+    ) -> bytearray:
+        """The compressed body of `source`, each coded piece's decoded values taken off
+        `residual` as it is written; with `reuse`, over the last body made so, and kept."""
+        body = encode_compressed(
+            source,
+            self.codec,
+            exact=exact,
+            fold_into=residual,
+            weight=-1.0,
+            reuse=self._coded_buffer if reuse else None,
+        )
         if reuse:
             self._coded_buffer = body
         return body
@@ -179,17 +184,7 @@ class UploadCoder:
         # e <- e - D(C(e)) as each piece is coded: the decode_into the server's fold runs on
         # the same pieces of this body, so e is exactly what the server missed.
         residual = {n: source[n] for n in coded} if self.keeps_residual else None
-        return self._kept(
-            encode_compressed(
-                source,
-                codec,
-                exact=exact,
-                fold_into=residual,
-                weight=-1.0,
-                reuse=self._coded_buffer if reuse else None,
-            ),
-            reuse,
-        )
+        return self._compressed(source, exact, residual, reuse)
 
     def _with_residuals(
         self, gradient: Mapping[str, torch.Tensor]

@@ -53,7 +53,7 @@ from diloco.wire.compressed.header import (
 )
 from diloco.wire.compressed.values import as_bytes, read_span
 from diloco.wire.format.checks import check_finite
-from diloco.wire.format.frames import decode_frame
+from diloco.wire.format.frames import decode_frame, encode_tensors
 from diloco.wire.format.layout import FrameLayout
 from diloco.wire.format.shard_layout import split_by_layout
 
@@ -328,9 +328,9 @@ def split_body(
         owner = base if coded and separator and part in PARTS else name
         by_tensor.setdefault(owner, {})[name] = tensor
     return [
-        _framed(
+        encode_tensors(
             {name: t for group in owned.values() for name, t in group.items()},  # type: ignore[attr-defined]
-            metadata if coded else None,
+            metadata=metadata if coded else None,
         )
         for owned in split_by_layout(by_tensor, layout)  # type: ignore[arg-type]
     ]
@@ -353,16 +353,4 @@ def join_bodies(bodies: Sequence[bytes | bytearray | memoryview]) -> bytearray:
         if twice:
             raise ValueError(f"entry {twice[0]!r} came from two shards")
         joined.update(entries)
-    return _framed(joined, shared or None)
-
-
-def _framed(entries: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytearray:
-    """A safetensors body of `entries` as they are (their dtypes), with `metadata`."""
-    shapes = {name: (tuple(t.shape), t.dtype) for name, t in entries.items()}
-    frame = FrameLayout.plan(shapes, metadata=metadata)
-    buffer = bytearray(frame.size)
-    view = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
-    frame.write_header(view)
-    for name, slot in frame.views(view).items():
-        slot.copy_(entries[name])
-    return buffer
+    return encode_tensors(joined, metadata=shared or None)

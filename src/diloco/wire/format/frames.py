@@ -40,9 +40,13 @@ _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 
 
 def encode_tensors(
-    tensors: Mapping[str, torch.Tensor], float_dtype: torch.dtype | None = None
+    tensors: Mapping[str, torch.Tensor],
+    float_dtype: torch.dtype | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> bytearray:
-    """Safetensors bytes of `tensors`; floating ones cast to `float_dtype` when it is given.
+    """Safetensors bytes of `tensors`; floating ones cast to `float_dtype` when it is given,
+    and `metadata` as the header's `__metadata__` (a compressed body's codec, when its parts
+    are written as they are).
 
     Written by hand into one preallocated buffer: each tensor is copied (and cast, in the same
     pass) straight into its slot, which is about twice as fast as building the file with the
@@ -50,7 +54,7 @@ def encode_tensors(
     every tensor's offset stays aligned to its element size (readers then get zero-copy views).
     Int and bool tensors keep their dtype; tied weights are simply written twice.
     """
-    layout = FrameLayout.of(tensors, float_dtype)
+    layout = FrameLayout.of(tensors, float_dtype, metadata)
     buffer = bytearray(layout.size)
     body = torch.frombuffer(buffer, dtype=torch.uint8)
     layout.write_header(body)

@@ -81,9 +81,12 @@ class FrameLayout:
 
     @classmethod
     def of(
-        cls, tensors: Mapping[str, torch.Tensor], float_dtype: torch.dtype | None = None
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        float_dtype: torch.dtype | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> FrameLayout:
-        """The layout `encode_tensors(tensors, float_dtype)` writes."""
+        """The layout `encode_tensors(tensors, float_dtype, metadata)` writes."""
         entries = {}
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
@@ -92,7 +95,7 @@ class FrameLayout:
             if float_dtype is not None and tensor.is_floating_point():
                 dtype = float_dtype
             entries[name] = (tuple(tensor.shape), dtype)
-        return cls.plan(entries)
+        return cls.plan(entries, metadata=metadata)
 
     def views(self, body: torch.Tensor) -> dict[str, torch.Tensor]:
         """Tensor views of every slot of `body` (a 1-D uint8 tensor of `size` bytes)."""
