@@ -39,9 +39,11 @@ class Shards:
         out: Path,
         env: dict[int, dict[str, str]] | None = None,
         mode: tuple[str, ...] = SYNC_MODE,
+        heartbeat_timeout: float = 30,
     ) -> None:
         self.out = out
         self.mode = mode
+        self.heartbeat_timeout = heartbeat_timeout
         self.ports = free_ports(SHARDS)
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
         self.processes: list[subprocess.Popen] = []
@@ -65,7 +67,7 @@ class Shards:
             "--heartbeat-interval",
             "0.3",
             "--heartbeat-timeout",
-            "30",
+            str(self.heartbeat_timeout),
             output=(self.out / f"shard-{shard}.log").open("ab"),
             env=env,
         )
@@ -318,3 +320,44 @@ def test_int8_both_ways_random_shard_kills_end_as_unbroken(
     unbroken_int8, corpus_file: Path, tmp_path: Path
 ) -> None:
     random_kills_end_as(unbroken_int8, corpus_file, tmp_path, seed=21, mode=INT8_BOTH_WAYS)
+
+
+@pytest.mark.slow
+def test_a_follower_and_a_decided_worker_both_killed_the_follower_recovers_its_slices(
+    corpus_file: Path, tmp_path: Path
+) -> None:
+    """Issue 28, item 3's check, int8 both ways: shard 1 dies applying a decision (the round
+    is decided on shard 0, not yet on shard 1), and w1, whose slice that decision names, is
+    SIGKILLed before shard 1 is back, so it can never send its slice again. The restarted
+    shard 1 takes the slices it held back from its state dir and applies the round; w0 ends
+    the run alone once w1 is evicted, every round applied once on both shards alike."""
+    mode = ("--sync-every", str(SYNC_EVERY), "--min-workers", "1", "--upload-codec", "int8",
+            "--download-codec", "int8")  # fmt: skip
+    env = {1: {ENV_VAR: "before_checkpoint:3"}}
+    shards = Shards(tmp_path, env=env, mode=mode, heartbeat_timeout=4)
+    try:
+        workers = train(shards.urls[0], corpus_file, tmp_path)
+        shards.processes[1].wait(timeout=180)
+        assert shards.processes[1].returncode == -signal.SIGKILL
+        workers[1].send_signal(signal.SIGKILL)
+        workers[1].wait(timeout=30)
+        with sqlite3.connect(tmp_path / "state-1" / "state.sqlite") as db:
+            (applied,) = db.execute("SELECT COUNT(*) FROM rounds").fetchone()
+        shards.restart(1)
+        wait_all(workers[:1], timeout=180)
+        assert workers[0].returncode == 0, (tmp_path / "w0.log").read_text()
+        _, rounds = shards.weights()
+    finally:
+        shards.stop()
+    assert rounds == [ROUNDS] * SHARDS
+    rows = []
+    for shard in range(SHARDS):
+        with sqlite3.connect(tmp_path / f"state-{shard}" / "state.sqlite") as db:
+            rows.append(
+                db.execute("SELECT round, contributors FROM rounds ORDER BY round").fetchall()
+            )
+    assert rows[0] == rows[1] and [r for r, _ in rows[0]] == list(range(ROUNDS)), rows
+    # the round shard 1 was applying when it died needed w1's slice, which only its disk had
+    assert rows[1][applied] == (applied, '["w0", "w1"]'), rows
+    log = (tmp_path / "shard-1.log").read_text()
+    assert f"held slice(s) of round {applied} taken back" in log

@@ -43,8 +43,9 @@ from diloco.server.settings import ServerSettings
 from diloco.server.shards.commit import ShardCommit
 from diloco.server.shards.peers import ShardPeers
 from diloco.server.shards.role import ShardRole
+from diloco.server.state.held_slices import HeldSlices
 from diloco.server.state.journal import CommitRecord, LoggedStep, RoundJournal
-from diloco.server.state.store import StateStore
+from diloco.server.state.store import HELD_SLICES_NAME, StateStore
 from diloco.server.workunits.leases import DataLeases
 from diloco.wire import (
     PROTOCOL_VERSION,
@@ -124,6 +125,12 @@ class Coordinator:
             screen=self.screen,
         )
         self.engine: ShardEngine = engine_for(context, self.role)
+        # A sync follower shard makes each slice it holds durable: a restart takes them back,
+        # so a decision never waits on a worker that died (server/state/held_slices.py).
+        self.held_slices: HeldSlices | None = None
+        directory = self.journal.state.directory
+        if directory is not None and self.role.follows and settings.mode == "sync":
+            self.held_slices = HeldSlices(directory / HELD_SLICES_NAME)
         self.intake = Intake(
             self._lock,
             settings,
@@ -132,6 +139,7 @@ class Coordinator:
             self.engine,
             self.traffic,
             lambda: self.closing,
+            self.held_slices,
         )
         self.registrar = Registrar(
             settings,
@@ -197,6 +205,7 @@ class Coordinator:
             # lone early resubmission cannot commit a round that others were part of.
             self._readmit(restored.live_workers)
             self.engine.start(fragment_rounds, self.started_at)
+            self._take_back_held()
             self.metrics.round.set(self.model.version)
             # workers may hold rounds this restart forgot: interval durability, or a step log
             # cut short (a step missing or corrupt)
@@ -212,6 +221,49 @@ class Coordinator:
             if known is not None:
                 self.model.set_specs(known, kinds_known=True)
                 self._readmit(self.journal.state.live_workers())
+
+    def _take_back_held(self) -> None:
+        """A sync follower's slices of its open round, held durably before it stopped, are
+        held again (in the order they came); the rest go: slices of committed rounds, and
+        any the round now refuses (its worker left, say), whose worker is asked for it
+        again as before."""
+        store = self.held_slices
+        if store is None:
+            return
+        store.forget_before(self.model.version)
+        slices, problems = store.stored()
+        for problem in problems:
+            log.warning("a held slice in the state dir was unreadable and is dropped: %s", problem)
+        taken = 0
+        for stored in slices:
+            try:
+                body = store.open(stored)
+            except (OSError, WireError) as exc:
+                log.warning("held slice %s is dropped: %s", stored.body.name, exc)
+                store.forget(stored)
+                continue
+            try:
+                answer = self.intake.take_back(stored, body)
+            except (Rejection, WireError) as exc:
+                log.warning(
+                    "%r's held slice of round %d is dropped: %s",
+                    stored.worker_id,
+                    stored.round,
+                    exc,
+                )
+                answer = {}
+            finally:
+                body.close()  # unless the round holds it
+            if answer.get("status") == "accepted":
+                taken += 1
+            else:  # refused, or a duplicate the round holds already
+                store.forget(stored)
+        if taken:
+            log.warning(
+                "%d held slice(s) of round %d taken back from the state dir",
+                taken,
+                self.model.version,
+            )
 
     def _replay(self, step: LoggedStep, last: bool) -> None:
         """A step the newest checkpoint does not hold (logged since, or caught between its

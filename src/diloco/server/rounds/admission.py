@@ -51,6 +51,7 @@ from diloco.server.ops.metrics import Traffic
 from diloco.server.rounds.engine import RoundEngine
 from diloco.server.rounds.round import Round, Submission, ValueScan
 from diloco.server.settings import ServerSettings
+from diloco.server.state.held_slices import HeldSlices, PreparedSlice, StoredSlice
 from diloco.wire import (
     MAX_COUNT,
     SpooledTensors,
@@ -194,7 +195,10 @@ class Intake:
         engine: RoundEngine,
         traffic: Traffic,
         closing: Callable[[], bool],
+        held_slices: HeldSlices | None = None,
     ) -> None:
+        """`held_slices`: a sync follower shard's store, where each slice it holds is made
+        durable before the answer says so (None: nothing is written)."""
         self.lock = lock
         self.settings = settings
         self.model = model
@@ -204,6 +208,7 @@ class Intake:
         self.closing = closing
         self.format = UploadFormat(settings)
         self.robust = settings.robust.screens
+        self.held_slices = held_slices
 
     def submit(
         self,
@@ -242,12 +247,59 @@ class Intake:
         self.traffic.metrics.round_part_seconds.labels(part="scan").observe(
             time.perf_counter() - scanning
         )
+        # a follower's slice is on its disk before the round holds it (outside the lock)
+        prepared = None if self.held_slices is None else self.held_slices.prepare(tensors, metadata)
+        try:
+            with self.lock:
+                # The state may have moved on during the scan (a commit, a retry that won);
+                # the layout (names, shapes, dtypes against fixed specs) cannot have.
+                submission = self._admit(*key, body, *rest, check_layout=False)
+                if not isinstance(submission, Submission):
+                    return submission
+                stored = None if prepared is None else self._keep(prepared, submission)
+                prepared = None
+                try:
+                    return self._accept(submission, scan)
+                except BaseException:
+                    if stored is not None:
+                        self.held_slices.forget(stored)  # type: ignore[union-attr]
+                    raise
+        finally:
+            if prepared is not None:
+                self.held_slices.discard(prepared)  # type: ignore[union-attr]
+
+    def _keep(self, prepared: PreparedSlice, submission: Submission) -> StoredSlice:
+        """A prepared slice into the follower's store (lock held), under the session the
+        round will note for it; slices of rounds this shard has committed go."""
+        store = self.held_slices
+        assert store is not None
+        store.forget_before(self.model.version)
+        return store.keep(
+            prepared,
+            worker_id=submission.worker_id,
+            session=submission.record.session,
+            round_number=submission.round,
+            fragment=submission.fragment,
+            tokens=submission.tokens,
+            units=submission.units,
+            progress=submission.progress,
+        )
+
+    def take_back(self, stored: StoredSlice, body: SpooledTensors) -> dict:
+        """A slice a follower held durably before it restarted, taken as its upload was
+        (before the server serves): admitted under the session it came from, scanned, held.
+        A refusal raises Rejection (the worker left, or the round moved on) and changes
+        nothing."""
+        key = (stored.worker_id, stored.round, stored.fragment)
+        rest = (stored.tokens, stored.units, stored.progress)
         with self.lock:
-            # The state may have moved on during the scan (a commit, a retry that won); the
-            # layout (names, shapes, dtypes against fixed specs) cannot have.
-            submission = self._admit(*key, body, *rest, check_layout=False)
+            submission = self._admit(
+                *key, body, *rest, metadata=body.metadata, session=stored.session
+            )
             if not isinstance(submission, Submission):
                 return submission
+        scan = scan_values(submission.tensors, self._norm_names(stored.fragment))
+        with self.lock:
             return self._accept(submission, scan)
 
     def _admit(
@@ -262,6 +314,7 @@ class Intake:
         *,
         check_layout: bool = True,
         metadata: Mapping[str, str] | None = None,
+        session: str | None = None,
     ) -> Submission | dict:
         """Everything about a submission but its values (lock held); changes nothing.
 
@@ -293,6 +346,9 @@ class Intake:
                 field="tokens",
                 got=tokens,
             )
+        if session is not None and session != record.session:
+            # a slice taken back after a restart came from an older process of the worker
+            record = replace(record, session=session)
         submission = Submission(record, round_number, fragment, tensors, tokens, units, progress)
         answer = self.engine.admit(submission)
         if answer is not None:

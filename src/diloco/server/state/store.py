@@ -38,6 +38,7 @@ DATABASE_NAME = "state.sqlite"
 CHECKPOINTS_NAME = "checkpoints"
 STEPS_NAME = "steps"
 LOCK_NAME = "lock"
+HELD_SLICES_NAME = "held-slices"  # a sync follower shard's (server/state/held_slices.py)
 _OURS = {
     DATABASE_NAME,
     f"{DATABASE_NAME}-wal",
@@ -45,6 +46,7 @@ _OURS = {
     CHECKPOINTS_NAME,
     STEPS_NAME,
     LOCK_NAME,
+    HELD_SLICES_NAME,
 }
 
 _SCHEMA = """

@@ -1,0 +1,231 @@
+"""A sync follower shard's held slices, durable before it says it holds them.
+
+Shard 0 decides a round from confirmations that say every shard holds the worker's slices;
+a follower folds the decided slices when it learns the decision. If the follower restarts in
+between, the slices it held in memory are gone, and a decided worker that died too can never
+send its slice again: the follower would wait for good. So a follower with a state dir writes
+each slice it takes to `<state-dir>/held-slices/` first, and a restart takes them back
+(`Coordinator._take_back_held`), through the same intake as an upload.
+
+Each slice is two files: the body exactly as it came (a safetensors file, coded or plain) and
+a small JSON record (worker, session, round, fragment, tokens, units). The body is copied and
+fsynced outside the coordinator's lock (`prepare`); the record is written, fsynced and renamed
+into place under it (`keep`), after the round took the slice: a body without a record is a
+crash's leftover, removed at start. Names sort in arrival order, so the restart offers the
+slices in the order they came (a newer process's slice replaces an older one as it did).
+Files of rounds the shard has committed go as later slices come, and at start.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diloco.checkpoints import _fsync_dir
+from diloco.wire.format.frames import MAX_HEADER_BYTES, encode_tensors, read_frame_header
+from diloco.wire.format.spool import SpooledTensors, SpoolFiles
+
+COPY_BYTES = 8 * 1024 * 1024
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
+_KEPT = re.compile(r"(\d{12})-(\d{12})\.json")
+
+
+@dataclass(frozen=True)
+class StoredSlice:
+    """A held slice as its record on disk names it."""
+
+    worker_id: str
+    session: str | None
+    round: int
+    fragment: int
+    tokens: int
+    units: list[int]
+    progress: dict[int, int]
+    body: Path
+    record: Path
+
+
+@dataclass
+class PreparedSlice:
+    """A body copied and fsynced under a temporary name, not yet part of the store."""
+
+    path: Path
+    size: int
+
+
+class HeldSlices:
+    """The held-slices directory of one follower's state dir."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self._sequence = 1 + max((int(m[2]) for m in self._records()), default=0)
+
+    def _records(self) -> list[re.Match[str]]:
+        return sorted(
+            (m for p in self.directory.iterdir() if (m := _KEPT.fullmatch(p.name))),
+            key=lambda m: m[0],
+        )
+
+    def prepare(
+        self,
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
+        metadata: Mapping[str, str] | None,
+    ) -> PreparedSlice:
+        """The body on disk and fsynced (outside the lock: a model-sized copy)."""
+        path = self.directory / f".body.tmp-{secrets.token_hex(8)}"
+        try:
+            with open(path, "wb") as out:
+                if isinstance(tensors, SpooledTensors):
+                    _copy_prefix(tensors.file.fileno(), out.fileno(), tensors.size)
+                    size = tensors.size
+                else:
+                    data = encode_tensors(tensors, metadata=metadata)
+                    out.write(data)
+                    size = len(data)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return PreparedSlice(path, size)
+
+    def keep(
+        self,
+        prepared: PreparedSlice,
+        *,
+        worker_id: str,
+        session: str | None,
+        round_number: int,
+        fragment: int,
+        tokens: int,
+        units: list[int],
+        progress: Mapping[int, int],
+    ) -> StoredSlice:
+        """The prepared body under its final name, then its record (lock held: the order of
+        `keep` calls is the order the round took the slices)."""
+        stem = f"{round_number:012d}-{self._sequence:012d}"
+        self._sequence += 1
+        body = self.directory / f"{stem}.body"
+        record = self.directory / f"{stem}.json"
+        os.rename(prepared.path, body)
+        fields = {
+            "worker_id": worker_id,
+            "session": session,
+            "round": round_number,
+            "fragment": fragment,
+            "tokens": tokens,
+            "units": list(units),
+            "progress": {str(k): v for k, v in progress.items()},
+            "size": prepared.size,
+        }
+        temp = self.directory / f".{stem}.json.tmp"
+        with open(temp, "w") as out:
+            json.dump(fields, out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.rename(temp, record)
+        _fsync_dir(self.directory)
+        return StoredSlice(
+            worker_id, session, round_number, fragment, tokens, list(units), dict(progress),
+            body, record,
+        )  # fmt: skip
+
+    def discard(self, prepared: PreparedSlice) -> None:
+        prepared.path.unlink(missing_ok=True)
+
+    def forget(self, stored: StoredSlice) -> None:
+        """One slice gone (its record first, so a crash half way leaves a leftover body)."""
+        stored.record.unlink(missing_ok=True)
+        stored.body.unlink(missing_ok=True)
+
+    def forget_before(self, round_number: int) -> None:
+        """Every slice of a round before `round_number` (committed: never needed again)."""
+        for match in self._records():
+            if int(match[1]) < round_number:
+                (self.directory / match[0]).unlink(missing_ok=True)
+                (self.directory / f"{match[1]}-{match[2]}.body").unlink(missing_ok=True)
+
+    def stored(self) -> tuple[list[StoredSlice], list[str]]:
+        """Every kept slice in the order it was taken, and what was wrong with the files
+        removed instead (a crash's leftovers; a record that cannot be read)."""
+        problems: list[str] = []
+        slices: list[StoredSlice] = []
+        records = {m[0] for m in self._records()}
+        for path in sorted(self.directory.iterdir()):
+            name = path.name
+            stem = name.rsplit(".", 1)[0]
+            if name in records or (name.endswith(".body") and f"{stem}.json" in records):
+                continue
+            path.unlink(missing_ok=True)  # a temp file, or a body whose record never came
+        for match in self._records():
+            record = self.directory / match[0]
+            body = self.directory / f"{match[1]}-{match[2]}.body"
+            try:
+                fields = json.loads(record.read_text())
+                slices.append(
+                    StoredSlice(
+                        str(fields["worker_id"]),
+                        None if fields["session"] is None else str(fields["session"]),
+                        int(fields["round"]),
+                        int(fields["fragment"]),
+                        int(fields["tokens"]),
+                        [int(u) for u in fields["units"]],
+                        {int(k): int(v) for k, v in fields["progress"].items()},
+                        body,
+                        record,
+                    )
+                )
+                if body.stat().st_size != int(fields["size"]):
+                    raise ValueError(
+                        f"its body holds {body.stat().st_size} bytes, not {fields['size']}"
+                    )
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                problems.append(f"{match[0]}: {exc}")
+                if slices and slices[-1].record == record:
+                    slices.pop()
+                record.unlink(missing_ok=True)
+                body.unlink(missing_ok=True)
+        return slices, problems
+
+    def open(self, stored: StoredSlice) -> SpooledTensors:
+        """The slice's body read back as an upload's spooled body (WireError when its header
+        is not a body's)."""
+        file = open(stored.body, "rb")  # noqa: SIM115 - closed by the body's release
+        try:
+            size = os.fstat(file.fileno()).st_size
+            header_len = int.from_bytes(os.pread(file.fileno(), 8, 0), "little")
+            prefix = os.pread(file.fileno(), 8 + min(header_len, MAX_HEADER_BYTES), 0)
+            data_start, entries, metadata = read_frame_header(prefix, size)
+        except BaseException:
+            file.close()
+            raise
+        return SpooledTensors(file, size, data_start, entries, SpoolFiles(keep=0), metadata)
+
+
+def _copy_prefix(source: int, target: int, size: int) -> None:
+    """The first `size` bytes of `source` into `target` (in the kernel where it can)."""
+    offset, in_kernel = 0, True
+    while offset < size:
+        count = min(size - offset, COPY_BYTES)
+        if in_kernel:
+            try:
+                copied = os.copy_file_range(source, target, count, offset, offset)
+            except OSError as exc:
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                in_kernel = False
+                continue
+        else:
+            copied = os.pwrite(target, os.pread(source, count, offset), offset)
+        if copied == 0:
+            raise OSError(f"the spooled body ended after {offset} of {size} bytes")
+        offset += copied

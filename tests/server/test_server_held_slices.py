@@ -1,0 +1,233 @@
+"""A sync follower shard's held slices survive its restart (server/state/held_slices.py).
+
+Shard 0 decides a round from slices every shard said it held; a follower that restarts before
+it folds them takes them back from its state dir, so a decided worker that died too is never
+needed again. Expected weights are worked by hand as in test_server_http_shards.py: the mean
+of w1's and w2's slices of b and c is b [1, 0], c [-1]; Nesterov lr 0.5, momentum 0.9, first
+step (buf = g): G -= 0.95 g.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save
+from test_server_http_shards import (
+    INITIAL,
+    OWNED,
+    G,
+    call,
+    register,
+    serve_in_thread,
+    submit,
+)
+
+from diloco.server.coordinator import Coordinator
+from diloco.server.ops.launch import free_ports
+from diloco.server.settings import ServerSettings
+from diloco.server.shards.peers import DecisionFollower, ShardPeers
+from diloco.server.shards.sync_decisions import FollowerRound
+from diloco.server.state.held_slices import HeldSlices
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import HELD_SLICES_NAME, StateStore
+from diloco.wire.format.frames import read_frame_header
+from diloco.wire.format.spool import SpooledTensors, SpoolFiles
+
+EXPECTED_B_C = {"b": torch.tensor([10.0 - 0.95, -10.0]), "c": torch.tensor([0.5 + 0.95])}
+
+
+class Cluster:
+    """Shard 0 served in a thread (no state dir); shard 1 served with a state dir and no
+    decision follower, so it holds its slices until the test restarts it."""
+
+    def __init__(self, root: Path) -> None:
+        self.ports = ports = free_ports(2)
+        self.urls = [f"http://127.0.0.1:{port}" for port in ports]
+        self.root = root
+        self.servers: list = []
+        self.peers = [ShardPeers(self.urls, shard, None) for shard in range(2)]
+        self.leader = Coordinator(
+            self.settings(0), {"a": INITIAL["a"].clone()}, peers=self.peers[0]
+        )
+        self._serve(self.leader, ports[0])
+        self.follower = Coordinator(
+            self.settings(1),
+            {name: INITIAL[name].clone() for name in OWNED[1]},
+            journal=self.journal(),
+            peers=self.peers[1],
+        )
+        self.follower_server = self._serve(self.follower, ports[1])
+        self.decisions: DecisionFollower | None = None
+
+    def settings(self, shard: int) -> ServerSettings:
+        return ServerSettings(
+            outer_optimizer="nesterov",
+            outer_lr=0.5,
+            outer_momentum=0.9,
+            min_workers=1,
+            shard=shard,
+            shard_urls=tuple(self.urls),
+        )
+
+    def journal(self) -> RoundJournal:
+        return RoundJournal(StateStore(self.root / "shard-1"), self.settings(1))
+
+    @property
+    def held_dir(self) -> Path:
+        return self.root / "shard-1" / HELD_SLICES_NAME
+
+    def _serve(self, coordinator: Coordinator, port: int):
+        server, thread = serve_in_thread(coordinator, port, None)
+        self.servers.append((server, thread))
+        return server, thread
+
+    def stop_follower(self) -> None:
+        """Shard 1 stops serving and its state dir is let go; what it held in memory is lost
+        with the object, as with a kill (its disk is what a kill leaves: the state at round
+        0 and the held slices)."""
+        server, thread = self.follower_server
+        server.should_exit = True
+        thread.join(timeout=15)
+
+    def restart_follower(self) -> Coordinator:
+        """A new shard 1 on the same state dir and port, following shard 0's decisions."""
+        self.follower = Coordinator(self.settings(1), journal=self.journal(), peers=self.peers[1])
+        self.follower_server = self._serve(self.follower, self.ports[1])
+        shard = self.follower.shard
+        assert shard is not None
+        self.decisions = DecisionFollower(
+            self.peers[1], shard.open_round, shard.apply_decision, wait=1
+        )
+        self.decisions.start()
+        return self.follower
+
+    def stop(self) -> None:
+        if self.decisions is not None:
+            self.decisions.stop()
+            self.decisions.join(timeout=15)
+        for server, thread in self.servers:
+            server.should_exit = True
+            thread.join(timeout=15)
+        for peers in self.peers:
+            peers.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    started = Cluster(tmp_path)
+    yield started
+    started.stop()
+
+
+def decided_round_0(cluster: Cluster) -> None:
+    """w1 and w2 send their slices to both shards and confirm; shard 0 decides round 0."""
+    url0, url1 = cluster.urls
+    for worker in ("w1", "w2"):
+        register([url0, url1], worker)
+    for worker in ("w1", "w2"):
+        assert submit(url0, worker, {"a": G[worker]["a"]})[0] == 200
+        assert submit(url1, worker, {n: G[worker][n] for n in OWNED[1]})[0] == 200
+    for worker in ("w1", "w2"):
+        status, data = call(url0, "POST", "/v1/rounds/0/confirm", worker_id=worker)
+        assert status == 200, data
+    wait_version(cluster.leader, 1)
+
+
+def wait_version(coordinator: Coordinator, version: int, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while coordinator.version < version:
+        assert time.monotonic() < deadline, f"version {coordinator.version}, not {version}"
+        time.sleep(0.05)
+
+
+def test_a_restarted_follower_applies_a_decision_from_the_slices_it_held(cluster) -> None:
+    decided_round_0(cluster)
+    assert cluster.follower.version == 0  # it never learned the decision
+    assert len(list(cluster.held_dir.glob("*.json"))) == 2
+    cluster.stop_follower()
+    # No worker sends anything again: the restarted shard has every slice the decision names.
+    follower = cluster.restart_follower()
+    wait_version(follower, 1)
+    masters = follower.masters
+    assert masters is not None
+    for name, expected in EXPECTED_B_C.items():
+        torch.testing.assert_close(masters[name], expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_slices_of_committed_rounds_are_gone_after_the_next_restart(cluster) -> None:
+    decided_round_0(cluster)
+    cluster.stop_follower()
+    wait_version(cluster.restart_follower(), 1)
+    cluster.decisions.stop()  # type: ignore[union-attr]
+    cluster.decisions.join(timeout=15)  # type: ignore[union-attr]
+    cluster.decisions = None
+    cluster.stop_follower()
+    follower = Coordinator(cluster.settings(1), journal=cluster.journal(), peers=cluster.peers[1])
+    assert follower.version == 1
+    assert os.listdir(cluster.held_dir) == []
+    assert follower.round is not None and follower.round.held == []
+    follower.journal.close()
+
+
+def test_an_unreadable_held_slice_is_dropped_and_asked_for_again(cluster, caplog) -> None:
+    decided_round_0(cluster)
+    cluster.stop_follower()
+    records = sorted(cluster.held_dir.glob("*.json"))
+    second = json.loads(records[1].read_text())
+    assert second["worker_id"] == "w2" and second["round"] == 0
+    body = records[1].with_suffix(".body")
+    body.write_bytes(body.read_bytes()[:-3])  # a disk that lost its end
+    (cluster.held_dir / ".body.tmp-0123").write_bytes(b"half a copy")  # a crash's leftover
+    with caplog.at_level(logging.WARNING, logger="diloco.server"):
+        follower = cluster.restart_follower()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any(records[1].name in w and "bytes, not" in w for w in warnings), warnings
+    assert sorted(os.listdir(cluster.held_dir)) == [records[0].stem + ".body", records[0].name]
+    current = follower.round
+    assert isinstance(current, FollowerRound)
+    assert [s.worker_id for s, _ in current.held] == ["w1"]  # w1's slice is held again
+    deadline = time.monotonic() + 20
+    while current.decided is None:  # the decision comes; w2's slice is missing
+        assert time.monotonic() < deadline, "the decision never came"
+        time.sleep(0.05)
+    assert follower.version == 0 and current.waiting_for() == ["w2"]
+    # w2's result poll tells it to send its slice again (it has not been lost for good)
+    status, data = call(cluster.urls[1], "GET", "/v1/rounds/0/result", worker_id="w2")
+    assert (status, json.loads(data)["kind"]) == (409, "not_submitted"), data
+
+
+def test_a_kept_spool_file_longer_than_the_body_is_copied_to_its_size(tmp_path) -> None:
+    """A spool file kept from a larger upload holds stale bytes past the body: the held copy
+    is exactly the body, and reads back to the same tensors."""
+    body = save({"b": torch.tensor([2.0, 4.0]), "c": torch.tensor([1.0])})
+    spooled = tmp_path / "spool"
+    spooled.write_bytes(body + b"\xff" * 4096)
+    store = HeldSlices(tmp_path / "held")
+    with open(spooled, "rb") as file:
+        data_start, entries, metadata = read_frame_header(body, len(body))
+        tensors = SpooledTensors(file, len(body), data_start, entries, SpoolFiles(keep=0))
+        prepared = store.prepare(tensors, metadata)
+    kept = store.keep(
+        prepared, worker_id="w1", session="s", round_number=3, fragment=0, tokens=7,
+        units=[1, 2], progress={5: 9},
+    )  # fmt: skip
+    assert kept.body.read_bytes() == body
+    (listed,), problems = store.stored()
+    assert problems == [] and listed == kept
+    assert (listed.tokens, listed.units, listed.progress) == (7, [1, 2], {5: 9})
+    reopened = store.open(listed)
+    values = {name: piece.clone() for name, _, piece in reopened.pieces()}
+    reopened.close()
+    assert torch.equal(values["b"], torch.tensor([2.0, 4.0]))
+    assert torch.equal(values["c"], torch.tensor([1.0]))
+    store.forget_before(3)
+    assert store.stored()[0] == [listed]
+    store.forget_before(4)
+    assert os.listdir(tmp_path / "held") == []
