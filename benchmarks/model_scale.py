@@ -151,7 +151,7 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
         if number % sync_every:
             continue
         stats = worker.client.stats
-        if number == sync_every:  # the first window carries the start: the rest count
+        if number <= job["warmup_rounds"] * sync_every:  # the start, then the warm-up
             sent, received = stats.bytes_sent, stats.bytes_received
         else:
             steady["compute"] += window["compute"]
@@ -203,6 +203,33 @@ def _server_parts(url: str) -> dict[str, dict[str, float]]:
     for kind, part, value in re.findall(pattern, text):
         parts.setdefault(part, {})[kind] = float(value)
     return parts
+
+
+def _parts_after_round(
+    url: str, round_number: int, workers: list, deadline: float
+) -> dict[str, dict[str, float]]:
+    """The server's parts once it has committed `round_number` rounds ({} for the first: its
+    parts are all counted), read while the workers run."""
+    if round_number <= 1:
+        return {}
+    pool = urllib3.PoolManager()
+    while time.monotonic() < deadline and any(w.is_alive() for w in workers):
+        text = pool.request("GET", url + "/metrics", timeout=30).data.decode()
+        found = re.search(r"^diloco_rounds_total ([0-9.e+-]+)$", text, re.M)
+        if found and float(found.group(1)) >= round_number:
+            return _server_parts(url)
+        time.sleep(0.1)
+    return {}
+
+
+def _parts_since(
+    parts: dict[str, dict[str, float]], before: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Each part's sum and count since `before` was read."""
+    return {
+        part: {kind: value - before.get(part, {}).get(kind, 0.0) for kind, value in got.items()}
+        for part, got in parts.items()
+    }
 
 
 def _bytes_moved(url: str) -> tuple[float, float]:
@@ -274,7 +301,10 @@ def run_one(
         "device": device,
         "threads": split_cores(workers + 1),
         "anchor_device": anchor_device,
-        **{k: settings[k] for k in ("rounds", "sync_every", "context", "batch_size", "dtype")},
+        **{
+            k: settings[k]
+            for k in ("rounds", "warmup_rounds", "sync_every", "context", "batch_size", "dtype")
+        },
     }
     cut_short = False
     try:
@@ -286,6 +316,8 @@ def run_one(
         for process in group:
             process.start()
         deadline = time.monotonic() + settings["max_seconds"]
+        # the server's parts once the warm-up rounds have committed: only later ones count
+        warm = _parts_after_round(url, settings["warmup_rounds"], group, deadline)
         for process in group:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:  # past the deadline: what was written counts
@@ -294,7 +326,7 @@ def run_one(
                 process.join(timeout=30)
             elif process.exitcode != 0:
                 raise RuntimeError(f"a worker failed (exit {process.exitcode}); see {directory}")
-        parts = _server_parts(url)
+        parts = _parts_since(_server_parts(url), warm)
         server_peak_mb = max(_memory_kb(s.pid, "VmHWM") / 1024 for s in servers)
         shard_bytes = [_bytes_moved(u) for u in urls] if shards > 1 else []
     finally:
@@ -302,14 +334,16 @@ def run_one(
             stop_process(process)
     reports = [json.loads(path.read_text()) for path in paths if path.exists()]
     windows = min((r["windows"] for r in reports), default=0)
-    if len(reports) < workers or windows < 2:
+    warmup = settings["warmup_rounds"]
+    if len(reports) < workers or windows <= warmup:
         raise RuntimeError(
-            f"{size} {codec} {mode}: fewer than 2 windows in {settings['max_seconds']:g} s "
-            f"(--max-seconds); see {directory}"
+            f"{size} {codec} {mode}: no more than the {warmup} warm-up window(s) in "
+            f"{settings['max_seconds']:g} s (--max-seconds); see {directory}"
         )
-    steady_rounds = windows - 1
-    # the first round carries the start (joins, the first download): the steady ones count
-    rounds = [r for report in reports for r in report["rounds"][1:]]
+    steady_rounds = windows - warmup
+    # the first round carries the start (joins, the first download), and the first rounds
+    # grow the page cache (see --warmup-rounds): the steady ones count
+    rounds = [r for report in reports for r in report["rounds"][warmup:]]
     up = int(statistics.median(r["steady"]["up"] for r in reports) / steady_rounds)
     down = int(statistics.median(r["steady"]["down"] for r in reports) / steady_rounds)
     loopback = loopback_seconds(up, down, workers)
@@ -334,6 +368,7 @@ def run_one(
             [round(b / 1e6 / windows, 1) for b in moved] for moved in shard_bytes
         ],
         "rounds": windows,
+        "warmup_rounds": warmup,
         "cut_short": cut_short,
         "server_threads": server_threads,
         "worker_threads": job["threads"],
@@ -375,7 +410,15 @@ def main(
     ),
     delay: int = typer.Option(1, help="Streaming: inner steps a sync overlaps (tau)."),
     workers: int = typer.Option(2, help="Worker processes."),
-    rounds: int = typer.Option(4, help="Rounds per configuration (the first is not counted)."),
+    rounds: int = typer.Option(
+        4, help="Rounds per configuration (the --warmup-rounds first are not counted)."
+    ),
+    warmup_rounds: int = typer.Option(
+        1,
+        help="Rounds not counted: the first carries the start; the next few grow the "
+        "server's page cache (its state dir's files), which costs far more on a fresh VM "
+        "than the same writes once the cache has grown (a long run's steady state).",
+    ),
     sync_every: int = typer.Option(4, help="H: inner steps per round."),
     device: str = typer.Option("cpu", help="cpu or cuda (the workers' device)."),
     dtype: str = typer.Option("fp32", help="fp32, or bf16 (autocast for the training steps)."),
@@ -413,8 +456,11 @@ def main(
     mode_list = [m.strip() for m in modes.split(",") if m.strip()]
     if not mode_list or any(m not in ("sync", "streaming") for m in mode_list):
         raise fail(f"--modes must be from sync, streaming, got {modes!r}")
-    if workers < 1 or rounds < 2 or sync_every < 1:
-        raise fail("--workers and --sync-every must be >= 1 and --rounds >= 2")
+    if workers < 1 or sync_every < 1 or warmup_rounds < 1 or rounds <= warmup_rounds:
+        raise fail(
+            "--workers, --sync-every and --warmup-rounds must be >= 1 and --rounds above "
+            f"--warmup-rounds, got {workers}, {sync_every}, {warmup_rounds} and {rounds}"
+        )
     if fragments < 1 or delay < 0:
         raise fail(f"--fragments must be >= 1 and --delay >= 0, got {fragments} and {delay}")
     for size in chosen if "streaming" in mode_list else ():
@@ -455,6 +501,7 @@ def main(
     settings = {
         "workers": workers,
         "rounds": rounds,
+        "warmup_rounds": warmup_rounds,
         "sync_every": sync_every,
         "device": device,
         "dtype": dtype,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.checkpoints import MANIFEST_NAME, CheckpointStore
+from diloco.checkpoints import MANIFEST_NAME, RECYCLED_NAME, CheckpointStore
 from diloco.wire import encode_tensors
 
 
@@ -264,3 +264,31 @@ def test_a_generation_hashed_when_made_durable_keeps_what_was_staged(tmp_path: P
     assert loaded is not None
     for name, tensor in staged.items():
         assert torch.equal(loaded.tensors["steps"][name], tensor), name
+
+
+def test_a_recycling_store_writes_over_the_files_it_dropped(tmp_path: Path) -> None:
+    """`recycle`: a dropped generation's files wait in `recycled/` (up to the limit) and the
+    next generations are written over them, the same inode, cut to their own size; what
+    they read back is what was written, checked against the manifest's SHA-256."""
+    store = CheckpointStore(tmp_path, keep=1, recycle=2)
+    big = {f"g{i}": {"t": torch.arange(1000, dtype=torch.float32) + i} for i in range(3)}
+    store.write(0, big, {"round": 0}, prune=False)
+    inodes = {(tmp_path / "gen-000000000000" / f"g{i}.safetensors").stat().st_ino for i in range(3)}
+    store.drop(last=0)
+    pooled = sorted((tmp_path / RECYCLED_NAME).iterdir())
+    assert len(pooled) == 2 and {p.stat().st_ino for p in pooled} < inodes  # 2 of the 3
+    small = {"g0": {"t": torch.tensor([7.0, 8.0])}}
+    path = store.write(1, small, {"round": 1})
+    written = path / "g0.safetensors"
+    assert written.stat().st_ino in inodes
+    assert written.stat().st_size == len(encode_tensors(small["g0"]))  # the old tail is cut
+    assert len(list((tmp_path / RECYCLED_NAME).iterdir())) == 1
+    loaded = store.load(1)
+    assert loaded is not None and torch.equal(loaded.tensors["g0"]["t"], small["g0"]["t"])
+
+
+def test_a_store_without_recycle_deletes_what_it_drops(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=1)
+    store.write(0, {"g": {"t": torch.ones(4)}}, {"round": 0})
+    store.write(1, {"g": {"t": torch.ones(4)}}, {"round": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-000000000001"]

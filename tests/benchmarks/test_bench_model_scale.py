@@ -66,6 +66,21 @@ def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
     assert "cut short by --max-seconds" in result.stderr
 
 
+@pytest.mark.slow
+def test_warm_up_rounds_are_run_and_not_counted(tmp_path: Path) -> None:
+    """--warmup-rounds 2 of 4: the workers' figures and the server's parts are those of the
+    last two rounds (the server's parts read once it had committed 2)."""
+    result = run(
+        "--sizes", "2M", "--codecs", "int8", "--rounds", "4", "--warmup-rounds", "2",
+        "--sync-every", "2", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "model_scale.json").read_text())["results"]
+    assert (row["rounds"], row["warmup_rounds"]) == (4, 2)
+    assert row["server_parts"]["fold"] > 0 and row["server_parts"]["commit"] > 0
+    assert row["blocked_seconds"] > 0 and row["phases"]["upload"] > 0
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -79,6 +94,8 @@ def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
         (["--modes", "streaming", "--delay", "4"], "--delay below"),
         (["--anchor-devices", "gpu"], "--anchor-devices must be from"),
         (["--checkpoint-every", "server,0"], "--checkpoint-every must be 'server' or"),
+        (["--rounds", "3", "--warmup-rounds", "3"], "--rounds above --warmup-rounds"),
+        (["--warmup-rounds", "0"], "--warmup-rounds must be >= 1"),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) -> None:

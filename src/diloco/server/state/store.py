@@ -38,6 +38,7 @@ DATABASE_NAME = "state.sqlite"
 CHECKPOINTS_NAME = "checkpoints"
 STEPS_NAME = "steps"
 LOCK_NAME = "lock"
+RECYCLED_FILES = 64  # per store, at most (a step log chain of 8 steps of 8 files)
 HELD_SLICES_NAME = "held-slices"  # a sync follower shard's (server/state/held_slices.py)
 _OURS = {
     DATABASE_NAME,
@@ -179,10 +180,14 @@ class StateStore:
                 _check_directory(self.directory)
                 self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
                 self._lock_file = _lock_exclusively(self.directory / LOCK_NAME)
+                # Each writes over the files of the generations it dropped (a checkpoint's 2-3,
+                # a logged step's up to 8, a chain of them at a time): see CheckpointStore.
                 self.checkpoints = CheckpointStore(
-                    self.directory / CHECKPOINTS_NAME, keep_checkpoints
+                    self.directory / CHECKPOINTS_NAME, keep_checkpoints, recycle=RECYCLED_FILES
                 )
-                self.steps = CheckpointStore(self.directory / STEPS_NAME, keep=1)
+                self.steps = CheckpointStore(
+                    self.directory / STEPS_NAME, keep=1, recycle=RECYCLED_FILES
+                )
                 target = self.directory / DATABASE_NAME
             self.conn = sqlite3.connect(
                 target,
