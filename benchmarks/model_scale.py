@@ -208,10 +208,8 @@ def _server_parts(url: str) -> dict[str, dict[str, float]]:
 def _parts_after_round(
     url: str, round_number: int, workers: list, deadline: float
 ) -> dict[str, dict[str, float]]:
-    """The server's parts once it has committed `round_number` rounds ({} for the first: its
-    parts are all counted), read while the workers run."""
-    if round_number <= 1:
-        return {}
+    """The server's parts once it has committed `round_number` rounds (the warm-up ones, not
+    counted, as the workers do not count theirs), read while the workers run."""
     pool = urllib3.PoolManager()
     while time.monotonic() < deadline and any(w.is_alive() for w in workers):
         text = pool.request("GET", url + "/metrics", timeout=30).data.decode()
@@ -379,6 +377,7 @@ def run_one(
         "phases": {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
         if rounds
         else None,
+        "server_commits_counted": int(parts.get("commit", {}).get("count", 0)),
         "server_parts": {
             part: parts.get(part, {}).get("sum", 0.0)
             / max(1.0, parts.get(part, {}).get("count", 0))

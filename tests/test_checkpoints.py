@@ -292,3 +292,24 @@ def test_a_store_without_recycle_deletes_what_it_drops(tmp_path: Path) -> None:
     store.write(0, {"g": {"t": torch.ones(4)}}, {"round": 0})
     store.write(1, {"g": {"t": torch.ones(4)}}, {"round": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-000000000001"]
+
+
+def test_the_step_logs_way_over_a_recycled_file_and_a_pool_cut_at_start(tmp_path: Path) -> None:
+    """`hash_when_durable` (the step log's stage) over a recycled file: the manifest's hash is
+    that of the new bytes, read back from the file. A pool larger than a restarted store's
+    limit is cut to it."""
+    store = CheckpointStore(tmp_path, keep=1, recycle=3)
+    store.write(0, {"steps": {"s": torch.arange(5000, dtype=torch.float32)}}, {"round": 0})
+    store.drop(last=0)
+    assert len(list((tmp_path / RECYCLED_NAME).iterdir())) == 1
+    sums = {"s": torch.full((10,), 2.5)}
+    durable = store.stage(1, {"steps": sums}, {"round": 1}, hash_when_durable=True)
+    sums["s"].mul_(-1)  # the step, after stage
+    durable()
+    expected = bytes(encode_tensors({"s": torch.full((10,), 2.5)}))
+    manifest = json.loads((tmp_path / "gen-000000000001" / MANIFEST_NAME).read_text())
+    assert manifest["files"]["steps.safetensors"]["sha256"] == hashlib.sha256(expected).hexdigest()
+    for i in range(5):
+        (tmp_path / RECYCLED_NAME / f"extra-{i}.safetensors").write_bytes(b"x" * 10)
+    CheckpointStore(tmp_path, keep=1, recycle=2)
+    assert len(list((tmp_path / RECYCLED_NAME).iterdir())) == 2

@@ -73,16 +73,23 @@ class CheckpointStore:
         to be written over by the next generations instead of being deleted. Filling a new
         file takes pages the page cache must grow for (on this VM 0.30-0.40 s for an 85M
         model's 340 MB, against 0.05 s right after a drop freed as many, and 0.02-0.04 s to
-        write over a cached file: benchmarks/results/model_scale.md); the disk holds no
-        more than before, since a generation takes a recycled file in place of a new one."""
+        write over a cached file: benchmarks/results/model_scale-recycled/README.md). The
+        disk then holds up to `recycle` dropped files more between a drop and the next
+        generations, which take them in place of new ones; a pool left larger (a lower
+        limit at a restart) is cut to it here. `stage` and `drop` of one store must not run
+        at once (the server settles a checkpoint before it stages a step): the lock guards
+        only the pool."""
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
         self.directory = Path(directory)
         self.keep = keep
         self.recycle = recycle
         self._recycled = self.directory / RECYCLED_NAME
-        self._pool_lock = threading.Lock()  # a drop (a checkpoint's thread) beside a stage
+        self._pool_lock = threading.Lock()  # the pool's files, taken and given back
         self.directory.mkdir(mode=_DEFAULT_DIR_MODE, parents=True, exist_ok=True)
+        if self._recycled.is_dir():
+            for extra in sorted(self._recycled.iterdir())[recycle:]:
+                extra.unlink(missing_ok=True)
 
     def generations(self) -> list[int]:
         """Complete generations on disk (manifest parses, every file has its size), sorted."""
@@ -245,17 +252,17 @@ class CheckpointStore:
 
     def _take_recycled(self, path: Path) -> bool:
         """A recycled file renamed to `path`, a new generation's file, to be written over;
-        False when the pool has none (a new file is made)."""
+        False when the pool has none or the rename fails (a new file is made)."""
         if not self.recycle:
             return False
         with self._pool_lock:
             try:
                 pooled = sorted(self._recycled.iterdir())
-            except FileNotFoundError:
+                if not pooled:
+                    return False
+                os.rename(pooled[0], path)
+            except OSError:
                 return False
-            if not pooled:
-                return False
-            os.rename(pooled[0], path)
             return True
 
     def set_aside(self, first: int, into: Path) -> list[Path]:
@@ -421,9 +428,13 @@ def _write_tensors(
         return digest.hexdigest()
 
     def written() -> None:
+        fd = -1
         if over:
-            fd = os.open(path, os.O_WRONLY)
-        else:
+            try:
+                fd = os.open(path, os.O_WRONLY)
+            except OSError:  # not writable after all: a new file instead
+                path.unlink(missing_ok=True)
+        if fd < 0:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         os.fchmod(fd, mode)  # os.open's mode is filtered by the umask
         with os.fdopen(fd, "wb") as handle:

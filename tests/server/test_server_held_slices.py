@@ -9,6 +9,7 @@ step (buf = g): G -= 0.95 g.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -161,6 +162,42 @@ def test_a_restarted_follower_applies_a_decision_from_the_slices_it_held(cluster
         torch.testing.assert_close(masters[name], expected, rtol=0, atol=1e-6, msg=name)
 
 
+def test_a_slice_of_a_worker_that_left_before_the_restart_is_still_taken_back(cluster) -> None:
+    """w2 leaves shard 1 after shard 0 decided the round with its slice: a running follower
+    keeps a departed worker's slice, and so does a restarted one (else it would wait for a
+    slice nobody can send)."""
+    decided_round_0(cluster)
+    assert call(cluster.urls[1], "DELETE", "/v1/workers/w2")[0] == 200
+    cluster.stop_follower()
+    follower = cluster.restart_follower()
+    wait_version(follower, 1)
+    masters = follower.masters
+    assert masters is not None
+    for name, expected in EXPECTED_B_C.items():
+        torch.testing.assert_close(masters[name], expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_slice_the_disk_cannot_take_is_503_and_nothing_is_held(cluster, monkeypatch) -> None:
+    url0, url1 = cluster.urls
+    register([url0, url1], "w1")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    store = cluster.follower.held_slices
+    assert store is not None
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "prepare", full_disk)
+        status, data = submit(url1, "w1", {n: G["w1"][n] for n in OWNED[1]})
+    assert (status, json.loads(data)["kind"]) == (503, "spool_unavailable"), data
+    assert "No space left on device" in json.loads(data)["error"]
+    current = cluster.follower.round
+    assert current is not None and current.held == [] and not current.submitted
+    assert list(cluster.held_dir.iterdir()) == []
+    assert submit(url1, "w1", {n: G["w1"][n] for n in OWNED[1]})[0] == 200  # the retry
+    assert len(list(cluster.held_dir.glob("*.json"))) == 1
+
+
 def test_slices_of_committed_rounds_are_gone_after_the_next_restart(cluster) -> None:
     decided_round_0(cluster)
     cluster.stop_follower()
@@ -176,19 +213,21 @@ def test_slices_of_committed_rounds_are_gone_after_the_next_restart(cluster) -> 
     follower.journal.close()
 
 
-def test_an_unreadable_held_slice_is_dropped_and_asked_for_again(cluster, caplog) -> None:
+def test_a_damaged_held_slice_is_dropped_and_asked_for_again(cluster, caplog) -> None:
     decided_round_0(cluster)
     cluster.stop_follower()
     records = sorted(cluster.held_dir.glob("*.json"))
     second = json.loads(records[1].read_text())
     assert second["worker_id"] == "w2" and second["round"] == 0
     body = records[1].with_suffix(".body")
-    body.write_bytes(body.read_bytes()[:-3])  # a disk that lost its end
+    damaged = bytearray(body.read_bytes())
+    damaged[-1] ^= 0x40  # a bit of a value flipped on the disk: the same size
+    body.write_bytes(bytes(damaged))
     (cluster.held_dir / ".body.tmp-0123").write_bytes(b"half a copy")  # a crash's leftover
     with caplog.at_level(logging.WARNING, logger="diloco.server"):
         follower = cluster.restart_follower()
     warnings = [r.getMessage() for r in caplog.records]
-    assert any(records[1].name in w and "bytes, not" in w for w in warnings), warnings
+    assert any(body.name in w and "SHA-256" in w for w in warnings), warnings
     assert sorted(os.listdir(cluster.held_dir)) == [records[0].stem + ".body", records[0].name]
     current = follower.round
     assert isinstance(current, FollowerRound)
@@ -213,15 +252,21 @@ def test_a_kept_spool_file_longer_than_the_body_is_copied_to_its_size(tmp_path) 
     with open(spooled, "rb") as file:
         data_start, entries, metadata = read_frame_header(body, len(body))
         tensors = SpooledTensors(file, len(body), data_start, entries, SpoolFiles(keep=0))
-        prepared = store.prepare(tensors, metadata)
-    kept = store.keep(
-        prepared, worker_id="w1", session="s", round_number=3, fragment=0, tokens=7,
-        units=[1, 2], progress={5: 9},
-    )  # fmt: skip
+        prepared = store.prepare(
+            tensors, metadata, worker_id="w1", session="s", round_number=3, fragment=0,
+            tokens=7, units=[1, 2], progress={5: 9},
+        )  # fmt: skip
+    kept = store.keep(prepared, "s2")  # re-registered meanwhile: the round notes s2
     assert kept.body.read_bytes() == body
+    assert kept.sha256 == hashlib.sha256(body).hexdigest()
     (listed,), problems = store.stored()
     assert problems == [] and listed == kept
-    assert (listed.tokens, listed.units, listed.progress) == (7, [1, 2], {5: 9})
+    assert (listed.session, listed.tokens, listed.units, listed.progress) == (
+        "s2",
+        7,
+        [1, 2],
+        {5: 9},
+    )
     reopened = store.open(listed)
     values = {name: piece.clone() for name, _, piece in reopened.pieces()}
     reopened.close()

@@ -224,9 +224,9 @@ class Coordinator:
 
     def _take_back_held(self) -> None:
         """A sync follower's slices of its open round, held durably before it stopped, are
-        held again (in the order they came); the rest go: slices of committed rounds, and
-        any the round now refuses (its worker left, say), whose worker is asked for it
-        again as before."""
+        held again (in the order they came, each under the session it came from); the rest
+        go: slices of committed rounds, and any that cannot be read back whole or that the
+        round refuses, whose worker is asked for it again (409 `not_submitted`)."""
         store = self.held_slices
         if store is None:
             return
@@ -236,34 +236,26 @@ class Coordinator:
             log.warning("a held slice in the state dir was unreadable and is dropped: %s", problem)
         taken = 0
         for stored in slices:
+            answer: dict = {}
             try:
                 body = store.open(stored)
-            except (OSError, WireError) as exc:
+            except (OSError, ValueError, WireError) as exc:
                 log.warning("held slice %s is dropped: %s", stored.body.name, exc)
-                store.forget(stored)
-                continue
-            try:
-                answer = self.intake.take_back(stored, body)
-            except (Rejection, WireError) as exc:
-                log.warning(
-                    "%r's held slice of round %d is dropped: %s",
-                    stored.worker_id,
-                    stored.round,
-                    exc,
-                )
-                answer = {}
-            finally:
-                body.close()  # unless the round holds it
+            else:
+                try:
+                    answer = self.intake.take_back(stored, body, self.clock())
+                except (Rejection, WireError, OSError, ValueError) as exc:
+                    worker, number = stored.worker_id, stored.round
+                    log.warning("%r's held slice of round %d is dropped: %s", worker, number, exc)
+                finally:
+                    body.close()  # unless the round holds it
             if answer.get("status") == "accepted":
                 taken += 1
-            else:  # refused, or a duplicate the round holds already
+            else:  # unreadable, refused, or a duplicate the round holds already
                 store.forget(stored)
         if taken:
-            log.warning(
-                "%d held slice(s) of round %d taken back from the state dir",
-                taken,
-                self.model.version,
-            )
+            number = self.model.version
+            log.warning("%d held slice(s) of round %d taken back from the state dir", taken, number)
 
     def _replay(self, step: LoggedStep, last: bool) -> None:
         """A step the newest checkpoint does not hold (logged since, or caught between its

@@ -32,10 +32,11 @@ decoded span by span when the round scans or folds it, never decoded whole.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -45,7 +46,7 @@ from diloco import faults
 from diloco.algorithm import TensorKind
 from diloco.algorithm.tensors import finite_bound
 from diloco.server.errors import Rejection, rejection_of
-from diloco.server.members.membership import Membership
+from diloco.server.members.membership import Membership, WorkerRecord
 from diloco.server.model.global_model import GlobalModel
 from diloco.server.ops.metrics import Traffic
 from diloco.server.rounds.engine import RoundEngine
@@ -248,7 +249,7 @@ class Intake:
             time.perf_counter() - scanning
         )
         # a follower's slice is on its disk before the round holds it (outside the lock)
-        prepared = None if self.held_slices is None else self.held_slices.prepare(tensors, metadata)
+        prepared = self._prepare(tensors, metadata, submission)
         try:
             with self.lock:
                 # The state may have moved on during the scan (a commit, a retry that won);
@@ -268,34 +269,54 @@ class Intake:
             if prepared is not None:
                 self.held_slices.discard(prepared)  # type: ignore[union-attr]
 
+    def _prepare(
+        self,
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
+        metadata: Mapping[str, str] | None,
+        submission: Submission,
+    ) -> PreparedSlice | None:
+        """A follower's slice written to its state dir and fsynced (None: nothing to write);
+        a disk that fails is 503 `spool_unavailable`, which the worker retries."""
+        if self.held_slices is None:
+            return None
+        with _storage_failure():
+            return self.held_slices.prepare(
+                tensors,
+                metadata,
+                worker_id=submission.worker_id,
+                session=submission.record.session,
+                round_number=submission.round,
+                fragment=submission.fragment,
+                tokens=submission.tokens,
+                units=submission.units,
+                progress=submission.progress,
+            )
+
     def _keep(self, prepared: PreparedSlice, submission: Submission) -> StoredSlice:
-        """A prepared slice into the follower's store (lock held), under the session the
-        round will note for it; slices of rounds this shard has committed go."""
+        """A prepared slice into the follower's store (lock held: renames and a directory
+        fsync), under the session the round will note for it; slices of rounds this shard
+        has committed go."""
         store = self.held_slices
         assert store is not None
-        store.forget_before(self.model.version)
-        return store.keep(
-            prepared,
-            worker_id=submission.worker_id,
-            session=submission.record.session,
-            round_number=submission.round,
-            fragment=submission.fragment,
-            tokens=submission.tokens,
-            units=submission.units,
-            progress=submission.progress,
-        )
+        with _storage_failure():
+            store.forget_before(self.model.version)
+            return store.keep(prepared, submission.record.session)
 
-    def take_back(self, stored: StoredSlice, body: SpooledTensors) -> dict:
+    def take_back(self, stored: StoredSlice, body: SpooledTensors, now: float) -> dict:
         """A slice a follower held durably before it restarted, taken as its upload was
         (before the server serves): admitted under the session it came from, scanned, held.
-        A refusal raises Rejection (the worker left, or the round moved on) and changes
-        nothing."""
+        A worker that left since is no reason to drop it (shard 0 may have decided the round
+        with it, as a running follower keeps a departed worker's slice). A refusal raises
+        Rejection (the round moved on, say) and changes nothing."""
         key = (stored.worker_id, stored.round, stored.fragment)
         rest = (stored.tokens, stored.units, stored.progress)
+        known = self.membership.get_live(stored.worker_id)
+        record = replace(
+            known or WorkerRecord(stored.worker_id, now, now, live=False),
+            session=stored.session,  # the process it came from, maybe an older one
+        )
         with self.lock:
-            submission = self._admit(
-                *key, body, *rest, metadata=body.metadata, session=stored.session
-            )
+            submission = self._admit(*key, body, *rest, metadata=body.metadata, record=record)
             if not isinstance(submission, Submission):
                 return submission
         scan = scan_values(submission.tensors, self._norm_names(stored.fragment))
@@ -314,17 +335,19 @@ class Intake:
         *,
         check_layout: bool = True,
         metadata: Mapping[str, str] | None = None,
-        session: str | None = None,
+        record: WorkerRecord | None = None,
     ) -> Submission | dict:
         """Everything about a submission but its values (lock held); changes nothing.
 
         Returns the answer when there is nothing to fold ("committed", "duplicate": the only
         outcomes that touch state, the worker's last_seen), the Submission when it should be
         folded, its body opened for the fold (`UploadFormat.open`) when `check_layout`; a
-        refusal raises Rejection.
+        refusal raises Rejection. `record`: the record to admit it under (a slice taken back
+        after a restart); else the live worker's.
         """
         self.model.require_healthy()
-        record = self.membership.require_live(worker_id)
+        if record is None:
+            record = self.membership.require_live(worker_id)
         if self.closing():
             raise Rejection(
                 503,
@@ -346,9 +369,6 @@ class Intake:
                 field="tokens",
                 got=tokens,
             )
-        if session is not None and session != record.session:
-            # a slice taken back after a restart came from an older process of the worker
-            record = replace(record, session=session)
         submission = Submission(record, round_number, fragment, tensors, tokens, units, progress)
         answer = self.engine.admit(submission)
         if answer is not None:
@@ -454,6 +474,20 @@ class Intake:
             return self.engine.accept(submission, checked)
         except WireError as error:  # found by a checking reader: nothing was folded
             raise rejection_of(error) from None
+
+
+@contextlib.contextmanager
+def _storage_failure() -> Iterator[None]:
+    """A held slice the state dir cannot take: 503 `spool_unavailable` (the worker retries;
+    a full or failing disk heals), nothing held."""
+    try:
+        yield
+    except OSError as exc:
+        raise Rejection(
+            503,
+            "spool_unavailable",
+            f"the server could not write the upload to its state dir ({exc.strerror or exc})",
+        ) from None
 
 
 def _require_own_fragment(plan: Sequence[Sequence[str]], fragment: int) -> None:

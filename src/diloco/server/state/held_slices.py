@@ -8,12 +8,14 @@ each slice it takes to `<state-dir>/held-slices/` first, and a restart takes the
 (`Coordinator._take_back_held`), through the same intake as an upload.
 
 Each slice is two files: the body exactly as it came (a safetensors file, coded or plain) and
-a small JSON record (worker, session, round, fragment, tokens, units). The body is copied and
-fsynced outside the coordinator's lock (`prepare`); the record is written, fsynced and renamed
-into place under it (`keep`), after the round took the slice: a body without a record is a
-crash's leftover, removed at start. Names sort in arrival order, so the restart offers the
-slices in the order they came (a newer process's slice replaces an older one as it did).
-Files of rounds the shard has committed go as later slices come, and at start.
+a small JSON record (worker, session, round, fragment, tokens, units, the body's size and
+SHA-256). Both are written and fsynced under temporary names outside the coordinator's lock
+(`prepare`), and renamed into place under it (`keep`) once the round takes the slice, the
+record last: a body without a record is a crash's leftover, removed at start, and a body
+whose hash is not its record's is dropped when it is taken back. Names sort in arrival
+order, so the restart offers the slices in the order they came (a newer process's slice
+replaces an older one as it did). Files of rounds the shard has committed go as later slices
+come, and at start.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import json
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from diloco.checkpoints import _fsync_dir
+from diloco.checkpoints import _file_sha256, _fsync_dir
 from diloco.wire.format.frames import MAX_HEADER_BYTES, encode_tensors, read_frame_header
 from diloco.wire.format.spool import SpooledTensors, SpoolFiles
 
@@ -51,14 +54,16 @@ class StoredSlice:
     progress: dict[int, int]
     body: Path
     record: Path
+    sha256: str
 
 
 @dataclass
 class PreparedSlice:
-    """A body copied and fsynced under a temporary name, not yet part of the store."""
+    """A body and its record written and fsynced under temporary names, not yet kept."""
 
-    path: Path
-    size: int
+    body: Path
+    record: Path
+    fields: dict
 
 
 class HeldSlices:
@@ -79,11 +84,22 @@ class HeldSlices:
         self,
         tensors: Mapping[str, torch.Tensor] | SpooledTensors,
         metadata: Mapping[str, str] | None,
+        *,
+        worker_id: str,
+        session: str | None,
+        round_number: int,
+        fragment: int,
+        tokens: int,
+        units: list[int],
+        progress: Mapping[int, int],
     ) -> PreparedSlice:
-        """The body on disk and fsynced (outside the lock: a model-sized copy)."""
-        path = self.directory / f".body.tmp-{secrets.token_hex(8)}"
+        """The body and its record on disk and fsynced, under temporary names (outside the
+        lock: a model-sized copy, and the body's SHA-256 read back from the page cache)."""
+        token = secrets.token_hex(8)
+        body = self.directory / f".body.tmp-{token}"
+        record = self.directory / f".record.tmp-{token}"
         try:
-            with open(path, "wb") as out:
+            with open(body, "wb") as out:
                 if isinstance(tensors, SpooledTensors):
                     _copy_prefix(tensors.file.fileno(), out.fileno(), tensors.size)
                     size = tensors.size
@@ -93,54 +109,44 @@ class HeldSlices:
                     size = len(data)
                 out.flush()
                 os.fsync(out.fileno())
+            fields = {
+                "worker_id": worker_id,
+                "session": session,
+                "round": round_number,
+                "fragment": fragment,
+                "tokens": tokens,
+                "units": list(units),
+                "progress": {str(k): v for k, v in progress.items()},
+                "size": size,
+                "sha256": _file_sha256(body),
+            }
+            _write_record(record, fields)
         except BaseException:
-            path.unlink(missing_ok=True)
+            body.unlink(missing_ok=True)
+            record.unlink(missing_ok=True)
             raise
-        return PreparedSlice(path, size)
+        return PreparedSlice(body, record, fields)
 
-    def keep(
-        self,
-        prepared: PreparedSlice,
-        *,
-        worker_id: str,
-        session: str | None,
-        round_number: int,
-        fragment: int,
-        tokens: int,
-        units: list[int],
-        progress: Mapping[int, int],
-    ) -> StoredSlice:
-        """The prepared body under its final name, then its record (lock held: the order of
-        `keep` calls is the order the round took the slices)."""
-        stem = f"{round_number:012d}-{self._sequence:012d}"
+    def keep(self, prepared: PreparedSlice, session: str | None) -> StoredSlice:
+        """The prepared slice under its final names, the record last (lock held: the order
+        of `keep` calls is the order the round took the slices). `session`: the one the
+        round notes for it, which a re-registration may have changed since `prepare`."""
+        fields = prepared.fields
+        if session != fields["session"]:
+            fields["session"] = session
+            _write_record(prepared.record, fields)
+        stem = f"{fields['round']:012d}-{self._sequence:012d}"
         self._sequence += 1
         body = self.directory / f"{stem}.body"
         record = self.directory / f"{stem}.json"
-        os.rename(prepared.path, body)
-        fields = {
-            "worker_id": worker_id,
-            "session": session,
-            "round": round_number,
-            "fragment": fragment,
-            "tokens": tokens,
-            "units": list(units),
-            "progress": {str(k): v for k, v in progress.items()},
-            "size": prepared.size,
-        }
-        temp = self.directory / f".{stem}.json.tmp"
-        with open(temp, "w") as out:
-            json.dump(fields, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.rename(temp, record)
+        os.rename(prepared.body, body)
+        os.rename(prepared.record, record)
         _fsync_dir(self.directory)
-        return StoredSlice(
-            worker_id, session, round_number, fragment, tokens, list(units), dict(progress),
-            body, record,
-        )  # fmt: skip
+        return _stored(fields, body, record)
 
     def discard(self, prepared: PreparedSlice) -> None:
-        prepared.path.unlink(missing_ok=True)
+        prepared.body.unlink(missing_ok=True)
+        prepared.record.unlink(missing_ok=True)
 
     def forget(self, stored: StoredSlice) -> None:
         """One slice gone (its record first, so a crash half way leaves a leftover body)."""
@@ -156,7 +162,8 @@ class HeldSlices:
 
     def stored(self) -> tuple[list[StoredSlice], list[str]]:
         """Every kept slice in the order it was taken, and what was wrong with the files
-        removed instead (a crash's leftovers; a record that cannot be read)."""
+        removed instead (a crash's leftovers, a record that cannot be read, a body of
+        another size than its record says)."""
         problems: list[str] = []
         slices: list[StoredSlice] = []
         records = {m[0] for m in self._records()}
@@ -165,40 +172,33 @@ class HeldSlices:
             stem = name.rsplit(".", 1)[0]
             if name in records or (name.endswith(".body") and f"{stem}.json" in records):
                 continue
-            path.unlink(missing_ok=True)  # a temp file, or a body whose record never came
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)  # nothing of ours: not left to grow
+            else:
+                path.unlink(missing_ok=True)  # a temp file, or a body whose record never came
         for match in self._records():
             record = self.directory / match[0]
             body = self.directory / f"{match[1]}-{match[2]}.body"
             try:
                 fields = json.loads(record.read_text())
-                slices.append(
-                    StoredSlice(
-                        str(fields["worker_id"]),
-                        None if fields["session"] is None else str(fields["session"]),
-                        int(fields["round"]),
-                        int(fields["fragment"]),
-                        int(fields["tokens"]),
-                        [int(u) for u in fields["units"]],
-                        {int(k): int(v) for k, v in fields["progress"].items()},
-                        body,
-                        record,
-                    )
-                )
+                stored = _stored(fields, body, record)
                 if body.stat().st_size != int(fields["size"]):
                     raise ValueError(
                         f"its body holds {body.stat().st_size} bytes, not {fields['size']}"
                     )
+                slices.append(stored)
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 problems.append(f"{match[0]}: {exc}")
-                if slices and slices[-1].record == record:
-                    slices.pop()
                 record.unlink(missing_ok=True)
                 body.unlink(missing_ok=True)
         return slices, problems
 
     def open(self, stored: StoredSlice) -> SpooledTensors:
-        """The slice's body read back as an upload's spooled body (WireError when its header
-        is not a body's)."""
+        """The slice's body read back as an upload's spooled body, once its SHA-256 is the
+        one its record names (ValueError, or WireError when its header is not a body's)."""
+        digest = _file_sha256(stored.body)
+        if digest != stored.sha256:
+            raise ValueError(f"its body's SHA-256 is {digest}, not {stored.sha256} as written")
         file = open(stored.body, "rb")  # noqa: SIM115 - closed by the body's release
         try:
             size = os.fstat(file.fileno()).st_size
@@ -209,6 +209,29 @@ class HeldSlices:
             file.close()
             raise
         return SpooledTensors(file, size, data_start, entries, SpoolFiles(keep=0), metadata)
+
+
+def _stored(fields: Mapping, body: Path, record: Path) -> StoredSlice:
+    session = fields["session"]
+    return StoredSlice(
+        str(fields["worker_id"]),
+        None if session is None else str(session),
+        int(fields["round"]),
+        int(fields["fragment"]),
+        int(fields["tokens"]),
+        [int(u) for u in fields["units"]],
+        {int(k): int(v) for k, v in fields["progress"].items()},
+        body,
+        record,
+        str(fields["sha256"]),
+    )
+
+
+def _write_record(path: Path, fields: Mapping) -> None:
+    with open(path, "w") as out:
+        json.dump(fields, out)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def _copy_prefix(source: int, target: int, size: int) -> None:

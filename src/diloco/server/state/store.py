@@ -38,7 +38,11 @@ DATABASE_NAME = "state.sqlite"
 CHECKPOINTS_NAME = "checkpoints"
 STEPS_NAME = "steps"
 LOCK_NAME = "lock"
-RECYCLED_FILES = 64  # per store, at most (a step log chain of 8 steps of 8 files)
+# Dropped files kept to be written over (checkpoints.py): one checkpoint's (masters, momentum,
+# published copy), and a step log chain's at the default --checkpoint-every (4 steps of up to
+# 8 files each); a longer chain's rest is deleted as before.
+RECYCLED_CHECKPOINT_FILES = 4
+RECYCLED_STEP_FILES = 32
 HELD_SLICES_NAME = "held-slices"  # a sync follower shard's (server/state/held_slices.py)
 _OURS = {
     DATABASE_NAME,
@@ -180,13 +184,14 @@ class StateStore:
                 _check_directory(self.directory)
                 self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
                 self._lock_file = _lock_exclusively(self.directory / LOCK_NAME)
-                # Each writes over the files of the generations it dropped (a checkpoint's 2-3,
-                # a logged step's up to 8, a chain of them at a time): see CheckpointStore.
+                # Each writes over the files of the generations it dropped: CheckpointStore.
                 self.checkpoints = CheckpointStore(
-                    self.directory / CHECKPOINTS_NAME, keep_checkpoints, recycle=RECYCLED_FILES
+                    self.directory / CHECKPOINTS_NAME,
+                    keep_checkpoints,
+                    recycle=RECYCLED_CHECKPOINT_FILES,
                 )
                 self.steps = CheckpointStore(
-                    self.directory / STEPS_NAME, keep=1, recycle=RECYCLED_FILES
+                    self.directory / STEPS_NAME, keep=1, recycle=RECYCLED_STEP_FILES
                 )
                 target = self.directory / DATABASE_NAME
             self.conn = sqlite3.connect(
