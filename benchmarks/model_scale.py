@@ -210,12 +210,10 @@ def _parts_after_round(
 ) -> dict[str, dict[str, float]]:
     """The server's parts once it has committed `round_number` rounds (the warm-up ones, not
     counted, as the workers do not count theirs), read while the workers run."""
-    pool = urllib3.PoolManager()
     while time.monotonic() < deadline and any(w.is_alive() for w in workers):
-        text = pool.request("GET", url + "/metrics", timeout=30).data.decode()
-        found = re.search(r"^diloco_rounds_total ([0-9.e+-]+)$", text, re.M)
-        if found and float(found.group(1)) >= round_number:
-            return _server_parts(url)
+        parts = _server_parts(url)  # a round's parts are all in once its commit part is
+        if parts.get("commit", {}).get("count", 0) >= round_number:
+            return parts
         time.sleep(0.1)
     return {}
 
@@ -324,7 +322,8 @@ def run_one(
                 process.join(timeout=30)
             elif process.exitcode != 0:
                 raise RuntimeError(f"a worker failed (exit {process.exitcode}); see {directory}")
-        parts = _parts_since(_server_parts(url), warm)
+        final = _server_parts(url)
+        parts = _parts_since(final, warm)
         server_peak_mb = max(_memory_kb(s.pid, "VmHWM") / 1024 for s in servers)
         shard_bytes = [_bytes_moved(u) for u in urls] if shards > 1 else []
     finally:
@@ -377,6 +376,8 @@ def run_one(
         "phases": {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
         if rounds
         else None,
+        # the server's commits in all, and those its parts count (after the warm-up ones)
+        "server_commits": int(final.get("commit", {}).get("count", 0)),
         "server_commits_counted": int(parts.get("commit", {}).get("count", 0)),
         "server_parts": {
             part: parts.get(part, {}).get("sum", 0.0)

@@ -40,7 +40,9 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
         assert row["server_parts"]["fold"] > 0 and row["server_parts"]["checkpoint"] > 0
         assert row["server_peak_mb"] > row["model_mb"] > 0
     for row in rows[::2]:  # sync rounds split their blocked time; streaming has no rounds
-        assert 1 <= row["server_commits_counted"] <= 2  # the first round's is not counted
+        # the first round's commit is not counted (a worker that joined late may make the
+        # server commit one round more than each worker's windows)
+        assert 1 <= row["server_commits_counted"] <= row["server_commits"] - 1
         assert set(row["phases"]) == {"encode", "upload", "wait", "download", "apply", "other"}
         assert all(seconds >= 0 for seconds in row["phases"].values())
     assert rows[1]["phases"] is None and rows[1]["fragments"] == 2  # 2M has 2 blocks
@@ -78,8 +80,8 @@ def test_warm_up_rounds_are_run_and_not_counted(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads((tmp_path / "model_scale.json").read_text())["results"]
     assert (row["rounds"], row["warmup_rounds"]) == (4, 2)
-    # the server's parts were read once it had committed 2: at most the last 2 commits count
-    assert 1 <= row["server_commits_counted"] <= 2
+    # the server's parts were read once it had committed 2: those 2 are not counted
+    assert 1 <= row["server_commits_counted"] <= row["server_commits"] - 2
     assert row["server_parts"]["fold"] > 0 and row["server_parts"]["commit"] > 0
     assert row["blocked_seconds"] > 0 and row["phases"]["upload"] > 0
 

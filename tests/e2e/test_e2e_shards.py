@@ -162,4 +162,5 @@ def test_two_shards_with_int8_both_ways_match_the_simulator(
     # the initial weights whole, then three int8 deltas (about a quarter of the model each):
     # had any round come as whole weights, the workers would have received twice the model
     fp32_bytes = sum(t.numel() * 4 for t in real.values())
-    assert all(r["bytes_received"] < 2 * fp32_bytes for r in reports), reports
+    received = [r["bytes_received"] for r in reports]
+    assert all(b < 2 * fp32_bytes for b in received), (received, fp32_bytes)
