@@ -206,3 +206,45 @@ def test_random_async_shard_kills_apply_every_arrival_once_on_every_shard(
     steps = check_same_steps_everywhere(tmp_path, versions[0])
     assert sorted(set(versions_of)) == list(range(versions[0]))
     assert all(stale == v - anchor for v, _, anchor, stale in steps), steps
+
+
+@pytest.mark.slow
+def test_an_async_follower_and_the_decided_worker_killed_the_follower_recovers_its_slice(
+    corpus_file: Path, tmp_path: Path
+) -> None:
+    """Issue 28, item 3, async: shard 1 dies applying a version (decided on shard 0, not yet
+    applied on shard 1), and the worker whose arrival that version holds is SIGKILLed before
+    shard 1 is back, so it can never send its slice again. The restarted shard takes the
+    slice back from its state dir and applies the version; the other worker ends the run
+    alone once the dead one is evicted, every step on both shards alike."""
+    mode = ("--mode", "async", "--sync-every", str(SYNC_EVERY), "--min-workers", "1")
+    shards = Shards(tmp_path, env={1: {ENV_VAR: "before_checkpoint:3"}}, mode=mode,
+                    heartbeat_timeout=4)  # fmt: skip
+    try:
+        workers = train(shards.urls[0], corpus_file, tmp_path)
+        shards.processes[1].wait(timeout=180)
+        assert shards.processes[1].returncode == -signal.SIGKILL
+        with sqlite3.connect(tmp_path / "state-1" / "state.sqlite") as db:
+            (applied,) = db.execute("SELECT COUNT(*) FROM rounds").fetchone()
+        with sqlite3.connect(tmp_path / "state-0" / "state.sqlite") as db:
+            (contributors,) = db.execute(
+                "SELECT contributors FROM rounds WHERE round = ?", (applied,)
+            ).fetchone()
+        (doomed,) = json.loads(contributors)  # one arrival a version (no grace window)
+        index = int(doomed[1:])
+        workers[index].send_signal(signal.SIGKILL)
+        workers[index].wait(timeout=30)
+        shards.restart(1)
+        survivor = workers[1 - index]
+        survivor.wait(timeout=180)
+        assert survivor.returncode == 0, (tmp_path / f"w{1 - index}.log").read_text()
+        _, versions = shards.weights()
+    finally:
+        shards.stop()
+    assert versions[0] == versions[1] > applied, versions
+    steps = [shard_steps(tmp_path, shard) for shard in range(SHARDS)]
+    assert steps[0] == steps[1] and [v for v, *_ in steps[0]] == list(range(versions[0]))
+    # the version shard 1 was applying when it died used the slice only its disk still had
+    assert [w for v, w, *_ in steps[1] if v == applied] == [doomed], steps[1]
+    log = (tmp_path / "shard-1.log").read_text()
+    assert "held slice(s) of round" in log and "taken back from the state dir" in log

@@ -48,7 +48,8 @@ class Cluster:
     """Shard 0 served in a thread (no state dir); shard 1 served with a state dir and no
     decision follower, so it holds its slices until the test restarts it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, **overrides) -> None:
+        self.overrides = overrides
         self.ports = ports = free_ports(2)
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.root = root
@@ -69,10 +70,13 @@ class Cluster:
 
     def settings(self, shard: int) -> ServerSettings:
         return ServerSettings(
-            outer_optimizer="nesterov",
-            outer_lr=0.5,
-            outer_momentum=0.9,
-            min_workers=1,
+            **{
+                "outer_optimizer": "nesterov",
+                "outer_lr": 0.5,
+                "outer_momentum": 0.9,
+                "min_workers": 1,
+                **self.overrides,
+            },
             shard=shard,
             shard_urls=tuple(self.urls),
         )
@@ -123,6 +127,13 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     started = Cluster(tmp_path)
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def async_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    started = Cluster(tmp_path, mode="async", outer_lr=1.0, outer_momentum=0.5)
     yield started
     started.stop()
 
@@ -275,3 +286,29 @@ def test_a_kept_spool_file_longer_than_the_body_is_copied_to_its_size(tmp_path) 
     assert store.stored()[0] == [listed]
     store.forget_before(4)
     assert os.listdir(tmp_path / "held") == []
+
+
+def test_an_async_follower_applies_a_decided_arrival_from_the_slice_it_held(
+    async_cluster,
+) -> None:
+    """Async: w1's arrival (anchor 0) is version 1 on shard 0; shard 1, which never learned
+    it, restarts and applies it from its state dir. By hand (Delayed Nesterov, N = 1, lr 1,
+    momentum 0.5, first step m = g): theta -= 0.5 m + g = 1.5 g, with g as in
+    test_server_http_shard_async.py: b [4, 8], c [2] -> b [10 - 6, -10 - 12], c [0.5 - 3]."""
+    url0, url1 = async_cluster.urls
+    g = {"a": torch.tensor([2.0, 0.0, -2.0, 4.0]), "b": torch.tensor([4.0, 8.0]),
+         "c": torch.tensor([2.0])}  # fmt: skip
+    register([url0, url1], "w1")
+    assert submit(url0, "w1", {"a": g["a"]})[0] == 200
+    assert submit(url1, "w1", {n: g[n] for n in OWNED[1]})[0] == 200
+    status, data = call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w1")
+    assert status == 200, data
+    wait_version(async_cluster.leader, 1)
+    assert async_cluster.follower.version == 0
+    async_cluster.stop_follower()
+    follower = async_cluster.restart_follower()
+    wait_version(follower, 1)
+    masters = follower.masters
+    assert masters is not None
+    torch.testing.assert_close(masters["b"], torch.tensor([4.0, -22.0]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(masters["c"], torch.tensor([-2.5]), rtol=0, atol=1e-6)

@@ -125,11 +125,11 @@ class Coordinator:
             screen=self.screen,
         )
         self.engine: ShardEngine = engine_for(context, self.role)
-        # A sync follower shard makes each slice it holds durable: a restart takes them back,
-        # so a decision never waits on a worker that died (server/state/held_slices.py).
+        # A sync or async follower shard makes each slice it holds durable: a restart takes
+        # them back, so a decision never waits on a worker that died (state/held_slices.py).
         self.held_slices: HeldSlices | None = None
         directory = self.journal.state.directory
-        if directory is not None and self.role.follows and settings.mode == "sync":
+        if directory is not None and self.role.follows and self.role.decides:
             self.held_slices = HeldSlices(directory / HELD_SLICES_NAME)
         self.intake = Intake(
             self._lock,
@@ -223,14 +223,15 @@ class Coordinator:
                 self._readmit(self.journal.state.live_workers())
 
     def _take_back_held(self) -> None:
-        """A sync follower's slices of its open round, held durably before it stopped, are
+        """A follower's slices (sync: of its open round), held durably before it stopped, are
         held again (in the order they came, each under the session it came from); the rest
         go: slices of committed rounds, and any that cannot be read back whole or that the
         round refuses, whose worker is asked for it again (409 `not_submitted`)."""
         store = self.held_slices
         if store is None:
             return
-        store.forget_before(self.model.version)
+        if self.settings.mode == "sync":  # (async: a slice of an older anchor may be decided)
+            store.forget_before(self.model.version)
         slices, problems = store.stored()
         for problem in problems:
             log.warning("a held slice in the state dir was unreadable and is dropped: %s", problem)

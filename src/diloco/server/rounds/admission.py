@@ -52,6 +52,7 @@ from diloco.server.ops.metrics import Traffic
 from diloco.server.rounds.engine import RoundEngine
 from diloco.server.rounds.round import Round, Submission, ValueScan
 from diloco.server.settings import ServerSettings
+from diloco.server.shards.sync_decisions import session_digest
 from diloco.server.state.held_slices import HeldSlices, PreparedSlice, StoredSlice
 from diloco.wire import (
     MAX_COUNT,
@@ -198,7 +199,7 @@ class Intake:
         closing: Callable[[], bool],
         held_slices: HeldSlices | None = None,
     ) -> None:
-        """`held_slices`: a sync follower shard's store, where each slice it holds is made
+        """`held_slices`: a follower shard's store, where each slice it holds is made
         durable before the answer says so (None: nothing is written)."""
         self.lock = lock
         self.settings = settings
@@ -294,13 +295,26 @@ class Intake:
 
     def _keep(self, prepared: PreparedSlice, submission: Submission) -> StoredSlice:
         """A prepared slice into the follower's store (lock held: renames and a directory
-        fsync), under the session the round will note for it; slices of rounds this shard
-        has committed go."""
+        fsync), under the session the round will note for it; slices this shard no longer
+        holds go (sync: those of rounds it has committed)."""
         store = self.held_slices
         assert store is not None
         with _storage_failure():
-            store.forget_before(self.model.version)
+            if self.settings.mode == "async":  # a slice stays until a step uses or passes it
+                store.retain(self._still_held)
+            else:
+                store.forget_before(self.model.version)
             return store.keep(prepared, submission.record.session)
+
+    def _still_held(self, worker_id: str, round_number: int, session: str | None) -> bool:
+        """Whether an async follower still holds a slice (lock held): among its held slices,
+        or in a step being made from them."""
+        if self.engine.holds(worker_id, round_number, session_digest(session)) is not None:
+            return True
+        window = self.engine.open_round()
+        return window is not None and any(
+            held.worker_id == worker_id and held.round == round_number for held, _ in window.held
+        )
 
     def take_back(self, stored: StoredSlice, body: SpooledTensors, now: float) -> dict:
         """A slice a follower held durably before it restarted, taken as its upload was

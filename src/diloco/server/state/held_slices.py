@@ -1,4 +1,4 @@
-"""A sync follower shard's held slices, durable before it says it holds them.
+"""A follower shard's held slices (sync or async), durable before it says it holds them.
 
 Shard 0 decides a round from confirmations that say every shard holds the worker's slices;
 a follower folds the decided slices when it learns the decision. If the follower restarts in
@@ -14,8 +14,9 @@ SHA-256). Both are written and fsynced under temporary names outside the coordin
 record last: a body without a record is a crash's leftover, removed at start, and a body
 whose hash is not its record's is dropped when it is taken back. Names sort in arrival
 order, so the restart offers the slices in the order they came (a newer process's slice
-replaces an older one as it did). Files of rounds the shard has committed go as later slices
-come, and at start.
+replaces an older one as it did). Sync: files of rounds the shard has committed go as later
+slices come, and at start. Async: files of slices the follower no longer holds (a step folded
+them or passed their anchor) go as later slices come (`retain`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,20 @@ class HeldSlices:
         for match in self._records():
             if int(match[1]) < round_number:
                 (self.directory / match[0]).unlink(missing_ok=True)
+                (self.directory / f"{match[1]}-{match[2]}.body").unlink(missing_ok=True)
+
+    def retain(self, wanted: Callable[[str, int, str | None], bool]) -> None:
+        """Every slice gone but those `wanted(worker, round, session)` keeps: an async
+        follower's, which go once a step folded them or passed their anchor."""
+        for match in self._records():
+            record = self.directory / match[0]
+            try:
+                fields = json.loads(record.read_text())
+                kept = wanted(fields["worker_id"], fields["round"], fields["session"])
+            except (OSError, ValueError, KeyError, TypeError):
+                kept = False
+            if not kept:
+                record.unlink(missing_ok=True)
                 (self.directory / f"{match[1]}-{match[2]}.body").unlink(missing_ok=True)
 
     def stored(self) -> tuple[list[StoredSlice], list[str]]:

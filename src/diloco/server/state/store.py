@@ -43,7 +43,7 @@ LOCK_NAME = "lock"
 # 8 files each); a longer chain's rest is deleted as before.
 RECYCLED_CHECKPOINT_FILES = 4
 RECYCLED_STEP_FILES = 32
-HELD_SLICES_NAME = "held-slices"  # a sync follower shard's (server/state/held_slices.py)
+HELD_SLICES_NAME = "held-slices"  # a follower shard's (server/state/held_slices.py)
 _OURS = {
     DATABASE_NAME,
     f"{DATABASE_NAME}-wal",
