@@ -66,12 +66,7 @@ def test_two_shards_and_two_workers_match_the_simulator(
 ) -> None:
     """The sharded run computes the same outer steps as the simulator's one model."""
     urls = shards(2, "--sync-every", "4", "--min-workers", "2", state=True)
-    workers = [start_worker(urls[1], f"w{i}", i, 2, 10, corpus_file, tmp_path) for i in range(2)]
-    wait_all(workers)
-    for i, worker in enumerate(workers):
-        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
-    real, rounds = joined_weights(urls)
-    assert rounds == [3, 3]
+    real = train_two(urls, corpus_file, tmp_path)
     simulated = simulated_run(small_corpus, workers=2, steps=10)
     assert real.keys() == simulated.final_state.keys()
     for name, tensor in simulated.final_state.items():

@@ -176,6 +176,13 @@ def test_a_restarted_follower_applies_a_decision_from_the_slices_it_held(cluster
     assert len(list(cluster.held_dir.glob("*.json"))) == 2
     # No worker sends anything again: the restarted shard has every slice the decision names.
     restarted_applies_round_0(cluster)
+    # the next round's first slice: the files of round 0, which the step folded, go
+    body = save({n: G["w1"][n] for n in OWNED[1]})
+    status, data = call(cluster.urls[1], "POST", "/v1/rounds/1/submissions", body, worker_id="w1")
+    assert status == 200, data
+    (record,) = cluster.held_dir.glob("*.json")
+    assert json.loads(record.read_text())["round"] == 1
+    assert len(list(cluster.held_dir.iterdir())) == 2
 
 
 def test_a_slice_of_a_worker_that_left_before_the_restart_is_still_taken_back(cluster) -> None:
@@ -312,3 +319,29 @@ def test_an_async_follower_applies_a_decided_arrival_from_the_slice_it_held(
     assert masters is not None
     torch.testing.assert_close(masters["b"], torch.tensor([4.0, -22.0]), rtol=0, atol=1e-6)
     torch.testing.assert_close(masters["c"], torch.tensor([-2.5]), rtol=0, atol=1e-6)
+
+
+def test_at_start_a_record_that_cannot_be_read_or_a_body_of_another_size_is_dropped(
+    tmp_path: Path,
+) -> None:
+    """What a store finds at start: kept slices are listed, the rest removed and said."""
+    store = HeldSlices(tmp_path)
+    bodies = [{"b": torch.tensor([float(i), 1.0])} for i in range(3)]
+    kept = []
+    for i, tensors in enumerate(bodies):
+        prepared = store.prepare(
+            tensors, None, worker_id=f"w{i}", session=None, round_number=0, fragment=0,
+            tokens=0, units=[], progress={},
+        )  # fmt: skip
+        kept.append(store.keep(prepared, None))
+    kept[1].record.write_text("{not json")
+    size = kept[2].body.stat().st_size
+    kept[2].body.write_bytes(kept[2].body.read_bytes() + b"\0")
+    listed, problems = HeldSlices(tmp_path).stored()
+    assert listed == [kept[0]]
+    assert len(problems) == 2 and kept[1].record.name in problems[0]
+    assert kept[2].record.name in problems[1]
+    assert f"its body holds {size + 1} bytes, not {size}" in problems[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [kept[0].record.name, kept[0].body.name]
+    )

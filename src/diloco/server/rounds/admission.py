@@ -295,25 +295,23 @@ class Intake:
 
     def _keep(self, prepared: PreparedSlice, submission: Submission) -> StoredSlice:
         """A prepared slice into the follower's store (lock held: renames and a directory
-        fsync), under the session the round will note for it; slices this shard no longer
-        holds go (sync: those of rounds it has committed)."""
+        fsync), under the session the round will note for it; the slices the engine no longer
+        holds go (folded by a committed step, or passed: an async worker's older anchors)."""
         store = self.held_slices
         assert store is not None
         with _storage_failure():
-            if self.settings.mode == "async":  # a slice stays until a step uses or passes it
-                store.retain(self._still_held)
-            else:
-                store.forget_before(self.model.version)
+            store.retain(self._still_held)
             return store.keep(prepared, submission.record.session)
 
-    def _still_held(self, worker_id: str, round_number: int, session: str | None) -> bool:
-        """Whether an async follower still holds a slice (lock held): among its held slices,
-        or in a step being made from them."""
-        if self.engine.holds(worker_id, round_number, session_digest(session)) is not None:
+    def _still_held(self, stored: StoredSlice) -> bool:
+        """Whether the follower still holds a slice (lock held): among its held slices, or
+        in a step being made from them."""
+        worker_id, number = stored.worker_id, stored.round
+        if self.engine.holds(worker_id, number, session_digest(stored.session)) is not None:
             return True
         window = self.engine.open_round()
         return window is not None and any(
-            held.worker_id == worker_id and held.round == round_number for held, _ in window.held
+            held.worker_id == worker_id and held.round == number for held, _ in window.held
         )
 
     def take_back(self, stored: StoredSlice, body: SpooledTensors, now: float) -> dict:

@@ -14,9 +14,10 @@ SHA-256). Both are written and fsynced under temporary names outside the coordin
 record last: a body without a record is a crash's leftover, removed at start, and a body
 whose hash is not its record's is dropped when it is taken back. Names sort in arrival
 order, so the restart offers the slices in the order they came (a newer process's slice
-replaces an older one as it did). Sync: files of rounds the shard has committed go as later
-slices come, and at start. Async: files of slices the follower no longer holds (a step folded
-them or passed their anchor) go as later slices come (`retain`).
+replaces an older one as it did). The files of slices the follower no longer holds (a step
+folded them; async: a later arrival passed their anchor) go as later slices come (`retain`);
+a sync follower also drops those of committed rounds at start (`forget_before`). The store
+reads the directory once, at start, and keeps its own index after.
 """
 
 from __future__ import annotations
@@ -71,15 +72,14 @@ class HeldSlices:
     """The held-slices directory of one follower's state dir."""
 
     def __init__(self, directory: Path) -> None:
+        """Reads what the directory holds once (`stored`); later the store keeps its own
+        index, so an upload's bookkeeping reads no directory and no record."""
         self.directory = directory
         directory.mkdir(mode=0o700, exist_ok=True)
-        self._sequence = 1 + max((int(m[2]) for m in self._records()), default=0)
-
-    def _records(self) -> list[re.Match[str]]:
-        return sorted(
-            (m for p in self.directory.iterdir() if (m := _KEPT.fullmatch(p.name))),
-            key=lambda m: m[0],
-        )
+        self._kept: dict[Path, StoredSlice] = {}  # by record, in the order they were taken
+        self._problems = self._load()
+        # record names are ROUND-SEQUENCE.json: the next sequence follows the largest kept
+        self._sequence = 1 + max((int(r.stem.split("-")[1]) for r in self._kept), default=0)
 
     def prepare(
         self,
@@ -143,7 +143,8 @@ class HeldSlices:
         os.rename(prepared.body, body)
         os.rename(prepared.record, record)
         _fsync_dir(self.directory)
-        return _stored(fields, body, record)
+        stored = self._kept[record] = _stored(fields, body, record)
+        return stored
 
     def discard(self, prepared: PreparedSlice) -> None:
         prepared.body.unlink(missing_ok=True)
@@ -151,49 +152,41 @@ class HeldSlices:
 
     def forget(self, stored: StoredSlice) -> None:
         """One slice gone (its record first, so a crash half way leaves a leftover body)."""
+        self._kept.pop(stored.record, None)
         stored.record.unlink(missing_ok=True)
         stored.body.unlink(missing_ok=True)
 
     def forget_before(self, round_number: int) -> None:
         """Every slice of a round before `round_number` (committed: never needed again)."""
-        for match in self._records():
-            if int(match[1]) < round_number:
-                (self.directory / match[0]).unlink(missing_ok=True)
-                (self.directory / f"{match[1]}-{match[2]}.body").unlink(missing_ok=True)
+        self.retain(lambda stored: stored.round >= round_number)
 
-    def retain(self, wanted: Callable[[str, int, str | None], bool]) -> None:
-        """Every slice gone but those `wanted(worker, round, session)` keeps: an async
-        follower's, which go once a step folded them or passed their anchor."""
-        for match in self._records():
-            record = self.directory / match[0]
-            try:
-                fields = json.loads(record.read_text())
-                kept = wanted(fields["worker_id"], fields["round"], fields["session"])
-            except (OSError, ValueError, KeyError, TypeError):
-                kept = False
-            if not kept:
-                record.unlink(missing_ok=True)
-                (self.directory / f"{match[1]}-{match[2]}.body").unlink(missing_ok=True)
+    def retain(self, wanted: Callable[[StoredSlice], bool]) -> None:
+        """Every slice gone but those `wanted` keeps (an async follower's go once a step
+        folded them or passed their anchor)."""
+        for stored in [s for s in self._kept.values() if not wanted(s)]:
+            self.forget(stored)
 
     def stored(self) -> tuple[list[StoredSlice], list[str]]:
         """Every kept slice in the order it was taken, and what was wrong with the files
-        removed instead (a crash's leftovers, a record that cannot be read, a body of
-        another size than its record says)."""
-        problems: list[str] = []
-        slices: list[StoredSlice] = []
-        records = {m[0] for m in self._records()}
-        for path in sorted(self.directory.iterdir()):
-            name = path.name
-            stem = name.rsplit(".", 1)[0]
-            if name in records or (name.endswith(".body") and f"{stem}.json" in records):
+        removed at start instead (a crash's leftovers, a record that cannot be read, a body
+        of another size than its record says)."""
+        return list(self._kept.values()), list(self._problems)
+
+    def _load(self) -> list[str]:
+        """The index of what the directory holds; anything else in it removed, each problem
+        said."""
+        records = sorted(p for p in self.directory.iterdir() if _KEPT.fullmatch(p.name))
+        bodies = {r.with_suffix(".body") for r in records}
+        for path in self.directory.iterdir():
+            if path in bodies or path in records:
                 continue
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)  # nothing of ours: not left to grow
             else:
                 path.unlink(missing_ok=True)  # a temp file, or a body whose record never came
-        for match in self._records():
-            record = self.directory / match[0]
-            body = self.directory / f"{match[1]}-{match[2]}.body"
+        problems: list[str] = []
+        for record in records:
+            body = record.with_suffix(".body")
             try:
                 fields = json.loads(record.read_text())
                 stored = _stored(fields, body, record)
@@ -201,12 +194,12 @@ class HeldSlices:
                     raise ValueError(
                         f"its body holds {body.stat().st_size} bytes, not {fields['size']}"
                     )
-                slices.append(stored)
+                self._kept[record] = stored
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                problems.append(f"{match[0]}: {exc}")
+                problems.append(f"{record.name}: {exc}")
                 record.unlink(missing_ok=True)
                 body.unlink(missing_ok=True)
-        return slices, problems
+        return problems
 
     def open(self, stored: StoredSlice) -> SpooledTensors:
         """The slice's body read back as an upload's spooled body, once its SHA-256 is the
