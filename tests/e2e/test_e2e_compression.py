@@ -181,3 +181,46 @@ def test_async_compressed_arrivals_match_the_simulator_and_deltas_reach_the_last
             assert [(w, n) for w, n, _ in coded.arrivals] == arrivals
             for name, tensor in coded.final_state.items():
                 torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # ~15 s each; in the default suite: the "duplicate" answers of
+# tests/server/test_server_coordinator.py and test_server_streaming.py
+@pytest.mark.parametrize("mode", ["sync", "streaming"])
+def test_a_server_killed_after_a_commit_keeps_the_workers_error_feedback_exact(
+    server_process, corpus_file: Path, small_corpus: bytes, tmp_path: Path, mode: str
+) -> None:
+    """int8 uploads with error feedback; the server SIGKILLed right after publishing a round,
+    before the last sender heard its answer, and restarted on its state: that worker's retry
+    is "duplicate" (the round used its body), so it keeps the residual it coded the body
+    with, and the run ends where the simulator ends. (Answered "committed", as before, the
+    worker dropped that residual and the run drifted from the simulator by up to 5e-5.)"""
+    import signal
+
+    from test_e2e_crash import free_port
+
+    from diloco.faults import ENV_VAR
+
+    port, state = free_port(), tmp_path / "state"
+    options = (
+        "--port", port, "--state-dir", str(state), "--upload-codec", "int8", "--sync-every",
+        "4", "--min-workers", "2", "--heartbeat-timeout", "30",
+        *(STREAMING if mode == "streaming" else ()),
+    )  # fmt: skip
+    first = server_process(*options, env={ENV_VAR: "result_published:2"})
+    retry = ("--max-retry-delay", "1")
+    workers = [
+        start_worker(first.url, f"w{i}", i, 2, 16, corpus_file, tmp_path, extra=retry)
+        for i in range(2)
+    ]
+    first.process.wait(timeout=180)
+    assert first.process.returncode == -signal.SIGKILL, first.log.read_text()
+    restarted = server_process(*options)
+    wait_all(workers, timeout=300)
+    for i, worker in enumerate(workers):
+        assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    real, _ = global_weights(restarted.url)
+    streaming = dict(mode="streaming", fragments=2, delay=1, alpha=0.5)
+    sim_mode = streaming if mode == "streaming" else {}
+    simulated = simulated_run(small_corpus, workers=2, steps=16, upload_codec="int8", **sim_mode)
+    for name, tensor in simulated.final_state.items():
+        torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

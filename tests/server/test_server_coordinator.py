@@ -569,19 +569,25 @@ def test_duplicate_submission_is_counted_once() -> None:
     assert result_w(c, 0) == 15.0
 
 
-def test_submission_for_a_committed_round_is_answered_committed() -> None:
+def test_submission_for_a_committed_round_says_whether_the_round_used_it() -> None:
+    """A retry of a pseudo-gradient the committed round folded is "duplicate" (its answer was
+    lost: the worker keeps the error-feedback residual it coded that body with); one the
+    round went on without is "committed". Neither changes anything."""
     c, _ = make(**SGD_FEDAVG)
     c.submit("a", 0, grad(-2.0))
     c.submit("b", 0, grad(-8.0))
+    c.register("c", W_SPEC, protocol_version=1)
     before = snapshot(c)
     answer = c.submit("a", 0, grad(-50.0))
     assert answer == {
-        "status": "committed",
+        "status": "duplicate",
         "round": 0,
         "fragment": 0,
         "current_round": 1,
         "waiting_for": [],  # about round 0, which waits for nobody any more
     }
+    late = c.submit("c", 0, grad(-50.0))
+    assert late == {**answer, "status": "committed"}
     assert_unchanged(
         {k: v for k, v in before.items() if k != "workers"},
         {k: v for k, v in snapshot(c).items() if k != "workers"},

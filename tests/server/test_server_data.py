@@ -172,9 +172,10 @@ def test_reported_units_complete_when_the_round_commits_not_before() -> None:
     (row,) = c.journal.state.committed_rounds()
     assert (row["round"], row["contributors"], row["units"]) == (0, ["a", "b"], [1, 2, 3])
 
-    # A retry of the committed submission is answered "committed" and counts nothing twice.
+    # A retry of the committed submission is answered "duplicate" (the round used it) and
+    # counts nothing twice.
     again = c.submit("a", 0, grad(-2.0), units=[1, 2])
-    assert again["status"] == "committed"
+    assert again["status"] == "duplicate"
     assert done(c) == [(1, 0, "a"), (2, 0, "a"), (3, 0, "b")]
 
     # A round without units commits and completes nothing.

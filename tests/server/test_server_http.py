@@ -497,9 +497,9 @@ def test_a_volley_of_bad_requests_then_an_exact_round(two_workers):
         assert tensor.dtype == torch.float32 and tuple(tensor.shape) == SHAPES[name]
         assert torch.equal(tensor, torch.full(SHAPES[name], 15.0)), name
 
-    # A late submission to the committed round is welcome but unused.
+    # A retry to the committed round, which used w0's first send, is a duplicate, unused.
     late = api.ok("POST", "/v1/rounds/0/submissions?worker_id=w0", body=gradient(-100.0))
-    assert late["status"] == "committed" and late["current_round"] == 1
+    assert late["status"] == "duplicate" and late["current_round"] == 1
     assert torch.equal(
         decode_tensors(api.call("GET", "/v1/weights").data)["layer.bias"], torch.full((3,), 15.0)
     )

@@ -96,7 +96,10 @@ def test_fragment_rounds_have_their_own_barriers_and_idempotency() -> None:
     assert c.status()["waiting_for"] == ["b"] and c.version == 0
     c.submit("b", 0, grads(F1, 1.0), fragment=1)
     assert c.info()["fragment_rounds"] == [0, 1]
-    assert c.submit("b", 0, grads(F1, 5.0), fragment=1)["status"] == "committed"
+    assert c.submit("b", 0, grads(F1, 5.0), fragment=1)["status"] == "duplicate"  # used
+    assert c.submit("b", 0, grads(F0, 5.0), fragment=0)["status"] == "accepted"
+    c.register("c", SPECS, protocol_version=1)
+    assert c.submit("c", 0, grads(F1, 5.0), fragment=1)["status"] == "committed"  # not used
     future = rejected(c, lambda: c.submit("a", 2, grads(F1, 1.0), fragment=1), 409, "future_round")
     assert future.detail == {"current_round": 1, "fragment": 1}
     assert "round 2 of fragment 1" in future.error
@@ -154,7 +157,8 @@ def test_a_restart_resumes_every_fragment_round(tmp_path: Path) -> None:
     assert weights(again) == before
     assert again.info()["fragment_rounds"] == [1, 0] and again.version == 1
     assert set(again.model.optimizer.state_dict()) == set(F0)
-    assert again.submit("a", 0, grads(F0, 9.0), fragment=0)["status"] == "committed"
+    # round 0 of fragment 0 used a's: its retry after the restart is "duplicate"
+    assert again.submit("a", 0, grads(F0, 9.0), fragment=0)["status"] == "duplicate"
     # a's fragment 1 submission did not survive: it is told to send it again.
     rejected(again, lambda: again.wait_result(0, "a", 0, fragment=1), 409, "not_submitted")
     again.submit("a", 0, grads(F1, 1.0), fragment=1)

@@ -268,7 +268,11 @@ class BarrierRounds:
             if partial:
                 current.add_progress(worker_id, partial)
             submission.record.last_seen = c.clock()
-            return self._answer("committed", round_number, fragment)
+            # "duplicate" when the committed round used this pseudo-gradient (a retry whose
+            # first send was folded before a crash ate the answer): the worker then keeps the
+            # error-feedback residual it coded the body with, as the server folded that body
+            used = c.applied_version(worker_id, round_number, fragment) is not None
+            return self._answer("duplicate" if used else "committed", round_number, fragment)
         if current.has(submission.worker_id, fragment):
             submission.record.last_seen = c.clock()
             return self._answer("duplicate", round_number, fragment)

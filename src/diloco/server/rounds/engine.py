@@ -36,7 +36,8 @@ class EngineContext:
     membership: Membership  # who is live (read only)
     metrics: ServerMetrics
     data_leases: DataLeases  # whether reported units are the worker's
-    applied_version: Callable[[str, int], int | None]  # async: (worker, anchor) -> its step
+    # (worker, round sent for or async anchor[, fragment]) -> the step that used it, if any
+    applied_version: Callable[..., int | None]
     record_folded: Callable[[Submission, Round, float], None]  # a folded submission's bookkeeping
     commit: Callable[[RunningMean, CommitRecord, Sequence[int]], None]  # step, make durable
     publish: Callable[[str, float], None]  # after a step's result is out: log, wake polls
