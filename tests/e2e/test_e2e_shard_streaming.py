@@ -84,8 +84,28 @@ def test_a_streaming_shard_killed_at_a_point_ends_like_the_simulator(
     run_with_kill(kill, corpus_file, small_corpus, tmp_path)
 
 
-def run_with_kill(kill: ShardKill, corpus: Path, small_corpus: bytes, out: Path) -> None:
-    shards = Shards(out, env={kill.shard: {ENV_VAR: kill.spec}}, mode=STREAMING)
+@pytest.mark.slow  # the default suite's: test_server_http_shard_streaming.py's int8 fragment
+def test_streaming_shards_with_int8_both_ways_under_a_kill_end_like_the_simulator(
+    corpus_file: Path, small_corpus: bytes, tmp_path: Path
+) -> None:
+    """Issue 28, item 1: each shard folds its fragments' int8 uploads (error feedback on)
+    and codes their int8 deltas as one server would; shard 1 SIGKILLed right after a
+    fragment commit and restarted on its state, the run ends where the simulator ends with
+    int8 both ways."""
+    (kill,) = [k for k in KILLS if k.name == CI_POINT]
+    codecs = {"upload_codec": "int8", "download_codec": "int8"}
+    run_with_kill(kill, corpus_file, small_corpus, tmp_path, codecs)
+
+
+def run_with_kill(
+    kill: ShardKill,
+    corpus: Path,
+    small_corpus: bytes,
+    out: Path,
+    codecs: dict[str, str] | None = None,
+) -> None:
+    options = [f"--{name.replace('_', '-')}={value}" for name, value in (codecs or {}).items()]
+    shards = Shards(out, env={kill.shard: {ENV_VAR: kill.spec}}, mode=(*STREAMING, *options))
     try:
         workers = train(shards.urls[1], corpus, out)  # one URL, not shard 0's, is enough
         shards.processes[kill.shard].wait(timeout=180)
@@ -93,7 +113,9 @@ def run_with_kill(kill: ShardKill, corpus: Path, small_corpus: bytes, out: Path)
         shards.restart(kill.shard)
         finish(workers, out)
         weights, versions = shards.weights()
-        simulated = simulated_streaming(small_corpus, workers=2, steps=STEPS, delay=1, alpha=0.5)
+        simulated = simulated_streaming(
+            small_corpus, workers=2, steps=STEPS, delay=1, alpha=0.5, **(codecs or {})
+        )
         per_fragment = simulated.outer_steps // 2
         assert sum(versions) == simulated.outer_steps, versions
         check_fragment_rounds(out, shards.urls, per_fragment)

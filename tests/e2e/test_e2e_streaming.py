@@ -13,9 +13,11 @@ from processes import global_weights, start_worker, wait_all
 STREAMING = ("--mode", "streaming", "--sync-every", "4", "--fragments", "2")
 
 
-def simulated_streaming(corpus: bytes, workers: int, steps: int, delay: int, alpha: float):
+def simulated_streaming(
+    corpus: bytes, workers: int, steps: int, delay: int, alpha: float, **codecs: str
+):
     return simulated_run(
-        corpus, workers, steps, mode="streaming", fragments=2, delay=delay, alpha=alpha
+        corpus, workers, steps, mode="streaming", fragments=2, delay=delay, alpha=alpha, **codecs
     )
 
 

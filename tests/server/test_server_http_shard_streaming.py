@@ -603,17 +603,22 @@ def test_a_follower_asks_shard_0_at_once_when_it_starts() -> None:
 
 
 def test_which_codecs_and_aggregations_sharded_servers_take() -> None:
-    """Sync shards take every upload codec, and a top-k codec's aggregation there is the
-    mean (sparse_mean is not built across shards); the other modes plain uploads only."""
+    """Sync and streaming shards take every codec, and a top-k codec's aggregation there is
+    sparse_mean, as on one server (each shard averages its own tensors' elements over their
+    senders); async shards plain uploads only; the robust rules nowhere."""
     urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
-    for codec in ("int8", "int2", "topk:0.03+int2"):
-        settings = ServerSettings(upload_codec=codec, shard_urls=urls)
-        assert (settings.upload_codec, settings.aggregation) == (codec, "mean")
-    with pytest.raises(ValueError, match="sharded servers in streaming mode run upload_codec"):
-        ServerSettings(mode="streaming", fragments=2, sync_every=4, upload_codec="int8",
-                       shard_urls=urls)  # fmt: skip
-    with pytest.raises(ValueError, match="in sync mode run aggregation mean"):
-        ServerSettings(upload_codec="topk:0.03+int2", aggregation="sparse_mean", shard_urls=urls)
+    streaming = {"mode": "streaming", "fragments": 2, "sync_every": 4}
+    for mode in ({}, streaming):
+        for codec, aggregation in (("int8", "mean"), ("int2", "mean"),
+                                   ("topk:0.03+int2", "sparse_mean")):  # fmt: skip
+            settings = ServerSettings(upload_codec=codec, shard_urls=urls, **mode)
+            assert (settings.upload_codec, settings.aggregation) == (codec, aggregation)
+        settings = ServerSettings(download_codec="int8", shard_urls=urls, **mode)
+        assert settings.download_codec == "int8"
+    with pytest.raises(ValueError, match="sharded servers in async mode run upload_codec"):
+        ServerSettings(mode="async", upload_codec="int8", shard_urls=urls)
+    with pytest.raises(ValueError, match="in sync mode run aggregation mean or sparse_mean"):
+        ServerSettings(aggregation="median", shard_urls=urls)
 
 
 def test_streaming_shards_need_one_fragment_per_shard() -> None:

@@ -489,3 +489,37 @@ def test_sync_shards_take_int8_both_ways_as_one_server_would(two_int8_shards) ->
     apply_delta(join_bodies(deltas), anchor, codec)
     for name, tensor in anchor.items():
         assert torch.equal(tensor, published[name]), name
+
+
+@pytest.fixture
+def two_sparse_mean_shards() -> Iterator[list[tuple[str, Coordinator]]]:
+    yield from started_shards(None, aggregation="sparse_mean")
+
+
+def test_sync_shards_average_each_element_over_its_senders(two_sparse_mean_shards) -> None:
+    """Issue 28, item 1: under sparse_mean each shard divides each element of its tensors by
+    the workers that sent it (a value other than 0), as one server does. sparse mean g:
+    a [(1+3)/2, 2/1, (-1+1)/2, 2/1] = [2, 2, 0, 2], b [2/1, (4-4)/2] = [2, 0], c [-1]
+    (the plain mean would give a [2, 1, 0, 1], b [1, 0]); nesterov lr 0.5, mu 0.9, first
+    step: G - 0.95 g."""
+    (url0, _), (url1, follower) = two_sparse_mean_shards
+    for worker in ("w1", "w2"):
+        register([url0, url1], worker)
+    for worker in ("w1", "w2"):
+        for url, names in zip((url0, url1), OWNED, strict=True):
+            status, data = submit(url, worker, {n: G[worker][n] for n in names})
+            assert status == 200, data
+        confirmed = json_of(call(url0, "POST", "/v1/rounds/0/confirm", worker_id=worker))
+        assert confirmed["status"] == "accepted", confirmed
+    expected = {
+        "a": torch.tensor([1.0 - 1.9, 2.0 - 1.9, 3.0, 4.0 - 1.9]),
+        "b": torch.tensor([10.0 - 1.9, -10.0]),
+        "c": torch.tensor([0.5 + 0.95]),
+    }
+    wait_version(follower, 1)
+    got0, _ = weights(url0)
+    got1, _ = weights(url1)
+    for name, tensor in {**got0, **got1}.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+    info = json_of(call(url1, "GET", "/v1/info"))
+    assert info["settings"]["aggregation"] == "sparse_mean"

@@ -197,10 +197,8 @@ class ServerSettings:
             self.outer_defaults,
             self.aggregation,
             codec=self.upload,
-            # (sharded servers average with the mean: sparse_mean is not built across them)
-            uniform_rounds=self.mode != "async"
-            and self.weighting == "uniform"
-            and not self.shard_urls,
+            # (sharded servers too: each shard averages its own tensors' elements)
+            uniform_rounds=self.mode != "async" and self.weighting == "uniform",
         )
         object.__setattr__(self, "aggregation", aggregation)
         chosen = outer.chosen + (("aggregation",) if codec_chose else ())
@@ -440,19 +438,20 @@ class ServerSettings:
             )
         # sync shards take every codec: a worker codes each tensor on its own and sends each
         # shard its tensors' parts, which the shard folds as one server would; each shard
-        # codes its tensors' delta, and the worker joins the shards' deltas into one
-        plain = self.mode != "sync"
+        # codes its tensors' delta, and the worker joins the shards' deltas into one.
+        # Streaming shards own whole fragments, each coded and folded as one server would.
+        plain = self.mode == "async"
         codecs = (
-            "sync mode takes every codec; the other modes' cross-shard commits are built for "
-            "plain bodies"
+            "sync and streaming modes take every codec; async mode's cross-shard commits are "
+            "built for plain bodies"
         )
         limits = [
             ("upload_codec", ("fp32", "bf16") if plain else None, codecs),
             ("download_codec", ("fp32",) if plain else None, codecs),
             (
                 "aggregation",
-                ("mean",),
-                "sparse_mean and the robust rules are not built across shards",
+                ("mean", "sparse_mean"),
+                "the robust rules screen each worker's whole pseudo-gradient, which no shard holds",
             ),
         ]
         for name, allowed, why in limits:
