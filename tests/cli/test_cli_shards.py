@@ -23,11 +23,8 @@ SERVER_CASES = [
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
           "http://127.0.0.1:2", "--mode", "streaming"), "at least one fragment per shard"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
-          "http://127.0.0.1:2", "--mode", "async", "--upload-codec", "int8"),
-         "sharded servers in async mode run upload_codec fp32 or bf16"),
-        (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
-          "http://127.0.0.1:2", "--mode", "async", "--download-codec", "int8"),
-         "sharded servers in async mode run download_codec fp32"),
+          "http://127.0.0.1:2", "--mode", "async", "--aggregation", "clipped_mean"),
+         "sharded servers in async mode run aggregation mean (the robust rules"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
           "http://127.0.0.1:2", "--aggregation", "median"), "aggregation mean"),
     ]  # fmt: skip

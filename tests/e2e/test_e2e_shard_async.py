@@ -102,7 +102,7 @@ def run_sharded(
         shards.stop()
     assert versions == [versions[0]] * SHARDS
     steps = check_same_steps_everywhere(out, versions[0])
-    if mode == WINDOWED:  # both arrivals in every window, none stale
+    if "--grace-seconds" in mode:  # both arrivals in every window, none stale
         assert versions[0] == ARRIVALS
         assert steps == [(v, w, v, 0) for v in range(ARRIVALS) for w in ("w0", "w1")]
     for i in range(2):
@@ -117,18 +117,24 @@ def unbroken(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path):
 
 
 @pytest.mark.slow  # the default suite's async shards: test_server_http_shard_async.py
+@pytest.mark.parametrize(
+    "codecs", [(), ("--upload-codec", "int8", "--download-codec", "int8")], ids=["fp32", "int8"]
+)
 def test_sharded_async_under_a_kill_ends_where_one_async_server_ends(
-    corpus_file: Path, tmp_path: Path
+    corpus_file: Path, tmp_path: Path, codecs: tuple[str, ...]
 ) -> None:
     """Shard 0 killed once it decided a step that shard 1 has not applied; the joined weights
-    equal one (unsharded) async server's after the same windows."""
+    equal one (unsharded) async server's after the same windows, with plain bodies and with
+    int8 both ways (issue 28, item 1: each shard folds its parts of the coded arrivals and
+    codes its tensors' deltas; error feedback on)."""
     one, sharded = tmp_path / "one", tmp_path / "sharded"
     one.mkdir()
     sharded.mkdir()
+    mode = (*WINDOWED, *codecs)
 
     def reference() -> tuple[dict[str, torch.Tensor], int]:
         process, url = start_server(
-            one / "port", *WINDOWED, "--state-dir", str(one / "state"),
+            one / "port", *mode, "--state-dir", str(one / "state"),
             output=(one / "log").open("ab"),
         )  # fmt: skip
         try:
@@ -139,7 +145,7 @@ def test_sharded_async_under_a_kill_ends_where_one_async_server_ends(
 
     reference_weights, version = reference()
     (kill,) = [k for k in KILLS if k.name == CI_POINT]
-    weights = run_sharded(sharded, corpus_file, WINDOWED, kill)
+    weights = run_sharded(sharded, corpus_file, mode, kill)
     assert version == ARRIVALS
     assert weights.keys() == reference_weights.keys()
     for name, tensor in reference_weights.items():

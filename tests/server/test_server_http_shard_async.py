@@ -605,3 +605,53 @@ def test_bad_requests_change_nothing(start) -> None:
     assert decision(shard0, 1) == {"status": "waiting", "round": 1}
     for shard in shards:
         assert submissions(shard) == [("w1", 0, 0, 0), ("w2", 0, 0, 0)]
+
+
+def test_async_shards_take_int8_both_ways_as_one_server_would(start) -> None:
+    """Issue 28, item 1: each shard holds its tensors' parts of an int8 arrival (the codec in
+    every slice's header; a plain slice is 422 codec_mismatch and changes nothing), applies
+    the decided step, and codes its tensors' int8 delta from the worker's anchor; joined,
+    the deltas move the anchor to the step's weights exactly. Each tensor's largest |value|
+    is 127, so every upload value decodes exactly; Nesterov (N = 1), lr 1, beta 0.5, first
+    step: theta -= 1.5 g: a [1 - 190.5, 2, 3 + 1.5, 4 - 3], b [10 - 190.5, -10 - 3],
+    c [0.5 - 190.5]. The delta -1.5 g has largest |value| 190.5 per tensor: scale 1.5, and
+    its values are 1.5 times integers, so it codes exactly too."""
+    from diloco.algorithm.codecs import Codec
+    from diloco.wire.compressed.body import apply_delta, encode_compressed, join_bodies, split_body
+
+    shards = start(upload_codec="int8", download_codec="int8", codec_block=8)
+    shard0, shard1 = shards
+    register([shard0.url, shard1.url], "w1")
+    codec = Codec("int8", block=8)
+    sent = {"a": [127.0, 0.0, -1.0, 2.0], "b": [127.0, 2.0], "c": [127.0]}
+    parts = split_body(encode_compressed({n: torch.tensor(v) for n, v in sent.items()}, codec),
+                       OWNED)  # fmt: skip
+    plain = save({n: torch.tensor(sent[n]) for n in OWNED[1]})
+    status, data = call(shard1.url, "POST", "/v1/rounds/0/submissions", plain, worker_id="w1")
+    assert refusal(status, data, 422, "codec_mismatch") is not None
+    for shard, part in zip(shards, parts, strict=True):
+        status, data = call(shard.url, "POST", "/v1/rounds/0/submissions", bytes(part),
+                            worker_id="w1")  # fmt: skip
+        assert status == 200, data
+    status, answer = confirm(shard0, "w1", 0)
+    assert status == 200 and answer["applied_version"] == 0, answer
+    at_version(shards, 1)
+    expected = {
+        "a": torch.tensor([-189.5, 2.0, 4.5, 1.0]),
+        "b": torch.tensor([-180.5, -13.0]),
+        "c": torch.tensor([-190.0]),
+    }
+    assert_model(whole_model(shards, 1), expected)
+    deltas = []
+    for shard in shards:
+        response = HTTP.request(
+            "GET", f"{shard.url}/v1/rounds/0/result?worker_id=w1&wait=5&have=0&version=1"
+        )
+        assert response.status == 200, response.data
+        assert response.headers["X-Diloco-Delta-From"] == "0"
+        deltas.append(response.data)
+    anchor = {name: tensor.clone() for name, tensor in INITIAL.items()}
+    apply_delta(join_bodies(deltas), anchor, codec)
+    for name, tensor in anchor.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert submissions(shard0) == submissions(shard1) == [("w1", 0, 0, 0)]

@@ -436,31 +436,18 @@ class ServerSettings:
                 f"sharded servers in streaming mode need at least one fragment per shard (each "
                 f"shard owns whole fragments): {self.fragments} fragments for {count} shards"
             )
-        # sync shards take every codec: a worker codes each tensor on its own and sends each
-        # shard its tensors' parts, which the shard folds as one server would; each shard
-        # codes its tensors' delta, and the worker joins the shards' deltas into one.
-        # Streaming shards own whole fragments, each coded and folded as one server would.
-        plain = self.mode == "async"
-        codecs = (
-            "sync and streaming modes take every codec; async mode's cross-shard commits are "
-            "built for plain bodies"
-        )
-        limits = [
-            ("upload_codec", ("fp32", "bf16") if plain else None, codecs),
-            ("download_codec", ("fp32",) if plain else None, codecs),
-            (
-                "aggregation",
-                ("mean", "sparse_mean"),
-                "the robust rules screen each worker's whole pseudo-gradient, which no shard holds",
-            ),
-        ]
-        for name, allowed, why in limits:
-            value = getattr(self, name)
-            if allowed is not None and value not in allowed:
-                raise ValueError(
-                    f"sharded servers in {self.mode} mode run {name} {' or '.join(allowed)} "
-                    f"({why}), got {value!r}"
-                )
+        # Every mode takes every codec: a worker codes each tensor on its own and sends each
+        # shard its tensors' parts (streaming: its fragments' bodies whole), which the shard
+        # folds as one server would; each shard codes its tensors' delta, and the worker
+        # joins the shards' deltas into one. sparse_mean counts each element's senders where
+        # the element is folded.
+        allowed = ("mean",) if self.mode == "async" else ("mean", "sparse_mean")
+        if self.aggregation not in allowed:
+            raise ValueError(
+                f"sharded servers in {self.mode} mode run aggregation {' or '.join(allowed)} "
+                "(the robust rules screen each worker's whole pseudo-gradient, which no shard "
+                f"holds), got {self.aggregation!r}"
+            )
 
     def to_wire(self) -> dict:
         """The `settings` object of /v1/info (docs/protocol.md)."""
