@@ -605,7 +605,8 @@ def test_a_follower_asks_shard_0_at_once_when_it_starts() -> None:
 def test_which_codecs_and_aggregations_sharded_servers_take() -> None:
     """Shards take every codec in every mode, and a top-k codec's aggregation in sync and
     streaming mode is sparse_mean, as on one server (each shard averages its own tensors'
-    elements over their senders); the robust rules nowhere."""
+    elements over their senders); the robust rules in streaming mode only (each fragment's
+    body is whole on its shard)."""
     urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
     streaming = {"mode": "streaming", "fragments": 2, "sync_every": 4}
     for mode in ({}, streaming):
@@ -620,6 +621,10 @@ def test_which_codecs_and_aggregations_sharded_servers_take() -> None:
     assert (settings.upload_codec, settings.aggregation) == ("int8", "mean")
     with pytest.raises(ValueError, match="in sync mode run aggregation mean or sparse_mean"):
         ServerSettings(aggregation="median", shard_urls=urls)
+    # a streaming shard screens its own fragments' whole bodies
+    assert ServerSettings(aggregation="median", shard_urls=urls, **streaming).aggregation == (
+        "median"
+    )
 
 
 def test_streaming_shards_need_one_fragment_per_shard() -> None:
@@ -713,3 +718,27 @@ def test_shard_0s_stamps_stay_ordered_across_a_restart_whose_clock_went_back(
         assert restarted.pause_stamp == stamp + 2
     finally:
         state.close()
+
+
+def test_a_streaming_shard_screens_and_combines_its_fragments_as_one_server(start) -> None:
+    """Issue 28, item 1: a fragment's body goes whole to its shard, so the robust rules run
+    there as on one server. Median of three for fragment 1 (blocks.1.w, on shard 0):
+    w1 [1, 0, -1, 2], w2 [3, 2, 1, 0], w3 [8, 1, 0, 4]; norms 2.45, 3.74, 9 (none above 10x
+    their median); median [3, 1, 0, 2] (the mean would be [4, 1, 0, 2]); each one's dot
+    with it 7, 11, 33 > 0 (none opposed); nesterov lr 0.5, mu 0.9, first step: G - 0.95 g."""
+    shards = start(aggregation="median")
+    for worker in ("w1", "w2", "w3"):
+        join(shards, worker)
+    upload_parts(shards, "w1")
+    shard0 = shards[0]
+    sent = {"w1": [1.0, 0.0, -1.0, 2.0], "w2": [3.0, 2.0, 1.0, 0.0], "w3": [8.0, 1.0, 0.0, 4.0]}
+    for worker, values in sent.items():
+        body = save({"blocks.1.w": torch.tensor(values)})
+        status, data = call(shard0.url, "POST", "/v1/rounds/0/submissions", body,
+                            worker_id=worker, fragment=1)  # fmt: skip
+        assert status == 200, data
+    wait_until(lambda: shard0.coordinator.version == 1, "fragment 1's round never committed")
+    got, _ = weights(shard0.url)
+    assert_tensors(got, {"blocks.1.w": torch.tensor([10.0 - 2.85, 20.0 - 0.95, 30.0, 40.0 - 1.9])})
+    info = json_of(call(shards[1].url, "GET", "/v1/info"))
+    assert info["settings"]["aggregation"] == "median"

@@ -440,7 +440,11 @@ class ServerSettings:
         # shard its tensors' parts (streaming: its fragments' bodies whole), which the shard
         # folds as one server would; each shard codes its tensors' delta, and the worker
         # joins the shards' deltas into one. sparse_mean counts each element's senders where
-        # the element is folded.
+        # the element is folded. A streaming shard screens its own fragments' bodies, whole,
+        # as one server does; elsewhere the robust rules screen each worker's whole
+        # pseudo-gradient, which no shard holds.
+        if self.mode == "streaming":
+            return
         allowed = ("mean",) if self.mode == "async" else ("mean", "sparse_mean")
         if self.aggregation not in allowed:
             raise ValueError(
