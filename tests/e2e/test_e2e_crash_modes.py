@@ -21,6 +21,7 @@ import pytest
 import torch
 from test_e2e_crash import free_port
 from test_e2e_streaming import simulated_streaming
+from test_e2e_sync import simulated_run
 
 from diloco.faults import ENV_VAR
 from processes import global_weights, start_worker, wait_all
@@ -119,3 +120,26 @@ def test_async_server_killed_and_restarted_applies_every_arrival_once(
     assert applied == sent  # every arrival applied, none twice (the table's key forbids it)
     for report in reports:
         assert report["rebases"] == 0
+
+
+@pytest.mark.slow  # in the default suite: the "duplicate" answers of
+# tests/server/test_server_coordinator.py and test_server_streaming.py
+@pytest.mark.parametrize("mode", ["sync", "streaming"])
+def test_a_server_killed_after_a_commit_keeps_the_workers_error_feedback_exact(
+    mode: str, server_process, corpus_file: Path, small_corpus: bytes, tmp_path: Path
+) -> None:
+    """int8 uploads with error feedback; the server killed right after publishing a round,
+    before the last sender heard its answer: that worker's retry is "duplicate" (the round
+    used its body), so it keeps the residual it coded the body with, and the run ends where
+    the simulator ends. (Answered "committed", as before, the worker dropped that residual
+    and the run drifted from the simulator by up to 5e-5.)"""
+    streaming = {"mode": "streaming", "fragments": 2, "delay": 1, "alpha": 0.5}
+    sim_mode = streaming if mode == "streaming" else {}
+    mode_args = tuple(f"--{k}={v}" for k, v in sim_mode.items())
+    options = ("--upload-codec", "int8", "--sync-every", "4", "--min-workers", "2", *mode_args)
+    weights, _, _, _ = crash_once(
+        server_process, options, "result_published:2", corpus_file, tmp_path
+    )
+    simulated = simulated_run(small_corpus, workers=2, steps=STEPS, upload_codec="int8", **sim_mode)
+    for name, expected in simulated.final_state.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)
