@@ -33,6 +33,7 @@ STREAMING = (
     "--alpha", "0.5", "--min-workers", "2",
 )  # fmt: skip
 KILLS = [
+    ShardKill("shard 1 writing its initial weights", 1, "checkpoint_file:1"),
     ShardKill("shard 1 right after a fragment commit", 1, "result_published:2"),
     ShardKill("shard 0 mid-upload", 0, "upload_chunk:3"),
     ShardKill("shard 0 inside a fragment barrier", 0, "submission_folded:3"),

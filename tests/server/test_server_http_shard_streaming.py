@@ -742,3 +742,40 @@ def test_a_streaming_shard_screens_and_combines_its_fragments_as_one_server(star
     assert_tensors(got, {"blocks.1.w": torch.tensor([10.0 - 2.85, 20.0 - 0.95, 30.0, 40.0 - 1.9])})
     info = json_of(call(shards[1].url, "GET", "/v1/info"))
     assert info["settings"]["aggregation"] == "median"
+
+
+def test_a_streaming_follower_without_weights_starts_only_if_it_never_stored_any(
+    start, tmp_path: Path
+) -> None:
+    """Shard 0 holds the run's weights. A follower whose state dir holds no weights starts
+    only when that dir is this run's (shard 0's fragment plan) and never committed a round:
+    it was killed writing its initial weights, which a shard stores before it answers, so
+    the worker that sent them sends them again. A dir of no run, or one that committed a
+    round and lost its weights, is refused, naming why."""
+    from diloco.server.shards.start import ShardStart
+
+    shards = ready(start)
+    urls = tuple(shard.url for shard in shards)
+    settings = ServerSettings(**STREAMING, shard=1, shard_urls=urls)
+    whole_plan = ShardPeers(list(urls), 1, None).whole_plan()
+    assert whole_plan is not None
+
+    def restarted(state_dir: Path) -> Coordinator:
+        journal = RoundJournal(StateStore(state_dir), settings)
+        return Coordinator(settings, None, journal=journal, peers=ShardPeers(list(urls), 1, None))
+
+    def follow(coordinator: Coordinator) -> None:
+        started = ShardStart(settings, None, None, "round", tmp_path).follow(coordinator)
+        assert started is not None
+        started.stop()
+        started.join(timeout=10)
+
+    with pytest.raises(ValueError, match="lost or is another run's"):
+        follow(restarted(tmp_path / "no-run"))
+    killed = restarted(tmp_path / "killed")
+    killed.journal.state.set_meta("whole_fragment_plan", whole_plan)
+    follow(killed)  # starts: it takes its part again
+    assert killed.masters is None
+    killed.journal.state.record_commit(0, ["w1"], [], 1, 0.1, fragment=0, fragment_round=0)
+    with pytest.raises(ValueError, match="lost or is another run's"):
+        follow(killed)

@@ -3,6 +3,7 @@ and (on the other shards) the thread that follows shard 0's decisions."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -19,6 +20,8 @@ from diloco.server.shards.peers import (
 )
 from diloco.wire import fingerprint
 from diloco.wire.format.shard_layout import shard_fragment_plan, shard_layout
+
+log = logging.getLogger("diloco.server")
 
 LEADER_WAIT_SECONDS = 120.0  # how long another shard waits for shard 0 to answer at start
 
@@ -105,12 +108,21 @@ class ShardStart:
     def _check_streaming_state(self, coordinator: Coordinator, info: dict) -> None:
         """A streaming follower: weights where shard 0 has them (a shard that lost its state
         would start its fragments over), and shard 0's whole fragment plan."""
+        state = coordinator.journal.state
+        mine = state.get_meta("whole_fragment_plan")
         if info.get("model_fingerprint") is not None and coordinator.masters is None:
-            raise ValueError(
-                "shard 0 holds the run's weights and this shard none: its --state-dir was "
-                "lost or is another run's (a shard cannot start its fragments over)"
+            if mine is None or state.committed_rounds():
+                raise ValueError(
+                    "shard 0 holds the run's weights and this shard none: its --state-dir was "
+                    "lost or is another run's (a shard cannot start its fragments over)"
+                )
+            # This run's state, never a round, no weights: killed writing its initial
+            # weights, which it stores before it answers, so nobody was told it held them;
+            # the worker that sent them sends them again.
+            log.warning(
+                "this shard never made its initial weights durable (stopped while writing "
+                "them?): it takes them again from the worker that sends them"
             )
-        mine = coordinator.journal.state.get_meta("whole_fragment_plan")
         try:
             theirs = self.peers.whole_plan()
         except PeerUnavailable as exc:
