@@ -363,3 +363,29 @@ def test_top_k_with_int8_or_int4_values_averages_with_the_mean() -> None:
         with pytest.raises(ValueError, match="codes its kept values' smallest as 0"):
             ServerSettings(upload_codec=codec, aggregation="sparse_mean")
     assert ServerSettings(upload_codec="topk:0.03").aggregation == "sparse_mean"  # fp32 values
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "streaming"])
+def test_a_shard_whose_codecs_differ_from_shard_0s_is_told_which(mode: str) -> None:
+    """Issue 28's bad input: every mode takes every codec on shards, so a shard started with
+    another codec, block, chunk or aggregation than shard 0's must be named at start (the
+    line `diloco server` exits 2 with)."""
+    from diloco.server.shards.peers import settings_difference
+
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    base = {"mode": mode, "shard_urls": urls}
+    if mode == "streaming":
+        base.update(fragments=2, sync_every=4)
+    leader = ServerSettings(**base, upload_codec="int8", download_codec="int8").to_wire()
+    cases = [
+        ({"upload_codec": "int4", "download_codec": "int8"}, "upload_codec is 'int4' here and "
+         "'int8' on shard 0"),
+        ({"upload_codec": "int8"}, "download_codec is 'fp32' here and 'int8' on shard 0"),
+        ({"upload_codec": "int8", "download_codec": "int8", "codec_block": 64},
+         "codec_block is 64 here"),
+    ]  # fmt: skip
+    for given, words in cases:
+        mine = ServerSettings(**base, **given, shard=1).to_wire()
+        assert words in (settings_difference(mine, leader) or ""), (given, words)
+    same = ServerSettings(**base, upload_codec="int8", download_codec="int8", shard=1)
+    assert settings_difference(same.to_wire(), leader) is None
