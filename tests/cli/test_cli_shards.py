@@ -325,3 +325,44 @@ def test_a_shard_with_secrets_refuses_an_open_shard_0(tmp_path: Path) -> None:
         one_error_line(result, 2, "shard 0 runs without secrets and this shard with them")
     finally:
         stop_process(leader)
+
+
+def test_a_follower_resumes_with_the_outer_settings_its_run_began_with(tmp_path: Path) -> None:
+    """A run of two top-k shards began with `--aggregation mean`; both restart without it,
+    where the codec's default is now sparse_mean. Shard 0 keeps its stored mean; so must
+    shard 1 before it compares its settings with shard 0's (it was refused, naming
+    aggregation, when it compared first)."""
+    import json
+
+    import torch
+    import urllib3
+    from safetensors.torch import save_file
+
+    init = tmp_path / "init.safetensors"
+    save_file({"a": torch.zeros(64), "b": torch.ones(64)}, str(init))
+    ports = free_ports(2)
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    shared = [option for url in urls for option in ("--shard-url", url)]
+    codec = ("--upload-codec", "topk:0.25+int2")
+
+    def start(shard: int, *extra: str) -> subprocess.Popen:
+        process, _ = start_server(
+            tmp_path / f"port-{shard}", "--port", str(ports[shard]), "--shard", str(shard),
+            *shared, "--state-dir", str(tmp_path / f"s{shard}"), *codec, *extra,
+        )  # fmt: skip
+        return process
+
+    began = [start(0, "--init", str(init), "--aggregation", "mean")]
+    began.append(start(1, "--init", str(init), "--aggregation", "mean"))
+    for process in reversed(began):
+        stop_process(process)
+    leader = start(0)
+    try:
+        follower = start(1)
+        try:
+            answer = urllib3.request("GET", f"{urls[1]}/v1/info", timeout=10)
+            assert json.loads(answer.data)["settings"]["aggregation"] == "mean"
+        finally:
+            stop_process(follower)
+    finally:
+        stop_process(leader)

@@ -26,7 +26,7 @@ from diloco.server.members.credentials import Credentials, shard_secret
 from diloco.server.ops.tensorboard import TensorBoardScalars
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.start import ShardStart
-from diloco.server.state.journal import RoundJournal
+from diloco.server.state.journal import RoundJournal, keep_stored_outer
 from diloco.server.state.store import DATABASE_NAME, StateStore
 
 # Long-polls hold a thread each while they wait for a barrier; allow many workers.
@@ -296,8 +296,16 @@ def serve(
         sharding = ShardStart(settings, secret, initial, durability, state_dir, where)
     if sharding is not None:
         initial = sharding.own_part(initial)
-        sharding.check_against_shard_0()
     state = StateStore(state_dir, keep_checkpoints)
+    if sharding is not None:
+        try:
+            # what this shard will run, its stored run's outer settings taken first (a run
+            # begun before a codec's defaults changed): shard 0 keeps its own the same way
+            keep_stored_outer(state, settings)
+            sharding.check_against_shard_0()
+        except BaseException:
+            state.close()
+            raise
     plan = None if sharding is None else sharding.fragment_plan  # a streaming --init's
     if plan is not None and state.get_meta("fragment_plan") is None:  # (else: refused next)
         state.set_meta("fragment_plan", plan)

@@ -208,6 +208,23 @@ class RestoredState:
     rolled_back: bool = False  # rounds SQLite recorded were forgotten (workers may be ahead)
 
 
+def keep_stored_outer(state: StateStore, settings: ServerSettings) -> None:
+    """Before the model is built (and before a shard compares its settings with shard 0's):
+    an outer setting this start left to the upload codec takes the value the stored run
+    began with (ServerSettings.keep_stored_outer), so a run begun before the codec's defaults
+    changed resumes as it ran. Said once; a second call finds nothing left to take."""
+    stored = state.get_meta("settings")
+    if not isinstance(stored, dict):
+        return
+    taken = settings.keep_stored_outer(stored)
+    if taken:
+        log.warning(
+            "the state dir's run began with %s and keeps it; to change, give the outer "
+            "settings and --override-settings",
+            ", ".join(taken),
+        )
+
+
 class RoundJournal:
     """Saves and restores the coordinator's global state; owns the checkpoint policy."""
 
@@ -230,7 +247,7 @@ class RoundJournal:
         self.state = state
         self.settings = settings
         self.override_settings = override_settings
-        self._keep_stored_outer()
+        keep_stored_outer(state, settings)
         self.durability = durability
         self.checkpoint_every = checkpoint_every
         self.pool = WorkPool(state.conn)
@@ -242,21 +259,6 @@ class RoundJournal:
         self._write_error: BaseException | None = None
         self.on_checkpoint_written: Callable[[float], None] | None = None  # its seconds
         self.on_checkpoint_failed: Callable[[str], None] | None = None  # why
-
-    def _keep_stored_outer(self) -> None:
-        """Before the model is built: an outer setting this start left to the upload codec
-        takes the value the stored run began with (ServerSettings.keep_stored_outer), so a
-        run begun before the codec's defaults changed resumes as it ran."""
-        stored = self.state.get_meta("settings")
-        if not isinstance(stored, dict):
-            return
-        taken = self.settings.keep_stored_outer(stored)
-        if taken:
-            log.warning(
-                "the state dir's run began with %s and keeps it; to change, give the outer "
-                "settings and --override-settings",
-                ", ".join(taken),
-            )
 
     @property
     def durable(self) -> bool:
