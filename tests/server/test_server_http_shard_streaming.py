@@ -745,13 +745,13 @@ def test_a_streaming_shard_screens_and_combines_its_fragments_as_one_server(star
 
 
 def test_a_streaming_follower_without_weights_starts_only_if_it_never_stored_any(
-    start, tmp_path: Path
+    start, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Shard 0 holds the run's weights. A follower whose state dir holds no weights starts
-    only when that dir is this run's (shard 0's fragment plan) and never committed a round:
-    it was killed writing its initial weights, which a shard stores before it answers, so
-    the worker that sent them sends them again. A dir of no run, or one that committed a
-    round and lost its weights, is refused, naming why."""
+    only when that dir is this run's (shard 0's fragment plan), never recorded its initial
+    weights as stored and never committed a round: it was killed writing them, before it
+    answered the upload, so the worker that sent them sends them again. A dir of no run,
+    one whose weights were stored once, or one that committed a round is refused."""
     from diloco.server.shards.start import ShardStart
 
     shards = ready(start)
@@ -774,8 +774,16 @@ def test_a_streaming_follower_without_weights_starts_only_if_it_never_stored_any
         follow(restarted(tmp_path / "no-run"))
     killed = restarted(tmp_path / "killed")
     killed.journal.state.set_meta("whole_fragment_plan", whole_plan)
-    follow(killed)  # starts: it takes its part again
+    with caplog.at_level("WARNING", logger="diloco.server"):
+        follow(killed)  # starts: it takes its part again, and says so
+    assert "stopped before its initial weights were stored" in caplog.text
     assert killed.masters is None
+    # its initial weights were stored once (the record written before the upload's answer)
+    stored = restarted(tmp_path / "stored")
+    stored.journal.state.set_meta("whole_fragment_plan", whole_plan)
+    stored.journal.state.set_meta("settings", settings.to_wire())
+    with pytest.raises(ValueError, match="lost or is another run's"):
+        follow(stored)
     killed.journal.state.record_commit(0, ["w1"], [], 1, 0.1, fragment=0, fragment_round=0)
     with pytest.raises(ValueError, match="lost or is another run's"):
         follow(killed)

@@ -111,17 +111,20 @@ class ShardStart:
         state = coordinator.journal.state
         mine = state.get_meta("whole_fragment_plan")
         if info.get("model_fingerprint") is not None and coordinator.masters is None:
-            if mine is None or state.committed_rounds():
+            # This run's state (shard 0's plan), never a round, and no record that its
+            # initial weights were stored (written once they are durable, before the upload
+            # is answered): it was stopped writing them and told nobody it held them. Else
+            # it held weights once and lost them.
+            stored = state.get_meta("settings") is not None
+            if mine is None or stored or state.committed_rounds():
                 raise ValueError(
                     "shard 0 holds the run's weights and this shard none: its --state-dir was "
                     "lost or is another run's (a shard cannot start its fragments over)"
                 )
-            # This run's state, never a round, no weights: killed writing its initial
-            # weights, which it stores before it answers, so nobody was told it held them;
-            # the worker that sent them sends them again.
             log.warning(
-                "this shard never made its initial weights durable (stopped while writing "
-                "them?): it takes them again from the worker that sends them"
+                "this shard was stopped before its initial weights were stored: it takes its "
+                "part again from the worker whose weights shard 0 holds (its initial_from), "
+                "and its fragments wait until that worker sends it"
             )
         try:
             theirs = self.peers.whole_plan()
