@@ -414,8 +414,9 @@ class ServerSettings:
         return self.shard == 0
 
     def _check_shards(self) -> None:
-        """Sharded servers run plain uploads and downloads with the mean (what is built);
-        streaming shards own whole fragments, at least one each."""
+        """Sharded servers take every codec; mean or sparse_mean in sync mode, the mean in
+        async mode, any aggregation in streaming mode (whose shards own whole fragments, at
+        least one each)."""
         count = len(self.shard_urls)
         if count == 0:
             if self.shard != 0:

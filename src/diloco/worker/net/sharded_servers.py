@@ -406,7 +406,9 @@ class ShardedClient:
             )
             if all(got is not None for got in rest):
                 got = [first, *[weights for weights in rest if weights is not None]]
-                return self._joined_result(got, round, worker_id, version)
+                joined = self._joined_result(got, round, worker_id, version)
+                if joined is not None:
+                    return joined
             log.info("a shard moved past version %d before we took it; again", first.round)
             if time.monotonic() > deadline:
                 break
@@ -419,10 +421,11 @@ class ShardedClient:
 
     def _joined_result(
         self, got: list[Weights], round: int, worker_id: str, version: int | None
-    ) -> Weights:
+    ) -> Weights | None:
         """Every shard's result as one: their coded deltas joined when each sent one against
         the same round (a shard sends one only when our anchor is its last step's start);
-        else their full weights, asking a shard that sent a delta for its weights instead."""
+        else their full weights, asking a shard that sent a delta for its weights instead
+        (None, to ask again, when an async shard no longer keeps that version)."""
         rounds = {weights.round for weights in got}
         if len(rounds) != 1:  # sync shards apply one decision: never expected
             raise ServerError(
@@ -433,12 +436,17 @@ class ShardedClient:
             return Weights(
                 self._join([w.body for w in got]), got[0].round, delta_from=got[0].delta_from
             )
-        full = [
-            weights
-            if weights.delta_from is None
-            else self.clients[shard].wait_result(round, worker_id, 0.0, version=version)
-            for shard, weights in enumerate(got)
-        ]
+        try:
+            full = [
+                weights
+                if weights.delta_from is None
+                else self.clients[shard].wait_result(round, worker_id, 0.0, version=version)
+                for shard, weights in enumerate(got)
+            ]
+        except ServerError as exc:
+            if exc.kind != "version_gone":
+                raise
+            return None
         if any(
             weights is None or weights.delta_from is not None or weights.round != got[0].round
             for weights in full
