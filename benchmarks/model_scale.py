@@ -36,7 +36,9 @@ import os
 import platform
 import re
 import resource
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -303,6 +305,7 @@ def run_one(
         },
     }
     cut_short = False
+    group: list = []
     try:
         paths = [directory / f"w{i}.json" for i in range(workers)]
         group = [
@@ -326,7 +329,11 @@ def run_one(
         parts = _parts_since(final, warm)
         server_peak_mb = max(_memory_kb(s.pid, "VmHWM") / 1024 for s in servers)
         shard_bytes = [_bytes_moved(u) for u in urls] if shards > 1 else []
-    finally:
+    finally:  # (also when stopped: SIGTERM exits through here, see main)
+        for process in group:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=30)
         for process in servers:
             stop_process(process)
     reports = [json.loads(path.read_text()) for path in paths if path.exists()]
@@ -496,6 +503,9 @@ def main(
         raise fail("--shards above 1 runs sync mode with the servers' default checkpoints")
     if dtype not in ("fp32", "bf16"):
         raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    # `kill` (SIGTERM) ends the run through its `finally`, which stops the servers and the
+    # workers: they hold gigabytes at these sizes and outlived a killed run before
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if context < 1 or batch_size < 1 or not max_seconds > 0:
         raise fail("--context, --batch-size and --max-seconds must be positive")
     settings = {
