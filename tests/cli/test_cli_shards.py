@@ -328,10 +328,11 @@ def test_a_shard_with_secrets_refuses_an_open_shard_0(tmp_path: Path) -> None:
 
 
 def test_a_follower_resumes_with_the_outer_settings_its_run_began_with(tmp_path: Path) -> None:
-    """A run of two top-k shards began with `--aggregation mean`; both restart without it,
-    where the codec's default is now sparse_mean. Shard 0 keeps its stored mean; so must
-    shard 1 before it compares its settings with shard 0's (it was refused, naming
-    aggregation, when it compared first)."""
+    """A run of two top-k shards began with `--aggregation mean`; shard 1 restarts without
+    it, where the codec's default is now sparse_mean (as after an upgrade). It must take its
+    stored mean before it compares its settings with shard 0's (it was refused, naming
+    aggregation, when it compared first). Shard 0 keeps its stored settings the same way
+    when it loads its journal (tests/server/test_server_journal.py)."""
     import json
 
     import torch
@@ -352,12 +353,9 @@ def test_a_follower_resumes_with_the_outer_settings_its_run_began_with(tmp_path:
         )  # fmt: skip
         return process
 
-    began = [start(0, "--init", str(init), "--aggregation", "mean")]
-    began.append(start(1, "--init", str(init), "--aggregation", "mean"))
-    for process in reversed(began):
-        stop_process(process)
-    leader = start(0)
+    leader = start(0, "--init", str(init), "--aggregation", "mean")
     try:
+        stop_process(start(1, "--init", str(init), "--aggregation", "mean"))
         follower = start(1)
         try:
             answer = urllib3.request("GET", f"{urls[1]}/v1/info", timeout=10)
