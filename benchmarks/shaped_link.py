@@ -200,6 +200,8 @@ def main(
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
         raise typer.BadParameter(f"TARGET must be HOST:PORT, got {target!r}")
+    if not 1 <= int(port) <= 65535:
+        raise typer.BadParameter(f"TARGET's port must be in [1, 65535], got {port}")
     try:
         shape = LinkShape(mbps, rtt_ms, per_connection)
     except ValueError as exc:

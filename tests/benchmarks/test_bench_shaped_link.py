@@ -117,6 +117,8 @@ def test_connections_through_one_proxy_share_its_line() -> None:
         (["127.0.0.1:1", "--mbps", "0"], "rate must be a positive number of Mbit/s, got 0"),
         (["127.0.0.1:1", "--rtt-ms", "-5"], "round-trip time must be >= 0 ms, got -5"),
         (["localhost"], "TARGET must be HOST:PORT"),
+        (["127.0.0.1:99999"], "port must be in [1, 65535], got 99999"),
+        (["127.0.0.1:0"], "port must be in [1, 65535], got 0"),
     ],
 )
 def test_a_shape_that_makes_no_sense_is_refused_in_one_line(args: list[str], says: str) -> None:
