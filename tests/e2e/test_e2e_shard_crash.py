@@ -316,6 +316,29 @@ def test_int8_both_ways_a_shard_killed_in_the_commit_ends_as_unbroken(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "kill", [k for k in KILLS if "applying" in k.name or "before its checkpoint" in k.name], ids=str
+)
+def test_top_k_with_sparse_mean_a_shard_killed_in_the_commit_ends_like_the_simulator(
+    kill: ShardKill, corpus_file: Path, small_corpus: bytes, tmp_path: Path
+) -> None:
+    """Issue 28, item 1: top-k uploads averaged over each element's senders (the codec's
+    sparse_mean, counted on each shard as it folds its decided slices); a shard killed
+    deciding or applying a round and restarted (a follower folds its held slices again
+    from disk) ends where the simulator's one model ends with the same codec."""
+    from e2e.test_e2e_sync import simulated_run
+
+    codec = "topk:0.1+int2"
+    weights = run_with_kill(kill, corpus_file, tmp_path, mode=(*SYNC_MODE, "--upload-codec", codec))
+    simulated = simulated_run(
+        small_corpus, workers=2, steps=STEPS, upload_codec=codec, aggregation="sparse_mean"
+    )
+    assert weights.keys() == simulated.final_state.keys()
+    for name, tensor in simulated.final_state.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
 def test_int8_both_ways_random_shard_kills_end_as_unbroken(
     unbroken_int8, corpus_file: Path, tmp_path: Path
 ) -> None:
