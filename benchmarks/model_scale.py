@@ -503,11 +503,11 @@ def main(
         raise fail("--shards above 1 runs sync mode with the servers' default checkpoints")
     if dtype not in ("fp32", "bf16"):
         raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    if context < 1 or batch_size < 1 or not max_seconds > 0:
+        raise fail("--context, --batch-size and --max-seconds must be positive")
     # `kill` (SIGTERM) ends the run through its `finally`, which stops the servers and the
     # workers: they hold gigabytes at these sizes and outlived a killed run before
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if context < 1 or batch_size < 1 or not max_seconds > 0:
-        raise fail("--context, --batch-size and --max-seconds must be positive")
     settings = {
         "workers": workers,
         "rounds": rounds,

@@ -56,29 +56,29 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
     assert "| 2M (" in (tmp_path / "model_scale.md").read_text()
 
 
+def int8_run(out: Path, *args: str) -> tuple[str, dict]:
+    """One 2M int8 configuration at H = 2 with `args`: its stderr and its one row."""
+    result = run(
+        "--sizes", "2M", "--codecs", "int8", "--sync-every", "2", *args, "--out-dir", str(out)
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads((out / "model_scale.json").read_text())["results"]
+    return result.stderr, row
+
+
 @pytest.mark.slow
 def test_a_deadline_keeps_what_was_measured(tmp_path: Path) -> None:
     """--max-seconds stops the workers and counts the rounds they finished."""
-    result = run(
-        "--sizes", "2M", "--codecs", "int8", "--rounds", "10000", "--sync-every", "2",
-        "--max-seconds", "12", "--out-dir", str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "model_scale.json").read_text())["results"]
+    stderr, row = int8_run(tmp_path, "--rounds", "10000", "--max-seconds", "12")
     assert row["cut_short"] and 2 <= row["rounds"] < 10000
-    assert "cut short by --max-seconds" in result.stderr
+    assert "cut short by --max-seconds" in stderr
 
 
 @pytest.mark.slow
 def test_warm_up_rounds_are_run_and_not_counted(tmp_path: Path) -> None:
     """--warmup-rounds 2 of 4: the workers' figures and the server's parts are those of the
     last two rounds (the server's parts read once it had committed 2)."""
-    result = run(
-        "--sizes", "2M", "--codecs", "int8", "--rounds", "4", "--warmup-rounds", "2",
-        "--sync-every", "2", "--out-dir", str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "model_scale.json").read_text())["results"]
+    _, row = int8_run(tmp_path, "--rounds", "4", "--warmup-rounds", "2")
     assert (row["rounds"], row["warmup_rounds"]) == (4, 2)
     # the server's parts were read once it had committed 2: those 2 are not counted
     assert 1 <= row["server_commits_counted"] <= row["server_commits"] - 2

@@ -26,6 +26,13 @@ from diloco.server.workunits.leases import DataLeases
 from diloco.wire.format.spool import CheckedPieces
 
 
+class AppliedVersion(Protocol):
+    """StateStore.applied_version: the outer step that used (worker, round it was sent for
+    (async: its anchor version), fragment)'s pseudo-gradient, or None."""
+
+    def __call__(self, worker_id: str, round_number: int, fragment: int = 0) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class EngineContext:
     """The run as an engine sees it. Every call happens under the coordinator's lock."""
@@ -36,8 +43,7 @@ class EngineContext:
     membership: Membership  # who is live (read only)
     metrics: ServerMetrics
     data_leases: DataLeases  # whether reported units are the worker's
-    # (worker, round sent for or async anchor[, fragment]) -> the step that used it, if any
-    applied_version: Callable[..., int | None]
+    applied_version: AppliedVersion  # the step that used a worker's pseudo-gradient, if any
     record_folded: Callable[[Submission, Round, float], None]  # a folded submission's bookkeeping
     commit: Callable[[RunningMean, CommitRecord, Sequence[int]], None]  # step, make durable
     publish: Callable[[str, float], None]  # after a step's result is out: log, wake polls
