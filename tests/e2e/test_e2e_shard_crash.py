@@ -10,6 +10,7 @@ random kills against an unbroken sharded run, bit for bit.
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import sqlite3
@@ -91,10 +92,10 @@ class Shards:
         return tensors, rounds
 
 
-def train(url: str, corpus: Path, out: Path) -> list[subprocess.Popen]:
+def train(url: str, corpus: Path, out: Path, count: int = 2) -> list[subprocess.Popen]:
     return [
-        start_worker(url, f"w{i}", i, 2, STEPS, corpus, out, extra=("--max-retry-delay", "1"))
-        for i in range(2)
+        start_worker(url, f"w{i}", i, count, STEPS, corpus, out, extra=("--max-retry-delay", "1"))
+        for i in range(count)
     ]
 
 
@@ -118,22 +119,26 @@ def unbroken_int8(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path):
 
 
 def unbroken_run(
-    tmp_path_factory: pytest.TempPathFactory, corpus_file: Path, mode: tuple[str, ...]
+    tmp_path_factory: pytest.TempPathFactory,
+    corpus_file: Path,
+    mode: tuple[str, ...],
+    count: int = 2,
 ) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("unbroken-shards")
     shards = Shards(out, mode=mode)
     try:
-        finish(train(shards.urls[0], corpus_file, out), out)
+        finish(train(shards.urls[0], corpus_file, out, count), out)
         weights, rounds = shards.weights()
     finally:
         shards.stop()
     assert rounds == [ROUNDS] * SHARDS
+    check_applied_once(out, count)
     return weights
 
 
-def check_applied_once(out: Path) -> None:
+def check_applied_once(out: Path, workers: int = 2) -> None:
     """Rounds 0..R-1 once each on every shard (the table's key refuses a second), with the
-    same contributors everywhere: shard 0's decision."""
+    same contributors everywhere: shard 0's decision, every one of the `workers`."""
     seen = []
     for shard in range(SHARDS):
         with sqlite3.connect(out / f"state-{shard}" / "state.sqlite") as db:
@@ -141,7 +146,8 @@ def check_applied_once(out: Path) -> None:
         assert [r for r, _ in rows] == list(range(ROUNDS)), (shard, rows)
         seen.append(rows)
     assert all(rows == seen[0] for rows in seen), seen
-    assert all(c == '["w0", "w1"]' for _, c in seen[0]), seen[0]
+    every = json.dumps([f"w{i}" for i in range(workers)])
+    assert all(c == every for _, c in seen[0]), seen[0]
 
 
 @dataclass(frozen=True)
@@ -166,13 +172,13 @@ CI_POINT = "shard 0 decided durably, shard 1 not yet"
 
 
 def run_with_kill(
-    kill: ShardKill, corpus: Path, out: Path, mode: tuple[str, ...] = SYNC_MODE
+    kill: ShardKill, corpus: Path, out: Path, mode: tuple[str, ...] = SYNC_MODE, count: int = 2
 ) -> dict[str, torch.Tensor]:
-    """Two workers through two shards, `kill.shard` dying at `kill.spec` once and restarted;
-    the joined final weights, once every shard is at the last round."""
+    """`count` workers through two shards, `kill.shard` dying at `kill.spec` once and
+    restarted; the joined final weights, once every shard is at the last round."""
     shards = Shards(out, env={kill.shard: {ENV_VAR: kill.spec}}, mode=mode)
     try:
-        workers = train(shards.urls[1], corpus, out)  # one URL, not shard 0's, is enough
+        workers = train(shards.urls[1], corpus, out, count)  # one URL, not shard 0's, is enough
         shards.processes[kill.shard].wait(timeout=180)
         assert shards.processes[kill.shard].returncode == -signal.SIGKILL, kill
         shards.restart(kill.shard)
@@ -181,7 +187,7 @@ def run_with_kill(
     finally:
         shards.stop()
     assert rounds == [ROUNDS] * SHARDS
-    check_applied_once(out)
+    check_applied_once(out, count)
     return weights
 
 
@@ -243,7 +249,9 @@ def random_kills_end_as(
     shards = Shards(out, mode=mode)
     try:
         workers = train(shards.urls[1], corpus, out)
-        killed = kill_at_random(shards, workers, seed=seed, delays=(1.0, 4.0))
+        # (a 16-step run takes about 4 s here: every kill lands in it, most after the first
+        # round, since the workers start in about 2 s)
+        killed = kill_at_random(shards, workers, seed=seed, delays=(0.5, 2.5))
         finish(workers, out)
         weights, rounds = shards.weights()
     finally:
