@@ -107,9 +107,7 @@ class Cluster:
         self.follower_server = self._serve(self.follower, self.ports[1])
         shard = self.follower.shard
         assert shard is not None
-        self.decisions = DecisionFollower(
-            self.peers[1], shard.open_round, shard.apply_decision, wait=1
-        )
+        self.decisions = DecisionFollower(self.peers[1], shard, wait=1)
         self.decisions.start()
         return self.follower
 

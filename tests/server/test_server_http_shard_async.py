@@ -105,7 +105,7 @@ def async_shards(root: Path, **overrides) -> Iterator[list[Shard]]:
             if index:
                 shard = coordinator.shard
                 assert shard is not None
-                follower = DecisionFollower(peers, shard.open_round, shard.apply_decision, wait=1)
+                follower = DecisionFollower(peers, shard, wait=1)
                 follower.start()
                 followers.append(follower)
             shards.append(Shard(urls[index], coordinator, state_dir))

@@ -605,8 +605,9 @@ def test_a_follower_asks_shard_0_at_once_when_it_starts() -> None:
 def test_which_codecs_and_aggregations_sharded_servers_take() -> None:
     """Shards take every codec in every mode, and a top-k codec's aggregation in sync and
     streaming mode is sparse_mean, as on one server (each shard averages its own tensors'
-    elements over their senders); the robust rules in streaming mode only (each fragment's
-    body is whole on its shard)."""
+    elements over their senders); the robust rules in sync mode (shard 0 screens each
+    worker's whole pseudo-gradient from every shard's sums) and streaming mode (each
+    fragment's body is whole on its shard), not in async mode."""
     urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
     streaming = {"mode": "streaming", "fragments": 2, "sync_every": 4}
     for mode in ({}, streaming):
@@ -619,12 +620,11 @@ def test_which_codecs_and_aggregations_sharded_servers_take() -> None:
     settings = ServerSettings(mode="async", upload_codec="int8", download_codec="int8",
                               shard_urls=urls)  # fmt: skip
     assert (settings.upload_codec, settings.aggregation) == ("int8", "mean")
-    with pytest.raises(ValueError, match="in sync mode run aggregation mean or sparse_mean"):
-        ServerSettings(aggregation="median", shard_urls=urls)
-    # a streaming shard screens its own fragments' whole bodies
-    assert ServerSettings(aggregation="median", shard_urls=urls, **streaming).aggregation == (
-        "median"
-    )
+    with pytest.raises(ValueError, match="in async mode run aggregation mean"):
+        ServerSettings(mode="async", aggregation="clipped_mean", shard_urls=urls)
+    for mode in ({}, streaming):
+        for rule in ("median", "clipped_mean", "trimmed_mean:0.2"):
+            assert ServerSettings(aggregation=rule, shard_urls=urls, **mode).aggregation == rule
 
 
 def test_streaming_shards_need_one_fragment_per_shard() -> None:

@@ -92,7 +92,10 @@ def serve_in_thread(coordinator: Coordinator, port: int, token: str | None):
     return server, thread
 
 
-def started_shards(token: str | None, **overrides) -> Iterator[list[tuple[str, Coordinator]]]:
+def started_shards(
+    token: str | None, follow: bool = True, **overrides
+) -> Iterator[list[tuple[str, Coordinator]]]:
+    """Two shards; `follow`: shard 1 runs its decision loop (else a test speaks for it)."""
     ports = free_ports(2)
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     started, threads, followers = [], [], []
@@ -110,10 +113,8 @@ def started_shards(token: str | None, **overrides) -> Iterator[list[tuple[str, C
         peers = ShardPeers(urls, shard, SHARD_SECRET if token else None)
         coordinator = Coordinator(settings, initial, peers=peers)
         server, thread = serve_in_thread(coordinator, port, token)
-        if shard:
-            follower = DecisionFollower(
-                peers, coordinator.shard.open_round, coordinator.shard.apply_decision, wait=2
-            )
+        if shard and follow:
+            follower = DecisionFollower(peers, coordinator.shard, wait=2)
             follower.start()
             followers.append(follower)
         started.append((urls[shard], coordinator, server))

@@ -230,6 +230,21 @@ class OpposedCheck:
             self.dots[row] += float(flat[row] @ reference)
             self.squares[row] += float(flat[row] @ flat[row])
 
+    def absorb(
+        self, dots: Sequence[float], squares: Sequence[float], median_squares: float
+    ) -> None:
+        """Add another part of the same rows' sums: what a shard holding other tensors of
+        the same pseudo-gradients found (sharded servers: server/shards/sync_decisions.py).
+        Sums over disjoint tensors add, so the parts make the whole model's cosine."""
+        if len(dots) != len(self.dots) or len(squares) != len(self.squares):
+            raise ValueError(
+                f"a part of the check has {len(dots)} dots and {len(squares)} squares, "
+                f"the check {len(self.dots)} rows"
+            )
+        self.dots = [a + float(b) for a, b in zip(self.dots, dots, strict=True)]
+        self.squares = [a + float(b) for a, b in zip(self.squares, squares, strict=True)]
+        self.median_squares += float(median_squares)
+
     def refused(self) -> dict[int, str]:
         """{row: reason} of the pseudo-gradients with a negative cosine (none when fewer than
         3 were given: with 2 the median is their mean)."""

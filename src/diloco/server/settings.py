@@ -414,9 +414,8 @@ class ServerSettings:
         return self.shard == 0
 
     def _check_shards(self) -> None:
-        """Sharded servers take every codec; mean or sparse_mean in sync mode, the mean in
-        async mode, any aggregation in streaming mode (whose shards own whole fragments, at
-        least one each)."""
+        """Sharded servers take every codec and, in sync and streaming mode (whose shards own
+        whole fragments, at least one each), every aggregation; the mean in async mode."""
         count = len(self.shard_urls)
         if count == 0:
             if self.shard != 0:
@@ -442,16 +441,17 @@ class ServerSettings:
         # folds as one server would; each shard codes its tensors' delta, and the worker
         # joins the shards' deltas into one. sparse_mean counts each element's senders where
         # the element is folded. A streaming shard screens its own fragments' bodies, whole,
-        # as one server does; elsewhere the robust rules screen each worker's whole
-        # pseudo-gradient, which no shard holds.
-        if self.mode == "streaming":
+        # as one server does; sync shard 0 screens each worker's whole pseudo-gradient from
+        # every shard's part of its sums (server/shards/sync_decisions.py). Async shards run
+        # the mean: each arrival is screened alone there, and shard 0 would wait for every
+        # shard's sums at each arrival.
+        if self.mode != "async":
             return
-        allowed = ("mean",) if self.mode == "async" else ("mean", "sparse_mean")
-        if self.aggregation not in allowed:
+        if self.aggregation != "mean":
             raise ValueError(
-                f"sharded servers in {self.mode} mode run aggregation {' or '.join(allowed)} "
-                "(the robust rules screen each worker's whole pseudo-gradient, which no shard "
-                f"holds), got {self.aggregation!r}"
+                "sharded servers in async mode run aggregation mean (an arrival's screening "
+                "would need every shard's part before each step), got "
+                f"{self.aggregation!r}; use mode sync or streaming for a robust rule"
             )
 
     def to_wire(self) -> dict:

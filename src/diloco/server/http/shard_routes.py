@@ -12,8 +12,9 @@ from starlette.concurrency import run_in_threadpool
 from diloco.server.errors import Rejection
 from diloco.server.http.request_json import json_body, json_body_schema
 from diloco.server.members.credentials import ADMIN, OPEN, SHARD, Caller
+from diloco.server.rounds.robust import ScreeningPart
 from diloco.server.shards.commit import MAX_DECISION_WAIT, ShardCommit
-from diloco.wire import MAX_COUNT, ShardPausedRequest
+from diloco.wire import MAX_COUNT, ShardPausedRequest, ShardScreeningPart
 
 
 def add_shard_routes(
@@ -38,8 +39,9 @@ def add_shard_routes(
             )
 
     async def shard_itself(request: Request) -> None:
-        """What only a shard may do to another (shard 0 pausing a follower): not even an
-        admin, who steers the run on shard 0 (a follower refuses a pause of its own)."""
+        """What only a shard may do to another (shard 0 pausing a follower, a follower
+        sending its part of a screening): not even an admin, who steers the run on shard 0
+        (a follower refuses a pause of its own)."""
         caller = caller_of(request)
         if caller.scope not in (SHARD, OPEN):
             raise Rejection(
@@ -84,9 +86,27 @@ def add_shard_routes(
     async def decision(
         round_number: int = Path(..., ge=0, le=MAX_COUNT),
         wait: float = Query(0.0, ge=0.0, le=MAX_DECISION_WAIT),
+        shard_index: int | None = Query(None, alias="shard", ge=0, le=MAX_COUNT),
     ) -> dict:
-        """Shard 0: who the round's step used, once it is durable (asked by the others)."""
-        return await run_in_threadpool(shard.decision, round_number, wait)
+        """Shard 0: who the round's step used, once it is durable (asked by the others);
+        with `shard`, the asking shard is told at once when the round's screening waits
+        for its part."""
+        return await run_in_threadpool(shard.decision, round_number, wait, shard_index)
+
+    @app.post(
+        "/v1/shard/screening/{round_number}",
+        dependencies=[*authed, Depends(shard_itself)],
+        openapi_extra=json_body_schema(ShardScreeningPart),
+    )
+    async def screening(
+        request: Request, round_number: int = Path(..., ge=0, le=MAX_COUNT)
+    ) -> dict:
+        """Shard 0: another shard's part of the open round's screening (robust rules)."""
+        sent = await json_body(request, ShardScreeningPart)
+        part = ScreeningPart(
+            dict(sent.kept), dict(sent.dots), dict(sent.squares), sent.median_squares
+        )
+        return await run_in_threadpool(shard.take_part, round_number, part, sent.shard)
 
     @app.get("/v1/shard/live", dependencies=peers_only)
     async def live() -> dict:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from diloco.algorithm import GraceWindow, staleness_scale
 from diloco.server.errors import Rejection
 from diloco.server.model.results import RoundResult, Waiting
 from diloco.server.rounds.engine import EngineContext
-from diloco.server.rounds.robust import screened_record
+from diloco.server.rounds.robust import DecidedScales, Screening, ScreeningPart, screened_record
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.state.journal import CommitRecord
 from diloco.wire.format.spool import CheckedPieces
@@ -506,19 +506,27 @@ class AsyncArrivals:
         """The bound of the values of the slice `holds` names (0 when none is held)."""
         return self.role.bound_of(worker_id, round_number, digest)
 
-    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+    def confirm(
+        self, worker_id: str, round_number: int, bound: float = 0.0, squares: float = 0.0
+    ) -> dict:
         """Shard 0: the held slice of (worker, anchor) is on every shard (checked by the
-        caller), bounded by `bound`: it joins the grace window, which may now close."""
+        caller), bounded by `bound`: it joins the grace window, which may now close. (Async
+        shards run the mean: `squares`, the other shards' sums of squares, go unused.)"""
         now = self.c.clock()
         staleness = self.role.confirm(self, worker_id, round_number, bound, now)
         self.complete_window(now)
         applied = None if worker_id in self.anchors else self.c.model.version - 1
         return self._answer("accepted", round_number, applied, staleness)
 
-    def apply_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def apply_decision(
+        self,
+        version: int,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         """A follower: shard 0 made `version` from these arrivals (worker -> anchor, session
         digest): apply it once every one of their slices is here. False if it is not the
-        next version here."""
+        next version here. (Async shards run the mean: nothing is `screened`.)"""
         if self.c.model.masters is None or version != self.c.model.version:
             return False
         if self.role.take_decision(version, decided):
@@ -528,6 +536,20 @@ class AsyncArrivals:
     def weights_at(self, version: int) -> RoundResult:
         """The weights of exactly `version`: the current ones, or one this shard kept."""
         return self.role.weights_at(self, version)
+
+    def squares_of(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> float | None:
+        return None  # async shards screen nothing (they run the mean)
+
+    def screening(self, round_number: int) -> Screening | None:
+        return None
+
+    def take_part(self, round_number: int, shard: int, part: ScreeningPart) -> bool:
+        raise Rejection(409, "screening_changed", "async shards screen nothing (they run the mean)")
+
+    def screening_part(self, round_number: int, kept: Mapping[str, str]) -> ScreeningPart | None:
+        return None
 
     def poll_version(
         self, round_number: int, worker_id: str | None, version: int, now: float

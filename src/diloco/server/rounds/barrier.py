@@ -15,13 +15,20 @@ server's role, `OneServer`, changes nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from diloco.server.errors import Rejection
 from diloco.server.model.results import Published, RoundResult, Waiting
 from diloco.server.rounds.engine import EngineContext
-from diloco.server.rounds.robust import decide_round, drop_held, screened_record
+from diloco.server.rounds.robust import (
+    DecidedScales,
+    Screening,
+    ScreeningPart,
+    decide_round,
+    drop_held,
+    screened_record,
+)
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.state.journal import CommitRecord
 from diloco.wire.format.spool import CheckedPieces
@@ -70,13 +77,41 @@ class RoundsRole(Protocol):
         self, current: Round | None, worker_id: str, round_number: int, digest: str | None
     ) -> float: ...
 
-    def confirm(self, current: Round, worker_id: str, round_number: int, bound: float) -> None:
+    def confirm(
+        self, current: Round, worker_id: str, round_number: int, bound: float, squares: float
+    ) -> None:
         """Shard 0: the worker's slices are on every shard; it counts for the barrier."""
         ...
 
-    def take_decision(self, current: Round, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def take_decision(
+        self,
+        current: Round,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         """A follower: shard 0's decision of the open round; whether it is news."""
         ...
+
+    def screened(self, current: Round, now: float) -> bool:
+        """Whether a complete round may be decided (robust aggregation on shards: shard 0
+        first gathers every shard's part of its screening)."""
+        ...
+
+    def screening(self, current: Round) -> Screening | None:
+        """Shard 0: the open round's screening while it waits for the other shards' parts."""
+        ...
+
+    def take_part(self, current: Round, shard: int, part: ScreeningPart) -> bool:
+        """Shard 0: another shard's part of the open round's screening."""
+        ...
+
+    def screening_part(self, current: Round, kept: Mapping[str, str]) -> ScreeningPart | None:
+        """A follower: its part of shard 0's screening of the `kept` slices."""
+        ...
+
+    def squares_of(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None
+    ) -> float | None: ...
 
 
 class OneServer:
@@ -118,11 +153,35 @@ class OneServer:
     ) -> float:
         return 0.0
 
-    def confirm(self, current: Round, worker_id: str, round_number: int, bound: float) -> None:
+    def confirm(
+        self, current: Round, worker_id: str, round_number: int, bound: float, squares: float
+    ) -> None:
         raise AssertionError("one server decides its rounds")
 
-    def take_decision(self, current: Round, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def take_decision(
+        self,
+        current: Round,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         raise AssertionError("one server decides its rounds")
+
+    def screened(self, current: Round, now: float) -> bool:
+        return True
+
+    def screening(self, current: Round) -> Screening | None:
+        raise AssertionError("one server screens its rounds alone")
+
+    def take_part(self, current: Round, shard: int, part: ScreeningPart) -> bool:
+        raise AssertionError("one server screens its rounds alone")
+
+    def screening_part(self, current: Round, kept: Mapping[str, str]) -> ScreeningPart | None:
+        raise AssertionError("one server screens its rounds alone")
+
+    def squares_of(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None
+    ) -> float | None:
+        return None
 
 
 class BarrierRounds:
@@ -345,6 +404,7 @@ class BarrierRounds:
             or c.model.broken is not None
             or c.paused()
             or not current.ready(c.settings.min_workers)
+            or not self.role.screened(current, now)
         ):
             return  # (a broken server commits nothing until restarted; a paused one, resumed)
         started = time.perf_counter()
@@ -507,24 +567,70 @@ class BarrierRounds:
         """The bound of the values of the slice `holds` names (0 when none is held)."""
         return self.role.bound_of(self.open_round(), worker_id, round_number, digest)
 
-    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+    def squares_of(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> float | None:
+        """Robust aggregation: the sum of squares of the slice `holds` names (None: none)."""
+        return self.role.squares_of(self.open_round(), worker_id, round_number, digest)
+
+    def confirm(
+        self, worker_id: str, round_number: int, bound: float = 0.0, squares: float = 0.0
+    ) -> dict:
         """Shard 0: the worker's slices of the open round are on every shard (checked by the
-        caller), bounded by `bound`: it counts for the barrier, which may now be met."""
-        self.role.confirm(self.rounds[0], worker_id, round_number, bound)
+        caller), bounded by `bound` (robust aggregation: their squares on the other shards
+        summing to `squares`): it counts for the barrier, which may now be met."""
+        self.role.confirm(self.rounds[0], worker_id, round_number, bound, squares)
         self.complete_round(0, self.c.clock())
         return self._answer("accepted", round_number, 0)
 
-    def apply_decision(self, round_number: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def apply_decision(
+        self,
+        round_number: int,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         """A follower: shard 0 decided `round_number` with these contributors (worker -> the
-        round they sent for, and the session digest of the slices it used): commit it once
-        every decided slice is here. False if it is not the open round (already applied, or
-        not reached)."""
+        round they sent for, and the session digest of the slices it used) and (robust
+        aggregation) how it used each: commit it once every decided slice is here. False if
+        it is not the open round (already applied, or not reached)."""
         current = self.open_round()
         if current is None or current.number != round_number:
             return False
-        if self.role.take_decision(current, decided):
+        if self.role.take_decision(current, decided, screened):
             self.complete_round(0, self.c.clock())
         return True
+
+    def screening(self, round_number: int) -> Screening | None:
+        """Shard 0: round `round_number`'s screening while it waits for the other shards'
+        parts (None: it is not the open round, or waits for none)."""
+        current = self.open_round()
+        if current is None or current.number != round_number:
+            return None
+        return self.role.screening(current)
+
+    def take_part(self, round_number: int, shard: int, part: ScreeningPart) -> bool:
+        """Shard 0: another shard's part of the open round's screening, which may then be
+        decided; whether it is news. 409 `screening_changed` when that round is not the
+        one screening those slices."""
+        current = self.open_round()
+        if current is None or current.number != round_number:
+            raise Rejection(
+                409,
+                "screening_changed",
+                f"round {round_number} is not the open round ({self.open_number()})",
+                round=round_number,
+            )
+        taken = self.role.take_part(current, shard, part)
+        self.complete_round(0, self.c.clock())
+        return taken
+
+    def screening_part(self, round_number: int, kept: Mapping[str, str]) -> ScreeningPart | None:
+        """A follower: its part of shard 0's screening of the open round's `kept` slices
+        (None: not the open round, or a kept slice is not here yet)."""
+        current = self.open_round()
+        if current is None or current.number != round_number:
+            return None
+        return self.role.screening_part(current, kept)
 
     def pending_anchor(self, worker_id: str) -> int | None:
         raise AssertionError("sync rounds have no arrivals (async)")

@@ -9,7 +9,7 @@ coordinator: what they touch is listed there and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +18,7 @@ from diloco.server.members.membership import Membership
 from diloco.server.model.global_model import GlobalModel
 from diloco.server.model.results import RoundResult, Waiting
 from diloco.server.ops.metrics import ServerMetrics
-from diloco.server.rounds.robust import RobustScreen
+from diloco.server.rounds.robust import DecidedScales, RobustScreen, Screening, ScreeningPart
 from diloco.server.rounds.round import Round, Submission, ValueScan
 from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import CommitRecord
@@ -148,7 +148,15 @@ class ShardEngine(RoundEngine, Protocol):
         """The bound of the values of the slice `holds` names (0 when none is held)."""
         ...
 
-    def confirm(self, worker_id: str, round_number: int, bound: float = 0.0) -> dict:
+    def squares_of(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> float | None:
+        """Robust aggregation (sync): the sum of squares of the slice `holds` names."""
+        ...
+
+    def confirm(
+        self, worker_id: str, round_number: int, bound: float = 0.0, squares: float = 0.0
+    ) -> dict:
         """Shard 0: the worker's slice is on every shard; it counts for the round (window)."""
         ...
 
@@ -156,8 +164,26 @@ class ShardEngine(RoundEngine, Protocol):
         """Async: the anchor of the worker's confirmed arrival in the open window, if any."""
         ...
 
-    def apply_decision(self, round_number: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def apply_decision(
+        self,
+        round_number: int,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         """A follower: shard 0's decision of `round_number`; False if it is not the open one."""
+        ...
+
+    def screening(self, round_number: int) -> Screening | None:
+        """Shard 0 (sync, robust aggregation): the open round's screening while it waits for
+        the other shards' parts."""
+        ...
+
+    def take_part(self, round_number: int, shard: int, part: ScreeningPart) -> bool:
+        """Shard 0 (sync): another shard's part of the open round's screening."""
+        ...
+
+    def screening_part(self, round_number: int, kept: Mapping[str, str]) -> ScreeningPart | None:
+        """A follower (sync): its part of shard 0's screening of the `kept` slices."""
         ...
 
     def weights_at(self, version: int) -> RoundResult:

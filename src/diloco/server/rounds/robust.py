@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from diloco.algorithm.robust import Aggregation, NormHistory, OpposedCheck, Screened, aggregate
 from diloco.algorithm.tensors import TensorKind
+from diloco.server.errors import Rejection
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.wire import TensorSpec, WireError
 from diloco.wire.format.spool import PieceBody, SpooledTensors
@@ -93,24 +95,48 @@ def decide_round(
     now: float,
 ) -> None:
     """Screen a complete round's held submissions as one (their norms against the median of
-    recent ones) and fold what they make into its sums: each kept one with its scale
-    (clipped_mean), or their element-wise combination (trimmed_mean, median). In worker-id
-    order, so that the sums do not depend on arrival order. Every held body is released."""
+    recent ones, then their directions) and fold what they make into its sums (see
+    `fold_screened`). Every held body is released."""
     held = sorted(current.held, key=lambda pair: pair[0].worker_id)
+    norms = [scan.norm or 0.0 for _, scan in held]
+    verdict = screen.verdict(fragment, norms)
+    refused = dict(verdict.refused)
+    check = opposed_sums(held, [i not in refused for i in range(len(held))], specs)
+    refused.update(opposed_refusals(check, [i not in refused for i in range(len(held))]))
+    fold_screened(screen, current, held, norms, verdict.scales, refused, storage, specs, now)
+    current.held = []
+    for submission, _ in held:
+        if isinstance(submission.tensors, PieceBody):
+            submission.tensors.release()
+
+
+def fold_screened(
+    screen: RobustScreen,
+    current: Round,
+    held: Sequence[tuple[Submission, ValueScan]],
+    norms: Sequence[float],
+    scales: Sequence[float],
+    refused: Mapping[int, str],
+    storage: dict[str, torch.Tensor],
+    specs: Mapping[str, TensorSpec],
+    now: float,
+) -> None:
+    """Fold `held` (in worker-id order) as a verdict says: the `refused` ones (by index) are
+    recorded, each kept one folded with its scale (clipped_mean), or their element-wise
+    combination (trimmed_mean, median); the round notes the kept ones' `norms` and the
+    scales below 1. Sharded servers give the verdict shard 0 made from every shard's part
+    (server/shards/sync_decisions.py); bodies stay held (the caller releases them)."""
     opened = current.running is None
     refused_before = dict(current.refused)  # a ban's drop (drop_held) stays recorded
     try:
-        verdict = screen.verdict(fragment, [scan.norm or 0.0 for _, scan in held])
         if current.running is None:
             current.open_sums(storage)
-        refused = dict(verdict.refused)
-        refused.update(_opposed(held, [i not in refused for i in range(len(held))], specs))
         kept: list[tuple[Submission, ValueScan, float]] = []
         for index, (submission, scan) in enumerate(held):
             if index in refused:
                 current.refused[submission.worker_id] = refused[index]
             else:
-                kept.append((submission, scan, verdict.scales[index]))
+                kept.append((submission, scan, scales[index]))
         if screen.elementwise:
             _fold_combined(screen.aggregation, current, kept, specs)
         else:
@@ -119,11 +145,11 @@ def decide_round(
                     fold(current, submission, scan, storage, now, scale, record=False)
                 except WireError as error:  # its sum could overflow: refused, as an outlier
                     current.refused[submission.worker_id] = error.error
-        for submission, scan, scale in kept:
-            if submission.worker_id not in current.refused:
-                current.norms[submission.worker_id] = float(scan.norm or 0.0)
-                if scale < 1.0:
-                    current.clipped[submission.worker_id] = scale
+        for index, (submission, _) in enumerate(held):
+            if index not in refused and submission.worker_id not in current.refused:
+                current.norms[submission.worker_id] = float(norms[index])
+                if scales[index] < 1.0:
+                    current.clipped[submission.worker_id] = scales[index]
     except BaseException:
         # A read that failed half way (a spool file cut short, an I/O error): the round goes
         # back to holding everything, with no sums, so that no later event commits a part.
@@ -133,27 +159,30 @@ def decide_round(
         current.clipped.clear()
         current.refused = refused_before
         raise
-    current.held = []
-    for submission, _ in held:
-        if isinstance(submission.tensors, PieceBody):
-            submission.tensors.release()
     for worker_id, reason in current.refused.items():
         log.warning("round %d: %s's pseudo-gradient refused: %s", current.number, worker_id, reason)
 
 
-def _opposed(
+def opposed_sums(
     held: Sequence[tuple[Submission, ValueScan]],
     kept: Sequence[bool],
     specs: Mapping[str, TensorSpec],
-) -> dict[int, str]:
-    """`OpposedCheck` over the kept held bodies, read a tensor at a time: {index: reason}."""
+) -> OpposedCheck:
+    """`OpposedCheck`'s sums over the kept held bodies and the trained tensors of `specs`,
+    read a tensor at a time (nothing is read when fewer than 3 are kept: no check)."""
     chosen = [i for i, keep in enumerate(kept) if keep]
     check = OpposedCheck(len(chosen))
     if len(chosen) < 3:
-        return {}
+        return check
     for name, spec in specs.items():
         if spec.trained:
             check.add(torch.stack([_tensor(held[i][0].tensors, name, spec) for i in chosen]))
+    return check
+
+
+def opposed_refusals(check: OpposedCheck, kept: Sequence[bool]) -> dict[int, str]:
+    """{index into the held list: reason} of the kept ones `check` refuses."""
+    chosen = [i for i, keep in enumerate(kept) if keep]
     return {chosen[row]: reason for row, reason in check.refused().items()}
 
 
@@ -206,3 +235,97 @@ def drop_held(current: Round, worker_id: str, reason: str) -> bool:
         if isinstance(submission.tensors, PieceBody):
             submission.tensors.release()
     return True
+
+
+@dataclass(frozen=True)
+class DecidedScales:
+    """How shard 0's decision of a screened round used each contributor: its scale (0:
+    refused, below 1: clipped) and its whole pseudo-gradient's norm."""
+
+    scales: dict[str, float]
+    norms: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ScreeningPart:
+    """A shard's part of the opposed check over the kept slices (worker -> session digest):
+    each one's dot with the element-wise median, its squares, and the median's squares,
+    over the shard's tensors."""
+
+    kept: dict[str, str]
+    dots: dict[str, float]
+    squares: dict[str, float]
+    median_squares: float
+
+
+@dataclass
+class Screening:
+    """Shard 0's screening of a complete round under a robust rule (algorithm/robust.py), for
+    every shard at once: each worker's norm is that of its whole pseudo-gradient (the squares
+    of every shard's slice, summed at its confirmation), which keeps, refuses or clips it as
+    one server's would; when 3 or more are kept, each shard adds its tensors' part of the
+    opposed check's sums (sums over disjoint tensors add up to the whole model's)."""
+
+    slices: tuple[tuple[str, str], ...]  # (worker, session digest) of each confirmed slice
+    norms: list[float]
+    scales: list[float]
+    refused: dict[int, str]  # by the norms, by index into `slices`
+    check: OpposedCheck  # the kept ones' sums so far, in worker-id order
+    answered: set[int]  # the shards whose part of the check is in
+
+    @property
+    def kept(self) -> list[bool]:
+        return [index not in self.refused for index in range(len(self.slices))]
+
+    @property
+    def checks(self) -> bool:
+        """Whether the opposed check runs (3 or more kept: with 2 the median is their mean)."""
+        return sum(self.kept) >= 3
+
+    def kept_slices(self) -> dict[str, str]:
+        """worker -> session digest of the kept ones: what every shard's part is summed over."""
+        return {w: d for (w, d), keep in zip(self.slices, self.kept, strict=True) if keep}
+
+    def complete(self, shards: int) -> bool:
+        return not self.checks or len(self.answered) >= shards
+
+    def verdict(self) -> dict[int, str]:
+        """Every refusal, by index: the norms', then the opposed check's (once complete)."""
+        refused = dict(self.refused)
+        if self.checks:
+            refused.update(opposed_refusals(self.check, self.kept))
+        return refused
+
+    def take_part(
+        self,
+        shard: int,
+        kept: Mapping[str, str],
+        dots: Mapping[str, float],
+        squares: Mapping[str, float],
+        median_squares: float,
+    ) -> bool:
+        """Another shard's part of the opposed check (its sums over the kept slices it
+        holds); whether it is news. 409 `screening_changed` for sums over other slices."""
+        mine = self.kept_slices()
+        if not self.checks or dict(kept) != mine:
+            raise Rejection(
+                409,
+                "screening_changed",
+                "the round is not screening these slices (it changed since they were asked "
+                "for); ask for its decision again",
+                kept=mine if self.checks else {},
+            )
+        if set(dots) != set(mine) or set(squares) != set(mine):
+            raise Rejection(
+                422,
+                "invalid_request",
+                "fields 'dots' and 'squares' must name exactly the kept workers",
+                field="dots",
+                expected=sorted(mine),
+            )
+        if shard in self.answered:
+            return False
+        order = sorted(mine)
+        self.check.absorb([dots[w] for w in order], [squares[w] for w in order], median_squares)
+        self.answered.add(shard)
+        return True

@@ -11,10 +11,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 
+from diloco import faults
 from diloco.server.errors import Rejection
 from diloco.server.members.membership import Membership
 from diloco.server.model.results import RoundResult
 from diloco.server.rounds.engine import ShardEngine
+from diloco.server.rounds.robust import DecidedScales, ScreeningPart
 from diloco.server.shards.peers import PeerUnavailable
 from diloco.server.shards.role import ShardRole
 from diloco.server.state.journal import RoundJournal
@@ -207,7 +209,7 @@ class ShardCommit:
                 )
         assert self.peers is not None
         try:  # outside the lock: other workers' calls go on meanwhile
-            missing, bound = self.peers.missing_slices(round_number, worker_id, *held)
+            missing, bound, squares = self.peers.missing_slices(round_number, worker_id, *held)
         except PeerUnavailable as exc:
             raise Rejection(
                 503, "shard_unavailable", f"a shard cannot be reached: {exc}", round=round_number
@@ -236,7 +238,9 @@ class ShardCommit:
                     worker_id=worker_id,
                 )
             bound = max(bound, self.engine.bound_of(worker_id, round_number))
-            return self.engine.confirm(worker_id, round_number, bound)
+            answer = self.engine.confirm(worker_id, round_number, bound, squares)
+            self.lock.notify_all()  # (a round it completed may now ask the shards' parts)
+            return answer
 
     def _settled(self, worker_id: str, round_number: int) -> dict | None:
         """The answer to a confirmation with nothing left to confirm (lock held): its round
@@ -294,8 +298,13 @@ class ShardCommit:
             held = self.engine.holds(worker_id, round_number, digest)
             tokens, session = (None, None) if held is None else held
             bound = self.engine.bound_of(worker_id, round_number, digest)
+            squares = (
+                None if held is None else self.engine.squares_of(worker_id, round_number, digest)
+            )
             return {
                 "bound": None if held is None else bound,
+                # robust aggregation: the sum of squares of the slice's trained values
+                "norm_squares": squares,
                 "round": round_number,
                 "current_round": self.engine.open_number(),
                 "worker_id": worker_id,
@@ -304,9 +313,11 @@ class ShardCommit:
                 "session_digest": session,
             }
 
-    def decision(self, round_number: int, wait: float) -> dict:
+    def decision(self, round_number: int, wait: float, shard: int | None = None) -> dict:
         """Shard 0: the contributors of round `round_number` once it committed (durable
-        before this can answer), long-polling up to `wait` seconds while it is open."""
+        before this can answer) and how a robust rule used each, long-polling up to `wait`
+        seconds while it is open; at once, while its screening waits for `shard`'s part
+        (the asking shard), the slices to sum it over."""
         self._require_decisions()
         if not self.leads:
             raise Rejection(409, "not_shard_0", "decisions are shard 0's")
@@ -317,6 +328,9 @@ class ShardCommit:
                 contributors = self.journal.state.contributors_of(round_number)
                 if contributors is not None:
                     used = self.journal.state.submissions_of(round_number)
+                    scales, norms = self.journal.state.screened_of(round_number)
+                    # robust aggregation: each one's scale (0: refused) and norm
+                    screened = {"scales": scales, "norms": norms} if scales else {}
                     return {
                         "status": "decided",
                         "round": round_number,
@@ -325,6 +339,15 @@ class ShardCommit:
                         "anchors": {row["worker_id"]: row["round"] for row in used},
                         # whose process each one's slices came from (a session digest)
                         "sessions": self.journal.state.sessions_of(round_number),
+                        **screened,
+                    }
+                screening = self.engine.screening(round_number)
+                if screening is not None and shard is not None and shard not in screening.answered:
+                    return {
+                        "status": "screening",
+                        "round": round_number,
+                        "kept": screening.kept_slices(),
+                        "answered": sorted(screening.answered),
                     }
                 current = self.engine.open_number()
                 if current is not None and round_number > current:
@@ -368,10 +391,45 @@ class ShardCommit:
             round_number, worker_id, version, now
         )
 
-    def apply_decision(self, round_number: int, anchors: dict[str, tuple[int, str | None]]) -> None:
+    def apply_decision(
+        self,
+        round_number: int,
+        anchors: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> None:
         """A follower: shard 0 decided `round_number` with these contributors (worker -> the
-        round it sent for, and its session digest); commit it when their slices are here."""
+        round it sent for, and its session digest) and (robust aggregation) how it used
+        each; commit it when their slices are here."""
         assert self.role.follows and self.role.decides
         with self.lock:
-            if self.engine.apply_decision(round_number, anchors):
+            if self.engine.apply_decision(round_number, anchors, screened):
                 self.lock.notify_all()
+
+    def screening_part(self, round_number: int, kept: dict[str, str]) -> ScreeningPart | None:
+        """A follower (sync, robust aggregation): its part of shard 0's screening of the
+        `kept` slices of `round_number` (None: not its open round, or one is not here)."""
+        with self.lock:
+            part = self.engine.screening_part(round_number, kept)
+        faults.crash_point("screening_part")  # (summed, not yet sent to shard 0)
+        return part
+
+    def take_part(self, round_number: int, part: ScreeningPart, shard: int) -> dict:
+        """Shard 0: `shard`'s part of the open round's screening; the round may then commit.
+        409 `screening_changed` for a part over other slices or of another round."""
+        self._require_decisions()
+        if not self.leads:
+            raise Rejection(409, "not_shard_0", "shard 0 screens the rounds")
+        count = len(self.journal.settings.shard_urls)
+        if not 0 < shard < count:
+            raise Rejection(
+                422,
+                "invalid_request",
+                f"field 'shard' must name another shard, in [1, {count - 1}], got {shard}",
+                field="shard",
+            )
+        with self.lock:
+            self.require_healthy()
+            faults.crash_point("screening_part_taken")  # (a part in, the round undecided)
+            taken = self.engine.take_part(round_number, shard, part)
+            self.lock.notify_all()
+            return {"status": "taken" if taken else "duplicate", "round": round_number}

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 import urllib3
 
+from diloco.server.rounds.robust import DecidedScales, ScreeningPart
 from diloco.server.settings import DESCRIPTIVE_SETTINGS
 from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
 
@@ -108,11 +111,12 @@ class ShardPeers:
 
     def missing_slices(
         self, round_number: int, worker_id: str, tokens: int, session_digest: str
-    ) -> tuple[list[int], float]:
+    ) -> tuple[list[int], float, float]:
         """The other shards that do not hold `worker_id`'s slice of `round_number` with
         `tokens` from the same process (session) as shard 0's (its call, before it confirms
-        the worker), all asked at once; and the largest bound of the slices' values that the
-        shards holding one state."""
+        the worker), all asked at once; the largest bound of the slices' values that the
+        shards holding one state; and (robust aggregation) the sum of the squares they
+        state of their slices' trained values (0 where they state none)."""
         others = [shard for shard in range(len(self.urls)) if shard != self.index]
         query = {"round": round_number, "worker_id": worker_id, "session_digest": session_digest}
         answers = list(
@@ -128,24 +132,58 @@ class ShardPeers:
         bounds = [held.get("bound") for held in answers if held.get("prepared")]
         if any(not isinstance(b, (int, float)) for b in bounds):
             raise PeerUnavailable("a shard stated no bound of the slice's values")
-        return missing, float(max(bounds, default=0.0))
+        squares = [held.get("norm_squares") or 0.0 for held in answers if held.get("prepared")]
+        if any(not isinstance(q, (int, float)) or not 0 <= q < math.inf for q in squares):
+            raise PeerUnavailable("a shard stated a sum of squares that is not a number >= 0")
+        return missing, float(max(bounds, default=0.0)), float(sum(squares))
 
-    def decision(self, round_number: int, wait: float) -> dict[str, tuple[int, str | None]] | None:
-        """Shard 0's decision of `round_number`: its contributors, each with the round it
-        sent for (async: its anchor version) and the digest of the session its slices came
-        from, or None while open."""
-        answer = self._get(0, f"/v1/shard/decisions/{round_number}", {"wait": wait}, wait)
+    def decision(self, round_number: int, wait: float) -> ShardDecision | None:
+        """Shard 0's word on `round_number`: its decision (the contributors, each with the
+        round it sent for (async: its anchor version) and the digest of the session its
+        slices came from, and how a robust rule used each), or its request for this shard's
+        part of the round's screening; None while open."""
+        query = {"wait": wait, "shard": self.index}
+        answer = self._get(0, f"/v1/shard/decisions/{round_number}", query, wait)
+        malformed = PeerUnavailable(f"shard 0's decision of round {round_number} is malformed")
+        if answer.get("status") == "screening":
+            kept = answer.get("kept")
+            if not isinstance(kept, dict) or not all(isinstance(d, str) for d in kept.values()):
+                raise malformed
+            return ShardDecision(screening={str(w): d for w, d in kept.items()})
         contributors, anchors = answer.get("contributors"), answer.get("anchors")
         sessions = answer.get("sessions") or {}
         if answer.get("status") != "decided" or not isinstance(contributors, list):
             return None
         if not isinstance(anchors, dict) or set(anchors) != set(map(str, contributors)):
-            raise PeerUnavailable(f"shard 0's decision of round {round_number} is malformed")
+            raise malformed
         if not isinstance(sessions, dict):
-            raise PeerUnavailable(f"shard 0's decision of round {round_number} is malformed")
-        return {
+            raise malformed
+        decided = {
             str(worker): (int(anchors[worker]), sessions.get(worker)) for worker in contributors
         }
+        scales, norms = answer.get("scales") or {}, answer.get("norms") or {}
+        if not isinstance(scales, dict) or not isinstance(norms, dict):
+            raise malformed
+        if any(not isinstance(v, (int, float)) for v in [*scales.values(), *norms.values()]):
+            raise malformed
+        screened = None
+        if scales:
+            screened = DecidedScales(
+                {str(w): float(v) for w, v in scales.items()},
+                {str(w): float(v) for w, v in norms.items()},
+            )
+        return ShardDecision(decided, screened)
+
+    def send_part(self, round_number: int, part: ScreeningPart) -> None:
+        """This shard's part of shard 0's screening of `round_number`."""
+        body = {
+            "shard": self.index,
+            "kept": part.kept,
+            "dots": part.dots,
+            "squares": part.squares,
+            "median_squares": part.median_squares,
+        }
+        self._get(0, f"/v1/shard/screening/{round_number}", {}, posted=body)
 
     def member_session(self, worker_id: str, session: str) -> bool:
         """Whether shard 0 holds `worker_id` live under `session`."""
@@ -250,48 +288,88 @@ def wait_for_leader(peers: ShardPeers, settings: Mapping[str, Any], timeout: flo
     return info
 
 
+@dataclass(frozen=True)
+class ShardDecision:
+    """Shard 0's word on a round: decided (`contributors`, and how a robust rule used each),
+    or asking for this shard's part of its screening of the `screening` slices."""
+
+    contributors: dict[str, tuple[int, str | None]] | None = None
+    screened: DecidedScales | None = None
+    screening: dict[str, str] | None = None  # worker -> session digest
+
+
+class FollowsDecisions(Protocol):
+    """What a follower's loop asks of its shard (server/shards/commit.py's ShardCommit)."""
+
+    def open_round(self) -> int | None: ...
+
+    def apply_decision(
+        self,
+        round_number: int,
+        anchors: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> None: ...
+
+    def screening_part(self, round_number: int, kept: dict[str, str]) -> ScreeningPart | None: ...
+
+
 class DecisionFollower(threading.Thread):
     """A follower shard's loop: long-poll shard 0 for the decision of our open round and hand
-    it to `apply`; unanswered calls are retried after a short pause."""
+    it to the shard to apply, or (robust aggregation) send shard 0 the shard's part of the
+    round's screening when it asks; unanswered calls are retried after a short pause."""
 
-    def __init__(
-        self,
-        peers: ShardPeers,
-        open_round: Callable[[], int | None],
-        apply: Callable[[int, dict[str, tuple[int, str | None]]], None],
-        wait: float = 10.0,
-    ) -> None:
+    def __init__(self, peers: ShardPeers, shard: FollowsDecisions, wait: float = 10.0) -> None:
         super().__init__(name="diloco-shard-decisions", daemon=True)
         self.peers = peers
-        self.open_round = open_round
-        self.apply = apply
+        self.shard = shard
         self.wait = wait
         self.stopped = threading.Event()
 
     def run(self) -> None:
         told = 0.0
         while not self.stopped.is_set():
-            round_number = self.open_round()
+            round_number = self.shard.open_round()
             if round_number is None:
                 self.stopped.wait(0.2)
                 continue
             try:
-                decided = self.peers.decision(round_number, self.wait)
+                answer = self.peers.decision(round_number, self.wait)
+                if answer is not None and answer.screening is not None:
+                    self._send_part(round_number, answer.screening)
+                    continue
             except PeerUnavailable as exc:
                 if time.monotonic() - told > 30:
                     told = time.monotonic()
                     log.warning("waiting for shard 0's decision of round %d: %s", round_number, exc)
                 self.stopped.wait(0.5)
                 continue
-            if decided is not None:
+            if answer is not None and answer.contributors is not None:
                 try:
-                    self.apply(round_number, decided)
+                    self.shard.apply_decision(round_number, answer.contributors, answer.screened)
                 except Exception:  # a failed step (a disk): said, and tried again
                     log.exception("applying shard 0's decision of round %d failed", round_number)
                     self.stopped.wait(1.0)
                     continue
                 # still open: a decided slice is missing here until its worker sends it again
-                self.stopped.wait(0.2 if self.open_round() == round_number else 0.0)
+                self.stopped.wait(0.2 if self.shard.open_round() == round_number else 0.0)
+
+    def _send_part(self, round_number: int, kept: dict[str, str]) -> None:
+        """Shard 0 screens these slices: this shard's part of the check, once all are here
+        (a missing one: its worker is told to send it again, and shard 0 asked again)."""
+        try:
+            part = self.shard.screening_part(round_number, kept)
+        except Exception:  # a slice that cannot be read (a disk): said, and tried again
+            log.exception("this shard's part of the screening of round %d failed", round_number)
+            self.stopped.wait(1.0)
+            return
+        if part is None:
+            self.stopped.wait(0.2)
+            return
+        try:
+            self.peers.send_part(round_number, part)
+        except PeerUnavailable as exc:  # (the screening changed: asked again)
+            log.info("shard 0 did not take this shard's part of round %d: %s", round_number, exc)
+            self.stopped.wait(0.2)
 
     def stop(self) -> None:
         self.stopped.set()

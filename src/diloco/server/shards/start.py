@@ -180,8 +180,6 @@ class ShardStart:
             members.start()
             return members
         self._check_version(coordinator.version, info)
-        follower = DecisionFollower(
-            self.peers, coordinator.shard.open_round, coordinator.shard.apply_decision
-        )
+        follower = DecisionFollower(self.peers, coordinator.shard)
         follower.start()
         return follower

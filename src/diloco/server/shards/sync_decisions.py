@@ -16,15 +16,24 @@ calls them where a shard's rounds differ from one server's.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco.algorithm import Contribution
 from diloco.algorithm.contributions import FINITE_SUM_LIMIT, contribution_weight
 from diloco.server.errors import Rejection
 from diloco.server.rounds.engine import EngineContext
+from diloco.server.rounds.robust import (
+    DecidedScales,
+    Screening,
+    ScreeningPart,
+    fold_screened,
+    opposed_sums,
+)
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.settings import ServerSettings
+from diloco.wire import TensorSpec
 from diloco.wire.format.spool import PieceBody
 
 
@@ -39,6 +48,10 @@ class LeaderRound(Round):
 
     confirmed: set[str] = field(default_factory=set)
     loads: dict[str, float] = field(default_factory=dict)  # worker -> weight x value bound
+    # robust aggregation: worker -> the sum of squares of its whole pseudo-gradient (every
+    # shard's slice), and the round's screening once every member confirmed
+    squares: dict[str, float] = field(default_factory=dict)
+    screening: Screening | None = None
 
     def waiting_for(self) -> list[str]:
         return sorted(self.members - self.confirmed)
@@ -53,10 +66,15 @@ class FollowerRound(Round):
 
     decided: list[str] | None = None
     decided_sessions: dict[str, str] = field(default_factory=dict)  # worker -> digest
+    # robust aggregation: the slices shard 0 screens (worker -> digest) while it asks for
+    # this shard's part, then the decision's scales (0: refused) and norms
+    screening: dict[str, str] | None = None
+    scales: dict[str, float] = field(default_factory=dict)
+    decided_norms: dict[str, float] = field(default_factory=dict)
 
     def waiting_for(self) -> list[str]:
         if self.decided is None:
-            return []
+            return sorted(set(self.screening or ()) - self.submitters)
         return sorted(set(self.decided) - self.submitters)
 
     def ready(self, min_workers: int) -> bool:
@@ -95,17 +113,29 @@ def _release(submission: Submission) -> None:
         submission.tensors.release()
 
 
-def _fold_only(current: Round, chosen: set[str], storage: dict, now: float) -> None:
-    """Fold the held slices of `chosen` in worker-id order; every other submission leaves the
-    round (its place, units and progress too: it is not part of this step), so the round's
-    submitters, which its record names as the decision, are exactly what was folded: a slice
-    an admin's ban dropped from `held` is not among them. Bodies are released."""
+HeldPairs = Sequence[tuple[Submission, ValueScan]]
+
+
+def _fold_only(
+    current: Round,
+    chosen: set[str],
+    storage: dict,
+    now: float,
+    fold_chosen: Callable[[HeldPairs], None] | None = None,
+) -> None:
+    """Fold the held slices of `chosen` in worker-id order (with `fold_chosen`: as a robust
+    rule's verdict says); every other submission leaves the round (its place, units and
+    progress too: it is not part of this step), so the round's submitters, which its record
+    names as the decision, are exactly what was held of `chosen`: a slice an admin's ban
+    dropped from `held` is not among them. Bodies are released."""
     held = sorted(current.held, key=lambda pair: pair[0].worker_id)
-    folded = set()
-    for submission, scan in held:
-        if submission.worker_id in chosen:
+    mine = [pair for pair in held if pair[0].worker_id in chosen]
+    if fold_chosen is not None:
+        fold_chosen(mine)
+    else:
+        for submission, scan in mine:
             fold(current, submission, scan, storage, now, record=False)
-            folded.add(submission.worker_id)
+    folded = {submission.worker_id for submission, _ in mine}
     for worker_id, fragment in list(current.submitted):
         if worker_id not in folded:
             del current.submitted[(worker_id, fragment)]
@@ -212,16 +242,8 @@ class HeldRounds:
         self, current: Round | None, worker_id: str, round_number: int, digest: str | None = None
     ) -> float:
         """The bound of the values of the slice `holds` names (0 when none is held)."""
-        if current is None or current.number != round_number:
-            return 0.0
-        session = self._sessions.get((round_number, worker_id))
-        for submission, scan in current.held:
-            if submission.worker_id == worker_id and (
-                digest is None or session_digest(session) == digest
-            ):
-                return scan.bound
-        replaced = self._replaced.get((round_number, worker_id, digest or ""))
-        return 0.0 if replaced is None else replaced[1].bound
+        pair = self._slice(current, worker_id, round_number, digest)
+        return 0.0 if pair is None else pair[1].bound
 
     def _replaceable(self, current: Round, worker_id: str) -> bool:
         return True
@@ -233,11 +255,88 @@ class HeldRounds:
         """Fold the decided slices of a complete round (in worker-id order)."""
         raise NotImplementedError
 
-    def confirm(self, current: Round, worker_id: str, round_number: int, bound: float) -> None:
+    def confirm(
+        self, current: Round, worker_id: str, round_number: int, bound: float, squares: float
+    ) -> None:
         raise Rejection(409, "not_shard_0", "confirmations go to shard 0, which decides the rounds")
 
-    def take_decision(self, current: Round, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def take_decision(
+        self,
+        current: Round,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         raise Rejection(409, "not_shard_0", "shard 0 makes the decisions")
+
+    def screened(self, current: Round, now: float) -> bool:
+        """Whether a complete round may be decided (shard 0 may first ask the others)."""
+        return True
+
+    def screening(self, current: Round) -> Screening | None:
+        raise Rejection(409, "not_shard_0", "shard 0 screens the rounds")
+
+    def take_part(self, current: Round, shard: int, part: ScreeningPart) -> bool:
+        raise Rejection(409, "not_shard_0", "shard 0 screens the rounds")
+
+    def screening_part(self, current: Round, kept: Mapping[str, str]) -> ScreeningPart | None:
+        raise Rejection(409, "not_applicable", "shard 0 screens its own slices")
+
+    def squares_of(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None = None
+    ) -> float | None:
+        """Robust aggregation: the sum of squares of the trained values of the slice `holds`
+        names (None when none is held, or nothing is screened)."""
+        pair = self._slice(current, worker_id, round_number, digest)
+        if pair is None or not self.c.screen.on:
+            return None
+        return float(pair[1].norm or 0.0) ** 2
+
+    def _slice(
+        self, current: Round | None, worker_id: str, round_number: int, digest: str | None
+    ) -> tuple[Submission, ValueScan] | None:
+        """The held slice `holds` names (or one a newer process's replaced, by digest)."""
+        if current is None or current.number != round_number:
+            return None
+        session = self._sessions.get((round_number, worker_id))
+        for submission, scan in current.held:
+            if submission.worker_id == worker_id and (
+                digest is None or session_digest(session) == digest
+            ):
+                return submission, scan
+        replaced = self._replaced.get((round_number, worker_id, digest or ""))
+        return None if replaced is None else (replaced[0], replaced[1])
+
+    def _specs(self) -> dict[str, TensorSpec]:
+        """This shard's tensors (a sync shard's plan is one fragment: every tensor it owns)."""
+        c = self.c
+        assert c.model.plan is not None and c.model.specs is not None
+        return {name: c.model.specs[name] for name in c.model.plan[0]}
+
+    def _fold_screened(
+        self,
+        current: Round,
+        norms: Mapping[str, float],
+        scales: Mapping[str, float],
+        refused: Mapping[str, str],
+        now: float,
+    ) -> Callable[[HeldPairs], None]:
+        """What folds the chosen held slices as a robust rule's verdict (by worker) says."""
+
+        def fold_chosen(held: HeldPairs) -> None:
+            workers = [submission.worker_id for submission, _ in held]
+            fold_screened(
+                self.c.screen,
+                current,
+                held,
+                [norms.get(w, 0.0) for w in workers],
+                [scales.get(w, 1.0) for w in workers],
+                {i: refused[w] for i, w in enumerate(workers) if w in refused},
+                self.c.model.sums_storage(),
+                self._specs(),
+                now,
+            )
+
+        return fold_chosen
 
     def require_slice(self, current: Round, fragment: int, worker_id: str | None) -> None:
         raise NotImplementedError
@@ -253,9 +352,12 @@ class SyncLeader(HeldRounds):
         assert isinstance(current, LeaderRound)
         return worker_id not in current.confirmed  # confirmed: every shard holds that slice
 
-    def confirm(self, current: Round, worker_id: str, round_number: int, bound: float) -> None:
+    def confirm(
+        self, current: Round, worker_id: str, round_number: int, bound: float, squares: float
+    ) -> None:
         """`worker_id`'s slices of the open round are held on every shard (checked by the
-        caller), their values bounded by `bound` on all of them: it counts for the barrier,
+        caller), their values bounded by `bound` on all of them and (robust aggregation)
+        their squares summing to `squares` on the other shards: it counts for the barrier,
         and the round may now be decided (the engine commits it). 422 `sum_overflow`
         (nothing changed) when, added to the round, it could overflow some shard's fp32
         sums: refused here, where every shard's bound is known, not when each shard folds."""
@@ -267,6 +369,59 @@ class SyncLeader(HeldRounds):
         )
         current.loads[worker_id] = load
         current.confirmed.add(worker_id)
+        mine = self.squares_of(current, worker_id, round_number)
+        if mine is not None:
+            current.squares[worker_id] = mine + squares
+
+    def screened(self, current: Round, now: float) -> bool:
+        """Robust aggregation: the complete round's screening (made once for its confirmed
+        slices, again if they change: a ban) is complete once every other shard sent its part
+        of the opposed check, asked for on the decisions route (`screening`)."""
+        if not self.c.screen.on:
+            return True
+        assert isinstance(current, LeaderRound)
+        slices = tuple(
+            (w, session_digest(self._sessions.get((current.number, w))))
+            for w in sorted(current.confirmed)
+        )
+        if current.screening is None or current.screening.slices != slices:
+            current.screening = self._screen(current, slices)
+        return current.screening.complete(len(self.c.settings.shard_urls))
+
+    def _screen(self, current: LeaderRound, slices: tuple[tuple[str, str], ...]) -> Screening:
+        """The norms' verdict, and shard 0's part of the opposed check over its own slices."""
+        norms = [math.sqrt(current.squares.get(w, 0.0)) for w, _ in slices]
+        verdict = self.c.screen.verdict(0, norms)
+        refused = dict(verdict.refused)
+        kept = [index not in refused for index in range(len(slices))]
+        chosen = {w for w, _ in slices}
+        held = [p for p in sorted(current.held, key=lambda p: p[0].worker_id)
+                if p[0].worker_id in chosen]  # fmt: skip
+        check = opposed_sums(held, kept, self._specs())
+        return Screening(
+            slices, norms, list(verdict.scales), refused, check, {self.c.settings.shard}
+        )
+
+    def screening(self, current: Round) -> Screening | None:
+        """The open round's screening while it waits for the other shards' parts."""
+        assert isinstance(current, LeaderRound)
+        screening = current.screening
+        shards = len(self.c.settings.shard_urls)
+        if screening is None or screening.complete(shards) or not self.c.screen.on:
+            return None
+        return screening
+
+    def take_part(self, current: Round, shard: int, part: ScreeningPart) -> bool:
+        """Another shard's part of the open round's opposed check; whether it is news."""
+        screening = self.screening(current)
+        if screening is None:
+            raise Rejection(
+                409,
+                "screening_changed",
+                f"round {current.number} is not waiting for a part of its screening",
+                round=current.number,
+            )
+        return screening.take_part(shard, part.kept, part.dots, part.squares, part.median_squares)
 
     def drop(self, current: Round, worker_id: str) -> None:
         """An admin banned the worker: its held slice is not part of any decision."""
@@ -276,7 +431,15 @@ class SyncLeader(HeldRounds):
 
     def decide(self, current: Round, now: float) -> bool:
         assert isinstance(current, LeaderRound)
-        _fold_only(current, current.confirmed, self.c.model.sums_storage(), now)
+        folds = None
+        screening = current.screening
+        if self.c.screen.on and screening is not None:
+            workers = [w for w, _ in screening.slices]
+            refused = {workers[i]: reason for i, reason in screening.verdict().items()}
+            norms = dict(zip(workers, screening.norms, strict=True))
+            scales = dict(zip(workers, screening.scales, strict=True))
+            folds = self._fold_screened(current, norms, scales, refused, now)
+        _fold_only(current, current.confirmed, self.c.model.sums_storage(), now, folds)
         return True
 
 
@@ -300,14 +463,21 @@ class SyncFollower(HeldRounds):
         slice (its decision names the session digest it used)."""
         self._replaced[(number, held.worker_id, session_digest(session))] = (held, scan, session)
 
-    def take_decision(self, current: Round, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def take_decision(
+        self,
+        current: Round,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         """Shard 0 decided the open round with these contributors (worker -> the round they
-        sent for, this one, and the session digest of the slices it used); whether this is
-        news (the engine commits it once every decided slice is here: now, or when the
-        missing ones are sent again)."""
+        sent for, this one, and the session digest of the slices it used) and (robust
+        aggregation) how it used each; whether this is news (the engine commits it once
+        every decided slice is here: now, or when the missing ones are sent again)."""
         assert isinstance(current, FollowerRound)
         if current.decided is not None:
             return False
+        if screened is not None:
+            current.scales, current.decided_norms = dict(screened.scales), dict(screened.norms)
         for worker_id, (_, digest) in decided.items():
             if digest is not None:
                 self._take_back(current, worker_id, digest)
@@ -349,8 +519,33 @@ class SyncFollower(HeldRounds):
 
     def decide(self, current: Round, now: float) -> bool:
         assert isinstance(current, FollowerRound) and current.decided is not None
-        _fold_only(current, set(current.decided), self.c.model.sums_storage(), now)
+        folds = None
+        if self.c.screen.on:
+            refused = {w: "refused by shard 0's screening"
+                       for w, scale in current.scales.items() if scale <= 0}  # fmt: skip
+            folds = self._fold_screened(
+                current, current.decided_norms, current.scales, refused, now
+            )
+        _fold_only(current, set(current.decided), self.c.model.sums_storage(), now, folds)
         return True
+
+    def screening_part(self, current: Round, kept: Mapping[str, str]) -> ScreeningPart | None:
+        """This shard's part of shard 0's opposed check over the `kept` slices (worker ->
+        session digest), summed over its tensors in worker-id order; None while one of them
+        is not here (lost in a restart: its worker is told to send it again)."""
+        assert isinstance(current, FollowerRound)
+        current.screening = dict(kept)
+        order = sorted(kept)
+        held = [self._slice(current, w, current.number, kept[w]) for w in order]
+        if any(pair is None for pair in held):
+            return None
+        check = opposed_sums(held, [True] * len(held), self._specs())  # type: ignore[arg-type]
+        return ScreeningPart(
+            dict(kept),
+            dict(zip(order, check.dots, strict=True)),
+            dict(zip(order, check.squares, strict=True)),
+            check.median_squares,
+        )
 
     def require_slice(self, current: Round, fragment: int, worker_id: str | None) -> None:
         """A result poll of the open round: a decided worker whose slice this shard lacks

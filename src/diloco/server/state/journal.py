@@ -180,6 +180,11 @@ class CommitRecord:
             submissions=self.submissions,
             sessions=self.sessions,
         )
+        if self.norms or self.refused:  # a screened step: how it used each contributor
+            scales = {
+                w: 0.0 if w in self.refused else self.clipped.get(w, 1.0) for w in self.contributors
+            }
+            state.record_screened(self.round, scales, self.norms)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,13 @@ CREATE TABLE IF NOT EXISTS decided_sessions (  -- sharded servers: whose process
     digest TEXT NOT NULL,                      -- shard folds the same process's slices
     PRIMARY KEY (version, worker_id)
 );
+CREATE TABLE IF NOT EXISTS screened (  -- robust aggregation: how a step used each of its
+    version INTEGER NOT NULL,          -- contributors (sharded servers: the decision every
+    worker_id TEXT NOT NULL,           -- shard folds its slices by)
+    scale REAL NOT NULL,               -- 0: refused; below 1: clipped to that
+    norm REAL,                         -- the L2 norm of its whole pseudo-gradient
+    PRIMARY KEY (version, worker_id)
+);
 CREATE TABLE IF NOT EXISTS audit (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,
@@ -407,6 +414,24 @@ class StateStore:
         )
         return {w: d for w, d in rows}
 
+    def record_screened(
+        self, version: int, scales: dict[str, float], norms: dict[str, float]
+    ) -> None:
+        """Robust aggregation: each contributor's scale in step `version` (0: refused) and
+        the norm it was screened by (inside the step's transaction)."""
+        self.conn.executemany(
+            "INSERT INTO screened (version, worker_id, scale, norm) VALUES (?, ?, ?, ?)",
+            [(version, w, float(scale), norms.get(w)) for w, scale in sorted(scales.items())],
+        )
+
+    def screened_of(self, version: int) -> tuple[dict[str, float], dict[str, float]]:
+        """({worker: scale}, {worker: norm}) of step `version` (empty: not screened)."""
+        rows = self.conn.execute(
+            "SELECT worker_id, scale, norm FROM screened WHERE version = ?", (version,)
+        ).fetchall()
+        scales = {w: float(scale) for w, scale, _ in rows}
+        return scales, {w: float(norm) for w, _, norm in rows if norm is not None}
+
     def submissions_of(self, version: int) -> list[dict]:
         rows = self.conn.execute(
             "SELECT worker_id, round, fragment, staleness FROM submissions WHERE version = ? "
@@ -506,6 +531,7 @@ class StateStore:
         self.conn.execute("DELETE FROM rounds WHERE round >= ?", (first,))
         self.conn.execute("DELETE FROM submissions WHERE version >= ?", (first,))
         self.conn.execute("DELETE FROM decided_sessions WHERE version >= ?", (first,))
+        self.conn.execute("DELETE FROM screened WHERE version >= ?", (first,))
         self.conn.execute("DELETE FROM metrics WHERE round >= ?", (first,))
         self.conn.execute("DELETE FROM worker_metrics WHERE round >= ?", (first,))
 
