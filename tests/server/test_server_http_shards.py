@@ -366,6 +366,14 @@ def test_only_the_shard_secret_and_admin_may_read_the_shard_routes(two_shards_wi
         for secret in (SHARD_SECRET, ADMIN_SECRET):
             status, data = call(url0, "GET", path, secret=secret, **fields)
             assert status == 200, (path, data)
+    # a part of a screening: the shard secret only (an admin steers, but sums no tensors)
+    part = json.dumps({"shard": 1, "kept": {}, "dots": {}, "squares": {},
+                       "median_squares": 0.0}).encode()  # fmt: skip
+    for secret, scope in ((credential, "worker:w1"), (TOKEN, "enroll"), (ADMIN_SECRET, "admin")):
+        status, data = call(url0, "POST", "/v1/shard/screening/0", part, secret=secret)
+        assert (status, json.loads(data)["kind"]) == (403, "forbidden"), (scope, data)
+    status, data = call(url0, "POST", "/v1/shard/screening/0", part, secret=SHARD_SECRET)
+    assert (status, json.loads(data)["kind"]) == (409, "screening_changed"), data  # none open
     other = json.dumps({"protocol_version": 1, "worker_id": "w2", "tensors": SPECS}).encode()
     status, data = call(url0, "POST", "/v1/workers", other, secret=SHARD_SECRET)
     assert (status, json.loads(data)["kind"]) == (403, "forbidden"), data
