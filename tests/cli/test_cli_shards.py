@@ -22,9 +22,6 @@ SERVER_CASES = [
           "http://127.0.0.1:1"), "must be distinct"),
         (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
           "http://127.0.0.1:2", "--mode", "streaming"), "at least one fragment per shard"),
-        (("--shard", "0", "--shard-url", "http://127.0.0.1:1", "--shard-url",
-          "http://127.0.0.1:2", "--mode", "async", "--aggregation", "clipped_mean"),
-         "sharded servers in async mode run aggregation mean (an arrival's screening"),
     ]  # fmt: skip
 
 

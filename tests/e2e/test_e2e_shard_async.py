@@ -118,15 +118,18 @@ def unbroken(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path):
 
 @pytest.mark.slow  # the default suite's async shards: test_server_http_shard_async.py
 @pytest.mark.parametrize(
-    "codecs", [(), ("--upload-codec", "int8", "--download-codec", "int8")], ids=["fp32", "int8"]
+    "codecs",
+    [(), ("--upload-codec", "int8", "--download-codec", "int8"), ("--aggregation", "clipped_mean")],
+    ids=["fp32", "int8", "clipped_mean"],
 )
 def test_sharded_async_under_a_kill_ends_where_one_async_server_ends(
     corpus_file: Path, tmp_path: Path, codecs: tuple[str, ...]
 ) -> None:
     """Shard 0 killed once it decided a step that shard 1 has not applied; the joined weights
-    equal one (unsharded) async server's after the same windows, with plain bodies and with
+    equal one (unsharded) async server's after the same windows, with plain bodies, with
     int8 both ways (issue 28, item 1: each shard folds its parts of the coded arrivals and
-    codes its tensors' deltas; error feedback on)."""
+    codes its tensors' deltas; error feedback on), and under clipped_mean (shard 0 screens
+    each arrival by its whole norm, from both shards' squares)."""
     one, sharded = tmp_path / "one", tmp_path / "sharded"
     one.mkdir()
     sharded.mkdir()

@@ -28,7 +28,7 @@ MEDIAN = ("--sync-every", str(SYNC_EVERY), "--min-workers", str(WORKERS),
           "--aggregation", "median")  # fmt: skip
 KILLS = [
     ShardKill("shard 1 summed its part of a screening, not sent", 1, "screening_part:2"),
-    ShardKill("shard 0 took shard 1's part, round undecided", 0, "screening_part_taken:2"),
+    ShardKill("shard 0 as shard 1's part of a screening arrives", 0, "screening_part_arrived:2"),
     ShardKill("shard 0 deciding, before its checkpoint", 0, "before_checkpoint:2"),
     ShardKill("shard 1 applying the decision, checkpoint written", 1, "after_checkpoint:2"),
 ]

@@ -655,3 +655,48 @@ def test_async_shards_take_int8_both_ways_as_one_server_would(start) -> None:
     for name, tensor in anchor.items():
         assert torch.equal(tensor, expected[name]), name
     assert submissions(shard0) == submissions(shard1) == [("w1", 0, 0, 0)]
+
+
+def test_async_shards_clip_and_refuse_by_each_arrivals_whole_norm(start) -> None:
+    """clipped_mean (clip 2x, outlier 10x the median of the remembered norms and the
+    window's): shard 0 screens each arrival by its whole pseudo-gradient's norm, summed from
+    both shards' squares, as one server screens it; every shard folds by its verdict.
+
+    g1 = G["w1"]: squares a 24, b 80, c 4 -> n1 = sqrt(108). w1 arrives twice (versions 1,
+    2; history [n1, n1]). w2 then sends a [2, 0, 0, 0], b [24, 0], c [0]: squares 580,
+    n = sqrt(580) > 2 n1, clipped to s = 2 sqrt(108) / sqrt(580) = sqrt(108 / 145). (Shard
+    0 alone would see a-norms sqrt(24), sqrt(24), 2 and clip nothing; shard 1 alone would clip
+    by sqrt(84) / 24.) w3 then sends a [2, 0, 0, 0], b [200, 0]: n = sqrt(40004), over 10x
+    the median of [n1, n1, sqrt(580), itself] = (n1 + sqrt(580)) / 2 ~ 17.2: refused (shard 0
+    alone sees 2 and keeps it): version 4 is made of nothing and changes nothing, as one
+    server's step of a refused arrival. Nesterov (N = 1), lr 1, beta 0.5: m_k = 0.5 m_k-1 +
+    g_k, theta_k = theta_k-1 - (0.5 m_k + g_k)."""
+    shards = start(aggregation="clipped_mean")
+    shard0, _ = shards
+    for worker in ("w1", "w2", "w3"):
+        register([s.url for s in shards], worker)
+    big = {"a": torch.tensor([2.0, 0.0, 0.0, 0.0]), "b": torch.tensor([24.0, 0.0]),
+           "c": torch.tensor([0.0])}  # fmt: skip
+    huge = {**big, "b": torch.tensor([200.0, 0.0])}
+    arrive(shards, "w1", 0, G["w1"])
+    at_version(shards, 1)
+    arrive(shards, "w1", 1, G["w1"])
+    at_version(shards, 2)
+    arrive(shards, "w2", 2, big)
+    at_version(shards, 3)
+    arrive(shards, "w3", 3, huge)
+    at_version(shards, 4)
+    s = math.sqrt(108 / 145)
+    steps_g = [G["w1"], G["w1"], {k: s * big[k] for k in NAMES}]  # (and w3's, nothing)
+    model, m = dict(INITIAL), {k: torch.zeros_like(INITIAL[k]) for k in NAMES}
+    for g in steps_g:
+        m = {k: BETA * m[k] + g[k] for k in NAMES}
+        model = {k: model[k] - LR * (BETA * m[k] + g[k]) for k in NAMES}
+    assert_model(whole_model(shards, 4), model)
+    assert decision(shard0, 2)["scales"] == {"w2": pytest.approx(s, rel=1e-12)}
+    assert decision(shard0, 2)["norms"] == {"w2": pytest.approx(math.sqrt(580))}
+    assert decision(shard0, 3)["scales"] == {"w3": 0.0}
+    assert decision(shard0, 0)["scales"] == {"w1": 1.0}
+    for shard in shards:  # every shard's audit log records the clip and the refusal
+        events = rows(shard, "SELECT event, worker_id FROM audit WHERE event LIKE 'contribution%'")
+        assert events == [("contribution_clipped", "w2"), ("contribution_refused", "w3")]

@@ -135,20 +135,35 @@ def test_shard_0_waits_for_every_part_and_refuses_a_bad_one(median_shards_unfoll
         ({**part, "shard": 2}, 422, "invalid_request"),
         ({**part, "kept": {**kept, "w4": "0" * 16}}, 409, "screening_changed"),
         ({**part, "dots": {"w1": 1.0}}, 422, "invalid_request"),
+        ({**part, "squares": {"w1": 1.0}}, 422, "invalid_request"),
+        ({**part, "dots": {**part["dots"], "w1": "1.0"}}, 422, "invalid_request"),
         ({**part, "squares": {**part["squares"], "w1": -1.0}}, 422, "invalid_request"),
+        ({**part, "squares": {**part["squares"], "w1": True}}, 422, "invalid_request"),
         ({**part, "median_squares": "two"}, 422, "invalid_request"),
+        ({**part, "missing": ["w9"]}, 422, "invalid_request"),
     ]
     for body, code, kind in bad:
         status, data = post(body)
         assert status == code, (body, data)
         assert json.loads(data)["kind"] == kind, data
-    status, data = call(
-        url0, "POST", "/v1/shard/screening/0", b'{"shard": 1, "median_squares": Infinity}'
-    )
-    assert status == 422, data
+    status, data = post({**part, "squares": {"w1": 1.0}})
+    assert json.loads(data)["detail"]["field"] == "squares", data  # the field that is wrong
+    text = json.dumps({**part, "median_squares": 0.5}).replace("0.5", "Infinity").encode()
+    status, data = call(url0, "POST", "/v1/shard/screening/0", text)
+    assert status == 422 and "median_squares" in json.loads(data)["error"], data
     status, data = post(part, round_number=1)
     assert status == 409 and json.loads(data)["kind"] == "screening_changed", data
     assert leader.version == 0  # no bad part moved anything
+    # shard 1 lost w2's slice (a restart): it says so, and w2's result poll on shard 0 tells
+    # it to send its slices again; the others wait
+    status, data = post({**part, "dots": {}, "squares": {}, "missing": ["w2"]})
+    assert status == 200 and json.loads(data)["status"] == "missing", data
+    status, data = call(url0, "GET", "/v1/rounds/0/result", worker_id="w2", wait=0)
+    assert status == 409, data
+    lost = json.loads(data)
+    assert lost["kind"] == "not_submitted" and lost["detail"]["shards"] == [1], lost
+    status, data = call(url0, "GET", "/v1/rounds/0/result", worker_id="w1", wait=0)
+    assert status == 202, data
     status, data = post(part)
     assert status == 200 and json.loads(data)["status"] == "taken", data
     wait_version(leader, 1)
@@ -156,3 +171,5 @@ def test_shard_0_waits_for_every_part_and_refuses_a_bad_one(median_shards_unfoll
     torch.testing.assert_close(got0["a"], torch.tensor([1.0 - 0.95, 2.0, 3.0, 4.0]))
     decision = json_of(call(url0, "GET", "/v1/shard/decisions/0", shard=1))
     assert decision["status"] == "decided" and decision["scales"]["w4"] == 0.0
+    status, data = call(url0, "GET", "/v1/rounds/0/result", worker_id="w2", wait=0)
+    assert status == 200, data  # its part is in: nothing is missing any more

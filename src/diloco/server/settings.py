@@ -414,8 +414,8 @@ class ServerSettings:
         return self.shard == 0
 
     def _check_shards(self) -> None:
-        """Sharded servers take every codec and, in sync and streaming mode (whose shards own
-        whole fragments, at least one each), every aggregation; the mean in async mode."""
+        """Sharded servers take every codec and every aggregation one server takes in their
+        mode (streaming shards own whole fragments, at least one each)."""
         count = len(self.shard_urls)
         if count == 0:
             if self.shard != 0:
@@ -441,18 +441,10 @@ class ServerSettings:
         # folds as one server would; each shard codes its tensors' delta, and the worker
         # joins the shards' deltas into one. sparse_mean counts each element's senders where
         # the element is folded. A streaming shard screens its own fragments' bodies, whole,
-        # as one server does; sync shard 0 screens each worker's whole pseudo-gradient from
-        # every shard's part of its sums (server/shards/sync_decisions.py). Async shards run
-        # the mean: each arrival is screened alone there, and shard 0 would wait for every
-        # shard's sums at each arrival.
-        if self.mode != "async":
-            return
-        if self.aggregation != "mean":
-            raise ValueError(
-                "sharded servers in async mode run aggregation mean (an arrival's screening "
-                "would need every shard's part before each step), got "
-                f"{self.aggregation!r}; use mode sync or streaming for a robust rule"
-            )
+        # as one server does; shard 0 screens each worker's whole pseudo-gradient from every
+        # shard's part of its sums in sync mode (server/shards/sync_decisions.py) and each
+        # arrival by its whole norm in async mode, where the rules one server takes there
+        # (clipped_mean) apply.
 
     def to_wire(self) -> dict:
         """The `settings` object of /v1/info (docs/protocol.md)."""

@@ -341,11 +341,10 @@ class ShardPausedRequest(_Request):
     stamp: Annotated[int, Field(ge=0, strict=True)] | None = None
 
 
-_FiniteSum = Annotated[float, Field(allow_inf_nan=False)]
-_Squares = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_Squares = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
+_WorkerId = Annotated[StrictStr, Field(max_length=200)]
 _Slices = Annotated[
-    dict[Annotated[str, Field(max_length=200)], Annotated[StrictStr, Field(max_length=64)]],
-    Field(max_length=100_000),
+    dict[_WorkerId, Annotated[StrictStr, Field(max_length=64)]], Field(max_length=100_000)
 ]
 
 
@@ -353,13 +352,17 @@ class ShardScreeningPart(_Request):
     """`POST /v1/shard/screening/{round}` (shard scope): a follower's part of shard 0's
     screening of a sync round under a robust rule: over its tensors of the `kept` slices
     (worker -> session digest), each one's dot with the element-wise median and its squares,
-    and the median's squares (algorithm/robust.py's OpposedCheck)."""
+    and the median's squares (algorithm/robust.py's OpposedCheck); or the kept slices it
+    lacks."""
 
     shard: Annotated[int, Field(ge=0, strict=True)]
     kept: _Slices
-    dots: dict[Annotated[str, Field(max_length=200)], _FiniteSum]
-    squares: dict[Annotated[str, Field(max_length=200)], _Squares]
+    dots: dict[_WorkerId, Finite]
+    squares: dict[_WorkerId, _Squares]
     median_squares: _Squares
+    # the kept workers whose slices the shard lacks (lost in a restart): it sums nothing yet,
+    # and shard 0 tells their workers to send them again
+    missing: Annotated[list[_WorkerId], Field(max_length=100_000)] = []
 
 
 class ErrorBody(_Response):

@@ -104,7 +104,11 @@ def add_shard_routes(
         """Shard 0: another shard's part of the open round's screening (robust rules)."""
         sent = await json_body(request, ShardScreeningPart)
         part = ScreeningPart(
-            dict(sent.kept), dict(sent.dots), dict(sent.squares), sent.median_squares
+            dict(sent.kept),
+            dict(sent.dots),
+            dict(sent.squares),
+            sent.median_squares,
+            tuple(sent.missing),
         )
         return await run_in_threadpool(shard.take_part, round_number, part, sent.shard)
 

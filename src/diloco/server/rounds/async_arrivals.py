@@ -95,13 +95,28 @@ class ArrivalsRole(Protocol):
 
     def bound_of(self, worker_id: str, round_number: int, digest: str | None) -> float: ...
 
+    def squares_of(self, worker_id: str, round_number: int, digest: str | None) -> float | None:
+        """Robust aggregation: the sum of squares of the slice `holds` names."""
+        ...
+
     def confirm(
-        self, engine: AsyncArrivals, worker_id: str, round_number: int, bound: float, now: float
+        self,
+        engine: AsyncArrivals,
+        worker_id: str,
+        round_number: int,
+        bound: float,
+        now: float,
+        squares: float = 0.0,
     ) -> int:
         """Shard 0: the held slice is on every shard; it joins the window. Its staleness."""
         ...
 
-    def take_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def take_decision(
+        self,
+        version: int,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         """A follower: shard 0's decision of the next version; whether it is news."""
         ...
 
@@ -160,12 +175,26 @@ class OneServerArrivals:
     def bound_of(self, worker_id: str, round_number: int, digest: str | None) -> float:
         return 0.0
 
+    def squares_of(self, worker_id: str, round_number: int, digest: str | None) -> float | None:
+        return None
+
     def confirm(
-        self, engine: AsyncArrivals, worker_id: str, round_number: int, bound: float, now: float
+        self,
+        engine: AsyncArrivals,
+        worker_id: str,
+        round_number: int,
+        bound: float,
+        now: float,
+        squares: float = 0.0,
     ) -> int:
         raise AssertionError("one server decides its steps")
 
-    def take_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def take_decision(
+        self,
+        version: int,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         raise AssertionError("one server decides its steps")
 
     def weights_at(self, engine: AsyncArrivals, version: int) -> RoundResult:
@@ -510,10 +539,10 @@ class AsyncArrivals:
         self, worker_id: str, round_number: int, bound: float = 0.0, squares: float = 0.0
     ) -> dict:
         """Shard 0: the held slice of (worker, anchor) is on every shard (checked by the
-        caller), bounded by `bound`: it joins the grace window, which may now close. (Async
-        shards run the mean: `squares`, the other shards' sums of squares, go unused.)"""
+        caller), bounded by `bound` (robust aggregation: its squares on the other shards
+        summing to `squares`): it joins the grace window, which may now close."""
         now = self.c.clock()
-        staleness = self.role.confirm(self, worker_id, round_number, bound, now)
+        staleness = self.role.confirm(self, worker_id, round_number, bound, now, squares)
         self.complete_window(now)
         applied = None if worker_id in self.anchors else self.c.model.version - 1
         return self._answer("accepted", round_number, applied, staleness)
@@ -526,10 +555,10 @@ class AsyncArrivals:
     ) -> bool:
         """A follower: shard 0 made `version` from these arrivals (worker -> anchor, session
         digest): apply it once every one of their slices is here. False if it is not the
-        next version here. (Async shards run the mean: nothing is `screened`.)"""
+        next version here; `screened`: how shard 0's robust rule used each (clipped_mean)."""
         if self.c.model.masters is None or version != self.c.model.version:
             return False
-        if self.role.take_decision(version, decided):
+        if self.role.take_decision(version, decided, screened):
             self.complete_window(self.c.clock())
         return True
 
@@ -540,13 +569,18 @@ class AsyncArrivals:
     def squares_of(
         self, worker_id: str, round_number: int, digest: str | None = None
     ) -> float | None:
-        return None  # async shards screen nothing (they run the mean)
+        """Robust aggregation: the sum of squares of the slice `holds` names (None: none)."""
+        return self.role.squares_of(worker_id, round_number, digest)
 
     def screening(self, round_number: int) -> Screening | None:
-        return None
+        return None  # each arrival is screened at its confirmation, by its norm alone
 
     def take_part(self, round_number: int, shard: int, part: ScreeningPart) -> bool:
-        raise Rejection(409, "screening_changed", "async shards screen nothing (they run the mean)")
+        raise Rejection(
+            409,
+            "screening_changed",
+            "async shards screen each arrival by its norm alone: no parts are summed",
+        )
 
     def screening_part(self, round_number: int, kept: Mapping[str, str]) -> ScreeningPart | None:
         return None

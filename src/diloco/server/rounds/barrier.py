@@ -502,6 +502,8 @@ class BarrierRounds:
                     fragment=fragment,
                 )
             return result.lend()
+        if round_number == current.number and self.role.holds_slices:
+            self.role.require_slice(current, fragment, worker_id)  # shard 0: a lost slice
         timeout = c.settings.effective_barrier_timeout
         assert timeout is not None
         if not c.paused() and current.barrier_expired(now, timeout):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -256,6 +256,8 @@ class ScreeningPart:
     dots: dict[str, float]
     squares: dict[str, float]
     median_squares: float
+    # the kept workers whose slices the shard lacks (lost in a restart): no sums yet
+    missing: tuple[str, ...] = ()
 
 
 @dataclass
@@ -272,6 +274,9 @@ class Screening:
     refused: dict[int, str]  # by the norms, by index into `slices`
     check: OpposedCheck  # the kept ones' sums so far, in worker-id order
     answered: set[int]  # the shards whose part of the check is in
+    # shard -> the kept workers whose slices it lacks (their result poll on shard 0 tells
+    # them to send their slices again)
+    missing: dict[int, set[str]] = field(default_factory=dict)
 
     @property
     def kept(self) -> list[bool]:
@@ -296,18 +301,13 @@ class Screening:
             refused.update(opposed_refusals(self.check, self.kept))
         return refused
 
-    def take_part(
-        self,
-        shard: int,
-        kept: Mapping[str, str],
-        dots: Mapping[str, float],
-        squares: Mapping[str, float],
-        median_squares: float,
-    ) -> bool:
+    def take_part(self, shard: int, part: ScreeningPart) -> bool:
         """Another shard's part of the opposed check (its sums over the kept slices it
-        holds); whether it is news. 409 `screening_changed` for sums over other slices."""
+        holds), or the kept slices it lacks; whether its sums are news. 409
+        `screening_changed` for a part over other slices, 422 for a malformed one (nothing
+        changed)."""
         mine = self.kept_slices()
-        if not self.checks or dict(kept) != mine:
+        if not self.checks or dict(part.kept) != mine:
             raise Rejection(
                 409,
                 "screening_changed",
@@ -315,17 +315,37 @@ class Screening:
                 "for); ask for its decision again",
                 kept=mine if self.checks else {},
             )
-        if set(dots) != set(mine) or set(squares) != set(mine):
-            raise Rejection(
-                422,
-                "invalid_request",
-                "fields 'dots' and 'squares' must name exactly the kept workers",
-                field="dots",
-                expected=sorted(mine),
-            )
+        if part.missing:
+            if not set(part.missing) <= set(mine):
+                raise Rejection(
+                    422,
+                    "invalid_request",
+                    "field 'missing' must name kept workers only",
+                    field="missing",
+                    expected=sorted(mine),
+                )
+            if shard not in self.answered:
+                self.missing[shard] = set(part.missing)
+            return False
+        for name, given in (("dots", part.dots), ("squares", part.squares)):
+            if set(given) != set(mine):
+                raise Rejection(
+                    422,
+                    "invalid_request",
+                    f"field '{name}' must name exactly the kept workers",
+                    field=name,
+                    expected=sorted(mine),
+                )
         if shard in self.answered:
             return False
         order = sorted(mine)
-        self.check.absorb([dots[w] for w in order], [squares[w] for w in order], median_squares)
+        self.check.absorb(
+            [part.dots[w] for w in order], [part.squares[w] for w in order], part.median_squares
+        )
         self.answered.add(shard)
+        self.missing.pop(shard, None)
         return True
+
+    def lacking(self, worker_id: str) -> list[int]:
+        """The shards that said they lack `worker_id`'s kept slice (sorted)."""
+        return sorted(shard for shard, workers in self.missing.items() if worker_id in workers)

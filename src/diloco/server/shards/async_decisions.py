@@ -18,6 +18,8 @@ they need its grace window.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,10 +28,12 @@ from diloco.server.errors import Rejection
 from diloco.server.model.results import RoundResult
 from diloco.server.rounds.async_arrivals import AsyncArrivals
 from diloco.server.rounds.engine import EngineContext
+from diloco.server.rounds.robust import DecidedScales
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.shards.sync_decisions import checked_load, session_digest
 from diloco.wire.format.spool import CheckedPieces, PieceBody
 
+log = logging.getLogger("diloco.server")
 KEPT_VERSIONS = 3  # a follower's versions before its current one, for a worker that took
 # shard 0's first
 
@@ -66,6 +70,8 @@ class HeldArrivals:
         self.held: dict[tuple[str, int, str], HeldSlice] = {}
         self.kept: deque[RoundResult] = deque(maxlen=KEPT_VERSIONS + 1)  # and the current
         self.window_sessions: dict[str, str] = {}  # worker -> digest of the window's slice
+        # robust aggregation (clipped_mean): worker -> its clip in the window (0: refused)
+        self.window_clips: dict[str, float] = {}
 
     def start(self, engine: AsyncArrivals) -> None:
         pass
@@ -92,6 +98,19 @@ class HeldArrivals:
         if digest is not None:
             keys = [k for k in keys if k[2] == digest]
         return max((self.held[k].scan.bound for k in keys), default=0.0)
+
+    def squares_of(
+        self, worker_id: str, round_number: int, digest: str | None = None
+    ) -> float | None:
+        """Robust aggregation: the sum of squares of the trained values of the slice
+        `holds` names (None when none is held, or nothing is screened)."""
+        keys = self._of(worker_id, round_number)
+        if digest is not None:
+            keys = [k for k in keys if k[2] == digest]
+        if not keys or not self.c.screen.on:
+            return None
+        held = max((self.held[k] for k in keys), key=lambda h: h.at)
+        return float(held.scan.norm or 0.0) ** 2
 
     def _key(self, submission: Submission) -> tuple[str, int, str]:
         return (
@@ -133,14 +152,16 @@ class HeldArrivals:
         return {w: d for w, d in self.window_sessions.items() if w in window.submitters}
 
     def fold_held(self, engine: AsyncArrivals, window: Round, now: float) -> None:
-        """Fold the window's arrivals in worker-id order, each scaled by its staleness: the
-        order and scales every shard uses, so their sums are the same function of the
-        same slices."""
+        """Fold the window's arrivals in worker-id order, each scaled by its staleness (and
+        its clip under clipped_mean; a refused one not at all): the order and scales every
+        shard uses, so their sums are the same function of the same slices."""
         storage = self.c.model.sums_storage()
         for submission, scan in sorted(window.held, key=lambda pair: pair[0].worker_id):
             anchor = engine.anchors[submission.worker_id]
             scale = staleness_scale(window.number - anchor, self.c.settings.staleness_weighting)
-            fold(window, submission, scan, storage, now, scale, record=False)
+            clip = self.window_clips.get(submission.worker_id, 1.0)
+            if clip > 0:
+                fold(window, submission, scan, storage, now, scale * clip, record=False)
         for submission, _ in window.held:
             _release(submission)
         window.held = []
@@ -162,11 +183,22 @@ class HeldArrivals:
         raise NotImplementedError
 
     def confirm(
-        self, engine: AsyncArrivals, worker_id: str, round_number: int, bound: float, now: float
+        self,
+        engine: AsyncArrivals,
+        worker_id: str,
+        round_number: int,
+        bound: float,
+        now: float,
+        squares: float = 0.0,
     ) -> int:
         raise Rejection(409, "not_shard_0", "confirmations go to shard 0, which decides the rounds")
 
-    def take_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def take_decision(
+        self,
+        version: int,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         raise Rejection(409, "not_shard_0", "shard 0 makes the decisions")
 
     def weights_at(self, engine: AsyncArrivals, version: int) -> RoundResult:
@@ -207,13 +239,21 @@ class AsyncLeader(HeldArrivals):
         self._hold(submission, checked)
 
     def confirm(
-        self, engine: AsyncArrivals, worker_id: str, round_number: int, bound: float, now: float
+        self,
+        engine: AsyncArrivals,
+        worker_id: str,
+        round_number: int,
+        bound: float,
+        now: float,
+        squares: float = 0.0,
     ) -> int:
         """The held slice of (worker, anchor) is on every shard (checked by the caller), its
         values bounded by `bound` on all of them: it joins the grace window (which the
         engine then tries to close); its staleness. 422 `sum_overflow` (nothing changed)
         when, added to the window, it could overflow some shard's fp32 sums: refused here,
-        where every shard's bound is known, not when each shard folds."""
+        where every shard's bound is known, not when each shard folds. Under clipped_mean
+        it is screened here, as one server screens an arrival, by its whole norm (its
+        squares here and `squares`, the other shards'): refused or clipped."""
         c = self.c
         (key,) = self._of(worker_id, round_number)
         held = self.held[key]
@@ -238,16 +278,33 @@ class AsyncLeader(HeldArrivals):
         window.add_units(worker_id, held.submission.units)
         if held.submission.progress:
             window.add_progress(worker_id, held.submission.progress)
+        if c.screen.on:
+            self._screen(window, worker_id, math.sqrt((held.scan.norm or 0.0) ** 2 + squares))
         engine.window = window
         engine.anchors[worker_id] = round_number
         c.metrics.staleness.observe(staleness)
         return staleness
+
+    def _screen(self, window: Round, worker_id: str, norm: float) -> None:
+        """One arrival against the history and the window's norms, as one server does."""
+        verdict = self.c.screen.verdict(0, [*window.norms.values(), norm])
+        refusal, clip = verdict.refused.get(len(window.norms)), verdict.scales[-1]
+        if refusal is not None:
+            window.refused[worker_id] = refusal
+            self.window_clips[worker_id] = 0.0
+            log.warning("%s's pseudo-gradient refused: %s", worker_id, refusal)
+            return
+        window.norms[worker_id] = norm
+        self.window_clips[worker_id] = clip
+        if clip < 1.0:
+            window.clipped[worker_id] = clip
 
     def after_commit(self, engine: AsyncArrivals) -> None:
         if engine.window is None:  # the step is made (or nothing was open)
             self.window_tokens.clear()
             self.window_bounds.clear()
             self.window_sessions.clear()
+            self.window_clips.clear()
 
     def on_leave(self, worker_id: str) -> None:
         """A slice never confirmed is in no decision: it goes with its worker."""
@@ -267,6 +324,9 @@ class AsyncLeader(HeldArrivals):
             window.tokens -= self.window_tokens.pop(worker_id, 0)
             self.window_bounds.pop(worker_id, None)
             self.window_sessions.pop(worker_id, None)
+            self.window_clips.pop(worker_id, None)
+            for screened in (window.norms, window.clipped, window.refused):
+                screened.pop(worker_id, None)
             if window.submitted:  # the grace deadline counts from the first arrival left
                 window.first_submission_at = min(window.submitted.values())
             window.units.pop(worker_id, None)
@@ -289,18 +349,25 @@ class AsyncFollower(HeldArrivals):
         super().__init__(context)
         # version, worker -> (anchor, session digest)
         self.decided: tuple[int, dict[str, tuple[int, str | None]]] | None = None
+        self.screened: DecidedScales | None = None  # how shard 0's robust rule used each
 
     def start(self, engine: AsyncArrivals) -> None:
         self.kept.clear()
         self.kept.append(self.c.model.current_weights(engine.fragment_rounds()).lend())
 
-    def take_decision(self, version: int, decided: dict[str, tuple[int, str | None]]) -> bool:
+    def take_decision(
+        self,
+        version: int,
+        decided: dict[str, tuple[int, str | None]],
+        screened: DecidedScales | None = None,
+    ) -> bool:
         """Shard 0 made `version` (the next version here, checked by the engine) from these
-        arrivals (worker -> anchor, session digest); whether it is news (the engine applies
-        it once every one of their slices is here)."""
+        arrivals (worker -> anchor, session digest) and (clipped_mean) with these clips;
+        whether it is news (the engine applies it once every one of their slices is here)."""
         if self.decided is not None:
             return False
         self.decided = (version, dict(decided))
+        self.screened = screened
         return True
 
     def _decided_key(self, worker_id: str, anchor: int, digest: str | None):
@@ -331,9 +398,22 @@ class AsyncFollower(HeldArrivals):
                 held = self.held.pop(key)
                 window.hold(held.submission, held.scan, now)
                 self.window_sessions[worker_id] = held.digest
+            self._take_clips(window)
             engine.window = window
             engine.anchors = {w: a for w, (a, _) in decided.items()}
         return True
+
+    def _take_clips(self, window: Round) -> None:
+        """The decision's clips (0: refused) and norms, into the window and its record."""
+        if self.screened is None:
+            return
+        for worker_id, clip in self.screened.scales.items():
+            self.window_clips[worker_id] = clip
+            if clip <= 0:
+                window.refused[worker_id] = "refused by shard 0's screening"
+            elif clip < 1.0:
+                window.clipped[worker_id] = clip
+        window.norms.update(self.screened.norms)
 
     def after_commit(self, engine: AsyncArrivals) -> None:
         """Once the step is made: keep its version, drop the slices it passed."""
@@ -342,7 +422,9 @@ class AsyncFollower(HeldArrivals):
         assert self.decided is not None
         _, decided = self.decided
         self.decided = None
+        self.screened = None
         self.window_sessions.clear()
+        self.window_clips.clear()
         self.kept.append(self.c.model.current_weights(engine.fragment_rounds()).lend())
         # these workers' slices of this anchor or older can no longer be decided
         for worker_id, (anchor, _) in decided.items():

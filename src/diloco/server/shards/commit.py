@@ -429,7 +429,8 @@ class ShardCommit:
             )
         with self.lock:
             self.require_healthy()
-            faults.crash_point("screening_part_taken")  # (a part in, the round undecided)
+            faults.crash_point("screening_part_arrived")  # (a part came, not yet taken)
             taken = self.engine.take_part(round_number, shard, part)
             self.lock.notify_all()
-            return {"status": "taken" if taken else "duplicate", "round": round_number}
+            status = "missing" if part.missing else "taken" if taken else "duplicate"
+            return {"status": status, "round": round_number}

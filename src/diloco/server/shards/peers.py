@@ -182,6 +182,7 @@ class ShardPeers:
             "dots": part.dots,
             "squares": part.squares,
             "median_squares": part.median_squares,
+            "missing": list(part.missing),
         }
         self._get(0, f"/v1/shard/screening/{round_number}", {}, posted=body)
 
@@ -355,14 +356,14 @@ class DecisionFollower(threading.Thread):
 
     def _send_part(self, round_number: int, kept: dict[str, str]) -> None:
         """Shard 0 screens these slices: this shard's part of the check, once all are here
-        (a missing one: its worker is told to send it again, and shard 0 asked again)."""
+        (a missing one is named, so that shard 0 tells its worker to send it again)."""
         try:
             part = self.shard.screening_part(round_number, kept)
         except Exception:  # a slice that cannot be read (a disk): said, and tried again
             log.exception("this shard's part of the screening of round %d failed", round_number)
             self.stopped.wait(1.0)
             return
-        if part is None:
+        if part is None:  # (not our open round: it moved on meanwhile)
             self.stopped.wait(0.2)
             return
         try:
@@ -370,6 +371,15 @@ class DecisionFollower(threading.Thread):
         except PeerUnavailable as exc:  # (the screening changed: asked again)
             log.info("shard 0 did not take this shard's part of round %d: %s", round_number, exc)
             self.stopped.wait(0.2)
+            return
+        if part.missing:  # their workers are told to send them again; then we are asked again
+            log.warning(
+                "round %d is screened with slices this shard lacks (from %s): waiting for "
+                "them to be sent again",
+                round_number,
+                ", ".join(part.missing),
+            )
+            self.stopped.wait(0.5)
 
     def stop(self) -> None:
         self.stopped.set()

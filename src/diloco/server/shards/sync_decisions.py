@@ -397,6 +397,9 @@ class SyncLeader(HeldRounds):
         chosen = {w for w, _ in slices}
         held = [p for p in sorted(current.held, key=lambda p: p[0].worker_id)
                 if p[0].worker_id in chosen]  # fmt: skip
+        # one held slice per confirmed worker (a confirmed one is never replaced; a ban
+        # takes it out of both): rows pair by position
+        assert [p[0].worker_id for p in held] == [w for w, _ in slices]
         check = opposed_sums(held, kept, self._specs())
         return Screening(
             slices, norms, list(verdict.scales), refused, check, {self.c.settings.shard}
@@ -421,7 +424,27 @@ class SyncLeader(HeldRounds):
                 f"round {current.number} is not waiting for a part of its screening",
                 round=current.number,
             )
-        return screening.take_part(shard, part.kept, part.dots, part.squares, part.median_squares)
+        return screening.take_part(shard, part)
+
+    def require_slice(self, current: Round, fragment: int, worker_id: str | None) -> None:
+        """A result poll of the open round while it is screened: a kept worker whose slice
+        another shard lacks (lost in a restart) is told to send it again (its worker sends
+        every slice and confirms again; shards that hold one answer `duplicate`)."""
+        assert isinstance(current, LeaderRound)
+        screening = current.screening
+        lacking = [] if screening is None or worker_id is None else screening.lacking(worker_id)
+        if lacking and not self.c.closing():
+            raise Rejection(
+                409,
+                "not_submitted",
+                f"round {current.number} is being screened with {worker_id!r}, whose slice "
+                f"shard(s) {', '.join(map(str, lacking))} do not hold (restarted since); "
+                "submit it again",
+                round=current.number,
+                fragment=fragment,
+                worker_id=worker_id,
+                shards=lacking,
+            )
 
     def drop(self, current: Round, worker_id: str) -> None:
         """An admin banned the worker: its held slice is not part of any decision."""
@@ -531,14 +554,16 @@ class SyncFollower(HeldRounds):
 
     def screening_part(self, current: Round, kept: Mapping[str, str]) -> ScreeningPart | None:
         """This shard's part of shard 0's opposed check over the `kept` slices (worker ->
-        session digest), summed over its tensors in worker-id order; None while one of them
-        is not here (lost in a restart: its worker is told to send it again)."""
+        session digest), summed over its tensors in worker-id order; while some of them are
+        not here (lost in a restart), a part that names them, so that shard 0 tells their
+        workers to send them again."""
         assert isinstance(current, FollowerRound)
         current.screening = dict(kept)
         order = sorted(kept)
         held = [self._slice(current, w, current.number, kept[w]) for w in order]
-        if any(pair is None for pair in held):
-            return None
+        missing = tuple(w for w, pair in zip(order, held, strict=True) if pair is None)
+        if missing:  # shard 0 tells their workers to send them again
+            return ScreeningPart(dict(kept), {}, {}, 0.0, missing)
         check = opposed_sums(held, [True] * len(held), self._specs())  # type: ignore[arg-type]
         return ScreeningPart(
             dict(kept),
@@ -553,10 +578,11 @@ class SyncFollower(HeldRounds):
         assert isinstance(current, FollowerRound)
         missing = worker_id is not None and worker_id in current.waiting_for()
         if missing and not self.c.closing():
+            how = "was decided" if current.decided is not None else "is being screened"
             raise Rejection(
                 409,
                 "not_submitted",
-                f"round {current.number} was decided with {worker_id!r}, whose slice this "
+                f"round {current.number} {how} with {worker_id!r}, whose slice this "
                 "shard does not hold (it restarted since); submit it again",
                 round=current.number,
                 fragment=fragment,
