@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import signal
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
@@ -31,13 +30,12 @@ from test_e2e_shard_crash import (
     Shards,
     finish,
     kill_at_random,
+    start_paused,
     train,
 )
 
 from diloco.faults import ENV_VAR
 from diloco.server.ops.launch import start_server, stop_process
-from diloco.worker import DiLoCoClient, RetryPolicy
-from diloco.worker.net.admin_client import AdminClient
 from processes import global_weights
 
 SYNC_EVERY = 4
@@ -45,21 +43,6 @@ ARRIVALS = STEPS // SYNC_EVERY  # each worker's
 ASYNC = ("--mode", "async", "--sync-every", str(SYNC_EVERY), "--dn-period", "2")
 WINDOWED = (*ASYNC, "--grace-seconds", "60")
 CI_POINT = "shard 0 decided durably, shard 1 not yet"
-
-
-def start_paused(url0: str, worker_url: str, corpus: Path, out: Path):
-    """Workers started while shard 0 is paused, resumed once both are live: no window can
-    close on the first worker alone."""
-    admin = AdminClient(url0, retry=RetryPolicy(attempts=20))
-    with admin, DiLoCoClient(url0, retry=RetryPolicy(attempts=20)) as client:
-        admin.pause()
-        workers = train(worker_url, corpus, out)
-        deadline = time.monotonic() + 120
-        while sum(w["live"] for w in client.status()["workers"]) < 2:
-            assert time.monotonic() < deadline, "the workers did not register"
-            time.sleep(0.05)
-        admin.resume()
-    return workers
 
 
 def shard_steps(out: Path, shard: int) -> list[tuple]:

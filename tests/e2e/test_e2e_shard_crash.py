@@ -25,6 +25,8 @@ import torch
 
 from diloco.faults import ENV_VAR
 from diloco.server.ops.launch import free_ports, start_server, stop_process
+from diloco.worker import DiLoCoClient, RetryPolicy
+from diloco.worker.net.admin_client import AdminClient
 from processes import global_weights, start_worker, wait_all
 
 STEPS, SYNC_EVERY, SHARDS = 16, 4, 2
@@ -103,6 +105,21 @@ def finish(workers: list[subprocess.Popen], out: Path) -> None:
     wait_all(workers, timeout=300)
     for i, worker in enumerate(workers):
         assert worker.returncode == 0, (out / f"w{i}.log").read_text()
+
+
+def start_paused(url0: str, worker_url: str, corpus: Path, out: Path):
+    """Workers started while shard 0 is paused, resumed once both are live: no round or
+    window can go on with the first worker alone."""
+    admin = AdminClient(url0, retry=RetryPolicy(attempts=20))
+    with admin, DiLoCoClient(url0, retry=RetryPolicy(attempts=20)) as client:
+        admin.pause()
+        workers = train(worker_url, corpus, out)
+        deadline = time.monotonic() + 120
+        while sum(w["live"] for w in client.status()["workers"]) < 2:
+            assert time.monotonic() < deadline, "the workers did not register"
+            time.sleep(0.05)
+        admin.resume()
+    return workers
 
 
 INT8_BOTH_WAYS = (*SYNC_MODE, "--upload-codec", "int8", "--download-codec", "int8")
@@ -367,7 +384,8 @@ def test_a_follower_and_a_decided_worker_both_killed_the_follower_recovers_its_s
     env = {1: {ENV_VAR: "before_checkpoint:3"}}
     shards = Shards(tmp_path, env=env, mode=mode, heartbeat_timeout=4)
     try:
-        workers = train(shards.urls[0], corpus_file, tmp_path)
+        # both in every round until w1 is killed (a loaded machine starts one late)
+        workers = start_paused(shards.urls[0], shards.urls[0], corpus_file, tmp_path)
         shards.processes[1].wait(timeout=180)
         assert shards.processes[1].returncode == -signal.SIGKILL
         workers[1].send_signal(signal.SIGKILL)
