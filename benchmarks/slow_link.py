@@ -67,6 +67,8 @@ CODECS = {
     "int8": ("int8", "int8"),
     "int2": ("int2", "int2"),
     "topk:0.03+int2": ("topk:0.03+int2", "int2"),
+    # top-k both ways: each step's delta to P goes out as top-k too (error feedback via P)
+    "topk:0.03+int2/topk:0.03+int2": ("topk:0.03+int2", "topk:0.03+int2"),
 }
 
 
