@@ -46,13 +46,15 @@ def assert_close_to(weights: dict[str, torch.Tensor], reference: dict[str, torch
         torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # ~13 s alone; the default suite proves the screening across shards over real
+# HTTP in process, a follower's decision loop included (test_server_http_shard_robust.py)
 def test_median_shards_with_a_follower_killed_in_the_screening_end_like_the_simulator(
     corpus_file: Path, small_corpus: bytes, tmp_path: Path
 ) -> None:
-    """The default suite's real-process check: shard 1 dies between summing its part of a
-    round's screening and sending it; restarted, it takes its held slices back from disk,
-    sums its part again when shard 0 asks, and the run ends where the simulator's median
-    run ends (which the plain mean's does not)."""
+    """Shard 1 dies between summing its part of a round's screening and sending it;
+    restarted, it takes its held slices back from disk, sums its part again when shard 0
+    asks, and the run ends where the simulator's median run ends (which the plain mean's
+    does not)."""
     (kill,) = [k for k in KILLS if k.spec.startswith("screening_part:")]
     weights = run_with_kill(kill, corpus_file, tmp_path, mode=MEDIAN, count=WORKERS)
     median = simulated(small_corpus, "median")
