@@ -5,7 +5,9 @@ and restarted on their state dirs.
 
 Shard 0 screens each worker's whole pseudo-gradient from every shard's part of its sums, so
 the run ends where the simulator's one model ends under the same rule (rtol 1e-5: the shards
-sum in another order), and a killed run ends bit-identical to an unbroken one.
+sum in another order), and a killed run ends bit-identical to an unbroken one. All of it
+runs with `-m slow`; the default suite proves the screening across shards over raw HTTP in
+process (tests/server/test_server_http_shard_robust.py).
 """
 
 from __future__ import annotations
