@@ -136,6 +136,16 @@ def test_sharded_async_under_a_kill_ends_where_one_async_server_ends(
     assert weights.keys() == reference_weights.keys()
     for name, tensor in reference_weights.items():
         torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    if "clipped_mean" in codecs:  # every step screened, each shard folding by one verdict
+        screened = [screened_rows(sharded, shard) for shard in range(SHARDS)]
+        assert len(screened[0]) == 2 * ARRIVALS and screened[1] == screened[0], screened
+
+
+def screened_rows(out: Path, shard: int) -> list[tuple]:
+    with sqlite3.connect(out / f"state-{shard}" / "state.sqlite") as db:
+        return db.execute(
+            "SELECT version, worker_id, scale, norm FROM screened ORDER BY version, worker_id"
+        ).fetchall()
 
 
 @pytest.mark.slow

@@ -164,6 +164,14 @@ def test_shard_0_waits_for_every_part_and_refuses_a_bad_one(median_shards_unfoll
     assert lost["kind"] == "not_submitted" and lost["detail"]["shards"] == [1], lost
     status, data = call(url0, "GET", "/v1/rounds/0/result", worker_id="w1", wait=0)
     assert status == 202, data
+    # w2 sends its slices again and confirms: every shard holds them, so it is told no more
+    for url, names in zip((url0, url1), OWNED, strict=True):
+        status, data = submit(url, "w2", {n: gradient("w2")[n] for n in names})
+        assert status == 200, data
+    status, data = call(url0, "POST", "/v1/rounds/0/confirm", worker_id="w2")
+    assert status == 200, data
+    status, data = call(url0, "GET", "/v1/rounds/0/result", worker_id="w2", wait=0)
+    assert status == 202, data
     status, data = post(part)
     assert status == 200 and json.loads(data)["status"] == "taken", data
     wait_version(leader, 1)

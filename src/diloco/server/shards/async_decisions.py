@@ -259,18 +259,24 @@ class AsyncLeader(HeldArrivals):
         held = self.held[key]
         staleness = c.model.version - round_number
         scale = staleness_scale(staleness, c.settings.staleness_weighting)
-        load = checked_load(
-            worker_id,
-            held.submission.tokens,
-            scale,
-            bound,
-            self.window_bounds.values(),
-            c.settings,
-        )
-        del self.held[key]
         window = engine.window
         if window is None:
             window = Round(c.model.version, c.membership.live_ids(), c.settings.weighting, now)
+        # screened first, as one server screens an arrival before it folds it: a refused one
+        # adds nothing to the window's sums, a clipped one its clipped values
+        norm = math.sqrt((held.scan.norm or 0.0) ** 2 + squares)
+        refusal, clip = self._verdict(window, norm) if c.screen.on else (None, 1.0)
+        load = 0.0
+        if refusal is None:
+            load = checked_load(
+                worker_id,
+                held.submission.tokens,
+                scale * clip,
+                bound,
+                self.window_bounds.values(),
+                c.settings,
+            )
+        del self.held[key]
         window.hold(held.submission, held.scan, now)
         self.window_tokens[worker_id] = max(0, held.submission.tokens)
         self.window_bounds[worker_id] = load
@@ -279,25 +285,24 @@ class AsyncLeader(HeldArrivals):
         if held.submission.progress:
             window.add_progress(worker_id, held.submission.progress)
         if c.screen.on:
-            self._screen(window, worker_id, math.sqrt((held.scan.norm or 0.0) ** 2 + squares))
+            self.window_clips[worker_id] = 0.0 if refusal is not None else clip
+            if refusal is not None:
+                window.refused[worker_id] = refusal
+                log.warning("%s's pseudo-gradient refused: %s", worker_id, refusal)
+            else:
+                window.norms[worker_id] = norm
+                if clip < 1.0:
+                    window.clipped[worker_id] = clip
         engine.window = window
         engine.anchors[worker_id] = round_number
         c.metrics.staleness.observe(staleness)
         return staleness
 
-    def _screen(self, window: Round, worker_id: str, norm: float) -> None:
-        """One arrival against the history and the window's norms, as one server does."""
+    def _verdict(self, window: Round, norm: float) -> tuple[str | None, float]:
+        """One arrival against the history and the window's norms, as one server judges it:
+        (the refusal or None, its clip); changes nothing."""
         verdict = self.c.screen.verdict(0, [*window.norms.values(), norm])
-        refusal, clip = verdict.refused.get(len(window.norms)), verdict.scales[-1]
-        if refusal is not None:
-            window.refused[worker_id] = refusal
-            self.window_clips[worker_id] = 0.0
-            log.warning("%s's pseudo-gradient refused: %s", worker_id, refusal)
-            return
-        window.norms[worker_id] = norm
-        self.window_clips[worker_id] = clip
-        if clip < 1.0:
-            window.clipped[worker_id] = clip
+        return verdict.refused.get(len(window.norms)), verdict.scales[-1]
 
     def after_commit(self, engine: AsyncArrivals) -> None:
         if engine.window is None:  # the step is made (or nothing was open)

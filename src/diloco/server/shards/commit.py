@@ -209,7 +209,9 @@ class ShardCommit:
                 )
         assert self.peers is not None
         try:  # outside the lock: other workers' calls go on meanwhile
-            missing, bound, squares = self.peers.missing_slices(round_number, worker_id, *held)
+            missing, bound, squares = self.peers.missing_slices(
+                round_number, worker_id, *held, screened=self.journal.settings.robust.screens
+            )
         except PeerUnavailable as exc:
             raise Rejection(
                 503, "shard_unavailable", f"a shard cannot be reached: {exc}", round=round_number

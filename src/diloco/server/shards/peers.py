@@ -110,13 +110,18 @@ class ShardPeers:
         return body
 
     def missing_slices(
-        self, round_number: int, worker_id: str, tokens: int, session_digest: str
+        self,
+        round_number: int,
+        worker_id: str,
+        tokens: int,
+        session_digest: str,
+        screened: bool = False,
     ) -> tuple[list[int], float, float]:
         """The other shards that do not hold `worker_id`'s slice of `round_number` with
         `tokens` from the same process (session) as shard 0's (its call, before it confirms
         the worker), all asked at once; the largest bound of the slices' values that the
-        shards holding one state; and (robust aggregation) the sum of the squares they
-        state of their slices' trained values (0 where they state none)."""
+        shards holding one state; and (`screened`: robust aggregation) the sum of the
+        squares they state of their slices' trained values, which each must state."""
         others = [shard for shard in range(len(self.urls)) if shard != self.index]
         query = {"round": round_number, "worker_id": worker_id, "session_digest": session_digest}
         answers = list(
@@ -132,9 +137,17 @@ class ShardPeers:
         bounds = [held.get("bound") for held in answers if held.get("prepared")]
         if any(not isinstance(b, (int, float)) for b in bounds):
             raise PeerUnavailable("a shard stated no bound of the slice's values")
-        squares = [held.get("norm_squares") or 0.0 for held in answers if held.get("prepared")]
-        if any(not isinstance(q, (int, float)) or not 0 <= q < math.inf for q in squares):
-            raise PeerUnavailable("a shard stated a sum of squares that is not a number >= 0")
+        squares = [held.get("norm_squares") for held in answers if held.get("prepared")]
+        if not screened:
+            return missing, float(max(bounds, default=0.0)), 0.0
+        if any(
+            isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q < math.inf
+            for q in squares
+        ):
+            raise PeerUnavailable(
+                "a shard stated no sum of squares of the slice's values (does it run the same "
+                "--aggregation?)"
+            )
         return missing, float(max(bounds, default=0.0)), float(sum(squares))
 
     def decision(self, round_number: int, wait: float) -> ShardDecision | None:
@@ -164,7 +177,15 @@ class ShardPeers:
         scales, norms = answer.get("scales") or {}, answer.get("norms") or {}
         if not isinstance(scales, dict) or not isinstance(norms, dict):
             raise malformed
-        if any(not isinstance(v, (int, float)) for v in [*scales.values(), *norms.values()]):
+        if not set(scales) <= set(decided) or not set(norms) <= set(decided):
+            raise malformed
+        if any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
+            for v in scales.values()
+        ) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf
+            for v in norms.values()
+        ):
             raise malformed
         screened = None
         if scales:
@@ -325,6 +346,7 @@ class DecisionFollower(threading.Thread):
         self.shard = shard
         self.wait = wait
         self.stopped = threading.Event()
+        self._told_missing = 0.0  # when lacking a screened slice was last said
 
     def run(self) -> None:
         told = 0.0
@@ -373,12 +395,14 @@ class DecisionFollower(threading.Thread):
             self.stopped.wait(0.2)
             return
         if part.missing:  # their workers are told to send them again; then we are asked again
-            log.warning(
-                "round %d is screened with slices this shard lacks (from %s): waiting for "
-                "them to be sent again",
-                round_number,
-                ", ".join(part.missing),
-            )
+            if time.monotonic() - self._told_missing > 30:
+                self._told_missing = time.monotonic()
+                log.warning(
+                    "round %d is screened with slices this shard lacks (from %s): waiting for "
+                    "them to be sent again",
+                    round_number,
+                    ", ".join(part.missing),
+                )
             self.stopped.wait(0.5)
 
     def stop(self) -> None:

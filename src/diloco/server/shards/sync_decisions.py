@@ -372,6 +372,9 @@ class SyncLeader(HeldRounds):
         mine = self.squares_of(current, worker_id, round_number)
         if mine is not None:
             current.squares[worker_id] = mine + squares
+        if current.screening is not None:  # every shard holds its slice again: none lacks it
+            for lacking in current.screening.missing.values():
+                lacking.discard(worker_id)
 
     def screened(self, current: Round, now: float) -> bool:
         """Robust aggregation: the complete round's screening (made once for its confirmed
