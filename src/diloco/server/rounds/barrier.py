@@ -619,8 +619,11 @@ class BarrierRounds:
             raise Rejection(
                 409,
                 "screening_changed",
-                f"round {round_number} is not the open round ({self.open_number()})",
+                f"round {round_number} is not the open round ("
+                + ("none yet: no weights" if current is None else f"round {current.number}")
+                + ")",
                 round=round_number,
+                current_round=None if current is None else current.number,
             )
         taken = self.role.take_part(current, shard, part)
         self.complete_round(0, self.c.clock())
