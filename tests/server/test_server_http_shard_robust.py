@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -103,7 +104,7 @@ def test_sync_shards_screen_each_whole_pseudo_gradient_as_one_server(robust_shar
 
 @pytest.fixture
 def median_shards_unfollowed() -> Iterator[list[tuple[str, Coordinator]]]:
-    yield from started_shards(None, follow=False, aggregation="median")
+    yield from started_shards(None, follow=False, aggregation="median", barrier_timeout=2.0)
 
 
 def test_shard_0_waits_for_every_part_and_refuses_a_bad_one(median_shards_unfollowed) -> None:
@@ -112,12 +113,17 @@ def test_shard_0_waits_for_every_part_and_refuses_a_bad_one(median_shards_unfoll
     [1, 1], c [0]): dots w1 1, w2 1, w3 2, w4 -6, w5 8; squares 1, 1, 2, 18, 32; the
     median's squares 2. Shard 0's own part (a): dots 1 each, squares 1 each, median 1."""
     (url0, leader), (url1, _) = median_shards_unfollowed
+    first_sent = time.monotonic()
     send_every_slice(url0, url1)
     asked = json_of(call(url0, "GET", "/v1/shard/decisions/0", shard=1))
     assert asked["status"] == "screening" and asked["answered"] == [0]
     kept = asked["kept"]
     assert sorted(kept) == list(WORKERS)
     assert leader.version == 0  # nothing steps before shard 1's part is in
+    # past the barrier timeout (2 s): every member is in, so the poll waits, it is no 504
+    time.sleep(max(0.0, first_sent + 2.2 - time.monotonic()))
+    status, data = call(url0, "GET", "/v1/rounds/0/result", worker_id="w1", wait=0)
+    assert status == 202, data
 
     def post(body: dict, round_number: int = 0) -> tuple:
         text = json.dumps(body).encode()

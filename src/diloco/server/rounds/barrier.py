@@ -504,6 +504,8 @@ class BarrierRounds:
             return result.lend()
         if round_number == current.number and self.role.holds_slices:
             self.role.require_slice(current, fragment, worker_id)  # shard 0: a lost slice
+            if self.role.screening(current) is not None:
+                return None  # every member is in: shard 0 waits for the shards' sums, no timeout
         timeout = c.settings.effective_barrier_timeout
         assert timeout is not None
         if not c.paused() and current.barrier_expired(now, timeout):
