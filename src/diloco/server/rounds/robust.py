@@ -101,8 +101,8 @@ def decide_round(
     norms = [scan.norm or 0.0 for _, scan in held]
     verdict = screen.verdict(fragment, norms)
     refused = dict(verdict.refused)
-    check = opposed_sums(held, [i not in refused for i in range(len(held))], specs)
-    refused.update(opposed_refusals(check, [i not in refused for i in range(len(held))]))
+    kept = [i not in refused for i in range(len(held))]
+    refused.update(opposed_refusals(opposed_sums(held, kept, specs), kept))
     fold_screened(screen, current, held, norms, verdict.scales, refused, storage, specs, now)
     current.held = []
     for submission, _ in held:
@@ -244,6 +244,10 @@ class DecidedScales:
 
     scales: dict[str, float]
     norms: dict[str, float]
+
+    def refused(self) -> dict[str, str]:
+        """{worker: reason} of the contributors shard 0 refused (scale 0), for the record."""
+        return {w: "refused by shard 0's screening" for w, s in self.scales.items() if s <= 0}
 
 
 @dataclass(frozen=True)

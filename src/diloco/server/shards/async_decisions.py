@@ -84,13 +84,16 @@ class HeldArrivals:
     ) -> tuple[int, str] | None:
         """(tokens, session digest) of the slice held for (worker, anchor) from the process
         of `digest` (any, when not given), or None."""
+        held = self._latest(worker_id, round_number, digest)
+        return None if held is None else (held.submission.tokens, held.digest)
+
+    def _latest(self, worker_id: str, round_number: int, digest: str | None) -> HeldSlice | None:
+        """The slice `holds` names: the latest held for (worker, anchor), of `digest`'s
+        process when given."""
         keys = self._of(worker_id, round_number)
         if digest is not None:
             keys = [k for k in keys if k[2] == digest]
-        if not keys:
-            return None
-        held = max((self.held[k] for k in keys), key=lambda h: h.at)
-        return held.submission.tokens, held.digest
+        return max((self.held[k] for k in keys), key=lambda h: h.at) if keys else None
 
     def bound_of(self, worker_id: str, round_number: int, digest: str | None = None) -> float:
         """The bound of the values of the slice `holds` names (0 when none is held)."""
@@ -104,12 +107,9 @@ class HeldArrivals:
     ) -> float | None:
         """Robust aggregation: the sum of squares of the trained values of the slice
         `holds` names (None when none is held, or nothing is screened)."""
-        keys = self._of(worker_id, round_number)
-        if digest is not None:
-            keys = [k for k in keys if k[2] == digest]
-        if not keys or not self.c.screen.on:
+        held = self._latest(worker_id, round_number, digest)
+        if held is None or not self.c.screen.on:
             return None
-        held = max((self.held[k] for k in keys), key=lambda h: h.at)
         return float(held.scan.norm or 0.0) ** 2
 
     def _key(self, submission: Submission) -> tuple[str, int, str]:
@@ -412,12 +412,9 @@ class AsyncFollower(HeldArrivals):
         """The decision's clips (0: refused) and norms, into the window and its record."""
         if self.screened is None:
             return
-        for worker_id, clip in self.screened.scales.items():
-            self.window_clips[worker_id] = clip
-            if clip <= 0:
-                window.refused[worker_id] = "refused by shard 0's screening"
-            elif clip < 1.0:
-                window.clipped[worker_id] = clip
+        self.window_clips.update(self.screened.scales)
+        window.refused.update(self.screened.refused())
+        window.clipped.update({w: c for w, c in self.screened.scales.items() if 0 < c < 1})
         window.norms.update(self.screened.norms)
 
     def after_commit(self, engine: AsyncArrivals) -> None:

@@ -140,10 +140,7 @@ class ShardPeers:
         squares = [held.get("norm_squares") for held in answers if held.get("prepared")]
         if not screened:
             return missing, float(max(bounds, default=0.0)), 0.0
-        if any(
-            isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q < math.inf
-            for q in squares
-        ):
+        if not all(_number_in(q, 0.0, math.inf) for q in squares):
             raise PeerUnavailable(
                 "a shard stated no sum of squares of the slice's values (does it run the same "
                 "--aggregation?)"
@@ -174,18 +171,14 @@ class ShardPeers:
         decided = {
             str(worker): (int(anchors[worker]), sessions.get(worker)) for worker in contributors
         }
-        scales, norms = answer.get("scales") or {}, answer.get("norms") or {}
+        scales, norms = answer.get("scales", {}), answer.get("norms", {})
         if not isinstance(scales, dict) or not isinstance(norms, dict):
             raise malformed
         if not set(scales) <= set(decided) or not set(norms) <= set(decided):
             raise malformed
-        if any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1
-            for v in scales.values()
-        ) or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf
-            for v in norms.values()
-        ):
+        if not all(_number_in(v, 0.0, 1.0) for v in scales.values()):
+            raise malformed
+        if not all(_number_in(v, 0.0, math.inf) for v in norms.values()):
             raise malformed
         screened = None
         if scales:
@@ -265,6 +258,13 @@ class ShardPeers:
     def close(self) -> None:
         self._pool.clear()
         self._asking.shutdown(wait=False)
+
+
+def _number_in(value: object, low: float, high: float) -> bool:
+    """Whether a value of a peer's JSON answer is a finite number in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and low <= value <= high
 
 
 def settings_difference(mine: Mapping[str, Any], leader: Mapping[str, Any]) -> str | None:

@@ -67,10 +67,9 @@ class FollowerRound(Round):
     decided: list[str] | None = None
     decided_sessions: dict[str, str] = field(default_factory=dict)  # worker -> digest
     # robust aggregation: the slices shard 0 screens (worker -> digest) while it asks for
-    # this shard's part, then the decision's scales (0: refused) and norms
+    # this shard's part, then how its decision used each
     screening: dict[str, str] | None = None
-    scales: dict[str, float] = field(default_factory=dict)
-    decided_norms: dict[str, float] = field(default_factory=dict)
+    screened: DecidedScales | None = None
 
     def waiting_for(self) -> list[str]:
         if self.decided is None:
@@ -502,8 +501,7 @@ class SyncFollower(HeldRounds):
         assert isinstance(current, FollowerRound)
         if current.decided is not None:
             return False
-        if screened is not None:
-            current.scales, current.decided_norms = dict(screened.scales), dict(screened.norms)
+        current.screened = screened
         for worker_id, (_, digest) in decided.items():
             if digest is not None:
                 self._take_back(current, worker_id, digest)
@@ -546,11 +544,10 @@ class SyncFollower(HeldRounds):
     def decide(self, current: Round, now: float) -> bool:
         assert isinstance(current, FollowerRound) and current.decided is not None
         folds = None
-        if self.c.screen.on:
-            refused = {w: "refused by shard 0's screening"
-                       for w, scale in current.scales.items() if scale <= 0}  # fmt: skip
+        screened = current.screened
+        if self.c.screen.on and screened is not None:
             folds = self._fold_screened(
-                current, current.decided_norms, current.scales, refused, now
+                current, screened.norms, screened.scales, screened.refused(), now
             )
         _fold_only(current, set(current.decided), self.c.model.sums_storage(), now, folds)
         return True
