@@ -141,3 +141,45 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
         assert row["mode"] == mode and row["device"] == "cpu" and row["rounds"] >= 2
         assert 0 < row["blocked_fraction"] < 1 and row["compute_seconds"] > 0
     assert (tmp_path / "codec_devices.json").exists()
+
+
+def test_a_workers_coding_is_timed_beside_its_copy_limits(tmp_path: Path) -> None:
+    """worker_coding.py on the CPU at 2M: both phases timed, the body's size that of int8
+    (one byte a value plus a 4-byte scale per 128-value block, a header), and the profile of
+    each phase printed."""
+    result = run_benchmark_in_process(
+        "worker_coding.py", "--device", "cpu", "--size", "2M", "--repeats", "2", "--profile",
+        "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    document = json.loads((tmp_path / "worker_coding.json").read_text())
+    assert document["size"] == "2M" and document["codec"] == "int8"
+    values = document["parameters"]
+    for body in (document["upload_bytes"], document["download_bytes"]):
+        assert values < body < values * (1 + 4 / 128) + 64_000
+    assert document["seconds"]["encode"] > 0 and document["seconds"]["apply"] > 0
+    assert set(document["limits_seconds"]) == {
+        "to_device_pageable", "to_device_pinned", "to_host_pageable", "to_host_pinned",
+        "memory_pass",
+    }  # fmt: skip
+    assert "--- encode: where the time went" in result.stdout
+    assert "--- apply: where the time went" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--size", "7B"], "--size must be one of"),
+        (["--codec", "fp32"], "--codec fp32 sends plain tensors"),
+        (["--codec", "int9"], "--codec:"),
+    ],
+)
+def test_a_workers_coding_refuses_bad_options_in_one_line(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    result = run_benchmark_in_process(
+        "worker_coding.py", "--device", "cpu", *args, "--out-dir", str(tmp_path)
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "worker_coding.json").exists()

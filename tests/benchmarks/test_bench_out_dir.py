@@ -32,6 +32,7 @@ def test_every_benchmark_is_listed() -> None:
         "slow_link.py",
         "utilization.py",
         "wire.py",
+        "worker_coding.py",
     }
 
 
