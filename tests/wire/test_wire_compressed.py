@@ -5,6 +5,7 @@ bytes are worked out by hand in the test."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -30,7 +31,9 @@ from diloco.wire.compressed.body import (
     encode_compressed,
     fold_entry,
     read_span,
+    write_parts,
 )
+from diloco.wire.compressed.header import part_specs
 from diloco.wire.format.frames import decode_frame, read_frame_header
 from frames import frame_of
 
@@ -247,6 +250,31 @@ def test_a_body_written_over_an_old_one_is_byte_for_byte_a_new_one(spec: str) ->
     assert reused is old and reused == fresh
     other = encode_compressed({"w": torch.randn(9)}, codec, reuse=old)
     assert other is not old and len(other) != len(old)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int2", "topk:0.03+int2", "topk:0.1", "bf16", "fp32"])
+def test_coding_x_less_p_piece_by_piece_is_coding_the_whole_difference(spec: str) -> None:
+    """`less`: x - P taken a piece at a time (P moving as each piece is coded) gives the body
+    and the moved P that coding the whole difference x - P, made first, gives, bit for bit,
+    across several pieces and a short last block."""
+    codec = parse_codec(spec)
+    generator = torch.Generator().manual_seed(11)
+    numel = 600_001  # three CPU pieces, the last block short
+    x = torch.randn(numel, generator=generator)
+    p = x + 1e-3 * torch.randn(numel, generator=generator)
+
+    def body(moved: torch.Tensor, less: torch.Tensor | None) -> bytes:
+        parts = {
+            part: torch.zeros(math.prod(shape), dtype=dtype)
+            for part, (shape, dtype) in part_specs(numel, codec).items()
+        }
+        source = x if less is not None else x - moved
+        write_parts(source, codec, parts, fold_into=moved, less=less)
+        return b"".join(bytes(t.view(torch.uint8).numpy()) for t in parts.values())
+
+    whole_p, piece_p = p.clone(), p.clone()
+    assert body(whole_p, None) == body(piece_p, piece_p)
+    assert torch.equal(whole_p, piece_p) and not torch.equal(piece_p, p)
 
 
 @pytest.mark.parametrize("spec", ["int8", "topk:0.25+int2", "fp32"])

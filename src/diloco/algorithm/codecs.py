@@ -587,21 +587,17 @@ def _dequantize(encoded: Encoded, codec: Codec, into: torch.Tensor | None = None
     """The fp32 values of quantized `encoded` (levels and scales, whole blocks but the last)."""
     assert encoded.scales is not None
     levels = encoded.codes
-    values = torch.empty(levels.shape, dtype=torch.float32, device=levels.device)
-    values.copy_(levels)
-    values.sub_(codec.level_offset)
     if into is None:
-        into = values
-    count, block = values.numel(), codec.block
+        into = torch.empty(levels.shape, dtype=torch.float32, device=levels.device)
+    # level - offset straight from the codes into fp32 (one pass; exact: small whole numbers
+    # and halves), then times each block's scale in place: the same fp32 products as ever
+    torch.sub(levels, codec.level_offset, out=into)
+    count, block = into.numel(), codec.block
     full = count // block * block
     if full:
-        torch.mul(
-            values[:full].view(-1, block),
-            encoded.scales[: full // block].unsqueeze(1),
-            out=into[:full].view(-1, block),
-        )
+        into[:full].view(-1, block).mul_(encoded.scales[: full // block].unsqueeze(1))
     if full != count:
-        torch.mul(values[full:], encoded.scales[full // block], out=into[full:])
+        into[full:].mul_(encoded.scales[full // block])
     return into
 
 

@@ -154,12 +154,13 @@ def write_entry(
     *,
     fold_into: torch.Tensor | None = None,
     weight: float = 1.0,
+    less: torch.Tensor | None = None,
 ) -> None:
     """Write `tensor` into its entries of a `compressed_frame` body: coded parts, or plain
-    (`fold_into`: see `write_parts`; coded entries only)."""
+    (`fold_into`, `less`: see `write_parts`; coded entries only)."""
     if is_compressed(name, tensor.dtype, exact):
         parts = {part: views.get(f"{name}{SEPARATOR}{part}") for part in PARTS}
-        write_parts(tensor, codec, parts, fold_into=fold_into, weight=weight)
+        write_parts(tensor, codec, parts, fold_into=fold_into, weight=weight, less=less)
     elif tensor.numel():
         views[name].copy_(tensor.detach())
 
@@ -171,6 +172,7 @@ def write_parts(
     *,
     fold_into: torch.Tensor | None = None,
     weight: float = 1.0,
+    less: torch.Tensor | None = None,
 ) -> None:
     """Code `x` into `parts` (1-D tensors of the shapes and dtypes of `part_specs`), piece by
     piece, so that no full-size temporary is made.
@@ -178,19 +180,36 @@ def write_parts(
     `fold_into` (contiguous fp32, x's size; may be x itself): += weight * each piece's decoded
     values, with the very `decode_into` of each piece that a receiver's `fold_entry` runs on
     the same span, so a sender's copy moves bit for bit as a receiver's does, without reading
-    the body back (the server's published weights; a worker's error-feedback residual)."""
+    the body back (the server's published weights; a worker's error-feedback residual).
+
+    `less` (x's size; may be `fold_into`): code x - less, each piece's difference taken just
+    before the piece is coded (and before `fold_into` moves there), in one piece-sized
+    buffer: the same fp32 subtraction as a whole-tensor difference, without its tensor-sized
+    temporary and the pass that writes it out and reads it back (a server's delta to P)."""
     flat = x.detach().reshape(-1)
     codes = parts[CODES]
     assert codes is not None
     folded = fold_into.view(-1) if fold_into is not None else None
-    if not codec.is_quantized and not codec.is_sparse:
-        codes.copy_(flat)  # fp32 / bf16: one (casting) copy
+    layout = Layout(flat.numel(), codec)
+    size = min(flat.numel(), max(piece_elements(flat.device), layout.group_elements))
+    scratch = torch.empty(size if less is not None else 0, device=flat.device)
+
+    def values(start: int, stop: int) -> torch.Tensor:
+        if less is None:
+            return flat[start:stop]
+        return torch.sub(flat[start:stop], less.view(-1)[start:stop], out=scratch[: stop - start])
+
+    if not codec.is_quantized and not codec.is_sparse:  # fp32 / bf16: a (casting) copy
+        for span in layout.spans(piece_elements(flat.device)) if less is not None else ():
+            codes[span.start : span.stop].copy_(values(span.start, span.stop))
+        if less is None:
+            codes.copy_(flat)
         if folded is not None:  # what the receiver decodes: the codes, as fp32
             folded.add_(codes.to(folded.device).float(), alpha=weight)
         return
     scales, indices = parts.get(SCALES), parts.get(INDICES)
-    for span in Layout(flat.numel(), codec).spans(piece_elements(flat.device)):
-        piece = encode(flat[span.start : span.stop], codec)
+    for span in layout.spans(piece_elements(flat.device)):
+        piece = encode(values(span.start, span.stop), codec)
         if folded is not None:
             decode_into(piece, codec, folded[span.start : span.stop], weight)
         if codec.is_quantized:
