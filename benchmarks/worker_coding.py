@@ -5,7 +5,9 @@ by itself, with nothing else on the machine, for the bundled GPT on one device:
   - encode: `UploadCoder.body_from` (anchor - local, error feedback, the coded body on the
     host), what a worker with its anchor beside the model runs before it uploads;
   - apply: `Anchor.values_after` of a coded delta the server made (`PublishedCopy.advance`),
-    then `Anchor.adopt` (the new weights into the model), what it runs after the download.
+    then `Anchor.adopt` (the new weights into the model), what it runs after the download;
+  - and the server's side of that delta on its CPU (`PublishedCopy.advance`: code masters - P
+    and move P by exactly what was sent), which sits in every round's commit.
 Beside them, measured in the same run: the body's bytes copied between host and device
 (from pageable memory, as the body lives, and from pinned memory) and one memory pass over
 the fp32 model on the device. `--profile` prints the functions where each phase spent its
@@ -122,9 +124,14 @@ def main(
         anchor.adopt(values, 1)
 
     reset = _timed(lambda: [t.copy_(before[n]) for n, t in anchor.tensors.items()], where, repeats)
+    cpu = torch.device("cpu")
     figures = {
         "encode": statistics.median(_timed(encode, where, repeats)),
         "apply": statistics.median(_timed(apply, where, repeats)) - statistics.median(reset),
+        # the server's side of the delta, on its CPU: code masters - P and move P by it
+        "server_delta": statistics.median(
+            _timed(lambda: published.advance(masters, names), cpu, repeats)
+        ),
     }
     upload, download = len(body), len(delta)
     pageable = torch.empty(max(upload, download), dtype=torch.uint8)
@@ -172,6 +179,7 @@ def main(
             f"{download / 1e6:.0f}",
             f"{limits['to_device_pageable']:.3f} / {limits['to_device_pinned']:.3f}",
         ],
+        ["server's delta (CPU)", f"{figures['server_delta']:.3f}", f"{download / 1e6:.0f}", "-"],
     ]
     out.print(
         summary_table(
