@@ -252,12 +252,26 @@ def test_a_body_written_over_an_old_one_is_byte_for_byte_a_new_one(spec: str) ->
     assert other is not old and len(other) != len(old)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int2", "topk:0.03+int2", "topk:0.1", "bf16", "fp32"])
-def test_coding_x_less_p_piece_by_piece_is_coding_the_whole_difference(spec: str) -> None:
+@pytest.mark.parametrize(
+    ("spec", "block", "chunk"),
+    [
+        ("int8", 128, 128),
+        ("int4", 128, 128),
+        ("int2", 128, 128),
+        ("topk:0.03+int2", 128, 128),
+        ("topk:0.1", 128, 128),
+        ("topk:0.03+int8", 512, 2048),  # one group of 1M elements: more than a CPU piece
+        ("bf16", 128, 128),
+        ("fp32", 128, 128),
+    ],
+)
+def test_coding_x_less_p_piece_by_piece_is_coding_the_whole_difference(
+    spec: str, block: int, chunk: int
+) -> None:
     """`less`: x - P taken a piece at a time (P moving as each piece is coded) gives the body
     and the moved P that coding the whole difference x - P, made first, gives, bit for bit,
-    across several pieces and a short last block."""
-    codec = parse_codec(spec)
+    across several pieces and a short last block (or one group larger than a piece)."""
+    codec = parse_codec(spec, block=block, chunk=chunk)
     generator = torch.Generator().manual_seed(11)
     numel = 600_001  # three CPU pieces, the last block short
     x = torch.randn(numel, generator=generator)
@@ -275,6 +289,16 @@ def test_coding_x_less_p_piece_by_piece_is_coding_the_whole_difference(spec: str
     whole_p, piece_p = p.clone(), p.clone()
     assert body(whole_p, None) == body(piece_p, piece_p)
     assert torch.equal(whole_p, piece_p) and not torch.equal(piece_p, p)
+
+
+def test_coding_x_less_a_tensor_of_another_shape_is_refused() -> None:
+    codec = parse_codec("int8")
+    parts = {
+        part: torch.zeros(math.prod(s), dtype=d) for part, (s, d) in part_specs(8, codec).items()
+    }
+    with pytest.raises(ValueError, match=r"less must have x's shape \(8,\), got \(9,\)"):
+        write_parts(torch.ones(8), codec, parts, less=torch.ones(9))
+    assert all(not bool(t.any()) for t in parts.values())  # nothing written
 
 
 @pytest.mark.parametrize("spec", ["int8", "topk:0.25+int2", "fp32"])

@@ -190,14 +190,18 @@ def write_parts(
     codes = parts[CODES]
     assert codes is not None
     folded = fold_into.view(-1) if fold_into is not None else None
+    if less is not None and less.shape != x.shape:
+        raise ValueError(f"less must have x's shape {tuple(x.shape)}, got {tuple(less.shape)}")
     layout = Layout(flat.numel(), codec)
     size = min(flat.numel(), max(piece_elements(flat.device), layout.group_elements))
-    scratch = torch.empty(size if less is not None else 0, device=flat.device)
+    scratch = torch.empty(size if less is not None else 0, dtype=torch.float32, device=flat.device)
 
     def values(start: int, stop: int) -> torch.Tensor:
         if less is None:
             return flat[start:stop]
-        return torch.sub(flat[start:stop], less.view(-1)[start:stop], out=scratch[: stop - start])
+        return torch.sub(
+            flat[start:stop], less.reshape(-1)[start:stop], out=scratch[: stop - start]
+        )
 
     if not codec.is_quantized and not codec.is_sparse:  # fp32 / bf16: a (casting) copy
         for span in layout.spans(piece_elements(flat.device)) if less is not None else ():
