@@ -25,7 +25,13 @@ from diloco.algorithm import GraceWindow, staleness_scale
 from diloco.server.errors import Rejection
 from diloco.server.model.results import RoundResult, Waiting
 from diloco.server.rounds.engine import EngineContext
-from diloco.server.rounds.robust import DecidedScales, Screening, ScreeningPart, screened_record
+from diloco.server.rounds.robust import (
+    Contributors,
+    DecidedScales,
+    Screening,
+    ScreeningPart,
+    screened_record,
+)
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.state.journal import CommitRecord
 from diloco.wire.format.spool import CheckedPieces
@@ -114,7 +120,7 @@ class ArrivalsRole(Protocol):
     def take_decision(
         self,
         version: int,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         """A follower: shard 0's decision of the next version; whether it is news."""
@@ -192,7 +198,7 @@ class OneServerArrivals:
     def take_decision(
         self,
         version: int,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         raise AssertionError("one server decides its steps")
@@ -550,7 +556,7 @@ class AsyncArrivals:
     def apply_decision(
         self,
         version: int,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         """A follower: shard 0 made `version` from these arrivals (worker -> anchor, session

@@ -22,6 +22,7 @@ from diloco.server.errors import Rejection
 from diloco.server.model.results import Published, RoundResult, Waiting
 from diloco.server.rounds.engine import EngineContext
 from diloco.server.rounds.robust import (
+    Contributors,
     DecidedScales,
     Screening,
     ScreeningPart,
@@ -86,7 +87,7 @@ class RoundsRole(Protocol):
     def take_decision(
         self,
         current: Round,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         """A follower: shard 0's decision of the open round; whether it is news."""
@@ -161,7 +162,7 @@ class OneServer:
     def take_decision(
         self,
         current: Round,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         raise AssertionError("one server decides its rounds")
@@ -590,7 +591,7 @@ class BarrierRounds:
     def apply_decision(
         self,
         round_number: int,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         """A follower: shard 0 decided `round_number` with these contributors (worker -> the

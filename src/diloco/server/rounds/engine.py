@@ -18,7 +18,13 @@ from diloco.server.members.membership import Membership
 from diloco.server.model.global_model import GlobalModel
 from diloco.server.model.results import RoundResult, Waiting
 from diloco.server.ops.metrics import ServerMetrics
-from diloco.server.rounds.robust import DecidedScales, RobustScreen, Screening, ScreeningPart
+from diloco.server.rounds.robust import (
+    Contributors,
+    DecidedScales,
+    RobustScreen,
+    Screening,
+    ScreeningPart,
+)
 from diloco.server.rounds.round import Round, Submission, ValueScan
 from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import CommitRecord
@@ -167,7 +173,7 @@ class ShardEngine(RoundEngine, Protocol):
     def apply_decision(
         self,
         round_number: int,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         """A follower: shard 0's decision of `round_number`; False if it is not the open one."""

@@ -237,6 +237,11 @@ def drop_held(current: Round, worker_id: str, reason: str) -> bool:
     return True
 
 
+# Shard 0's decision of a step, who contributed: worker -> (the round it sent for, the
+# session digest of the slices it used; None where the worker sent no session)
+Contributors = dict[str, tuple[int, str | None]]
+
+
 @dataclass(frozen=True)
 class DecidedScales:
     """How shard 0's decision of a screened round used each contributor: its scale (0:

@@ -28,7 +28,7 @@ from diloco.server.errors import Rejection
 from diloco.server.model.results import RoundResult
 from diloco.server.rounds.async_arrivals import AsyncArrivals
 from diloco.server.rounds.engine import EngineContext
-from diloco.server.rounds.robust import DecidedScales
+from diloco.server.rounds.robust import Contributors, DecidedScales
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.shards.sync_decisions import checked_load, session_digest
 from diloco.wire.format.spool import CheckedPieces, PieceBody
@@ -196,7 +196,7 @@ class HeldArrivals:
     def take_decision(
         self,
         version: int,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         raise Rejection(409, "not_shard_0", "shard 0 makes the decisions")
@@ -353,7 +353,7 @@ class AsyncFollower(HeldArrivals):
     def __init__(self, context: EngineContext) -> None:
         super().__init__(context)
         # version, worker -> (anchor, session digest)
-        self.decided: tuple[int, dict[str, tuple[int, str | None]]] | None = None
+        self.decided: tuple[int, Contributors] | None = None
         self.screened: DecidedScales | None = None  # how shard 0's robust rule used each
 
     def start(self, engine: AsyncArrivals) -> None:
@@ -363,7 +363,7 @@ class AsyncFollower(HeldArrivals):
     def take_decision(
         self,
         version: int,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         """Shard 0 made `version` (the next version here, checked by the engine) from these

@@ -16,7 +16,7 @@ from diloco.server.errors import Rejection
 from diloco.server.members.membership import Membership
 from diloco.server.model.results import RoundResult
 from diloco.server.rounds.engine import ShardEngine
-from diloco.server.rounds.robust import DecidedScales, ScreeningPart
+from diloco.server.rounds.robust import Contributors, DecidedScales, ScreeningPart
 from diloco.server.shards.peers import PeerUnavailable
 from diloco.server.shards.role import ShardRole
 from diloco.server.state.journal import RoundJournal
@@ -396,7 +396,7 @@ class ShardCommit:
     def apply_decision(
         self,
         round_number: int,
-        anchors: dict[str, tuple[int, str | None]],
+        anchors: Contributors,
         screened: DecidedScales | None = None,
     ) -> None:
         """A follower: shard 0 decided `round_number` with these contributors (worker -> the

@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 
 import urllib3
 
-from diloco.server.rounds.robust import DecidedScales, ScreeningPart
+from diloco.server.rounds.robust import Contributors, DecidedScales, ScreeningPart
 from diloco.server.settings import DESCRIPTIVE_SETTINGS
 from diloco.wire.validation import PROTOCOL_HEADER, PROTOCOL_VERSION
 
@@ -315,7 +315,7 @@ class ShardDecision:
     """Shard 0's word on a round: decided (`contributors`, and how a robust rule used each),
     or asking for this shard's part of its screening of the `screening` slices."""
 
-    contributors: dict[str, tuple[int, str | None]] | None = None
+    contributors: Contributors | None = None
     screened: DecidedScales | None = None
     screening: dict[str, str] | None = None  # worker -> session digest
 
@@ -328,7 +328,7 @@ class FollowsDecisions(Protocol):
     def apply_decision(
         self,
         round_number: int,
-        anchors: dict[str, tuple[int, str | None]],
+        anchors: Contributors,
         screened: DecidedScales | None = None,
     ) -> None: ...
 

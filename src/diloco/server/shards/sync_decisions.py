@@ -25,6 +25,7 @@ from diloco.algorithm.contributions import FINITE_SUM_LIMIT, contribution_weight
 from diloco.server.errors import Rejection
 from diloco.server.rounds.engine import EngineContext
 from diloco.server.rounds.robust import (
+    Contributors,
     DecidedScales,
     Screening,
     ScreeningPart,
@@ -262,7 +263,7 @@ class HeldRounds:
     def take_decision(
         self,
         current: Round,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         raise Rejection(409, "not_shard_0", "shard 0 makes the decisions")
@@ -491,7 +492,7 @@ class SyncFollower(HeldRounds):
     def take_decision(
         self,
         current: Round,
-        decided: dict[str, tuple[int, str | None]],
+        decided: Contributors,
         screened: DecidedScales | None = None,
     ) -> bool:
         """Shard 0 decided the open round with these contributors (worker -> the round they
