@@ -161,8 +161,11 @@ def test_a_workers_coding_is_timed_beside_its_copy_limits(tmp_path: Path) -> Non
     assert all(seconds > 0 for seconds in document["seconds"].values())
     assert set(document["limits_seconds"]) == {
         "to_device_pageable", "to_device_pinned", "to_host_pageable", "to_host_pinned",
-        "memory_pass",
+        "memory_pass", "cpu_memory_pass",
     }  # fmt: skip
+    for phase, floor in document["floors"].items():  # each figure beside its measured floor
+        ratio = document["seconds"][phase] / document["limits_seconds"][floor]
+        assert document["ratio_to_floor"][phase] == pytest.approx(ratio)
     assert "--- encode: where the time went" in result.stdout
     assert "--- apply: where the time went" in result.stdout
 
