@@ -204,10 +204,11 @@ def write_parts(
         )
 
     if not codec.is_quantized and not codec.is_sparse:  # fp32 / bf16: a (casting) copy
-        for span in layout.spans(piece_elements(flat.device)) if less is not None else ():
-            codes[span.start : span.stop].copy_(values(span.start, span.stop))
         if less is None:
             codes.copy_(flat)
+        else:
+            for span in layout.spans(piece_elements(flat.device)):
+                codes[span.start : span.stop].copy_(values(span.start, span.stop))
         if folded is not None:  # what the receiver decodes: the codes, as fp32
             folded.add_(codes.to(folded.device).float(), alpha=weight)
         return
