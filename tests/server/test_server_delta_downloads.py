@@ -75,6 +75,45 @@ def test_a_result_is_the_coded_delta_and_p_moves_by_exactly_it(tmp_path: Path) -
     assert torch.equal(c.model.published_tensors["w"], expected)
 
 
+def test_a_delta_nobody_reads_is_written_over_and_one_being_read_keeps_its_bytes(
+    tmp_path: Path,
+) -> None:
+    """Each step's delta goes into the last step's body when no response reads it any more
+    (no new 0.26x-the-model body per round); a slow download's body stays as it was."""
+    c = coordinator(tmp_path / "state")
+    c.register("a", SPECS, 1)
+    c.upload_initial("a", START)
+    codec = parse_codec("int8", block=8)
+    anchor = {"w": torch.zeros(3)}
+
+    def step(round_number: int, g: list[float]) -> bytearray:
+        c.submit("a", round_number, {"w": torch.tensor(g)})
+        assert c.model.delta is not None
+        return c.model.delta[2].data
+
+    first = step(0, [-127.0, -2.5, 0.75])  # as above: P = [127, 2, -1]
+    apply_delta(bytes(result(c, 0, have=0).body), anchor, codec)
+    second = step(1, [0.0, 0.0, 0.0])  # nobody holds round 0's delta: written over
+    assert second is first
+    held = result(c, 1, have=1)  # a download of round 1's delta, still going on
+    snapshot = bytes(held.body)
+    apply_delta(snapshot, anchor, codec)  # by hand, as above: [127, 2.5, -1 + 64 * 0.5 / 127]
+    expected = torch.tensor([127.0, 2.0, -1.0]) + torch.tensor([0.0, 127.0, 64.0]) * (
+        torch.tensor(0.5) / 127
+    )
+    assert torch.equal(anchor["w"], expected)
+
+    third = step(2, [0.0, 0.0, 0.0])  # round 1's body is being read: a new one
+    assert third is not second
+    assert bytes(held.body) == snapshot
+    apply_delta(bytes(result(c, 2, have=2).body), anchor, codec)
+    assert torch.equal(anchor["w"], c.model.published_tensors["w"])
+    del held
+    assert step(3, [0.0, 0.0, 0.0]) is third  # read no more: written over again
+    apply_delta(bytes(result(c, 3, have=3).body), anchor, codec)
+    assert torch.equal(anchor["w"], c.model.published_tensors["w"])
+
+
 def test_p_is_durable_and_a_restarted_server_serves_it_whole(tmp_path: Path) -> None:
     first = coordinator(tmp_path / "state")
     first.register("a", SPECS, 1)

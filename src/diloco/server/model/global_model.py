@@ -35,6 +35,7 @@ from diloco.server.model.published_copy import PublishedCopy
 from diloco.server.model.results import Published
 from diloco.server.settings import ServerSettings
 from diloco.wire import TensorSpec, encode_tensors, fingerprint
+from diloco.wire.format.layout import LentBytes
 
 log = logging.getLogger("diloco.server")
 # Makes a step's log durable (its fsyncs) while the step and its delta run: one at a time.
@@ -91,7 +92,7 @@ class GlobalModel:
         # --download-codec: P, what every worker holds, and the delta of the last step
         self.copy: PublishedCopy | None = None
         # (the version it leads to, the step's tensors, its body)
-        self.delta: tuple[int, frozenset[str], bytearray] | None = None
+        self.delta: tuple[int, frozenset[str], LentBytes] | None = None
         self.broken: str | None = None  # why it refuses to be read, until restarted
         self.step_seconds: dict[str, float] = {}  # the parts of the last commit (metrics)
 
@@ -223,12 +224,12 @@ class GlobalModel:
                 copy, masters = self.copy, self.frames.masters
                 step_names = list(self.specs) if names is None else list(names)
 
+                reuse = self._reusable_delta(step_names)
+
                 def code_delta() -> None:  # P half moved is as unsafe to serve as a failed write
-                    self.delta = (
-                        new_version,
-                        frozenset(step_names),
-                        copy.advance(masters, step_names),
-                    )
+                    self.delta = None  # (a half-written body is never served)
+                    body = copy.advance(masters, step_names, reuse)
+                    self.delta = (new_version, frozenset(step_names), LentBytes(body))
 
                 self.durably(f"coding the download delta of round {new_version}", code_delta)
             coded = time.perf_counter()
@@ -259,6 +260,23 @@ class GlobalModel:
                 else {"checkpoint": time.perf_counter() - coded}
             ),
         }
+
+    def _reusable_delta(self, names: Sequence[str]) -> bytearray | None:
+        """The last step's delta body, to be written over by this step's, when it is of the
+        same tensors and nobody reads it any more: it saves allocating and page-faulting a
+        new body (0.26x the model with int8, beside the 4 fp32 copies) every step.
+
+        Only for a step of the whole model. A streaming fragment's result keeps its delta
+        until that fragment's next step (see RoundResult), while other fragments step, so
+        fragment deltas are new bodies. The whole model's last result stops being served
+        once this step moves the version (every engine encodes the result anew per version),
+        and a response still sending it holds a loan (`lent`)."""
+        if self.delta is None or self.plan is None or len(self.plan) != 1:
+            return None
+        _, last_names, body = self.delta
+        if last_names != frozenset(names) or body.lent:
+            return None
+        return body.data
 
     # ----------------------------------------------------------------- what workers download
 
@@ -295,7 +313,7 @@ class GlobalModel:
         out = {n: masters[n].to(self.wire_dtype(n, masters[n])) for n in names}
         return encode_tensors(out, float_dtype=self.settings.download_dtype)
 
-    def fragment_delta(self, version: int, names: Sequence[str]) -> bytearray | None:
+    def fragment_delta(self, version: int, names: Sequence[str]) -> LentBytes | None:
         """The delta body of the step that made `version` from the tensors `names` (a
         streaming fragment's), if that is the last step: after a restart the last step may
         be another fragment's, whose delta is no answer for this one."""

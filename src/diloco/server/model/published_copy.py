@@ -52,7 +52,12 @@ class PublishedCopy:
             self.current = fresh
         return self.current.views
 
-    def advance(self, masters: Mapping[str, torch.Tensor], names: Iterable[str]) -> bytearray:
+    def advance(
+        self,
+        masters: Mapping[str, torch.Tensor],
+        names: Iterable[str],
+        reuse: bytearray | None = None,
+    ) -> bytearray:
         """Code masters - P for `names` (one step's tensors), move P by exactly what the body
         says, and return the body. Each difference is taken a piece at a time, just before
         the piece is coded (`write_entry(less=P)`): no tensor-sized scratch (at 85M parameters
@@ -60,12 +65,15 @@ class PublishedCopy:
 
         P moves as each piece is coded (`write_entry(fold_into=P)`): the same `decode_into`
         of the same pieces that a worker's `apply_delta` runs on this body, so P and every
-        anchor stay bit-identical, without reading back and re-checking our own body."""
+        anchor stay bit-identical, without reading back and re-checking our own body.
+
+        `reuse`: the last delta of the same tensors, which nobody reads any more, written over
+        instead of a new body (see `compressed_frame`)."""
         published = self._writable()
         names = list(names)
         exact = {n for n in names if n not in self.coded}
         shapes = {n: (tuple(published[n].shape), published[n].dtype) for n in names}
-        body, views = compressed_frame(shapes, self.codec, exact)
+        body, views = compressed_frame(shapes, self.codec, exact, reuse=reuse)
         for name in names:
             target = published[name]
             if name in exact:

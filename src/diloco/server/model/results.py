@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from diloco.wire.format.layout import FrameBuffer
+from diloco.wire.format.layout import FrameBuffer, LentBytes
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,9 @@ class Published:
     frame: FrameBuffer | bytearray
     fragment: int | None = None
     fragment_rounds: tuple[int, ...] | None = None
-    delta: bytearray | None = None  # the step's coded delta (--download-codec), never rewritten
+    # the step's coded delta (--download-codec), written over by a later step only once no
+    # response reads it
+    delta: LentBytes | None = None
 
     def lend(self) -> RoundResult:
         """A view for one response; the buffer is not written again while any is alive."""
@@ -53,7 +55,7 @@ class Published:
             body = self.frame.lend()
         else:
             body = memoryview(self.frame).toreadonly()
-        delta = None if self.delta is None else memoryview(self.delta).toreadonly()
+        delta = None if self.delta is None else self.delta.lend()
         return RoundResult(self.round, body, self.fragment, self.fragment_rounds, delta)
 
 

@@ -115,12 +115,39 @@ class FrameLayout:
         body[: len(self.header)].copy_(torch.frombuffer(bytearray(self.header), dtype=torch.uint8))
 
 
+class Loans:
+    """Read-only views lent out of one writable buffer, each counted until it (and every view
+    made from it) is gone: the buffer is written again only once `lent` is False.
+
+    Each view's exporter is a numpy array made for that loan alone: every view derived from
+    the memoryview keeps that array alive, so the loan ends exactly when the last derived view
+    is released (by a finished response, or by a transport that sent it).
+    """
+
+    def __init__(self) -> None:
+        self._loans: list[weakref.ref[numpy.ndarray]] = []
+
+    def lend(self, exporter: numpy.ndarray) -> memoryview:
+        """A read-only memoryview of `exporter` (a new array over the buffer), counted."""
+        exporter.flags.writeable = False
+        self._loans = [*self._live(), weakref.ref(exporter)]
+        return memoryview(exporter)
+
+    @property
+    def lent(self) -> bool:
+        self._loans = self._live()
+        return bool(self._loans)
+
+    def _live(self) -> list[weakref.ref[numpy.ndarray]]:
+        return [loan for loan in self._loans if loan() is not None]
+
+
 class FrameBuffer:
     """One body of `layout` in memory; `views` write into it, `lend()` reads it out.
 
     The memory is not zeroed: a new buffer holds the header and garbage until its slots are
-    written. Each `lend()` returns a read-only memoryview and is counted until that view, and
-    every view made from it, is gone; `lent` says whether any is still alive.
+    written. Each `lend()` returns a read-only memoryview, counted (`Loans`) until that view,
+    and every view made from it, is gone; `lent` says whether any is still alive.
     """
 
     def __init__(self, layout: FrameLayout) -> None:
@@ -128,7 +155,7 @@ class FrameBuffer:
         self._body = torch.empty(layout.size, dtype=torch.uint8)
         layout.write_header(self._body)
         self.views = layout.views(self._body)
-        self._loans: list[weakref.ref[numpy.ndarray]] = []
+        self._loans = Loans()
 
     @property
     def nbytes(self) -> int:
@@ -141,21 +168,29 @@ class FrameBuffer:
                 view.copy_(tensors[name].detach())
 
     def lend(self) -> memoryview:
-        """A read-only view of the whole body; `lent` is True until it (and its slices) are gone.
-
-        The memoryview's exporter is a numpy array made for this loan alone: every view derived
-        from the memoryview keeps that array alive, so the loan ends exactly when the last
-        derived view is released (by a finished response, or by a transport that sent it).
-        """
-        exporter = self._body.numpy()
-        exporter.flags.writeable = False
-        self._loans = [*self._live_loans(), weakref.ref(exporter)]
-        return memoryview(exporter)
+        """A read-only view of the whole body; `lent` is True until it (and its slices) are gone."""
+        return self._loans.lend(self._body.numpy())
 
     @property
     def lent(self) -> bool:
-        self._loans = self._live_loans()
-        return bool(self._loans)
+        return self._loans.lent
 
-    def _live_loans(self) -> list[weakref.ref[numpy.ndarray]]:
-        return [loan for loan in self._loans if loan() is not None]
+
+class LentBytes:
+    """A body held as bytes (a step's coded delta), lent out like a `FrameBuffer`'s: whoever
+    would write over `data` asks `lent` first."""
+
+    def __init__(self, data: bytearray) -> None:
+        self.data = data
+        self._loans = Loans()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def lend(self) -> memoryview:
+        """A read-only view of the bytes; `lent` is True until it (and its slices) are gone."""
+        return self._loans.lend(numpy.frombuffer(self.data, dtype=numpy.uint8))
+
+    @property
+    def lent(self) -> bool:
+        return self._loans.lent
