@@ -90,14 +90,13 @@ class DelayedNesterov:
         """Apply one arrival's pseudo-gradient to `params` in place (only the names it carries).
 
         `divisors` and `finite` as for `OuterOptimizer.step`: grad[name] is a running sum, to
-        be divided by divisors[name] (the sum is only read); `finite` says the caller proved
-        it finite.
+        be divided (in place) by divisors[name]; `finite` says the caller proved it finite.
         """
         check_step_inputs(params, grad, "delayed nesterov step", scan_values=not finite)
         self.arrivals += 1
         for name, g in grad.items():
             if divisors is not None and divisors[name] != 1.0:
-                g = g.div(divisors[name])
+                g = g.div_(divisors[name])
             self._step_one(name, params[name], g)
 
     def _state_for(self, name: str, param: torch.Tensor) -> _NameState:

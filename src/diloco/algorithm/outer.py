@@ -260,8 +260,8 @@ def apply_running_mean(
     The server's commit. Each sum is divided by its total weight inside the optimizer's fused
     step instead of in a pass of its own, and the NaN/Inf scan is skipped when the running
     mean's bound proves every sum finite (each folded contribution was scanned, and came with
-    the magnitude of its largest value). Uses up `running`, but only reads its sums: the
-    server's step log writes them while the step runs.
+    the magnitude of its largest value). Uses up `running`, as `mean()` does: its sums end up
+    holding the mean.
     """
     require_choice("apply policy", policy, APPLY_POLICIES)
     sums, totals = running.consume()
@@ -280,9 +280,8 @@ def _apply_values(
     divisors: Mapping[str, float] | None = None,
     finite: bool = False,
 ) -> list[str]:
-    """The update both apply functions make: values[name] / divisors[name] (inside the
-    optimizer's pass for its names) is the mean for each name; `values` are only read when
-    `divisors` are given."""
+    """The update both apply functions make: values[name] / divisors[name] (the division in
+    place, inside the optimizer's pass for its names) is the mean for each name."""
     if not values:
         return []
     _check_contribution(Contribution(values, worker="mean"), "mean", masters, kinds, policy)
@@ -303,6 +302,6 @@ def _apply_values(
     )
     for name, value in values.items():
         if name not in through_optimizer:
-            mean = value if divisors is None else value / divisors[name]
+            mean = value if divisors is None else value.div_(divisors[name])
             _assign_mean(masters[name], mean, TensorKind(kinds[name]))
     return [name for name in masters if name in values]

@@ -22,9 +22,6 @@ from diloco.algorithm.tensors import TensorDict, all_finite
 
 OUTER_KINDS = ("sgd", "momentum", "nesterov")
 DEFAULT_MOMENTUM = 0.9
-# Elements per piece of a step whose grads are divided on the way (4 MiB of fp32): each
-# piece's division goes into a scratch this size, so the grads themselves are only read.
-DIVIDED_PIECE = 1 << 20
 
 
 def check_step_inputs(
@@ -89,9 +86,8 @@ class OuterOptimizer:
         """Update `params` in place for the names in `grads`; other names are untouched.
 
         `divisors`: the gradient of a name is grads[name] / divisors[name] (a running sum and
-        its total weight), divided inside the step's one pass. The grads are only read, never
-        written: a server writes its round's sums to the step log while they are applied.
-        `finite=True`: the caller has proven every grad finite, so they are not scanned.
+        its total weight); the division is done in place, on the grads, inside the step's one
+        pass. `finite=True`: the caller has proven every grad finite, so they are not scanned.
         """
         check_step_inputs(params, grads, "outer step", scan_values=not finite)
         for name, grad in grads.items():
@@ -114,7 +110,7 @@ class OuterOptimizer:
             self._fused_step(param, g, buffers, divisor)
         else:
             if divisor != 1.0:
-                g = g / divisor  # (the grad is read, not written)
+                g.div_(divisor)  # in place: on grad itself when no copy was needed, as documented
             buffers = [self._unfused_step(param, g, buf)]
         if self.kind != "sgd":
             self._buffers[name] = buffers[0]
@@ -128,71 +124,27 @@ class OuterOptimizer:
     ) -> None:
         """PyTorch's fused kernel: one pass over param, grad and buffer (buf = mu buf + g, a
         new buffer = g when it is None; p -= lr (g + mu buf) for nesterov, lr buf for
-        momentum, lr g for sgd). About 1.6x a plain in-place pass, against 2.8x in three.
-
-        The kernel divides its grad by `divisor` in place, so a divided step runs it a piece
-        at a time over a copy of the grad's piece in a small scratch (the same elementwise
-        arithmetic, so the same bits): the grad is only read."""
+        momentum, lr g for sgd). About 1.6x a plain in-place pass, against 2.8x in three."""
         before = buffers[0]
+        scale = None if divisor == 1.0 else torch.tensor(divisor, dtype=torch.float32)
         try:
-            if divisor == 1.0:
-                self._fused_call([param], [g], buffers, None)
-            else:
-                self._fused_pieces(param, g, buffers, divisor)
+            torch_sgd(
+                [param],
+                [g],
+                buffers,
+                fused=True,
+                grad_scale=scale,  # the kernel divides g by it, in place
+                weight_decay=0.0,
+                momentum=self.momentum,
+                lr=self.lr,
+                dampening=0.0,
+                nesterov=self.kind == "nesterov",
+                maximize=False,
+            )
         except RuntimeError:  # no fused kernel for this device or dtype (checked before writing)
             if divisor != 1.0:
-                g = g / divisor
+                g.div_(divisor)
             buffers[0] = self._unfused_step(param, g, before)
-
-    def _fused_pieces(
-        self,
-        param: torch.Tensor,
-        g: torch.Tensor,
-        buffers: list[torch.Tensor | None],
-        divisor: float,
-    ) -> None:
-        """`_fused_call` over pieces of the flattened tensors, each grad piece divided in a
-        scratch copy. A first step (no buffer yet) makes each piece's buffer in the kernel
-        (buf = g, as PyTorch does) and gathers them into one buffer of the param's shape."""
-        scale = torch.tensor(divisor, dtype=torch.float32)
-        flat_param, flat_g = param.view(-1), g.view(-1)
-        total = flat_param.numel()
-        scratch = torch.empty(min(total, DIVIDED_PIECE), dtype=g.dtype, device=g.device)
-        first = buffers[0] is None and self.momentum != 0
-        whole = torch.empty_like(param) if first else buffers[0]
-        flat_buf = None if whole is None else whole.view(-1)
-        for start in range(0, total, DIVIDED_PIECE):
-            stop = min(total, start + DIVIDED_PIECE)
-            piece = scratch[: stop - start]
-            piece.copy_(flat_g[start:stop])
-            piece_buffers: list[torch.Tensor | None] = [
-                None if first or flat_buf is None else flat_buf[start:stop]
-            ]
-            self._fused_call([flat_param[start:stop]], [piece], piece_buffers, scale)
-            if first and flat_buf is not None and piece_buffers[0] is not None:
-                flat_buf[start:stop].copy_(piece_buffers[0])
-        buffers[0] = whole
-
-    def _fused_call(
-        self,
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        buffers: list[torch.Tensor | None],
-        scale: torch.Tensor | None,
-    ) -> None:
-        torch_sgd(
-            params,
-            grads,
-            buffers,
-            fused=True,
-            grad_scale=scale,  # the kernel divides the grads by it, in place
-            weight_decay=0.0,
-            momentum=self.momentum,
-            lr=self.lr,
-            dampening=0.0,
-            nesterov=self.kind == "nesterov",
-            maximize=False,
-        )
 
     def _unfused_step(
         self, param: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None

@@ -188,25 +188,19 @@ class GlobalModel:
         durable with `write`, and only then count it as `new_version`. Rejection 503 if the
         write fails.
 
-        `log_step`, when given, writes the step's input (the sums) and returns what makes it
-        durable (hashes, fsyncs). Both run on a thread beside the step and the delta, which
-        only read the sums; `write` (which then only records the step: the journal writes
-        its checkpoint in the background, see state/journal.py) waits for them. Nothing is
-        served from memory the log does not hold: if it fails the model is `broken` (its
-        memory has moved past the disk) until a restart resumes from the disk."""
+        `log_step`, when given, writes the step's input (the sums) before anything moves and
+        returns what makes it durable: its fsyncs run on a thread beside the step and the
+        delta, and `write` (which then only records the step: the journal writes its
+        checkpoint in the background, see state/journal.py) waits for them."""
         assert self.frames is not None and self.specs is not None
         self.require_healthy()
+        logging_started = time.perf_counter()
         syncing: Future[None] | None = None
-        log_seconds: list[float] = []
         if log_step is not None:
-
-            def write_log() -> None:
-                begun = time.perf_counter()
-                durable = log_step()
-                log_seconds.append(time.perf_counter() - begun)
-                durable()
-
-            syncing = _SYNCS.submit(write_log)
+            staged: list[Callable[[], None]] = []
+            what = f"logging the outer step of round {new_version}"
+            self.durably(what, lambda: staged.append(log_step()))
+            syncing = _SYNCS.submit(staged[0])
         started = time.perf_counter()
         try:
             if running.count:  # (writable() copies the masters away from a straggler's download)
@@ -253,12 +247,13 @@ class GlobalModel:
         self.step_seconds = {
             "outer_step": stepped - started,
             "delta": coded - stepped,
-            # the step log (written and made durable beside the step and the delta, then
-            # waited for), then its record; or the checkpoint, written before the result
+            # the step log (written before the step, made durable beside the step and the
+            # delta, then waited for), then its record; or the checkpoint, written before the
+            # result
             **(
                 {
-                    "step_log": sum(log_seconds),  # its files written, beside the step
-                    "step_log_wait": synced - coded,  # the rest of it, past the delta
+                    "step_log": started - logging_started,  # written, before the step
+                    "step_log_wait": synced - coded,  # its hashes and fsyncs, past the delta
                     "record": time.perf_counter() - synced,
                 }
                 if log_step is not None

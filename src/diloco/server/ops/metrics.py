@@ -48,9 +48,8 @@ class ServerMetrics:
         self.round_part_seconds = Histogram(
             "diloco_round_part_seconds",
             "Each part of a round: scan and fold (per submission), step_log (the step's input "
-            "written, on a thread beside the step and the delta), outer_step, delta (coding the "
-            "download delta), step_log_wait (what the log took past the delta: the rest of its "
-            "writes, its hashes and fsyncs), record, checkpoint (the durable write), "
+            "written), outer_step, delta (coding the download delta), step_log_wait (the "
+            "log's hashes and fsyncs past the delta), record, checkpoint (the durable write), "
             "commit (the whole step and its result, from the last fold to a servable result)",
             ["part"],
             registry=r,

@@ -4,10 +4,9 @@ A checkpoint generation is one consistent global snapshot at an outer-step bound
 weights and outer optimizer state after round r's commit, the round number r + 1, the model's
 tensor specs, the settings, and the record of that commit (its contributors, tokens and the work
 units it completed). With `durability="round"` (the default) no acknowledged outer step is ever
-lost or applied twice: a step's input (the round's running sums, the commit record, the
-optimizer's lr) goes to the step log (D/steps), one model-sized fp32 file made durable while
-the step is applied in memory (the step only reads the sums); only then is it recorded in
-SQLite and published (a log that fails leaves the server refusing to serve). Every
+lost or applied twice: before a step moves anything, its input (the round's running sums,
+the commit record, the optimizer's lr) goes to the step log (D/steps), one model-sized fp32
+file made durable; then the step is applied, recorded in SQLite and published. Every
 `checkpoint_every`-th step (and at a graceful shutdown) its checkpoint is written in the
 background while the workers train, and the step after it waits for that checkpoint; the
 steps between stay in the log, a chain from the newest checkpoint. A restart applies the
@@ -387,13 +386,13 @@ class RoundJournal:
         fragment_rounds: Sequence[int],
         lr: float,
     ) -> Callable[[], None]:
-        """Write step `record.round`'s input: its sums (fp32 files), totals, count and bound,
-        its record, the fragments' rounds after it and the lr it uses. The log keeps the steps
-        since the newest checkpoint. The commit runs this on a thread beside the step and the
-        delta, which only read the sums.
+        """Write step `record.round`'s input before the step moves anything: its sums (fp32
+        files), totals, count and bound, its record, the fragments' rounds after it and the lr
+        it uses. The log keeps the steps since the newest checkpoint.
 
         Returns the function that makes the log durable (each file hashed from the page cache,
-        then its fsyncs); nothing may be recorded or published before it has returned."""
+        then its fsyncs): the step may run meanwhile, since the files no longer read the sums,
+        but nothing may be recorded or published before it has returned."""
         steps = self.state.steps
         assert steps is not None
         faults.crash_point("before_step_log")
