@@ -39,6 +39,10 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
         assert row["blocked_fraction"] == pytest.approx(row["blocked_seconds"] / spent)
         assert row["server_parts"]["fold"] > 0 and row["server_parts"]["checkpoint"] > 0
         assert row["server_peak_mb"] > row["model_mb"] > 0
+        # the idle server holds torch and the HTTP stack (over 100 MiB), then the model's
+        # buffers come on top: masters, sums and momentum, at least 3x the 2M model
+        assert row["server_idle_mb"] > 100
+        assert row["server_beyond_idle_mb"] >= 3 * row["model_mb"]
     for row in rows[::2]:  # sync rounds split their blocked time; streaming has no rounds
         # the first round's commit is not counted (a worker that joined late may make the
         # server commit one round more than each worker's windows)
