@@ -114,6 +114,44 @@ def test_a_delta_nobody_reads_is_written_over_and_one_being_read_keeps_its_bytes
     assert torch.equal(anchor["w"], c.model.published_tensors["w"])
 
 
+def test_a_long_poll_that_outlives_a_failed_commit_is_refused_not_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker long-polls round 1 while its commit fails coding the delta (P half moved, the
+    last delta's body possibly half written over): when its wait ends it gets 503, not a
+    result or "waiting" from a model that may no longer match the disk."""
+    import threading
+
+    c = coordinator(tmp_path / "state")
+    c.register("a", SPECS, 1)
+    c.register("b", SPECS, 1)
+    c.upload_initial("a", START)
+    c.submit("a", 0, {"w": torch.tensor([-127.0, -2.5, 0.75])})
+    c.submit("b", 0, {"w": torch.tensor([-127.0, -2.5, 0.75])})
+    outcome: list[object] = []
+
+    def long_poll() -> None:
+        try:
+            outcome.append(c.wait_result(1, "a", 1.0, have=1))
+        except Rejection as refused:
+            outcome.append(refused)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no room for the delta body")
+
+    c.submit("a", 1, {"w": torch.zeros(3)})
+    poller = threading.Thread(target=long_poll)
+    poller.start()
+    monkeypatch.setattr(PublishedCopy, "advance", out_of_memory)
+    with pytest.raises(Rejection) as refused:
+        c.submit("b", 1, {"w": torch.zeros(3)})
+    assert refused.value.status == 503
+    poller.join(timeout=10)
+    (answer,) = outcome
+    assert isinstance(answer, Rejection) and answer.status == 503
+    assert "coding the download delta of round 2 failed" in str(answer)
+
+
 def test_p_is_durable_and_a_restarted_server_serves_it_whole(tmp_path: Path) -> None:
     first = coordinator(tmp_path / "state")
     first.register("a", SPECS, 1)

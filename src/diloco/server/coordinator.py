@@ -687,6 +687,9 @@ class Coordinator:
             self.intake.require_round_and_fragment(round_number, fragment)
             deadline = self.clock() + wait
             while True:
+                # again after every wake: a commit that failed meanwhile may have left bodies
+                # half moved (P, a delta written over) that no result may lend
+                self.model.require_healthy()
                 outcome = poll(round_number, fragment, worker_id, self.clock())
                 if outcome is not None:
                     if isinstance(outcome, RoundResult):

@@ -228,8 +228,13 @@ class GlobalModel:
 
                 def code_delta() -> None:  # P half moved is as unsafe to serve as a failed write
                     self.delta = None  # (a half-written body is never served)
-                    body = copy.advance(masters, step_names, reuse)
-                    self.delta = (new_version, frozenset(step_names), LentBytes(body))
+                    self.published = None
+                    if reuse is None:
+                        body = LentBytes(copy.advance(masters, step_names))
+                    else:  # the same object: every loan of its bytes is counted in one place
+                        body = reuse
+                        copy.advance(masters, step_names, reuse.data)
+                    self.delta = (new_version, frozenset(step_names), body)
 
                 self.durably(f"coding the download delta of round {new_version}", code_delta)
             coded = time.perf_counter()
@@ -261,7 +266,7 @@ class GlobalModel:
             ),
         }
 
-    def _reusable_delta(self, names: Sequence[str]) -> bytearray | None:
+    def _reusable_delta(self, names: Sequence[str]) -> LentBytes | None:
         """The last step's delta body, to be written over by this step's, when it is of the
         same tensors and nobody reads it any more: it saves allocating and page-faulting a
         new body (0.26x the model with int8, beside the 4 fp32 copies) every step.
@@ -276,7 +281,7 @@ class GlobalModel:
         _, last_names, body = self.delta
         if last_names != frozenset(names) or body.lent:
             return None
-        return body.data
+        return body
 
     # ----------------------------------------------------------------- what workers download
 
