@@ -13,8 +13,9 @@ gives real batches with --batch-size, --context and --dtype bf16). Per round it 
     the wait for the last round's checkpoint (written in the background), the step log (the
     step's input made durable), outer step, delta coding, the whole commit (the result is out
     after it), and the background checkpoint itself;
-  - bytes up and down per worker, and the peak RSS of the server and of each worker (a worker's
-    beyond its training state: measured after its first optimizer step, before it joined);
+  - bytes up and down per worker, and the peak RSS of the server and of each worker (the
+    server's also beyond its RSS before any model, torch and the HTTP stack; a worker's beyond
+    its training state: measured after its first optimizer step, before it joined);
 and, measured in the same run on the same machine, the two physical limits of a round: the
 time a plain loopback socket needs to move the round's bytes (K clients each send their upload
 and receive their download through one process) and one memory pass over the fp32 model (a
