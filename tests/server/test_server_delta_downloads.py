@@ -251,6 +251,49 @@ def test_after_a_restart_a_fragment_never_gets_another_fragment_s_delta(tmp_path
     assert decode_tensors(bytes(late.body))["b"].tolist() == [0.0, 2.0, 0.0]
 
 
+def test_a_fragment_s_full_weights_are_encoded_only_for_a_worker_that_needs_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streaming, two fragments: a worker at the fragment's last round takes the delta and no
+    full copy of the fragment is made (half the model per fragment's result); a worker whose
+    anchor is elsewhere gets the fragment whole, encoded then, with the values of the step."""
+    settings = ServerSettings(
+        mode="streaming",
+        sync_every=4,
+        fragments=2,
+        delay=1,
+        outer_optimizer="sgd",
+        outer_lr=1.0,
+        download_codec="int8",
+        codec_block=8,
+    )
+    start = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    c = Coordinator(settings, journal=RoundJournal(StateStore(tmp_path / "state"), settings))
+    c.register("w", specs_of(start, {"a": "trainable", "b": "trainable"}), 1)
+    c.upload_initial("w", start)
+    encoded: list[list[str]] = []
+    encode = c.model.encode
+    monkeypatch.setattr(
+        c.model, "encode", lambda names: encoded.append(list(names)) or encode(names)
+    )
+    # sgd, lr 1: a moves to [1, 0, 0.5]; P by its int8 coding (absmax 1: levels 127, 0, 63.5
+    # -> 64, half to even, times 1/127)
+    c.submit("w", 0, {"a": torch.tensor([-1.0, 0.0, -0.5])}, fragment=0)
+    delta = c.wait_result(0, "w", 0.0, fragment=0, have=0)
+    assert isinstance(delta, RoundResult) and delta.delta_from == 0
+    assert encoded == []  # the delta was enough
+    anchor = {"a": torch.zeros(3)}
+    apply_delta(bytes(delta.body), anchor, parse_codec("int8", block=8))
+    expected = torch.tensor([127.0, 0.0, 64.0]) * (torch.tensor(1.0) / 127)
+    assert torch.equal(anchor["a"], expected)
+    whole = c.wait_result(0, "w", 0.0, fragment=0, have=None)
+    assert isinstance(whole, RoundResult) and whole.delta_from is None
+    assert encoded == [["a"]]
+    assert torch.equal(decode_tensors(bytes(whole.body))["a"], expected)
+    again = c.wait_result(0, "w", 0.0, fragment=0, have=None)
+    assert encoded == [["a"]] and bytes(again.body) == bytes(whole.body)  # encoded once
+
+
 def test_a_failure_while_coding_the_delta_stops_serving_until_a_restart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from diloco.wire.format.layout import FrameBuffer, LentBytes
+
+NO_BODY = memoryview(b"")
 
 
 @dataclass(frozen=True)
@@ -23,13 +26,35 @@ class RoundResult:
     # --download-codec: the step's coded delta, for a worker whose anchor is at round - 1
     delta: memoryview | None = None
     delta_from: int | None = None  # set when `body` is the delta (see for_anchor)
+    # the full weights when they are encoded on demand (`OnDemand`); `body` is then NO_BODY
+    # until `for_anchor`, which the coordinator calls under its lock, gives what is sent
+    whole: Callable[[], memoryview] | None = None
 
     def for_anchor(self, have: int | None) -> RoundResult:
         """What a worker whose anchor is at `have` downloads: the delta when it holds the
         weights the step started from, else the full weights."""
         if have is None or self.delta is None or have != self.round - 1:
-            return replace(self, delta=None)
-        return replace(self, body=self.delta, delta=None, delta_from=have)
+            body = self.body if self.whole is None else self.whole()
+            return replace(self, body=body, delta=None, whole=None)
+        return replace(self, body=self.delta, delta=None, delta_from=have, whole=None)
+
+
+class OnDemand:
+    """A streaming fragment's full weights, encoded the first time a worker needs them.
+
+    Most workers hold the fragment's last weights and take the step's delta, so with
+    --download-codec the copy (half the fp32 model per fragment of two, for each fragment's
+    result) is mostly never made. It is exact whenever it is made: a fragment's tensors move
+    only at that fragment's next step, which replaces its result first (BarrierRounds)."""
+
+    def __init__(self, encode: Callable[[], bytearray]) -> None:
+        self._encode = encode
+        self._body: bytearray | None = None
+
+    def get(self) -> bytearray:
+        if self._body is None:
+            self._body = self._encode()
+        return self._body
 
 
 @dataclass(frozen=True)
@@ -42,7 +67,7 @@ class Published:
     """
 
     round: int
-    frame: FrameBuffer | bytearray
+    frame: FrameBuffer | bytearray | OnDemand
     fragment: int | None = None
     fragment_rounds: tuple[int, ...] | None = None
     # the step's coded delta (--download-codec), written over by a later step only once no
@@ -51,12 +76,18 @@ class Published:
 
     def lend(self) -> RoundResult:
         """A view for one response; the buffer is not written again while any is alive."""
+        whole = None
         if isinstance(self.frame, FrameBuffer):
             body = self.frame.lend()
+        elif isinstance(self.frame, OnDemand):
+            body, frame = NO_BODY, self.frame
+            whole = lambda: memoryview(frame.get()).toreadonly()  # noqa: E731
         else:
             body = memoryview(self.frame).toreadonly()
         delta = None if self.delta is None else self.delta.lend()
-        return RoundResult(self.round, body, self.fragment, self.fragment_rounds, delta)
+        return RoundResult(
+            self.round, body, self.fragment, self.fragment_rounds, delta, whole=whole
+        )
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from diloco.server.errors import Rejection
-from diloco.server.model.results import Published, RoundResult, Waiting
+from diloco.server.model.results import OnDemand, Published, RoundResult, Waiting
 from diloco.server.rounds.engine import EngineContext
 from diloco.server.rounds.robust import (
     Contributors,
@@ -545,11 +545,13 @@ class BarrierRounds:
         if len(self.rounds) == 1:
             return c.model.current_weights(self.fragment_rounds())
         names = c.model.plan[fragment]
+        delta = c.model.fragment_delta(c.model.version, names)
         return Published(
             next_round,
-            c.model.encode(names),
+            # with a delta, most workers never download the fragment whole
+            c.model.encode(names) if delta is None else OnDemand(lambda: c.model.encode(names)),
             fragment=fragment,
-            delta=c.model.fragment_delta(c.model.version, names),
+            delta=delta,
         )
 
     def waiting(self, round_number: int, fragment: int) -> Waiting:
