@@ -26,6 +26,17 @@ SETTINGS = ServerSettings(
     sync_every=2, outer_optimizer="sgd", outer_lr=1.0, download_codec="int8", codec_block=8
 )
 START = {"w": torch.zeros(3)}
+# Streaming, two fragments of one tensor each (a, b), the same codec and outer step
+STREAMING = ServerSettings(
+    mode="streaming",
+    sync_every=4,
+    fragments=2,
+    delay=1,
+    outer_optimizer="sgd",
+    outer_lr=1.0,
+    download_codec="int8",
+    codec_block=8,
+)
 SPECS = specs_of(START, {"w": "trainable"})
 
 
@@ -219,16 +230,7 @@ def test_after_a_restart_a_fragment_never_gets_another_fragment_s_delta(tmp_path
     """Streaming, two fragments (a, then b). After a restart fragment a commits first; a
     worker still waiting for fragment b's result of the round before the restart gets b's
     current weights whole, not the delta of a's step (which names other tensors)."""
-    settings = ServerSettings(
-        mode="streaming",
-        sync_every=4,
-        fragments=2,
-        delay=1,
-        outer_optimizer="sgd",
-        outer_lr=1.0,
-        download_codec="int8",
-        codec_block=8,
-    )
+    settings = STREAMING
     start = {"a": torch.zeros(3), "b": torch.zeros(3)}
     specs = specs_of(start, {"a": "trainable", "b": "trainable"})
 
@@ -257,16 +259,7 @@ def test_a_fragment_s_full_weights_are_encoded_only_for_a_worker_that_needs_them
     """Streaming, two fragments: a worker at the fragment's last round takes the delta and no
     full copy of the fragment is made (half the model per fragment's result); a worker whose
     anchor is elsewhere gets the fragment whole, encoded then, with the values of the step."""
-    settings = ServerSettings(
-        mode="streaming",
-        sync_every=4,
-        fragments=2,
-        delay=1,
-        outer_optimizer="sgd",
-        outer_lr=1.0,
-        download_codec="int8",
-        codec_block=8,
-    )
+    settings = STREAMING
     start = {"a": torch.zeros(3), "b": torch.zeros(3)}
     c = Coordinator(settings, journal=RoundJournal(StateStore(tmp_path / "state"), settings))
     c.register("w", specs_of(start, {"a": "trainable", "b": "trainable"}), 1)
