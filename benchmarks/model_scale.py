@@ -633,12 +633,8 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 else "-",
                 "/".join(f"{s[k]:.2f}" for k in SERVER_PARTS[1:-1]) + f" ({s['checkpoint']:.2f})",
                 f"{r['bytes_up_per_round'] / 1e6:.0f}/{r['bytes_down_per_round'] / 1e6:.0f}",
-                f"{r['server_peak_mb']:.0f} ({r['server_peak_mb'] / r['model_mb']:.1f}x"
-                + (
-                    f"; {r['server_beyond_idle_mb'] / r['model_mb']:.1f}x)"
-                    if "server_beyond_idle_mb" in r
-                    else ")"
-                ),
+                f"{r['server_peak_mb']:.0f} ({r['server_peak_mb'] / r['model_mb']:.1f}x; "
+                f"{r['server_beyond_idle_mb'] / r['model_mb']:.1f}x)",
                 f"{r['worker_beyond_training_mb']:.0f}",
             ]
         )

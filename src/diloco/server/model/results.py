@@ -26,15 +26,15 @@ class RoundResult:
     # --download-codec: the step's coded delta, for a worker whose anchor is at round - 1
     delta: memoryview | None = None
     delta_from: int | None = None  # set when `body` is the delta (see for_anchor)
-    # the full weights when they are encoded on demand (`OnDemand`); `body` is then NO_BODY
-    # until `for_anchor`, which the coordinator calls under its lock, gives what is sent
-    whole: Callable[[], memoryview] | None = None
+    # the full weights when they are encoded on demand; `body` is then NO_BODY until
+    # `for_anchor`, which the coordinator calls under its lock, gives what is sent
+    whole: OnDemand | None = None
 
     def for_anchor(self, have: int | None) -> RoundResult:
         """What a worker whose anchor is at `have` downloads: the delta when it holds the
         weights the step started from, else the full weights."""
         if have is None or self.delta is None or have != self.round - 1:
-            body = self.body if self.whole is None else self.whole()
+            body = self.body if self.whole is None else self.whole.view()
             return replace(self, body=body, delta=None, whole=None)
         return replace(self, body=self.delta, delta=None, delta_from=have, whole=None)
 
@@ -51,10 +51,11 @@ class OnDemand:
         self._encode = encode
         self._body: bytearray | None = None
 
-    def get(self) -> bytearray:
+    def view(self) -> memoryview:
+        """The body, read-only (encoded now if no worker needed it before)."""
         if self._body is None:
             self._body = self._encode()
-        return self._body
+        return memoryview(self._body).toreadonly()
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,11 @@ class Published:
 
     def lend(self) -> RoundResult:
         """A view for one response; the buffer is not written again while any is alive."""
-        whole = None
+        whole = self.frame if isinstance(self.frame, OnDemand) else None
         if isinstance(self.frame, FrameBuffer):
             body = self.frame.lend()
-        elif isinstance(self.frame, OnDemand):
-            body, frame = NO_BODY, self.frame
-            whole = lambda: memoryview(frame.get()).toreadonly()  # noqa: E731
+        elif whole is not None:
+            body = NO_BODY
         else:
             body = memoryview(self.frame).toreadonly()
         delta = None if self.delta is None else self.delta.lend()

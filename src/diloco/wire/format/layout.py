@@ -184,9 +184,6 @@ class LentBytes:
         self.data = data
         self._loans = Loans()
 
-    def __len__(self) -> int:
-        return len(self.data)
-
     def lend(self) -> memoryview:
         """A read-only view of the bytes; `lent` is True until it (and its slices) are gone."""
         return self._loans.lend(numpy.frombuffer(self.data, dtype=numpy.uint8))
