@@ -215,3 +215,32 @@ def test_a_body_from_anchor_and_local_is_the_body_of_their_pseudo_gradient():
             assert ours.residual.keys() == theirs.residual.keys(), text
             assert all(torch.equal(ours.residual[n], theirs.residual[n]) for n in ours.residual)
         assert (beta > 0) == bool(ours.residual), text  # a residual, and only where kept
+
+
+def test_without_a_residual_the_body_codes_anchor_minus_local_piece_by_piece():
+    """No residual kept: `body_from` codes anchor - local as each piece is coded. Its bytes
+    are those of coding the whole pseudo-gradient, over several pieces and a short last
+    block, and with a bf16 local model (whose difference goes the whole-tensor way)."""
+    from diloco.algorithm.codecs import piece_elements
+    from diloco.algorithm.outer import pseudo_gradient
+
+    generator = torch.Generator().manual_seed(5)
+    numel = 2 * piece_elements(torch.device("cpu")) + 37  # three pieces, a short last block
+    specs = [TensorSpec("w", (numel,), torch.float32, "trainable"), *SPECS[1:]]
+    anchor = {
+        "w": torch.randn(numel, generator=generator),
+        "norm.running_mean": torch.tensor([0.5, 0.25]),
+        "steps": torch.tensor(7, dtype=torch.int64),
+    }
+    for text in ("int8", "topk:0.25+int2"):
+        for dtype in (torch.float32, torch.bfloat16):
+            codec = parse_codec(text)
+            coder = UploadCoder(codec, 0.0, specs)
+            local = {
+                "w": (anchor["w"] - torch.randn(numel, generator=generator)).to(dtype),
+                "norm.running_mean": torch.tensor([0.125, 0.75]),
+                "steps": torch.tensor(9, dtype=torch.int64),
+            }
+            expected = UploadCoder(codec, 0.0, specs).body(pseudo_gradient(anchor, local))
+            assert coder.body_from(anchor, local) == expected, (text, dtype)
+            assert coder.residual == {}

@@ -133,9 +133,11 @@ class UploadCoder:
         `reuse`: written over the last body made with `reuse` when it has this body's size;
         the caller promises that body's request is over (sync mode: a round's exchange starts
         after the last one's ended; streaming mode's uploads overlap and take new bodies)."""
-        if not self.keeps_residual or not (self.codec.is_quantized or self.codec.is_sparse):
+        if not (self.codec.is_quantized or self.codec.is_sparse):
             return self.body(pseudo_gradient(anchor, local), reuse=reuse)
         coded = self._coded(anchor)
+        if not self.keeps_residual:
+            return self._coded_difference(anchor, local, coded, reuse)
         others = [n for n in anchor if n not in set(coded)]
         exact = pseudo_gradient({n: anchor[n] for n in others}, {n: local[n] for n in others})
         largest = max((anchor[n].numel() for n in coded), default=0)
@@ -149,6 +151,41 @@ class UploadCoder:
         pending = self._accumulated(coded, difference)
         source = {n: pending[n] if n in pending else exact[n] for n in anchor}
         return self._compressed(source, set(exact), pending, reuse)
+
+    def _coded_difference(
+        self,
+        anchor: Mapping[str, torch.Tensor],
+        local: Mapping[str, torch.Tensor],
+        coded: Sequence[str],
+        reuse: bool,
+    ) -> bytearray:
+        """No residual kept: each coded tensor's anchor - local is taken a piece at a time
+        as the piece is coded (`write_parts(less=...)`), the same fp32 subtraction as
+        `pseudo_gradient`'s, so neither a model-sized pseudo-gradient nor a tensor-sized
+        scratch is made. A local tensor of another dtype or device than its fp32 anchor goes
+        through `pseudo_gradient` (the whole tensor's difference, then coded)."""
+        fast = {
+            name
+            for name in coded
+            if anchor[name].dtype == torch.float32
+            and local[name].dtype == torch.float32
+            and local[name].device == anchor[name].device
+        }
+        others = [n for n in anchor if n not in fast]
+        rest = pseudo_gradient({n: anchor[n] for n in others}, {n: local[n] for n in others})
+        exact = set(anchor) - set(coded)
+        source = {n: anchor[n].detach() if n in fast else rest[n] for n in anchor}
+        less = {n: local[n].detach() for n in fast}
+        body = encode_compressed(
+            source,
+            self.codec,
+            exact=exact,
+            less=less,
+            reuse=self._coded_buffer if reuse else None,
+        )
+        if reuse:
+            self._coded_buffer = body
+        return body
 
     def _compressed(
         self,

@@ -97,21 +97,33 @@ def encode_compressed(
     *,
     fold_into: Mapping[str, torch.Tensor] | None = None,
     weight: float = 1.0,
+    less: Mapping[str, torch.Tensor] | None = None,
     reuse: bytearray | None = None,
 ) -> bytearray:
     """A safetensors body of `tensors`: floating ones not in `exact` coded by `codec` as parts,
     the others as plain entries (their own dtype). The codec is in the header's metadata.
     `fold_into` (name -> fp32 tensor): each gets weight * what its entry decodes to, as
-    `write_parts` does (error feedback: the residual loses what was sent). `reuse`: an
-    earlier body that nobody reads any more (see `compressed_frame`)."""
+    `write_parts` does (error feedback: the residual loses what was sent). `less` (name ->
+    tensor of its shape): that coded entry is tensor - less, taken piece by piece as
+    `write_parts` does (a worker's anchor - local). `reuse`: an earlier body that nobody
+    reads any more (see `compressed_frame`)."""
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     buffer, views = compressed_frame(shapes, codec, exact, reuse=reuse)
-    folds = fold_into or {}
+    folds, lesses = fold_into or {}, less or {}
     for name, tensor in tensors.items():
-        write_entry(views, name, tensor, codec, exact, fold_into=folds.get(name), weight=weight)
+        write_entry(
+            views,
+            name,
+            tensor,
+            codec,
+            exact,
+            fold_into=folds.get(name),
+            weight=weight,
+            less=lesses.get(name),
+        )
     return buffer
 
 
