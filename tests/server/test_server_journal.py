@@ -451,6 +451,34 @@ def test_a_top_k_run_begun_before_its_codec_chose_sgd_resumes_as_it_ran(
         coordinator(tmp_path, given)
 
 
+def test_an_int8_run_begun_with_error_feedback_resumes_with_it(tmp_path: Path, caplog) -> None:
+    """int8 now runs without error feedback when no beta is given. A state dir whose run began
+    with the old default (0.95) starts with the same command line and keeps 0.95, so the
+    workers' saved residuals still belong to the run; a beta given otherwise is refused."""
+    old = ServerSettings(
+        sync_every=2, min_workers=2, upload_codec="int8", error_feedback_beta=0.95
+    )  # fmt: skip
+    first = coordinator(tmp_path, old)
+    first.register("a", SPECS, 1)
+    first.upload_initial("a", START)
+    crash(first)
+    now = ServerSettings(sync_every=2, min_workers=2, upload_codec="int8")
+    assert now.error_feedback_beta == 0.0  # what a new run would get
+    with caplog.at_level("WARNING", logger="diloco.server"):
+        second = coordinator(tmp_path, now)
+    settings = second.info()["settings"]
+    assert (settings["error_feedback_beta"], settings["error_feedback_from_codec"]) == (0.95, False)
+    assert any(
+        "the state dir's run began with error_feedback_beta 0.95 (upload codec int8's default: 0.0)"
+        in r.getMessage()
+        for r in caplog.records
+    )
+    crash(second)
+    given = ServerSettings(sync_every=2, min_workers=2, upload_codec="int8", error_feedback_beta=0)
+    with pytest.raises(ValueError, match=r"error_feedback_beta: .*0.95.* in the state dir"):
+        coordinator(tmp_path, given)
+
+
 def test_a_start_that_hangs_dumps_where_it_is(tmp_path: Path) -> None:
     """A real `diloco server` restarted on a chain whose replay stalls (a disk that hangs in
     the replayed step's checkpoint): past its timeout the launcher has the process dump its

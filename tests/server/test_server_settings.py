@@ -247,8 +247,68 @@ def test_the_start_up_log_says_the_recipe_and_each_warning(caplog) -> None:
         "INFO",
         ServerSettings(upload_codec=TOPK, outer_optimizer="nesterov").outer_recipe(),
     )
-    assert [level for level, _ in lines] == ["INFO", "WARNING"]
-    assert "+26.9 % to +39.0 %" in lines[1][1]
+    assert lines[1] == (
+        "INFO",
+        "error feedback beta 0.95 (chosen by upload codec "
+        "topk:0.03+int2: it keeps what the codec left out)",
+    )
+    assert [level for level, _ in lines] == ["INFO", "INFO", "WARNING"]
+    assert "+26.9 % to +39.0 %" in lines[2][1]
+
+
+def test_error_feedback_not_given_follows_the_upload_codec() -> None:
+    """Off for bf16 and int8 (measured the same without it), 0.95 for the others; a beta given
+    is kept; /v1/info and the start-up line say which."""
+    for codec, beta in [
+        ("int8", 0.0),
+        ("bf16", 0.0),
+        ("int4", 0.95),
+        ("int2", 0.95),
+        (TOPK, 0.95),
+        ("topk:0.03+int8", 0.95),
+        ("fp32", 0.95),
+    ]:
+        settings = ServerSettings(upload_codec=codec)
+        assert (settings.error_feedback_beta, settings.error_feedback_from_codec) == (beta, True)
+        wire = settings.to_wire()
+        assert (wire["error_feedback_beta"], wire["error_feedback_from_codec"]) == (beta, True)
+    given = ServerSettings(upload_codec="int8", error_feedback_beta=0.9)
+    assert (given.error_feedback_beta, given.error_feedback_from_codec) == (0.9, False)
+    assert given.feedback_recipe() == "error feedback beta 0.9 (given)"
+    assert (
+        ServerSettings(upload_codec="int8")
+        .feedback_recipe()
+        .startswith(
+            "no error feedback (chosen by upload codec int8: with and without it the runs measured "
+            "ended within 0.01 %"
+        )
+    )
+    assert ServerSettings().feedback_recipe() is None  # fp32: nothing to feed back
+    with pytest.raises(ValueError, match=r"error_feedback_beta must be in \[0, 1\)"):
+        ServerSettings(upload_codec="int8", error_feedback_beta=1.0)
+
+
+def test_a_restart_keeps_the_error_feedback_its_run_began_with_where_the_codec_chooses() -> None:
+    # an int8 run begun when every codec's default was 0.95
+    stored = ServerSettings(upload_codec="int8", error_feedback_beta=0.95).to_wire()
+    del stored["error_feedback_from_codec"]
+    settings = ServerSettings(upload_codec="int8")
+    assert settings.keep_stored_outer(stored) == [
+        "error_feedback_beta 0.95 (upload codec int8's default: 0.0)"
+    ]
+    assert (settings.error_feedback_beta, settings.error_feedback_from_codec) == (0.95, False)
+    assert settings.keep_stored_outer(stored) == []  # said once
+    # a beta given is kept, and one that agrees is still the codec's
+    given = ServerSettings(upload_codec="int8", error_feedback_beta=0.5)
+    assert given.keep_stored_outer(stored) == [] and given.error_feedback_beta == 0.5
+    same = ServerSettings(upload_codec="int8")
+    assert same.keep_stored_outer(same.to_wire()) == []
+    assert same.error_feedback_from_codec
+    # a stored value that is no beta is not taken (the settings check names the difference)
+    for bad in (1.5, "0.9", None, True):
+        odd = ServerSettings(upload_codec="int8")
+        assert odd.keep_stored_outer({**stored, "error_feedback_beta": bad}) == []
+        assert odd.error_feedback_beta == 0.0
 
 
 def test_info_states_the_codec_s_choices_and_a_worker_reads_them() -> None:

@@ -163,7 +163,8 @@ def test_int8_upload_bytes_are_codes_and_block_scales(small_corpus: bytes) -> No
     assert result.bytes_sent_per_worker == 2 * per_upload
     assert result.bytes_received_per_worker == 2 * 4 * TINY_PARAMETERS  # fp32 weights down
     document = result.to_json()
-    assert document["upload_codec"] == "int8" and document["error_feedback_beta"] == 0.95
+    # int8's own default: no error feedback (recipes.error_feedback_default)
+    assert document["upload_codec"] == "int8" and document["error_feedback_beta"] == 0.0
     assert document["config"]["codec_block"] == 64
 
 
@@ -475,3 +476,17 @@ def test_published_weights_move_on_the_int8_grid_of_the_step(small_corpus: bytes
             assert (p1.flatten()[lo : lo + 128] - m1[lo : lo + 128]).abs().max() <= 0.52 * step
             moved += 1
     assert moved > 300
+
+
+def test_error_feedback_not_given_follows_the_upload_codec_as_the_server_s() -> None:
+    from diloco.server.settings import ServerSettings
+
+    for codec in ("int8", "bf16", "int4", "int2", "topk:0.03+int2", "fp32"):
+        expected = ServerSettings(upload_codec=codec).error_feedback_beta
+        assert SimConfig(upload_codec=codec).error_feedback_beta == expected, codec
+    assert SimConfig(upload_codec="int8").error_feedback_beta == 0.0
+    assert SimConfig(upload_codec="int4").error_feedback_beta == 0.95
+    assert SimConfig(upload_codec="int8", error_feedback_beta=0.9).error_feedback_beta == 0.9
+    # a sweep's child gets the same run back
+    config = SimConfig(upload_codec="int8")
+    assert SimConfig.from_dict(config.to_dict()).error_feedback_beta == 0.0

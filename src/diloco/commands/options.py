@@ -36,7 +36,7 @@ OUTER_LR_HELP = "Outer learning rate. Default: follows --upload-codec: 1.0 for t
 OUTER_MOMENTUM_HELP = "Outer momentum (default 0.9 for momentum and nesterov, 0 for sgd)."
 ERROR_FEEDBACK_HELP = (
     "Each worker keeps what compression left out: e = beta e + g, send C(e), e -= D(C(e)); "
-    "in [0, 1), 0 turns error feedback off (default 0.95; no effect with fp32 uploads)."
+    "in [0, 1), 0: off. Default: 0 for bf16 and int8, else 0.95 (no effect with fp32)."
 )
 
 # --help panels (typer's rich_help_panel) that several commands share.

@@ -32,7 +32,7 @@ from diloco.commands.threads import (
 from diloco.console import err, fail, warn
 from diloco.server.http.runner import TlsFiles, serve
 from diloco.server.members.credentials import TokensFileError, load_tokens_file
-from diloco.server.settings import DEFAULT_ERROR_FEEDBACK_BETA, ServerSettings
+from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import (
     INTERVAL_CHECKPOINT_EVERY,
     ROUND_CHECKPOINT_EVERY,
@@ -369,9 +369,7 @@ def server_command(
             download_codec=download_codec,
             codec_block=codec_block,
             topk_chunk=topk_chunk,
-            error_feedback_beta=(
-                DEFAULT_ERROR_FEEDBACK_BETA if error_feedback_beta is None else error_feedback_beta
-            ),
+            error_feedback_beta=error_feedback_beta,  # None: the upload codec's
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             barrier_timeout=barrier_timeout,

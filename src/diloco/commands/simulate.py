@@ -35,7 +35,6 @@ from diloco.console import (
 from diloco.data import CorpusError, load_named_corpus
 from diloco.models import GPTConfig
 from diloco.sim import MODES, SimConfig, prepare, run, total_inner_steps
-from diloco.sim.config import DEFAULT_ERROR_FEEDBACK_BETA
 from diloco.sim.jobs import run_configs
 from diloco.sim.sweep import best_index, parse_sweeps
 
@@ -288,9 +287,7 @@ def simulate_command(
         for key, value in locals().items()
         if key not in ("sweep", "jobs", "json_path", "plot")
     }
-    beta_given = error_feedback_beta is not None  # else the default, which warns of nothing
-    if not beta_given:
-        options["error_feedback_beta"] = DEFAULT_ERROR_FEEDBACK_BETA
+    beta_given = error_feedback_beta is not None  # else the codec's, which warns of nothing
     check_output_path(json_path, "--json")
     check_output_path(plot, "--plot")
     if jobs < 1:

@@ -20,9 +20,12 @@ from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
+    COMPRESSION_RESULTS,
+    DEFAULT_ERROR_FEEDBACK_BETA,
     DENSE_DEFAULTS,
     OuterDefaults,
     aggregation_conflict,
+    error_feedback_default,
     outer_defaults,
     outer_warnings,
     resolve_aggregation,
@@ -34,12 +37,12 @@ from diloco.wire import dtype_name
 SERVER_MODES = ("sync", "streaming", "async")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**3
 DEFAULT_BARRIER_TIMEOUT = 600.0
-# The decay of the workers' error-feedback accumulator e <- beta e + g (SparseLoCo, Sarfi et
-# al. 2025, decays it too); 0 turns error feedback off. benchmarks/compression.py measures it.
-DEFAULT_ERROR_FEEDBACK_BETA = 0.95
+# (DEFAULT_ERROR_FEEDBACK_BETA, the error-feedback beta of the codecs that keep a residual by
+# default, is algorithm/recipes.py's; imported here for the commands that name it.)
+__all__ = ["DEFAULT_ERROR_FEEDBACK_BETA", "ServerSettings"]
 # /v1/info settings that say how a value was chosen rather than set one: a restart on a state
 # dir and a shard against shard 0 do not compare them.
-DESCRIPTIVE_SETTINGS = frozenset({"outer_defaults_from_codec"})
+DESCRIPTIVE_SETTINGS = frozenset({"outer_defaults_from_codec", "error_feedback_from_codec"})
 OUTER_SETTINGS = ("outer_optimizer", "outer_lr", "outer_momentum")
 
 
@@ -65,15 +68,16 @@ class ServerSettings:
     upload_dtype: torch.dtype = torch.float32
     download_dtype: torch.dtype = torch.float32
     # Pseudo-gradient compression (algorithm/codecs.py): the codec, its quantization block and
-    # top-k chunk, and the workers' error-feedback decay. fp32 and bf16 go as plain tensors
-    # (upload_codec bf16 is upload_dtype bf16); the others as compressed bodies.
+    # top-k chunk, and the workers' error-feedback decay (None: the upload codec's,
+    # `error_feedback_default`: off for bf16 and int8, else 0.95). fp32 and bf16 go as plain
+    # tensors (upload_codec bf16 is upload_dtype bf16); the others as compressed bodies.
     upload_codec: str = "fp32"
     # Downloads as coded deltas against the published weights every worker holds (fp32: full
     # weights every round, as download_dtype says); server/model/published_copy.py.
     download_codec: str = "fp32"
     codec_block: int = 128
     topk_chunk: int = 128
-    error_feedback_beta: float = DEFAULT_ERROR_FEEDBACK_BETA
+    error_feedback_beta: float | None = None
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 30.0
     barrier_timeout: float | None = None  # None: 600 s with a barrier (sync, streaming)
@@ -106,6 +110,7 @@ class ServerSettings:
     shard: int = 0
     shard_urls: tuple[str, ...] = ()
     outer_defaults_from_codec: tuple[str, ...] = field(default=(), init=False)
+    error_feedback_from_codec: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in SERVER_MODES:
@@ -169,6 +174,9 @@ class ServerSettings:
                 "published copy: give one or the other"
             )
         object.__setattr__(self, "download_codec", str(download))
+        if self.error_feedback_beta is None:
+            object.__setattr__(self, "error_feedback_beta", error_feedback_default(codec))
+            object.__setattr__(self, "error_feedback_from_codec", True)
         beta = self.error_feedback_beta
         beta_ok = isinstance(beta, (int, float)) and not isinstance(beta, bool)
         if not (beta_ok and math.isfinite(beta) and 0 <= beta < 1):
@@ -226,6 +234,24 @@ class ServerSettings:
             f"{self.outer_defaults.why})"
         )
 
+    def feedback_recipe(self) -> str | None:
+        """The workers' error feedback in words (the server's start-up log line), saying
+        whether the codec chose it; None for a codec that sends every value exactly."""
+        codec = self.upload
+        if codec.is_identity:
+            return None
+        beta = float(self.error_feedback_beta)
+        text = f"error feedback beta {beta:g}" if beta else "no error feedback"
+        if not self.error_feedback_from_codec:
+            return f"{text} (given)"
+        if beta:
+            return f"{text} (chosen by upload codec {codec}: it keeps what the codec left out)"
+        return (
+            f"{text} (chosen by upload codec {codec}: with and without it the runs measured "
+            f"ended within 0.01 %, {COMPRESSION_RESULTS}; --error-feedback-beta 0.95 turns it "
+            "on at two more fp32 copies of the model per worker)"
+        )
+
     def outer_warnings(self) -> list[str]:
         """The measured costs over 5 % this codec and outer optimizer risk, one sentence each
         (algorithm/recipes.py); a warning, never a refusal."""
@@ -239,6 +265,31 @@ class ServerSettings:
         momentum state) when the codec's defaults have changed since (runs of top-k codecs
         started before SparseLoCo's sgd became their default kept nesterov 0.7). Returns the
         settings taken, in words; none when they agree. `stored`: /v1/info settings."""
+        said = self._keep_stored_feedback(stored)
+        return said + self._keep_stored_outer_optimizer(stored)
+
+    def _keep_stored_feedback(self, stored: Mapping) -> list[str]:
+        """The error-feedback beta the codec chose takes the stored run's (runs of int8 and
+        bf16 began with 0.95 before those codecs' default became 0): the workers' saved
+        residuals belong to it."""
+        if not self.error_feedback_from_codec:
+            return []
+        beta = stored.get("error_feedback_beta")
+        valid = isinstance(beta, (int, float)) and not isinstance(beta, bool)
+        if not (valid and math.isfinite(beta) and 0 <= beta < 1):
+            return []  # not a beta we can take: the settings check names the difference
+        if float(beta) == self.error_feedback_beta:
+            return []
+        said = (
+            f"error_feedback_beta {float(beta)!r} (upload codec {self.upload_codec}'s "
+            f"default: {self.error_feedback_beta!r})"
+        )
+        object.__setattr__(self, "error_feedback_beta", float(beta))
+        object.__setattr__(self, "error_feedback_from_codec", False)
+        return [said]
+
+    def _keep_stored_outer_optimizer(self, stored: Mapping) -> list[str]:
+        """`keep_stored_outer` for outer_optimizer, outer_lr, outer_momentum, aggregation."""
         outer = stored.get("outer_optimizer")
         if not isinstance(outer, dict) or not self.outer_defaults_from_codec:
             return []
@@ -473,6 +524,8 @@ class ServerSettings:
             "outer_optimizer": self.make_outer_optimizer().describe(),
             # which of outer_optimizer, outer_lr, outer_momentum the upload codec chose
             "outer_defaults_from_codec": list(self.outer_defaults_from_codec),
+            # whether error_feedback_beta is the upload codec's choice (none was given)
+            "error_feedback_from_codec": self.error_feedback_from_codec,
             "aggregation": self.aggregation,
             "clip_multiple": float(self.clip_multiple),
             "outlier_ratio": float(self.outlier_ratio),

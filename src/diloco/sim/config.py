@@ -10,9 +10,11 @@ from diloco.algorithm import STALENESS_WEIGHTINGS
 from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
+    DEFAULT_ERROR_FEEDBACK_BETA,
     DENSE_DEFAULTS,
     OuterDefaults,
     aggregation_conflict,
+    error_feedback_default,
     outer_defaults,
     outer_warnings,
     resolve_aggregation,
@@ -24,8 +26,7 @@ from diloco.models.causal_lm import CausalLMConfig
 from diloco.sim.hostile import check_hostile
 
 MODES = ("single", "ddp", "diloco", "streaming", "async")
-# The server's default (server/settings.py; a test keeps the two equal).
-DEFAULT_ERROR_FEEDBACK_BETA = 0.95
+__all__ = ["DEFAULT_ERROR_FEEDBACK_BETA", "MODES", "SimConfig"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -76,7 +77,7 @@ class SimConfig:
     download_codec: str = "fp32"  # not fp32: workers get coded deltas of the published weights
     codec_block: int = 128
     topk_chunk: int = 128
-    error_feedback_beta: float = DEFAULT_ERROR_FEEDBACK_BETA
+    error_feedback_beta: float | None = None  # None: the upload codec's (0 for bf16, int8)
     # Robust aggregation (algorithm/robust.py) and a bad last worker (sim/hostile.py)
     aggregation: str | None = None  # None: follows the upload codec, as the server's
     hostile: str = "none"
@@ -148,6 +149,8 @@ class SimConfig:
                 f"download_codec {download} applies to modes diloco, streaming and async only "
                 f"(mode {self.mode} has no global weights to download)"
             )
+        if self.error_feedback_beta is None:  # the upload codec's, as the server's
+            object.__setattr__(self, "error_feedback_beta", error_feedback_default(codec))
         beta = self.error_feedback_beta
         beta_ok = isinstance(beta, (int, float)) and not isinstance(beta, bool)
         if not (beta_ok and math.isfinite(beta) and 0 <= beta < 1):

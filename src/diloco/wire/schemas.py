@@ -171,6 +171,7 @@ class Settings(_Response):
     outer_optimizer: OuterOptimizerSummary
     # which of outer_optimizer, outer_lr, outer_momentum the upload codec chose; for people
     outer_defaults_from_codec: list[str] = []
+    error_feedback_from_codec: bool = False  # error_feedback_beta is the codec's; for people
     aggregation: str = "mean"  # the server's; a worker needs nothing of it
     clip_multiple: float = 2.0
     outlier_ratio: float = 10.0

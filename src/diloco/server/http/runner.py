@@ -242,9 +242,13 @@ def build_server(
 
 
 def log_outer_recipe(settings: ServerSettings) -> None:
-    """The start-up lines of the outer optimizer: which settings the upload codec chose (after
-    a restart kept a state dir's), and each measured cost over 5 % the run risks."""
+    """The start-up lines of the outer optimizer and the workers' error feedback: which
+    settings the upload codec chose (after a restart kept a state dir's), and each measured
+    cost over 5 % the run risks."""
     log.info(settings.outer_recipe())
+    feedback = settings.feedback_recipe()
+    if feedback is not None:
+        log.info(feedback)
     for warning in settings.outer_warnings():
         log.warning(warning)
 

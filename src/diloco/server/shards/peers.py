@@ -268,8 +268,11 @@ def _number_in(value: object, low: float, high: float) -> bool:
 
 
 def settings_difference(mine: Mapping[str, Any], leader: Mapping[str, Any]) -> str | None:
-    """The first setting that differs between two shards' /v1/info settings, in words."""
-    for key in sorted((set(mine) | set(leader)) - DESCRIPTIVE_SETTINGS):
+    """The first setting that differs between two shards' /v1/info settings, in words: the
+    mode and the codecs first, as others follow them (outer optimizer, error feedback)."""
+    keys = sorted((set(mine) | set(leader)) - DESCRIPTIVE_SETTINGS)
+    causes = [key for key in ("mode", "upload_codec", "download_codec") if key in keys]
+    for key in causes + [key for key in keys if key not in causes]:
         if mine.get(key) != leader.get(key):
             return f"{key} is {mine.get(key)!r} here and {leader.get(key)!r} on shard 0"
     return None
