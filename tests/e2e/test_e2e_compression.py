@@ -146,7 +146,7 @@ def test_async_compressed_arrivals_match_the_simulator_and_deltas_reach_the_last
     """Async mode, the simulator's arrivals replayed by two in-process DiLoCoWorkers: int8
     uploads with error feedback end where the simulator does; with int8 delta downloads too,
     the worker that arrived last holds the server's published weights bit for bit."""
-    config = async_config(upload_codec="int8", codec_block=64)
+    config = async_config(upload_codec="int8", codec_block=64, error_feedback_beta=0.95)
     simulated = simulate(config, corpus=small_corpus)
     arrivals = [(w, n) for w, n, _ in simulated.arrivals]
     for download in ("fp32", "int8"):
@@ -163,6 +163,8 @@ def test_async_compressed_arrivals_match_the_simulator_and_deltas_reach_the_last
             "64",
             "--download-codec",
             download,
+            "--error-feedback-beta",
+            "0.95",
         )
         workers = replay_arrivals(server.url, config, simulated, small_corpus)
         last = workers[arrivals[-1][0]]

@@ -136,10 +136,14 @@ def test_a_server_killed_after_a_commit_keeps_the_workers_error_feedback_exact(
     streaming = {"mode": "streaming", "fragments": 2, "delay": 1, "alpha": 0.5}
     sim_mode = streaming if mode == "streaming" else {}
     mode_args = tuple(f"--{k}={v}" for k, v in sim_mode.items())
-    options = ("--upload-codec", "int8", "--sync-every", "4", "--min-workers", "2", *mode_args)
+    options = ("--upload-codec", "int8", "--error-feedback-beta", "0.95", "--sync-every", "4",
+               "--min-workers", "2", *mode_args)  # fmt: skip
     weights, _, _, _ = crash_once(
         server_process, options, "result_published:2", corpus_file, tmp_path
     )
-    simulated = simulated_run(small_corpus, workers=2, steps=STEPS, upload_codec="int8", **sim_mode)
+    simulated = simulated_run(
+        small_corpus, workers=2, steps=STEPS, upload_codec="int8", error_feedback_beta=0.95,
+        **sim_mode,
+    )  # fmt: skip
     for name, expected in simulated.final_state.items():
         torch.testing.assert_close(weights[name], expected, rtol=1e-5, atol=1e-6, msg=name)

@@ -124,7 +124,11 @@ def start_paused(url0: str, worker_url: str, corpus: Path, out: Path):
     return workers
 
 
-INT8_BOTH_WAYS = (*SYNC_MODE, "--upload-codec", "int8", "--download-codec", "int8")
+# with error feedback (not int8's default): the residuals ride through the kills too
+INT8_BOTH_WAYS = (
+    *SYNC_MODE, "--upload-codec", "int8", "--download-codec", "int8",
+    "--error-feedback-beta", "0.95",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +386,7 @@ def test_a_follower_and_a_decided_worker_both_killed_the_follower_recovers_its_s
     shard 1 takes the slices it held back from its state dir and applies the round; w0 ends
     the run alone once w1 is evicted, every round applied once on both shards alike."""
     mode = ("--sync-every", str(SYNC_EVERY), "--min-workers", "1", "--upload-codec", "int8",
-            "--download-codec", "int8")  # fmt: skip
+            "--download-codec", "int8", "--error-feedback-beta", "0.95")  # fmt: skip
     env = {1: {ENV_VAR: "before_checkpoint:3"}}
     shards = Shards(tmp_path, env=env, mode=mode, heartbeat_timeout=4)
     try:

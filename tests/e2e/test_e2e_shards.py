@@ -145,12 +145,13 @@ def test_two_shards_with_int8_both_ways_match_the_simulator(
     simulator ends with int8 both ways."""
     urls = shards(
         2, "--sync-every", "4", "--min-workers", "2", "--upload-codec", "int8",
-        "--download-codec", "int8", state=True,
+        "--download-codec", "int8", "--error-feedback-beta", "0.95", state=True,
     )  # fmt: skip
     real = train_two(urls, corpus_file, tmp_path)
     simulated = simulated_run(
-        small_corpus, workers=2, steps=10, upload_codec="int8", download_codec="int8"
-    )
+        small_corpus, workers=2, steps=10, upload_codec="int8", download_codec="int8",
+        error_feedback_beta=0.95,
+    )  # fmt: skip
     for name, tensor in simulated.final_state.items():
         torch.testing.assert_close(real[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]

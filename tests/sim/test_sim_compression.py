@@ -361,8 +361,10 @@ def test_after_one_round_sent_plus_residual_is_the_fp32_pseudo_gradient(
 def test_streaming_with_one_fragment_equals_diloco_with_int8_and_error_feedback(
     small_corpus: bytes,
 ) -> None:
-    sync = simulate(tiny(upload_codec="int8", steps=12), corpus=small_corpus)
-    streaming = simulate(tiny(mode="streaming", upload_codec="int8", steps=12), corpus=small_corpus)
+    int8 = {"upload_codec": "int8", "error_feedback_beta": 0.95, "steps": 12}
+    sync = simulate(tiny(**int8), corpus=small_corpus)
+    streaming = simulate(tiny(mode="streaming", **int8), corpus=small_corpus)
+    assert sync.residuals[0]  # (error feedback kept: its residuals are compared below)
     assert streaming.bytes_sent_per_worker == sync.bytes_sent_per_worker
     for name, tensor in sync.final_state.items():
         torch.testing.assert_close(streaming.final_state[name], tensor, rtol=1e-5, atol=1e-6)
@@ -374,9 +376,11 @@ def test_streaming_with_one_fragment_equals_diloco_with_int8_and_error_feedback(
 def test_async_with_a_grace_window_and_equal_speeds_equals_diloco_with_int8(
     small_corpus: bytes,
 ) -> None:
-    sync = simulate(tiny(upload_codec="int8", steps=12), corpus=small_corpus)
+    int8 = {"upload_codec": "int8", "error_feedback_beta": 0.95, "steps": 12}
+    sync = simulate(tiny(**int8), corpus=small_corpus)
+    assert sync.residuals[0]
     grace = simulate(
-        tiny(mode="async", async_delay=1, grace=0.5, upload_codec="int8", steps=12),
+        tiny(mode="async", async_delay=1, grace=0.5, **int8),
         corpus=small_corpus,
     )
     assert grace.outer_steps == sync.outer_steps == 3
@@ -386,7 +390,7 @@ def test_async_with_a_grace_window_and_equal_speeds_equals_diloco_with_int8(
     assert [sorted(r) for r in grace.residuals] == [sorted(r) for r in sync.residuals]
 
 
-def test_int8_with_error_feedback_ends_close_to_fp32(small_corpus: bytes) -> None:
+def test_int8_and_bf16_at_their_defaults_end_close_to_fp32(small_corpus: bytes) -> None:
     runs = {
         spec: simulate(tiny(upload_codec=spec, steps=24), corpus=small_corpus).final_eval_loss
         for spec in ("fp32", "bf16", "int8")

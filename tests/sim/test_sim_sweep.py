@@ -16,6 +16,7 @@ OPTIONS = {
     "sync_every": 50,
     "outer_lr": 0.7,
     "outer_momentum": None,
+    "error_feedback_beta": None,
     "dylu": False,
     "upload_codec": "fp32",
     "speeds": "",
@@ -28,6 +29,11 @@ def test_one_axis_gives_one_run_per_value_typed_like_the_option() -> None:
     assert parse_sweeps(["outer-lr=0.5, 1"], OPTIONS) == [{"outer_lr": 0.5}, {"outer_lr": 1.0}]
     assert parse_sweeps(["sync_every=10,50"], OPTIONS) == [{"sync_every": 10}, {"sync_every": 50}]
     assert parse_sweeps(["outer-momentum=0.8"], OPTIONS) == [{"outer_momentum": 0.8}]
+    # unset by default too (the upload codec picks it), and a number
+    assert parse_sweeps(["error-feedback-beta=0,0.95"], OPTIONS) == [
+        {"error_feedback_beta": 0.0},
+        {"error_feedback_beta": 0.95},
+    ]
     assert parse_sweeps(["dylu=true,no"], OPTIONS) == [{"dylu": True}, {"dylu": False}]
     assert parse_sweeps(["upload-codec=int8,topk:0.03+int2"], OPTIONS) == [
         {"upload_codec": "int8"},

@@ -118,7 +118,8 @@ def test_bf16_uploads_with_error_feedback_and_bf16_downloads_match_one_process(
     """Each rank codes its own rows to bf16 and keeps their residual; the one-process worker
     codes whole tensors. Equal up to a bf16 rounding that float order can flip."""
     settings = ServerSettings(sync_every=2, outer_optimizer="sgd", outer_lr=1.0,
-                              upload_codec="bf16", download_dtype=torch.bfloat16)  # fmt: skip
+                              upload_codec="bf16", error_feedback_beta=0.95,
+                              download_dtype=torch.bfloat16)  # fmt: skip
     runs = {}
     for variant, ranks in (("fsdp", 2), ("plain", 1)):
         out = tmp_path / variant

@@ -220,7 +220,7 @@ def test_a_body_from_anchor_and_local_is_the_body_of_their_pseudo_gradient():
 def test_without_a_residual_the_body_codes_anchor_minus_local_piece_by_piece():
     """No residual kept: `body_from` codes anchor - local as each piece is coded. Its bytes
     are those of coding the whole pseudo-gradient, over several pieces and a short last
-    block, and with a bf16 local model (whose difference goes the whole-tensor way)."""
+    block, and with a bf16 local model or a strided view (converted or flattened)."""
     from diloco.algorithm.codecs import piece_elements
     from diloco.algorithm.outer import pseudo_gradient
 
@@ -233,11 +233,15 @@ def test_without_a_residual_the_body_codes_anchor_minus_local_piece_by_piece():
         "steps": torch.tensor(7, dtype=torch.int64),
     }
     for text in ("int8", "topk:0.25+int2"):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, "strided"):
             codec = parse_codec(text)
             coder = UploadCoder(codec, 0.0, specs)
+            moved = anchor["w"] - torch.randn(numel, generator=generator)
+            if dtype == "strided":  # a view that is not contiguous
+                moved = torch.stack([moved, moved], dim=1)[:, 0]
+                assert not moved.is_contiguous()
             local = {
-                "w": (anchor["w"] - torch.randn(numel, generator=generator)).to(dtype),
+                "w": moved if dtype == "strided" else moved.to(dtype),
                 "norm.running_mean": torch.tensor([0.125, 0.75]),
                 "steps": torch.tensor(9, dtype=torch.int64),
             }

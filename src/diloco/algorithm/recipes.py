@@ -226,8 +226,9 @@ def aggregation_conflict(upload_codec: Codec | str, aggregation: str) -> str | N
 # one (SparseLoCo, Sarfi et al. 2025, decays it too); 0 turns error feedback off.
 DEFAULT_ERROR_FEEDBACK_BETA = 0.95
 # Dense codecs whose rounding error feedback has not been measured to repay: bf16 and int8
-# ended within 0.01 % with and without it (COMPRESSION_RESULTS; 237k parameters, 24 outer steps;
-# int8 again at 137k parameters and 100 outer steps: INT8_FEEDBACK_RESULTS), while a worker
+# ended within 0.01 % with and without it (COMPRESSION_RESULTS; 237k parameters, 24 outer
+# steps), int8 both ways 0.2 % lower without it at 137k parameters and 100 outer steps (one
+# seed: INT8_FEEDBACK_RESULTS), while a worker
 # that keeps a residual holds two more fp32 copies of the model (the residual and the next
 # one, until the server has folded the body) and decodes every body it sends.
 NO_FEEDBACK_VALUES = ("bf16", "int8")

@@ -20,9 +20,9 @@ from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
-    COMPRESSION_RESULTS,
     DEFAULT_ERROR_FEEDBACK_BETA,
     DENSE_DEFAULTS,
+    INT8_FEEDBACK_RESULTS,
     OuterDefaults,
     aggregation_conflict,
     error_feedback_default,
@@ -111,6 +111,7 @@ class ServerSettings:
     shard_urls: tuple[str, ...] = ()
     outer_defaults_from_codec: tuple[str, ...] = field(default=(), init=False)
     error_feedback_from_codec: bool = field(default=False, init=False)
+    error_feedback_kept: bool = field(default=False, init=False)  # a restart took the stored
 
     def __post_init__(self) -> None:
         if self.mode not in SERVER_MODES:
@@ -242,14 +243,16 @@ class ServerSettings:
             return None
         beta = float(self.error_feedback_beta)
         text = f"error feedback beta {beta:g}" if beta else "no error feedback"
+        if self.error_feedback_kept:
+            return f"{text} (the state dir's run began with it)"
         if not self.error_feedback_from_codec:
             return f"{text} (given)"
         if beta:
             return f"{text} (chosen by upload codec {codec}: it keeps what the codec left out)"
         return (
-            f"{text} (chosen by upload codec {codec}: with and without it the runs measured "
-            f"ended within 0.01 %, {COMPRESSION_RESULTS}; --error-feedback-beta 0.95 turns it "
-            "on at two more fp32 copies of the model per worker)"
+            f"{text} (chosen by upload codec {codec}: the runs measured ended no worse "
+            f"without it, {INT8_FEEDBACK_RESULTS}; --error-feedback-beta 0.95 turns it on at "
+            "two more fp32 copies of the model per worker)"
         )
 
     def outer_warnings(self) -> list[str]:
@@ -272,8 +275,8 @@ class ServerSettings:
         """The error-feedback beta the codec chose takes the stored run's (runs of int8 and
         bf16 began with 0.95 before those codecs' default became 0): the workers' saved
         residuals belong to it."""
-        if not self.error_feedback_from_codec:
-            return []
+        if not self.error_feedback_from_codec or stored.get("upload_codec") != self.upload_codec:
+            return []  # (another codec: the settings check names the difference)
         beta = stored.get("error_feedback_beta")
         valid = isinstance(beta, (int, float)) and not isinstance(beta, bool)
         if not (valid and math.isfinite(beta) and 0 <= beta < 1):
@@ -286,6 +289,7 @@ class ServerSettings:
         )
         object.__setattr__(self, "error_feedback_beta", float(beta))
         object.__setattr__(self, "error_feedback_from_codec", False)
+        object.__setattr__(self, "error_feedback_kept", True)
         return [said]
 
     def _keep_stored_outer_optimizer(self, stored: Mapping) -> list[str]:

@@ -18,7 +18,11 @@ _FALSE = {"false", "no", "off", "0"}
 
 
 # Options whose default is None, by the type their values take (any other such option: text)
-UNSET_KINDS: dict[str, type] = {"outer_momentum": float, "outer_lr": float}
+UNSET_KINDS: dict[str, type] = {
+    "outer_momentum": float,
+    "outer_lr": float,
+    "error_feedback_beta": float,
+}
 
 
 def _value(key: str, text: str, current: object) -> object:

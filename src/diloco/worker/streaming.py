@@ -283,12 +283,13 @@ class FragmentStreamer:
         return {"status": "failed", "round": outcome.round, "error": why}
 
     def _mix(self, fragment: int, global_values: dict[str, torch.Tensor]) -> None:
-        """theta = (1 - alpha) G' + alpha L on this rank; G' is the fragment's new anchor."""
+        """theta = (1 - alpha) G' + alpha L on this rank; G' is the fragment's new anchor.
+        Tensor by tensor: the mix of one tensor is made and copied in before the next, so
+        the merge holds one tensor's temporary, not the whole fragment's."""
         state = self.anchor.model.state_dict()
-        names = self.plan[fragment]
-        merged = alpha_merge(global_values, {n: state[n] for n in names}, self.alpha)
         with torch.no_grad():
-            for name in names:
+            for name in self.plan[fragment]:
+                merged = alpha_merge({name: global_values[name]}, {name: state[name]}, self.alpha)
                 state[name].copy_(merged[name])
         self.anchor.adopt_fragment(global_values)
 

@@ -160,16 +160,14 @@ class UploadCoder:
         reuse: bool,
     ) -> bytearray:
         """No residual kept: each coded tensor's anchor - local is taken a piece at a time
-        as the piece is coded (`write_parts(less=...)`), the same fp32 subtraction as
+        as the piece is coded (`write_parts(less=...)`, a bf16 or other-device local piece
+        converted to fp32 on the anchor's device first), the same fp32 subtraction as
         `pseudo_gradient`'s, so neither a model-sized pseudo-gradient nor a tensor-sized
-        scratch is made. A local tensor of another dtype or device than its fp32 anchor goes
-        through `pseudo_gradient` (the whole tensor's difference, then coded)."""
+        scratch is made. An anchor that is not fp32 goes through `pseudo_gradient`."""
         fast = {
             name
             for name in coded
-            if anchor[name].dtype == torch.float32
-            and local[name].dtype == torch.float32
-            and local[name].device == anchor[name].device
+            if anchor[name].dtype == torch.float32 and local[name].is_floating_point()
         }
         others = [n for n in anchor if n not in fast]
         rest = pseudo_gradient({n: anchor[n] for n in others}, {n: local[n] for n in others})

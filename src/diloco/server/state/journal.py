@@ -224,8 +224,9 @@ def keep_stored_outer(state: StateStore, settings: ServerSettings) -> None:
     taken = settings.keep_stored_outer(stored)
     if taken:
         log.warning(
-            "the state dir's run began with %s and keeps it; to change, give the outer "
-            "settings and --override-settings",
+            "the state dir's run began with %s and keeps it; to change, give the setting "
+            "(--outer-optimizer, --outer-lr, --outer-momentum, --aggregation, "
+            "--error-feedback-beta) and --override-settings",
             ", ".join(taken),
         )
 

@@ -197,7 +197,10 @@ def write_parts(
     `less` (x's size; may be `fold_into`): code x - less, each piece's difference taken just
     before the piece is coded (and before `fold_into` moves there), in one piece-sized
     buffer: the same fp32 subtraction as a whole-tensor difference, without its tensor-sized
-    temporary and the pass that writes it out and reads it back (a server's delta to P)."""
+    temporary and the pass that writes it out and reads it back (a server's delta to P; a
+    worker's anchor - local). A `less` of another dtype or device is converted a piece at a
+    time (to fp32 on x's device, as `pseudo_gradient` converts the whole tensor); one that is
+    not contiguous is flattened once."""
     flat = x.detach().reshape(-1)
     codes = parts[CODES]
     assert codes is not None
@@ -207,13 +210,13 @@ def write_parts(
     layout = Layout(flat.numel(), codec)
     size = min(flat.numel(), max(piece_elements(flat.device), layout.group_elements))
     scratch = torch.empty(size if less is not None else 0, dtype=torch.float32, device=flat.device)
+    less_flat = less.detach().reshape(-1) if less is not None else None
 
     def values(start: int, stop: int) -> torch.Tensor:
-        if less is None:
+        if less_flat is None:
             return flat[start:stop]
-        return torch.sub(
-            flat[start:stop], less.reshape(-1)[start:stop], out=scratch[: stop - start]
-        )
+        other = less_flat[start:stop].to(device=flat.device, dtype=torch.float32)
+        return torch.sub(flat[start:stop], other, out=scratch[: stop - start])
 
     if not codec.is_quantized and not codec.is_sparse:  # fp32 / bf16: a (casting) copy
         if less is None:
