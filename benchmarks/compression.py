@@ -3,7 +3,8 @@
 K = 4 workers, H = 50, the convergence benchmark's model and budget (1200 inner steps per
 worker, Shakespeare): sync DiLoCo with each upload codec (fp32, bf16, int8, int4, int2,
 topk:0.03+int2, topk:0.01+int2), each with error feedback (beta 0.95, the server's default for
-int4, int2 and top-k) and without (beta 0, its default for bf16 and int8), beside data-parallel; a sweep of beta for topk:0.03+int2; and outer SGD
+int4, int2 and top-k) and without (beta 0, its default for bf16 and int8), beside
+data-parallel; a sweep of beta for topk:0.03+int2; and outer SGD
 with lr 1 (--outer-variants) for that codec and for fp32: SparseLoCo (Sarfi et al. 2025) has
 no outer momentum, its error feedback plays that part; and delta downloads (--downloads
 UP/DOWN pairs: workers hold the published weights the server moves by each step's coded
