@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import typer
 
+from diloco.algorithm.recipes import DEFAULT_ERROR_FEEDBACK_BETA
 from diloco.console import (
     check_output_path,
     err,
@@ -44,7 +45,6 @@ from diloco.data import CorpusError, load_named_corpus
 from diloco.models import GPTConfig
 from diloco.plotting import require_matplotlib
 from diloco.sim import SimConfig, simulate, total_inner_steps
-from diloco.sim.config import DEFAULT_ERROR_FEEDBACK_BETA
 from diloco.sim.runner import validate_algorithm_settings
 
 RESULTS = Path(__file__).parent / "results"

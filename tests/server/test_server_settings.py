@@ -272,6 +272,14 @@ def test_error_feedback_not_given_follows_the_upload_codec() -> None:
         assert (settings.error_feedback_beta, settings.error_feedback_from_codec) == (beta, True)
         wire = settings.to_wire()
         assert (wire["error_feedback_beta"], wire["error_feedback_from_codec"]) == (beta, True)
+    # what a worker reads from /v1/info: the codec's beta, and that the codec chose it
+    from diloco.server.coordinator import Coordinator
+    from diloco.wire.schemas import InfoResponse
+    from diloco.worker.settings import WorkerSettings
+
+    info = Coordinator(ServerSettings(upload_codec="int8")).info()
+    assert InfoResponse.model_validate(info).settings.error_feedback_from_codec is True
+    assert WorkerSettings.from_info(info, "http://server").error_feedback_beta == 0.0
     given = ServerSettings(upload_codec="int8", error_feedback_beta=0.9)
     assert (given.error_feedback_beta, given.error_feedback_from_codec) == (0.9, False)
     assert given.feedback_recipe() == "error feedback beta 0.9 (given)"

@@ -16,6 +16,7 @@ combination is warned about, never refused: researchers may want it. Pure: no I/
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from diloco.algorithm.codecs import Codec, parse_codec
@@ -233,6 +234,12 @@ DEFAULT_ERROR_FEEDBACK_BETA = 0.95
 # one, until the server has folded the body) and decodes every body it sends.
 NO_FEEDBACK_VALUES = ("bf16", "int8")
 INT8_FEEDBACK_RESULTS = "benchmarks/results/compression-int8-feedback/README.md"
+
+
+def is_error_feedback_beta(value: object) -> bool:
+    """Whether `value` is a beta error feedback can run with: a real number in [0, 1)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and 0 <= value < 1  # type: ignore[arg-type]
 
 
 def error_feedback_default(upload_codec: Codec | str) -> float:

@@ -20,12 +20,12 @@ from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
-    DEFAULT_ERROR_FEEDBACK_BETA,
     DENSE_DEFAULTS,
     INT8_FEEDBACK_RESULTS,
     OuterDefaults,
     aggregation_conflict,
     error_feedback_default,
+    is_error_feedback_beta,
     outer_defaults,
     outer_warnings,
     resolve_aggregation,
@@ -37,9 +37,6 @@ from diloco.wire import dtype_name
 SERVER_MODES = ("sync", "streaming", "async")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**3
 DEFAULT_BARRIER_TIMEOUT = 600.0
-# (DEFAULT_ERROR_FEEDBACK_BETA, the error-feedback beta of the codecs that keep a residual by
-# default, is algorithm/recipes.py's; imported here for the commands that name it.)
-__all__ = ["DEFAULT_ERROR_FEEDBACK_BETA", "ServerSettings"]
 # /v1/info settings that say how a value was chosen rather than set one: a restart on a state
 # dir and a shard against shard 0 do not compare them.
 DESCRIPTIVE_SETTINGS = frozenset({"outer_defaults_from_codec", "error_feedback_from_codec"})
@@ -110,8 +107,9 @@ class ServerSettings:
     shard: int = 0
     shard_urls: tuple[str, ...] = ()
     outer_defaults_from_codec: tuple[str, ...] = field(default=(), init=False)
-    error_feedback_from_codec: bool = field(default=False, init=False)
-    error_feedback_kept: bool = field(default=False, init=False)  # a restart took the stored
+    # who chose error_feedback_beta: "given", "codec" (none given), "state dir" (a restart
+    # kept the stored run's in place of the codec's)
+    error_feedback_source: str = field(default="given", init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in SERVER_MODES:
@@ -177,10 +175,9 @@ class ServerSettings:
         object.__setattr__(self, "download_codec", str(download))
         if self.error_feedback_beta is None:
             object.__setattr__(self, "error_feedback_beta", error_feedback_default(codec))
-            object.__setattr__(self, "error_feedback_from_codec", True)
+            object.__setattr__(self, "error_feedback_source", "codec")
         beta = self.error_feedback_beta
-        beta_ok = isinstance(beta, (int, float)) and not isinstance(beta, bool)
-        if not (beta_ok and math.isfinite(beta) and 0 <= beta < 1):
+        if not is_error_feedback_beta(beta):
             raise ValueError(
                 f"error_feedback_beta must be in [0, 1) (0: no error feedback), got {beta!r}"
             )
@@ -235,6 +232,11 @@ class ServerSettings:
             f"{self.outer_defaults.why})"
         )
 
+    @property
+    def error_feedback_from_codec(self) -> bool:
+        """Whether error_feedback_beta is the upload codec's choice (/v1/info says it)."""
+        return self.error_feedback_source == "codec"
+
     def feedback_recipe(self) -> str | None:
         """The workers' error feedback in words (the server's start-up log line), saying
         whether the codec chose it; None for a codec that sends every value exactly."""
@@ -243,9 +245,9 @@ class ServerSettings:
             return None
         beta = float(self.error_feedback_beta)
         text = f"error feedback beta {beta:g}" if beta else "no error feedback"
-        if self.error_feedback_kept:
+        if self.error_feedback_source == "state dir":
             return f"{text} (the state dir's run began with it)"
-        if not self.error_feedback_from_codec:
+        if self.error_feedback_source == "given":
             return f"{text} (given)"
         if beta:
             return f"{text} (chosen by upload codec {codec}: it keeps what the codec left out)"
@@ -278,8 +280,7 @@ class ServerSettings:
         if not self.error_feedback_from_codec or stored.get("upload_codec") != self.upload_codec:
             return []  # (another codec: the settings check names the difference)
         beta = stored.get("error_feedback_beta")
-        valid = isinstance(beta, (int, float)) and not isinstance(beta, bool)
-        if not (valid and math.isfinite(beta) and 0 <= beta < 1):
+        if not is_error_feedback_beta(beta):
             return []  # not a beta we can take: the settings check names the difference
         if float(beta) == self.error_feedback_beta:
             return []
@@ -288,8 +289,7 @@ class ServerSettings:
             f"default: {self.error_feedback_beta!r})"
         )
         object.__setattr__(self, "error_feedback_beta", float(beta))
-        object.__setattr__(self, "error_feedback_from_codec", False)
-        object.__setattr__(self, "error_feedback_kept", True)
+        object.__setattr__(self, "error_feedback_source", "state dir")
         return [said]
 
     def _keep_stored_outer_optimizer(self, stored: Mapping) -> list[str]:

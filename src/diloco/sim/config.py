@@ -10,11 +10,11 @@ from diloco.algorithm import STALENESS_WEIGHTINGS
 from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
-    DEFAULT_ERROR_FEEDBACK_BETA,
     DENSE_DEFAULTS,
     OuterDefaults,
     aggregation_conflict,
     error_feedback_default,
+    is_error_feedback_beta,
     outer_defaults,
     outer_warnings,
     resolve_aggregation,
@@ -26,7 +26,6 @@ from diloco.models.causal_lm import CausalLMConfig
 from diloco.sim.hostile import check_hostile
 
 MODES = ("single", "ddp", "diloco", "streaming", "async")
-__all__ = ["DEFAULT_ERROR_FEEDBACK_BETA", "MODES", "SimConfig"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -152,8 +151,7 @@ class SimConfig:
         if self.error_feedback_beta is None:  # the upload codec's, as the server's
             object.__setattr__(self, "error_feedback_beta", error_feedback_default(codec))
         beta = self.error_feedback_beta
-        beta_ok = isinstance(beta, (int, float)) and not isinstance(beta, bool)
-        if not (beta_ok and math.isfinite(beta) and 0 <= beta < 1):
+        if not is_error_feedback_beta(beta):
             raise ValueError(
                 f"error_feedback_beta must be in [0, 1) (0: no error feedback), got {beta!r}"
             )

@@ -174,16 +174,7 @@ class UploadCoder:
         exact = set(anchor) - set(coded)
         source = {n: anchor[n].detach() if n in fast else rest[n] for n in anchor}
         less = {n: local[n].detach() for n in fast}
-        body = encode_compressed(
-            source,
-            self.codec,
-            exact=exact,
-            less=less,
-            reuse=self._coded_buffer if reuse else None,
-        )
-        if reuse:
-            self._coded_buffer = body
-        return body
+        return self._compressed(source, exact, None, reuse, less=less)
 
     def _compressed(
         self,
@@ -191,6 +182,7 @@ class UploadCoder:
         exact: Collection[str],
         residual: Mapping[str, torch.Tensor] | None,
         reuse: bool,
+        less: Mapping[str, torch.Tensor] | None = None,
     ) -> bytearray:
         """The compressed body of `source`, each coded piece's decoded values taken off
         `residual` as it is written; with `reuse`, over the last body made so, and kept."""
@@ -200,6 +192,7 @@ class UploadCoder:
             exact=exact,
             fold_into=residual,
             weight=-1.0,
+            less=less,
             reuse=self._coded_buffer if reuse else None,
         )
         if reuse:
