@@ -7,7 +7,7 @@ import torch
 
 from diloco.algorithm.codecs import parse_codec
 from diloco.wire.compressed.body import encode_compressed
-from diloco.worker.anchor import Anchor
+from diloco.worker.anchor import Anchor, anchor_copies
 
 
 def _anchor() -> Anchor:
@@ -106,3 +106,18 @@ def test_a_fragment_delta_refused_part_way_leaves_the_anchor_as_it_was() -> None
         anchor.values_after(bad, ["bias"], codec, coded=["bias"])
     assert not anchor.torn
     assert all(torch.equal(anchor.tensors[n], before[n]) for n in before)
+
+
+def test_the_anchor_device_counts_only_the_model_sized_copies_a_round_makes() -> None:
+    """Counted by hand from what each path allocates: fp32 and int8 write anchor - local
+    into the body (the anchor alone); bf16 codes a whole pseudo-gradient; a residual brings
+    its spare; a streaming fragment's delta moves a copy, a sync delta the anchor itself."""
+    fp32, bf16, int8 = parse_codec("fp32"), parse_codec("bf16"), parse_codec("int8")
+    topk = parse_codec("topk:0.03+int2")
+    assert anchor_copies(fp32, 0.95, fp32, streaming=False) == 1  # fp32 keeps no residual
+    assert anchor_copies(int8, 0.0, int8, streaming=False) == 1
+    assert anchor_copies(int8, 0.0, int8, streaming=True) == 2
+    assert anchor_copies(bf16, 0.0, fp32, streaming=True) == 2
+    assert anchor_copies(int8, 0.95, fp32, streaming=False) == 3
+    assert anchor_copies(topk, 0.95, parse_codec("int2"), streaming=True) == 4
+    assert anchor_copies(bf16, 0.95, int8, streaming=True) == 5

@@ -123,6 +123,42 @@ def test_fp32_is_the_plain_body_and_keeps_nothing():
     assert coder.state() == ({}, None)
 
 
+def test_an_fp32_body_from_anchor_and_local_is_written_straight_and_new_unless_reused(
+    monkeypatch,
+):
+    """fp32 `body_from` (a streaming fragment's upload) takes anchor - local straight into the
+    body, with no pseudo-gradient tensor: the bytes of `body(anchor - local)`, a buffer of its
+    own each time (fragments' uploads overlap), and the kept buffer only with `reuse`."""
+
+    def no_tensor(*_args):
+        raise AssertionError("a pseudo-gradient tensor was made")
+
+    monkeypatch.setattr("diloco.worker.upload_coder.pseudo_gradient", no_tensor)
+    coder = UploadCoder(parse_codec("fp32"), 0.95, SPECS)
+    anchor = gradient([1, 3, -2, 0.5])
+    local = {
+        "w": torch.tensor([0.5, 3, -1, 0.75], dtype=torch.bfloat16),
+        "norm.running_mean": torch.tensor([0.1, 0.3]),
+        "steps": torch.tensor(5, dtype=torch.int64),
+    }
+    first, second = coder.body_from(anchor, local), coder.body_from(anchor, local)
+    assert first == second and first is not second
+    sent_now = decode_tensors(first)
+    assert sent_now["w"].dtype == torch.float32
+    assert sent_now["w"].tolist() == [0.5, 0.0, -1.0, -0.25]  # 1 - 0.5, 3 - 3, -2 + 1, ...
+    assert sent_now["steps"].item() == 3 - 5
+    assert first == coder.body(
+        {n: anchor[n] - local[n].float() for n in ("w",)}
+        | {
+            "norm.running_mean": anchor["norm.running_mean"] - local["norm.running_mean"],
+            "steps": torch.tensor(-2, dtype=torch.int64),
+        }
+    )
+    kept = coder.body_from(anchor, local, reuse=True)
+    assert coder.body_from(anchor, local, reuse=True) is kept
+    assert coder.body_from(anchor, local) is not kept and coder.residual == {}
+
+
 def test_a_saved_residual_comes_back_only_to_the_same_model_plan_and_codec(caplog):
     coder = UploadCoder(parse_codec("topk:0.25", chunk=4), 0.5, SPECS)
     coder.body(gradient([1, 3, -2, 0.5]))

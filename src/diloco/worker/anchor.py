@@ -177,12 +177,24 @@ def parse_anchor_device(requested: object) -> torch.device | None:
     return device
 
 
+def anchor_copies(upload: Codec, beta: float, download: Codec, *, streaming: bool) -> int:
+    """How many model-sized fp32 tensors a worker's round keeps beside its anchor's device:
+    the anchor; a bf16 upload's whole pseudo-gradient (fp32, the quantized and the sparse
+    codecs take anchor - local into the body a tensor or a piece at a time); a kept residual
+    and its spare; a streaming fragment's coded delta, which moves a copy (in sync mode the
+    delta moves the anchor itself)."""
+    bf16 = not (upload.is_identity or upload.is_quantized or upload.is_sparse)
+    residual = not upload.is_identity and beta > 0
+    fragment = streaming and not download.is_identity
+    return 1 + bf16 + 2 * residual + fragment
+
+
 def choose_anchor_device(
     model: nn.Module, requested: torch.device | None, *, fp32_copies: int
 ) -> torch.device:
     """Where the anchor (and the error-feedback residuals beside it) live: `requested`, or
-    (None: "auto") the model's accelerator when `fp32_copies` model-sized fp32 tensors (the
-    anchor, the pseudo-gradient, residuals, a delta's target) fit in half of its free memory,
+    (None: "auto") the model's accelerator when `fp32_copies` model-sized fp32 tensors
+    (`anchor_copies`) fit in half of its free memory,
     else the CPU. On the accelerator the arithmetic of a round (anchor - local, error feedback,
     coding, a delta's apply) runs where the weights are, and only coded bytes cross to the host.
     """

@@ -96,12 +96,16 @@ class UploadCoder:
         return sent
 
     def plain_body(
-        self, anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
+        self,
+        anchor: Mapping[str, torch.Tensor],
+        local: Mapping[str, torch.Tensor],
+        reuse: bool = True,
     ) -> bytearray:
-        """The identity codec's body with anchor - local computed straight into it, in the
-        last body's buffer when the layout is the same: no model-sized gradient or body is
-        allocated, page-faulted and copied each round. The last body's request must be over
-        (sync mode: the next round syncs after it)."""
+        """The identity codec's body with anchor - local computed straight into it: no
+        model-sized (or fragment-sized) fp32 gradient is allocated, page-faulted and copied.
+        `reuse`: in the last such body's buffer when the layout is the same, and kept for the
+        next; the last body's request must be over (sync mode: the next round syncs after
+        it). Streaming fragments' uploads overlap, so each takes a buffer of its own."""
         layout = FrameLayout.plan(
             {
                 name: (
@@ -111,9 +115,10 @@ class UploadCoder:
                 for name, tensor in anchor.items()
             }
         )
-        kept = self._plain_buffer
+        kept = self._plain_buffer if reuse else None
         buffer = kept[1] if kept is not None and kept[0] == layout else bytearray(layout.size)
-        self._plain_buffer = (layout, buffer)
+        if reuse:
+            self._plain_buffer = (layout, buffer)
         body = torch.frombuffer(buffer, dtype=torch.uint8)
         layout.write_header(body)
         pseudo_gradient_into(anchor, local, layout.views(body))
@@ -133,6 +138,8 @@ class UploadCoder:
         `reuse`: written over the last body made with `reuse` when it has this body's size;
         the caller promises that body's request is over (sync mode: a round's exchange starts
         after the last one's ended; streaming mode's uploads overlap and take new bodies)."""
+        if self.codec.is_identity:
+            return self.plain_body(anchor, local, reuse=reuse)
         if not (self.codec.is_quantized or self.codec.is_sparse):
             return self.body(pseudo_gradient(anchor, local), reuse=reuse)
         coded = self._coded(anchor)

@@ -35,7 +35,12 @@ from torch import nn
 
 from diloco.algorithm import classify_tensors
 from diloco.wire import WireError, decode_tensors, encode_tensors, specs_of
-from diloco.worker.anchor import Anchor, choose_anchor_device, parse_anchor_device
+from diloco.worker.anchor import (
+    Anchor,
+    anchor_copies,
+    choose_anchor_device,
+    parse_anchor_device,
+)
 from diloco.worker.data.tokens import TokenTally
 from diloco.worker.data.trace import SampleTrace
 from diloco.worker.data.units import ReportsUnits, UnitReports
@@ -343,8 +348,12 @@ class DiLoCoWorker:
         the CPU, or when a GPU model's anchor must stay on the CPU for want of memory."""
         settings = self.settings
         lossy = not settings.upload_codec.is_identity and settings.error_feedback_beta > 0
-        # anchor + pseudo-gradient, + residual and its spare, + a coded delta's target
-        copies = 2 + 2 * lossy + (not settings.download_codec.is_identity)
+        copies = anchor_copies(
+            settings.upload_codec,
+            settings.error_feedback_beta,
+            settings.download_codec,
+            streaming=settings.mode == "streaming",
+        )
         device = choose_anchor_device(self.model, requested, fp32_copies=copies)
         on_gpu = any(t.is_cuda for t in self.model.state_dict().values())
         if self.is_leader and (device.type != "cpu" or (on_gpu and requested is None)):
