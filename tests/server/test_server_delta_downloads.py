@@ -125,6 +125,59 @@ def test_a_delta_nobody_reads_is_written_over_and_one_being_read_keeps_its_bytes
     assert torch.equal(anchor["w"], c.model.published_tensors["w"])
 
 
+def test_each_streaming_fragment_writes_its_next_delta_over_its_own_last_one(
+    tmp_path: Path,
+) -> None:
+    """Streaming, two fragments (a, b): each fragment's step writes its delta into that
+    fragment's last body when no response reads it (one body per fragment, not a third at
+    each commit), never into the other fragment's, which stays as it was; a body being read
+    keeps its bytes and the step takes a new one; the old round's result is no longer served."""
+    settings = STREAMING
+    start = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    c = Coordinator(settings, journal=RoundJournal(StateStore(tmp_path / "state"), settings))
+    c.register("w", specs_of(start, {"a": "trainable", "b": "trainable"}), 1)
+    c.upload_initial("w", start)
+    codec = parse_codec("int8", block=8)
+    anchor = {"a": torch.zeros(3)}
+
+    def step(round_number: int, fragment: int, g: list[float]) -> bytearray:
+        name = "ab"[fragment]
+        c.submit("w", round_number, {name: torch.tensor(g)}, fragment=fragment)
+        assert c.model.delta is not None and c.model.delta[1] == frozenset(name)
+        return c.model.delta[2].data
+
+    def delta_of_a(round_number: int) -> RoundResult:
+        got = c.wait_result(round_number, "w", 0.0, fragment=0, have=round_number)
+        assert isinstance(got, RoundResult) and got.delta_from == round_number
+        return got
+
+    a0 = step(0, 0, [-1.0, 0.0, -0.5])  # sgd, lr 1: a = [1, 0, 0.5]
+    b0 = step(0, 1, [0.0, -2.0, 0.0])
+    b_bytes = bytes(b0)
+    assert b0 is not a0
+    apply_delta(bytes(delta_of_a(0).body), anchor, codec)
+    # P's a by hand, as in the test above: levels 127, 0, 64 (63.5 to even) times 1 / 127
+    assert torch.equal(anchor["a"], torch.tensor([127.0, 0.0, 64.0]) * (torch.tensor(1.0) / 127))
+    a1 = step(1, 0, [0.0, 0.0, -0.25])  # nobody reads a's round-0 delta: written over
+    assert a1 is a0 and bytes(b0) == b_bytes
+    with pytest.raises(Rejection) as expired:
+        c.wait_result(0, "w", 0.0, fragment=0, have=0)
+    assert expired.value.status == 410
+    held = delta_of_a(1)  # a download of a's round-1 delta, still going on
+    snapshot = bytes(held.body)
+    step(1, 1, [0.0, 0.0, 0.0])
+    a2 = step(2, 0, [0.0, 0.0, 0.0])  # a's round-1 body is being read: a new one
+    assert a2 is not a1 and bytes(held.body) == snapshot
+    apply_delta(snapshot, anchor, codec)
+    apply_delta(bytes(delta_of_a(2).body), anchor, codec)
+    assert torch.equal(anchor["a"], c.model.published_tensors["a"])
+    del held
+    step(2, 1, [0.0, 0.0, 0.0])
+    assert step(3, 0, [0.0, 0.0, 0.0]) is a2  # read no more: written over again
+    apply_delta(bytes(delta_of_a(3).body), anchor, codec)
+    assert torch.equal(anchor["a"], c.model.published_tensors["a"])
+
+
 def test_a_long_poll_that_outlives_a_failed_commit_is_refused_not_answered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

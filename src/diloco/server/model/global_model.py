@@ -93,6 +93,9 @@ class GlobalModel:
         self.copy: PublishedCopy | None = None
         # (the version it leads to, the step's tensors, its body)
         self.delta: tuple[int, frozenset[str], LentBytes] | None = None
+        # each step's tensors (the whole model, or a streaming fragment's) -> its last delta
+        # body, written over by its next step's (`_reusable_delta`)
+        self._delta_bodies: dict[frozenset[str], LentBytes] = {}
         self.broken: str | None = None  # why it refuses to be read, until restarted
         self.step_seconds: dict[str, float] = {}  # the parts of the last commit (metrics)
 
@@ -134,6 +137,7 @@ class GlobalModel:
         self.version = version
         self.published = None
         self.delta = None
+        self._delta_bodies = {}
         if self.settings.delta_downloads:
             coded = {n for n, spec in self.specs.items() if spec.trained}
             source = published if published is not None else self.frames.masters
@@ -235,6 +239,7 @@ class GlobalModel:
                         body = reuse
                         copy.advance(masters, step_names, reuse.data)
                     self.delta = (new_version, frozenset(step_names), body)
+                    self._delta_bodies[frozenset(step_names)] = body
 
                 self.durably(f"coding the download delta of round {new_version}", code_delta)
             coded = time.perf_counter()
@@ -267,21 +272,20 @@ class GlobalModel:
         }
 
     def _reusable_delta(self, names: Sequence[str]) -> LentBytes | None:
-        """The last step's delta body, to be written over by this step's, when it is of the
-        same tensors and nobody reads it any more: it saves allocating and page-faulting a
-        new body (0.26x the model with int8, beside the 4 fp32 copies) every step.
+        """The delta body of the last step of the same tensors, to be written over by this
+        step's when nobody reads it any more: it saves allocating and page-faulting a new
+        body (0.26x the model with int8, beside the 4 fp32 copies) every step, and in
+        streaming mode keeps one body per fragment instead of a third at each commit.
 
-        Only for a step of the whole model. A streaming fragment's result keeps its delta
-        until that fragment's next step (see RoundResult), while other fragments step, so
-        fragment deltas are new bodies. The whole model's last result stops being served
-        once this step moves the version (every engine encodes the result anew per version),
-        and a response still sending it holds a loan (`lent`)."""
-        if self.delta is None or self.plan is None or len(self.plan) != 1:
-            return None
-        _, last_names, body = self.delta
-        if last_names != frozenset(names) or body.lent:
-            return None
-        return body
+        The result that served it stops being served once this step commits: the whole
+        model's because the version moves (every engine encodes the result anew per
+        version), a streaming fragment's because the fragment's result is replaced right
+        after its step, under the same lock (a poll for the old round then gets 410). Every
+        response takes its loan under that lock, and one still sending the body holds it
+        (`lent`). A commit that fails part way leaves the server broken: it serves nothing
+        more, so a half-written body is never read."""
+        body = self._delta_bodies.get(frozenset(names))
+        return None if body is None or body.lent else body
 
     # ----------------------------------------------------------------- what workers download
 
