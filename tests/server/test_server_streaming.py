@@ -63,6 +63,42 @@ def test_the_plan_strides_blocks_and_is_published() -> None:
         fragment_plan(SPECS, 3)
 
 
+def test_fragment_rounds_share_one_pool_of_sums_unless_two_are_open_at_once(monkeypatch) -> None:
+    """Fragment rounds that fold one after another write their sums over one pool the size of
+    the largest fragment (F0: two scalars), not over a model-sized set; a round that opens
+    while another fragment's is still open gets memory of its own. The means are the same
+    either way (by hand: outer SGD, lr 1, G - mean)."""
+    c, _ = streaming(outer_optimizer="sgd", outer_lr=1.0)
+    opened: list[tuple[bool, dict[str, int]]] = []
+    real = c.model.fragment_sums_storage
+
+    def spy(names, fresh=False):
+        storage = real(names, fresh=fresh)
+        opened.append((fresh, {n: t.data_ptr() for n, t in storage.items()}))
+        return storage
+
+    monkeypatch.setattr(c.model, "fragment_sums_storage", spy)
+    c.submit("a", 0, grads(F0, 1.0), fragment=0)
+    c.submit("b", 0, grads(F0, 3.0), fragment=0)  # mean 2: 10 - 2, 30 - 2
+    c.submit("a", 0, grads(F1, -1.0), fragment=1)
+    c.submit("b", 0, grads(F1, -3.0), fragment=1)  # mean -2: 20 + 2
+    assert weights(c) == {"blocks.0.w": 8.0, "blocks.1.w": 22.0, "head.w": 28.0}
+    frames = c.model.frames
+    assert frames is not None and frames._pool is not None and frames._sums is None
+    pool = frames._pool.data_ptr()
+    assert frames._pool.numel() == 2  # the largest fragment's, not the model's 3
+    assert [fresh for fresh, _ in opened] == [False, False]  # opened once a round
+    assert opened[0][1]["blocks.0.w"] == opened[1][1]["blocks.1.w"] == pool
+    # Fragment 0's round 1 is open (a has sent, b not yet) when fragment 1's opens.
+    c.submit("a", 1, grads(F0, 0.5), fragment=0)
+    c.submit("a", 1, grads(F1, 1.0), fragment=1)
+    c.submit("b", 1, grads(F1, 3.0), fragment=1)  # mean 2: 22 - 2
+    c.submit("b", 1, grads(F0, 1.5), fragment=0)  # mean 1: 8 - 1, 28 - 1
+    assert [fresh for fresh, _ in opened[2:]] == [False, True]
+    assert opened[3][1]["blocks.1.w"] != pool
+    assert weights(c) == {"blocks.0.w": 7.0, "blocks.1.w": 20.0, "head.w": 27.0}
+
+
 def test_a_fragment_step_touches_only_its_tensors_and_its_momentum() -> None:
     c, _ = streaming(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
     c.submit("a", 0, grads(F0, 0.2), fragment=0)

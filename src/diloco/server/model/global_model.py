@@ -174,6 +174,15 @@ class GlobalModel:
         assert self.frames is not None
         return self.frames.sums()
 
+    def fragment_sums_storage(
+        self, names: Sequence[str], fresh: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The buffers a streaming fragment's running mean is written over: a pool shared by
+        the fragments' rounds, or (`fresh`: another fragment's sums are open) new ones
+        (`MasterFrames.fragment_sums`)."""
+        assert self.frames is not None
+        return self.frames.fragment_sums(names, fresh=fresh)
+
     def senders_storage(self) -> dict[str, torch.Tensor]:
         """The buffers a running mean's counts of senders are written over (sparse_mean);
         none before the weights exist."""

@@ -18,6 +18,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+import torch
+
 from diloco.server.errors import Rejection
 from diloco.server.model.results import OnDemand, Published, RoundResult, Waiting
 from diloco.server.rounds.engine import EngineContext
@@ -362,11 +364,27 @@ class BarrierRounds:
             current.hold(submission, checked, now)  # folded when the round decides
         else:
             folding = time.perf_counter()
-            fold(current, submission, checked, c.model.sums_storage(), now)
+            fold(current, submission, checked, self._sums(submission.fragment), now)
             c.metrics.round_part_seconds.labels(part="fold").observe(time.perf_counter() - folding)
         c.record_folded(submission, current, now)
         self.complete_round(submission.fragment, now)
         return self._answer("accepted", submission.round, submission.fragment)
+
+    def _sums(self, fragment: int) -> dict[str, torch.Tensor]:
+        """Where a fold that opens the fragment's sums writes them: the whole model's buffers
+        with one fragment; with several, a pool the fragments' rounds share, or new buffers
+        while another fragment's round has sums open (nothing when this round's are open
+        already: the fold only adds to them)."""
+        c = self.c
+        if len(self.rounds) == 1:
+            return c.model.sums_storage()
+        if self.rounds[fragment].running is not None:
+            return {}
+        assert c.model.plan is not None
+        others_open = any(
+            other.running is not None for at, other in enumerate(self.rounds) if at != fragment
+        )
+        return c.model.fragment_sums_storage(c.model.plan[fragment], fresh=others_open)
 
     def _of(self, fragment: int) -> str:
         return f" of fragment {fragment}" if len(self.rounds) > 1 else ""
