@@ -123,3 +123,19 @@ def test_a_pseudo_gradient_pointing_away_from_the_median_is_refused() -> None:
         3: "pseudo-gradient points away from the round's median direction (cosine -1.000)"
     }
     assert opposed(gradients, kinds, [True, False, False, True]) == {}  # 2: median = mean
+
+
+def test_a_scalar_tensor_counts_in_the_cosine_like_any_other() -> None:
+    """A 0-dim trained tensor (a learned temperature, a logit scale) stacks to one dimension;
+    it takes part as one element. By hand: per element the medians of (1, 1, 2, -1.5) and
+    (1, 2, 1, -1.5) are (1, 1), the scalar's median of (1, 1, 1, -1) is 1; the last row
+    (-1.5, -1.5, -1) has cosine -4 / (sqrt(5.5) sqrt(3)) = -0.985 with (1, 1, 1)."""
+    from diloco.algorithm.robust import opposed
+
+    kinds = {"w": TensorKind.TRAINABLE, "t": TensorKind.TRAINABLE}
+    rows = [([1.0, 1.0], 1.0), ([1.0, 2.0], 1.0), ([2.0, 1.0], 1.0), ([-1.5, -1.5], -1.0)]
+    gradients = [{"w": torch.tensor(w), "t": torch.tensor(t)} for w, t in rows]
+    assert -4 / (math.sqrt(5.5) * math.sqrt(3)) == pytest.approx(-0.985, abs=5e-4)
+    assert opposed(gradients, kinds, [True] * 4) == {
+        3: "pseudo-gradient points away from the round's median direction (cosine -0.985)"
+    }

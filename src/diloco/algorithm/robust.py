@@ -225,7 +225,8 @@ class OpposedCheck:
         values = stacked.to(torch.float64)
         median = _median(values)
         self.median_squares += float(median.pow(2).sum())
-        flat, reference = values.flatten(1), median.flatten()
+        # (reshape, not flatten(1): a scalar tensor stacks to one dimension)
+        flat, reference = values.reshape(values.shape[0], -1), median.flatten()
         for row in range(values.shape[0]):
             self.dots[row] += float(flat[row] @ reference)
             self.squares[row] += float(flat[row] @ flat[row])
