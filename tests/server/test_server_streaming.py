@@ -99,6 +99,32 @@ def test_fragment_rounds_share_one_pool_of_sums_unless_two_are_open_at_once(monk
     assert weights(c) == {"blocks.0.w": 7.0, "blocks.1.w": 20.0, "head.w": 27.0}
 
 
+def test_screened_fragment_rounds_decide_into_the_shared_pool() -> None:
+    """Robust aggregation holds a round's bodies until it decides; the decision folds them
+    into the same fragment pool. By hand (algorithm/robust.py's rule): fragment 0's norms 1,
+    1.2 and 50, median 1.2, so 50 (over 10x) is refused and the mean of the others is
+    1.1 * (0.6, 0.8); outer SGD at lr 1 moves it by minus that."""
+    specs = [TensorSpec(n, (2,), torch.float32, "trainable") for n in ("t0", "t1")]
+    config = ServerSettings(
+        **STREAMING, aggregation="clipped_mean", outer_optimizer="sgd", outer_lr=1.0
+    )
+    c = Coordinator(config, {"t0": torch.tensor([10.0, 10.0]), "t1": torch.tensor([20.0, 20.0])})
+    for worker in ("a", "b", "c"):
+        c.register(worker, specs, protocol_version=1)
+    assert c.plan == [["t0"], ["t1"]]
+    unit = torch.tensor([0.6, 0.8])
+    for worker, k in (("a", 1.0), ("b", 1.2), ("c", 50.0)):
+        c.submit(worker, 0, {"t0": k * unit}, fragment=0)
+    for worker in ("a", "b", "c"):
+        c.submit(worker, 0, {"t1": unit}, fragment=1)
+    assert c.masters is not None
+    assert c.masters["t0"].tolist() == pytest.approx([10 - 0.66, 10 - 0.88])
+    assert c.masters["t1"].tolist() == pytest.approx([19.4, 19.2])
+    frames = c.model.frames
+    assert frames is not None and frames._sums is None
+    assert frames._pool is not None and frames._pool.numel() == 2
+
+
 def test_a_fragment_step_touches_only_its_tensors_and_its_momentum() -> None:
     c, _ = streaming(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
     c.submit("a", 0, grads(F0, 0.2), fragment=0)

@@ -246,7 +246,9 @@ class GlobalModel:
                         body = LentBytes(copy.advance(masters, step_names))
                     else:  # the same object: every loan of its bytes is counted in one place
                         body = reuse
-                        copy.advance(masters, step_names, reuse.data)
+                        written = copy.advance(masters, step_names, reuse.data)
+                        if written is not reuse.data:  # (the body served must be this one)
+                            raise RuntimeError("the delta was not written over the last body")
                     self.delta = (new_version, frozenset(step_names), body)
                     self._delta_bodies[frozenset(step_names)] = body
 

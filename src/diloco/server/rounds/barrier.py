@@ -482,7 +482,7 @@ class BarrierRounds:
         if c.screen.on:
             assert c.model.plan is not None and c.model.specs is not None
             specs = {name: c.model.specs[name] for name in c.model.plan[fragment]}
-            decide_round(c.screen, current, fragment, c.model.sums_storage(), specs, now)
+            decide_round(c.screen, current, fragment, self._sums(fragment), specs, now)
 
     # ----------------------------------------------------------------- results
 
