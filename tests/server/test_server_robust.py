@@ -277,3 +277,25 @@ def test_a_sign_flipped_pseudo_gradient_of_honest_norm_is_refused() -> None:
     assert w(c) == pytest.approx([10 - mean * 0.6, 10 - mean * 0.8], abs=1e-6)
     (refused,) = c.journal.state.audit_log("contribution_refused")
     assert refused["worker_id"] == "d" and "cosine -1.000" in refused["detail"]["reason"]
+
+
+def test_a_model_with_a_scalar_parameter_is_screened_like_any_other() -> None:
+    """A 0-dim trained tensor (a learned temperature) in a screened round: the round decides
+    instead of failing. By hand: each worker sends k (0.6, 0.8) for w and k for t, so the
+    norms are k sqrt(2): 1.41, 1.70, 1.27, 1.56, none clipped (median 1.48); the median of
+    the k's is 0.95 > 0 for every element, so d (k = -1.1) has cosine -1 and is refused;
+    the rest's mean k is (1 + 1.2 + 0.9) / 3."""
+    specs = [
+        TensorSpec("w", (2,), torch.float32, "trainable"),
+        TensorSpec("t", (), torch.float32, "trainable"),
+    ]
+    settings = ServerSettings(outer_optimizer="sgd", outer_lr=1.0, aggregation="clipped_mean")
+    c = Coordinator(settings, {"w": torch.tensor([10.0, 10.0]), "t": torch.tensor(2.0)})
+    for worker in ("a", "b", "c", "d"):
+        c.register(worker, specs, 1)
+    for worker, k in (("a", 1.0), ("b", 1.2), ("c", 0.9), ("d", -1.1)):
+        c.submit(worker, 0, {"w": k * UNIT, "t": torch.tensor(k)})
+    mean = (1.0 + 1.2 + 0.9) / 3
+    assert c.round_number == 1
+    assert w(c) == pytest.approx([10 - mean * 0.6, 10 - mean * 0.8], abs=1e-6)
+    assert c.masters["t"].item() == pytest.approx(2 - mean, abs=1e-6)
