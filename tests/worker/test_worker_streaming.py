@@ -286,3 +286,18 @@ def test_a_gpu_out_of_memory_coding_a_fragment_moves_the_anchor_to_the_cpu_and_g
     assert residual.keys() == residual_2.keys() and residual
     assert all(torch.equal(residual[n], residual_2[n]) for n in residual)
     assert any("ran out of memory in a sync" in r.getMessage() for r in caplog.records)
+
+
+def test_a_streaming_worker_keeps_no_copy_of_the_join_s_weights(live_server) -> None:
+    """Streaming reads every fragment's result into a buffer of its own, so the whole-model
+    buffer the join's weights came in is let go (it was kept for good: 1x the model), and
+    fragment results are never kept after their merge."""
+    with live_server(ServerSettings(**STREAMING)) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+        assert worker._download is None
+        train(model, optimizer, steps=8)  # two cycles: every fragment merged twice
+        assert worker.streamer is not None and worker.streamer.syncs >= 3
+        assert worker._download is None
+        worker.close(final_sync=False)

@@ -10,12 +10,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
 
 from diloco.algorithm import OuterOptimizer, pseudo_gradient
+from diloco.server.coordinator import Coordinator
+from diloco.server.http.runner import build_server
 from diloco.server.settings import ServerSettings
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 from diloco.wire import decode_tensors, encode_tensors
 from diloco.worker import DiLoCoClient, DiLoCoWorker, ServerSettingsError, WorkerSettings
 
@@ -83,16 +88,40 @@ def test_rounds_reuse_the_anchor_and_download_memory(live_server) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         worker = DiLoCoWorker(model, optimizer, server.url, heartbeat=False)
         addresses = {name: t.data_ptr() for name, t in worker.anchor.items()}
-        downloads = set()
+        downloads = {id(worker._download)}  # the join's weights came in it
         for round_number in range(1, 4):
             train(model, optimizer, steps=2, seed=round_number)
             assert worker.rounds == round_number
             downloads.add(id(worker._download))
+            # fp32 both ways: the weights came back into the upload's own buffer
+            assert worker._download is worker._uploads._plain_buffer[1]
             assert {n: t.data_ptr() for n, t in worker.anchor.items()} == addresses
             for name, tensor in server_weights(server.url).items():
                 torch.testing.assert_close(worker.anchor[name], tensor, rtol=0, atol=0)
                 torch.testing.assert_close(model.state_dict()[name], tensor, rtol=0, atol=0)
-        assert len(downloads) == 1  # each round's weights came into the last one's buffer
+        # each round's weights came into the join's buffer, which each upload wrote over
+        assert len(downloads) == 1
+        worker.close(final_sync=False)
+
+
+def test_a_coded_download_keeps_a_buffer_of_its_own(live_server) -> None:
+    """fp32 up, int8 delta down: the delta has another layout than the upload, so it comes
+    into the last delta's buffer, never the upload's; the whole weights the worker joined
+    with fit no delta, so their buffer is let go at once."""
+    settings = ServerSettings(sync_every=2, download_codec="int8")
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, heartbeat=False)
+        assert worker._download is None
+        downloads = set()
+        for round_number in range(1, 4):
+            train(model, optimizer, steps=2, seed=round_number)
+            assert worker.rounds == round_number
+            assert worker._download is not worker._uploads._plain_buffer[1]
+            if round_number > 1:
+                downloads.add(id(worker._download))
+        assert len(downloads) == 1
         worker.close(final_sync=False)
 
 
@@ -468,3 +497,67 @@ def test_the_fp32_body_is_computed_into_one_buffer_kept_across_rounds(live_serve
             assert worker.rounds == round_number
         assert len(buffers) == 1
         worker.close(final_sync=False)
+
+
+@contextmanager
+def server_on(
+    settings: ServerSettings, state: Path, port: int = 0
+) -> Iterator[tuple[str, Coordinator, int]]:
+    """A server on `state` (a restart keeps the same `port`), shut down as on SIGTERM: its
+    URL, coordinator and port."""
+    journal = RoundJournal(StateStore(state), settings)
+    coordinator = Coordinator(settings, None, journal=journal)
+    server = build_server(coordinator, "127.0.0.1", port, None, log_level="warning")
+    thread = threading.Thread(target=server.run, name="test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.bound_port is None:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.bound_port}", coordinator, server.bound_port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def test_a_lost_fp32_upload_is_built_again_and_sent(tmp_path, caplog) -> None:
+    """fp32 both ways, where the result comes back into the upload's own buffer: a server
+    restarted while the round waited for its second worker has lost our upload and asks for
+    it again (not_submitted); anchor - local is built again and sent, and the round's weights
+    are the mean of both workers' local models (outer SGD at lr 1), as if nothing happened."""
+    settings = ServerSettings(
+        sync_every=2, min_workers=2, outer_optimizer="sgd", outer_lr=1.0, heartbeat_timeout=60
+    )
+    state = tmp_path / "state"
+    model_a, model_b = make_model(), make_model()
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    initial = {n: t.clone() for n, t in model_a.state_dict().items()}
+    # what each trains in its round, by hand: the same steps from the same start
+    expected_a, expected_b = make_model(), make_model()
+    train(expected_a, torch.optim.SGD(expected_a.parameters(), lr=0.1), steps=2, seed=5)
+    train(expected_b, torch.optim.SGD(expected_b.parameters(), lr=0.1), steps=2, seed=6)
+    with server_on(settings, state) as (url, first, port):
+        a = DiLoCoWorker(model_a, opt_a, url, worker_id="a", heartbeat=False)
+        b = DiLoCoWorker(model_b, opt_b, url, worker_id="b", heartbeat=False)
+        training = threading.Thread(target=train, args=(model_a, opt_a, 2, 1, 5))
+        training.start()  # its second step submits and waits for b
+        deadline = time.monotonic() + 30
+        while first.status()["waiting_for"] != ["b"]:
+            assert time.monotonic() < deadline, first.status()
+            time.sleep(0.02)
+    with caplog.at_level("WARNING"), server_on(settings, state, port) as (_, second, _):
+        train(model_b, opt_b, steps=2, seed=6)
+        training.join(timeout=60)
+        assert not training.is_alive()
+        assert "round 0 lost our submission; sending it again" in caplog.text
+        assert a.rounds == b.rounds == 1 and second.round_number == 1
+        for name, start in initial.items():
+            mean = (expected_a.state_dict()[name] + expected_b.state_dict()[name]) / 2
+            torch.testing.assert_close(model_a.state_dict()[name], mean)
+            torch.testing.assert_close(model_b.state_dict()[name], mean)
+            assert not torch.equal(mean, start)
+        assert a._download is a._uploads._plain_buffer[1]
+        a.close(final_sync=False)
+        b.close(final_sync=False)

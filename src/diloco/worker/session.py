@@ -142,7 +142,7 @@ class ServerSession:
         self.wait_report_after = wait_report_after
         self.heartbeat_timeout: float | None = None  # the server's, once joined
         self.plan: list[list[str]] | None = None
-        self.reuse_downloads = True
+        self._reuse_downloads = True
         # With a download codec: (delta body, fragment) -> the new values of the fragment's
         # tensors, computed from our anchor (the worker's Anchor.values_after).
         self.apply_delta: Callable[[bytearray, int], dict[str, torch.Tensor]] | None = None
@@ -277,15 +277,21 @@ class ServerSession:
         fragment: int = 0,
         cancelled: Callable[[], bool] | None = None,
         progress: dict[int, int] | None = None,
+        rebuild: Callable[[], bytearray] | None = None,
     ) -> Exchanged:
         """Submit one pseudo-gradient (of a fragment) and wait for its result, riding through
         evictions, restarts and lost answers; a server behind us is a rebase. `tokens` were
-        trained for it; `progress` is the unit under way."""
+        trained for it; `progress` is the unit under way.
+
+        `rebuild` makes `body` again, byte for byte (a sync fp32 upload: anchor - local, which
+        stay put while the round is out). With it, the result is read into the body's own
+        buffer once the body is in (weights of the same layout: one model-sized buffer a
+        round instead of two), and a resend makes the body again first."""
         progress = dict(progress or {})
         try:
             self._submit(body, units, round_number, fragment, tokens, progress)
             got = self._await_result(
-                body, units, round_number, fragment, cancelled, tokens, progress
+                body, units, round_number, fragment, cancelled, tokens, progress, rebuild
             )
             if self._last_submit_status == "committed":
                 return replace(got, folded=False)
@@ -345,8 +351,14 @@ class ServerSession:
         cancelled: Callable[[], bool] | None,
         tokens: int,
         progress: dict[int, int],
+        rebuild: Callable[[], bytearray] | None = None,
     ) -> Exchanged:
         assert self.worker_id is not None
+        # (a download into the body's buffer overwrites the body, even one that fails part
+        # way; weights of another size than the body's go on into the last weights' buffer)
+        last = self._reusable_download()
+        shared = rebuild is not None and (last is None or len(last) == len(body))
+        into = body if shared else last
         started = time.monotonic()
         next_report = started + self.wait_report_after
         while True:
@@ -368,7 +380,7 @@ class ServerSession:
                     # no longer than until the next report is due, so that it comes on time
                     wait=min(self.result_wait, max(0.0, next_report - now)),
                     fragment=fragment,
-                    into=self._reusable_download(),
+                    into=into,
                     have=round_number if self.apply_delta is not None else None,
                 )
             except ServerError as exc:
@@ -377,6 +389,9 @@ class ServerSession:
                     continue
                 if exc.kind == "not_submitted":  # the server restarted without it: send again
                     log.warning("round %d lost our submission; sending it again", round_number)
+                    if shared:
+                        assert rebuild is not None
+                        body = into = rebuild()
                     self._submit(body, units, round_number, fragment, tokens, progress)
                     continue
                 if exc.kind == "result_expired":
@@ -407,6 +422,23 @@ class ServerSession:
         weights = self.client.get_weights_detail(into=self._reusable_download())
         self._downloaded(weights.body)
         return weights
+
+    @property
+    def reuse_downloads(self) -> bool:
+        return self._reuse_downloads
+
+    @reuse_downloads.setter
+    def reuse_downloads(self, reuse: bool) -> None:
+        """Turned off (streaming, after the join), the join's whole-model buffer goes: no
+        later download is read into it, and kept it would be a copy of the model for good."""
+        self._reuse_downloads = reuse
+        if not reuse:
+            self.drop_download_buffer()
+
+    def drop_download_buffer(self) -> None:
+        """Let the last weights' buffer go (loaded already) when no later download fits it:
+        kept, it would hold a copy of the model for nothing."""
+        self._download = None
 
     def _reusable_download(self) -> bytearray | None:
         return self._download if self.reuse_downloads else None

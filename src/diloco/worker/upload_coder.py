@@ -100,12 +100,15 @@ class UploadCoder:
         anchor: Mapping[str, torch.Tensor],
         local: Mapping[str, torch.Tensor],
         reuse: bool = True,
+        spare: bytearray | None = None,
     ) -> bytearray:
         """The identity codec's body with anchor - local computed straight into it: no
         model-sized (or fragment-sized) fp32 gradient is allocated, page-faulted and copied.
         `reuse`: in the last such body's buffer when the layout is the same, and kept for the
         next; the last body's request must be over (sync mode: the next round syncs after
-        it). Streaming fragments' uploads overlap, so each takes a buffer of its own."""
+        it). Streaming fragments' uploads overlap, so each takes a buffer of its own.
+        `spare`: a buffer nobody reads any more (the weights the worker joined with, loaded
+        already), written over when no kept buffer fits and it has the body's size."""
         layout = FrameLayout.plan(
             {
                 name: (
@@ -116,7 +119,12 @@ class UploadCoder:
             }
         )
         kept = self._plain_buffer if reuse else None
-        buffer = kept[1] if kept is not None and kept[0] == layout else bytearray(layout.size)
+        if kept is not None and kept[0] == layout:
+            buffer = kept[1]
+        elif spare is not None and len(spare) == layout.size:
+            buffer = spare
+        else:
+            buffer = bytearray(layout.size)
         if reuse:
             self._plain_buffer = (layout, buffer)
         body = torch.frombuffer(buffer, dtype=torch.uint8)

@@ -438,6 +438,8 @@ class DiLoCoWorker:
             self.settings.heartbeat_interval,
         )
         self._anchor.adopt(decode_tensors(weights.body), weights.round)
+        if not self.settings.download_codec.is_identity:
+            session.drop_download_buffer()  # results come as smaller coded deltas
         self.fragment_rounds = weights.fragment_rounds or [weights.round]
         if self.settings.mode == "streaming":
             self.fragment_plan = session.fragment_plan()
@@ -612,8 +614,13 @@ class DiLoCoWorker:
         session = self._leader_session()
         encoding = time.monotonic()
         self._delta_seconds = 0.0  # (set again if this round's result comes as a delta)
+        # fp32 both ways: the weights come back into the upload's buffer, which anchor - local
+        # can fill again should the server ask for the upload a second time
+        rebuild = None
         if body is None:
             body = self._on_host_after_oom(self._upload_body, coding=True)
+            if self._fp32_both_ways:
+                rebuild = self._upload_body
         self._encode_seconds = time.monotonic() - encoding
         units = self._units.to_report()
         progress = self._units.progress()
@@ -623,7 +630,12 @@ class DiLoCoWorker:
                 self.sample_trace.record(self.worker_id, self.round, samples)
         try:
             result = session.exchange(
-                body, units, self.round, tokens=self._tokens.in_round, progress=progress
+                body,
+                units,
+                self.round,
+                tokens=self._tokens.in_round,
+                progress=progress,
+                rebuild=rebuild,
             )
         except BaseException:
             self._uploads.settle(folded=False)
@@ -636,9 +648,19 @@ class DiLoCoWorker:
     def _upload_body(self) -> bytearray:
         """This round's upload body: anchor - local, coded (with error feedback)."""
         if self._uploads.codec.is_identity:
-            return self._uploads.plain_body(self._anchor.tensors, self.model.state_dict())
+            # fp32 both ways: the buffer the last weights came in, loaded already, takes the
+            # body (the first round: the join's; later ones: the last body's, same buffer)
+            spare = self._download if self._fp32_both_ways else None
+            return self._uploads.plain_body(
+                self._anchor.tensors, self.model.state_dict(), spare=spare
+            )
         # sync mode: this round's exchange starts after the last one's has ended
         return self._uploads.body_from(self._anchor.tensors, self.model.state_dict(), reuse=True)
+
+    @property
+    def _fp32_both_ways(self) -> bool:
+        """Uploads and downloads are whole fp32 tensors of one layout: one buffer holds both."""
+        return self._uploads.codec.is_identity and self.settings.download_codec.is_identity
 
     def _on_host_after_oom(self, work: Callable[[], T], coding: bool = False) -> T:
         """`work`; if the GPU runs out of memory on it (the anchor's arithmetic and coding
