@@ -620,7 +620,7 @@ class DiLoCoWorker:
         if body is None:
             body = self._on_host_after_oom(self._upload_body, coding=True)
             if self._fp32_both_ways:
-                rebuild = self._upload_body
+                rebuild = self._upload_body_again
         self._encode_seconds = time.monotonic() - encoding
         units = self._units.to_report()
         progress = self._units.progress()
@@ -656,6 +656,10 @@ class DiLoCoWorker:
             )
         # sync mode: this round's exchange starts after the last one's has ended
         return self._uploads.body_from(self._anchor.tensors, self.model.state_dict(), reuse=True)
+
+    def _upload_body_again(self) -> bytearray:
+        """For a resend: the same bytes, built as the first time (a GPU out of memory too)."""
+        return self._on_host_after_oom(self._upload_body, coding=True)
 
     @property
     def _fp32_both_ways(self) -> bool:
