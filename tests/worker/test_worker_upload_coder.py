@@ -284,3 +284,20 @@ def test_without_a_residual_the_body_codes_anchor_minus_local_piece_by_piece():
             expected = UploadCoder(codec, 0.0, specs).body(pseudo_gradient(anchor, local))
             assert coder.body_from(anchor, local) == expected, (text, dtype)
             assert coder.residual == {}
+
+
+def test_a_spare_buffer_takes_the_plain_body_only_when_its_size_fits():
+    """`spare` (the weights the worker joined with) is written over when no kept buffer fits
+    and it has the body's size; one of another size is left as it was."""
+    coder = UploadCoder(parse_codec("fp32"), 0.95, SPECS)
+    anchor, local = gradient([1, 3, -2, 0.5]), gradient([0.5, 1, -2, 1.5])
+    size = len(coder.plain_body(anchor, local, reuse=False))
+    short = bytearray(b"\x07" * (size - 1))
+    body = coder.plain_body(anchor, local, spare=short)
+    assert body is not short and short == bytearray(b"\x07" * (size - 1))
+    coder = UploadCoder(parse_codec("fp32"), 0.95, SPECS)
+    spare = bytearray(b"\x07" * size)
+    body = coder.plain_body(anchor, local, spare=spare)
+    assert body is spare
+    assert decode_tensors(body)["w"].tolist() == [0.5, 2, 0, -1]  # 1-0.5, 3-1, -2+2, 0.5-1.5
+    assert coder.plain_body(anchor, local, spare=bytearray(size)) is spare  # kept from then on

@@ -142,7 +142,7 @@ class ServerSession:
         self.wait_report_after = wait_report_after
         self.heartbeat_timeout: float | None = None  # the server's, once joined
         self.plan: list[list[str]] | None = None
-        self._reuse_downloads = True
+        self.reuse_downloads = True
         # With a download codec: (delta body, fragment) -> the new values of the fragment's
         # tensors, computed from our anchor (the worker's Anchor.values_after).
         self.apply_delta: Callable[[bytearray, int], dict[str, torch.Tensor]] | None = None
@@ -422,18 +422,6 @@ class ServerSession:
         weights = self.client.get_weights_detail(into=self._reusable_download())
         self._downloaded(weights.body)
         return weights
-
-    @property
-    def reuse_downloads(self) -> bool:
-        return self._reuse_downloads
-
-    @reuse_downloads.setter
-    def reuse_downloads(self, reuse: bool) -> None:
-        """Turned off (streaming, after the join), the join's whole-model buffer goes: no
-        later download is read into it, and kept it would be a copy of the model for good."""
-        self._reuse_downloads = reuse
-        if not reuse:
-            self.drop_download_buffer()
 
     def drop_download_buffer(self) -> None:
         """Let the last weights' buffer go (loaded already) when no later download fits it:

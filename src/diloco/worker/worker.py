@@ -248,6 +248,8 @@ class DiLoCoWorker:
             check_sharded_settings(self.settings)
         if self.settings.mode == "streaming":
             _refuse_tied_tensors(self.model)
+            if self._session is not None:  # each fragment's result keeps its own buffer
+                self._session.reuse_downloads = False  # (nor is the join's kept)
         self._schedule = (DyLU if self.settings.dylu else EveryH)(self.settings.sync_every)
         if self.sharded:
             if requested_anchor_device not in (None, torch.device("cpu")):
@@ -283,7 +285,6 @@ class DiLoCoWorker:
             assert self.fragment_plan is not None
             if self._session is not None:
                 self._session.plan = self.fragment_plan
-                self._session.reuse_downloads = False
             self.streamer = FragmentStreamer(
                 self.settings,
                 self.fragment_plan,
