@@ -9,6 +9,12 @@ compare; per run:
 - blocked per round: a worker's time in its sync hook in a round (`round_figures` of `diloco
   worker --json`; the median over its rounds but the first, which waits for the late
   joiners), mean over the workers; its ratio to fp32's in the same mode;
+- last in (sync mode): per round, the blocked time of the worker that waited least for the
+  result (the last to send: its wait is the server's commit, not the barrier), the mean over
+  the rounds but the first, with its split (encode, upload, wait, download, apply); its ratio
+  to fp32's. It is what a round's sync costs when the workers train at the same speed, as on
+  machines of their own: here K workers train on the host's few shared cores and finish
+  their windows seconds apart, and the mean above counts those seconds as blocked;
 - wall per round: compute per round (the loop's time not blocked, over the rounds) + blocked;
 - projection: what the paper arithmetic says a sync costs on this link: the round's bytes
   (up and down, the worker's own counters per round) over the rate, plus two round trips per
@@ -180,6 +186,26 @@ def per_round(report: dict, key: str) -> float:
     return statistics.median(f[key] for f in (figures[1:] or figures))
 
 
+def last_in(reports: list[dict]) -> tuple[float, dict[str, float]] | None:
+    """The round's sync on its critical path: per round (the first left out), the figures of
+    the worker whose wait for the result was shortest, its blocked seconds and their split,
+    averaged over the rounds. None without every round's split (a streaming run)."""
+    rounds = min(len(r["round_figures"]) for r in reports)
+    chosen = []
+    for index in range(1 if rounds > 1 else 0, rounds):
+        figures = [r["round_figures"][index] for r in reports]
+        if not all(f.get("phases") for f in figures):
+            return None
+        chosen.append(min(figures, key=lambda f: f["phases"]["wait"]))
+    if not chosen:
+        return None
+    split = {p: statistics.mean(f["phases"][p] for f in chosen) for p in LAST_IN_PHASES}
+    return statistics.mean(f["blocked_seconds"] for f in chosen), split
+
+
+LAST_IN_PHASES = ("encode", "upload", "wait", "download", "apply")
+
+
 def summarize(job: dict, run: dict) -> dict:
     reports = run["reports"]
     shape = LinkShape(job["mbps"], job["rtt_ms"])
@@ -189,11 +215,14 @@ def summarize(job: dict, run: dict) -> dict:
     windows = max(1.0, job["steps"] / job["sync_every"])  # rounds of H steps (cycles)
     compute = statistics.mean(r["train_seconds"] - r["blocked_seconds"] for r in reports) / windows
     exchanges = 2 if job["mode"] == "sync" else 2 * job["fragments"]  # per round of H steps
+    last = last_in(reports) if job["mode"] == "sync" else None
     return {
         **{k: job[k] for k in ("codec", "mode")},
         "rounds": [r["rounds"] for r in reports],
         "blocked_per_round": blocked,
         "wall_per_round": compute + blocked,
+        "last_in_per_round": None if last is None else last[0],
+        "last_in_phases": None if last is None else last[1],
         "up_bytes_per_round": up,
         "down_bytes_per_round": down,
         "projected_per_round": shape.transfer_seconds(up + down, exchanges),
@@ -264,6 +293,11 @@ def main(
         fp32 = by.get((r["mode"], "fp32"))
         r["blocked_vs_fp32"] = r["blocked_per_round"] / fp32["blocked_per_round"] if fp32 else None
         r["wall_vs_fp32"] = r["wall_per_round"] / fp32["wall_per_round"] if fp32 else None
+        r["last_in_vs_fp32"] = (
+            r["last_in_per_round"] / fp32["last_in_per_round"]
+            if fp32 and r["last_in_per_round"] is not None and fp32["last_in_per_round"]
+            else None
+        )
         synced = by.get(("sync", r["codec"]))
         r["hidden"] = (
             1 - r["blocked_per_round"] / synced["blocked_per_round"]
@@ -289,6 +323,8 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         "codec (up / down)",
         "blocked s / round",
         "x fp32",
+        "last in s / round (x fp32)",
+        "last in encode/upload/wait/download/apply s",
         "projected s / round",
         "wall s / round",
         "x fp32 (wall)",
@@ -306,6 +342,10 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
                 f"{up} / {down}",
                 f"{r['blocked_per_round']:.2f}",
                 "-" if r["blocked_vs_fp32"] is None else f"{r['blocked_vs_fp32']:.2f}x",
+                last_in_cell(r),
+                "-"
+                if r["last_in_phases"] is None
+                else "/".join(f"{r['last_in_phases'][p]:.2f}" for p in LAST_IN_PHASES),
                 f"{r['projected_per_round']:.2f}",
                 f"{r['wall_per_round']:.2f}",
                 "-" if r["wall_vs_fp32"] is None else f"{r['wall_vs_fp32']:.2f}x",
@@ -316,6 +356,13 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return columns, rows
+
+
+def last_in_cell(r: dict) -> str:
+    if r["last_in_per_round"] is None:
+        return "-"
+    ratio = "" if r["last_in_vs_fp32"] is None else f" ({r['last_in_vs_fp32']:.3f}x)"
+    return f"{r['last_in_per_round']:.2f}{ratio}"
 
 
 def markdown(document: dict, columns: list[str], rows: list[list[str]]) -> str:
@@ -337,7 +384,11 @@ def markdown(document: dict, columns: list[str], rows: list[list[str]]) -> str:
             f"{s['rtt_ms']:g} ms link (benchmarks/shaped_link.py), one `diloco server`; "
             f"H = {s['sync_every']}, {s['steps']} steps, streaming P = {s['fragments']}, "
             f"tau = {s['delay']}; one core each.",
-            "- blocked: the workers' time in their sync hook per round (mean); projected: the "
+            "- blocked: the workers' time in their sync hook per round (mean); last in (sync): "
+            "per round, the blocked time of the worker that waited least for the result (the "
+            "last to send), the round's sync cost when workers train at the same speed, and its "
+            "split; the mean also counts the seconds that workers sharing this host's cores "
+            "wait for the slowest at the barrier; projected: the "
             "round's bytes over the link's rate plus two round trips per exchange, the paper "
             "arithmetic; hidden: the share of the same codec's sync-mode blocked time that "
             "streaming hides.",

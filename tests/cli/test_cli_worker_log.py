@@ -69,6 +69,13 @@ def test_a_worker_logging_to_a_file_says_when_it_joins_and_each_round(
         assert shown + f"blocked {f['blocked_seconds']:.1f} s" in line
     assert sum(f["blocked_seconds"] for f in figures) <= report["blocked_seconds"] + 1e-9
     assert all(f["mb_up"] > 0 and f["mb_down"] > 0 for f in figures)
+    # and where each round's blocked time went: its parts add up to it
+    for f in figures:
+        parts = f["phases"]
+        assert parts["blocked"] == pytest.approx(f["blocked_seconds"])
+        split = ("encode", "upload", "wait", "download", "apply", "other")
+        assert sum(parts[k] for k in split) == pytest.approx(f["blocked_seconds"])
+        assert parts["upload"] > 0 and parts["download"] > 0
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ warnings, and the rest with `logging.getLogger("diloco.worker").setLevel(logging
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco.worker.net.transport import ClientStats
 
@@ -36,13 +36,16 @@ def log_recovered(operation: str, retries: int, seconds: float) -> None:
 @dataclass(frozen=True)
 class RoundFigures:
     """One round as this worker saw it: where it ended, the megabytes its client sent and
-    received during it, and the seconds training was blocked on the server."""
+    received during it, the seconds training was blocked on the server, and (sync and async
+    rounds) where those seconds went: `DiLoCoWorker.last_round_phases`. A benchmark tells the
+    round's own cost (encode, upload, download, apply) from the wait at its barrier by them."""
 
     step: int
     loss: float | None
     mb_up: float
     mb_down: float
     blocked_seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class RoundLines:
@@ -62,7 +65,12 @@ class RoundLines:
             self._sent, self._received = client.bytes_sent, client.bytes_received
 
     def record(
-        self, step: int, loss: float | None, client: ClientStats | None, blocked_seconds: float
+        self,
+        step: int,
+        loss: float | None,
+        client: ClientStats | None,
+        blocked_seconds: float,
+        phases: dict[str, float] | None = None,
     ) -> RoundFigures:
         """The round that just ended, from the counters' growth since the last one."""
         sent = client.bytes_sent if client is not None else 0
@@ -73,6 +81,7 @@ class RoundLines:
             (sent - self._sent) / 1e6,
             (received - self._received) / 1e6,
             blocked_seconds - self._blocked,
+            dict(phases or {}),
         )
         self._sent, self._received, self._blocked = sent, received, blocked_seconds
         self.rounds.append(figures)

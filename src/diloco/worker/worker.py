@@ -532,17 +532,22 @@ class DiLoCoWorker:
         self.last_round_phases = self._phases(calls, exchanged - started)
         self.last_round_phases["save"] = time.monotonic() - exchanged
         if self.settings.mode == "async":
-            self._log_round(f"sync {self.rounds} (server version {self.round})")
+            self._log_round(f"sync {self.rounds} (server version {self.round})", phases=True)
         else:
-            self._log_round(f"round {submitted}")
+            self._log_round(f"round {submitted}", phases=True)
 
-    def _log_round(self, what: str) -> None:
-        """The round's line (rank 0's): see round_log.RoundLines."""
+    def _log_round(self, what: str, phases: bool = False) -> None:
+        """The round's line (rank 0's): see round_log.RoundLines; `phases`: the round's
+        split of its blocked time goes with its figures (a sync or async round's)."""
         if not self.is_leader:
             return
         client = self.client.stats if self.client is not None else None
         figures = self._round_lines.record(
-            self.local_step, self.last_loss, client, self._pace.blocked_seconds
+            self.local_step,
+            self.last_loss,
+            client,
+            self._pace.blocked_seconds,
+            self.last_round_phases if phases else None,
         )
         log.info(self._round_lines.line(what, figures))
 
