@@ -1,7 +1,8 @@
 """Rounds at the model sizes users train, against the physical limits measured in the same run.
 
 For each model size (the bundled byte-level GPT at 25M, 85M, 125M, 350M or 1B parameters),
-codec and mode, one real `diloco server` (with --state-dir: every round durable) and K real
+codec and mode, one real `diloco server` (with --state-dir: every round durable; with
+`--durability interval` only every 10th, so a run shows what the durable write costs) and K real
 worker processes that train through the public `DiLoCoWorker` API (AdamW; by default batch 1,
 context 16, so the training itself is short and the round is what is measured; a GPU run
 gives real batches with --batch-size, --context and --dtype bf16). Per round it reports:
@@ -247,6 +248,7 @@ def run_one(
     anchor_device: str = "auto",
     checkpoint_every: int | None = None,
     shards: int = 1,
+    durability: str = "round",
 ) -> dict:
     """One server (or `shards` sharded servers) and `workers` worker processes; the row of
     the results table."""
@@ -275,6 +277,7 @@ def run_one(
         *CODECS[codec],
         *mode_args,
         *([] if checkpoint_every is None else ["--checkpoint-every", str(checkpoint_every)]),
+        *("--durability", durability),
     )
     if shards == 1:
         server, url = start_server(
@@ -370,6 +373,7 @@ def run_one(
         "dtype": settings["dtype"],
         "anchor_device": anchor_device,
         "checkpoint_every": checkpoint_every,  # None: the server's default
+        "durability": durability,
         "shards": shards,
         # sharded: each shard's tensor bytes in and out over the run, per round (the first
         # round's include the initial weights); server_peak_mb is then the largest shard's
@@ -453,6 +457,12 @@ def main(
         help="Rounds between the server's full checkpoints: 'server' (its default) or N; "
         "comma-separated to compare in one run.",
     ),
+    durability: str = typer.Option(
+        "round",
+        help="The server's --durability: round (every round durable before its result: the "
+        "step log on the commit's path) or interval (no durable write on it: what a round "
+        "costs without one); comma-separated to compare in one run.",
+    ),
     shards: str = typer.Option(
         "1",
         help="Sharded servers (diloco server --shard) instead of one: S, or several to compare "
@@ -502,14 +512,19 @@ def main(
             every_list.append(int(every))
         else:
             raise fail(f"--checkpoint-every must be 'server' or integers >= 1, got {every!r}")
+    durability_list = [d.strip() for d in durability.split(",") if d.strip()]
+    if not durability_list or any(d not in ("round", "interval") for d in durability_list):
+        raise fail(f"--durability must be from round, interval, got {durability!r}")
     shard_list = [s.strip() for s in shards.split(",") if s.strip()]
     if not shard_list or any(not s.isdigit() or int(s) < 1 for s in shard_list):
         raise fail(f"--shards must be integers >= 1, got {shards!r}")
     shard_counts = [int(s) for s in shard_list]
     if any(s > 1 for s in shard_counts) and (
-        mode_list != ["sync"] or any(e is not None for e in every_list)
+        mode_list != ["sync"]
+        or any(e is not None for e in every_list)
+        or durability_list != ["round"]
     ):
-        raise fail("--shards above 1 runs sync mode with the servers' default checkpoints")
+        raise fail("--shards above 1 runs sync mode with default checkpoints and durability")
     if dtype not in ("fp32", "bf16"):
         raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
     if context < 1 or batch_size < 1 or not max_seconds > 0:
@@ -535,18 +550,26 @@ def main(
     with tempfile.TemporaryDirectory(prefix="diloco-model-scale-") as scratch:
         for size in chosen:
             for codec in codec_list:
-                for mode, anchor, every, count in itertools.product(
-                    mode_list, anchor_list, every_list, shard_counts
+                for mode, anchor, every, count, durable in itertools.product(
+                    mode_list, anchor_list, every_list, shard_counts, durability_list
                 ):
                     err.print(
                         f"{size} {codec} {mode} (anchor {anchor}, checkpoint every "
-                        f"{every or 'server default'}, {count} server(s)): {workers} workers x "
-                        f"{rounds} rounds ..."
+                        f"{every or 'server default'}, {count} server(s), durability "
+                        f"{durable}): {workers} workers x {rounds} rounds ..."
                     )
                     started = time.perf_counter()
                     try:
                         row = run_one(
-                            size, codec, mode, settings, Path(scratch), anchor, every, count
+                            size,
+                            codec,
+                            mode,
+                            settings,
+                            Path(scratch),
+                            anchor,
+                            every,
+                            count,
+                            durable,
                         )
                     except RuntimeError as exc:
                         raise fail(str(exc), code=1) from None
@@ -614,6 +637,11 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 + (
                     f", checkpoint every {r['checkpoint_every']}"
                     if r.get("checkpoint_every")
+                    else ""
+                )
+                + (
+                    f", durability {r['durability']}"
+                    if r.get("durability", "round") != "round"
                     else ""
                 )
                 + (

@@ -90,6 +90,22 @@ def test_warm_up_rounds_are_run_and_not_counted(tmp_path: Path) -> None:
     assert row["blocked_seconds"] > 0 and row["phases"]["upload"] > 0
 
 
+@pytest.mark.slow
+def test_durability_interval_takes_the_step_log_off_the_commit(tmp_path: Path) -> None:
+    """--durability round,interval: two rows; the round's server logs each step before it
+    (step_log > 0), the interval one writes nothing on the commit's path."""
+    result = run(
+        "--sizes", "2M", "--codecs", "fp32", "--sync-every", "2", "--rounds", "4",
+        "--warmup-rounds", "2", "--durability", "round,interval", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "model_scale.json").read_text())["results"]
+    assert [r["durability"] for r in rows] == ["round", "interval"]
+    logged, unlogged = (r["server_parts"] for r in rows)
+    assert logged["step_log"] > 0 and unlogged.get("step_log", 0.0) == 0.0
+    assert "durability interval" in (tmp_path / "model_scale.md").read_text()
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -105,6 +121,8 @@ def test_warm_up_rounds_are_run_and_not_counted(tmp_path: Path) -> None:
         (["--checkpoint-every", "server,0"], "--checkpoint-every must be 'server' or"),
         (["--rounds", "3", "--warmup-rounds", "3"], "--rounds above --warmup-rounds"),
         (["--warmup-rounds", "0"], "--warmup-rounds must be >= 1"),
+        (["--durability", "round,sometimes"], "--durability must be from round, interval"),
+        (["--shards", "2", "--durability", "interval"], "default checkpoints and durability"),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) -> None:

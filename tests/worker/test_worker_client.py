@@ -69,6 +69,7 @@ class FakeServer:
         self.url = url
         self.seen: list[Seen] = []
         self.fallback: Reply | str = Reply(200, json={})
+        self.body_stall = 0.0  # seconds to stop reading a large body after its first 64 KiB
         self._script: deque[Reply | str] = deque()
         self._lock = threading.Lock()
 
@@ -94,7 +95,14 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_GET
 
     def _handle(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        length = int(self.headers.get("Content-Length") or 0)
+        stall = self.server.fake.body_stall  # type: ignore[attr-defined]
+        if stall and length > 1024 * 1024:  # a busy server that takes no bytes for a while
+            first = self.rfile.read(64 * 1024)
+            time.sleep(stall)
+            body = first + self.rfile.read(length - len(first))
+        else:
+            body = self.rfile.read(length)
         parts = urlsplit(self.path)
         seen = Seen(
             self.command,
@@ -416,6 +424,22 @@ def test_a_read_timeout_is_retried_then_reported(server: FakeServer) -> None:
 
 
 # -- bodies and counters ----------------------------------------------------------------------
+
+
+def test_a_server_that_stops_reading_an_upload_for_a_while_is_waited_for(
+    server: FakeServer,
+) -> None:
+    """A busy server takes no bytes of a large body for longer than the connect timeout (at
+    350M parameters a worker's 1.4 GB upload was cut off so, after 10 s, and sent again in
+    full): the send waits up to the read timeout instead, and the body goes once, whole."""
+    server.body_stall = 1.5
+    body = random.Random(4).randbytes(48 * 1024 * 1024)  # past every socket buffer between
+    server.script(Reply(200, json=ACCEPTED))
+    client = make_client(server, connect_timeout=0.3, read_timeout=10.0)
+    with client:
+        answer = client.submit(3, "w0", body)
+    assert answer == ACCEPTED
+    assert len(server.seen) == 1 and server.seen[0].body == body
 
 
 def test_a_large_download_arrives_byte_exact_and_counters_add_up(server: FakeServer) -> None:

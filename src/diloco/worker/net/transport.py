@@ -251,17 +251,55 @@ def request_headers() -> dict[str, str]:
     return {PROTOCOL_HEADER: str(PROTOCOL_VERSION)}
 
 
-def connection_pool(ca_file: str | os.PathLike[str] | None = None) -> urllib3.PoolManager:
+def connection_pool(
+    ca_file: str | os.PathLike[str] | None = None, send_timeout: float = 300.0
+) -> urllib3.PoolManager:
     """The pool every request of one client goes through; `ca_file` (PEM) is what an https://
     server's certificate must chain to (else the system's).
 
     Two threads use a client at once (training and a streaming sync); a few spare connections
     cost nothing. urllib3's own retries and redirects are off: `Transport.call` decides.
+
+    urllib3 sends a request's body under the connect timeout: a server busy for more than
+    that (10 s) before it reads on cut off a large upload and had it sent again from its
+    first byte (seen at 350M parameters: 1.4 GB a try). Here a connection is made within
+    the connect timeout and then sends under `send_timeout` (the client's read timeout: a
+    server that takes no byte for that long is treated as one that does not answer).
     """
     if ca_file is not None:
         check_ca_file(ca_file)
     tls = {} if ca_file is None else {"ca_certs": os.fspath(ca_file)}
-    return urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False, **tls)
+    manager = urllib3.PoolManager(num_pools=2, maxsize=4, block=False, retries=False, **tls)
+    manager.pool_classes_by_scheme = {
+        scheme: type(
+            f"Patient{pool.__name__}",
+            (pool,),
+            {"ConnectionCls": _patient(pool.ConnectionCls, send_timeout)},
+        )
+        for scheme, pool in manager.pool_classes_by_scheme.items()
+    }
+    return manager
+
+
+def _patient(connection: type, send_timeout: float) -> type:
+    """`connection` that sends under `send_timeout` once connected (see connection_pool)."""
+
+    def connect(self: Any) -> None:
+        connection.connect(self)  # within the connect timeout
+        self.sock.settimeout(send_timeout)
+
+    def putrequest(self: Any, *args: Any, **kwargs: Any) -> None:
+        # urllib3's request() has just set a kept-alive socket's timeout to the connect
+        # timeout; a new connection is made later, in connect() above
+        if self.sock is not None:
+            self.sock.settimeout(send_timeout)
+        connection.putrequest(self, *args, **kwargs)
+
+    return type(
+        f"Patient{connection.__name__}",
+        (connection,),
+        {"connect": connect, "putrequest": putrequest},
+    )
 
 
 class Transport:
@@ -319,7 +357,7 @@ class Transport:
         self._rng = rng or random.Random()
         self._rng_lock = threading.Lock()
         self._counters = _Counters()
-        self._pool = connection_pool(ca_file)
+        self._pool = connection_pool(ca_file, send_timeout=self.read_timeout)
         # Until the server first answers, a failed connection may be a wrong URL: see
         # RetryPolicy.first_contact and _refuse_a_tls_port.
         self._answered = False
