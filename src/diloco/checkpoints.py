@@ -172,14 +172,18 @@ class CheckpointStore:
             raise
 
         def durable() -> Path:
-            def settled(name: str) -> None:  # hashed as written (when still to be), then synced
-                if files[name]["sha256"] is None:
-                    files[name]["sha256"] = _file_sha256(temp / name)
-                _fsync_file(temp / name)
+            def hashed(name: str) -> None:  # from the page cache, as written
+                files[name]["sha256"] = _file_sha256(temp / name)
 
             try:
-                with ThreadPoolExecutor(max(1, len(files))) as pool:
-                    list(pool.map(settled, list(files)))
+                # each file's fsync (the disk's time) beside its hashing (a core's), not
+                # after it: nothing is visible before the manifest, written once both are done
+                unhashed = [name for name in files if files[name]["sha256"] is None]
+                with ThreadPoolExecutor(max(1, len(files) + len(unhashed))) as pool:
+                    work = [pool.submit(_fsync_file, temp / name) for name in files]
+                    work += [pool.submit(hashed, name) for name in unhashed]
+                    for done in work:
+                        done.result()
                 manifest = {
                     "format": FORMAT_VERSION,
                     "generation": generation,
