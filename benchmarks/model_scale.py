@@ -2,7 +2,8 @@
 
 For each model size (the bundled byte-level GPT at 25M, 85M, 125M, 350M or 1B parameters),
 codec and mode, one real `diloco server` (with --state-dir: every round durable; with
-`--durability interval` only every 10th, so a run shows what the durable write costs) and K real
+`--durability interval` only every checkpoint-every-th round, 10 by default, so a run shows
+what the durable write costs) and K real
 worker processes that train through the public `DiLoCoWorker` API (AdamW; by default batch 1,
 context 16, so the training itself is short and the round is what is measured; a GPU run
 gives real batches with --batch-size, --context and --dtype bf16). Per round it reports:

@@ -187,13 +187,15 @@ def per_round(report: dict, key: str) -> float:
 
 
 def last_in(reports: list[dict]) -> tuple[float, dict[str, float]] | None:
-    """The round's sync on its critical path: per round (the first left out), the figures of
-    the worker whose wait for the result was shortest, its blocked seconds and their split,
+    """The round's sync on its critical path: per round every worker ended (matched by the
+    step it ended at; the first left out), the figures of the worker whose wait for the
+    result was shortest, its blocked seconds and their split,
     averaged over the rounds. None without every round's split (a streaming run)."""
-    rounds = min(len(r["round_figures"]) for r in reports)
+    by_step = [{f["step"]: f for f in r["round_figures"]} for r in reports]
+    shared = sorted(set.intersection(*(set(steps) for steps in by_step)))  # the same rounds
     chosen = []
-    for index in range(1 if rounds > 1 else 0, rounds):
-        figures = [r["round_figures"][index] for r in reports]
+    for step in shared[1:] or shared:
+        figures = [steps[step] for steps in by_step]
         if not all(f.get("phases") for f in figures):
             return None
         chosen.append(min(figures, key=lambda f: f["phases"]["wait"]))

@@ -125,7 +125,8 @@ class CheckpointStore:
         run on another thread while the caller moves that memory (the step log: see
         server/state/journal.py). `hash_when_durable`: `stage` only writes, and the returned
         function hashes each file by reading it back (from the page cache) before its fsync,
-        so the hashing leaves the caller's critical path for that thread. A generation staged
+        so the hashing leaves the caller's critical path for that thread; each file's fsync runs
+        beside its hashing, and the manifest follows both. A generation staged
         and never made durable is a temporary directory, removed by the next prune or drop."""
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise ValueError(f"generation must be an integer >= 0, got {generation!r}")

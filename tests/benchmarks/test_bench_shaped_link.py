@@ -153,6 +153,45 @@ def test_the_slow_link_benchmark_measures_rounds_through_the_links(tmp_path: Pat
     assert int8["up_bytes_per_round"] < 0.3 * fp32["up_bytes_per_round"]
     assert fp32["blocked_vs_fp32"] == 1.0 and int8["blocked_vs_fp32"] is not None
     assert "| sync | int8 / int8 |" in (tmp_path / "slow_link.md").read_text()
+    # the last worker in: a real split that adds up to no more than its blocked time
+    for run in (fp32, int8):
+        split = run["last_in_phases"]
+        assert (
+            0.1
+            <= run["last_in_per_round"]
+            <= max(
+                max(w, key=lambda f: f["blocked_seconds"])["blocked_seconds"]
+                for w in run["round_figures"]
+            )
+        )
+        assert split["upload"] > 0 and sum(split.values()) <= run["last_in_per_round"] + 1e-6
+
+
+def slow_link() -> ModuleType:
+    shaped_link()  # slow_link imports it from benchmarks/
+    spec = importlib.util.spec_from_file_location("slow_link", BENCHMARKS / "slow_link.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def figures(step: int, blocked: float, wait: float) -> dict:
+    phases = {"encode": 0.1, "upload": 0.2, "wait": wait, "download": 0.3, "apply": 0.05}
+    return {"step": step, "blocked_seconds": blocked, "phases": {"blocked": blocked, **phases}}
+
+
+def test_last_in_takes_each_rounds_worker_that_waited_least() -> None:
+    """Per round ended by every worker (matched by step, the first left out), the figures of
+    the worker with the shortest wait; a round only one worker ended is not compared."""
+    a = [figures(2, 9.0, 8.0), figures(4, 3.0, 2.0), figures(6, 1.0, 0.1)]
+    b = [figures(2, 9.5, 8.5), figures(4, 1.5, 0.2), figures(6, 2.5, 1.6), figures(8, 0.5, 0.0)]
+    blocked, split = slow_link().last_in([{"round_figures": a}, {"round_figures": b}])
+    # step 4: b (wait 0.2, blocked 1.5); step 6: a (wait 0.1, blocked 1.0); step 8: b alone
+    assert blocked == pytest.approx((1.5 + 1.0) / 2)
+    assert split["wait"] == pytest.approx((0.2 + 0.1) / 2) and split["upload"] == 0.2
+    no_split = [{"step": s, "blocked_seconds": 1.0} for s in (2, 4)]
+    assert slow_link().last_in([{"round_figures": no_split}, {"round_figures": a}]) is None
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,9 @@ class FakeServer:
         self.url = url
         self.seen: list[Seen] = []
         self.fallback: Reply | str = Reply(200, json={})
-        self.body_stall = 0.0  # seconds to stop reading a large body after its first 64 KiB
+        # a large body is read in body_pauses + 1 parts, body_stall seconds between them
+        self.body_stall = 0.0
+        self.body_pauses = 1
         self._script: deque[Reply | str] = deque()
         self._lock = threading.Lock()
 
@@ -96,11 +98,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
-        stall = self.server.fake.body_stall  # type: ignore[attr-defined]
-        if stall and length > 1024 * 1024:  # a busy server that takes no bytes for a while
-            first = self.rfile.read(64 * 1024)
-            time.sleep(stall)
-            body = first + self.rfile.read(length - len(first))
+        fake = self.server.fake  # type: ignore[attr-defined]
+        if fake.body_stall and length > 1024 * 1024:  # a busy server that reads nothing a while
+            part = length // (fake.body_pauses + 1)
+            body = b""
+            for _ in range(fake.body_pauses):
+                body += self.rfile.read(part)
+                time.sleep(fake.body_stall)
+            body += self.rfile.read(length - len(body))
         else:
             body = self.rfile.read(length)
         parts = urlsplit(self.path)
@@ -426,19 +431,39 @@ def test_a_read_timeout_is_retried_then_reported(server: FakeServer) -> None:
 # -- bodies and counters ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("connection", ["new", "kept alive"])
 def test_a_server_that_stops_reading_an_upload_for_a_while_is_waited_for(
-    server: FakeServer,
+    server: FakeServer, connection: str
 ) -> None:
     """A busy server takes no bytes of a large body for longer than the connect timeout (at
     350M parameters a worker's 1.4 GB upload was cut off so, after 10 s, and sent again in
-    full): the send waits up to the read timeout instead, and the body goes once, whole."""
-    server.body_stall = 1.5
+    full): the send waits up to the read timeout instead, and the body goes once, whole; on
+    a new connection and on one kept alive from an earlier request alike."""
     body = random.Random(4).randbytes(48 * 1024 * 1024)  # past every socket buffer between
-    server.script(Reply(200, json=ACCEPTED))
     client = make_client(server, connect_timeout=0.3, read_timeout=10.0)
     with client:
+        if connection == "kept alive":
+            client.info()
+        server.body_stall = 1.5
+        server.script(Reply(200, json=ACCEPTED))
         answer = client.submit(3, "w0", body)
     assert answer == ACCEPTED
+    assert server.seen[-1].body == body and len(server.seen) == 1 + (connection != "new")
+
+
+def test_an_upload_longer_than_the_read_timeout_goes_while_the_server_reads_on(
+    server: FakeServer,
+) -> None:
+    """The read timeout bounds a pause, not the whole upload: a body that takes 4 x 0.6 s to
+    be read, past a read timeout of 1 s, goes once (a socket's timeout is the whole of one
+    sendall, so the body is sent a slice at a time; at 100 Mbit/s an 85M model's 342 MB take
+    27 s, past the 10 s that once bounded a whole upload)."""
+    server.body_stall, server.body_pauses = 0.6, 4
+    body = random.Random(5).randbytes(48 * 1024 * 1024)
+    server.script(Reply(200, json=ACCEPTED))
+    client = make_client(server, connect_timeout=0.3, read_timeout=1.0)
+    with client:
+        assert client.submit(3, "w0", body) == ACCEPTED
     assert len(server.seen) == 1 and server.seen[0].body == body
 
 

@@ -37,8 +37,10 @@ def log_recovered(operation: str, retries: int, seconds: float) -> None:
 class RoundFigures:
     """One round as this worker saw it: where it ended, the megabytes its client sent and
     received during it, the seconds training was blocked on the server, and (sync and async
-    rounds) where those seconds went: `DiLoCoWorker.last_round_phases`. A benchmark tells the
-    round's own cost (encode, upload, download, apply) from the wait at its barrier by them."""
+    rounds) where those seconds went: `DiLoCoWorker.last_round_phases`, whose encode, upload,
+    wait, download, apply and other add up to its "blocked" (the total), and whose "save" (the
+    worker's checkpoint after the exchange) is not blocked time. A benchmark tells the round's
+    own cost (encode, upload, download, apply) from the wait at its barrier by them."""
 
     step: int
     loss: float | None

@@ -260,11 +260,13 @@ def connection_pool(
     Two threads use a client at once (training and a streaming sync); a few spare connections
     cost nothing. urllib3's own retries and redirects are off: `Transport.call` decides.
 
-    urllib3 sends a request's body under the connect timeout: a server busy for more than
-    that (10 s) before it reads on cut off a large upload and had it sent again from its
-    first byte (seen at 350M parameters: 1.4 GB a try). Here a connection is made within
-    the connect timeout and then sends under `send_timeout` (the client's read timeout: a
-    server that takes no byte for that long is treated as one that does not answer).
+    urllib3 sends a request's body under the connect timeout, and in one `sendall`, whose
+    timeout bounds the whole call: any upload that took more than 10 s (a 1.4 GB one at 350M
+    parameters behind a busy server; an 85M model's 342 MB at 100 Mbit/s) was cut off and
+    sent again from its first byte. Here a connection is made within the connect timeout,
+    then sends its body a slice of SEND_SLICE bytes at a time, each under `send_timeout`
+    (the client's read timeout): that bounds a pause in which the server takes nothing, not
+    the upload.
     """
     if ca_file is not None:
         check_ca_file(ca_file)
@@ -281,8 +283,12 @@ def connection_pool(
     return manager
 
 
+SEND_SLICE = 1 << 20  # bytes per sendall of a body: `send_timeout` bounds each
+
+
 def _patient(connection: type, send_timeout: float) -> type:
-    """`connection` that sends under `send_timeout` once connected (see connection_pool)."""
+    """`connection` that sends under `send_timeout` once connected, a slice at a time (see
+    connection_pool)."""
 
     def connect(self: Any) -> None:
         connection.connect(self)  # within the connect timeout
@@ -295,10 +301,20 @@ def _patient(connection: type, send_timeout: float) -> type:
             self.sock.settimeout(send_timeout)
         connection.putrequest(self, *args, **kwargs)
 
+    def send(self: Any, data: Any) -> None:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            view = memoryview(data)
+            if view.nbytes > SEND_SLICE and view.c_contiguous:
+                view = view.cast("B")
+                for start in range(0, view.nbytes, SEND_SLICE):
+                    connection.send(self, view[start : start + SEND_SLICE])
+                return
+        connection.send(self, data)
+
     return type(
         f"Patient{connection.__name__}",
         (connection,),
-        {"connect": connect, "putrequest": putrequest},
+        {"connect": connect, "putrequest": putrequest, "send": send},
     )
 
 
