@@ -60,14 +60,17 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
     assert "| 2M (" in (tmp_path / "model_scale.md").read_text()
 
 
+def rows_of(out: Path, *args: str) -> tuple[str, list[dict]]:
+    """A 2M run at H = 2 with `args` that succeeds: its stderr and its rows."""
+    result = run("--sizes", "2M", "--sync-every", "2", *args, "--out-dir", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr, json.loads((out / "model_scale.json").read_text())["results"]
+
+
 def int8_run(out: Path, *args: str) -> tuple[str, dict]:
     """One 2M int8 configuration at H = 2 with `args`: its stderr and its one row."""
-    result = run(
-        "--sizes", "2M", "--codecs", "int8", "--sync-every", "2", *args, "--out-dir", str(out)
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    (row,) = json.loads((out / "model_scale.json").read_text())["results"]
-    return result.stderr, row
+    stderr, (row,) = rows_of(out, "--codecs", "int8", *args)
+    return stderr, row
 
 
 @pytest.mark.slow
@@ -94,12 +97,10 @@ def test_warm_up_rounds_are_run_and_not_counted(tmp_path: Path) -> None:
 def test_durability_interval_takes_the_step_log_off_the_commit(tmp_path: Path) -> None:
     """--durability round,interval: two rows; the round's server logs each step before it
     (step_log > 0), the interval one writes nothing on the commit's path."""
-    result = run(
-        "--sizes", "2M", "--codecs", "fp32", "--sync-every", "2", "--rounds", "4",
-        "--warmup-rounds", "2", "--durability", "round,interval", "--out-dir", str(tmp_path),
+    _, rows = rows_of(
+        tmp_path, "--codecs", "fp32", "--rounds", "4", "--warmup-rounds", "2",
+        "--durability", "round,interval",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads((tmp_path / "model_scale.json").read_text())["results"]
     assert [r["durability"] for r in rows] == ["round", "interval"]
     logged, unlogged = (r["server_parts"] for r in rows)
     assert logged["step_log"] > 0 and unlogged.get("step_log", 0.0) == 0.0

@@ -532,13 +532,14 @@ class DiLoCoWorker:
         self.last_round_phases = self._phases(calls, exchanged - started)
         self.last_round_phases["save"] = time.monotonic() - exchanged
         if self.settings.mode == "async":
-            self._log_round(f"sync {self.rounds} (server version {self.round})", phases=True)
+            what = f"sync {self.rounds} (server version {self.round})"
         else:
-            self._log_round(f"round {submitted}", phases=True)
+            what = f"round {submitted}"
+        self._log_round(what, self.last_round_phases)
 
-    def _log_round(self, what: str, phases: bool = False) -> None:
+    def _log_round(self, what: str, phases: dict[str, float] | None = None) -> None:
         """The round's line (rank 0's): see round_log.RoundLines; `phases`: the round's
-        split of its blocked time goes with its figures (a sync or async round's)."""
+        split of its blocked time, kept with its figures (a sync or async round's)."""
         if not self.is_leader:
             return
         client = self.client.stats if self.client is not None else None
@@ -547,7 +548,7 @@ class DiLoCoWorker:
             self.last_loss,
             client,
             self._pace.blocked_seconds,
-            self.last_round_phases if phases else None,
+            phases,
         )
         log.info(self._round_lines.line(what, figures))
 

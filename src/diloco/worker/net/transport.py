@@ -288,20 +288,12 @@ SEND_SLICE = 1 << 20  # bytes per sendall of a body: `send_timeout` bounds each
 
 def _patient(connection: type, send_timeout: float) -> type:
     """`connection` that sends under `send_timeout` once connected, a slice at a time (see
-    connection_pool)."""
-
-    def connect(self: Any) -> None:
-        connection.connect(self)  # within the connect timeout
-        self.sock.settimeout(send_timeout)
-
-    def putrequest(self: Any, *args: Any, **kwargs: Any) -> None:
-        # urllib3's request() has just set a kept-alive socket's timeout to the connect
-        # timeout; a new connection is made later, in connect() above
-        if self.sock is not None:
-            self.sock.settimeout(send_timeout)
-        connection.putrequest(self, *args, **kwargs)
+    connection_pool). Every byte of a request, headers and body, goes through `send`."""
 
     def send(self: Any, data: Any) -> None:
+        if self.sock is None:  # as http.client's send would: within the connect timeout
+            self.connect()
+        self.sock.settimeout(send_timeout)  # (urllib3 left the connect timeout on it)
         if isinstance(data, (bytes, bytearray, memoryview)):
             view = memoryview(data)
             if view.nbytes > SEND_SLICE and view.c_contiguous:
@@ -314,7 +306,7 @@ def _patient(connection: type, send_timeout: float) -> type:
     return type(
         f"Patient{connection.__name__}",
         (connection,),
-        {"connect": connect, "putrequest": putrequest, "send": send},
+        {"send": send},
     )
 
 
