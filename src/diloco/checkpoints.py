@@ -1,11 +1,13 @@
 """Durable checkpoint generations of the coordinator's tensors (weights, outer optimizer state).
 
 One generation is a directory `gen-<generation:012d>` holding one safetensors file per tensor
-group and a `manifest.json` with each file's size and SHA-256. A generation is built in a
-temporary directory, every file written and fsynced, the manifest last (temp file, fsync,
-os.replace, directory fsync), and only then renamed to its final name: a crash at any point leaves
-the previous complete generations, or those plus the new one, never a half-written one under a
-final name. Loading verifies checksums before decoding and falls back to older generations.
+group (and, in a step log, the upload bodies the step folded: `*.body` files written before it
+and moved in, see `AdoptedFile`) and a `manifest.json` with each file's size and SHA-256.
+A generation is built in a temporary directory, every file written and fsynced, the manifest
+last (temp file, fsync, os.replace, directory fsync), and only then renamed to its final name:
+a crash at any point leaves the previous complete generations, or those plus the new one,
+never a half-written one under a final name. Loading verifies checksums before decoding and
+falls back to older generations.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import shutil
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,11 +33,12 @@ from diloco import faults
 from diloco.wire import WireError, decode_tensors
 from diloco.wire.format.layout import FrameLayout
 
-__all__ = ["FORMAT_VERSION", "CheckpointStore", "LoadedCheckpoint"]
+__all__ = ["BODY_SUFFIX", "FORMAT_VERSION", "AdoptedFile", "CheckpointStore", "LoadedCheckpoint"]
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 _SUFFIX = ".safetensors"
+BODY_SUFFIX = ".body"  # a file a generation adopts as it was written, verified, never decoded
 _DEFAULT_FILE_MODE = 0o600
 _DEFAULT_DIR_MODE = 0o700
 _FINAL_DIR = re.compile(r"gen-(\d{12})")
@@ -55,6 +58,17 @@ class LoadedCheckpoint:
     tensors: dict[str, dict[str, torch.Tensor]]
     metadata: dict[str, Any]
     path: Path
+    bodies: dict[str, Path] = field(default_factory=dict)  # adopted files, verified, by name
+
+
+class AdoptedFile(Protocol):
+    """A file written before its generation (an upload's body, copied into the state dir as
+    it came) and moved into it by `stage`: `durable` waits for its fsync and returns its size
+    and SHA-256 (both computed as it was written, off the step's path)."""
+
+    path: Path
+
+    def durable(self) -> tuple[int, str]: ...
 
 
 class _Unusable(Exception):
@@ -116,6 +130,7 @@ class CheckpointStore:
         metadata: Mapping[str, object],
         *,
         hash_when_durable: bool = False,
+        adopted: Mapping[str, AdoptedFile] | None = None,
     ) -> Callable[[], Path]:
         """Write `generation`'s files (and hash them, from memory, as they are written); the
         function returned makes them durable and the generation visible (fsyncs, manifest,
@@ -127,7 +142,11 @@ class CheckpointStore:
         function hashes each file by reading it back (from the page cache) before its fsync,
         so the hashing leaves the caller's critical path for that thread; each file's fsync runs
         beside its hashing, and the manifest follows both. A generation staged
-        and never made durable is a temporary directory, removed by the next prune or drop."""
+        and never made durable is a temporary directory, removed by the next prune or drop.
+
+        `adopted`: files already written elsewhere in the store's file system (names ending in
+        `BODY_SUFFIX`), renamed into the generation here; the function returned waits for
+        each one's `durable` before the manifest, which lists them with their hashes."""
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
         existing = self.generations()
@@ -138,6 +157,10 @@ class CheckpointStore:
         for group in tensors:
             if not isinstance(group, str) or not _GROUP_NAME.fullmatch(group):
                 raise ValueError(f"tensor group name {group!r} is not a safe file name")
+        adopted = dict(adopted or {})
+        for name in adopted:
+            if not name.endswith(BODY_SUFFIX) or not _GROUP_NAME.fullmatch(name):
+                raise ValueError(f"adopted file name {name!r} is not a safe {BODY_SUFFIX} name")
         # Serialise the metadata first so that a non-JSON value fails before touching the disk.
         metadata_json = dict(metadata)
         json.dumps(metadata_json, allow_nan=False)
@@ -168,6 +191,8 @@ class CheckpointStore:
                     size, digest = written.result()
                     files[name] = {"bytes": size, "sha256": digest}
                     faults.crash_point("checkpoint_file")
+            for name, file in adopted.items():  # a rename: the bytes stay where they are
+                os.rename(file.path, temp / name)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
@@ -185,6 +210,9 @@ class CheckpointStore:
                     work += [pool.submit(hashed, name) for name in unhashed]
                     for done in work:
                         done.result()
+                for name, file in adopted.items():
+                    size, digest = file.durable()
+                    files[name] = {"bytes": size, "sha256": digest}
                 manifest = {
                     "format": FORMAT_VERSION,
                     "generation": generation,
@@ -327,7 +355,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if not isinstance(files, dict):
         raise _Unusable(f"{MANIFEST_NAME} has no files object")
     for name, entry in files.items():
-        valid_name = name.endswith(_SUFFIX) and _GROUP_NAME.fullmatch(name[: -len(_SUFFIX)])
+        valid_name = (name.endswith(_SUFFIX) and _GROUP_NAME.fullmatch(name[: -len(_SUFFIX)])) or (
+            name.endswith(BODY_SUFFIX) and _GROUP_NAME.fullmatch(name)
+        )
         size = entry.get("bytes") if isinstance(entry, dict) else None
         digest = entry.get("sha256") if isinstance(entry, dict) else None
         if (
@@ -355,18 +385,36 @@ def _is_complete(path: Path) -> bool:
 
 
 def _load(generation: int, path: Path) -> LoadedCheckpoint:
-    """Verify every file's size and SHA-256, and only then decode its tensors."""
+    """Verify every file's size and SHA-256, and only then decode its tensors (an adopted
+    body is verified as it lies on disk, and named, not read into memory)."""
     manifest = _read_manifest(path)
     if manifest.get("generation") != generation:
         raise _Unusable(f"{MANIFEST_NAME} names generation {manifest.get('generation')!r}")
     tensors: dict[str, dict[str, torch.Tensor]] = {}
+    bodies: dict[str, Path] = {}
     for name, entry in manifest["files"].items():
+        if name.endswith(BODY_SUFFIX):
+            bodies[name] = _verified_body(path / name, entry["bytes"], entry["sha256"])
+            continue
         data = _read_verified(path / name, entry["bytes"], entry["sha256"])
         try:
             tensors[name[: -len(_SUFFIX)]] = decode_tensors(data)
         except WireError as error:
             raise _Unusable(f"{name} does not decode: {error}") from None
-    return LoadedCheckpoint(generation, tensors, manifest["metadata"], path)
+    return LoadedCheckpoint(generation, tensors, manifest["metadata"], path, bodies)
+
+
+def _verified_body(path: Path, size: int, digest: str) -> Path:
+    """`path` if it has the expected size and hash (read in pieces: a body may be large)."""
+    try:
+        actual = path.stat().st_size
+        if actual != size:
+            raise _Unusable(f"{path.name} has {actual} bytes, the manifest says {size}")
+        if _file_sha256(path) != digest:
+            raise _Unusable(f"{path.name} fails its SHA-256 check")
+    except OSError as error:
+        raise _Unusable(f"{path.name} cannot be read: {error}") from None
+    return path
 
 
 def _read_verified(path: Path, size: int, digest: str) -> bytearray:

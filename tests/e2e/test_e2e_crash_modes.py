@@ -125,22 +125,24 @@ def test_async_server_killed_and_restarted_applies_every_arrival_once(
 @pytest.mark.slow  # in the default suite: the "duplicate" answers of
 # tests/server/test_server_coordinator.py and test_server_streaming.py
 @pytest.mark.parametrize("mode", ["sync", "streaming"])
+@pytest.mark.parametrize("point", ["result_published:2", "step_input_durable:3"])
 def test_a_server_killed_after_a_commit_keeps_the_workers_error_feedback_exact(
-    mode: str, server_process, corpus_file: Path, small_corpus: bytes, tmp_path: Path
+    mode: str, point: str, server_process, corpus_file: Path, small_corpus: bytes, tmp_path: Path
 ) -> None:
     """int8 uploads with error feedback; the server killed right after publishing a round,
     before the last sender heard its answer: that worker's retry is "duplicate" (the round
     used its body), so it keeps the residual it coded the body with, and the run ends where
     the simulator ends. (Answered "committed", as before, the worker dropped that residual
-    and the run drifted from the simulator by up to 5e-5.)"""
+    and the run drifted from the simulator by up to 5e-5.) Two int8 bodies are half the
+    sums' bytes, so each step's log holds its bodies (server/state/step_inputs.py): the
+    restart folds them again; killed with a body on the disk before its step is logged,
+    the open round is sent again."""
     streaming = {"mode": "streaming", "fragments": 2, "delay": 1, "alpha": 0.5}
     sim_mode = streaming if mode == "streaming" else {}
     mode_args = tuple(f"--{k}={v}" for k, v in sim_mode.items())
     options = ("--upload-codec", "int8", "--error-feedback-beta", "0.95", "--sync-every", "4",
                "--min-workers", "2", *mode_args)  # fmt: skip
-    weights, _, _, _ = crash_once(
-        server_process, options, "result_published:2", corpus_file, tmp_path
-    )
+    weights, _, _, _ = crash_once(server_process, options, point, corpus_file, tmp_path)
     simulated = simulated_run(
         small_corpus, workers=2, steps=STEPS, upload_codec="int8", error_feedback_beta=0.95,
         **sim_mode,

@@ -88,16 +88,19 @@ def test_the_state_dir_holds_the_kept_checkpoints_one_being_written_and_the_step
     assert disk_bytes_needed(SPECS, ServerSettings(), 3, 4) == 4 * 2 * 4424 + 4 * 4424
     with_deltas = ServerSettings(download_codec="int8")
     assert disk_bytes_needed(SPECS, with_deltas, 3, 0) == 4 * 3 * 4424
+    # steps that log their uploads (no more bytes than the sums): and the open round's copies
+    assert disk_bytes_needed(SPECS, ServerSettings(), 3, 4, True) == 4 * 2 * 4424 + 5 * 4424
 
 
 def test_a_model_whose_state_the_disk_cannot_hold_is_refused_naming_the_sizes(tmp_path) -> None:
     from diloco.server.state.journal import RoundJournal
     from diloco.server.state.store import StateStore
 
-    settings = ServerSettings()
+    settings = ServerSettings(min_workers=2)
     journal = RoundJournal(StateStore(tmp_path / "state"), settings, checkpoint_every=4)
     coordinator = Coordinator(settings, journal=journal)
-    needed = 4 * 2 * 4424 + 4 * 4424  # 3 kept + 1 written, and 4 logged steps
+    # 3 kept + 1 written, and 4 logged steps, and the open round's copies of the uploads
+    needed = 4 * 2 * 4424 + 5 * 4424
     asked: list[object] = []
 
     def free(directory):
@@ -114,7 +117,9 @@ def test_a_model_whose_state_the_disk_cannot_hold_is_refused_naming_the_sizes(tm
         "needed_bytes": needed,
         "free_bytes": needed - 1,
     }
-    assert "4 logged steps of one model each: --checkpoint-every" in rejection.error
+    assert "4 logged steps of one model each: --checkpoint-every, and the open round" in (
+        rejection.error
+    )
     assert asked == [tmp_path / "state"]
     assert coordinator.model.specs is None and coordinator.membership.live_ids() == set()
     coordinator.registrar.free_disk = lambda directory: needed

@@ -45,7 +45,8 @@ from diloco.server.shards.peers import ShardPeers
 from diloco.server.shards.role import ShardRole
 from diloco.server.state.held_slices import HeldSlices
 from diloco.server.state.journal import CommitRecord, LoggedStep, RoundJournal
-from diloco.server.state.store import HELD_SLICES_NAME, StateStore
+from diloco.server.state.step_inputs import InputCopy, StepInputs, logs_bodies
+from diloco.server.state.store import HELD_SLICES_NAME, STEP_INPUTS_NAME, StateStore
 from diloco.server.workunits.leases import DataLeases
 from diloco.wire import (
     PROTOCOL_VERSION,
@@ -131,6 +132,13 @@ class Coordinator:
         directory = self.journal.state.directory
         if directory is not None and self.role.follows and self.role.decides:
             self.held_slices = HeldSlices(directory / HELD_SLICES_NAME)
+        # One server logging its steps makes each body durable as it comes (not the sums at
+        # the commit) where a step is a plain mean of bodies folded as they come.
+        self.step_inputs: StepInputs | None = None
+        steps = self.journal.state.steps
+        if steps is not None and logs_bodies(settings, self.journal.logs_steps):
+            assert directory is not None
+            self.step_inputs = StepInputs.beside(directory / STEP_INPUTS_NAME, steps.directory)
         self.intake = Intake(
             self._lock,
             settings,
@@ -140,6 +148,7 @@ class Coordinator:
             self.traffic,
             lambda: self.closing,
             self.held_slices,
+            self.step_inputs,
         )
         self.registrar = Registrar(
             settings,
@@ -268,8 +277,9 @@ class Coordinator:
         optimizer = model.optimizer
         lr, optimizer.lr = optimizer.lr, step.lr
         try:
+            running = step.running if step.running is not None else self.intake.refold(step)
             model.commit(
-                step.running,
+                running,
                 step.record.round + 1,
                 lambda: (
                     self.journal.write_replayed(
@@ -586,12 +596,18 @@ class Coordinator:
         self.intake.check_header(fragment, shapes, metadata or {})
 
     def _commit_step(
-        self, running: RunningMean, record: CommitRecord, fragment_rounds: Sequence[int]
+        self,
+        running: RunningMean,
+        record: CommitRecord,
+        fragment_rounds: Sequence[int],
+        inputs: list[InputCopy] | None,
     ) -> None:
         """Apply one outer step's pseudo-gradients and make it durable (lock held).
 
         The journal writes before any worker can see the result (durability "round"); the
-        version then counts the step. The engine publishes the result afterwards.
+        version then counts the step. The engine publishes the result afterwards. `inputs`:
+        the round's bodies, already in the state dir (step_inputs.py), which the step's log
+        then holds instead of its sums; None (or none) logs the sums.
         """
         started = time.perf_counter()
         model = self.model
@@ -618,8 +634,25 @@ class Coordinator:
             )
             optimizer_lr = model.optimizer.lr
 
+            if inputs and any(copy.failed for copy in inputs):
+                log.warning(
+                    "a body of round %d could not be made durable in the state dir; the step "
+                    "logs its sums instead",
+                    record.round,
+                )
+                for copy in inputs:
+                    copy.discard()
+                inputs = None
+            logged_inputs = inputs or ()
+
             def log_step() -> Callable[[], None]:
-                return journal.log_step(record, running, names, fragment_rounds, optimizer_lr)
+                return journal.log_step(
+                    record, running, names, fragment_rounds, optimizer_lr, logged_inputs
+                )
+
+        elif inputs:
+            for copy in inputs:
+                copy.discard()
 
         model.commit(
             running,

@@ -30,6 +30,7 @@ from diloco.server.rounds.engine import RoundEngine
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.role import ShardRole
 from diloco.server.state.journal import RoundJournal
+from diloco.server.state.step_inputs import logs_bodies
 from diloco.wire import (
     PROTOCOL_VERSION,
     WORKER_ID_PATTERN,
@@ -259,7 +260,8 @@ class Registrar:
             return
         free = self.free_disk(state.directory)
         logged = self.journal.checkpoint_every if self.journal.logs_steps else 0
-        needed = disk_bytes_needed(specs, self.settings, state.checkpoints.keep, logged)
+        bodies = logs_bodies(self.settings, self.journal.logs_steps)  # (the open round's)
+        needed = disk_bytes_needed(specs, self.settings, state.checkpoints.keep, logged, bodies)
         if free is None or needed <= free:
             return
         model = model_bytes(specs)
@@ -269,7 +271,8 @@ class Registrar:
             f"this model is {model / 2**20:,.0f} MiB in fp32 and its state dir "
             f"{state.directory} keeps up to {needed / 2**30:.1f} GiB ({state.checkpoints.keep} "
             f"checkpoints and the one being written, and {logged} logged steps of one model "
-            f"each: --checkpoint-every), but its disk has {free / 2**30:.1f} GiB free: free "
+            f"each: --checkpoint-every{', and the open round' if bodies else ''}), but its "
+            f"disk has {free / 2**30:.1f} GiB free: free "
             "some, give another --state-dir, or a smaller --checkpoint-every",
             model_bytes=model,
             needed_bytes=needed,

@@ -57,15 +57,21 @@ def bytes_needed(specs: Sequence[TensorSpec], settings: ServerSettings) -> int:
 
 
 def disk_bytes_needed(
-    specs: Sequence[TensorSpec], settings: ServerSettings, keep_checkpoints: int, logged_steps: int
+    specs: Sequence[TensorSpec],
+    settings: ServerSettings,
+    keep_checkpoints: int,
+    logged_steps: int,
+    logs_bodies: bool = False,
 ) -> int:
     """The most a run's state dir holds for this model: `keep_checkpoints` checkpoint
     generations plus the one being written, each the masters, the outer optimizer's state (one
     model, an upper bound) and, with delta downloads, the published copy; and up to
-    `logged_steps` steps of the step log, one model each (`--checkpoint-every`)."""
+    `logged_steps` steps of the step log, one model each (`--checkpoint-every`; a step that
+    logs its uploads holds no more bytes than the sums, see server/state/step_inputs.py), and,
+    where steps log their uploads, the open round's copies of them (at most one model more)."""
     model = model_bytes(specs)
     generation = model * (3 if settings.delta_downloads else 2)
-    return (keep_checkpoints + 1) * generation + logged_steps * model
+    return (keep_checkpoints + 1) * generation + (logged_steps + int(logs_bodies)) * model
 
 
 def free_disk_bytes(directory: Path) -> int | None:

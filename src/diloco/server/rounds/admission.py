@@ -33,6 +33,7 @@ decoded span by span when the round scans or folds it, never decoded whole.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -43,17 +44,19 @@ from typing import Any
 import torch
 
 from diloco import faults
-from diloco.algorithm import TensorKind
+from diloco.algorithm import RunningMean, TensorKind
 from diloco.algorithm.tensors import finite_bound
 from diloco.server.errors import Rejection, rejection_of
 from diloco.server.members.membership import Membership, WorkerRecord
 from diloco.server.model.global_model import GlobalModel
 from diloco.server.ops.metrics import Traffic
 from diloco.server.rounds.engine import RoundEngine
-from diloco.server.rounds.round import Round, Submission, ValueScan
+from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.sync_decisions import session_digest
 from diloco.server.state.held_slices import HeldSlices, PreparedSlice, StoredSlice
+from diloco.server.state.journal import LoggedStep
+from diloco.server.state.step_inputs import InputCopy, StepInputs
 from diloco.wire import (
     MAX_COUNT,
     SpooledTensors,
@@ -69,9 +72,10 @@ from diloco.wire.compressed.header import (
     echo_metadata,
 )
 from diloco.wire.compressed.pieces import CompressedPieces
-from diloco.wire.format.spool import CheckedPieces, PieceBody
+from diloco.wire.format.spool import CheckedPieces, PieceBody, open_spooled
 
 Tensors = Mapping[str, torch.Tensor] | PieceBody
+log = logging.getLogger("diloco.server")
 _CODEC_PREFIX = "diloco."
 
 
@@ -198,9 +202,12 @@ class Intake:
         traffic: Traffic,
         closing: Callable[[], bool],
         held_slices: HeldSlices | None = None,
+        step_inputs: StepInputs | None = None,
     ) -> None:
         """`held_slices`: a follower shard's store, where each slice it holds is made
-        durable before the answer says so (None: nothing is written)."""
+        durable before the answer says so (None: nothing is written); `step_inputs`: one
+        server's, where each spooled body is copied before it is folded, to be made durable
+        as it comes (state/step_inputs.py)."""
         self.lock = lock
         self.settings = settings
         self.model = model
@@ -211,6 +218,7 @@ class Intake:
         self.format = UploadFormat(settings)
         self.robust = settings.robust.screens
         self.held_slices = held_slices
+        self.step_inputs = step_inputs
 
     def submit(
         self,
@@ -235,20 +243,43 @@ class Intake:
             metadata = tensors.metadata
         key = (worker_id, round_number, fragment)
         rest = (tokens, sorted(set(units)), dict(progress or {}))
-        with self.lock:
-            submission = self._admit(*key, tensors, *rest, metadata=metadata)
-            if not isinstance(submission, Submission):
-                return submission  # nothing to fold: the answer
-            body = submission.tensors  # a compressed body opened as decoded pieces
-            if isinstance(body, PieceBody) and self.engine.folds_first(fragment):
-                # The first contribution of its round: its sums are new, so it can be checked
-                # while it is folded, in one read of the file; a refusal half way changes nothing.
-                return self._accept(submission, body.checked_pieces())
-        scanning = time.perf_counter()
-        scan = scan_values(body, self._norm_names(fragment))  # outside the lock
-        self.traffic.metrics.round_part_seconds.labels(part="scan").observe(
-            time.perf_counter() - scanning
-        )
+        copy: InputCopy | None = None
+        try:  # (`_let_go` once the lock is released)
+            with self.lock:
+                submission = self._admit(*key, tensors, *rest, metadata=metadata)
+                if not isinstance(submission, Submission):
+                    return submission  # nothing to fold: the answer
+                body = submission.tensors  # a compressed body opened as decoded pieces
+                # one server logging its steps: the body copied into the state dir, on a thread
+                copy = self._copy(tensors, fragment)
+                if isinstance(body, PieceBody) and self.engine.folds_first(fragment):
+                    # The first contribution of its round: its sums are new, so it can be
+                    # checked while it is folded, in one read of the file; a refusal half way
+                    # changes nothing.
+                    if copy is not None:
+                        submission = replace(submission, copy=copy)
+                    return self._accept(submission, body.checked_pieces())
+            scanning = time.perf_counter()
+            scan = scan_values(body, self._norm_names(fragment))  # outside the lock
+            self.traffic.metrics.round_part_seconds.labels(part="scan").observe(
+                time.perf_counter() - scanning
+            )
+            return self._fold_scanned(submission, key, rest, tensors, metadata, scan, copy)
+        finally:
+            self._let_go(copy)
+
+    def _fold_scanned(
+        self,
+        submission: Submission,
+        key: tuple[str, int, int],
+        rest: tuple[int, list[int], dict[int, int]],
+        tensors: Mapping[str, torch.Tensor] | SpooledTensors,
+        metadata: Mapping[str, str] | None,
+        scan: ValueScan,
+        copy: InputCopy | None,
+    ) -> dict:
+        """A scanned body admitted again and folded (a follower's slice on its disk first)."""
+        body = submission.tensors
         # a follower's slice is on its disk before the round holds it (outside the lock)
         prepared = self._prepare(tensors, metadata, submission)
         try:
@@ -258,6 +289,8 @@ class Intake:
                 submission = self._admit(*key, body, *rest, check_layout=False)
                 if not isinstance(submission, Submission):
                     return submission
+                if copy is not None:
+                    submission = replace(submission, copy=copy)
                 stored = None if prepared is None else self._keep(prepared, submission)
                 prepared = None
                 try:
@@ -269,6 +302,36 @@ class Intake:
         finally:
             if prepared is not None:
                 self.held_slices.discard(prepared)  # type: ignore[union-attr]
+
+    def _copy(
+        self, tensors: Mapping[str, torch.Tensor] | SpooledTensors, fragment: int
+    ) -> InputCopy | None:
+        """The body's copy for the step log, started (None: its round logs its sums): a
+        spooled body whose round's bodies, one per live member, hold no more bytes than the
+        fp32 sums they would replace (coded uploads, or one fp32 worker; K fp32 bodies
+        would fsync K models where the sums are one)."""
+        if self.step_inputs is None or not isinstance(tensors, SpooledTensors):
+            return None
+        senders = max(len(self.membership.live_ids()), self.settings.min_workers, 1)
+        if tensors.nbytes * senders > self._sums_bytes(fragment):
+            return None
+        return self.step_inputs.copy(tensors)
+
+    def _sums_bytes(self, fragment: int) -> int:
+        """The fp32 sums of a fragment's tensors (what its step's log holds otherwise)."""
+        specs, plan = self.model.specs, self.model.plan
+        assert specs is not None and plan is not None
+        return sum(4 * math.prod(specs[name].shape) for name in plan[fragment])
+
+    @staticmethod
+    def _let_go(copy: InputCopy | None) -> None:
+        """Before the request lets its body's file go: the copy has read it, and goes too if
+        the round did not fold it (refused, a duplicate, a failed scan)."""
+        if copy is None:
+            return
+        copy.wait_copied()
+        if not copy.owned:
+            copy.discard()
 
     def _prepare(
         self,
@@ -334,6 +397,44 @@ class Intake:
         scan = scan_values(submission.tensors, self._norm_names(stored.fragment))
         with self.lock:
             return self._accept(submission, scan)
+
+    def refold(self, step: LoggedStep) -> RunningMean:
+        """A logged step's running mean, from its bodies (a restart: see Coordinator._replay):
+        each opened, scanned and folded in the order the round folded it, as `submit` did,
+        so the sums come out the same, bit for bit. ValueError when they do not agree with
+        what the log says the step's sums held."""
+        record = step.record
+        fragment = record.fragment
+        plan = self.model.plan
+        assert plan is not None
+        target = Round(record.round, set(), step.weighting, opened_at=0.0)
+        storage = (
+            self.model.sums_storage()
+            if len(plan) == 1
+            else self.model.fragment_sums_storage(plan[fragment], fresh=True)
+        )
+        for item in step.inputs:
+            body = open_spooled(item.path)
+            try:
+                opened = self._open(fragment, body, body.metadata)
+                sender = WorkerRecord(item.worker_id, 0.0, 0.0, live=False)
+                submission = Submission(sender, item.round, fragment, opened, item.tokens, [])
+                if item.checked and isinstance(opened, PieceBody):  # as the round folded it
+                    checked: CheckedPieces | ValueScan = opened.checked_pieces()
+                else:
+                    checked = scan_values(opened, self._norm_names(fragment))
+                fold(target, submission, checked, storage if target.running is None else {}, 0.0)
+            finally:
+                body.close()
+        running = target.running or RunningMean(step.weighting)
+        folded = (running.count, running.totals, running.bound)
+        if folded != (step.count, step.totals, step.bound):
+            raise ValueError(
+                f"its {len(step.inputs)} bodies fold to {running.count} contribution(s) with "
+                f"totals {running.totals} and bound {running.bound}, where the log says "
+                f"{step.count} with {step.totals} and {step.bound}"
+            )
+        return running
 
     def _admit(
         self,

@@ -462,7 +462,7 @@ class AsyncArrivals:
                 **screened_record(c.screen, 0, window),
             )
             # 4-5. step and persist: the outer step on the masters, durable before it counts
-            c.commit(running, record, self.fragment_rounds_after(record))
+            c.commit(running, record, self.fragment_rounds_after(record), None)
             c.screen.restore(record.norm_history or ())  # what the step made durable
             self.window = None
             self.anchors.clear()

@@ -445,7 +445,7 @@ class BarrierRounds:
             **screened_record(c.screen, fragment, current),
         )
         # 4-5. step and persist: the outer step on the masters, durable before it counts
-        c.commit(running, record, self.fragment_rounds_after(record))
+        c.commit(running, record, self.fragment_rounds_after(record), current.inputs)
         c.screen.restore(record.norm_history or ())  # what the step made durable
         current.running = None  # used up by the step
         # 6. publish: the fragment's result, then the next round with today's live workers

@@ -28,6 +28,7 @@ from diloco.server.rounds.robust import (
 from diloco.server.rounds.round import Round, Submission, ValueScan
 from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import CommitRecord
+from diloco.server.state.step_inputs import InputCopy
 from diloco.server.workunits.leases import DataLeases
 from diloco.wire.format.spool import CheckedPieces
 
@@ -51,7 +52,8 @@ class EngineContext:
     data_leases: DataLeases  # whether reported units are the worker's
     applied_version: AppliedVersion  # the step that used a worker's pseudo-gradient, if any
     record_folded: Callable[[Submission, Round, float], None]  # a folded submission's bookkeeping
-    commit: Callable[[RunningMean, CommitRecord, Sequence[int]], None]  # step, make durable
+    # step, make durable; last: the round's bodies in the state dir, in fold order (or None)
+    commit: Callable[[RunningMean, CommitRecord, Sequence[int], list[InputCopy] | None], None]
     publish: Callable[[str, float], None]  # after a step's result is out: log, wake polls
     closing: Callable[[], bool]  # the server is shutting down
     paused: Callable[[], bool]  # an admin paused rounds: submissions fold in, nothing commits

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from diloco.algorithm import Contribution, RunningMean
 from diloco.server.members.membership import WorkerRecord
 from diloco.wire import WireError
 from diloco.wire.format.spool import CheckedPieces, PieceBody, sum_overflow
+
+if TYPE_CHECKING:
+    from diloco.server.state.step_inputs import InputCopy
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class Submission:
     tokens: int
     units: list[int]
     progress: dict[int, int] = field(default_factory=dict)
+    copy: InputCopy | None = None  # its body in the state dir, durable soon (step_inputs.py)
 
     @property
     def worker_id(self) -> str:
@@ -67,6 +72,29 @@ class Round:
     refused: dict[str, str] = field(default_factory=dict)
     count_senders: bool = False  # --aggregation sparse_mean: each element's senders counted
     senders_storage: dict[str, torch.Tensor] | None = None  # (where the counts are written)
+    # The copies of the bodies folded, in fold order, which its step's log adopts; None once
+    # a body came without one (the step then logs its sums).
+    inputs: list[InputCopy] | None = field(default_factory=list)
+
+    def keep_input(self, submission: Submission, checked: bool) -> None:
+        """A body was folded (`checked`: by a reader that checked it as it folded, not after
+        a scan): its copy is the round's next input (see `inputs`)."""
+        copy = submission.copy
+        if self.inputs is None:
+            return
+        if copy is None:
+            self.drop_inputs()
+            return
+        copy.owned = True
+        copy.sender = (submission.worker_id, submission.round, submission.tokens)
+        copy.checked = checked
+        self.inputs.append(copy)
+
+    def drop_inputs(self) -> None:
+        """The step logs its sums, not its bodies: their copies go."""
+        for copy in self.inputs or ():
+            copy.discard()
+        self.inputs = None
 
     def units_of(self, worker_id: str) -> set[int]:
         """Units reported (finished or in part) with a submission in this round: they complete
@@ -278,7 +306,11 @@ def fold(
             target.add(
                 submission.worker_id, submission.fragment, contribution, now, scale, bound, record
             )
-    except WireError:
+    except WireError:  # a refusal before anything was folded, or by the first body's reader
         if opened:
             target.running = None
         raise
+    except BaseException:  # part of the body may be in the sums: only they can be logged now
+        target.drop_inputs()
+        raise
+    target.keep_input(submission, isinstance(checked, CheckedPieces))

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from diloco.checkpoints import _file_sha256, _fsync_dir
-from diloco.wire.format.frames import MAX_HEADER_BYTES, encode_tensors, read_frame_header
-from diloco.wire.format.spool import SpooledTensors, SpoolFiles
+from diloco.wire.format.frames import encode_tensors
+from diloco.wire.format.spool import SpooledTensors, open_spooled
 
 COPY_BYTES = 8 * 1024 * 1024
 _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
@@ -102,7 +102,7 @@ class HeldSlices:
         try:
             with open(body, "wb") as out:
                 if isinstance(tensors, SpooledTensors):
-                    _copy_prefix(tensors.file.fileno(), out.fileno(), tensors.size)
+                    copy_prefix(tensors.file.fileno(), out.fileno(), tensors.size)
                     size = tensors.size
                 else:
                     data = encode_tensors(tensors, metadata=metadata)
@@ -207,16 +207,7 @@ class HeldSlices:
         digest = _file_sha256(stored.body)
         if digest != stored.sha256:
             raise ValueError(f"its body's SHA-256 is {digest}, not {stored.sha256} as written")
-        file = open(stored.body, "rb")  # noqa: SIM115 - closed by the body's release
-        try:
-            size = os.fstat(file.fileno()).st_size
-            header_len = int.from_bytes(os.pread(file.fileno(), 8, 0), "little")
-            prefix = os.pread(file.fileno(), 8 + min(header_len, MAX_HEADER_BYTES), 0)
-            data_start, entries, metadata = read_frame_header(prefix, size)
-        except BaseException:
-            file.close()
-            raise
-        return SpooledTensors(file, size, data_start, entries, SpoolFiles(keep=0), metadata)
+        return open_spooled(stored.body)
 
 
 def _stored(fields: Mapping, body: Path, record: Path) -> StoredSlice:
@@ -242,7 +233,7 @@ def _write_record(path: Path, fields: Mapping) -> None:
         os.fsync(out.fileno())
 
 
-def _copy_prefix(source: int, target: int, size: int) -> None:
+def copy_prefix(source: int, target: int, size: int) -> None:
     """The first `size` bytes of `source` into `target` (in the kernel where it can)."""
     offset, in_kernel = 0, True
     while offset < size:

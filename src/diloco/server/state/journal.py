@@ -4,9 +4,10 @@ A checkpoint generation is one consistent global snapshot at an outer-step bound
 weights and outer optimizer state after round r's commit, the round number r + 1, the model's
 tensor specs, the settings, and the record of that commit (its contributors, tokens and the work
 units it completed). With `durability="round"` (the default) no acknowledged outer step is ever
-lost or applied twice: before a step moves anything, its input (the round's running sums,
-the commit record, the optimizer's lr) goes to the step log (D/steps), one model-sized fp32
-file made durable; then the step is applied, recorded in SQLite and published. Every
+lost or applied twice: before a step moves anything, its input (the round's bodies, made
+durable as they came, see state/step_inputs.py, or else its running sums, one model-sized
+fp32 file; the commit record, the optimizer's lr) goes to the step log (D/steps); then the
+step is applied, recorded in SQLite and published. Every
 `checkpoint_every`-th step (and at a graceful shutdown) its checkpoint is written in the
 background while the workers train, and the step after it waits for that checkpoint; the
 steps between stay in the log, a chain from the newest checkpoint. A restart applies the
@@ -35,14 +36,17 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from diloco import faults
 from diloco.algorithm import RunningMean
+from diloco.checkpoints import BODY_SUFFIX
 from diloco.server.ops.control import OUTER_LR
 from diloco.server.settings import DESCRIPTIVE_SETTINGS, ServerSettings
+from diloco.server.state.step_inputs import InputCopy
 from diloco.server.state.store import StateStore
 from diloco.server.workunits.pool import WorkPool
 from diloco.wire import TensorSpec
@@ -188,14 +192,33 @@ class CommitRecord:
 
 
 @dataclass(frozen=True)
+class LoggedInput:
+    """One body a logged step folded, in the step log's generation (verified when read)."""
+
+    path: Path
+    worker_id: str
+    round: int  # the round (streaming: the fragment's round) it was sent for
+    tokens: int
+    checked: bool  # folded by a reader that checked its values as it folded (else scanned)
+
+
+@dataclass(frozen=True)
 class LoggedStep:
     """An outer step's input, from the step log: a restart applies it again."""
 
     record: CommitRecord
-    running: RunningMean  # the round's sums as they stood before the step
+    # the round's sums as they stood before the step; None when the log holds its bodies
+    # instead (`inputs`, folded again in order: Intake.refold)
+    running: RunningMean | None
     names: list[str] | None  # a streaming fragment's tensors; None: every tensor
     fragment_rounds: list[int]  # every fragment's round after the step
     lr: float  # the outer lr the step used (an admin may have changed it since)
+    inputs: list[LoggedInput] = field(default_factory=list)
+    # what the step's sums held (their totals, count and bound): a refold must agree
+    weighting: str = "uniform"
+    totals: dict[str, float] = field(default_factory=dict)
+    count: int = 0
+    bound: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -386,10 +409,15 @@ class RoundJournal:
         names: Sequence[str] | None,
         fragment_rounds: Sequence[int],
         lr: float,
+        inputs: Sequence[InputCopy] = (),
     ) -> Callable[[], None]:
         """Write step `record.round`'s input before the step moves anything: its sums (fp32
         files), totals, count and bound, its record, the fragments' rounds after it and the lr
         it uses. The log keeps the steps since the newest checkpoint.
+
+        With `inputs` (the round's bodies, copied into the state dir as they came, in fold
+        order: state/step_inputs.py) the log holds those files, moved in, instead of the
+        sums; a restart folds them again (totals, count and bound are kept to check it).
 
         Returns the function that makes the log durable (each file hashed from the page cache,
         then its fsyncs): the step may run meanwhile, since the files no longer read the sums,
@@ -397,9 +425,10 @@ class RoundJournal:
         steps = self.state.steps
         assert steps is not None
         faults.crash_point("before_step_log")
+        adopted = {f"input-{at:04d}{BODY_SUFFIX}": copy for at, copy in enumerate(inputs)}
         durable = steps.stage(  # the steps before the last checkpoint went once it was written
             record.round,
-            _sum_groups(running.sums, min(8, os.cpu_count() or 1)),
+            {} if inputs else _sum_groups(running.sums, min(8, os.cpu_count() or 1)),
             {
                 "record": record.to_json(),
                 "weighting": running.weighting,
@@ -409,8 +438,19 @@ class RoundJournal:
                 "names": None if names is None else list(names),
                 "fragment_rounds": list(fragment_rounds),
                 "lr": lr,
+                "inputs": [
+                    {
+                        "file": name,
+                        "worker": copy.sender[0],
+                        "round": copy.sender[1],
+                        "tokens": copy.sender[2],
+                        "checked": copy.checked,
+                    }
+                    for name, copy in zip(adopted, inputs, strict=True)
+                ],
             },
             hash_when_durable=True,  # the hashes off the step's critical path
+            adopted=adopted,
         )
 
         def logged() -> None:
@@ -430,7 +470,7 @@ class RoundJournal:
         chain: list[LoggedStep] = []
         on_disk = steps.generations()
         while (loaded := steps.load(round_number + len(chain))) is not None:
-            chain.append(_logged_step_of(loaded.metadata, loaded.tensors))
+            chain.append(_logged_step_of(loaded.metadata, loaded.tensors, loaded.bodies))
         reached = round_number + len(chain)
         steps.drop(last=round_number - 1)
         if any(g >= reached for g in on_disk):
@@ -708,27 +748,50 @@ class RoundJournal:
                 self.state.audit("settings_overridden", conflicts=conflicts)
 
 
-def _logged_step_of(meta: dict, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> LoggedStep:
-    """A step log generation's step: its sums (every "sums-*" group), totals and record."""
+def _logged_step_of(
+    meta: dict,
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    bodies: Mapping[str, Path],
+) -> LoggedStep:
+    """A step log generation's step: its sums (every "sums-*" group) or its bodies (folded
+    again by the coordinator), and its totals and record."""
     bound = meta.get("bound")
-    running = RunningMean.restored(
-        str(meta["weighting"]),
-        {
-            name: tensor
-            for group, group_tensors in tensors.items()
-            if group == "sums" or group.startswith("sums-")
-            for name, tensor in group_tensors.items()
-        },
-        {str(n): float(t) for n, t in meta["totals"].items()},
-        int(meta["count"]),
-        math.inf if bound is None else float(bound),
-    )
+    inputs = [
+        LoggedInput(
+            bodies[str(item["file"])],
+            str(item["worker"]),
+            int(item["round"]),
+            int(item["tokens"]),
+            bool(item["checked"]),
+        )
+        for item in meta.get("inputs", [])
+    ]
+    totals = {str(n): float(t) for n, t in meta["totals"].items()}
+    running = None
+    if not inputs:
+        running = RunningMean.restored(
+            str(meta["weighting"]),
+            {
+                name: tensor
+                for group, group_tensors in tensors.items()
+                if group == "sums" or group.startswith("sums-")
+                for name, tensor in group_tensors.items()
+            },
+            totals,
+            int(meta["count"]),
+            math.inf if bound is None else float(bound),
+        )
     return LoggedStep(
         record=CommitRecord.from_json(meta["record"]),
         running=running,
         names=None if meta.get("names") is None else [str(n) for n in meta["names"]],
         fragment_rounds=[int(r) for r in meta["fragment_rounds"]],
         lr=float(meta["lr"]),
+        inputs=inputs,
+        weighting=str(meta["weighting"]),
+        totals=totals,
+        count=int(meta["count"]),
+        bound=math.inf if bound is None else float(bound),
     )
 
 

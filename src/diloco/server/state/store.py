@@ -44,6 +44,7 @@ LOCK_NAME = "lock"
 RECYCLED_CHECKPOINT_FILES = 4
 RECYCLED_STEP_FILES = 32
 HELD_SLICES_NAME = "held-slices"  # a follower shard's (server/state/held_slices.py)
+STEP_INPUTS_NAME = "inputs"  # one server's bodies, durable as they come (state/step_inputs.py)
 _OURS = {
     DATABASE_NAME,
     f"{DATABASE_NAME}-wal",
@@ -52,6 +53,7 @@ _OURS = {
     STEPS_NAME,
     LOCK_NAME,
     HELD_SLICES_NAME,
+    STEP_INPUTS_NAME,
 }
 
 _SCHEMA = """

@@ -25,7 +25,7 @@ from diloco.algorithm.tensors import finite_bound
 from diloco.wire.errors import WireError
 from diloco.wire.format.body import check_length
 from diloco.wire.format.early_header import EarlyHeader, HeaderCheck, meta_tensors
-from diloco.wire.format.frames import _Entry, _malformed
+from diloco.wire.format.frames import MAX_HEADER_BYTES, _Entry, _malformed, read_frame_header
 
 PIECE_BYTES = 2 * 1024 * 1024
 SPOOL_FILES_KEPT = 4
@@ -224,6 +224,22 @@ class SpooledTensors(PieceBody):
     def release(self) -> None:
         self.held = False
         self.close()
+
+
+def open_spooled(path: str | os.PathLike[str]) -> SpooledTensors:
+    """A body file on disk (a follower's held slice, a logged step's input) opened as an
+    upload's spooled body: header checked, values read a piece at a time; `close()` closes
+    the file (WireError when its header is not a body's)."""
+    file = open(path, "rb")  # noqa: SIM115 - closed by the body's close()
+    try:
+        size = os.fstat(file.fileno()).st_size
+        header_len = int.from_bytes(os.pread(file.fileno(), 8, 0), "little")
+        prefix = os.pread(file.fileno(), 8 + min(header_len, MAX_HEADER_BYTES), 0)
+        data_start, entries, metadata = read_frame_header(prefix, size)
+    except BaseException:
+        file.close()
+        raise
+    return SpooledTensors(file, size, data_start, entries, SpoolFiles(keep=0), metadata)
 
 
 class CheckedPieces:

@@ -1,0 +1,185 @@
+"""A logged step's inputs made durable as they arrive, instead of its sums at the commit.
+
+With `durability="round"` a single server logs each outer step's input before the step moves
+anything (state/journal.py). Logging the round's fp32 sums puts one model-sized write, its
+hashing and its fsync between the last upload and the published result. Here each upload's
+body, as it came, is copied into `<state-dir>/inputs/` on a thread beside its scan or fold,
+and fsynced beside its SHA-256 while the round waits for the other workers (for the last body:
+beside its fold and the step). The commit then moves the round's bodies into its step log
+generation, in the order they were folded, with a small record (CheckpointStore.stage's
+`adopted` files), and waits only for what is left of their fsyncs. A restart folds them again
+in the same order, through the same checks and fold, and replays the step as before: the same
+sums, bit for bit (`Intake.refold`).
+
+Only bodies that together hold no more bytes than the sums are copied (`Intake._copy`: coded
+uploads with few workers, one fp32 worker): two fp32 bodies fsync twice the sums' bytes,
+which at 85M parameters, K = 2 made rounds slower on this machine's disk, not faster.
+
+What this store holds between a copy and its step's commit is never needed after a restart
+(the round it belonged to was open: its workers send again), so it is emptied at start.
+Rounds that fold a body without a working copy (one not copied, kept in memory, or whose copy
+failed; robust aggregation, sparse means, async windows) log their sums as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from diloco import faults
+from diloco.checkpoints import BODY_SUFFIX
+from diloco.server.settings import ServerSettings
+from diloco.server.state.held_slices import copy_prefix
+from diloco.wire.format.spool import SpooledTensors
+
+log = logging.getLogger("diloco.server")
+HASH_READ_BYTES = 8 << 20
+# Each body's copy, then its fsync beside its hash. A write waits on the disk most of its time
+# (its fsync), so enough of them run at once that a body's copy, which its request waits for,
+# does not queue behind other bodies' fsyncs; the hashes (a core each) two at a time.
+_WRITES = ThreadPoolExecutor(8, thread_name_prefix="diloco-step-input")
+_HASHES = ThreadPoolExecutor(2, thread_name_prefix="diloco-step-input-hash")
+
+
+def logs_bodies(settings: ServerSettings, logs_steps: bool) -> bool:
+    """Whether a server's step log may hold each round's bodies: one server logging its
+    steps, whose rounds are plain means of bodies folded as they come (not async windows,
+    robust aggregation's held bodies, or sparse means' counts of senders)."""
+    return (
+        logs_steps
+        and settings.shards == 1
+        and settings.mode != "async"
+        and settings.aggregation == "mean"
+        and not settings.robust.screens
+    )
+
+
+class InputCopy:
+    """One upload's body being copied into the inputs directory, on a thread: once `copied`
+    the upload's own file may go; then its fsync runs beside its SHA-256 (read back from the
+    page cache through the copy's own descriptor, so a rename into the step's generation does
+    not disturb either)."""
+
+    def __init__(self, path: Path, body: SpooledTensors, fd: int) -> None:
+        self.path = path
+        self.size = body.size
+        self.owned = False  # a round folded it: its step adopts the file
+        self.sender: tuple[str, int, int] = ("", 0, 0)  # worker, round, tokens (once folded)
+        self.checked = False  # folded by a reader that checked its values (not after a scan)
+        self.copied: Future[None] = Future()
+        self._fd = fd
+        self._written: Future[str] = _WRITES.submit(self._write, body.file.fileno())
+
+    def _write(self, source: int) -> str:
+        """The copy, then its fsync beside its hash: the SHA-256 (the fd closes after)."""
+        try:
+            try:
+                copy_prefix(source, self._fd, self.size)
+            except BaseException as exc:
+                self.copied.set_exception(exc)
+                raise
+            self.copied.set_result(None)
+            hashing = _HASHES.submit(_sha256_of, self._fd, self.size)
+            failure: BaseException | None = None
+            try:
+                _fsync(self._fd)
+            except BaseException as exc:
+                failure = exc
+            digest = hashing.result()  # (before the descriptor closes)
+            if failure is not None:
+                raise failure
+            return digest
+        finally:
+            os.close(self._fd)
+
+    def wait_copied(self) -> None:
+        """Until the upload's file has been read (whether or not the copy worked)."""
+        with contextlib.suppress(Exception):
+            self.copied.result()
+
+    def durable(self) -> tuple[int, str]:
+        """(size, SHA-256) once its bytes are on the disk; the copy's or fsync's error if
+        either failed."""
+        return self.size, self._written.result()
+
+    @property
+    def failed(self) -> bool:
+        """Its copy, fsync or hash has already failed (its step logs its sums instead)."""
+        written = self._written
+        return written.done() and (written.cancelled() or written.exception() is not None)
+
+    def discard(self) -> None:
+        """Not folded (refused, a duplicate), or its round logs its sums: the file goes now
+        (a copy not yet started never starts; one under way finishes on a name no longer
+        there)."""
+        if self._written.cancel():
+            os.close(self._fd)
+            self.copied.cancel()
+        self.path.unlink(missing_ok=True)
+
+
+class StepInputs:
+    """The inputs directory of a single server's state dir."""
+
+    def __init__(self, directory: Path) -> None:
+        """Emptied first: a body left from before a restart belonged to a round that never
+        committed (a committed one's bodies were moved into its step's generation)."""
+        self.directory = directory
+        if directory.is_dir():
+            shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    @classmethod
+    def beside(cls, directory: Path, steps: Path) -> StepInputs | None:
+        """The store at `directory`, if its files can be renamed into the step log at
+        `steps` (one file system); None where they cannot (the log then holds sums)."""
+        store = cls(directory)
+        if os.stat(directory).st_dev != os.stat(steps).st_dev:
+            log.warning(
+                "%s and %s are on different file systems: each step logs its sums, not its uploads",
+                directory,
+                steps,
+            )
+            shutil.rmtree(directory, ignore_errors=True)
+            return None
+        return store
+
+    def copy(self, body: SpooledTensors) -> InputCopy | None:
+        """`body`'s bytes into a new file here, on a thread (in the kernel where it can);
+        None when the file cannot be made (a full disk: its round logs its sums)."""
+        path = self.directory / f"{secrets.token_hex(8)}{BODY_SUFFIX}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            log.warning(
+                "an upload could not be copied into the state dir (%s); its round's step logs "
+                "its sums instead",
+                exc.strerror or exc,
+            )
+            return None
+        return InputCopy(path, body, fd)
+
+
+def _fsync(fd: int) -> None:
+    os.fsync(fd)
+    faults.crash_point("step_input_durable")  # a body on the disk, its step not logged
+
+
+def _sha256_of(fd: int, size: int) -> str:
+    digest = hashlib.sha256()
+    buffer = bytearray(HASH_READ_BYTES)
+    view = memoryview(buffer)
+    offset = 0
+    while offset < size:
+        read = os.preadv(fd, [view[: min(HASH_READ_BYTES, size - offset)]], offset)
+        if read == 0:
+            raise OSError(f"the copied body ended after {offset} of {size} bytes")
+        digest.update(view[:read])
+        offset += read
+    return digest.hexdigest()
