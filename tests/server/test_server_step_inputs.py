@@ -12,18 +12,39 @@ import pytest
 import torch
 from crashes import killed
 
+from diloco.algorithm.codecs import Codec
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.settings import ServerSettings
 from diloco.server.state.journal import RoundJournal
 from diloco.server.state.store import StateStore
-from diloco.wire import encode_tensors, specs_of
+from diloco.wire import decode_tensors, encode_tensors, specs_of
+from diloco.wire.compressed.body import encode_compressed
 from diloco.wire.format.spool import open_spooled
 
-# bf16 uploads: two bodies hold fewer bytes than the fp32 sums, so the log holds the bodies
-SETTINGS = ServerSettings(sync_every=2, min_workers=2, upload_dtype=torch.bfloat16)
-START = {"w": torch.tensor([1.0, 2.0, 3.0])}  # (an int buffer's delta would make a bf16 body
-SPECS = specs_of(START, {"w": "trainable"})  # larger than the sums at this size)
+# int8 uploads in blocks of 16: two bodies of a 48-element tensor hold 2 x (48 codes + 3 fp32
+# scales) = 120 bytes, under 3/4 of the 192 bytes of fp32 sums, so the log holds the bodies.
+BLOCK = 16
+INT8 = Codec("int8", block=BLOCK)
+SETTINGS = ServerSettings(
+    sync_every=2,
+    min_workers=2,
+    upload_codec="int8",
+    codec_block=BLOCK,
+    outer_optimizer="nesterov",
+    outer_lr=0.7,
+    outer_momentum=0.9,
+)
+
+
+def blocks(values: list[float]) -> torch.Tensor:
+    """One value per block of 16 (each block one magnitude: int8 codes it as +-127 times its
+    scale, so it decodes to the value within an ulp)."""
+    return torch.tensor(values).repeat_interleave(BLOCK)
+
+
+START = {"w": blocks([1.0, 2.0, 3.0])}
+SPECS = specs_of(START, {"w": "trainable"})
 
 
 def coordinator(state: Path, settings: ServerSettings = SETTINGS, **kwargs) -> Coordinator:
@@ -37,24 +58,36 @@ def coordinator(state: Path, settings: ServerSettings = SETTINGS, **kwargs) -> C
 
 class Bodies:
     """Upload bodies as the HTTP intake spools them: files on disk, opened piece by piece;
-    `sent` keeps each body's bytes, to check the log against by hand."""
+    `sent` keeps each body's bytes, to check the log against by hand. `codec` None: fp32."""
 
-    def __init__(self, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, directory: Path, codec: Codec | None = INT8) -> None:
         self.directory = directory
-        self.dtype = dtype
+        self.codec = codec
         directory.mkdir(exist_ok=True)
         self.sent: list[bytes] = []
 
-    def submit(self, c: Coordinator, worker: str, number: int, w: list[float]) -> dict:
-        data = encode_tensors({"w": torch.tensor(w, dtype=self.dtype)})
+    def write(self, w: list[float]) -> Path:
+        tensors = {"w": blocks(w)}
+        data = encode_tensors(tensors) if self.codec is None else encode_compressed(tensors, INT8)
         self.sent.append(bytes(data))
         path = self.directory / f"{len(self.sent)}.body"
         path.write_bytes(data)
-        spooled = open_spooled(path)
+        return path
+
+    def submit(self, c: Coordinator, worker: str, number: int, w: list[float]) -> dict:
+        spooled = open_spooled(self.write(w))
         try:
             return c.submit(worker, number, spooled)
         finally:
             spooled.close()
+
+    def submit_in_memory(self, c: Coordinator, worker: str, number: int, w: list[float]) -> dict:
+        """The same body read into RAM first (as --memory-bodies keeps it): no file."""
+        path = self.write(w)
+        spooled = open_spooled(path)
+        metadata = spooled.metadata
+        spooled.close()
+        return c.submit(worker, number, decode_tensors(path.read_bytes()), metadata=metadata)
 
 
 def started(state: Path, **kwargs) -> Coordinator:
@@ -65,29 +98,37 @@ def started(state: Path, **kwargs) -> Coordinator:
     return c
 
 
-# each round's two bodies: b first in round 1, so the log keeps the order they came in
-CHAIN = [  # (values bf16 holds exactly)
+# each round's two bodies (one value per block): b first in round 1, so the log keeps the
+# order they came in
+CHAIN = [
     (("a", [0.25, 0.5, -0.125]), ("b", [0.5, 0.0, 0.375])),
     (("b", [0.125, -0.375, 0.25]), ("a", [-0.375, 0.125, 0.0625])),
     (("a", [0.375, 0.375, 0.375]), ("b", [0.5, -0.5, 0.125])),
 ]
 
 
-def nesterov_by_hand(start: list[float], rounds) -> tuple[list[float], list[float]]:
+def nesterov_by_hand(start: list[float], rounds) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights and momentum after `rounds` (the mean of each round's two bodies), written
-    out: buffer = 0.9 * buffer + g, then w -= 0.7 * (g + 0.9 * buffer)."""
+    out per block: buffer = 0.9 * buffer + g, then w -= 0.7 * (g + 0.9 * buffer)."""
     w, buffer = list(start), [0.0] * len(start)
     for (_, x), (_, y) in rounds:
         for i in range(len(w)):
             g = (x[i] + y[i]) / 2
             buffer[i] = 0.9 * buffer[i] + g
             w[i] -= 0.7 * (g + 0.9 * buffer[i])
-    return w, buffer
+    return blocks(w), blocks(buffer)
 
 
 def weighs_as_by_hand(c: Coordinator, rounds) -> bool:
     w, _ = nesterov_by_hand([1.0, 2.0, 3.0], rounds)
-    return torch.allclose(c.masters["w"], torch.tensor(w), rtol=1e-6)
+    return torch.allclose(c.masters["w"], w, rtol=1e-6)
+
+
+def sums_logged(state: Path, step: int) -> bool:
+    """Whether step `step`'s log holds its sums (and no bodies)."""
+    names = sorted(p.name for p in (state / "steps" / f"gen-{step:012d}").iterdir())
+    sums = names[1:]
+    return names[0] == "manifest.json" and bool(sums) and all(n.startswith("sums-") for n in sums)
 
 
 def run_chain(c: Coordinator, bodies: Bodies, rounds=CHAIN) -> None:
@@ -145,8 +186,8 @@ def test_steps_logged_as_bodies_are_folded_again_to_the_same_weights_bit_for_bit
     momentum = second.model.optimizer.state_dict()["w"]
     assert torch.equal(momentum, first.model.optimizer.state_dict()["w"])
     w, buffer = nesterov_by_hand([1.0, 2.0, 3.0], CHAIN)
-    assert torch.allclose(second.masters["w"], torch.tensor(w), rtol=1e-6)
-    assert torch.allclose(momentum, torch.tensor(buffer), rtol=1e-6)
+    assert torch.allclose(second.masters["w"], w, rtol=1e-6)
+    assert torch.allclose(momentum, buffer, rtol=1e-6)
     (restarted,) = second.journal.state.audit_log("restarted")
     assert restarted["detail"]["replayed_steps"] == [0, 1, 2]
     assert second.journal.state.steps.generations() == []  # checkpointed by the restart
@@ -204,7 +245,7 @@ def test_a_refused_or_duplicate_body_leaves_no_copy(tmp_path: Path) -> None:
     bodies = Bodies(tmp_path / "sent")
     with pytest.raises(Rejection) as caught:
         bodies.submit(c, "a", 0, [0.25, float("nan"), 0.125])
-    assert caught.value.status == 422 and caught.value.kind == "non_finite"
+    assert caught.value.status == 422 and caught.value.kind == "malformed_compressed"
     assert list((state / "inputs").iterdir()) == []
     assert bodies.submit(c, "a", 0, [0.25, 0.5, -0.125])["status"] == "accepted"
     assert bodies.submit(c, "a", 0, [0.25, 0.5, -0.125])["status"] == "duplicate"
@@ -217,27 +258,17 @@ def test_a_round_with_a_body_held_in_memory_logs_its_sums(tmp_path: Path) -> Non
     its sums as before, and its other body's copy goes."""
     state = tmp_path / "state"
     c = started(state, checkpoint_every=10)
-    Bodies(tmp_path / "sent").submit(c, "a", 0, [0.25, 0.5, -0.125])
-    c.submit("b", 0, {"w": torch.tensor([0.5, 0.0, 0.375], dtype=torch.bfloat16)})
+    bodies = Bodies(tmp_path / "sent")
+    bodies.submit(c, "a", 0, [0.25, 0.5, -0.125])
+    bodies.submit_in_memory(c, "b", 0, [0.5, 0.0, 0.375])
     c.journal.settle()
-    step_0 = state / "steps" / "gen-000000000000"
-    names = sorted(p.name for p in step_0.iterdir())
-    assert (
-        names[0] == "manifest.json" and names[1:] and all(n.startswith("sums-") for n in names[1:])
-    )
+    assert c.round_number == 1 and sums_logged(state, 0)
     assert list((state / "inputs").iterdir()) == []
     weights = c.masters["w"].clone()
     killed(c)
     again = coordinator(state, checkpoint_every=10)
     assert torch.equal(again.masters["w"], weights)
     killed(again)
-
-
-def sums_logged(state: Path, step: int) -> bool:
-    """Whether step `step`'s log holds its sums (and no bodies)."""
-    names = sorted(p.name for p in (state / "steps" / f"gen-{step:012d}").iterdir())
-    sums = names[1:]
-    return names[0] == "manifest.json" and bool(sums) and all(n.startswith("sums-") for n in sums)
 
 
 def test_a_disk_that_cannot_take_a_copy_leaves_its_round_logging_its_sums(
@@ -299,28 +330,22 @@ def test_a_body_whose_fsync_failed_leaves_its_round_logging_its_sums(
     killed(c)
 
 
-def test_fp32_bodies_of_two_workers_log_the_sums_and_of_one_worker_the_body(tmp_path: Path) -> None:
-    """Two fp32 bodies are twice the sums' bytes to fsync: that round logs its sums. One
-    fp32 worker's body is the sums' size and saves their write at the commit."""
-    fp32 = ServerSettings(sync_every=2, min_workers=2)
-    state = tmp_path / "two"
-    c = coordinator(state, fp32, checkpoint_every=10)
-    c.register("a", SPECS, 1)
-    c.upload_initial("a", START)
-    c.register("b", SPECS, 1)
-    bodies = Bodies(tmp_path / "sent", torch.float32)
-    run_chain(c, bodies, CHAIN[:1])
-    assert c.round_number == 1 and sums_logged(state, 0)
-    assert list((state / "inputs").iterdir()) == []
-    killed(c)
-    one = ServerSettings(sync_every=2, min_workers=1)
-    state = tmp_path / "one"
-    c = coordinator(state, one, checkpoint_every=10)
-    c.register("a", SPECS, 1)
-    c.upload_initial("a", START)
-    bodies.submit(c, "a", 0, [0.25, 0.5, -0.125])
-    c.journal.settle()
-    step_0 = state / "steps" / "gen-000000000000"
-    assert sorted(p.name for p in step_0.iterdir()) == ["input-0000.body", "manifest.json"]
-    assert (step_0 / "input-0000.body").read_bytes() == bodies.sent[-1]
-    killed(c)
+def test_fp32_bodies_log_the_sums_with_one_worker_or_two(tmp_path: Path) -> None:
+    """An fp32 body is the sums' size: copied, one worker's rounds measured 50 % slower
+    (a copy into new pages and its fsync against the sums' write into recycled ones), two
+    workers' too (twice the bytes). Both log their sums."""
+    for workers in (1, 2):
+        fp32 = ServerSettings(sync_every=2, min_workers=workers)
+        state = tmp_path / f"k{workers}"
+        c = coordinator(state, fp32, checkpoint_every=10)
+        c.register("a", SPECS, 1)
+        c.upload_initial("a", START)
+        if workers == 2:
+            c.register("b", SPECS, 1)
+        bodies = Bodies(tmp_path / f"sent{workers}", codec=None)
+        for worker, values in CHAIN[0][:workers]:
+            bodies.submit(c, worker, 0, values)
+        c.journal.settle()
+        assert c.round_number == 1 and sums_logged(state, 0)
+        assert list((state / "inputs").iterdir()) == []
+        killed(c)

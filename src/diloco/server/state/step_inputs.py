@@ -11,9 +11,10 @@ generation, in the order they were folded, with a small record (CheckpointStore.
 in the same order, through the same checks and fold, and replays the step as before: the same
 sums, bit for bit (`Intake.refold`).
 
-Only bodies that together hold no more bytes than the sums are copied (`Intake._copy`: coded
-uploads with few workers, one fp32 worker): two fp32 bodies fsync twice the sums' bytes,
-which at 85M parameters, K = 2 made rounds slower on this machine's disk, not faster.
+Only bodies that together hold at most 3/4 of the sums' bytes are copied (`Intake._copy`:
+coded uploads with few workers). Copying fp32 bodies, one worker's or two, made rounds at 85M
+parameters 50 % slower on this machine, not faster: a copy into new pages and its fsync cost
+more than the sums' write into recycled ones (benchmarks/results/model_scale-step-inputs/).
 
 What this store holds between a copy and its step's commit is never needed after a restart
 (the round it belonged to was open: its workers send again), so it is emptied at start.
