@@ -516,12 +516,26 @@ class _Written:
 def _file_sha256(path: Path) -> str:
     """The SHA-256 of a file's bytes as written (read back in 8 MiB reads, from the page
     cache when it was just written)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _descriptor_sha256(fd)
+    finally:
+        os.close(fd)
+
+
+def _descriptor_sha256(fd: int, size: int | None = None) -> str:
+    """`_file_sha256` of an open file's first `size` bytes (None: all of them), read by
+    offset: a rename of the file meanwhile does not disturb it. OSError if it ends before."""
+    size = os.fstat(fd).st_size if size is None else size
     digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as handle:
-        buffer = bytearray(8 << 20)
-        view = memoryview(buffer)
-        while read := handle.readinto(buffer):
-            digest.update(view[:read])
+    view = memoryview(bytearray(8 << 20))
+    offset = 0
+    while offset < size:
+        read = os.preadv(fd, [view[: min(view.nbytes, size - offset)]], offset)
+        if read == 0:
+            raise OSError(f"the file ended after {offset} of {size} bytes")
+        digest.update(view[:read])
+        offset += read
     return digest.hexdigest()
 
 

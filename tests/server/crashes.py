@@ -1,11 +1,15 @@
-"""An in-process coordinator "killed": what kill -9 leaves of it, for the tests that restart one
-on the same state directory."""
+"""An in-process coordinator on a state directory, and "killed": what kill -9 leaves of it, for
+the tests that restart one on the same directory."""
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 from diloco.server.coordinator import Coordinator
+from diloco.server.settings import ServerSettings
+from diloco.server.state.journal import RoundJournal
+from diloco.server.state.store import StateStore
 
 
 def killed(c: Coordinator) -> None:
@@ -16,3 +20,14 @@ def killed(c: Coordinator) -> None:
     with contextlib.suppress(Exception):  # a failed write: the step log keeps the step
         c.journal.settle()
     c.journal.state.close()
+
+
+def on_state_dir(state: Path, settings: ServerSettings, **journal: object) -> Coordinator:
+    """A coordinator started (or restarted) on `state`; `journal`: RoundJournal's options.
+    The directory's lock is released if the start fails."""
+    opened = RoundJournal(StateStore(state), settings, **journal)  # type: ignore[arg-type]
+    try:
+        return Coordinator(settings, journal=opened)
+    except BaseException:
+        opened.state.close()
+        raise

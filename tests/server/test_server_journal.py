@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crashes import on_state_dir
 
 from diloco.faults import STALL_ENV_VAR
 from diloco.server.coordinator import Coordinator
@@ -24,12 +25,7 @@ SPECS = specs_of(START, {"w": "trainable", "steps": "int_buffer"})
 
 
 def coordinator(state: Path, settings: ServerSettings = SETTINGS, **kwargs) -> Coordinator:
-    journal = RoundJournal(StateStore(state), settings, **kwargs)
-    try:
-        return Coordinator(settings, journal=journal)
-    except BaseException:
-        journal.state.close()
-        raise
+    return on_state_dir(state, settings, **kwargs)
 
 
 def crash(c: Coordinator) -> None:

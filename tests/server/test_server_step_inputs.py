@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from crashes import killed
+from crashes import killed, on_state_dir
 
 from diloco.algorithm.codecs import Codec
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.settings import ServerSettings
-from diloco.server.state.journal import RoundJournal
-from diloco.server.state.store import StateStore
 from diloco.wire import decode_tensors, encode_tensors, specs_of
 from diloco.wire.compressed.body import encode_compressed
 from diloco.wire.format.spool import open_spooled
@@ -48,12 +46,7 @@ SPECS = specs_of(START, {"w": "trainable"})
 
 
 def coordinator(state: Path, settings: ServerSettings = SETTINGS, **kwargs) -> Coordinator:
-    journal = RoundJournal(StateStore(state), settings, **kwargs)
-    try:
-        return Coordinator(settings, journal=journal)
-    except BaseException:
-        journal.state.close()
-        raise
+    return on_state_dir(state, settings, **kwargs)
 
 
 class Bodies:
@@ -129,6 +122,26 @@ def sums_logged(state: Path, step: int) -> bool:
     names = sorted(p.name for p in (state / "steps" / f"gen-{step:012d}").iterdir())
     sums = names[1:]
     return names[0] == "manifest.json" and bool(sums) and all(n.startswith("sums-") for n in sums)
+
+
+def restarts_to_the_same_weights(c: Coordinator, state: Path) -> bool:
+    """Killed and started again on `state`: the weights it had, bit for bit."""
+    weights = c.masters["w"].clone()
+    killed(c)
+    again = coordinator(state, checkpoint_every=10)
+    try:
+        return torch.equal(again.masters["w"], weights)
+    finally:
+        killed(again)
+
+
+def completes_logging_sums(c: Coordinator, bodies: Bodies, state: Path) -> bool:
+    """b's body completes round 0 (a's is in): the step logs its sums, the server healthy,
+    no copy left behind."""
+    assert bodies.submit(c, "b", 0, [0.5, 0.0, 0.375])["status"] == "accepted"
+    c.journal.settle()
+    healthy = c.round_number == 1 and c.model.broken is None
+    return healthy and sums_logged(state, 0) and list((state / "inputs").iterdir()) == []
 
 
 def run_chain(c: Coordinator, bodies: Bodies, rounds=CHAIN) -> None:
@@ -264,11 +277,7 @@ def test_a_round_with_a_body_held_in_memory_logs_its_sums(tmp_path: Path) -> Non
     c.journal.settle()
     assert c.round_number == 1 and sums_logged(state, 0)
     assert list((state / "inputs").iterdir()) == []
-    weights = c.masters["w"].clone()
-    killed(c)
-    again = coordinator(state, checkpoint_every=10)
-    assert torch.equal(again.masters["w"], weights)
-    killed(again)
+    assert restarts_to_the_same_weights(c, state)
 
 
 def test_a_disk_that_cannot_take_a_copy_leaves_its_round_logging_its_sums(
@@ -289,20 +298,13 @@ def test_a_disk_that_cannot_take_a_copy_leaves_its_round_logging_its_sums(
         assert bodies.submit(c, "a", 0, [0.25, 0.5, -0.125])["status"] == "accepted"
     (copy,) = c.round.inputs
     assert copy.failed
-    assert bodies.submit(c, "b", 0, [0.5, 0.0, 0.375])["status"] == "accepted"
-    c.journal.settle()
-    assert c.round_number == 1 and c.model.broken is None and sums_logged(state, 0)
-    assert list((state / "inputs").iterdir()) == []  # both copies went
+    assert completes_logging_sums(c, bodies, state)  # both copies went
     for worker, values in CHAIN[1]:  # the next round logs its bodies again
         bodies.submit(c, worker, 1, values)
     c.journal.settle()
     step_1 = state / "steps" / "gen-000000000001"
     assert sorted(p.name for p in step_1.glob("*.body")) == ["input-0000.body", "input-0001.body"]
-    weights = c.masters["w"].clone()
-    killed(c)
-    again = coordinator(state, checkpoint_every=10)
-    assert torch.equal(again.masters["w"], weights)
-    killed(again)
+    assert restarts_to_the_same_weights(c, state)
 
 
 def test_a_body_whose_fsync_failed_leaves_its_round_logging_its_sums(
@@ -323,10 +325,7 @@ def test_a_body_whose_fsync_failed_leaves_its_round_logging_its_sums(
         with pytest.raises(OSError, match="Input/output error"):
             copy.durable()  # (its fsync, after the copy, before the patch goes)
     assert copy.failed
-    assert bodies.submit(c, "b", 0, [0.5, 0.0, 0.375])["status"] == "accepted"
-    c.journal.settle()
-    assert c.round_number == 1 and c.model.broken is None and sums_logged(state, 0)
-    assert list((state / "inputs").iterdir()) == []
+    assert completes_logging_sums(c, bodies, state)
     killed(c)
 
 

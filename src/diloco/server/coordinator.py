@@ -45,7 +45,7 @@ from diloco.server.shards.peers import ShardPeers
 from diloco.server.shards.role import ShardRole
 from diloco.server.state.held_slices import HeldSlices
 from diloco.server.state.journal import CommitRecord, LoggedStep, RoundJournal
-from diloco.server.state.step_inputs import InputCopy, StepInputs, logs_bodies
+from diloco.server.state.step_inputs import InputCopy, StepInputs, discard_all, logs_bodies
 from diloco.server.state.store import HELD_SLICES_NAME, STEP_INPUTS_NAME, StateStore
 from diloco.server.workunits.leases import DataLeases
 from diloco.wire import (
@@ -640,8 +640,7 @@ class Coordinator:
                     "logs its sums instead",
                     record.round,
                 )
-                for copy in inputs:
-                    copy.discard()
+                discard_all(inputs)
                 inputs = None
             logged_inputs = inputs or ()
 
@@ -649,10 +648,6 @@ class Coordinator:
                 return journal.log_step(
                     record, running, names, fragment_rounds, optimizer_lr, logged_inputs
                 )
-
-        elif inputs:
-            for copy in inputs:
-                copy.discard()
 
         model.commit(
             running,

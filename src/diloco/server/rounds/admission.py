@@ -48,6 +48,7 @@ from diloco.algorithm import RunningMean, TensorKind
 from diloco.algorithm.tensors import finite_bound
 from diloco.server.errors import Rejection, rejection_of
 from diloco.server.members.membership import Membership, WorkerRecord
+from diloco.server.model.footprint import model_bytes
 from diloco.server.model.global_model import GlobalModel
 from diloco.server.ops.metrics import Traffic
 from diloco.server.rounds.engine import RoundEngine
@@ -316,15 +317,12 @@ class Intake:
         if self.step_inputs is None or not isinstance(tensors, SpooledTensors):
             return None
         senders = max(len(self.membership.live_ids()), self.settings.min_workers, 1)
-        if 4 * tensors.nbytes * senders > 3 * self._sums_bytes(fragment):
-            return None
-        return self.step_inputs.copy(tensors)
-
-    def _sums_bytes(self, fragment: int) -> int:
-        """The fp32 sums of a fragment's tensors (what its step's log holds otherwise)."""
         specs, plan = self.model.specs, self.model.plan
         assert specs is not None and plan is not None
-        return sum(4 * math.prod(specs[name].shape) for name in plan[fragment])
+        sums = model_bytes([specs[name] for name in plan[fragment]])  # the log's otherwise
+        if 4 * tensors.nbytes * senders > 3 * sums:
+            return None
+        return self.step_inputs.copy(tensors)
 
     @staticmethod
     def _let_go(copy: InputCopy | None) -> None:
@@ -426,7 +424,7 @@ class Intake:
                     checked: CheckedPieces | ValueScan = opened.checked_pieces()
                 else:
                     checked = scan_values(opened, self._norm_names(fragment))
-                fold(target, submission, checked, storage if target.running is None else {}, 0.0)
+                fold(target, submission, checked, storage, 0.0)  # (storage: when it opens)
             finally:
                 body.close()
         running = target.running or RunningMean(step.weighting)

@@ -7,17 +7,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from diloco.algorithm import Contribution, RunningMean
 from diloco.server.members.membership import WorkerRecord
+from diloco.server.state.step_inputs import InputCopy, discard_all
 from diloco.wire import WireError
 from diloco.wire.format.spool import CheckedPieces, PieceBody, sum_overflow
-
-if TYPE_CHECKING:
-    from diloco.server.state.step_inputs import InputCopy
 
 
 @dataclass(frozen=True)
@@ -92,8 +89,7 @@ class Round:
 
     def drop_inputs(self) -> None:
         """The step logs its sums, not its bodies: their copies go."""
-        for copy in self.inputs or ():
-            copy.discard()
+        discard_all(self.inputs)
         self.inputs = None
 
     def units_of(self, worker_id: str) -> set[int]:

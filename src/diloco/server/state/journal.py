@@ -755,7 +755,7 @@ def _logged_step_of(
 ) -> LoggedStep:
     """A step log generation's step: its sums (every "sums-*" group) or its bodies (folded
     again by the coordinator), and its totals and record."""
-    bound = meta.get("bound")
+    bound = math.inf if meta.get("bound") is None else float(meta["bound"])
     inputs = [
         LoggedInput(
             bodies[str(item["file"])],
@@ -779,7 +779,7 @@ def _logged_step_of(
             },
             totals,
             int(meta["count"]),
-            math.inf if bound is None else float(bound),
+            bound,
         )
     return LoggedStep(
         record=CommitRecord.from_json(meta["record"]),
@@ -791,7 +791,7 @@ def _logged_step_of(
         weighting=str(meta["weighting"]),
         totals=totals,
         count=int(meta["count"]),
-        bound=math.inf if bound is None else float(bound),
+        bound=bound,
     )
 
 

@@ -25,7 +25,6 @@ failed; robust aggregation, sparse means, async windows) log their sums as befor
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import secrets
@@ -34,13 +33,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from diloco import faults
-from diloco.checkpoints import BODY_SUFFIX
+from diloco.checkpoints import BODY_SUFFIX, _descriptor_sha256
 from diloco.server.settings import ServerSettings
 from diloco.server.state.held_slices import copy_prefix
 from diloco.wire.format.spool import SpooledTensors
 
 log = logging.getLogger("diloco.server")
-HASH_READ_BYTES = 8 << 20
 # Each body's copy, then its fsync beside its hash. A write waits on the disk most of its time
 # (its fsync), so enough of them run at once that a body's copy, which its request waits for,
 # does not queue behind other bodies' fsyncs; the hashes (a core each) two at a time.
@@ -86,7 +84,7 @@ class InputCopy:
                 self.copied.set_exception(exc)
                 raise
             self.copied.set_result(None)
-            hashing = _HASHES.submit(_sha256_of, self._fd, self.size)
+            hashing = _HASHES.submit(_descriptor_sha256, self._fd, self.size)
             failure: BaseException | None = None
             try:
                 _fsync(self._fd)
@@ -123,6 +121,12 @@ class InputCopy:
             os.close(self._fd)
             self.copied.cancel()
         self.path.unlink(missing_ok=True)
+
+
+def discard_all(copies: list[InputCopy] | None) -> None:
+    """Copies a step will not log (its round logs its sums): their files go."""
+    for copy in copies or ():
+        copy.discard()
 
 
 class StepInputs:
@@ -170,17 +174,3 @@ class StepInputs:
 def _fsync(fd: int) -> None:
     os.fsync(fd)
     faults.crash_point("step_input_durable")  # a body on the disk, its step not logged
-
-
-def _sha256_of(fd: int, size: int) -> str:
-    digest = hashlib.sha256()
-    buffer = bytearray(HASH_READ_BYTES)
-    view = memoryview(buffer)
-    offset = 0
-    while offset < size:
-        read = os.preadv(fd, [view[: min(HASH_READ_BYTES, size - offset)]], offset)
-        if read == 0:
-            raise OSError(f"the copied body ended after {offset} of {size} bytes")
-        digest.update(view[:read])
-        offset += read
-    return digest.hexdigest()
