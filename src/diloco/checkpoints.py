@@ -183,7 +183,7 @@ class CheckpointStore:
                         _file_mode(previous, group + _SUFFIX),
                         pool,
                         hash_memory=not hash_when_durable,
-                        over=self._take_recycled(temp / (group + _SUFFIX)),
+                        over=self.take_recycled(temp / (group + _SUFFIX)),
                     )
                     for group, group_tensors in tensors.items()
                 }
@@ -269,23 +269,25 @@ class CheckpointStore:
         _fsync_dir(self.directory)
 
     def _remove(self, generation_dir: Path) -> None:
-        """A generation (or a temporary leftover) gone: its data files into `recycled/` while
-        it holds fewer than `recycle`, the rest deleted."""
+        """A generation (or a temporary leftover) gone: its data files (and the bodies it
+        adopted) into `recycled/` while it holds fewer than `recycle`, the rest deleted."""
         if self.recycle:
             with self._pool_lock:
                 self._recycled.mkdir(mode=_DEFAULT_DIR_MODE, exist_ok=True)
                 pooled = sum(1 for _ in self._recycled.iterdir())
-                for data in sorted(generation_dir.glob(f"*{_SUFFIX}")):
+                kinds = (_SUFFIX, BODY_SUFFIX)
+                for file in sorted(f for k in kinds for f in generation_dir.glob(f"*{k}")):
                     if pooled >= self.recycle:
                         break
                     with contextlib.suppress(OSError):  # deleted below instead
-                        os.rename(data, self._recycled / f"{secrets.token_hex(8)}{_SUFFIX}")
+                        os.rename(file, self._recycled / f"{secrets.token_hex(8)}{_SUFFIX}")
                         pooled += 1
         shutil.rmtree(generation_dir, ignore_errors=True)
 
-    def _take_recycled(self, path: Path) -> bool:
-        """A recycled file renamed to `path`, a new generation's file, to be written over;
-        False when the pool has none or the rename fails (a new file is made)."""
+    def take_recycled(self, path: Path) -> bool:
+        """A recycled file renamed to `path` (a new generation's file, or a body a later one
+        adopts), to be written over; False when the pool has none or the rename fails (a new
+        file is made)."""
         if not self.recycle:
             return False
         with self._pool_lock:

@@ -252,6 +252,36 @@ def test_a_body_of_a_round_that_never_committed_is_gone_at_restart(tmp_path: Pat
     killed(second)
 
 
+def test_copies_write_over_the_files_of_dropped_steps(tmp_path: Path) -> None:
+    """A checkpoint drops the steps it covers: their bodies wait in `steps/recycled/`, and the
+    next round's copies are written over them (the same inodes), cut to their own size, so a
+    body lands on pages the page cache already holds."""
+    state = tmp_path / "state"
+    c = started(state, checkpoint_every=1)  # every step dropped once its checkpoint is in
+    bodies = Bodies(tmp_path / "sent")
+    run_chain(c, bodies, CHAIN[:1])
+    c.journal.settle()
+    pool = state / "steps" / "recycled"
+    pooled = sorted(pool.iterdir())
+    assert sorted(p.read_bytes() for p in pooled) == sorted(bodies.sent)  # round 0's two
+    for path in pooled:  # longer than the next bodies: their tails must go
+        with path.open("ab") as extra:
+            extra.write(b"\xff" * 1000)
+    inodes = {p.stat().st_ino for p in pooled}
+    answer = bodies.submit(c, "b", 1, CHAIN[1][0][1])
+    assert answer["status"] == "accepted" and {p.stat().st_ino for p in pool.iterdir()} < inodes
+    (copy,) = (state / "inputs").iterdir()
+    assert copy.stat().st_ino in inodes  # a pooled file, taken before it is written
+    assert bodies.submit(c, "a", 1, CHAIN[1][1][1])["status"] == "accepted"
+    c.journal.settle()
+    assert c.round_number == 2 and weighs_as_by_hand(c, CHAIN[:2])
+    # step 1's bodies went back to the pool after its checkpoint: the same files, cut to size
+    again = sorted(pool.iterdir())
+    assert {p.stat().st_ino for p in again} == inodes
+    assert sorted(p.read_bytes() for p in again) == sorted(bodies.sent[2:])
+    killed(c)
+
+
 def test_a_refused_or_duplicate_body_leaves_no_copy(tmp_path: Path) -> None:
     state = tmp_path / "state"
     c = started(state)

@@ -138,7 +138,7 @@ class Coordinator:
         steps = self.journal.state.steps
         if steps is not None and logs_bodies(settings, self.journal.logs_steps):
             assert directory is not None
-            self.step_inputs = StepInputs.beside(directory / STEP_INPUTS_NAME, steps.directory)
+            self.step_inputs = StepInputs.beside(directory / STEP_INPUTS_NAME, steps)
         self.intake = Intake(
             self._lock,
             settings,

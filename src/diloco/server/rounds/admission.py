@@ -313,7 +313,8 @@ class Intake:
         (benchmarks/results/model_scale-step-inputs/): int8 bodies of 0.26x and 0.52x the
         sums made rounds 10-15 % shorter; fp32 bodies of 1x (one worker) and 2x (two)
         made them 50 % longer, a copy into new pages and its fsync being slower than
-        the sums' write into recycled ones."""
+        the sums' write into recycled ones; over recycled pages two fp32 bodies still made
+        them 21 % longer (benchmarks/results/model_scale-recycled-copies/)."""
         if self.step_inputs is None or not isinstance(tensors, SpooledTensors):
             return None
         senders = max(len(self.membership.live_ids()), self.settings.min_workers, 1)

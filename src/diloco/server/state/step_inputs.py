@@ -3,7 +3,8 @@
 With `durability="round"` a single server logs each outer step's input before the step moves
 anything (state/journal.py). Logging the round's fp32 sums puts one model-sized write, its
 hashing and its fsync between the last upload and the published result. Here each upload's
-body, as it came, is copied into `<state-dir>/inputs/` on a thread beside its scan or fold,
+body, as it came, is copied into `<state-dir>/inputs/` on a thread beside its scan or fold
+(over a file of a dropped step where the step log holds one: pages already cached),
 and fsynced beside its SHA-256 while the round waits for the other workers (for the last body:
 beside its fold and the step). The commit then moves the round's bodies into its step log
 generation, in the order they were folded, with a small record (CheckpointStore.stage's
@@ -15,6 +16,9 @@ Only bodies that together hold at most 3/4 of the sums' bytes are copied (`Intak
 coded uploads with few workers). Copying fp32 bodies, one worker's or two, made rounds at 85M
 parameters 50 % slower on this machine, not faster: a copy into new pages and its fsync cost
 more than the sums' write into recycled ones (benchmarks/results/model_scale-step-inputs/).
+Written over recycled pages, two fp32 bodies still made rounds 21 % slower (their fsyncs
+wait on the disk), where int8 rounds got 8-16 % shorter
+(benchmarks/results/model_scale-recycled-copies/).
 
 What this store holds between a copy and its step's commit is never needed after a restart
 (the round it belonged to was open: its workers send again), so it is emptied at start.
@@ -33,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from diloco import faults
-from diloco.checkpoints import BODY_SUFFIX, _descriptor_sha256
+from diloco.checkpoints import BODY_SUFFIX, CheckpointStore, _descriptor_sha256
 from diloco.server.settings import ServerSettings
 from diloco.server.state.held_slices import copy_prefix
 from diloco.wire.format.spool import SpooledTensors
@@ -80,6 +84,7 @@ class InputCopy:
         try:
             try:
                 copy_prefix(source, self._fd, self.size)
+                os.ftruncate(self._fd, self.size)  # a recycled file's longer tail goes
             except BaseException as exc:
                 self.copied.set_exception(exc)
                 raise
@@ -132,20 +137,22 @@ def discard_all(copies: list[InputCopy] | None) -> None:
 class StepInputs:
     """The inputs directory of a single server's state dir."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, steps: CheckpointStore | None = None) -> None:
         """Emptied first: a body left from before a restart belonged to a round that never
-        committed (a committed one's bodies were moved into its step's generation)."""
+        committed (a committed one's bodies were moved into its step's generation). `steps`:
+        the step log, whose dropped generations' files the copies write over."""
         self.directory = directory
+        self.steps = steps
         if directory.is_dir():
             shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     @classmethod
-    def beside(cls, directory: Path, steps: Path) -> StepInputs | None:
-        """The store at `directory`, if its files can be renamed into the step log at
-        `steps` (one file system); None where they cannot (the log then holds sums)."""
-        store = cls(directory)
-        if os.stat(directory).st_dev != os.stat(steps).st_dev:
+    def beside(cls, directory: Path, steps: CheckpointStore) -> StepInputs | None:
+        """The store at `directory`, if its files can be renamed into the step log `steps`
+        (one file system); None where they cannot (the log then holds sums)."""
+        store = cls(directory, steps)
+        if os.stat(directory).st_dev != os.stat(steps.directory).st_dev:
             log.warning(
                 "%s and %s are on different file systems: each step logs its sums, not its uploads",
                 directory,
@@ -160,7 +167,14 @@ class StepInputs:
         None when the file cannot be made (a full disk: its round logs its sums)."""
         path = self.directory / f"{secrets.token_hex(8)}{BODY_SUFFIX}"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = -1
+            if self.steps is not None and self.steps.take_recycled(path):
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                except OSError:  # not writable after all: a new file instead
+                    path.unlink(missing_ok=True)
+            if fd < 0:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             log.warning(
                 "an upload could not be copied into the state dir (%s); its round's step logs "
