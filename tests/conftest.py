@@ -27,6 +27,9 @@ from diloco.server.members.credentials import Credentials
 from diloco.server.ops.launch import start_server, stop_process
 from diloco.server.settings import ServerSettings
 from processes import reap_workers
+from zygote import forking_launches
+
+forking_launches()  # `diloco server` processes forked from a pre-imported interpreter
 
 
 @pytest.fixture(scope="session")

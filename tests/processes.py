@@ -19,6 +19,7 @@ import torch
 from diloco.wire import decode_tensors
 from diloco.worker import DiLoCoClient, RetryPolicy
 from tiny import TINY_CLI
+from zygote import popen
 
 
 def sampled(cases: list, ids: list[str], every: int = 3) -> list:
@@ -80,7 +81,7 @@ def start_worker(
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     """`diloco worker` on the tiny model; its log and --json land in `out` under its id."""
-    process = subprocess.Popen(
+    process = popen(
         [
             sys.executable,
             "-m",
