@@ -29,9 +29,10 @@ browser:
 		|| { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } \
 		|| echo "chromium is not installed (apt-get install chromium): the dashboard's browser test will be skipped"
 
+# Every real process a fresh interpreter here (tests/zygote.py forks them in `make test`).
 test-slow: $(STAMP)
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -m slow
+	DILOCO_TESTS_FRESH_PROCESSES=1 $(BIN)/python -m pytest -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

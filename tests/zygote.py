@@ -10,7 +10,15 @@ its stdin, stdout and stderr are the descriptors the test gave; argv, environmen
 directory are the launch's; `diloco.faults` reads its crash points again from that
 environment. Then it runs `diloco.cli.main()` as `python -m diloco.cli` would, and its exit
 status comes back as `Popen.returncode` does (-N for signal N). CLI tests of start-up itself
-(bad options, `--help`, the demo, the README's recipe) still start fresh interpreters.
+(bad options, `--help`, the demo, the README's recipe) still start fresh interpreters, as
+does any launch whose environment differs from the zygote's in what is read at start-up
+(`_READ_AT_START`).
+
+What forked children share that fresh interpreters would not: one str-hash seed per pytest
+process (a crash test's unbroken and restarted servers iterate sets alike), and memory
+pages inherited from the zygote (peak-memory tests measure differences). So `make test-slow`
+runs every process fresh (DILOCO_TESTS_FRESH_PROCESSES=1), and the default suite is the
+fast one.
 
 The launch request is JSON over a Unix SOCK_SEQPACKET socket, its descriptors passed with it
 (SCM_RIGHTS); the zygote answers the child's pid, then its exit code once it has reaped it.
@@ -23,6 +31,7 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
 import socket
 import subprocess
 import sys
@@ -59,16 +68,11 @@ def _serve(path: str, parent: int) -> None:
         for key, _ in selector.select(timeout=1.0):
             if key.data is None:
                 connection, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(connection, _MAX_REQUEST, 3)
-                pid = os.fork()
-                if pid == 0:
-                    _child(json.loads(message), fds, selector, connection)
-                for fd in fds:
-                    os.close(fd)
-                pidfd = os.pidfd_open(pid)
-                selector.register(pidfd, selectors.EVENT_READ, (pid, connection))
-                with contextlib.suppress(OSError):
-                    connection.send(str(pid).encode())
+                try:
+                    _launch(connection, selector)
+                except Exception as exc:  # a bad request: its launcher hears nothing more
+                    print(f"zygote: a launch failed: {exc!r}", file=sys.stderr, flush=True)
+                    connection.close()
             else:
                 pid, connection = key.data
                 selector.unregister(key.fd)
@@ -77,6 +81,27 @@ def _serve(path: str, parent: int) -> None:
                 with contextlib.suppress(OSError):
                     connection.send(str(os.waitstatus_to_exitcode(status)).encode())
                 connection.close()
+
+
+def _launch(connection: socket.socket, selector: selectors.BaseSelector) -> None:
+    """Fork the child a request asks for; answer its pid (its exit code follows)."""
+    message, fds, _, _ = socket.recv_fds(connection, _MAX_REQUEST, 3)
+    try:
+        request = json.loads(message)
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} descriptors, not 3")
+        # nothing imported may have started a thread: a fork copies only this one
+        assert threading.active_count() == 1, threading.enumerate()
+        pid = os.fork()
+        if pid == 0:
+            _child(request, fds, selector, connection)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    selector.register(pidfd, selectors.EVENT_READ, (pid, connection))
+    with contextlib.suppress(OSError):
+        connection.send(str(pid).encode())
 
 
 def _child(
@@ -98,22 +123,16 @@ def _child(
             selector.close()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as a fresh interpreter has none
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        # sys.path as `python -m` makes it: the working directory first, then PYTHONPATH
         extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:0] = [p for p in extra if p not in sys.path]
-        if request["unbuffered"]:
-            sys.stdout.reconfigure(write_through=True)
-            sys.stderr.reconfigure(write_through=True)
-        threads = os.environ.get("OMP_NUM_THREADS")
-        if threads and threads.isdigit() and int(threads) > 0:  # read at start-up otherwise
-            import torch
-
-            torch.set_num_threads(int(threads))
+        sys.path[0] = request["cwd"]
+        sys.path[1:1] = [p for p in extra if p not in sys.path]
+        if "numpy" in sys.modules:  # seeded from the OS in each fresh interpreter
+            sys.modules["numpy"].random.seed()
         if os.environ.get("PYTHONFAULTHANDLER"):
             import faulthandler
 
@@ -171,7 +190,9 @@ class ForkedProcess:
         self._lock = threading.Lock()
 
     def _collect(self, timeout: float | None) -> int | None:
-        with self._lock:
+        if not self._lock.acquire(blocking=timeout != 0.0):
+            return self.returncode  # another thread waits for it: poll never blocks
+        try:
             if self.returncode is not None:
                 return self.returncode
             self._connection.settimeout(timeout)
@@ -182,17 +203,23 @@ class ForkedProcess:
             finally:
                 with contextlib.suppress(OSError):
                     self._connection.settimeout(None)
-            # the zygote is gone (it never drops a child's connection before its status):
-            # the child was reaped by nobody; say so as a kill
-            self.returncode = int(answer) if answer else -9
+            if not answer:
+                # the zygote is gone (it answers every child's status before it closes):
+                # nobody can reap or report the child, so it is killed, not left running
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, 9)
+                answer = b"-9"
+            self.returncode = int(answer)
             self._connection.close()
             return self.returncode
+        finally:
+            self._lock.release()
 
     def poll(self) -> int | None:
         return self._collect(0.0)
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._collect(timeout)
+        code = self._collect(None if timeout is None else max(timeout, 0.0))
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return code
@@ -208,11 +235,6 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(9)
 
-    def communicate(self, timeout: float | None = None) -> tuple[bytes | None, None]:
-        out = self.stdout.read() if self.stdout is not None else None
-        self.wait(timeout)
-        return out, None
-
     def __enter__(self) -> ForkedProcess:
         return self
 
@@ -222,12 +244,25 @@ class ForkedProcess:
         self.wait()
 
 
+# What a fresh interpreter, torch, its libraries or rich read once at start-up or import: a
+# launch whose environment differs from the zygote's in any of these starts fresh instead.
+_READ_AT_START = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_", "PYTORCH_", "MALLOC_", "LC_",
+                  "GLIBC_TUNABLES", "LANG", "TERM", "COLUMNS", "LINES", "NO_COLOR",
+                  "FORCE_COLOR", "TTY_", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONIOENCODING",
+                  "PYTHONUNBUFFERED", "PYTHONUTF8", "PYTHONDEVMODE", "PYTHONMALLOC")  # fmt: skip
+
+
+def _read_at_start(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_START)}
+
+
 class _Zygote:
-    """The zygote of this process, started on first use (None after it failed to start)."""
+    """The zygote of this process, started on first use (none after it failed to start)."""
 
     def __init__(self) -> None:
         self.path: str | None = None
         self.process: subprocess.Popen | None = None
+        self.started_with: dict[str, str] = {}  # its environment's _READ_AT_START part
         self.failed = False
         self._lock = threading.Lock()
 
@@ -238,23 +273,31 @@ class _Zygote:
             if self.process is not None and self.process.poll() is None:
                 return self.path
             directory = tempfile.mkdtemp(prefix="diloco-zygote-")
-            path = os.path.join(directory, "socket")
-            self.process = subprocess.Popen(
-                [sys.executable, __file__, path, str(os.getpid())],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=open(os.path.join(directory, "log"), "wb"),  # noqa: SIM115
-                env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-            )
+            atexit.register(shutil.rmtree, directory, True)
+            path, log = os.path.join(directory, "socket"), os.path.join(directory, "log")
+            env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            with open(log, "wb") as errors:
+                self.process = subprocess.Popen(
+                    [sys.executable, __file__, path, str(os.getpid())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=errors,
+                    env=env,
+                )
+            atexit.register(self.process.kill)
             deadline = time.monotonic() + 120
             while not os.path.exists(path):
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.process.kill()
-                    self.failed = True
-                    return None
+                    break
                 time.sleep(0.05)
+            # a warning printed at import goes to each fresh process's stderr, once: here it
+            # would go to the zygote's log only, so every process starts fresh instead
+            if not os.path.exists(path) or os.path.getsize(log):
+                self.process.kill()
+                self.failed = True
+                return None
             self.path = path
-            atexit.register(self.process.kill)
+            self.started_with = _read_at_start(env)
             return path
 
 
@@ -286,18 +329,25 @@ def popen(
     cwd: str | Path | None = None,
     **kwargs: object,
 ) -> subprocess.Popen | ForkedProcess:
-    """`subprocess.Popen(command, ...)`, forked from the zygote when `command` runs this
-    interpreter's `-m diloco.cli` (or `-u -m diloco.cli`) and nothing else is asked of it."""
+    """`subprocess.Popen(command, ...)`, forked from the zygote when `command` is this
+    interpreter's `-m diloco.cli ...`, nothing else is asked of it (stdin and stderr not
+    pipes, no other Popen options) and its environment agrees with the zygote's in what is
+    read at start-up; otherwise a fresh interpreter, as before."""
     args = list(command)
-    unbuffered = args[1:2] == ["-u"]
-    cli = args[2:4] if unbuffered else args[1:3]
-    plain = not kwargs and args and args[0] == sys.executable and cli == _CLI
-    path = _ZYGOTE.socket_path() if plain else None
-    if path is None:
+    environment = dict(os.environ if env is None else env)
+    forkable = (
+        not kwargs
+        and args[:1] == [sys.executable]
+        and args[1:3] == _CLI
+        and subprocess.PIPE not in (stdin, stderr)
+    )
+    path = _ZYGOTE.socket_path() if forkable else None
+    if path is None or _read_at_start(environment) != _ZYGOTE.started_with:
         return subprocess.Popen(args, stdin=stdin, stdout=stdout, stderr=stderr, env=env,
                                 cwd=cwd, **kwargs)  # type: ignore[call-overload]  # fmt: skip
     opened: list[int] = []
     pipe_read: IO[bytes] | None = None
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         if stdout == subprocess.PIPE:
             read, write = os.pipe()
@@ -307,16 +357,17 @@ def popen(
         else:
             out = _descriptor(stdout, 1, opened, None)
         fds = [_descriptor(stdin, 0, opened, None), out, _descriptor(stderr, 2, opened, out)]
-        request = {
-            "args": args[(4 if unbuffered else 3) :],
-            "env": dict(os.environ if env is None else env),
-            "cwd": str(cwd or os.getcwd()),
-            "unbuffered": unbuffered,
-        }
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        request = {"args": args[3:], "env": environment, "cwd": str(cwd or os.getcwd())}
+        connection.settimeout(60)
         connection.connect(path)
         socket.send_fds(connection, [json.dumps(request).encode()], fds)
-        pid = int(connection.recv(64))
+        pid = int(connection.recv(64))  # (a refused request: b"", a ValueError here)
+        connection.settimeout(None)
+    except BaseException:
+        connection.close()
+        if pipe_read is not None:
+            pipe_read.close()
+        raise
     finally:
         for fd in opened:
             os.close(fd)
