@@ -455,6 +455,18 @@ def _write_atomic(path: Path, data: bytes | bytearray, mode: int) -> None:
     _write_pieces_atomic(path, [memoryview(data)], mode)
 
 
+def open_over(path: Path, recycled: bool, access: int, mode: int) -> int:
+    """A descriptor (`access`: os.O_WRONLY or os.O_RDWR) to write `path`: the recycled file
+    `CheckpointStore.take_recycled` put there when `recycled`, else (or if it cannot be
+    opened) a new file of `mode`. The caller cuts a recycled file's longer tail."""
+    if recycled:
+        try:
+            return os.open(path, access)
+        except OSError:  # not writable after all: a new file instead
+            path.unlink(missing_ok=True)
+    return os.open(path, access | os.O_CREAT | os.O_EXCL, mode)
+
+
 def _write_tensors(
     path: Path,
     tensors: Mapping[str, torch.Tensor],
@@ -483,14 +495,7 @@ def _write_tensors(
         return digest.hexdigest()
 
     def written() -> None:
-        fd = -1
-        if over:
-            try:
-                fd = os.open(path, os.O_WRONLY)
-            except OSError:  # not writable after all: a new file instead
-                path.unlink(missing_ok=True)
-        if fd < 0:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        fd = open_over(path, over, os.O_WRONLY, mode)
         os.fchmod(fd, mode)  # os.open's mode is filtered by the umask
         with os.fdopen(fd, "wb") as handle:
             for piece in pieces:

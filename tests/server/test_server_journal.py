@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from crashes import on_state_dir
+from crashes import flip_last_byte, on_state_dir
 
 from diloco.faults import STALL_ENV_VAR
 from diloco.server.coordinator import Coordinator
@@ -270,10 +270,7 @@ def test_a_step_that_does_not_verify_is_set_aside_with_the_steps_after_it(tmp_pa
     """A step log file changed on disk (a bad sector, a partial copy): its hash fails, so it
     and step 4 after it cannot be applied; both are moved aside, the run resumes at 3."""
     crash(chained(tmp_path))
-    broken = next((tmp_path / "steps" / "gen-000000000003").glob("sums-*.safetensors"))
-    data = bytearray(broken.read_bytes())
-    data[-1] ^= 0xFF
-    broken.write_bytes(bytes(data))
+    flip_last_byte(next((tmp_path / "steps" / "gen-000000000003").glob("sums-*.safetensors")))
     second = coordinator(tmp_path, checkpoint_every=3)
     assert second.round_number == 3 and second.sent_rounds.rollback_possible
     aside = sorted(p.name[:16] for p in (tmp_path / "steps-set-aside").iterdir())

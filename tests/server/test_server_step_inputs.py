@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from crashes import killed, on_state_dir
+from crashes import flip_last_byte, killed, on_state_dir
 
 from diloco.algorithm.codecs import Codec
 from diloco.server.coordinator import Coordinator
@@ -221,10 +221,7 @@ def test_a_body_that_does_not_verify_sets_its_step_aside_with_the_steps_after_it
     first = started(state, checkpoint_every=10)
     run_chain(first, Bodies(tmp_path / "sent"))
     killed(first)
-    broken = state / "steps" / "gen-000000000001" / "input-0001.body"
-    data = bytearray(broken.read_bytes())
-    data[-1] ^= 0xFF
-    broken.write_bytes(bytes(data))
+    flip_last_byte(state / "steps" / "gen-000000000001" / "input-0001.body")
     second = coordinator(state, checkpoint_every=10)
     assert second.round_number == 1 and second.sent_rounds.rollback_possible
     aside = sorted(p.name[:16] for p in (state / "steps-set-aside").iterdir())

@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from diloco import faults
-from diloco.checkpoints import BODY_SUFFIX, CheckpointStore, _descriptor_sha256
+from diloco.checkpoints import BODY_SUFFIX, CheckpointStore, _descriptor_sha256, open_over
 from diloco.server.settings import ServerSettings
 from diloco.server.state.held_slices import copy_prefix
 from diloco.wire.format.spool import SpooledTensors
@@ -167,14 +167,8 @@ class StepInputs:
         None when the file cannot be made (a full disk: its round logs its sums)."""
         path = self.directory / f"{secrets.token_hex(8)}{BODY_SUFFIX}"
         try:
-            fd = -1
-            if self.steps is not None and self.steps.take_recycled(path):
-                try:
-                    fd = os.open(path, os.O_RDWR)
-                except OSError:  # not writable after all: a new file instead
-                    path.unlink(missing_ok=True)
-            if fd < 0:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            recycled = self.steps is not None and self.steps.take_recycled(path)
+            fd = open_over(path, recycled, os.O_RDWR, 0o600)
         except OSError as exc:
             log.warning(
                 "an upload could not be copied into the state dir (%s); its round's step logs "
