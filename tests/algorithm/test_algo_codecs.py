@@ -357,6 +357,87 @@ def test_decode_into_adds_weighted_values_and_touches_only_kept_positions() -> N
     assert target.tolist() == [-126, 128, -1]
 
 
+def test_encode_folds_what_it_sends_by_hand_signs_of_zero_included() -> None:
+    codec = Codec("int8", block=8)
+    # absmax 127, s = 1: -0.4 rounds to -0, whose code 127 decodes to +0 (127 - 127); a
+    # target of -0 plus that +0 is +0, as a receiver's decode_into makes it
+    x = t([127, -0.4, 2.6, -3.5, 0, 0, 0, 0, 1.0])  # tail block: absmax 1, s = 1/127
+    target = t([-0.0, -0.0, 1, 1, -0.0, 0, 0, 0, 10])
+    encoded = encode(x, codec, fold_into=target, weight=1.0)
+    assert encoded.codes.tolist() == [254, 127, 130, 123, 127, 127, 127, 127, 254]
+    # decoded: 127, +0, 3, -4, +0 x 4 | 127 * (1/127 as fp32)
+    tail = 127 * torch.tensor(1 / 127, dtype=torch.float32)
+    assert target[:8].tolist() == [127, 0, 4, -3, 0, 0, 0, 0]
+    assert target[:8].view(torch.int32).tolist()[1] == 0  # +0, not -0
+    assert target[4].view(torch.int32) == 0
+    assert target[8] == 10 + tail
+    # weight -1 into the values themselves (error feedback): x keeps what was lost
+    residual = x.clone()
+    encode(residual, codec, fold_into=residual, weight=-1.0)
+    assert residual[:8].tolist() == pytest.approx([0, -0.4, -0.4, 0.5, 0, 0, 0, 0], abs=1e-6)
+    assert residual[8] == 1.0 - tail
+
+
+@pytest.mark.parametrize(
+    ("values", "x", "decoded"),
+    [
+        # int4 block 0 of the int4 hand vector: 3.5 -> 4, -0.4 -> 0, -6.5 -> -6
+        ("int4", [7, -7, 3.5, 2.5, -0.4, 0.6, 1, -6.5], [7, -7, 4, 2, 0, 1, 1, -6]),
+        # int2: s = 2, levels (c - 1.5) * 2 = -3, -1, 1, 3 (the int2 hand vector's block 0)
+        ("int2", [3, -3, 0, 1, -1, 0.9, -2.0, 2.0], [3, -3, 1, 1, -1, 1, -1, 3]),
+    ],
+)
+def test_encode_folds_other_widths_by_hand(values: str, x: list, decoded: list) -> None:
+    codec = Codec(values, block=8)
+    target = torch.full((8,), 100.0)
+    encode(t(x), codec, fold_into=target, weight=0.5)
+    assert target.tolist() == [100 + 0.5 * d for d in decoded]
+
+
+def test_encode_folds_over_many_pieces_and_a_tail() -> None:
+    # 2^18 + 12 values, every block of 8 [127, -127, 2, 0, 5, -5, 64, 1]: s = 1 and every
+    # value is a whole level, so each decodes exactly to itself; the tail's 4 values too
+    pattern = t([127, -127, 2, 0, 5, -5, 64, 1])
+    x = pattern.repeat((1 << 15) + 2)[: (1 << 18) + 12]
+    x[-4:] = t([127, 3, -3, 0])
+    target = torch.ones_like(x)
+    encoded = encode(x, Codec("int8", block=8), fold_into=target, weight=-2.0)
+    assert torch.equal(target, 1 - 2 * x)
+    assert encoded.scales.eq(1).all() and encoded.codes[:8].tolist() == [
+        254,
+        0,
+        129,
+        127,
+        132,
+        122,
+        191,
+        128,
+    ]
+
+
+def test_encode_writes_into_given_parts_and_checks_them() -> None:
+    codec = Codec("int8", block=8)
+    x = t([127, -127, 2, 0, 5, -5, 64, 1, 254])
+    codes, scales = torch.zeros(9, dtype=torch.uint8), torch.zeros(2)
+    encoded = encode(x, codec, out=Encoded(9, codes, scales))
+    assert encoded.codes is codes and encoded.scales is scales
+    assert codes.tolist() == [254, 0, 129, 127, 132, 122, 191, 128, 254]
+    assert scales.tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match=r"out.codes must be a contiguous \(9, torch.uint8\)"):
+        encode(x, codec, out=Encoded(9, torch.zeros(8, dtype=torch.uint8), scales))
+    with pytest.raises(ValueError, match=r"out.scales must be a contiguous \(2, torch.float32\)"):
+        encode(x, codec, out=Encoded(9, codes, torch.zeros(2, dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"out.scales must be a contiguous"):
+        encode(x, codec, out=Encoded(9, codes, torch.zeros(4)[::2]))
+    with pytest.raises(ValueError, match=r"out.indices must be"):
+        encode(x, codec, out=Encoded(9, codes, scales, torch.zeros(9, dtype=torch.int64)))
+    with pytest.raises(ValueError, match="fold_into must be a contiguous fp32 tensor of 9"):
+        encode(x, codec, fold_into=torch.zeros(8))
+    with pytest.raises(ValueError, match="fold_into must be on cpu, got meta"):
+        encode(x, codec, fold_into=torch.zeros(9, device="meta"))
+    assert codes.tolist() == [254, 0, 129, 127, 132, 122, 191, 128, 254]  # untouched
+
+
 def test_decode_into_checks_its_target() -> None:
     codec = Codec("int8", block=8)
     encoded = encode(t([1, 2, 3]), codec)

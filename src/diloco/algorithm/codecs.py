@@ -393,23 +393,38 @@ def _code_dtype(codec: Codec) -> torch.dtype:
     return torch.bfloat16 if codec.values == "bf16" else torch.float32
 
 
-def encode(x: torch.Tensor, codec: Codec) -> Encoded:
-    """Code the floating tensor `x` (any shape, taken flat); the result owns new memory."""
+def encode(
+    x: torch.Tensor,
+    codec: Codec,
+    *,
+    out: Encoded | None = None,
+    fold_into: torch.Tensor | None = None,
+    weight: float = 1.0,
+) -> Encoded:
+    """Code the floating tensor `x` (any shape, taken flat); the result owns new memory, or is
+    `out` (parts of the encoding's sizes and dtypes, e.g. slots of a body).
+
+    `fold_into` (a contiguous fp32 tensor of x's size on x's device; may be x itself): += weight
+    * the decoded encoding, bit for bit what `decode_into` of the result would add, each piece
+    as soon as it is coded (error feedback; a server's published copy). A dense int codec adds
+    the levels it has in hand times the scales, the very products the decoder makes from the
+    codes, without reading the codes back."""
     if not x.is_floating_point():
         raise ValueError(f"only floating tensors are coded, got {x.dtype}")
     flat = x.detach().reshape(-1)
     layout = Layout(flat.numel(), codec)
     device = flat.device
-    encoded = Encoded(
-        layout.numel,
-        torch.empty(layout.values, dtype=_code_dtype(codec), device=device),
-        torch.empty(layout.blocks, dtype=torch.float32, device=device)
-        if codec.is_quantized
-        else None,
-        torch.empty(layout.values, dtype=torch.int64, device=device) if codec.is_sparse else None,
-    )
+    encoded = _encoding(layout, device) if out is None else _checked_out(out, layout)
+    target = None
+    if fold_into is not None:
+        _check_target(fold_into, layout.numel, "fold_into")
+        if fold_into.device != device:
+            raise ValueError(f"fold_into must be on {device}, got {fold_into.device}")
+        target = fold_into.view(-1)
     if not codec.is_sparse and not codec.is_quantized:
         encoded.codes.copy_(flat)  # fp32 or bf16: one (casting) copy
+        if fold_into is not None:
+            decode_into(encoded, codec, fold_into, weight)
         return encoded
     keys = _CPU_KEYS if device.type == "cpu" else _KeyCache()
     for span in layout.spans(piece_elements(device)):
@@ -420,15 +435,65 @@ def encode(x: torch.Tensor, codec: Codec) -> Encoded:
         if codec.is_sparse:
             assert piece.indices is not None
             values = _select_top_k(values, codec, piece.indices, keys)
-        _code_values(values, codec, piece)
+        dense = target is not None and not codec.is_sparse
+        decoded = _code_values(values, codec, piece, decoded=dense)
+        if target is None:
+            continue
+        if decoded is not None:
+            target[span.start : span.stop].add_(decoded, alpha=weight)
+        else:
+            decode_into(piece, codec, target[span.start : span.stop], weight)
     return encoded
 
 
-def _code_values(values: torch.Tensor, codec: Codec, piece: Encoded) -> None:
-    """Code fp32 `values` (whole blocks, but for the tensor's last) into `piece`."""
+def _encoding(layout: Layout, device: torch.device) -> Encoded:
+    """An empty encoding of `layout`'s sizes on `device`."""
+    codec = layout.codec
+    return Encoded(
+        layout.numel,
+        torch.empty(layout.values, dtype=_code_dtype(codec), device=device),
+        torch.empty(layout.blocks, dtype=torch.float32, device=device)
+        if codec.is_quantized
+        else None,
+        torch.empty(layout.values, dtype=torch.int64, device=device) if codec.is_sparse else None,
+    )
+
+
+def _checked_out(out: Encoded, layout: Layout) -> Encoded:
+    """`out` when its parts have the sizes and dtypes `layout`'s encoding needs."""
+    codec = layout.codec
+    wanted = {
+        "codes": (layout.values, _code_dtype(codec)),
+        "scales": (layout.blocks, torch.float32) if codec.is_quantized else None,
+        "indices": (layout.values, torch.int64) if codec.is_sparse else None,
+    }
+    for part, want in wanted.items():
+        got = getattr(out, part)
+        if want is None and got is None:
+            continue
+        if (
+            want is None
+            or got is None
+            or (got.numel(), got.dtype) != want
+            or not got.is_contiguous()
+        ):
+            raise ValueError(
+                f"out.{part} must be a contiguous {want} of (elements, dtype) for {codec}, got "
+                f"{None if got is None else (got.numel(), got.dtype)}"
+            )
+    if out.numel != layout.numel:
+        raise ValueError(f"out codes {out.numel} elements, not {layout.numel}")
+    return out
+
+
+def _code_values(
+    values: torch.Tensor, codec: Codec, piece: Encoded, decoded: bool = False
+) -> torch.Tensor | None:
+    """Code fp32 `values` (whole blocks, but for the tensor's last) into `piece`. `decoded`
+    (int codecs): also return what the piece decodes to, in a buffer of its own."""
     if not codec.is_quantized:
         piece.codes.copy_(values)
-        return
+        return None
     assert piece.scales is not None
     count = values.numel()
     padded = piece.scales.numel() * codec.block
@@ -442,14 +507,26 @@ def _code_values(values: torch.Tensor, codec: Codec, piece: Encoded) -> None:
     torch.div(absmax, absmax.new_tensor(codec.level_offset), out=piece.scales)
     safe = torch.where(piece.scales == 0, math.inf, piece.scales)  # x / inf = 0: zero codes
     scaled = torch.div(blocks, safe.unsqueeze(1))
+    levels = scaled.view(-1)[:count]
+    # The levels are whole numbers that fit an int8: fp32 to int8 is exact, and on CPU
+    # several times faster than fp32 to uint8 (the unsigned level is then added in place).
+    signed = piece.codes.view(torch.int8)
     if codec.values == "int2":
         scaled.add_(2).floor_().clamp_(0, 3)
+        signed.copy_(levels)
+        if decoded:
+            levels.sub_(INT2_HALF_RANGE)  # c - 1.5, exactly the decoder's
     else:
         qmax = QMAX[codec.values]
-        scaled.round_().clamp_(-qmax, qmax).add_(qmax)
-    # the levels are whole numbers in 0..254: through int16 is exact, and on CPU several times
-    # faster than fp32 straight to uint8
-    piece.codes.copy_(scaled.view(-1)[:count].to(torch.int16))
+        scaled.round_().clamp_(-qmax, qmax)
+        signed.copy_(levels)
+        if decoded:  # the code as the decoder's level - qmax gives it (0 is +0, never -0)
+            levels.copy_(signed)
+        piece.codes.add_(qmax)  # c + qmax in 0..2 qmax: exact in uint8
+    if not decoded:
+        return None
+    _scale_blocks(levels, piece.scales, codec.block)
+    return levels
 
 
 class _KeyCache(threading.local):
@@ -592,13 +669,19 @@ def _dequantize(encoded: Encoded, codec: Codec, into: torch.Tensor | None = None
     # level - offset straight from the codes into fp32 (one pass; exact: small whole numbers
     # and halves), then times each block's scale in place: the same fp32 products as ever
     torch.sub(levels, codec.level_offset, out=into)
-    count, block = into.numel(), codec.block
+    _scale_blocks(into, encoded.scales, codec.block)
+    return into
+
+
+def _scale_blocks(into: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """`into` (levels - offset, fp32, whole blocks but the last) times each block's scale, in
+    place: a separate multiply, never fused with an add, so every device rounds alike."""
+    count = into.numel()
     full = count // block * block
     if full:
-        into[:full].view(-1, block).mul_(encoded.scales[: full // block].unsqueeze(1))
+        into[:full].view(-1, block).mul_(scales[: full // block].unsqueeze(1))
     if full != count:
-        into[full:].mul_(encoded.scales[full // block])
-    return into
+        into[full:].mul_(scales[full // block])
 
 
 def _sparse_parts(encoded: Encoded, codec: Codec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -640,6 +723,5 @@ def error_feedback_step(
         raise ValueError(f"error-feedback beta must be in [0, 1), got {beta!r}")
     _check_target(residual, g.numel(), "residual")
     residual.mul_(beta).add_(g.detach().reshape(residual.shape))
-    encoded = encode(residual, codec)
-    decode_into(encoded, codec, residual, weight=-1.0)
+    encoded = encode(residual, codec, fold_into=residual, weight=-1.0)
     return encoded, residual

@@ -30,7 +30,6 @@ from diloco.algorithm import TensorKind
 from diloco.algorithm.codecs import (
     Codec,
     decode,
-    decode_into,
     encode,
     encoded_nbytes,
     error_feedback_step,
@@ -151,7 +150,7 @@ class Downlink:
         for name in names:
             target, master = self.published[name], self.masters[name]
             if name in self.coded:
-                decode_into(encode(torch.sub(master, target), self.codec), self.codec, target)
+                encode(torch.sub(master, target), self.codec, fold_into=target)
             else:
                 target.copy_(master)
 

@@ -27,6 +27,7 @@ import torch
 
 from diloco.algorithm.codecs import (
     Codec,
+    Encoded,
     Layout,
     decode,
     decode_into,
@@ -228,10 +229,16 @@ def write_parts(
             folded.add_(codes.to(folded.device).float(), alpha=weight)
         return
     scales, indices = parts.get(SCALES), parts.get(INDICES)
+    # 8-bit levels are their own packing: a dense int8 piece is coded straight into its slots
+    direct = codec.bits == 8 and not codec.is_sparse
     for span in layout.spans(piece_elements(flat.device)):
-        piece = encode(values(span.start, span.stop), codec)
-        if folded is not None:
-            decode_into(piece, codec, folded[span.start : span.stop], weight)
+        target = folded[span.start : span.stop] if folded is not None else None
+        if direct:
+            assert scales is not None
+            slots = Encoded(span.numel, codes[slice(*span.code_bytes)], scales[slice(*span.blocks)])
+            encode(values(span.start, span.stop), codec, out=slots, fold_into=target, weight=weight)
+            continue
+        piece = encode(values(span.start, span.stop), codec, fold_into=target, weight=weight)
         if codec.is_quantized:
             assert scales is not None and piece.scales is not None
             pack(piece.codes, codec.bits, out=codes[slice(*span.code_bytes)])
