@@ -20,6 +20,7 @@ from diloco.algorithm.codecs import (
     error_feedback_step,
     max_abs,
     parse_codec,
+    piece_elements,
     require_kept_values,
 )
 
@@ -395,10 +396,11 @@ def test_encode_folds_other_widths_by_hand(values: str, x: list, decoded: list) 
 
 
 def test_encode_folds_over_many_pieces_and_a_tail() -> None:
-    # 2^18 + 12 values, every block of 8 [127, -127, 2, 0, 5, -5, 64, 1]: s = 1 and every
-    # value is a whole level, so each decodes exactly to itself; the tail's 4 values too
+    # two pieces and 12 values, every block of 8 [127, -127, 2, 0, 5, -5, 64, 1]: s = 1 and
+    # every value is a whole level, so each decodes exactly to itself; the tail's 4 values too
     pattern = t([127, -127, 2, 0, 5, -5, 64, 1])
-    x = pattern.repeat((1 << 15) + 2)[: (1 << 18) + 12]
+    numel = 2 * piece_elements(torch.device("cpu")) + 12
+    x = pattern.repeat(numel // 8 + 1)[:numel]
     x[-4:] = t([127, 3, -3, 0])
     target = torch.ones_like(x)
     encoded = encode(x, Codec("int8", block=8), fold_into=target, weight=-2.0)

@@ -495,6 +495,8 @@ def test_truncated_indices_name_the_part() -> None:
         (float("nan"), "scales must be finite and >= 0"),
         (float("inf"), "scales must be finite and >= 0"),
         (-1.0, "scales must be finite and >= 0"),
+        (-1.401298464324817e-45, "scales must be finite and >= 0"),  # the least negative
+        (float("-inf"), "scales must be finite and >= 0"),
         (3e38, "would decode to Inf"),
     ],
 )
@@ -512,14 +514,15 @@ def test_bad_scales_name_the_tensor_and_the_block(value: float, reason: str) -> 
     )
 
 
-def test_a_zero_scale_needs_zero_level_codes_in_int8_and_int4() -> None:
+@pytest.mark.parametrize("zero", [0.0, -0.0])
+def test_a_zero_scale_needs_zero_level_codes_in_int8_and_int4(zero: float) -> None:
     for codec, zero_level in ((Codec("int8", block=8), 127), (Codec("int4", block=8), 7)):
 
         def spoil(parts):
-            parts["w#scales"][2] = 0.0
+            parts["w#scales"][2] = zero
 
         body = _mutated(W20, codec, spoil)
-        _malformed(body, E20, codec, "block 2 has scale 0", f"zero level {zero_level}", block=2)
+        _malformed(body, E20, codec, "block 2 has scale", f"zero level {zero_level}", block=2)
     # int2 with a zero scale decodes every level to 0: allowed
     body = _mutated(W20, INT2_8, lambda parts: parts["w#scales"].__setitem__(2, 0.0))
     assert decode_compressed(body, E20, INT2_8)["w"][16:].abs().sum() == 0

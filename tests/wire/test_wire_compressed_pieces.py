@@ -137,7 +137,7 @@ def test_the_overflow_bound_comes_from_the_scales() -> None:
 
 
 def test_memory_is_one_span_whatever_the_tensor() -> None:
-    """4M elements in int8 from a file: the reader's buffers hold one span (a MiB of fp32 and
+    """4M elements in int8 from a file: the reader's buffers hold one span (2 MiB of fp32 and
     its codes and scales), not the tensor's 16 MiB."""
     codec = Codec("int8", block=128)
     values = {"big": torch.randn(4 << 20)}

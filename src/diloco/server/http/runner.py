@@ -33,7 +33,7 @@ from diloco.server.state.store import DATABASE_NAME, StateStore
 THREAD_LIMIT = 512
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 4 << 20  # above: mmap, returned when freed (see return_large_frees...)
+MMAP_THRESHOLD_BYTES = 8 << 20  # above: mmap, returned when freed (see return_large_frees...)
 log = logging.getLogger("diloco.server")
 
 
@@ -54,20 +54,20 @@ def load_initial_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def return_large_frees_to_the_os() -> None:
-    """Have glibc serve every allocation over 4 MiB by mmap, so freeing it returns the memory.
+    """Have glibc serve every allocation over 8 MiB by mmap, so freeing it returns the memory.
 
     glibc raises its mmap threshold after the first large free (up to 32 MiB), after which the
     per-tensor buffers of a round come from the heap and stay resident once freed; a server that
     allocates and frees a model-sized sum every round would then hold on to it.
 
-    Below 4 MiB stay the codecs' piece temporaries (256Ki elements: 1 MiB of fp32, 2 MiB of
-    int64 positions), made and freed a few times per piece: at a 1 MiB threshold each was an
+    Below 8 MiB stay the codecs' piece temporaries (512Ki elements: 2 MiB of fp32, 4 MiB of
+    int64 top-k keys), made and freed a few times per piece: at a 1 MiB threshold each was an
     mmap whose pages faulted in anew, 184,000 page faults and twice the time for one int8
-    delta of an 85M model (0.585 s -> 0.322 s on one core here). Fixing the mmap threshold
-    also fixes the heap's trim threshold at 128 KiB, and uvicorn allocates and frees a few
-    256 KB buffers per socket read of an upload: every free then gave the heap's top back to
-    the kernel and the next read faulted it in again. Up to 16 MiB of free heap is kept
-    instead (a 100 MB upload through uvicorn: 130 -> 55 ms). No-op elsewhere.
+    delta of an 85M model (0.585 s -> 0.322 s on one core here, with pieces of 1 MiB). Fixing
+    the mmap threshold also fixes the heap's trim threshold at 128 KiB, and uvicorn allocates
+    and frees a few 256 KB buffers per socket read of an upload: every free then gave the
+    heap's top back to the kernel and the next read faulted it in again. Up to 16 MiB of free
+    heap is kept instead (a 100 MB upload through uvicorn: 130 -> 55 ms). No-op elsewhere.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -2,7 +2,7 @@
 
 A server folds a compressed pseudo-gradient as it folds a spooled plain one (a `PieceBody`),
 a piece at a time, from its spool file or from the request's buffer. A piece is one span of
-one tensor (`Layout.spans`, about a MiB of elements): the span's byte ranges of the tensor's
+one tensor (`Layout.spans`, 2 MiB of fp32 on CPU): the span's byte ranges of the tensor's
 parts are read (one pread each from a file), checked by `read_span` (scales, levels, values,
 indices, padding bits: 422 malformed_compressed naming the tensor and the part) and decoded
 into one reused fp32 buffer. So:

@@ -11,6 +11,7 @@ Anything else is WireError 422 malformed_compressed naming the tensor, the part 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NoReturn
 
 import torch
 
@@ -24,6 +25,8 @@ from diloco.wire.compressed.header import (
     CompressedEntry,
     malformed_compressed,
 )
+
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def as_bytes(raw: torch.Tensor | bytes | bytearray | memoryview) -> torch.Tensor:
@@ -125,39 +128,49 @@ def _check_scales(
         return
     offset = codec.level_offset
     top = scales * offset  # the largest magnitude a level decodes to, as the decoder computes it
-    if not (bool(torch.isfinite(top).all()) and bool((scales >= 0).all())):
-        bad_scale = ~(torch.isfinite(scales) & (scales >= 0))
-        if bool(bad_scale.any()):
-            at = _first(bad_scale)
-            reason = "scales must be finite and >= 0"
-        else:
-            at = _first(~torch.isfinite(top))
-            reason = f"its levels would decode to Inf ({offset} x scale overflows fp32)"
-        block = span.blocks[0] + at
+    # one reduction for every check of a good span (a NaN makes both ends NaN, failing both
+    # comparisons; a zero scale makes the low end 0): a span's handful of small checks cost
+    # more than its decode
+    low, high = (float(end) for end in torch.aminmax(top))
+    if not (low >= 0 and high <= _FP32_MAX):
+        _refuse_scale(name, scales, top, offset, span)
+    if codec.values == "int2" or low > 0:
+        return  # with a zero scale every int2 level decodes to 0
+    zero = scales == 0
+    per_value = zero.repeat_interleave(codec.block)[: levels.numel()]
+    wrong = per_value & (levels != QMAX[codec.values])
+    if bool(wrong.any()):
+        at = _first(wrong)
+        block = span.blocks[0] + at // codec.block
         raise malformed_compressed(
-            f"tensor {name!r} part 'scales': block {block} has scale {float(scales[at])!r}; "
-            f"{reason}",
+            f"tensor {name!r} part 'scales': block {block} has scale 0 but a code other "
+            f"than the zero level {QMAX[codec.values]} (level {int(levels[at])} at value "
+            f"{span.values[0] + at})",
             tensor=name,
             part=SCALES,
             block=block,
         )
-    if codec.values == "int2":
-        return  # with a zero scale every int2 level decodes to 0
-    zero = scales == 0
-    if bool(zero.any()):
-        per_value = zero.repeat_interleave(codec.block)[: levels.numel()]
-        wrong = per_value & (levels != QMAX[codec.values])
-        if bool(wrong.any()):
-            at = _first(wrong)
-            block = span.blocks[0] + at // codec.block
-            raise malformed_compressed(
-                f"tensor {name!r} part 'scales': block {block} has scale 0 but a code other "
-                f"than the zero level {QMAX[codec.values]} (level {int(levels[at])} at value "
-                f"{span.values[0] + at})",
-                tensor=name,
-                part=SCALES,
-                block=block,
-            )
+
+
+def _refuse_scale(
+    name: str, scales: torch.Tensor, top: torch.Tensor, offset: float, span: Span
+) -> NoReturn:
+    """The first block whose scale is not finite and >= 0, or whose levels would decode to
+    Inf: 422 malformed_compressed naming it."""
+    bad_scale = ~(torch.isfinite(scales) & (scales >= 0))
+    if bool(bad_scale.any()):
+        at = _first(bad_scale)
+        reason = "scales must be finite and >= 0"
+    else:
+        at = _first(~torch.isfinite(top))
+        reason = f"its levels would decode to Inf ({offset} x scale overflows fp32)"
+    block = span.blocks[0] + at
+    raise malformed_compressed(
+        f"tensor {name!r} part 'scales': block {block} has scale {float(scales[at])!r}; {reason}",
+        tensor=name,
+        part=SCALES,
+        block=block,
+    )
 
 
 def _check_values(name: str, values: torch.Tensor, span: Span) -> None:
