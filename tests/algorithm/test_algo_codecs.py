@@ -425,14 +425,21 @@ def test_encode_writes_into_given_parts_and_checks_them() -> None:
     assert encoded.codes is codes and encoded.scales is scales
     assert codes.tolist() == [254, 0, 129, 127, 132, 122, 191, 128, 254]
     assert scales.tolist() == [1.0, 2.0]
-    with pytest.raises(ValueError, match=r"out.codes must be a contiguous \(9, torch.uint8\)"):
-        encode(x, codec, out=Encoded(9, torch.zeros(8, dtype=torch.uint8), scales))
-    with pytest.raises(ValueError, match=r"out.scales must be a contiguous \(2, torch.float32\)"):
-        encode(x, codec, out=Encoded(9, codes, torch.zeros(2, dtype=torch.float64)))
-    with pytest.raises(ValueError, match=r"out.scales must be a contiguous"):
-        encode(x, codec, out=Encoded(9, codes, torch.zeros(4)[::2]))
-    with pytest.raises(ValueError, match=r"out.indices must be"):
-        encode(x, codec, out=Encoded(9, codes, scales, torch.zeros(9, dtype=torch.int64)))
+
+    def refused(message: str, **parts: torch.Tensor | int | None) -> None:
+        given = {"numel": 9, "codes": codes, "scales": scales, **parts}
+        with pytest.raises(ValueError, match=re.escape(message)):
+            encode(given.pop("x", x), codec, out=Encoded(**given))
+
+    contiguous = "must be a contiguous torch"
+    refused(f"out.codes {contiguous}.uint8 tensor of 9 elements for int8, got torch.uint8 of 8",
+            codes=torch.zeros(8, dtype=torch.uint8))  # fmt: skip
+    refused(f"out.scales {contiguous}.float32 tensor of 2 elements for int8, got torch.float64",
+            scales=torch.zeros(2, dtype=torch.float64))  # fmt: skip
+    refused("got torch.float32 of 2 elements (not contiguous)", scales=torch.zeros(4)[::2])
+    refused("out.indices must be None for int8", indices=torch.zeros(9, dtype=torch.int64))
+    refused("out.codes must be on meta, the values' device, got cpu", x=x.to("meta"))
+    refused("out must encode 9 elements, got 8", numel=8)
     with pytest.raises(ValueError, match="fold_into must be a contiguous fp32 tensor of 9"):
         encode(x, codec, fold_into=torch.zeros(8))
     with pytest.raises(ValueError, match="fold_into must be on cpu, got meta"):

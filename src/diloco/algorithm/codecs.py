@@ -415,7 +415,7 @@ def encode(
     flat = x.detach().reshape(-1)
     layout = Layout(flat.numel(), codec)
     device = flat.device
-    encoded = _encoding(layout, device) if out is None else _checked_out(out, layout)
+    encoded = _encoding(layout, device) if out is None else _checked_out(out, layout, device)
     target = None
     if fold_into is not None:
         _check_target(fold_into, layout.numel, "fold_into")
@@ -460,9 +460,11 @@ def _encoding(layout: Layout, device: torch.device) -> Encoded:
     )
 
 
-def _checked_out(out: Encoded, layout: Layout) -> Encoded:
-    """`out` when its parts have the sizes and dtypes `layout`'s encoding needs."""
+def _checked_out(out: Encoded, layout: Layout, device: torch.device) -> Encoded:
+    """`out` when its parts have the sizes and dtypes `layout`'s encoding needs, on `device`."""
     codec = layout.codec
+    if out.numel != layout.numel:
+        raise ValueError(f"out must encode {layout.numel} elements, got {out.numel}")
     wanted = {
         "codes": (layout.values, _code_dtype(codec)),
         "scales": (layout.blocks, torch.float32) if codec.is_quantized else None,
@@ -470,20 +472,22 @@ def _checked_out(out: Encoded, layout: Layout) -> Encoded:
     }
     for part, want in wanted.items():
         got = getattr(out, part)
-        if want is None and got is None:
+        if want is None:
+            if got is not None:
+                raise ValueError(f"out.{part} must be None for {codec}")
             continue
-        if (
-            want is None
-            or got is None
-            or (got.numel(), got.dtype) != want
-            or not got.is_contiguous()
-        ):
+        numel, dtype = want
+        if got is None or (got.numel(), got.dtype) != want or not got.is_contiguous():
+            found = "None" if got is None else f"{got.dtype} of {got.numel()} elements"
             raise ValueError(
-                f"out.{part} must be a contiguous {want} of (elements, dtype) for {codec}, got "
-                f"{None if got is None else (got.numel(), got.dtype)}"
+                f"out.{part} must be a contiguous {dtype} tensor of {numel} elements for "
+                f"{codec}, got {found}"
+                + ("" if got is None or got.is_contiguous() else " (not contiguous)")
             )
-    if out.numel != layout.numel:
-        raise ValueError(f"out codes {out.numel} elements, not {layout.numel}")
+        if got.device != device:
+            raise ValueError(
+                f"out.{part} must be on {device}, the values' device, got {got.device}"
+            )
     return out
 
 

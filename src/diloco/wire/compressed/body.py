@@ -230,7 +230,8 @@ def write_parts(
         return
     scales, indices = parts.get(SCALES), parts.get(INDICES)
     # 8-bit levels are their own packing: a dense int8 piece is coded straight into its slots
-    direct = codec.bits == 8 and not codec.is_sparse
+    # (when they are on x's device; a GPU's pieces are coded there and copied to the body)
+    direct = codec.bits == 8 and not codec.is_sparse and codes.device == flat.device
     for span in layout.spans(piece_elements(flat.device)):
         target = folded[span.start : span.stop] if folded is not None else None
         if direct:
