@@ -380,6 +380,26 @@ def test_encode_folds_what_it_sends_by_hand_signs_of_zero_included() -> None:
 
 
 @pytest.mark.parametrize(
+    ("values", "exact"),
+    [  # blocks of whole levels (s = 1; int2's s = 2, levels -3, -1, 1, 3): decoded exactly
+        ("int8", [127, -127, 2, 0, 5, -5, 64, 1]),
+        ("int4", [7, -7, 1, 0, 2, -2, 3, 4]),
+        ("int2", [3, -3, 1, -1, 3, -3, 1, -1]),
+    ],
+)
+def test_a_block_of_nan_or_inf_has_that_scale_and_folds_to_no_finite_value(
+    values: str, exact: list
+) -> None:
+    codec = Codec(values, block=8)
+    x = torch.cat([t(exact), t([math.nan] + [1.0] * 7), t([math.inf] + [1.0] * 7)])
+    target = torch.zeros(24)
+    encoded = encode(x, codec, fold_into=target)
+    assert math.isnan(encoded.scales[1]) and encoded.scales[2] == math.inf
+    assert target[:8].tolist() == exact  # the finite block, untouched by its neighbours
+    assert not torch.isfinite(target[8:]).any()  # never a plausible number in their place
+
+
+@pytest.mark.parametrize(
     ("values", "x", "decoded"),
     [
         # int4 block 0 of the int4 hand vector: 3.5 -> 4, -0.4 -> 0, -6.5 -> -6

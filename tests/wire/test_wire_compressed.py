@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco.algorithm.codecs import Codec, Layout, decode, encode, parse_codec
+from diloco.algorithm.codecs import Codec, Layout, decode, encode, parse_codec, piece_elements
 from diloco.wire import WireError, decode_tensors, encode_tensors
 from diloco.wire.compressed.bitpack import pack, padding_is_zero, unpack
 from diloco.wire.compressed.body import (
@@ -273,7 +273,7 @@ def test_coding_x_less_p_piece_by_piece_is_coding_the_whole_difference(
     across several pieces and a short last block (or one group larger than a piece)."""
     codec = parse_codec(spec, block=block, chunk=chunk)
     generator = torch.Generator().manual_seed(11)
-    numel = 600_001  # three CPU pieces, the last block short
+    numel = 2 * piece_elements(torch.device("cpu")) + 77  # three pieces, the last block short
     x = torch.randn(numel, generator=generator)
     p = x + 1e-3 * torch.randn(numel, generator=generator)
 
@@ -514,6 +514,18 @@ def test_bad_scales_name_the_tensor_and_the_block(value: float, reason: str) -> 
     )
 
 
+@pytest.mark.parametrize("values", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_sender_s_nan_or_inf_is_refused_by_its_scale(values: str, bad: float) -> None:
+    """A block holding NaN or Inf has a non-finite scale and unspecified codes (any level, one
+    past the range too): the receiver names the block by its scale, whatever its codes."""
+    x = torch.linspace(-1, 1, 20)
+    x[9] = bad  # block 1 of 8
+    codec = Codec(values, block=8)
+    body = encode_compressed({"w": x}, codec)
+    _malformed(body, E20, codec, "part 'scales': block 1", "finite and >= 0", part="scales")
+
+
 @pytest.mark.parametrize("zero", [0.0, -0.0])
 def test_a_zero_scale_needs_zero_level_codes_in_int8_and_int4(zero: float) -> None:
     for codec, zero_level in ((Codec("int8", block=8), 127), (Codec("int4", block=8), 7)):
@@ -522,7 +534,7 @@ def test_a_zero_scale_needs_zero_level_codes_in_int8_and_int4(zero: float) -> No
             parts["w#scales"][2] = zero
 
         body = _mutated(W20, codec, spoil)
-        _malformed(body, E20, codec, "block 2 has scale", f"zero level {zero_level}", block=2)
+        _malformed(body, E20, codec, "block 2 has scale 0", f"zero level {zero_level}", block=2)
     # int2 with a zero scale decodes every level to 0: allowed
     body = _mutated(W20, INT2_8, lambda parts: parts["w#scales"].__setitem__(2, 0.0))
     assert decode_compressed(body, E20, INT2_8)["w"][16:].abs().sum() == 0
@@ -764,7 +776,8 @@ def test_a_sender_s_fold_while_coding_moves_its_copy_as_a_receiver_s_fold_of_the
     codec = parse_codec(spec, block=64, chunk=64)
     generator = torch.Generator().manual_seed(11)
     sent = {
-        "w": torch.randn(3, 700, generator=generator),  # spans of several pieces, a tail block
+        # spans of three pieces, a tail block
+        "w": torch.randn(3, piece_elements(torch.device("cpu")) * 2 // 3 + 5, generator=generator),
         "b": torch.randn(37, generator=generator),
     }
     start = {n: torch.randn(t.shape, generator=generator) for n, t in sent.items()}

@@ -25,7 +25,8 @@ and int4 (0..254, 0..14), c for int2 (0..3), so that bit packing (wire/compresse
 every width alike. All math is fp32 in the order written above: the division x / s, and the
 decode (level - offset) * s as a separate multiply (no fused multiply-add), so every device
 decodes the same codes to bit-identical values. Values that are NaN or Inf make their block's
-scale NaN or Inf, which every receiver refuses.
+scale NaN or Inf, which every receiver refuses; such a block's codes are unspecified (so is what
+`encode`'s fold adds for it: NaN or Inf).
 
 The work is done on pieces of 2 MiB of fp32 on CPU (whole blocks and chunks, see `Layout`) so
 that each vectorized pass stays in cache; no Python loop runs over elements, blocks or chunks
@@ -535,9 +536,10 @@ def _code_values(
 
 
 class _KeyCache(threading.local):
-    """int32 pairs whose low words hold chunk - 1 - column, and a scratch of their size, reused
-    by the pieces of an encode (and, on CPU, by later encodes of the same thread: 4 MiB each
-    at most, which a fresh allocation per piece would map and page-fault in anew)."""
+    """int32 pairs whose low words hold chunk - 1 - column, and (made when first asked for) an
+    int64 scratch of their size, reused by the pieces of an encode and, on CPU, by later
+    encodes of the same thread: a piece's worth each (4 MiB at the default pieces), which a
+    fresh allocation per piece would map and page-fault in anew."""
 
     def __init__(self) -> None:
         self.pairs: torch.Tensor | None = None
@@ -554,14 +556,18 @@ class _KeyCache(threading.local):
             pairs = torch.empty(rows, chunk, 2, dtype=torch.int32, device=device)
             columns = torch.arange(chunk - 1, -1, -1, dtype=torch.int32, device=device)
             pairs[..., 1 - _HIGH].copy_(columns)
-            self.pairs = pairs
-            self.scratch = torch.empty(rows, chunk, dtype=torch.int64, device=device)
+            self.pairs, self.scratch = pairs, None
         return pairs[:rows]
 
     def scratch_for(self, key: torch.Tensor) -> torch.Tensor:
         """An int64 tensor of `key`'s shape (after `get` for its rows)."""
-        assert self.scratch is not None
-        return self.scratch[: key.shape[0]]
+        scratch = self.scratch
+        if scratch is None or scratch.shape[0] < key.shape[0]:
+            assert self.pairs is not None
+            scratch = self.scratch = torch.empty(
+                self.pairs.shape[:2], dtype=torch.int64, device=self.pairs.device
+            )
+        return scratch[: key.shape[0]]
 
 
 _CPU_KEYS = _KeyCache()

@@ -77,8 +77,10 @@ def read_span(
         codes = unpack(raw[CODES], codec.bits, count)
         _check_padding(name, CODES, raw[CODES], codec.bits, count, last)
         scales = _typed(raw[SCALES], torch.float32)
-        _check_levels(name, codec, codes, span)
+        # scales first: a block of NaN or Inf values has a non-finite scale, and its codes are
+        # unspecified (any level), so it is named by its scale
         _check_scales(name, codec, scales, codes, span)
+        _check_levels(name, codec, codes, span)
     else:
         codes = _typed(raw[CODES], torch.bfloat16 if codec.values == "bf16" else torch.float32)
         _check_values(name, codes, span)
