@@ -55,7 +55,7 @@ _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
 _CPU_PIECE = 1 << 19  # elements per piece on CPU: 2 MiB of fp32 (measured best of 2^17-2^21)
 _DEVICE_PIECE = 1 << 24  # on an accelerator: fewer, larger launches
 _ITERATIVE_TOP_K = 16  # up to this k, top-k by k max-passes; above, torch.topk
-_INT64_MIN = -(1 << 63)
+_OUT_OF_RUNNING = -(1 << 31)  # a taken key's high word: below every |x| left in its row
 _LOW_WORD = 0xFFFFFFFF
 _HIGH = 1 if sys.byteorder == "little" else 0  # the int32 half that is an int64's high word
 
@@ -536,14 +536,12 @@ def _code_values(
 
 
 class _KeyCache(threading.local):
-    """int32 pairs whose low words hold chunk - 1 - column, and (made when first asked for) an
-    int64 scratch of their size, reused by the pieces of an encode and, on CPU, by later
-    encodes of the same thread: a piece's worth each (4 MiB at the default pieces), which a
-    fresh allocation per piece would map and page-fault in anew."""
+    """int32 pairs whose low words hold chunk - 1 - column, reused by the pieces of an encode
+    and, on CPU, by later encodes of the same thread: a piece's worth (4 MiB at the default
+    pieces), which a fresh allocation per piece would map and page-fault in anew."""
 
     def __init__(self) -> None:
         self.pairs: torch.Tensor | None = None
-        self.scratch: torch.Tensor | None = None
 
     def get(self, rows: int, chunk: int, device: torch.device) -> torch.Tensor:
         pairs = self.pairs
@@ -556,18 +554,8 @@ class _KeyCache(threading.local):
             pairs = torch.empty(rows, chunk, 2, dtype=torch.int32, device=device)
             columns = torch.arange(chunk - 1, -1, -1, dtype=torch.int32, device=device)
             pairs[..., 1 - _HIGH].copy_(columns)
-            self.pairs, self.scratch = pairs, None
+            self.pairs = pairs
         return pairs[:rows]
-
-    def scratch_for(self, key: torch.Tensor) -> torch.Tensor:
-        """An int64 tensor of `key`'s shape (after `get` for its rows)."""
-        scratch = self.scratch
-        if scratch is None or scratch.shape[0] < key.shape[0]:
-            assert self.pairs is not None
-            scratch = self.scratch = torch.empty(
-                self.pairs.shape[:2], dtype=torch.int64, device=self.pairs.device
-            )
-        return scratch[: key.shape[0]]
 
 
 _CPU_KEYS = _KeyCache()
@@ -600,24 +588,25 @@ def _top_k_columns(rows: torch.Tensor, k: int, keys: _KeyCache) -> torch.Tensor:
 
     Each element gets a unique int64 key: the bits of |x| (ordered as |x| is, being a
     non-negative float) in the high word, chunk - 1 - column in the low one. The row's largest
-    key is found by a max; each next one is the largest key below the last, found without a
-    comparison mask (slow on CPU): (key - last) is negative exactly for those keys, and flipping
-    the sign bit makes them the largest, so one max over the row finds it.
+    key is found by a max; the next by a max once the last is out of the running: its column
+    (its key's low word) names it, and its high word is made negative, below every key left
+    (one small scatter; the low words stay, for the next piece). k max passes in all, where a
+    comparison mask is slow on CPU and a pass that shifts every key took three.
     """
     count, chunk = rows.shape
     pairs = keys.get(count, chunk, rows.device)
-    torch.bitwise_and(rows.view(torch.int32), 0x7FFFFFFF, out=pairs[..., _HIGH])
+    high = pairs[..., _HIGH]
+    torch.bitwise_and(rows.view(torch.int32), 0x7FFFFFFF, out=high)
     key = pairs.view(torch.int64).view(count, chunk)
     if k > _ITERATIVE_TOP_K:  # the keys are unique: any device's top-k finds the same set
         low = key.topk(k, dim=1, sorted=False).values.bitwise_and_(_LOW_WORD)
         return torch.sub(chunk - 1, low).sort(dim=1).values
-    last = key.amax(1, keepdim=True)
-    found = [last]
-    shifted = keys.scratch_for(key)
-    for _ in range(k - 1):
-        torch.sub(key, last, out=shifted).bitwise_xor_(_INT64_MIN)
-        last = shifted.amax(1, keepdim=True).bitwise_xor_(_INT64_MIN).add_(last)
+    found = []
+    for rank in range(k):
+        last = key.amax(1, keepdim=True)
         found.append(last)
+        if rank + 1 < k:
+            high.scatter_(1, torch.sub(chunk - 1, last.bitwise_and(_LOW_WORD)), _OUT_OF_RUNNING)
     low = torch.cat(found, 1).bitwise_and_(_LOW_WORD)
     return torch.sub(chunk - 1, low).sort(dim=1).values
 
