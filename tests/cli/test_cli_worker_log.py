@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -97,7 +98,11 @@ def test_a_worker_held_by_min_workers_says_why_and_a_signal_ends_it_with_a_summa
                           env={"DILOCO_WAIT_REPORT_SECONDS": "1"})  # fmt: skip
     wait_for_line(log, "still open")
     worker.send_signal(stop)
-    assert worker.wait(timeout=30) == 128 + stop, log.read_text()
+    try:
+        code = worker.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # what it was doing, in its log (then the fixture ends it)
+        pytest.fail(f"the worker was still running 30 s after {stop.name}:\n{log.read_text()}")
+    assert code == 128 + stop, log.read_text()
     assert_lines(
         log,
         [
