@@ -429,6 +429,7 @@ def encode(
             decode_into(encoded, codec, fold_into, weight)
         return encoded
     keys = _CPU_KEYS if device.type == "cpu" else _KeyCache()
+    levels_in_hand = target is not None and not codec.is_sparse  # else decoded from the codes
     for span in layout.spans(piece_elements(device)):
         piece = encoded.select(span)
         values = flat[span.start : span.stop]
@@ -437,8 +438,7 @@ def encode(
         if codec.is_sparse:
             assert piece.indices is not None
             values = _select_top_k(values, codec, piece.indices, keys)
-        dense = target is not None and not codec.is_sparse
-        decoded = _code_values(values, codec, piece, decoded=dense)
+        decoded = _code_values(values, codec, piece, decoded=levels_in_hand)
         if target is None:
             continue
         if decoded is not None:

@@ -234,12 +234,15 @@ def write_parts(
     direct = codec.bits == 8 and not codec.is_sparse and codes.device == flat.device
     for span in layout.spans(piece_elements(flat.device)):
         target = folded[span.start : span.stop] if folded is not None else None
+        slots = None
         if direct:
             assert scales is not None
             slots = Encoded(span.numel, codes[slice(*span.code_bytes)], scales[slice(*span.blocks)])
-            encode(values(span.start, span.stop), codec, out=slots, fold_into=target, weight=weight)
+        piece = encode(
+            values(span.start, span.stop), codec, out=slots, fold_into=target, weight=weight
+        )
+        if direct:
             continue
-        piece = encode(values(span.start, span.stop), codec, fold_into=target, weight=weight)
         if codec.is_quantized:
             assert scales is not None and piece.scales is not None
             pack(piece.codes, codec.bits, out=codes[slice(*span.code_bytes)])
