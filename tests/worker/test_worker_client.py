@@ -454,16 +454,19 @@ def test_a_server_that_stops_reading_an_upload_for_a_while_is_waited_for(
 def test_an_upload_longer_than_the_read_timeout_goes_while_the_server_reads_on(
     server: FakeServer,
 ) -> None:
-    """The read timeout bounds a pause, not the whole upload: a body that takes 4 x 0.6 s to
-    be read, past a read timeout of 1 s, goes once (a socket's timeout is the whole of one
+    """The read timeout bounds a pause, not the whole upload: a body that takes 4 x 1 s to
+    be read, past a read timeout of 3 s, goes once (a socket's timeout is the whole of one
     sendall, so the body is sent a slice at a time; at 100 Mbit/s an 85M model's 342 MB take
-    27 s, past the 10 s that once bounded a whole upload)."""
-    server.body_stall, server.body_pauses = 0.6, 4
+    27 s, past the 10 s that once bounded a whole upload). Each pause leaves 2 s to spare: with
+    0.6 s pauses under a 1 s timeout, a loaded CI machine once took the rest to read a slice."""
+    server.body_stall, server.body_pauses = 1.0, 4
     body = random.Random(5).randbytes(48 * 1024 * 1024)
     server.script(Reply(200, json=ACCEPTED))
-    client = make_client(server, connect_timeout=0.3, read_timeout=1.0)
+    client = make_client(server, connect_timeout=0.3, read_timeout=3.0)
+    started = time.monotonic()
     with client:
         assert client.submit(3, "w0", body) == ACCEPTED
+    assert time.monotonic() - started > 3.0  # the upload did outlast the read timeout
     assert len(server.seen) == 1 and server.seen[0].body == body
 
 
