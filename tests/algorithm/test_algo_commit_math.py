@@ -20,7 +20,7 @@ from diloco.algorithm import (
     apply_mean,
     apply_running_mean,
 )
-from diloco.algorithm.tensors import finite_bound
+from diloco.algorithm.tensors import SparsePiece, finite_bound
 
 KINDS = {
     "w": TensorKind.TRAINABLE,
@@ -122,6 +122,56 @@ def test_senders_make_each_element_a_mean_over_those_that_sent_it() -> None:
     assert mean["b"].tolist() == pytest.approx([4.0 / 3.0])
     with pytest.raises(RuntimeError, match="does not count senders"):
         RunningMean().divide_by_senders(["w"])
+
+
+def test_sparse_pieces_fold_their_kept_values_as_the_dense_pieces_would() -> None:
+    """Top-k spans folded as kept values (SparsePiece), by hand. w (5 elements, its sum and
+    count in preallocated storage full of 7s, never read): the first contribution keeps 2.0
+    at 1 and -3.0 at 4, the second 0.5 at 1 and 8.0 at 3 (in two pieces: [0, 3) and [3, 5)),
+    so the sums are [0, 2.5, 0, 8, -3] and the counts of senders [0, 2, 0, 1, 1]; a kept
+    value of 0 is no sender. The same pieces made dense fold to the same bits."""
+
+    def sparse(numel: int, positions: list[int], values: list[float]) -> SparsePiece:
+        return SparsePiece(numel, torch.tensor(positions), torch.tensor(values))
+
+    def folded(dense: bool) -> RunningMean:
+        storage = {"w": torch.full((5,), 7.0)}
+        senders = {"w": torch.full((5,), 7.0)}
+        running = RunningMean(
+            "uniform", storage=storage, count_senders=True, senders_storage=senders
+        )
+        assert running.takes_sparse(tokens=1)
+        bodies = [
+            [("w", 0, sparse(5, [1, 4], [2.0, -3.0]))],
+            [("w", 0, sparse(3, [1, 2], [0.5, 0.0])), ("w", 3, sparse(2, [0], [8.0]))],
+        ]
+        for body in bodies:
+            pieces = [(n, f, p.dense() if dense else p) for n, f, p in body]
+            assert running.add_pieces({"w": (5,)}, pieces, tokens=1)
+        assert running.sums["w"] is storage["w"] and running.senders is not None
+        assert running.senders["w"] is senders["w"]
+        return running
+
+    running, reference = folded(dense=False), folded(dense=True)
+    assert running.sums["w"].tolist() == [0.0, 2.5, 0.0, 8.0, -3.0]
+    assert running.senders is not None and running.senders["w"].tolist() == [0, 2, 0, 1, 1]
+    assert running.count == 2 and running.totals == {"w": 2.0}
+    assert reference.senders is not None
+    assert torch.equal(running.sums["w"].view(torch.int32), reference.sums["w"].view(torch.int32))
+    assert torch.equal(running.senders["w"], reference.senders["w"])
+
+
+def test_sparse_pieces_weighted_other_than_1_are_folded_dense() -> None:
+    """Under tokens weighting a contribution's values are scaled (x 3 here), which only the
+    dense fold rounds as it always did: the sparse piece is made dense first. By hand:
+    3 x [0, 1.5, 0] + 1 x [0.25, 0, 0] = [0.25, 4.5, 0]."""
+    running = RunningMean("tokens")
+    assert not running.takes_sparse(tokens=3) and running.takes_sparse(tokens=1)
+    piece = SparsePiece(3, torch.tensor([1]), torch.tensor([1.5]))
+    assert running.add_pieces({"w": (3,)}, [("w", 0, piece)], tokens=3)
+    piece = SparsePiece(3, torch.tensor([0]), torch.tensor([0.25]))
+    assert running.add_pieces({"w": (3,)}, [("w", 0, piece)], tokens=1)
+    assert running.sums["w"].tolist() == [0.25, 4.5, 0.0] and running.totals == {"w": 4.0}
 
 
 def test_a_non_finite_sum_is_refused_before_anything_changes() -> None:

@@ -12,6 +12,7 @@ import torch
 
 from diloco.algorithm import RunningMean
 from diloco.algorithm.codecs import Codec, parse_codec, piece_elements
+from diloco.algorithm.tensors import SparsePiece
 from diloco.wire import WireError
 from diloco.wire.compressed.body import (
     check_compressed_header,
@@ -88,6 +89,32 @@ def test_the_pieces_are_the_whole_decode_from_a_file_and_from_memory(spec: str) 
             assert torch.equal(got[name].view(tensor.shape).to(tensor.dtype), tensor), name
         assert bound >= float(whole["big"].abs().max()) and body.largest == "big"
         assert body.nbytes == len(data) - read_frame_header(bytes(data), len(data))[0]
+        body.close()
+
+
+@pytest.mark.parametrize("spec", ["topk:0.03+int2", "topk:0.1"])
+def test_sparse_pieces_are_the_kept_values_of_the_whole_decode(spec: str) -> None:
+    """Asked for sparse pieces, a top-k tensor comes as its kept values (a SparsePiece per
+    span of up to 2^23 elements: 'big', 300k, in one), whose dense form is the whole decode;
+    tensors sent exact come as plain pieces; without asking, every piece is dense."""
+    codec = parse_codec(spec, block=64, chunk=32)
+    values = tensors()
+    data = encode_compressed(values, codec, exact={"norm"})
+    expected = expected_of(values)
+    whole = decode_compressed(data, expected, codec, exact={"norm"})
+    for body in both(data, expected, codec):
+        seen = []
+        for name, first, piece in body.pieces(sparse=True):  # each used before the next
+            seen.append((name, first))
+            if name in ("big", "odd"):
+                assert isinstance(piece, SparsePiece) and piece.numel == values[name].numel()
+                assert torch.equal(piece.dense(), whole[name]), name
+            else:  # exact: a plain piece
+                assert not isinstance(piece, SparsePiece)
+                assert torch.equal(piece, values[name]), name
+        assert ("big", 0) in seen and len([s for s in seen if s[0] == "big"]) == 1
+        dense = [isinstance(p, SparsePiece) for _, _, p in body.pieces()]
+        assert not any(dense)  # unless asked
         body.close()
 
 

@@ -37,12 +37,13 @@ and CUDA.
 from __future__ import annotations
 
 import math
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from diloco.algorithm.tensors import SparsePiece
 
 VALUE_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")
 ALLOWED_CODECS = "fp32, bf16, int8, int4, int2, topk:F, topk:F+VALUES"
@@ -55,9 +56,8 @@ _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
 _CPU_PIECE = 1 << 19  # elements per piece on CPU: 2 MiB of fp32 (measured best of 2^17-2^21)
 _DEVICE_PIECE = 1 << 24  # on an accelerator: fewer, larger launches
 _ITERATIVE_TOP_K = 16  # up to this k, top-k by k max-passes; above, torch.topk
-_OUT_OF_RUNNING = -(1 << 31)  # a taken key's high word: below every |x| left in its row
+_OUT_OF_RUNNING = -1  # a taken key: below every key left in its row (all are >= 0)
 _LOW_WORD = 0xFFFFFFFF
-_HIGH = 1 if sys.byteorder == "little" else 0  # the int32 half that is an int64's high word
 
 
 def _check_power_of_two(field: str, value: object, low: int, high: int) -> int:
@@ -536,26 +536,23 @@ def _code_values(
 
 
 class _KeyCache(threading.local):
-    """int32 pairs whose low words hold chunk - 1 - column, reused by the pieces of an encode
-    and, on CPU, by later encodes of the same thread: a piece's worth (4 MiB at the default
-    pieces), which a fresh allocation per piece would map and page-fault in anew."""
+    """An int64 key per element of a piece, reused by the pieces of an encode and, on CPU, by
+    later encodes of the same thread: a piece's worth (4 MiB at the default pieces), which a
+    fresh allocation per piece would map and page-fault in anew; and, per chunk size, the row
+    of chunk - 1 - column that every row's low words take."""
 
     def __init__(self) -> None:
-        self.pairs: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None
+        self.low: torch.Tensor | None = None
 
-    def get(self, rows: int, chunk: int, device: torch.device) -> torch.Tensor:
-        pairs = self.pairs
-        if (
-            pairs is None
-            or pairs.shape[0] < rows
-            or pairs.shape[1] != chunk
-            or pairs.device != device
-        ):
-            pairs = torch.empty(rows, chunk, 2, dtype=torch.int32, device=device)
-            columns = torch.arange(chunk - 1, -1, -1, dtype=torch.int32, device=device)
-            pairs[..., 1 - _HIGH].copy_(columns)
-            self.pairs = pairs
-        return pairs[:rows]
+    def get(self, rows: int, chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, low = self.keys, self.low
+        if keys is None or keys.numel() < rows * chunk or keys.device != device:
+            keys = self.keys = torch.empty(rows * chunk, dtype=torch.int64, device=device)
+        if low is None or low.shape[1] != chunk or low.device != device:
+            low = torch.arange(chunk - 1, -1, -1, dtype=torch.int64, device=device)
+            low = self.low = low.view(1, chunk)
+        return keys[: rows * chunk].view(rows, chunk), low
 
 
 _CPU_KEYS = _KeyCache()
@@ -589,15 +586,17 @@ def _top_k_columns(rows: torch.Tensor, k: int, keys: _KeyCache) -> torch.Tensor:
     Each element gets a unique int64 key: the bits of |x| (ordered as |x| is, being a
     non-negative float) in the high word, chunk - 1 - column in the low one. The row's largest
     key is found by a max; the next by a max once the last is out of the running: its column
-    (its key's low word) names it, and its high word is made negative, below every key left
-    (one small scatter; the low words stay, for the next piece). k max passes in all, where a
-    comparison mask is slow on CPU and a pass that shifts every key took three.
+    (its key's low word) names it, and it is made -1, below every key left (one small
+    scatter). k max passes in all, where a comparison mask is slow on CPU and a pass that
+    shifts every key took three.
     """
     count, chunk = rows.shape
-    pairs = keys.get(count, chunk, rows.device)
-    high = pairs[..., _HIGH]
-    torch.bitwise_and(rows.view(torch.int32), 0x7FFFFFFF, out=high)
-    key = pairs.view(torch.int64).view(count, chunk)
+    key, columns = keys.get(count, chunk, rows.device)
+    # |x|'s bits, then up into the high word, the reversed column in the low one: whole-word
+    # ops on contiguous keys (writing the high words of int32 pairs in place was a strided
+    # write, twice as slow as these four)
+    key.copy_(rows.view(torch.int32))  # (sign-extended: the and below drops the sign)
+    key.bitwise_and_(0x7FFFFFFF).bitwise_left_shift_(32).bitwise_or_(columns)
     if k > _ITERATIVE_TOP_K:  # the keys are unique: any device's top-k finds the same set
         low = key.topk(k, dim=1, sorted=False).values.bitwise_and_(_LOW_WORD)
         return torch.sub(chunk - 1, low).sort(dim=1).values
@@ -606,7 +605,7 @@ def _top_k_columns(rows: torch.Tensor, k: int, keys: _KeyCache) -> torch.Tensor:
         last = key.amax(1, keepdim=True)
         found.append(last)
         if rank + 1 < k:
-            high.scatter_(1, torch.sub(chunk - 1, last.bitwise_and(_LOW_WORD)), _OUT_OF_RUNNING)
+            key.scatter_(1, torch.sub(chunk - 1, last.bitwise_and(_LOW_WORD)), _OUT_OF_RUNNING)
     low = torch.cat(found, 1).bitwise_and_(_LOW_WORD)
     return torch.sub(chunk - 1, low).sort(dim=1).values
 
@@ -630,10 +629,7 @@ def decode(encoded: Encoded, codec: Codec, out: torch.Tensor | None = None) -> t
     _check_target(out, encoded.numel, "out")
     flat = out.view(-1)
     if codec.is_sparse:
-        flat.zero_()
-        if encoded.numel:
-            positions, values = _sparse_parts(encoded, codec)
-            flat.index_put_((positions,), values)
+        decode_sparse(encoded, codec).dense(flat)
         return out
     if not codec.is_quantized:
         flat.copy_(encoded.codes)
@@ -641,6 +637,18 @@ def decode(encoded: Encoded, codec: Codec, out: torch.Tensor | None = None) -> t
     for span in Layout(encoded.numel, codec).spans(piece_elements(flat.device)):
         _dequantize(encoded.select(span), codec, into=flat[span.start : span.stop])
     return out
+
+
+def decode_sparse(encoded: Encoded, codec: Codec) -> SparsePiece:
+    """A top-k encoding decoded as its kept values and their positions (nothing written for
+    the zeros between them): `decode` is its `dense()`."""
+    if not codec.is_sparse:
+        raise ValueError(f"codec {codec} is not sparse: decode it whole")
+    if not encoded.numel:
+        empty = encoded.codes.new_empty(0, dtype=torch.float32)
+        return SparsePiece(0, empty.long(), empty)
+    positions, values = _sparse_parts(encoded, codec)
+    return SparsePiece(encoded.numel, positions, values)
 
 
 def decode_into(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.algorithm._checks import require_choice
-from diloco.algorithm.tensors import TensorDict, all_finite
+from diloco.algorithm.tensors import SparsePiece, TensorDict, all_finite
 
 WEIGHTINGS = ("uniform", "tokens")
 FINITE_SUM_LIMIT = 1e37
@@ -174,10 +174,18 @@ class RunningMean:
         self.bound += abs(factor) * max_abs
         return True
 
+    def takes_sparse(self, tokens: int, scale: float = 1.0) -> bool:
+        """Whether `add_pieces` folds a contribution with `tokens` and `scale` from sparse
+        pieces as it would from their dense form: when its values are added unscaled (x 1 is
+        exact, so adding only the kept values rounds each sum exactly as adding the whole
+        span does). Otherwise a sparse piece is made dense first."""
+        factor = contribution_weight(Contribution({}, tokens), self.weighting) * scale
+        return factor == 1.0
+
     def add_pieces(
         self,
         shapes: Mapping[str, tuple[int, ...]],
-        pieces: Iterable[tuple[str, int, torch.Tensor]],
+        pieces: Iterable[tuple[str, int, torch.Tensor | SparsePiece]],
         tokens: int,
         *,
         scale: float = 1.0,
@@ -190,6 +198,11 @@ class RunningMean:
         running sums before anything is folded. The pieces must cover each tensor exactly once.
         `max_abs` may be a function, asked once the pieces are read (a reader that checks the
         values on the way finds the bound then).
+
+        A piece may be a `SparsePiece` (a top-k span): where `takes_sparse`, only its kept
+        values are added (and counted as senders), each sum rounding as in the dense fold; a
+        sum that stays 0 may keep the sign of zero it had, where the dense fold's + 0 would
+        make it +0 (it can differ only for a master weight that is exactly -0).
 
         When no name has a sum yet (the round's first contribution), pieces that raise part
         way (a checking reader finding NaN) leave this object exactly as it was; otherwise the
@@ -224,18 +237,35 @@ class RunningMean:
                 else self._zeroed_count(name, tuple(shape))
                 for name, shape in shapes.items()
             }
+        scratch = torch.empty(0, dtype=torch.float32)  # a sparse piece made dense
         for name, first, piece in pieces:
+            if isinstance(piece, SparsePiece) and factor != 1.0:
+                if scratch.numel() < piece.numel:
+                    scratch = torch.empty(piece.numel, dtype=torch.float32)
+                piece = piece.dense(scratch[: piece.numel])
+            numel = piece.numel if isinstance(piece, SparsePiece) else piece.numel()
             if name in senders:
-                span = senders[name].view(-1)[first : first + piece.numel()]
-                span.add_(piece.ne(0).to(torch.float32), alpha=weight)
+                span = senders[name].view(-1)[first : first + numel]
+                if isinstance(piece, SparsePiece):  # + weight where a value is not 0
+                    sent = piece.values.ne(0).to(torch.float32)
+                    span.index_add_(0, piece.positions, sent, alpha=weight)
+                else:
+                    span.add_(piece.ne(0).to(torch.float32), alpha=weight)
             target = self.sums.get(name)
             part = (new_sums[name] if target is None else target).view(-1)
-            part = part[first : first + piece.numel()]
+            part = part[first : first + numel]
+            if isinstance(piece, SparsePiece):  # factor 1: the kept values, unscaled
+                if name in fresh:
+                    piece.dense(part)
+                    fresh[name] += numel
+                else:
+                    part.index_add_(0, piece.positions, piece.values)
+                continue
             if name not in fresh:
                 part.add_(piece, alpha=factor)
                 continue
             _write_scaled(part, piece, factor)
-            fresh[name] += piece.numel()
+            fresh[name] += numel
         for name, written in fresh.items():
             if written != new_sums[name].numel():
                 raise RuntimeError(f"the pieces of {name!r} did not cover it once, in full")

@@ -9,11 +9,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
 
 TensorDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SparsePiece:
+    """A flat span of `numel` fp32 elements given by its kept values: `values` at `positions`
+    (int64, from the span's first element, each at most once), 0 everywhere else. A top-k
+    span as decoded for a fold, which adds 3 % of a span's values instead of the whole span
+    and its zeros (see RunningMean.add_pieces)."""
+
+    numel: int
+    positions: torch.Tensor
+    values: torch.Tensor
+
+    def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The span as a flat fp32 tensor (written into `out` when given): what `decode`
+        gives for it."""
+        if out is None:
+            out = torch.empty(self.numel, dtype=torch.float32, device=self.values.device)
+        out.zero_()
+        if self.numel:
+            out.index_put_((self.positions,), self.values)
+        return out
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -280,11 +280,14 @@ def fold(
             raise sum_overflow(checked.largest or "?", checked.bound, headroom)
         if isinstance(tensors, PieceBody):
             shapes = {name: tuple(t.shape) for name, t in tensors.meta.items()}
+            # top-k spans as their kept values where the sums add them as the dense fold would
+            sparse = target.running.takes_sparse(submission.tokens, scale)
             if isinstance(checked, CheckedPieces):
                 reader = checked
+                reader.sparse = sparse
                 pieces, max_abs = reader, (lambda: reader.bound)
             else:
-                pieces, max_abs = tensors.pieces(), checked.bound
+                pieces, max_abs = tensors.pieces(sparse), checked.bound
             target.add_pieces(
                 submission.worker_id,
                 submission.fragment,

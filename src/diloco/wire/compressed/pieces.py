@@ -21,13 +21,17 @@ from collections.abc import Iterator
 
 import torch
 
-from diloco.algorithm.codecs import Span, decode, max_abs, piece_elements
+from diloco.algorithm.codecs import Span, decode, decode_sparse, max_abs, piece_elements
 from diloco.algorithm.tensors import finite_bound
 from diloco.wire.compressed.header import CompressedEntry, CompressedHeader
 from diloco.wire.compressed.values import as_bytes, read_span
-from diloco.wire.format.spool import PieceBody, SpooledTensors
+from diloco.wire.format.spool import Piece, PieceBody, SpooledTensors
 
 Bytes = torch.Tensor | memoryview
+# Elements per span of a top-k tensor checked, or read as kept values, without a decode: its
+# parts are 3 % of the span's values (indices, codes), so the span's many small checks cost
+# per span, not per value (2^19-element spans made a 25M body's scan 60 ms, 125 spans)
+SPARSE_PIECE = 1 << 23
 
 
 class CompressedPieces(PieceBody):
@@ -74,19 +78,25 @@ class CompressedPieces(PieceBody):
             shapes[name] = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
         return shapes
 
-    def bounded_pieces(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
+    def bounded_pieces(
+        self, sparse: bool = False
+    ) -> Iterator[tuple[str, int, Piece, float | None]]:
         """Plain entries first (bounded by a scan of their values), then each compressed
-        tensor span by span (bounded by `max_abs`, its values being checked finite)."""
-        return self._bounded(decoded=True)
+        tensor span by span (bounded by `max_abs`, its values being checked finite).
+        `sparse`: a top-k span comes as a `SparsePiece` (its kept values, not decoded into a
+        span of zeros), from spans of `SPARSE_PIECE` elements."""
+        return self._bounded(decoded=True, sparse=sparse)
 
     def bounds(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
         """The coded spans checked without being decoded (each comes as an empty tensor):
         `read_span` checks their levels, scales and indices, and `max_abs` bounds them from
         the scales, so the fold decodes each value once (an int8 scan that decoded every
         value cost as much as the fold itself)."""
-        return self._bounded(decoded=False)
+        return self._bounded(decoded=False, sparse=False)
 
-    def _bounded(self, decoded: bool) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
+    def _bounded(
+        self, decoded: bool, sparse: bool
+    ) -> Iterator[tuple[str, int, Piece, float | None]]:
         """`bounded_pieces`; with `decoded` False a coded span comes as an empty tensor."""
         if self.source is not None:
             if self.source.closed:
@@ -99,12 +109,20 @@ class CompressedPieces(PieceBody):
                 yield name, 0, flat, finite_bound(flat)
         for name, entry in self.header.compressed.items():
             codec = entry.layout.codec
-            for span in entry.layout.spans(piece_elements(torch.device("cpu"))):
+            # a top-k span holds 3 % of its values: checked (or kept) whole, a larger span
+            # costs what a small one does, where a decoded one is a span of fp32
+            large = codec.is_sparse and (sparse or not decoded)
+            size = SPARSE_PIECE if large else piece_elements(torch.device("cpu"))
+            for span in entry.layout.spans(size):
                 encoded = read_span(entry, span, self._span_parts(entry, span))
+                bound = max_abs(encoded, codec)
+                if large and decoded:
+                    yield name, span.start, decode_sparse(encoded, codec), bound
+                    continue
                 out = self._piece(span.numel if decoded else 0)
                 if decoded:
                     decode(encoded, codec, out=out)
-                yield name, span.start, out, max_abs(encoded, codec)
+                yield name, span.start, out, bound
 
     def _span_parts(self, entry: CompressedEntry, span: Span) -> dict[str, Bytes]:
         """The span's bytes of each part: read from the file, or sliced from memory."""

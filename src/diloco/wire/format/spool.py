@@ -21,13 +21,14 @@ from typing import BinaryIO
 
 import torch
 
-from diloco.algorithm.tensors import finite_bound
+from diloco.algorithm.tensors import SparsePiece, finite_bound
 from diloco.wire.errors import WireError
 from diloco.wire.format.body import check_length
 from diloco.wire.format.early_header import EarlyHeader, HeaderCheck, meta_tensors
 from diloco.wire.format.frames import MAX_HEADER_BYTES, _Entry, _malformed, read_frame_header
 
 PIECE_BYTES = 2 * 1024 * 1024
+Piece = torch.Tensor | SparsePiece  # a span of a tensor, dense or as its kept values
 SPOOL_FILES_KEPT = 4
 
 
@@ -84,14 +85,19 @@ class PieceBody:
         """Shape-and-dtype stand-ins (no storage) of the tensors its pieces cover."""
         raise NotImplementedError
 
-    def pieces(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+    def pieces(self, sparse: bool = False) -> Iterator[tuple[str, int, Piece]]:
         """(name, first element, 1-D piece) covering every tensor of `meta` once. A piece is
-        only valid until the next one is read: use it, don't keep it."""
-        for name, first, piece, _ in self.bounded_pieces():
+        only valid until the next one is read: use it, don't keep it. `sparse`: a span a
+        body holds as kept values (top-k) may come as a `SparsePiece`, for a reader that adds
+        them (RunningMean.add_pieces); every other piece is a tensor."""
+        for name, first, piece, _ in self.bounded_pieces(sparse):
             yield name, first, piece
 
-    def bounded_pieces(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
-        """`pieces()`, each with a bound of its magnitudes (None: it holds NaN or Inf)."""
+    def bounded_pieces(
+        self, sparse: bool = False
+    ) -> Iterator[tuple[str, int, Piece, float | None]]:
+        """`pieces(sparse)`, each with a bound of its magnitudes (None: it holds NaN or
+        Inf)."""
         for name, first, piece in self.pieces():
             yield name, first, piece, finite_bound(piece)
 
@@ -168,10 +174,13 @@ class SpooledTensors(PieceBody):
         return meta_tensors(self.entries)
 
     def pieces(
-        self, piece_bytes: int = PIECE_BYTES, names: Collection[str] | None = None
+        self,
+        sparse: bool = False,
+        piece_bytes: int = PIECE_BYTES,
+        names: Collection[str] | None = None,
     ) -> Iterator[tuple[str, int, torch.Tensor]]:
         """(name, first element, 1-D piece) in file order, read into one reused buffer; only
-        the entries in `names` when given.
+        the entries in `names` when given. (Every piece is dense: `sparse` changes nothing.)
 
         A piece is only valid until the next one is read: use it, don't keep it.
         """
@@ -261,13 +270,17 @@ class CheckedPieces:
         self.bound = 0.0
         self.largest: str | None = None
         self.limit = limit
+        self.sparse = False  # top-k spans as SparsePiece (see PieceBody.pieces), for a fold
         self._bounded = bounded
 
-    def __iter__(self) -> Iterator[tuple[str, int, torch.Tensor]]:
-        bounded = self.spooled.bounded_pieces() if self._bounded is None else self._bounded
+    def __iter__(self) -> Iterator[tuple[str, int, Piece]]:
+        bounded = self._bounded
+        if bounded is None:
+            bounded = self.spooled.bounded_pieces(self.sparse)
         for name, first, piece, piece_bound in bounded:
             if piece_bound is None:
-                bad = int((~torch.isfinite(piece)).sum())
+                values = piece.values if isinstance(piece, SparsePiece) else piece
+                bad = int((~torch.isfinite(values)).sum())
                 raise WireError(
                     422,
                     "non_finite",
