@@ -6,8 +6,12 @@ by itself, with nothing else on the machine, for the bundled GPT on one device:
     host), what a worker with its anchor beside the model runs before it uploads;
   - apply: `Anchor.values_after` of a coded delta the server made (`PublishedCopy.advance`),
     then `Anchor.adopt` (the new weights into the model), what it runs after the download;
-  - and the server's side of that delta on its CPU (`PublishedCopy.advance`: code masters - P
-    and move P by exactly what was sent), which sits in every round's commit.
+  - and the server's side on its CPU: the intake of that body as a round's later one
+    (`server_fold`: the scan of its values from its spool file, then its fold into sums that
+    hold a body already, as `round.fold` adds it: top-k as kept values, its senders counted as
+    `--aggregation sparse_mean`, a top-k server's default, counts them), and the delta
+    (`PublishedCopy.advance`: code masters - P and move P by exactly what was sent), both in
+    the last upload's path to a round's result.
 Beside them, measured in the same run: the body's bytes copied between host and device
 (from pageable memory, as the body lives, and from pinned memory) and one memory pass over
 the fp32 model on the device. `--profile` prints the functions where each phase spent its
@@ -23,6 +27,7 @@ import cProfile
 import io
 import pstats
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,11 +35,16 @@ from pathlib import Path
 import torch
 import typer
 
-from diloco.algorithm import classify_tensors
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm import RunningMean, classify_tensors
+from diloco.algorithm.codecs import Codec, parse_codec
 from diloco.console import check_output_path, fail, out, summary_table, write_json
 from diloco.server.model.published_copy import PublishedCopy
+from diloco.server.rounds.admission import scan_values
 from diloco.wire import specs_of
+from diloco.wire.compressed.header import check_compressed_header
+from diloco.wire.compressed.pieces import CompressedPieces
+from diloco.wire.format.frames import read_frame_header
+from diloco.wire.format.spool import SpooledTensors, SpoolFiles
 from diloco.worker.anchor import Anchor
 from diloco.worker.upload_coder import UploadCoder
 
@@ -52,6 +62,37 @@ def _timed(work: Callable[[], object], device: torch.device, repeats: int) -> li
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
     return times
+
+
+def _server_fold(
+    body: bytearray, state: dict[str, torch.Tensor], coding: Codec, exact: set[str]
+) -> tuple[Callable[[], RunningMean], Callable[[RunningMean], None]]:
+    """The function that takes `body` in as a server takes a round's later upload: from a
+    spool file, its values scanned (admission.scan_values), then folded into sums that hold
+    one body already, in preallocated storage (round.fold's add_pieces)."""
+    spool = tempfile.TemporaryFile()  # noqa: SIM115 (closed with the spooled body)
+    spool.write(body)
+    spool.flush()
+    data_start, entries, metadata = read_frame_header(bytes(body[: 1 << 20]), len(body))
+    spooled = SpooledTensors(spool, len(body), data_start, entries, SpoolFiles(keep=0), metadata)
+    expected = {n: (tuple(t.shape), torch.float32) for n, t in state.items() if n not in exact}
+    expected |= {n: (tuple(state[n].shape), state[n].dtype) for n in exact}
+    header = check_compressed_header(entries, metadata, expected, coding, exact=exact)
+    opened = CompressedPieces.spooled(header, spooled)
+    shapes = {name: tuple(t.shape) for name, t in opened.meta.items()}
+    storage = {n: torch.empty(shape) for n, shape in shapes.items()}
+    counts = {n: torch.empty(shape) for n, shape in shapes.items()}
+
+    def running() -> RunningMean:
+        held = RunningMean(storage=storage, count_senders=coding.is_sparse, senders_storage=counts)
+        held.add_pieces(shapes, opened.pieces(held.takes_sparse(1)), tokens=1)  # the first
+        return held
+
+    def fold(held: RunningMean) -> None:
+        bound = scan_values(opened).bound
+        held.add_pieces(shapes, opened.pieces(held.takes_sparse(1)), tokens=1, max_abs=bound)
+
+    return running, fold
 
 
 def _profile(work: Callable[[], object], lines: int) -> str:
@@ -125,6 +166,13 @@ def main(
 
     reset = _timed(lambda: [t.copy_(before[n]) for n, t in anchor.tensors.items()], where, repeats)
     cpu = torch.device("cpu")
+    exact = set(names) - coder.coded_names
+    on_server = {n: t.to(dtypes[n]) for n, t in host.items()}  # (shapes and dtypes)
+    held, take_in = _server_fold(body, on_server, coding, exact)
+    folds = []
+    for _ in range(repeats):  # each into sums holding the first body, made untimed
+        sums = held()
+        folds.append(_timed(lambda sums=sums: take_in(sums), cpu, 1)[0])
     figures = {
         "encode": statistics.median(_timed(encode, where, repeats)),
         "apply": statistics.median(_timed(apply, where, repeats)) - statistics.median(reset),
@@ -132,6 +180,8 @@ def main(
         "server_delta": statistics.median(
             _timed(lambda: published.advance(masters, names), cpu, repeats)
         ),
+        # the server's intake of the body as a round's later upload: its scan, then its fold
+        "server_fold": statistics.median(folds),
     }
     upload, download = len(body), len(delta)
     pageable = torch.empty(max(upload, download), dtype=torch.uint8)
@@ -161,6 +211,7 @@ def main(
         "encode": ("to_host_pageable", upload),
         "apply": ("to_device_pageable", download),
         "server_delta": ("cpu_memory_pass", download),
+        "server_fold": ("cpu_memory_pass", upload),
     }
     ratios = {phase: figures[phase] / limits[floor] for phase, (floor, _) in floors.items()}
     name = torch.cuda.get_device_name(where) if where.type == "cuda" else "CPU"

@@ -157,7 +157,7 @@ def test_a_workers_coding_is_timed_beside_its_copy_limits(tmp_path: Path) -> Non
     values = document["parameters"]
     for body in (document["upload_bytes"], document["download_bytes"]):
         assert values < body < values * (1 + 4 / 128) + 64_000
-    assert set(document["seconds"]) == {"encode", "apply", "server_delta"}
+    assert set(document["seconds"]) == {"encode", "apply", "server_delta", "server_fold"}
     assert all(seconds > 0 for seconds in document["seconds"].values())
     assert set(document["limits_seconds"]) == {
         "to_device_pageable", "to_device_pinned", "to_host_pageable", "to_host_pinned",
@@ -168,6 +168,20 @@ def test_a_workers_coding_is_timed_beside_its_copy_limits(tmp_path: Path) -> Non
         assert document["ratio_to_floor"][phase] == pytest.approx(ratio)
     assert "--- encode: where the time went" in result.stdout
     assert "--- apply: where the time went" in result.stdout
+
+
+def test_a_top_k_body_s_intake_on_the_server_is_timed(tmp_path: Path) -> None:
+    """With top-k, the server's fold of the body (as kept values, senders counted) is timed
+    beside the rest; the bodies hold about 3 % of the values (4 bytes of value and index
+    would be 8 %)."""
+    result = run_benchmark_in_process(
+        "worker_coding.py", "--device", "cpu", "--size", "2M", "--repeats", "2",
+        "--codec", "topk:0.03+int2", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    document = json.loads((tmp_path / "worker_coding.json").read_text())
+    assert document["seconds"]["server_fold"] > 0 and document["floors"]["server_fold"]
+    assert document["upload_bytes"] < document["parameters"] * 4 * 0.08
 
 
 @pytest.mark.parametrize(
