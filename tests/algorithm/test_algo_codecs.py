@@ -21,6 +21,7 @@ from diloco.algorithm.codecs import (
     max_abs,
     parse_codec,
     piece_elements,
+    read_elements,
     require_kept_values,
 )
 
@@ -435,6 +436,19 @@ def test_encode_folds_over_many_pieces_and_a_tail() -> None:
         191,
         128,
     ]
+
+
+def test_a_receiver_reads_top_k_in_large_spans_and_dense_codecs_in_pieces() -> None:
+    """A top-k tensor's parts hold a few % of its values: a receiver checks and adds 2^23
+    elements a span (on an accelerator its larger pieces); a dense one reads pieces."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    topk = parse_codec("topk:0.03+int2")
+    assert read_elements(topk, cpu) == 1 << 23 > piece_elements(cpu)
+    assert read_elements(topk, gpu) == max(1 << 23, piece_elements(gpu))
+    for spec in ("int8", "int2", "bf16"):
+        assert read_elements(parse_codec(spec), cpu) == piece_elements(cpu)
+    spans = list(Layout(3 << 20, topk).spans(read_elements(topk, cpu)))
+    assert len(spans) == 1 and (spans[0].start, spans[0].stop) == (0, 3 << 20)
 
 
 def test_encode_writes_into_given_parts_and_checks_them() -> None:

@@ -55,6 +55,7 @@ _ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
 _BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
 _CPU_PIECE = 1 << 19  # elements per piece on CPU: 2 MiB of fp32 (measured best of 2^17-2^21)
 _DEVICE_PIECE = 1 << 24  # on an accelerator: fewer, larger launches
+_SPARSE_READ = 1 << 23  # elements per span a receiver reads of a top-k tensor (read_elements)
 _ITERATIVE_TOP_K = 16  # up to this k, top-k by k max-passes; above, torch.topk
 _OUT_OF_RUNNING = -1  # a taken key: below every key left in its row (all are >= 0)
 _LOW_WORD = 0xFFFFFFFF
@@ -387,6 +388,15 @@ class Encoded:
 def piece_elements(device: torch.device) -> int:
     """Elements per piece of work on `device`: cache-sized on CPU, large on accelerators."""
     return _CPU_PIECE if device.type == "cpu" else _DEVICE_PIECE
+
+
+def read_elements(codec: Codec, device: torch.device) -> int:
+    """Elements per span a receiver reads, checks and adds of a tensor coded with `codec`,
+    on `device`: a top-k span's parts hold 3 % of its values and it is added as them alone,
+    so its spans are large (its many small checks cost per span, not per value: spans of
+    2^19 made a 25M model's top-k scan 125 spans, one per tensor being 101)."""
+    pieces = piece_elements(device)
+    return max(pieces, _SPARSE_READ) if codec.is_sparse else pieces
 
 
 def _code_dtype(codec: Codec) -> torch.dtype:

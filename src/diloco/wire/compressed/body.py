@@ -34,6 +34,7 @@ from diloco.algorithm.codecs import (
     encode,
     max_abs,
     piece_elements,
+    read_elements,
 )
 from diloco.wire.compressed.bitpack import pack
 from diloco.wire.compressed.header import (
@@ -325,7 +326,7 @@ def decode_entry(entry: CompressedEntry, read: PartReader) -> torch.Tensor:
     codec = entry.layout.codec
     out = torch.empty(entry.shape, dtype=torch.float32)
     flat = out.view(-1)
-    for span in entry.layout.spans(piece_elements(flat.device)):
+    for span in entry.layout.spans(read_elements(codec, flat.device)):
         ranges = entry.part_ranges(span)
         parts = {part: read(part, begin, end) for part, (begin, end) in ranges.items()}
         decode(read_span(entry, span, parts), codec, out=flat[span.start : span.stop])
@@ -336,7 +337,7 @@ def check_entry(entry: CompressedEntry, read: PartReader) -> float:
     """Check every span of `entry` (as `read_span` does) without decoding it; returns a bound
     of every decoded magnitude (codecs.max_abs), for an overflow check before folding."""
     bound = 0.0
-    for span in entry.layout.spans(piece_elements(torch.device("cpu"))):
+    for span in entry.layout.spans(read_elements(entry.layout.codec, torch.device("cpu"))):
         parts = {part: read(part, *where) for part, where in entry.part_ranges(span).items()}
         bound = max(bound, max_abs(read_span(entry, span, parts), entry.layout.codec))
     return bound
@@ -351,7 +352,7 @@ def fold_entry(
     `target` may live on an accelerator: each span's parts are decoded next to it."""
     codec = entry.layout.codec
     flat = target.view(-1)
-    for span in entry.layout.spans(piece_elements(flat.device)):
+    for span in entry.layout.spans(read_elements(codec, flat.device)):
         parts = {part: read(part, *where) for part, where in entry.part_ranges(span).items()}
         piece = read_span(entry, span, parts).to(flat.device)
         decode_into(piece, codec, flat[span.start : span.stop], weight)

@@ -21,17 +21,20 @@ from collections.abc import Iterator
 
 import torch
 
-from diloco.algorithm.codecs import Span, decode, decode_sparse, max_abs, piece_elements
+from diloco.algorithm.codecs import (
+    Span,
+    decode,
+    decode_sparse,
+    max_abs,
+    piece_elements,
+    read_elements,
+)
 from diloco.algorithm.tensors import finite_bound
 from diloco.wire.compressed.header import CompressedEntry, CompressedHeader
 from diloco.wire.compressed.values import as_bytes, read_span
 from diloco.wire.format.spool import Piece, PieceBody, SpooledTensors
 
 Bytes = torch.Tensor | memoryview
-# Elements per span of a top-k tensor checked, or read as kept values, without a decode: its
-# parts are 3 % of the span's values (indices, codes), so the span's many small checks cost
-# per span, not per value (2^19-element spans made a 25M body's scan 60 ms, 125 spans)
-SPARSE_PIECE = 1 << 23
 
 
 class CompressedPieces(PieceBody):
@@ -84,7 +87,7 @@ class CompressedPieces(PieceBody):
         """Plain entries first (bounded by a scan of their values), then each compressed
         tensor span by span (bounded by `max_abs`, its values being checked finite).
         `sparse`: a top-k span comes as a `SparsePiece` (its kept values, not decoded into a
-        span of zeros), from spans of `SPARSE_PIECE` elements."""
+        span of zeros), from spans of `read_elements`."""
         return self._bounded(decoded=True, sparse=sparse)
 
     def bounds(self) -> Iterator[tuple[str, int, torch.Tensor, float | None]]:
@@ -109,10 +112,11 @@ class CompressedPieces(PieceBody):
                 yield name, 0, flat, finite_bound(flat)
         for name, entry in self.header.compressed.items():
             codec = entry.layout.codec
-            # a top-k span holds 3 % of its values: checked (or kept) whole, a larger span
-            # costs what a small one does, where a decoded one is a span of fp32
+            # a top-k span's checks, or its kept values, cost per span (read_elements), where
+            # a span decoded whole is a span of fp32
             large = codec.is_sparse and (sparse or not decoded)
-            size = SPARSE_PIECE if large else piece_elements(torch.device("cpu"))
+            cpu = torch.device("cpu")
+            size = read_elements(codec, cpu) if large else piece_elements(cpu)
             for span in entry.layout.spans(size):
                 encoded = read_span(entry, span, self._span_parts(entry, span))
                 bound = max_abs(encoded, codec)
