@@ -70,13 +70,18 @@ def assembled(body: CompressedPieces) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("spec", CODECS)
-def test_the_pieces_are_the_whole_decode_from_a_file_and_from_memory(spec: str) -> None:
+def coded(spec: str) -> tuple[Codec, dict, bytearray, dict, dict]:
+    """The codec, the values, their body, what a receiver expects and the body decoded whole."""
     codec = parse_codec(spec, block=64, chunk=32)
     values = tensors()
     data = encode_compressed(values, codec, exact={"norm"})
     expected = expected_of(values)
-    whole = decode_compressed(data, expected, codec, exact={"norm"})
+    return codec, values, data, expected, decode_compressed(data, expected, codec, exact={"norm"})
+
+
+@pytest.mark.parametrize("spec", CODECS)
+def test_the_pieces_are_the_whole_decode_from_a_file_and_from_memory(spec: str) -> None:
+    codec, values, data, expected, whole = coded(spec)
     for body in both(data, expected, codec):
         meta = body.meta
         assert {n: (tuple(t.shape), t.dtype) for n, t in meta.items()} == {
@@ -97,11 +102,7 @@ def test_sparse_pieces_are_the_kept_values_of_the_whole_decode(spec: str) -> Non
     """Asked for sparse pieces, a top-k tensor comes as its kept values (a SparsePiece per
     span of up to 2^23 elements: 'big', 300k, in one), whose dense form is the whole decode;
     tensors sent exact come as plain pieces; without asking, every piece is dense."""
-    codec = parse_codec(spec, block=64, chunk=32)
-    values = tensors()
-    data = encode_compressed(values, codec, exact={"norm"})
-    expected = expected_of(values)
-    whole = decode_compressed(data, expected, codec, exact={"norm"})
+    codec, values, data, expected, whole = coded(spec)
     for body in both(data, expected, codec):
         seen = []
         for name, first, piece in body.pieces(sparse=True):  # each used before the next
