@@ -439,11 +439,17 @@ def test_encode_folds_over_many_pieces_and_a_tail() -> None:
 
 
 def test_a_receiver_reads_top_k_in_large_spans_and_dense_codecs_in_pieces() -> None:
-    """A top-k tensor's parts hold a few % of its values: a receiver checks and adds 2^23
-    elements a span (on an accelerator its larger pieces); a dense one reads pieces."""
+    """A top-k span holds k / chunk of its values: a receiver reads spans of as many kept
+    values as a piece (2^19 on CPU) holds values, at most 2^23 elements (on an accelerator
+    its larger pieces); a dense one reads pieces. By hand, chunks of 128: topk:0.03 keeps
+    k = 4, 2^19 x 32 = 2^24, capped at 2^23; topk:0.5 keeps 64, 2^19 x 2 = 2^20; topk:1.0
+    keeps all, 2^19."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     topk = parse_codec("topk:0.03+int2")
-    assert read_elements(topk, cpu) == 1 << 23 > piece_elements(cpu)
+    assert piece_elements(cpu) == 1 << 19 and topk.k == 4
+    assert read_elements(topk, cpu) == 1 << 23
+    assert read_elements(parse_codec("topk:0.5+int8"), cpu) == 1 << 20
+    assert read_elements(parse_codec("topk:1.0"), cpu) == 1 << 19
     assert read_elements(topk, gpu) == max(1 << 23, piece_elements(gpu))
     for spec in ("int8", "int2", "bf16"):
         assert read_elements(parse_codec(spec), cpu) == piece_elements(cpu)

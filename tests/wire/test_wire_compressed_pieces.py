@@ -14,6 +14,7 @@ from diloco.algorithm import RunningMean
 from diloco.algorithm.codecs import Codec, parse_codec, piece_elements
 from diloco.algorithm.tensors import SparsePiece
 from diloco.wire import WireError
+from diloco.wire.compressed.bitpack import pack, unpack
 from diloco.wire.compressed.body import (
     check_compressed_header,
     decode_compressed,
@@ -117,6 +118,42 @@ def test_sparse_pieces_are_the_kept_values_of_the_whole_decode(spec: str) -> Non
         dense = [isinstance(p, SparsePiece) for _, _, p in body.pieces()]
         assert not any(dense)  # unless asked
         body.close()
+
+
+def test_sparse_pieces_of_many_spans_cover_a_tensor_once_and_check_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With pieces of 64 values, topk:0.1 (k = 3 of 32) reads spans of at most 64 x 32 // 3 =
+    682 elements, in whole groups of 8 chunks (so that 8 x 3 indices of 5 bits fill whole
+    bytes): 512. 'big' (300k) comes in 586 sparse pieces from first = 0 on, each its slice of
+    the whole decode (the last of 3 chunks); an index that repeats in a later span is refused
+    naming its chunk."""
+    import diloco.algorithm.codecs as codecs
+
+    monkeypatch.setattr(codecs, "_CPU_PIECE", 64)
+    codec, _, data, expected, whole = coded("topk:0.1")
+    assert codec.k == 3 and codecs.read_elements(codec, torch.device("cpu")) == 682
+    for body in both(data, expected, codec):
+        firsts = []
+        for name, first, piece in body.pieces(sparse=True):
+            if name != "big":
+                continue
+            firsts.append(first)
+            expect = whole["big"].reshape(-1)[first : first + piece.numel]
+            assert torch.equal(piece.dense(), expect), first
+        assert firsts == list(range(0, 300_000, 512)) and len(firsts) == 586
+        body.close()
+
+    def repeat(parts: dict) -> None:  # chunk 1000 (in span 62): its second index = its first
+        indices = unpack(parts["big#indices"], 5, 300_000 // 32 * 3)
+        indices[1000 * 3 + 1] = indices[1000 * 3]
+        parts["big#indices"] = pack(indices, 5)
+
+    data, expected = body_with(codec, repeat)
+    for body in both(data, expected, codec):
+        with pytest.raises(WireError) as refused:
+            list(body.pieces(sparse=True))
+        assert refused.value.detail["chunk"] == 1000 and "repeats index" in str(refused.value)
 
 
 def body_with(codec: Codec, change) -> tuple[bytes, dict]:

@@ -392,11 +392,14 @@ def piece_elements(device: torch.device) -> int:
 
 def read_elements(codec: Codec, device: torch.device) -> int:
     """Elements per span a receiver reads, checks and adds of a tensor coded with `codec`,
-    on `device`: a top-k span's parts hold 3 % of its values and it is added as them alone,
-    so its spans are large (its many small checks cost per span, not per value: spans of
-    2^19 made a 25M model's top-k scan 125 spans, one per tensor being 101)."""
+    on `device`: a top-k span's parts hold k / chunk of its values and it is added as them
+    alone, so its spans hold as many kept values as a piece holds values (capped at 2^23
+    elements): its many small checks cost per span, not per value (spans of 2^19 made a 25M
+    model's topk:0.03 scan 125 spans, one per tensor being 101)."""
     pieces = piece_elements(device)
-    return max(pieces, _SPARSE_READ) if codec.is_sparse else pieces
+    if not codec.is_sparse:
+        return pieces
+    return max(pieces, min(_SPARSE_READ, pieces * codec.chunk // codec.k))
 
 
 def _code_dtype(codec: Codec) -> torch.dtype:

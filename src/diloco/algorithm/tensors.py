@@ -17,7 +17,7 @@ import torch
 TensorDict = dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SparsePiece:
     """A flat span of `numel` fp32 elements given by its kept values: `values` at `positions`
     (int64, from the span's first element, each at most once), 0 everywhere else. A top-k

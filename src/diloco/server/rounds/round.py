@@ -14,7 +14,7 @@ from diloco.algorithm import Contribution, RunningMean
 from diloco.server.members.membership import WorkerRecord
 from diloco.server.state.step_inputs import InputCopy, discard_all
 from diloco.wire import WireError
-from diloco.wire.format.spool import CheckedPieces, PieceBody, sum_overflow
+from diloco.wire.format.spool import CheckedPieces, Piece, PieceBody, sum_overflow
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class Round:
         worker_id: str,
         fragment: int,
         shapes: dict[str, tuple[int, ...]],
-        pieces: Iterable[tuple[str, int, torch.Tensor]],
+        pieces: Iterable[tuple[str, int, Piece]],
         tokens: int,
         now: float,
         scale: float = 1.0,

@@ -5,7 +5,9 @@ a piece at a time, from its spool file or from the request's buffer. A piece is 
 one tensor (`Layout.spans`, 2 MiB of fp32 on CPU): the span's byte ranges of the tensor's
 parts are read (one pread each from a file), checked by `read_span` (scales, levels, values,
 indices, padding bits: 422 malformed_compressed naming the tensor and the part) and decoded
-into one reused fp32 buffer. So:
+into one reused fp32 buffer. A top-k tensor is read in larger spans (`codecs.read_elements`:
+as many kept values as a piece holds values) and, for a fold that asks, handed on as its kept
+values (`SparsePiece`), not decoded into a span of zeros. So:
 - memory is a few MiB per upload, whatever the model's size (no model-sized temporary);
 - the first contribution of a round can be checked while it is folded, in one read, and a
   refusal half way changes nothing, exactly as for a plain spooled body;

@@ -176,6 +176,7 @@ class SpooledTensors(PieceBody):
     def pieces(
         self,
         sparse: bool = False,
+        *,
         piece_bytes: int = PIECE_BYTES,
         names: Collection[str] | None = None,
     ) -> Iterator[tuple[str, int, torch.Tensor]]:
@@ -280,12 +281,13 @@ class CheckedPieces:
         for name, first, piece, piece_bound in bounded:
             if piece_bound is None:
                 values = piece.values if isinstance(piece, SparsePiece) else piece
+                numel = piece.numel if isinstance(piece, SparsePiece) else piece.numel()
                 bad = int((~torch.isfinite(values)).sum())
                 raise WireError(
                     422,
                     "non_finite",
                     f"tensor {name!r} holds NaN or Inf values ({bad} in elements {first} to "
-                    f"{first + piece.numel() - 1})",
+                    f"{first + numel - 1})",
                     tensor=name,
                     count=bad,
                 )
