@@ -109,7 +109,7 @@ def test_sparse_pieces_are_the_kept_values_of_the_whole_decode(spec: str) -> Non
         for name, first, piece in body.pieces(sparse=True):  # each used before the next
             seen.append((name, first))
             if name in ("big", "odd"):
-                assert isinstance(piece, SparsePiece) and piece.numel == values[name].numel()
+                assert isinstance(piece, SparsePiece) and piece.numel() == values[name].numel()
                 assert torch.equal(piece.dense(), whole[name]), name
             else:  # exact: a plain piece
                 assert not isinstance(piece, SparsePiece)
@@ -139,7 +139,7 @@ def test_sparse_pieces_of_many_spans_cover_a_tensor_once_and_check_each(
             if name != "big":
                 continue
             firsts.append(first)
-            expect = whole["big"].reshape(-1)[first : first + piece.numel]
+            expect = whole["big"].reshape(-1)[first : first + piece.numel()]
             assert torch.equal(piece.dense(), expect), first
         assert firsts == list(range(0, 300_000, 512)) and len(firsts) == 586
         body.close()

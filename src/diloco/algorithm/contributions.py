@@ -240,10 +240,10 @@ class RunningMean:
         scratch = torch.empty(0, dtype=torch.float32)  # a sparse piece made dense
         for name, first, piece in pieces:
             if isinstance(piece, SparsePiece) and factor != 1.0:
-                if scratch.numel() < piece.numel:
-                    scratch = torch.empty(piece.numel, dtype=torch.float32)
-                piece = piece.dense(scratch[: piece.numel])
-            numel = piece.numel if isinstance(piece, SparsePiece) else piece.numel()
+                if scratch.numel() < piece.length:
+                    scratch = torch.empty(piece.length, dtype=torch.float32)
+                piece = piece.dense(scratch[: piece.length])
+            numel = piece.numel()
             if name in senders:
                 span = senders[name].view(-1)[first : first + numel]
                 if isinstance(piece, SparsePiece):  # + weight where a value is not 0

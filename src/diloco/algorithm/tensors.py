@@ -19,22 +19,26 @@ TensorDict = dict[str, torch.Tensor]
 
 @dataclass(frozen=True, eq=False)
 class SparsePiece:
-    """A flat span of `numel` fp32 elements given by its kept values: `values` at `positions`
+    """A flat span of `length` fp32 elements given by its kept values: `values` at `positions`
     (int64, from the span's first element, each at most once), 0 everywhere else. A top-k
-    span as decoded for a fold, which adds 3 % of a span's values instead of the whole span
-    and its zeros (see RunningMean.add_pieces)."""
+    span as decoded for a fold, which adds its kept values (k / chunk of the span) instead of
+    the whole span and its zeros (see RunningMean.add_pieces). `numel()` as a tensor's, so a
+    reader counts either kind of piece alike."""
 
-    numel: int
+    length: int
     positions: torch.Tensor
     values: torch.Tensor
+
+    def numel(self) -> int:
+        return self.length
 
     def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The span as a flat fp32 tensor (written into `out` when given): what `decode`
         gives for it."""
         if out is None:
-            out = torch.empty(self.numel, dtype=torch.float32, device=self.values.device)
+            out = torch.empty(self.length, dtype=torch.float32, device=self.values.device)
         out.zero_()
-        if self.numel:
+        if self.length:
             out.index_put_((self.positions,), self.values)
         return out
 

@@ -112,12 +112,12 @@ class CompressedPieces(PieceBody):
             for name, tensor in self.header.plain.items():
                 flat = tensor.reshape(-1)
                 yield name, 0, flat, finite_bound(flat)
+        cpu = torch.device("cpu")
         for name, entry in self.header.compressed.items():
             codec = entry.layout.codec
             # a top-k span's checks, or its kept values, cost per span (read_elements), where
             # a span decoded whole is a span of fp32
             large = codec.is_sparse and (sparse or not decoded)
-            cpu = torch.device("cpu")
             size = read_elements(codec, cpu) if large else piece_elements(cpu)
             for span in entry.layout.spans(size):
                 encoded = read_span(entry, span, self._span_parts(entry, span))

@@ -281,13 +281,12 @@ class CheckedPieces:
         for name, first, piece, piece_bound in bounded:
             if piece_bound is None:
                 values = piece.values if isinstance(piece, SparsePiece) else piece
-                numel = piece.numel if isinstance(piece, SparsePiece) else piece.numel()
                 bad = int((~torch.isfinite(values)).sum())
                 raise WireError(
                     422,
                     "non_finite",
                     f"tensor {name!r} holds NaN or Inf values ({bad} in elements {first} to "
-                    f"{first + numel - 1})",
+                    f"{first + piece.numel() - 1})",
                     tensor=name,
                     count=bad,
                 )
