@@ -324,6 +324,8 @@ def test_a_disk_that_cannot_take_a_copy_leaves_its_round_logging_its_sums(
         patched.setattr(step_inputs, "copy_prefix", full_disk)
         assert bodies.submit(c, "a", 0, [0.25, 0.5, -0.125])["status"] == "accepted"
     (copy,) = c.round.inputs
+    with pytest.raises(OSError, match="No space left"):  # (its thread may still be ending)
+        copy.durable()
     assert copy.failed
     assert completes_logging_sums(c, bodies, state)  # both copies went
     for worker, values in CHAIN[1]:  # the next round logs its bodies again
