@@ -161,6 +161,52 @@ def test_sparse_pieces_fold_their_kept_values_as_the_dense_pieces_would() -> Non
     assert torch.equal(running.senders["w"], reference.senders["w"])
 
 
+def test_a_sparse_first_body_that_fails_part_way_leaves_the_round_as_it_was() -> None:
+    """The round's first body, top-k spans into storage full of 7s: its first span is folded,
+    then its reader raises (a bad index found in its second span). Nothing is registered: no
+    sum, no count of senders, no contribution; the next body is then the round's first, and
+    the sums are its own kept values by hand, [0, 0, 1.5, 0, -2], not 7s or the failed
+    body's 4.0 at 0."""
+    storage, counts = {"w": torch.full((5,), 7.0)}, {"w": torch.full((5,), 7.0)}
+    running = RunningMean("uniform", storage=storage, count_senders=True, senders_storage=counts)
+
+    def failing():
+        yield "w", 0, SparsePiece(3, torch.tensor([0]), torch.tensor([4.0]))
+        raise ValueError("tensor 'w': index 9 of chunk 1 is out of range")
+
+    with pytest.raises(ValueError, match="index 9"):
+        running.add_pieces({"w": (5,)}, failing(), tokens=1)
+    assert running.count == 0 and running.sums == {} and running.totals == {}
+    assert running.senders == {}
+    good = [
+        ("w", 0, SparsePiece(3, torch.tensor([2]), torch.tensor([1.5]))),
+        ("w", 3, SparsePiece(2, torch.tensor([1]), torch.tensor([-2.0]))),
+    ]
+    assert running.add_pieces({"w": (5,)}, good, tokens=1)
+    assert running.sums["w"].tolist() == [0.0, 0.0, 1.5, 0.0, -2.0]
+    assert running.senders is not None and running.senders["w"].tolist() == [0, 0, 1, 0, 1]
+    assert running.count == 1 and running.totals == {"w": 1.0}
+
+
+def test_a_sparse_fold_keeps_a_sum_s_negative_zero_the_dense_fold_makes_positive() -> None:
+    """The one difference `add_pieces` documents: the first body sends -0.0 at element 1 (a
+    dense body); the second, top-k, keeps only element 0. The sparse fold leaves element 1's
+    sum -0.0 (nothing is added there); the dense fold adds its 0.0, and -0.0 + 0.0 = +0.0 in
+    IEEE 754. Every other bit is the same."""
+
+    def folded(dense: bool) -> torch.Tensor:
+        running = RunningMean("uniform")
+        assert running.add_pieces({"w": (2,)}, [("w", 0, torch.tensor([1.0, -0.0]))], tokens=1)
+        piece = SparsePiece(2, torch.tensor([0]), torch.tensor([2.0]))
+        running.add_pieces({"w": (2,)}, [("w", 0, piece.dense() if dense else piece)], tokens=1)
+        return running.sums["w"]
+
+    sparse, dense = folded(dense=False), folded(dense=True)
+    assert sparse.tolist() == dense.tolist() == [3.0, 0.0]
+    assert math.copysign(1.0, sparse[1].item()) == -1.0
+    assert math.copysign(1.0, dense[1].item()) == 1.0
+
+
 def test_sparse_pieces_weighted_other_than_1_are_folded_dense() -> None:
     """Under tokens weighting a contribution's values are scaled (x 3 here), which only the
     dense fold rounds as it always did: the sparse piece is made dense first. By hand:
