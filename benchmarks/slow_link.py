@@ -238,7 +238,11 @@ def summarize(job: dict, run: dict) -> dict:
 def main(
     size: str = typer.Option("25M", help=f"Bundled GPT size: {', '.join(SIZES)}."),
     workers: int = typer.Option(4, help="K worker processes, each behind its own link."),
-    steps: int = typer.Option(60, help="Inner steps per worker per run."),
+    steps: int = typer.Option(
+        120,
+        help="Inner steps per worker per run (6 rounds at H = 20: the figures leave the first "
+        "out, and one or two more rounds would leave them to whatever else ran then).",
+    ),
     sync_every: int = typer.Option(20, help="H."),
     fragments: int = typer.Option(4, help="P for the streaming runs."),
     delay: int = typer.Option(4, help="tau for the streaming runs (inner steps a sync hides in)."),
