@@ -5,7 +5,7 @@
 #   benchmarks/gpu_wheels.sh [DIR] [PYTHON_VERSION]     # default: wheels 3.12
 #
 # A typical CUDA image (PyTorch's, NVIDIA's) already has torch, numpy, safetensors, typer, rich
-# and urllib3; it lacks the server's web stack. These are the packages diloco needs that such
+# and urllib3; it lacks the server's web stack and xxhash. These are the packages diloco needs that such
 # an image lacks, and the small ones it may hold too old; pip installs only those that are
 # missing or too old. Versions are this checkout's .venv's where it has one (what the tests
 # ran against), else the newest for that Python.
@@ -14,7 +14,8 @@ DIR=${1:-wheels}
 PY=${2:-3.12}
 PACKAGES=(fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection
   typing-extensions opentelemetry-api uvicorn httptools uvloop h11 click anyio idna
-  prometheus-client urllib3 typer rich shellingham markdown-it-py mdurl pygments safetensors)
+  prometheus-client urllib3 typer rich shellingham markdown-it-py mdurl pygments safetensors
+  xxhash)
 cd "$(dirname "$0")/.."
 mkdir -p "$DIR"
 for name in "${PACKAGES[@]}"; do

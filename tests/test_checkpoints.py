@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from diloco.checkpoints import MANIFEST_NAME, RECYCLED_NAME, CheckpointStore
 from diloco.wire import encode_tensors
@@ -143,6 +144,63 @@ def test_flipped_byte_falls_back_with_warning(
     assert any("gen-000000000002" in r.getMessage() for r in caplog.records)
 
 
+def _as_sha256_manifest(generation: Path) -> None:
+    """Rewrite a generation's manifest as a server before XXH3-128 wrote it: each file's
+    SHA-256 (hashlib's, over the bytes on disk) under "sha256"."""
+    manifest = json.loads((generation / MANIFEST_NAME).read_text())
+    for name, entry in manifest["files"].items():
+        del entry["xxh3_128"]
+        entry["sha256"] = hashlib.sha256((generation / name).read_bytes()).hexdigest()
+    (generation / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_a_generation_written_with_sha256_checksums_still_loads_and_is_checked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state dir from before XXH3-128: its manifests name SHA-256. The newest loads, checked
+    with SHA-256 (a flipped byte in the next one makes it fall back, naming the check)."""
+    store = CheckpointStore(tmp_path)
+    for generation in (1, 2):
+        _as_sha256_manifest(store.write(generation, _tensors(generation), {"round": generation}))
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.generation == 2
+    _assert_bitwise_equal(loaded.tensors, _tensors(2))
+    target = _gen_dir(tmp_path, 2) / "weights.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0x01
+    target.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="diloco.server"):
+        loaded = store.load_latest()
+    assert loaded is not None and loaded.generation == 1
+    assert any("fails its sha256 check" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"bytes": 1},  # no checksum
+        {"bytes": 1, "xxh3_128": "0" * 32, "sha256": "0" * 64},  # two
+        {"bytes": 1, "xxh3_128": "0" * 64},  # a SHA-256's length under XXH3-128's name
+        {"bytes": 1, "sha256": "0" * 32},
+        {"bytes": 1, "xxh3_128": "Z" * 32},
+        {"bytes": 1, "md5": "0" * 32},
+    ],
+)
+def test_a_manifest_entry_without_exactly_one_well_formed_checksum_is_unusable(
+    tmp_path: Path, entry: dict
+) -> None:
+    store = CheckpointStore(tmp_path)
+    store.write(1, _tensors(1), {"round": 1})
+    newest = store.write(2, _tensors(2), {"round": 2})
+    manifest = json.loads((newest / MANIFEST_NAME).read_text())
+    name = "weights.safetensors"
+    entry = {**entry, "bytes": manifest["files"][name]["bytes"]}
+    manifest["files"][name] = entry
+    (newest / MANIFEST_NAME).write_text(json.dumps(manifest))
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.generation == 1
+
+
 def test_missing_manifest_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = CheckpointStore(tmp_path)
     store.write(1, _tensors(1), {"round": 1})
@@ -220,7 +278,7 @@ def test_failed_write_leaves_previous_generation(tmp_path: Path) -> None:
 
 def test_a_group_is_written_byte_for_byte_as_encode_tensors_writes_it(tmp_path: Path) -> None:
     """Written straight from the tensors' memory (no body copy), the file is still exactly the
-    safetensors body `encode_tensors` makes, and the manifest's SHA-256 is that body's."""
+    safetensors body `encode_tensors` makes, and the manifest's XXH3-128 is that body's."""
     group = {
         "w": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),  # strided: copied first
         "h": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
@@ -234,7 +292,7 @@ def test_a_group_is_written_byte_for_byte_as_encode_tensors_writes_it(tmp_path: 
     assert (path / "weights.safetensors").read_bytes() == expected
     manifest = json.loads((path / "manifest.json").read_text())
     entry = manifest["files"]["weights.safetensors"]
-    assert entry == {"bytes": len(expected), "sha256": hashlib.sha256(expected).hexdigest()}
+    assert entry == {"bytes": len(expected), "xxh3_128": xxhash.xxh3_128(expected).hexdigest()}
     loaded = store.load_latest()
     assert loaded is not None
     for name, tensor in group.items():
@@ -245,7 +303,7 @@ def test_a_generation_hashed_when_made_durable_keeps_what_was_staged(tmp_path: P
     """The step log's way (`hash_when_durable`): once `stage` returns, the tensors' memory may
     move (the outer step divides the sums in place) while another thread hashes each file
     from the page cache and syncs it; the generation holds the staged values, and its
-    manifest the SHA-256 of the bytes encode_tensors makes of them (hashlib, by hand)."""
+    manifest the XXH3-128 of the bytes encode_tensors makes of them (the xxhash package's)."""
     sums = {"a": torch.arange(3 * (9 << 20) // 4, dtype=torch.float32), "b": torch.ones(5)}
     staged = {name: tensor.clone() for name, tensor in sums.items()}
     store = CheckpointStore(tmp_path)
@@ -258,7 +316,7 @@ def test_a_generation_hashed_when_made_durable_keeps_what_was_staged(tmp_path: P
     manifest = json.loads((path / MANIFEST_NAME).read_text())
     assert manifest["files"]["steps.safetensors"] == {
         "bytes": len(expected),
-        "sha256": hashlib.sha256(expected).hexdigest(),
+        "xxh3_128": xxhash.xxh3_128(expected).hexdigest(),
     }
     loaded = store.load_latest()
     assert loaded is not None
@@ -269,7 +327,7 @@ def test_a_generation_hashed_when_made_durable_keeps_what_was_staged(tmp_path: P
 def test_a_recycling_store_writes_over_the_files_it_dropped(tmp_path: Path) -> None:
     """`recycle`: a dropped generation's files wait in `recycled/` (up to the limit) and the
     next generations are written over them, the same inode, cut to their own size; what
-    they read back is what was written, checked against the manifest's SHA-256."""
+    they read back is what was written, checked against the manifest's checksum."""
     store = CheckpointStore(tmp_path, keep=1, recycle=2)
     big = {f"g{i}": {"t": torch.arange(1000, dtype=torch.float32) + i} for i in range(3)}
     store.write(0, big, {"round": 0}, prune=False)
@@ -308,7 +366,10 @@ def test_the_step_logs_way_over_a_recycled_file_and_a_pool_cut_at_start(tmp_path
     durable()
     expected = bytes(encode_tensors({"s": torch.full((10,), 2.5)}))
     manifest = json.loads((tmp_path / "gen-000000000001" / MANIFEST_NAME).read_text())
-    assert manifest["files"]["steps.safetensors"]["sha256"] == hashlib.sha256(expected).hexdigest()
+    assert manifest["files"]["steps.safetensors"] == {
+        "bytes": len(expected),
+        "xxh3_128": xxhash.xxh3_128(expected).hexdigest(),
+    }
     for i in range(5):
         (tmp_path / RECYCLED_NAME / f"extra-{i}.safetensors").write_bytes(b"x" * 10)
     CheckpointStore(tmp_path, keep=1, recycle=2)

@@ -2,7 +2,8 @@
 
 One generation is a directory `gen-<generation:012d>` holding one safetensors file per tensor
 group (and, in a step log, the upload bodies the step folded: `*.body` files written before it
-and moved in, see `AdoptedFile`) and a `manifest.json` with each file's size and SHA-256.
+and moved in, see `AdoptedFile`) and a `manifest.json` with each file's size and checksum
+(diloco/digests.py: XXH3-128; a generation written before names SHA-256, verified as such).
 A generation is built in a temporary directory, every file written and fsynced, the manifest
 last (temp file, fsync, os.replace, directory fsync), and only then renamed to its final name:
 a crash at any point leaves the previous complete generations, or those plus the new one,
@@ -13,7 +14,6 @@ falls back to older generations.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from diloco import faults
+from diloco import digests, faults
 from diloco.wire import WireError, decode_tensors
 from diloco.wire.format.layout import FrameLayout
 
@@ -45,7 +45,6 @@ _FINAL_DIR = re.compile(r"gen-(\d{12})")
 RECYCLED_NAME = "recycled"  # data files of dropped generations, to be written over
 _TEMP_DIR = re.compile(r"gen-\d{12}\.tmp-[0-9a-f]+")
 _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 logger = logging.getLogger("diloco.server")
 
@@ -64,7 +63,7 @@ class LoadedCheckpoint:
 class AdoptedFile(Protocol):
     """A file written before its generation (an upload's body, copied into the state dir as
     it came) and moved into it by `stage`: `durable` waits for its fsync and returns its size
-    and SHA-256 (both computed as it was written, off the step's path)."""
+    and checksum (both computed as it was written, off the step's path)."""
 
     path: Path
 
@@ -173,7 +172,7 @@ class CheckpointStore:
         try:
             os.chmod(temp, _mode_of(previous, _DEFAULT_DIR_MODE))
             # Every group's file is written, and hashed, at once: writes into the page
-            # cache and SHA-256 release the GIL, so the threads overlap. The directory is
+            # cache and hashing release the GIL, so the threads overlap. The directory is
             # invisible until its rename, so the files go straight under their own names.
             with ThreadPoolExecutor(2 * max(1, len(tensors))) as pool:
                 pending = {
@@ -189,7 +188,7 @@ class CheckpointStore:
                 }
                 for name, written in pending.items():
                     size, digest = written.result()
-                    files[name] = {"bytes": size, "sha256": digest}
+                    files[name] = {"bytes": size, digests.ALGORITHM: digest}
                     faults.crash_point("checkpoint_file")
             for name, file in adopted.items():  # a rename: the bytes stay where they are
                 os.rename(file.path, temp / name)
@@ -199,12 +198,12 @@ class CheckpointStore:
 
         def durable() -> Path:
             def hashed(name: str) -> None:  # from the page cache, as written
-                files[name]["sha256"] = _file_sha256(temp / name)
+                files[name][digests.ALGORITHM] = digests.file_digest(temp / name)
 
             try:
                 # each file's fsync (the disk's time) beside its hashing (a core's), not
                 # after it: nothing is visible before the manifest, written once both are done
-                unhashed = [name for name in files if files[name]["sha256"] is None]
+                unhashed = [name for name in files if files[name][digests.ALGORITHM] is None]
                 with ThreadPoolExecutor(max(1, len(files) + len(unhashed))) as pool:
                     work = [pool.submit(_fsync_file, temp / name) for name in files]
                     work += [pool.submit(hashed, name) for name in unhashed]
@@ -212,7 +211,7 @@ class CheckpointStore:
                         done.result()
                 for name, file in adopted.items():
                     size, digest = file.durable()
-                    files[name] = {"bytes": size, "sha256": digest}
+                    files[name] = {"bytes": size, digests.ALGORITHM: digest}
                 manifest = {
                     "format": FORMAT_VERSION,
                     "generation": generation,
@@ -361,14 +360,12 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             name.endswith(BODY_SUFFIX) and _GROUP_NAME.fullmatch(name)
         )
         size = entry.get("bytes") if isinstance(entry, dict) else None
-        digest = entry.get("sha256") if isinstance(entry, dict) else None
         if (
             not valid_name
             or isinstance(size, bool)
             or not isinstance(size, int)
             or size < 0
-            or not isinstance(digest, str)
-            or not _SHA256.fullmatch(digest)
+            or digests.named(entry) is None
         ):
             raise _Unusable(f"{MANIFEST_NAME} has a malformed entry for {name!r}")
     return manifest
@@ -387,7 +384,7 @@ def _is_complete(path: Path) -> bool:
 
 
 def _load(generation: int, path: Path) -> LoadedCheckpoint:
-    """Verify every file's size and SHA-256, and only then decode its tensors (an adopted
+    """Verify every file's size and checksum, and only then decode its tensors (an adopted
     body is verified as it lies on disk, and named, not read into memory)."""
     manifest = _read_manifest(path)
     if manifest.get("generation") != generation:
@@ -396,9 +393,9 @@ def _load(generation: int, path: Path) -> LoadedCheckpoint:
     bodies: dict[str, Path] = {}
     for name, entry in manifest["files"].items():
         if name.endswith(BODY_SUFFIX):
-            bodies[name] = _verified_body(path / name, entry["bytes"], entry["sha256"])
+            bodies[name] = _verified_body(path / name, entry["bytes"], _named(entry))
             continue
-        data = _read_verified(path / name, entry["bytes"], entry["sha256"])
+        data = _read_verified(path / name, entry["bytes"], _named(entry))
         try:
             tensors[name[: -len(_SUFFIX)]] = decode_tensors(data)
         except WireError as error:
@@ -406,20 +403,27 @@ def _load(generation: int, path: Path) -> LoadedCheckpoint:
     return LoadedCheckpoint(generation, tensors, manifest["metadata"], path, bodies)
 
 
-def _verified_body(path: Path, size: int, digest: str) -> Path:
+def _named(entry: Mapping[str, Any]) -> tuple[str, str]:
+    """(algorithm, digest) of a manifest entry `_read_manifest` has checked."""
+    named = digests.named(entry)
+    assert named is not None
+    return named
+
+
+def _verified_body(path: Path, size: int, digest: tuple[str, str]) -> Path:
     """`path` if it has the expected size and hash (read in pieces: a body may be large)."""
     try:
         actual = path.stat().st_size
         if actual != size:
             raise _Unusable(f"{path.name} has {actual} bytes, the manifest says {size}")
-        if _file_sha256(path) != digest:
-            raise _Unusable(f"{path.name} fails its SHA-256 check")
+        if digests.file_digest(path, digest[0]) != digest[1]:
+            raise _Unusable(f"{path.name} fails its {digest[0]} check")
     except OSError as error:
         raise _Unusable(f"{path.name} cannot be read: {error}") from None
     return path
 
 
-def _read_verified(path: Path, size: int, digest: str) -> bytearray:
+def _read_verified(path: Path, size: int, digest: tuple[str, str]) -> bytearray:
     """The bytes of `path`, read into one buffer, if they have the expected size and hash."""
     try:
         with path.open("rb") as handle:
@@ -431,8 +435,8 @@ def _read_verified(path: Path, size: int, digest: str) -> bytearray:
                 raise _Unusable(f"{path.name} was shorter than {size} bytes when read")
     except OSError as error:
         raise _Unusable(f"{path.name} cannot be read: {error}") from None
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise _Unusable(f"{path.name} fails its SHA-256 check")
+    if digests.digest_of(data, digest[0]) != digest[1]:
+        raise _Unusable(f"{path.name} fails its {digest[0]} check")
     return data
 
 
@@ -479,8 +483,8 @@ def _write_tensors(
     straight from their memory: no model-sized body is allocated and copied first (at 85M
     parameters that copy and its page faults were about a quarter of a checkpoint's time).
     The file is written by one of `pool`'s threads (into the page cache: `_fsync_file` makes
-    it durable) and, with `hash_memory`, its SHA-256 computed by another from the same memory
-    at the same time (else the digest is None: `_file_sha256` reads it back later). `over`:
+    it durable) and, with `hash_memory`, its checksum computed by another from the same memory
+    at the same time (else the digest is None: `digests.file_digest` reads it back later). `over`:
     `path` is a recycled file, written over and cut to the new size, not a new one."""
     layout = FrameLayout.of(tensors)
     pieces = [memoryview(layout.header)]
@@ -489,7 +493,7 @@ def _write_tensors(
             pieces.append(_tensor_bytes(tensors[name]))
 
     def hashed() -> str:
-        digest = hashlib.sha256()
+        digest = digests.hasher()
         for piece in pieces:
             digest.update(piece)
         return digest.hexdigest()
@@ -515,35 +519,9 @@ class _Written:
     digest: Future[str] | None  # None: hashed from the file later
 
     def result(self) -> tuple[int, str | None]:
-        """(size, SHA-256) once the file is written; the write's error if it failed."""
+        """(size, checksum) once the file is written; the write's error if it failed."""
         self.written.result()
         return self.size, None if self.digest is None else self.digest.result()
-
-
-def _file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's bytes as written (read back in 8 MiB reads, from the page
-    cache when it was just written)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return _descriptor_sha256(fd)
-    finally:
-        os.close(fd)
-
-
-def _descriptor_sha256(fd: int, size: int | None = None) -> str:
-    """`_file_sha256` of an open file's first `size` bytes (None: all of them), read by
-    offset: a rename of the file meanwhile does not disturb it. OSError if it ends before."""
-    size = os.fstat(fd).st_size if size is None else size
-    digest = hashlib.sha256()
-    view = memoryview(bytearray(8 << 20))
-    offset = 0
-    while offset < size:
-        read = os.preadv(fd, [view[: min(view.nbytes, size - offset)]], offset)
-        if read == 0:
-            raise OSError(f"the file ended after {offset} of {size} bytes")
-        digest.update(view[:read])
-        offset += read
-    return digest.hexdigest()
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

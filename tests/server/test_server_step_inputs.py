@@ -3,13 +3,13 @@ restart folds them again, in the order they were folded, to the same weights bit
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from crashes import flip_last_byte, killed, on_state_dir
 
 from diloco.algorithm.codecs import Codec
@@ -171,7 +171,7 @@ def test_a_round_logs_its_bodies_as_they_came_and_not_its_sums(tmp_path: Path) -
         assert (step_1 / name).read_bytes() == sent
         assert manifest["files"][name] == {
             "bytes": len(sent),
-            "sha256": hashlib.sha256(sent).hexdigest(),
+            "xxh3_128": xxhash.xxh3_128(sent).hexdigest(),
         }
     inputs = manifest["metadata"]["inputs"]
     assert [(i["file"], i["worker"], i["round"]) for i in inputs] == [

@@ -7,17 +7,17 @@ send its slice again: the follower would wait for good. So a follower with a sta
 each slice it takes to `<state-dir>/held-slices/` first, and a restart takes them back
 (`Coordinator._take_back_held`), through the same intake as an upload.
 
-Each slice is two files: the body exactly as it came (a safetensors file, coded or plain) and
-a small JSON record (worker, session, round, fragment, tokens, units, the body's size and
-SHA-256). Both are written and fsynced under temporary names outside the coordinator's lock
-(`prepare`), and renamed into place under it (`keep`) once the round takes the slice, the
-record last: a body without a record is a crash's leftover, removed at start, and a body
-whose hash is not its record's is dropped when it is taken back. Names sort in arrival
-order, so the restart offers the slices in the order they came (a newer process's slice
+Each slice is two files: the body exactly as it came (a safetensors file, coded or plain) and a
+small JSON record (worker, session, round, fragment, tokens, units, the body's size and
+checksum, diloco/digests.py). Both are written and fsynced under temporary names outside the
+coordinator's lock (`prepare`), and renamed into place under it (`keep`) once the round takes
+the slice, the record last: a body without a record is a crash's leftover, removed at start,
+and a body whose hash is not its record's is dropped when it is taken back. Names sort in
+arrival order, so the restart offers the slices in the order they came (a newer process's slice
 replaces an older one as it did). The files of slices the follower no longer holds (a step
-folded them; async: a later arrival passed their anchor) go as later slices come (`retain`);
-a sync follower also drops those of committed rounds at start (`forget_before`). The store
-reads the directory once, at start, and keeps its own index after.
+folded them; async: a later arrival passed their anchor) go as later slices come (`retain`); a
+sync follower also drops those of committed rounds at start (`forget_before`). The store reads
+the directory once, at start, and keeps its own index after.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from diloco.checkpoints import _file_sha256, _fsync_dir
+from diloco import digests
+from diloco.checkpoints import _fsync_dir
 from diloco.wire.format.frames import encode_tensors
 from diloco.wire.format.spool import SpooledTensors, open_spooled
 
@@ -56,7 +57,7 @@ class StoredSlice:
     progress: dict[int, int]
     body: Path
     record: Path
-    sha256: str
+    digest: tuple[str, str]  # (algorithm, hex digest) of the body (diloco/digests.py)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class HeldSlices:
         progress: Mapping[int, int],
     ) -> PreparedSlice:
         """The body and its record on disk and fsynced, under temporary names (outside the
-        lock: a model-sized copy, and the body's SHA-256 read back from the page cache)."""
+        lock: a model-sized copy, and the body's checksum read back from the page cache)."""
         token = secrets.token_hex(8)
         body = self.directory / f".body.tmp-{token}"
         record = self.directory / f".record.tmp-{token}"
@@ -119,7 +120,7 @@ class HeldSlices:
                 "units": list(units),
                 "progress": {str(k): v for k, v in progress.items()},
                 "size": size,
-                "sha256": _file_sha256(body),
+                digests.ALGORITHM: digests.file_digest(body),
             }
             _write_record(record, fields)
         except BaseException:
@@ -202,11 +203,12 @@ class HeldSlices:
         return problems
 
     def open(self, stored: StoredSlice) -> SpooledTensors:
-        """The slice's body read back as an upload's spooled body, once its SHA-256 is the
+        """The slice's body read back as an upload's spooled body, once its checksum is the
         one its record names (ValueError, or WireError when its header is not a body's)."""
-        digest = _file_sha256(stored.body)
-        if digest != stored.sha256:
-            raise ValueError(f"its body's SHA-256 is {digest}, not {stored.sha256} as written")
+        algorithm, expected = stored.digest
+        digest = digests.file_digest(stored.body, algorithm)
+        if digest != expected:
+            raise ValueError(f"its body's {algorithm} is {digest}, not {expected} as written")
         return open_spooled(stored.body)
 
 
@@ -222,8 +224,17 @@ def _stored(fields: Mapping, body: Path, record: Path) -> StoredSlice:
         {int(k): int(v) for k, v in fields["progress"].items()},
         body,
         record,
-        str(fields["sha256"]),
+        _digest_of(fields),
     )
+
+
+def _digest_of(fields: Mapping) -> tuple[str, str]:
+    """The body's (algorithm, digest) its record names (a record written before XXH3-128
+    names SHA-256); ValueError for a record that names none, or one not in hex."""
+    named = digests.named(fields)
+    if named is None:
+        raise ValueError("the record names no well-formed checksum of its body")
+    return named
 
 
 def _write_record(path: Path, fields: Mapping) -> None:

@@ -5,7 +5,7 @@ anything (state/journal.py). Logging the round's fp32 sums puts one model-sized 
 hashing and its fsync between the last upload and the published result. Here each upload's
 body, as it came, is copied into `<state-dir>/inputs/` on a thread beside its scan or fold
 (over a file of a dropped step where the step log holds one: pages already cached),
-and fsynced beside its SHA-256 while the round waits for the other workers (for the last body:
+and fsynced beside its checksum while the round waits for the other workers (for the last body:
 beside its fold and the step). The commit then moves the round's bodies into its step log
 generation, in the order they were folded, with a small record (CheckpointStore.stage's
 `adopted` files), and waits only for what is left of their fsyncs. A restart folds them again
@@ -36,8 +36,8 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from diloco import faults
-from diloco.checkpoints import BODY_SUFFIX, CheckpointStore, _descriptor_sha256, open_over
+from diloco import digests, faults
+from diloco.checkpoints import BODY_SUFFIX, CheckpointStore, open_over
 from diloco.server.settings import ServerSettings
 from diloco.server.state.held_slices import copy_prefix
 from diloco.wire.format.spool import SpooledTensors
@@ -65,7 +65,7 @@ def logs_bodies(settings: ServerSettings, logs_steps: bool) -> bool:
 
 class InputCopy:
     """One upload's body being copied into the inputs directory, on a thread: once `copied`
-    the upload's own file may go; then its fsync runs beside its SHA-256 (read back from the
+    the upload's own file may go; then its fsync runs beside its checksum (read back from the
     page cache through the copy's own descriptor, so a rename into the step's generation does
     not disturb either)."""
 
@@ -80,7 +80,7 @@ class InputCopy:
         self._written: Future[str] = _WRITES.submit(self._write, body.file.fileno())
 
     def _write(self, source: int) -> str:
-        """The copy, then its fsync beside its hash: the SHA-256 (the fd closes after)."""
+        """The copy, then its fsync beside its hash: the checksum (the fd closes after)."""
         try:
             try:
                 copy_prefix(source, self._fd, self.size)
@@ -89,7 +89,7 @@ class InputCopy:
                 self.copied.set_exception(exc)
                 raise
             self.copied.set_result(None)
-            hashing = _HASHES.submit(_descriptor_sha256, self._fd, self.size)
+            hashing = _HASHES.submit(digests.descriptor_digest, self._fd, self.size)
             failure: BaseException | None = None
             try:
                 _fsync(self._fd)
@@ -108,7 +108,7 @@ class InputCopy:
             self.copied.result()
 
     def durable(self) -> tuple[int, str]:
-        """(size, SHA-256) once its bytes are on the disk; the copy's or fsync's error if
+        """(size, checksum) once its bytes are on the disk; the copy's or fsync's error if
         either failed."""
         return self.size, self._written.result()
 
