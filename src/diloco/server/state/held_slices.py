@@ -9,7 +9,7 @@ each slice it takes to `<state-dir>/held-slices/` first, and a restart takes the
 
 Each slice is two files: the body exactly as it came (a safetensors file, coded or plain) and a
 small JSON record (worker, session, round, fragment, tokens, units, the body's size and
-checksum, diloco/digests.py). Both are written and fsynced under temporary names outside the
+checksum, see checkpoints.py). Both are written and fsynced under temporary names outside the
 coordinator's lock (`prepare`), and renamed into place under it (`keep`) once the round takes
 the slice, the record last: a body without a record is a crash's leftover, removed at start,
 and a body whose hash is not its record's is dropped when it is taken back. Names sort in
@@ -34,8 +34,7 @@ from pathlib import Path
 
 import torch
 
-from diloco import digests
-from diloco.checkpoints import _fsync_dir
+from diloco.checkpoints import DIGEST, _fsync_dir, file_digest, named_digest
 from diloco.wire.format.frames import encode_tensors
 from diloco.wire.format.spool import SpooledTensors, open_spooled
 
@@ -57,7 +56,7 @@ class StoredSlice:
     progress: dict[int, int]
     body: Path
     record: Path
-    digest: tuple[str, str]  # (algorithm, hex digest) of the body (diloco/digests.py)
+    digest: tuple[str, str]  # (algorithm, hex digest) of the body (checkpoints.py)
 
 
 @dataclass
@@ -120,7 +119,7 @@ class HeldSlices:
                 "units": list(units),
                 "progress": {str(k): v for k, v in progress.items()},
                 "size": size,
-                digests.ALGORITHM: digests.file_digest(body),
+                DIGEST: file_digest(body),
             }
             _write_record(record, fields)
         except BaseException:
@@ -206,7 +205,7 @@ class HeldSlices:
         """The slice's body read back as an upload's spooled body, once its checksum is the
         one its record names (ValueError, or WireError when its header is not a body's)."""
         algorithm, expected = stored.digest
-        digest = digests.file_digest(stored.body, algorithm)
+        digest = file_digest(stored.body, algorithm)
         if digest != expected:
             raise ValueError(f"its body's {algorithm} is {digest}, not {expected} as written")
         return open_spooled(stored.body)
@@ -231,7 +230,7 @@ def _stored(fields: Mapping, body: Path, record: Path) -> StoredSlice:
 def _digest_of(fields: Mapping) -> tuple[str, str]:
     """The body's (algorithm, digest) its record names (a record written before XXH3-128
     names SHA-256); ValueError for a record that names none, or one not in hex."""
-    named = digests.named(fields)
+    named = named_digest(fields)
     if named is None:
         raise ValueError("the record names no well-formed checksum of its body")
     return named

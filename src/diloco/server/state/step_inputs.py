@@ -36,8 +36,8 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from diloco import digests, faults
-from diloco.checkpoints import BODY_SUFFIX, CheckpointStore, open_over
+from diloco import faults
+from diloco.checkpoints import BODY_SUFFIX, CheckpointStore, descriptor_digest, open_over
 from diloco.server.settings import ServerSettings
 from diloco.server.state.held_slices import copy_prefix
 from diloco.wire.format.spool import SpooledTensors
@@ -89,7 +89,7 @@ class InputCopy:
                 self.copied.set_exception(exc)
                 raise
             self.copied.set_result(None)
-            hashing = _HASHES.submit(digests.descriptor_digest, self._fd, self.size)
+            hashing = _HASHES.submit(descriptor_digest, self._fd, self.size)
             failure: BaseException | None = None
             try:
                 _fsync(self._fd)
