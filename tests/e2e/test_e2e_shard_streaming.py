@@ -141,21 +141,29 @@ def test_a_worker_evicted_on_shard_0_is_evicted_on_every_shard(
                  for i, a in enumerate(STREAMING))  # fmt: skip
     shards = Shards(tmp_path, mode=(*mode, "--heartbeat-timeout", "3"))
     try:
-        survivor = start_worker(shards.urls[1], "w0", 0, 2, 40, corpus_file, tmp_path)
+        # the doomed worker first: the survivor's 40 steps take a few seconds, and under a
+        # loaded -n 3 it once ended them before the other's fresh process had registered
         doomed = start_worker(shards.urls[1], "w1", 1, 2, 400, corpus_file, tmp_path)
         with (
             DiLoCoClient(shards.urls[0], retry=RetryPolicy(attempts=20)) as client,
             DiLoCoClient(shards.urls[1], retry=RetryPolicy(attempts=20)) as follower,
         ):
-            deadline = time.monotonic() + 120
-            while True:  # both registered on both shards (w1 may start last), rounds going on
-                status = client.status()
-                live = {w["worker_id"] for w in status["workers"] if w["live"]}
-                there = {w["worker_id"] for w in follower.status()["workers"] if w["live"]}
-                if live == there == {"w0", "w1"} and status["round"] >= 2:
-                    break
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+
+            def wait_for(workers: set[str], rounds: int) -> None:
+                """Until `workers` are live on both shards and shard 0 is at `rounds`."""
+                deadline = time.monotonic() + 120
+                while True:
+                    status = client.status()
+                    live = {w["worker_id"] for w in status["workers"] if w["live"]}
+                    there = {w["worker_id"] for w in follower.status()["workers"] if w["live"]}
+                    if live == there == workers and status["round"] >= rounds:
+                        return
+                    assert time.monotonic() < deadline, (workers, live, there, status["round"])
+                    time.sleep(0.05)
+
+            wait_for({"w1"}, 0)
+            survivor = start_worker(shards.urls[1], "w0", 0, 2, 40, corpus_file, tmp_path)
+            wait_for({"w0", "w1"}, 2)  # both registered on both shards, rounds going on
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(timeout=30)
         finish([survivor], tmp_path)
