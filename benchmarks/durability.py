@@ -248,7 +248,7 @@ def main(
         "## Restart on an existing state dir",
         "",
         "Launch to listening includes starting Python and importing torch; the restore verifies "
-        "every file's SHA-256 before decoding it.",
+        "every file's checksum (XXH3-128) before decoding it.",
         "",
         *table(restart_columns, restart_rows),
         "",

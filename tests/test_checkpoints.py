@@ -175,19 +175,60 @@ def test_a_generation_written_with_sha256_checksums_still_loads_and_is_checked(
     assert any("fails its sha256 check" in r.getMessage() for r in caplog.records)
 
 
+class _Adopted:
+    """An upload's body written before its step (an AdoptedFile), durable at once."""
+
+    def __init__(self, path: Path, data: bytes) -> None:
+        self.path = path
+        path.write_bytes(data)
+        self.data = data
+
+    def durable(self) -> tuple[int, str]:
+        return len(self.data), xxhash.xxh3_128(self.data).hexdigest()
+
+
+def test_a_step_log_of_adopted_bodies_written_with_sha256_still_loads_and_is_checked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step log from before XXH3-128 that holds the round's bodies (adopted files): its
+    manifest names each body's SHA-256; the body loads, verified with it, and a flipped byte
+    in it makes the step unusable, the check named."""
+    store = CheckpointStore(tmp_path / "steps")
+    data = b"a body as it came" * 1000
+    adopted = {"input-0000.body": _Adopted(tmp_path / "upload.body", data)}
+    path = store.stage(3, {}, {"round": 3}, adopted=adopted)()
+    assert json.loads((path / MANIFEST_NAME).read_text())["files"]["input-0000.body"] == {
+        "bytes": len(data),
+        "xxh3_128": xxhash.xxh3_128(data).hexdigest(),
+    }
+    _as_sha256_manifest(path)
+    loaded = store.load(3)
+    assert loaded is not None and loaded.bodies["input-0000.body"].read_bytes() == data
+    damaged = bytearray(data)
+    damaged[5] ^= 0x01
+    (path / "input-0000.body").write_bytes(bytes(damaged))
+    with caplog.at_level(logging.WARNING, logger="diloco.server"):
+        assert store.load(3) is None
+    assert "input-0000.body fails its sha256 check" in caplog.text
+
+
 @pytest.mark.parametrize(
-    "entry",
+    ("entry", "problem"),
     [
-        {"bytes": 1},  # no checksum
-        {"bytes": 1, "xxh3_128": "0" * 32, "sha256": "0" * 64},  # two
-        {"bytes": 1, "xxh3_128": "0" * 64},  # a SHA-256's length under XXH3-128's name
-        {"bytes": 1, "sha256": "0" * 32},
-        {"bytes": 1, "xxh3_128": "Z" * 32},
-        {"bytes": 1, "md5": "0" * 32},
+        ({"bytes": 1}, "names no checksum (one of xxh3_128, sha256)"),
+        (
+            {"bytes": 1, "xxh3_128": "0" * 32, "sha256": "0" * 64},
+            "names 2 checksums (xxh3_128, sha256), not one",
+        ),
+        # a SHA-256's length under XXH3-128's name, and the other way round
+        ({"bytes": 1, "xxh3_128": "0" * 64}, "has a xxh3_128 that is not xxh3_128's lower-case"),
+        ({"bytes": 1, "sha256": "0" * 32}, "has a sha256 that is not sha256's lower-case hex"),
+        ({"bytes": 1, "xxh3_128": "Z" * 32}, "has a xxh3_128 that is not"),
+        ({"bytes": 1, "md5": "0" * 32}, "names no checksum (one of xxh3_128, sha256)"),
     ],
 )
 def test_a_manifest_entry_without_exactly_one_well_formed_checksum_is_unusable(
-    tmp_path: Path, entry: dict
+    tmp_path: Path, entry: dict, problem: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = CheckpointStore(tmp_path)
     store.write(1, _tensors(1), {"round": 1})
@@ -197,8 +238,10 @@ def test_a_manifest_entry_without_exactly_one_well_formed_checksum_is_unusable(
     entry = {**entry, "bytes": manifest["files"][name]["bytes"]}
     manifest["files"][name] = entry
     (newest / MANIFEST_NAME).write_text(json.dumps(manifest))
-    loaded = store.load_latest()
+    with caplog.at_level(logging.WARNING, logger="diloco.server"):
+        loaded = store.load_latest()
     assert loaded is not None and loaded.generation == 1
+    assert f"entry for 'weights.safetensors' {problem}" in caplog.text
 
 
 def test_missing_manifest_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

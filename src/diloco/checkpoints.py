@@ -44,6 +44,7 @@ __all__ = [
     "LoadedCheckpoint",
     "descriptor_digest",
     "digest_of",
+    "digest_problem",
     "file_digest",
     "named_digest",
 ]
@@ -225,6 +226,8 @@ class CheckpointStore:
                 for name, file in adopted.items():
                     size, digest = file.durable()
                     files[name] = {"bytes": size, DIGEST: digest}
+                    if named_digest(files[name]) is None:  # (its own hash: never a manifest's)
+                        raise ValueError(f"adopted file {name!r}: {digest!r} is no {DIGEST}")
                 manifest = {
                     "format": FORMAT_VERSION,
                     "generation": generation,
@@ -373,14 +376,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             name.endswith(BODY_SUFFIX) and _GROUP_NAME.fullmatch(name)
         )
         size = entry.get("bytes") if isinstance(entry, dict) else None
-        if (
-            not valid_name
-            or isinstance(size, bool)
-            or not isinstance(size, int)
-            or size < 0
-            or named_digest(entry) is None
-        ):
+        if not valid_name or isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise _Unusable(f"{MANIFEST_NAME} has a malformed entry for {name!r}")
+        if named_digest(entry) is None:
+            raise _Unusable(f"{MANIFEST_NAME}'s entry for {name!r} {digest_problem(entry)}")
     return manifest
 
 
@@ -601,6 +600,16 @@ def file_digest(path: Path, algorithm: str = DIGEST) -> str:
         return descriptor_digest(fd, algorithm=algorithm)
     finally:
         os.close(fd)
+
+
+def digest_problem(entry: Mapping[str, object]) -> str:
+    """Why `named_digest(entry)` is None, for an error message."""
+    named = [name for name in _KNOWN if name in entry]
+    if not named:
+        return f"names no checksum (one of {', '.join(_KNOWN)})"
+    if len(named) > 1:
+        return f"names {len(named)} checksums ({', '.join(named)}), not one"
+    return f"has a {named[0]} that is not {named[0]}'s lower-case hex digest"
 
 
 def named_digest(entry: Mapping[str, object]) -> tuple[str, str] | None:

@@ -370,10 +370,15 @@ def test_a_held_slice_recorded_with_sha256_is_taken_back_and_one_without_a_check
     restarted = HeldSlices(tmp_path / "held")
     (listed,), problems = restarted.stored()
     assert listed.worker_id == "w1" and listed.digest == ("sha256", old["sha256"])
-    assert len(problems) == 1 and "no well-formed checksum" in problems[0]
+    assert len(problems) == 1 and "names no checksum (one of xxh3_128, sha256)" in problems[0]
     assert not kept[1].body.exists() and not kept[1].record.exists()
     reopened = restarted.open(listed)
     assert torch.equal(
         dict((n, p.clone()) for n, _, p in reopened.pieces())["b"], torch.tensor([2.0, 4.0])
     )
     reopened.close()
+    damaged = bytearray(body)
+    damaged[-1] ^= 0x40  # checked with the SHA-256 its record names, the bit is caught
+    listed.body.write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=f"its body's sha256 is .* not {old['sha256']} as written"):
+        restarted.open(listed)

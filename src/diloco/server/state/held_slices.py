@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.checkpoints import DIGEST, _fsync_dir, file_digest, named_digest
+from diloco.checkpoints import DIGEST, _fsync_dir, digest_problem, file_digest, named_digest
 from diloco.wire.format.frames import encode_tensors
 from diloco.wire.format.spool import SpooledTensors, open_spooled
 
@@ -232,7 +232,7 @@ def _digest_of(fields: Mapping) -> tuple[str, str]:
     names SHA-256); ValueError for a record that names none, or one not in hex."""
     named = named_digest(fields)
     if named is None:
-        raise ValueError("the record names no well-formed checksum of its body")
+        raise ValueError(f"the record {digest_problem(fields)}")
     return named
 
 
