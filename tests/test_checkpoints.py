@@ -148,6 +148,8 @@ def _as_sha256_manifest(generation: Path) -> None:
     """Rewrite a generation's manifest as a server before XXH3-128 wrote it: each file's
     SHA-256 (hashlib's, over the bytes on disk) under "sha256"."""
     manifest = json.loads((generation / MANIFEST_NAME).read_text())
+    assert manifest["format"] == 2
+    manifest["format"] = 1
     for name, entry in manifest["files"].items():
         del entry["xxh3_128"]
         entry["sha256"] = hashlib.sha256((generation / name).read_bytes()).hexdigest()
@@ -173,6 +175,32 @@ def test_a_generation_written_with_sha256_checksums_still_loads_and_is_checked(
         loaded = store.load_latest()
     assert loaded is not None and loaded.generation == 1
     assert any("fails its sha256 check" in r.getMessage() for r in caplog.records)
+
+
+def test_a_generation_of_a_later_format_is_neither_loaded_nor_pruned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Going back a version: the newest generation was written by a later one (format 3 in
+    its manifest). It is not loaded (the one before is), and the writes that follow, which
+    prune what is past `keep`, leave it where it is for the later version to read again."""
+    store = CheckpointStore(tmp_path, keep=1)
+    store.write(1, _tensors(1), {"round": 1})
+    later = store.write(2, _tensors(2), {"round": 2}, prune=False)
+    manifest = json.loads((later / MANIFEST_NAME).read_text())
+    manifest["format"] = 3
+    (later / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="diloco.server"):
+        loaded = store.load_latest()
+    assert loaded is not None and loaded.generation == 1
+    assert "is format 3, not one this version reads (1, 2): a later version wrote it" in (
+        caplog.text
+    )
+    store.write(3, _tensors(3), {"round": 3})
+    store.write(4, _tensors(4), {"round": 4})
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("gen-")) == [
+        "gen-000000000002",
+        "gen-000000000004",
+    ]
 
 
 class _Adopted:

@@ -49,7 +49,11 @@ __all__ = [
     "named_digest",
 ]
 
-FORMAT_VERSION = 1
+# A manifest's format: 2 names XXH3-128 checksums, 1 (read still) SHA-256. A later version
+# that changes what a manifest holds raises it; this one keeps such generations, never prunes
+# them, so going back a version loses nothing the later one would read (`_newer_format`).
+FORMAT_VERSION = 2
+_READ_FORMATS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 _SUFFIX = ".safetensors"
 BODY_SUFFIX = ".body"  # a file a generation adopts as it was written, verified, never decoded
@@ -347,6 +351,8 @@ class CheckpointStore:
         kept.add(keep_dir)
         for entry in self.directory.iterdir():
             stale_final = _FINAL_DIR.fullmatch(entry.name) and entry not in kept
+            if stale_final and _newer_format(entry):
+                continue  # a later version's: not ours to drop
             if (stale_final or _TEMP_DIR.fullmatch(entry.name)) and entry.is_dir():
                 self._remove(entry)
         _fsync_dir(self.directory)
@@ -364,8 +370,13 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise _Unusable(f"{MANIFEST_NAME} is missing") from None
     except (OSError, ValueError) as error:
         raise _Unusable(f"{MANIFEST_NAME} does not parse: {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        raise _Unusable(f"{MANIFEST_NAME} is not format {FORMAT_VERSION}")
+    if not isinstance(manifest, dict) or manifest.get("format") not in _READ_FORMATS:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise _Unusable(
+            f"{MANIFEST_NAME} is format {found!r}, not one this version reads "
+            f"({', '.join(map(str, _READ_FORMATS))})"
+            + (": a later version wrote it; it is kept" if _is_newer(found) else "")
+        )
     if not isinstance(manifest.get("metadata"), dict):
         raise _Unusable(f"{MANIFEST_NAME} has no metadata object")
     files = manifest.get("files")
@@ -381,6 +392,20 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         if named_digest(entry) is None:
             raise _Unusable(f"{MANIFEST_NAME}'s entry for {name!r} {digest_problem(entry)}")
     return manifest
+
+
+def _is_newer(found: object) -> bool:
+    return isinstance(found, int) and not isinstance(found, bool) and found > FORMAT_VERSION
+
+
+def _newer_format(path: Path) -> bool:
+    """Whether generation directory `path` has a manifest of a format above this version's:
+    a later version wrote it (read as incomplete here, but kept)."""
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and _is_newer(manifest.get("format"))
 
 
 def _is_complete(path: Path) -> bool:
