@@ -90,7 +90,9 @@ def server_args(
         "--sync-every",
         str(SYNC_EVERY),
         "--heartbeat-interval",
-        "0.3",  # several heartbeats per run, so the heartbeat kill point is reached
+        # several heartbeats per run, so the heartbeat kill point is reached: the run trains
+        # for about half a second here (0.48 s on 2026-11-29), too short for 2 at 0.3 s
+        "0.1",
         "--heartbeat-timeout",
         "20",
         "--min-workers",
