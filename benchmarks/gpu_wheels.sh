@@ -5,8 +5,8 @@
 #   benchmarks/gpu_wheels.sh [DIR] [PYTHON_VERSION]     # default: wheels 3.12
 #
 # A typical CUDA image (PyTorch's, NVIDIA's) already has torch, numpy, safetensors, typer, rich
-# and urllib3; it lacks the server's web stack and xxhash. These are the packages diloco needs that such
-# an image lacks, and the small ones it may hold too old; pip installs only those that are
+# and urllib3; it lacks the server's web stack and xxhash. These are the packages diloco needs
+# that such an image lacks, and the small ones it may hold too old; pip installs only those that are
 # missing or too old. Versions are this checkout's .venv's where it has one (what the tests
 # ran against), else the newest for that Python.
 set -euo pipefail

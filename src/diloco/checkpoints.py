@@ -627,25 +627,28 @@ def file_digest(path: Path, algorithm: str = DIGEST) -> str:
         os.close(fd)
 
 
+def named_digest(entry: Mapping[str, object]) -> tuple[str, str] | None:
+    """(algorithm, hex digest) of a record that names exactly one known digest in a
+    well-formed hex form (a manifest's file entry, a held slice's record); None otherwise."""
+    found = _digest_or_problem(entry)
+    return found if isinstance(found, tuple) else None
+
+
 def digest_problem(entry: Mapping[str, object]) -> str:
     """Why `named_digest(entry)` is None, for an error message."""
+    found = _digest_or_problem(entry)
+    return "" if isinstance(found, tuple) else found
+
+
+def _digest_or_problem(entry: Mapping[str, object]) -> tuple[str, str] | str:
     named = [name for name in _KNOWN if name in entry]
     if not named:
         return f"names no checksum (one of {', '.join(_KNOWN)})"
     if len(named) > 1:
         return f"names {len(named)} checksums ({', '.join(named)}), not one"
-    return f"has a {named[0]} that is not {named[0]}'s lower-case hex digest"
-
-
-def named_digest(entry: Mapping[str, object]) -> tuple[str, str] | None:
-    """(algorithm, hex digest) of a record that names exactly one known digest in a
-    well-formed hex form (a manifest's file entry, a held slice's record); None otherwise."""
-    found = [(name, entry[name]) for name in _KNOWN if name in entry]
-    if len(found) != 1:
-        return None
-    algorithm, digest = found[0]
+    algorithm, digest = named[0], entry[named[0]]
     if not isinstance(digest, str) or not _KNOWN[algorithm][1].fullmatch(digest):
-        return None
+        return f"has a {algorithm} that is not {algorithm}'s lower-case hex digest"
     return algorithm, digest
 
 

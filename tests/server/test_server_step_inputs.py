@@ -3,6 +3,7 @@ restart folds them again, in the order they were folded, to the same weights bit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -211,6 +212,36 @@ def test_steps_logged_as_bodies_are_folded_again_to_the_same_weights_bit_for_bit
         bodies.submit(c, "b", 3, [0.375, 0.25, 0.125])
     assert first.weights().body == second.weights().body
     killed(first)
+    killed(second)
+
+
+def test_a_state_dir_written_with_sha256_checksums_restarts_and_replays_its_steps(
+    tmp_path: Path,
+) -> None:
+    """A server upgraded onto a state dir from before XXH3-128: every manifest (its
+    checkpoint and the steps it logged as bodies) names format 1 and each file's SHA-256
+    (hashlib's, over the bytes on disk). The restart verifies them with SHA-256, replays the
+    3 steps and ends at the weights and momentum worked by hand."""
+    state = tmp_path / "state"
+    first = started(state, checkpoint_every=10)
+    run_chain(first, Bodies(tmp_path / "sent"))
+    killed(first)
+    manifests = sorted(state.rglob("manifest.json"))
+    assert len(manifests) >= 4  # the start's checkpoint and the 3 logged steps
+    for path in manifests:
+        manifest = json.loads(path.read_text())
+        manifest["format"] = 1
+        for name, entry in manifest["files"].items():
+            del entry["xxh3_128"]
+            entry["sha256"] = hashlib.sha256((path.parent / name).read_bytes()).hexdigest()
+        path.write_text(json.dumps(manifest))
+    second = coordinator(state, checkpoint_every=10)
+    assert second.round_number == 3
+    (restarted,) = second.journal.state.audit_log("restarted")
+    assert restarted["detail"]["replayed_steps"] == [0, 1, 2]
+    w, buffer = nesterov_by_hand([1.0, 2.0, 3.0], CHAIN)
+    assert torch.allclose(second.masters["w"], w, rtol=1e-6)
+    assert torch.allclose(second.model.optimizer.state_dict()["w"], buffer, rtol=1e-6)
     killed(second)
 
 
