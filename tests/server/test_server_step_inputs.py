@@ -3,12 +3,9 @@ restart folds them again, in the order they were folded, to the same weights bit
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,10 +17,9 @@ from diloco.algorithm.codecs import Codec
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.settings import ServerSettings
-from diloco.server.state import step_inputs
 from diloco.wire import decode_tensors, encode_tensors, specs_of
 from diloco.wire.compressed.body import encode_compressed
-from diloco.wire.format.spool import SpoolFiles, open_spooled, spool_body
+from diloco.wire.format.spool import open_spooled
 
 # int8 uploads in blocks of 16: two bodies of a 48-element tensor hold 2 x (48 codes + 3 fp32
 # scales) = 120 bytes, under 3/4 of the 192 bytes of fp32 sums, so the log holds the bodies.
@@ -76,24 +72,6 @@ class Bodies:
         spooled = open_spooled(self.write(w))
         try:
             return c.submit(worker, number, spooled)
-        finally:
-            spooled.close()
-
-    def submit_spooled(self, c: Coordinator, worker: str, number: int, w: list[float]) -> dict:
-        """The body spooled as the HTTP intake spools it, into `c.spool_files`; the answer,
-        with the spool file's inode under "inode"."""
-        data = self.write(w).read_bytes()
-
-        async def chunks():
-            for at in range(0, len(data), 100):  # in a few chunks, as a socket gives them
-                yield data[at : at + 100]
-
-        spooled = asyncio.run(spool_body(chunks(), len(data), 10**6, files=c.spool_files))
-        try:
-            return {
-                **c.submit(worker, number, spooled),
-                "inode": os.fstat(spooled.file.fileno()).st_ino,
-            }
         finally:
             spooled.close()
 
@@ -365,6 +343,7 @@ def test_a_disk_that_cannot_take_a_copy_leaves_its_round_logging_its_sums(
 ) -> None:
     """The upload is folded all the same (a worker is never turned away for the log's sake),
     and its step's log holds the sums, as before bodies were logged."""
+    from diloco.server.state import step_inputs
 
     def full_disk(*_args) -> None:
         raise OSError(28, "No space left on device")
@@ -388,11 +367,10 @@ def test_a_disk_that_cannot_take_a_copy_leaves_its_round_logging_its_sums(
     assert restarts_to_the_same_weights(c, state)
 
 
-@pytest.mark.parametrize("spooled_here", [False, True], ids=["copied", "adopted"])
 def test_a_body_whose_fsync_failed_leaves_its_round_logging_its_sums(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spooled_here: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A copy's fsync, or (`spooled_here`) that of a body adopted where it was spooled."""
+    from diloco.server.state import step_inputs
 
     def failing_fsync(_fd: int) -> None:
         raise OSError(5, "Input/output error")
@@ -400,10 +378,9 @@ def test_a_body_whose_fsync_failed_leaves_its_round_logging_its_sums(
     state = tmp_path / "state"
     c = started(state, checkpoint_every=10)
     bodies = Bodies(tmp_path / "sent")
-    submit = bodies.submit_spooled if spooled_here else bodies.submit
     with monkeypatch.context() as patched:
         patched.setattr(step_inputs, "_fsync", failing_fsync)
-        assert submit(c, "a", 0, [0.25, 0.5, -0.125])["status"] == "accepted"
+        assert bodies.submit(c, "a", 0, [0.25, 0.5, -0.125])["status"] == "accepted"
         (copy,) = c.round.inputs
         with pytest.raises(OSError, match="Input/output error"):
             copy.durable()  # (its fsync, after the copy, before the patch goes)
@@ -431,124 +408,3 @@ def test_fp32_bodies_log_the_sums_with_one_worker_or_two(tmp_path: Path) -> None
         assert c.round_number == 1 and sums_logged(state, 0)
         assert list((state / "inputs").iterdir()) == []
         killed(c)
-
-
-def inodes_of(directory: Path) -> dict[int, Path]:
-    return {path.stat().st_ino: path for path in directory.iterdir()}
-
-
-def test_an_upload_spooled_into_the_state_dir_is_logged_where_it_lies(tmp_path: Path) -> None:
-    """Uploads are spooled into `inputs/` in the first place, so a body its step logs is
-    moved into the step's generation, not copied: the generation's inputs are the very files
-    the bodies were spooled into (their inodes), and the log replays to the weights worked by
-    hand, bit for bit after a restart."""
-    state = tmp_path / "state"
-    c = started(state, checkpoint_every=10)
-    assert isinstance(c.spool_files, step_inputs.InputSpool)
-    bodies = Bodies(tmp_path / "sent")
-    spooled = {}
-    for number, pair in enumerate(CHAIN[:2]):
-        for worker, values in pair:
-            answer = bodies.submit_spooled(c, worker, number, values)
-            assert answer["status"] == "accepted"
-            spooled[answer["inode"]] = len(spooled)
-    c.journal.settle()
-    assert c.round_number == 2 and weighs_as_by_hand(c, CHAIN[:2])
-    for step in (0, 1):
-        generation = inodes_of(state / "steps" / f"gen-{step:012d}")
-        logged = {ino: path for ino, path in generation.items() if path.suffix == ".body"}
-        assert sorted(spooled[ino] for ino in logged) == [2 * step, 2 * step + 1]
-        for ino, path in logged.items():  # each its own body, cut to its size
-            assert path.read_bytes() == bodies.sent[spooled[ino]]
-    assert list((state / "inputs").iterdir()) == []  # every spooled file was adopted
-    assert restarts_to_the_same_weights(c, state)
-
-
-def test_a_spooled_upload_its_step_does_not_log_stays_a_spool_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An fp32 body's spool file (its round logs the sums) goes back to the spool's pool,
-    named in `inputs/`, and the next upload is written over it; a refused body's file goes,
-    never fsynced (an adopted body's fsync starts once it is folded); a restart empties the
-    directory."""
-    synced = []
-    real_fsync = step_inputs._fsync
-    monkeypatch.setattr(step_inputs, "_fsync", lambda fd: synced.append(real_fsync(fd)))
-    state = tmp_path / "state"
-    c = started(state, checkpoint_every=10)
-    bodies = Bodies(tmp_path / "sent")
-    with pytest.raises(Rejection):
-        bodies.submit_spooled(c, "a", 0, [0.25, float("nan"), 0.125])
-    assert list((state / "inputs").iterdir()) == [] and synced == []
-    assert bodies.submit_spooled(c, "a", 0, [0.25, 0.5, -0.125])["status"] == "accepted"
-    assert bodies.submit_spooled(c, "b", 0, [0.5, 0.0, 0.375])["status"] == "accepted"
-    c.journal.settle()
-    assert c.round_number == 1 and weighs_as_by_hand(c, CHAIN[:1])
-    assert list((state / "inputs").iterdir()) == [] and len(synced) == 2  # both adopted
-    killed(c)
-
-    fp32 = ServerSettings(sync_every=2, min_workers=1)
-    c = coordinator(tmp_path / "fp32", fp32, checkpoint_every=10)
-    c.register("a", SPECS, 1)
-    c.upload_initial("a", START)
-    fp32_bodies = Bodies(tmp_path / "sent32", codec=None)
-    first = fp32_bodies.submit_spooled(c, "a", 0, [0.25, 0.5, -0.125])
-    assert first["status"] == "accepted"
-    c.journal.settle()
-    assert c.round_number == 1 and sums_logged(tmp_path / "fp32", 0)
-    (spool_file,) = (tmp_path / "fp32" / "inputs").iterdir()
-    assert spool_file.stat().st_ino == first["inode"]
-    second = fp32_bodies.submit_spooled(c, "a", 1, [0.5, 0.0, 0.375])
-    assert second["status"] == "accepted" and second["inode"] == first["inode"]
-    killed(c)
-    again = coordinator(tmp_path / "fp32", fp32)
-    assert list((tmp_path / "fp32" / "inputs").iterdir()) == []
-    killed(again)
-
-
-def test_a_spool_file_written_over_a_dropped_steps_file_is_cut_to_its_body(
-    tmp_path: Path,
-) -> None:
-    """With nothing kept, the spool takes a dropped step's file (pages cached) and writes the
-    upload over it; adopted, the file is cut to the body's size before it is hashed."""
-    state = tmp_path / "state"
-    c = started(state, checkpoint_every=1)  # every step dropped once its checkpoint is in
-    bodies = Bodies(tmp_path / "sent")
-    run_chain(c, bodies, CHAIN[:1])
-    pool = state / "steps" / "recycled"
-    for path in pool.iterdir():  # longer than the next bodies: their tails must go
-        with path.open("ab") as extra:
-            extra.write(b"\xff" * 1000)
-    inodes = set(inodes_of(pool))
-    for worker, values in CHAIN[1]:
-        answer = bodies.submit_spooled(c, worker, 1, values)
-        assert answer["status"] == "accepted" and answer["inode"] in inodes
-    c.journal.settle()
-    assert c.round_number == 2 and weighs_as_by_hand(c, CHAIN[:2])
-    assert set(inodes_of(pool)) == inodes  # step 1 dropped: its bodies back in the pool
-    assert sorted(p.read_bytes() for p in pool.iterdir()) == sorted(bodies.sent[2:])
-    killed(c)
-
-
-def test_a_spool_dir_of_the_users_keeps_uploads_there_and_copies_them(tmp_path: Path) -> None:
-    """--spool-dir: uploads go where the user said, and a logged body is copied into the
-    state dir, as before."""
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    state = tmp_path / "state"
-    settings = replace(SETTINGS, spool_dir=str(spool))
-    c = started(state, settings=settings, checkpoint_every=10)
-    assert type(c.spool_files) is SpoolFiles and c.spool_files.directory == str(spool)
-    bodies = Bodies(tmp_path / "sent")
-    inodes = []
-    for worker, values in CHAIN[0]:
-        answer = bodies.submit_spooled(c, worker, 0, values)
-        assert answer["status"] == "accepted"
-        inodes.append(answer["inode"])
-    c.journal.settle()
-    generation = inodes_of(state / "steps" / f"gen-{0:012d}")
-    logged = [path for path in generation.values() if path.suffix == ".body"]
-    assert len(logged) == 2 and not set(inodes) & set(generation)
-    assert sorted(p.read_bytes() for p in logged) == sorted(bodies.sent)
-    assert weighs_as_by_hand(c, CHAIN[:1])
-    killed(c)

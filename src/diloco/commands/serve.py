@@ -249,12 +249,7 @@ def server_command(
         rich_help_panel=UPLOADS_PANEL,
     ),
     spool_dir: Path = typer.Option(
-        None,
-        help=(
-            "Where spooled uploads go (default: the state dir's inputs/ on one server that "
-            "logs its steps, so a logged upload is kept where it lies; else the temp dir)."
-        ),
-        rich_help_panel=UPLOADS_PANEL,
+        None, help="Where spooled uploads go (default: temp dir).", rich_help_panel=UPLOADS_PANEL
     ),
     token: str = TokenOption,
     token_file: Path = TokenFileOption,

@@ -51,7 +51,6 @@ from diloco.server.workunits.leases import DataLeases
 from diloco.wire import (
     PROTOCOL_VERSION,
     SpooledTensors,
-    SpoolFiles,
     TensorSpec,
     WireError,
     check_tensors,
@@ -140,13 +139,6 @@ class Coordinator:
         if steps is not None and logs_bodies(settings, self.journal.logs_steps):
             assert directory is not None
             self.step_inputs = StepInputs.beside(directory / STEP_INPUTS_NAME, steps)
-        # Where uploads are spooled: into the state dir when it keeps them (a logged body is
-        # then adopted where it lies, not copied), unless --spool-dir names a place.
-        self.spool_files: SpoolFiles = (
-            self.step_inputs.spool
-            if self.step_inputs is not None and settings.spool_dir is None
-            else SpoolFiles(settings.spool_dir)
-        )
         self.intake = Intake(
             self._lock,
             settings,

@@ -98,8 +98,7 @@ class ServerSettings:
     clip_multiple: float = DEFAULT_CLIP_MULTIPLE
     outlier_ratio: float = DEFAULT_OUTLIER_RATIO
     # Server-side only (not sent to workers): how many tensor bodies may sit in RAM at once;
-    # other uploads are written to `spool_dir` as they arrive (if None: the state dir's
-    # inputs/ where one server logs its uploads, state/step_inputs.py; else the temp dir).
+    # other uploads are written to `spool_dir` (the system temp dir if None) as they arrive.
     # 0 (the default) spools every submission: memory then stays ~4x the model for any K.
     memory_bodies: int = 0
     spool_dir: str | None = None

@@ -37,6 +37,7 @@ from diloco.wire import (
     LeaseRequest,
     RegisterRequest,
     SpooledTensors,
+    SpoolFiles,
     WireError,
     check_length,
     check_protocol_header,
@@ -188,7 +189,7 @@ def create_app(
 
     settings = coordinator.settings
     in_memory = {"bodies": 0}  # tensor bodies held in RAM right now (one event loop: no lock)
-    spool_files = coordinator.spool_files  # kept between uploads: no new file per body
+    spool_files = SpoolFiles(settings.spool_dir)  # kept between uploads: no new file per body
     # Robust aggregation in sync and streaming mode holds each submission until its round
     # decides: on disk, never in RAM, whatever --memory-bodies says.
     # So do sharded servers, until shard 0 decides the round.

@@ -83,7 +83,6 @@ class Round:
             self.drop_inputs()
             return
         copy.owned = True
-        copy.start()
         copy.sender = (submission.worker_id, submission.round, submission.tokens)
         copy.checked = checked
         self.inputs.append(copy)
