@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import stat
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import pytest
 import torch
 import xxhash
 
+from diloco import checkpoints
 from diloco.checkpoints import MANIFEST_NAME, RECYCLED_NAME, CheckpointStore
 from diloco.wire import encode_tensors
 
@@ -445,3 +449,75 @@ def test_the_step_logs_way_over_a_recycled_file_and_a_pool_cut_at_start(tmp_path
         (tmp_path / RECYCLED_NAME / f"extra-{i}.safetensors").write_bytes(b"x" * 10)
     CheckpointStore(tmp_path, keep=1, recycle=2)
     assert len(list((tmp_path / RECYCLED_NAME).iterdir())) == 2
+
+
+def _direct_switches(monkeypatch: pytest.MonkeyPatch, refuse: bool) -> list[bool]:
+    """Record each switch of a descriptor to O_DIRECT, and whether it took; `refuse`: the
+    file system refuses it (EINVAL, as some do)."""
+    switched: list[bool] = []
+    real_fcntl = fcntl.fcntl
+    direct = getattr(os, "O_DIRECT", 0)
+
+    def recording_fcntl(fd, command, *args):
+        if command == fcntl.F_SETFL and direct and args[0] & direct:
+            switched.append(not refuse)
+            if refuse:
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, command, *args)
+
+    monkeypatch.setattr(fcntl, "fcntl", recording_fcntl)
+    return switched
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["o_direct", "refused"])
+def test_the_step_logs_direct_write_is_the_body_byte_for_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool
+) -> None:
+    """`direct` (the step log's stage): written around the page cache through one aligned
+    buffer (here of 8 KiB, so the body spans many, and ends in a padded tail cut back to its
+    size), over a recycled file longer than it, hashed as it goes: the file is exactly
+    encode_tensors' body, the manifest has the xxhash package's XXH3-128 of it, and the
+    sums may move once `stage` returns. A file system that refuses O_DIRECT gets the same
+    bytes through the page cache."""
+    monkeypatch.setattr(checkpoints, "_DIRECT_CHUNK", 8192)
+    store = CheckpointStore(tmp_path, keep=1, recycle=1)
+    store.write(0, {"steps": {"s": torch.ones(50_000)}}, {"round": 0})  # 200 KB, recycled
+    store.drop(last=0)
+    sums = {"a": torch.arange(10_007, dtype=torch.float32), "b": torch.full((3,), -0.5)}
+    staged = {name: tensor.clone() for name, tensor in sums.items()}
+    switched = _direct_switches(monkeypatch, refuse=refused)
+    durable = store.stage(1, {"steps": sums}, {"round": 1}, direct=True)
+    for tensor in sums.values():
+        tensor.mul_(-3.0)  # the step, after stage
+    path = durable()
+    expected = bytes(encode_tensors(staged))
+    assert len(expected) % 4096 and len(expected) > 4 * 8192
+    written = path / "steps.safetensors"
+    assert written.read_bytes() == expected
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    assert manifest["files"]["steps.safetensors"] == {
+        "bytes": len(expected),
+        "xxh3_128": xxhash.xxh3_128(expected).hexdigest(),
+    }
+    assert list((tmp_path / RECYCLED_NAME).iterdir()) == []  # written over the recycled file
+    if getattr(os, "O_DIRECT", 0):
+        assert switched == [not refused]  # one file, switched or (refused) not
+    loaded = store.load_latest()
+    assert loaded is not None
+    for name, tensor in staged.items():
+        assert torch.equal(loaded.tensors["steps"][name], tensor), name
+
+
+def test_a_direct_write_that_fails_leaves_no_generation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that fails a write part way (EIO): `stage` raises it and nothing is staged."""
+    store = CheckpointStore(tmp_path)
+
+    def failing_pwrite(*_args) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checkpoints.os, "pwrite", failing_pwrite)
+    with pytest.raises(OSError, match="Input/output error"):
+        store.stage(0, {"steps": {"s": torch.ones(10)}}, {"round": 0}, direct=True)
+    assert list(tmp_path.iterdir()) == []

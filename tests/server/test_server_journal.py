@@ -10,11 +10,13 @@ import pytest
 import torch
 from crashes import flip_last_byte, on_state_dir
 
+from diloco import checkpoints
 from diloco.faults import STALL_ENV_VAR
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.ops.launch import start_server
 from diloco.server.settings import ServerSettings
+from diloco.server.state import journal
 from diloco.server.state.journal import RoundJournal
 from diloco.server.state.store import StateStore
 from diloco.wire import decode_tensors, specs_of
@@ -205,11 +207,26 @@ def chained(state: Path) -> Coordinator:
     return first
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["page_cache", "o_direct"])
 def test_steps_since_the_last_checkpoint_are_replayed_in_order_bit_for_bit(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
+    """`direct`: the step log's sums written around the page cache, as a log of at least
+    DIRECT_STEP_LOG_BYTES is (here every log is); else through it, as these small ones are."""
+    written_directly = []
+    real_write_direct = checkpoints._write_direct
+
+    def spied(*args):
+        written_directly.append(args[0].name)
+        return real_write_direct(*args)
+
+    monkeypatch.setattr(checkpoints, "_write_direct", spied)
+    if direct:
+        monkeypatch.setattr(journal, "DIRECT_STEP_LOG_BYTES", 0)
     state, copy = tmp_path / "state", tmp_path / "copy"
     first = chained(state)
+    assert bool(written_directly) == direct
+    assert all(name.startswith("sums-") for name in written_directly)
     assert first.round_number == 5
     rounds = [g.metadata["round"] for g in map(first.journal.state.checkpoints.load, [0, 1])]
     assert rounds == [0, 3] and first.journal.state.checkpoints.generations() == [0, 1]

@@ -52,6 +52,14 @@ from diloco.server.workunits.pool import WorkPool
 from diloco.wire import TensorSpec
 
 log = logging.getLogger("diloco.server")
+# A step log of sums at least this large is written around the page cache (O_DIRECT: see
+# checkpoints.py's _write_direct). Measured here (benchmarks/results/model_scale-direct-step-log/):
+# a 350M model's 1.4 GB log, whose recycled files the page cache no longer held, took the
+# commit 1.09-1.10 s into the cache and 0.45-0.59 s around it; an 85M model's 342 MB, into
+# pages still cached, 0.08-0.10 s (and 0.04-0.05 s of its fsync past the step) against
+# 0.16-0.20 s around it. Where between the two the crossing lies depends on the machine's
+# memory and disk; 1 GiB is in the measured gap.
+DIRECT_STEP_LOG_BYTES = 1 << 30
 
 DURABILITY_MODES = ("round", "interval")
 # Rounds between full checkpoints. With "round" the steps between stay in the step log (one
@@ -419,13 +427,19 @@ class RoundJournal:
         order: state/step_inputs.py) the log holds those files, moved in, instead of the
         sums; a restart folds them again (totals, count and bound are kept to check it).
 
-        Returns the function that makes the log durable (each file hashed from the page cache,
-        then its fsyncs): the step may run meanwhile, since the files no longer read the sums,
-        but nothing may be recorded or published before it has returned."""
+        Returns the function that makes the log durable (the sums' files hashed back from the
+        page cache beside their fsyncs, or, from `DIRECT_STEP_LOG_BYTES` on, written around it
+        and hashed as they went, so it only flushes them; the bodies' fsyncs waited for): the
+        step may run meanwhile, since the files no longer read the sums, but nothing may be
+        recorded or published before it has returned."""
         steps = self.state.steps
         assert steps is not None
         faults.crash_point("before_step_log")
         adopted = {f"input-{at:04d}{BODY_SUFFIX}": copy for at, copy in enumerate(inputs)}
+        sums_bytes = (
+            0 if inputs else sum(t.numel() * t.element_size() for t in running.sums.values())
+        )
+        direct = sums_bytes >= DIRECT_STEP_LOG_BYTES
         durable = steps.stage(  # the steps before the last checkpoint went once it was written
             record.round,
             {} if inputs else _sum_groups(running.sums, min(8, os.cpu_count() or 1)),
@@ -449,7 +463,10 @@ class RoundJournal:
                     for name, copy in zip(adopted, inputs, strict=True)
                 ],
             },
-            hash_when_durable=True,  # the hashes off the step's critical path
+            # a large log around the page cache, hashed as written (the fsync only flushes);
+            # a smaller one into it, hashed back from it beside the fsync (off the step's path)
+            direct=direct,
+            hash_when_durable=not direct,
             adopted=adopted,
         )
 
@@ -799,8 +816,8 @@ def _sum_groups(
     sums: Mapping[str, torch.Tensor], groups: int
 ) -> dict[str, dict[str, torch.Tensor]]:
     """The sums in up to `groups` files of about equal bytes, in order ("sums-0", ...): each
-    file is written into the page cache by a thread of its own (and hashed by another), so a
-    model-sized log is written on up to `groups` cores at once."""
+    file is written by a thread of its own, so a model-sized log is written on up to `groups`
+    cores at once."""
     total = sum(t.numel() * t.element_size() for t in sums.values())
     share = max(1, -(-total // max(1, groups)))
     out: dict[str, dict[str, torch.Tensor]] = {}
