@@ -453,20 +453,35 @@ def test_the_step_logs_way_over_a_recycled_file_and_a_pool_cut_at_start(tmp_path
 
 def _direct_switches(monkeypatch: pytest.MonkeyPatch, refuse: bool) -> list[bool]:
     """Record each switch of a descriptor to O_DIRECT, and whether it took; `refuse`: the
-    file system refuses it (EINVAL, as some do)."""
+    file system refuses it (EINVAL, as some do). Skips where O_DIRECT is missing or the test's
+    file system really refuses it (the direct path would not be tested)."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        pytest.skip("no O_DIRECT on this platform")
     switched: list[bool] = []
     real_fcntl = fcntl.fcntl
-    direct = getattr(os, "O_DIRECT", 0)
 
     def recording_fcntl(fd, command, *args):
-        if command == fcntl.F_SETFL and direct and args[0] & direct:
-            switched.append(not refuse)
+        if command == fcntl.F_SETFL and args[0] & direct:
             if refuse:
+                switched.append(False)
                 raise OSError(errno.EINVAL, "Invalid argument")
+            try:
+                result = real_fcntl(fd, command, *args)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    pytest.skip("the test's file system refuses O_DIRECT")
+                raise
+            switched.append(True)
+            return result
         return real_fcntl(fd, command, *args)
 
     monkeypatch.setattr(fcntl, "fcntl", recording_fcntl)
     return switched
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.parametrize("refused", [False, True], ids=["o_direct", "refused"])
@@ -500,24 +515,91 @@ def test_the_step_logs_direct_write_is_the_body_byte_for_byte(
         "xxh3_128": xxhash.xxh3_128(expected).hexdigest(),
     }
     assert list((tmp_path / RECYCLED_NAME).iterdir()) == []  # written over the recycled file
-    if getattr(os, "O_DIRECT", 0):
-        assert switched == [not refused]  # one file, switched or (refused) not
+    assert switched == [not refused]  # one file, switched or (refused) not
     loaded = store.load_latest()
     assert loaded is not None
     for name, tensor in staged.items():
         assert torch.equal(loaded.tensors["steps"][name], tensor), name
 
 
-def test_a_direct_write_that_fails_leaves_no_generation(
+def test_a_direct_write_that_fails_part_way_leaves_no_generation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A disk that fails a write part way (EIO): `stage` raises it and nothing is staged."""
+    """A disk that fails the second of a file's writes (EIO): `stage` raises it, nothing is
+    staged, and no descriptor is left open."""
+    monkeypatch.setattr(checkpoints, "_DIRECT_CHUNK", 8192)
+    switched = _direct_switches(monkeypatch, refuse=False)
     store = CheckpointStore(tmp_path)
+    writes = []
+    real_pwrite = os.pwrite
 
-    def failing_pwrite(*_args) -> int:
-        raise OSError(errno.EIO, "Input/output error")
+    def failing_pwrite(fd, data, offset) -> int:
+        writes.append(offset)
+        if len(writes) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(checkpoints.os, "pwrite", failing_pwrite)
+    before = _open_descriptors()
     with pytest.raises(OSError, match="Input/output error"):
-        store.stage(0, {"steps": {"s": torch.ones(10)}}, {"round": 0}, direct=True)
+        store.stage(0, {"steps": {"s": torch.ones(10_000)}}, {"round": 0}, direct=True)
+    assert switched == [True] and writes == [0, 8192]
+    assert list(tmp_path.iterdir()) == [] and _open_descriptors() == before
+
+
+def test_a_direct_write_the_file_system_refuses_goes_on_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that takes the O_DIRECT switch but refuses its writes (EINVAL: it wants
+    a larger alignment): the descriptor is switched back and the same bytes are written
+    through the page cache, the first refused buffer again at its offset; the checksum is
+    still that of the file's bytes."""
+    monkeypatch.setattr(checkpoints, "_DIRECT_CHUNK", 8192)
+    switched = _direct_switches(monkeypatch, refuse=False)
+    refused = []
+    real_pwrite = os.pwrite
+
+    def picky_pwrite(fd, data, offset) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(checkpoints.os, "pwrite", picky_pwrite)
+    sums = {"s": torch.arange(10_000, dtype=torch.float32)}
+    store = CheckpointStore(tmp_path)
+    path = store.stage(0, {"steps": sums}, {"round": 0}, direct=True)()
+    expected = bytes(encode_tensors(sums))
+    assert switched == [True] and refused == [0]
+    assert (path / "steps.safetensors").read_bytes() == expected
+    entry = json.loads((path / MANIFEST_NAME).read_text())["files"]["steps.safetensors"]
+    assert entry["xxh3_128"] == xxhash.xxh3_128(expected).hexdigest()
+
+
+def test_a_direct_write_of_whole_buffers_has_no_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body of exactly four 8 KiB buffers: four writes, no padded tail, nothing to cut."""
+    monkeypatch.setattr(checkpoints, "_DIRECT_CHUNK", 8192)
+    switched = _direct_switches(monkeypatch, refuse=False)
+    count = next(n for n in range(8000, 8200) if len(encode_tensors({"s": torch.ones(n)})) == 32768)
+    sums = {"s": torch.full((count,), 0.25)}
+    writes = []
+    real_pwrite = os.pwrite
+
+    def counted(fd, data, offset) -> int:
+        writes.append((offset, len(data)))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(checkpoints.os, "pwrite", counted)
+    path = CheckpointStore(tmp_path).stage(0, {"steps": sums}, {"round": 0}, direct=True)()
+    assert switched == [True] and writes == [(at, 8192) for at in range(0, 32768, 8192)]
+    assert (path / "steps.safetensors").read_bytes() == bytes(encode_tensors(sums))
+
+
+def test_direct_and_hash_when_durable_are_refused_together(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="hashed as they are written"):
+        CheckpointStore(tmp_path).stage(
+            0, {"g": {"t": torch.ones(2)}}, {}, direct=True, hash_when_durable=True
+        )
     assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -162,16 +161,19 @@ class CheckpointStore:
         server/state/journal.py). `hash_when_durable`: `stage` only writes, and the returned
         function hashes each file by reading it back (from the page cache) before its fsync,
         so the hashing leaves the caller's critical path for that thread; each file's fsync runs
-        beside its hashing, and the manifest follows both. `direct`: each file is written
-        around the page cache and hashed as it goes (`_write_direct`), so `stage` returns with
-        the bytes on the disk and the fsync only flushes. A generation staged and never made
-        durable is a temporary directory, removed by the next prune or drop.
+        beside its hashing, and the manifest follows both. `direct` (not with
+        `hash_when_durable`): each file is written around the page cache where the file
+        system allows it, and hashed as it goes (`_write_direct`), so the fsyncs have little
+        left to write. A generation staged and never made durable is a temporary directory,
+        removed by the next prune or drop.
 
         `adopted`: files already written elsewhere in the store's file system (names ending in
         `BODY_SUFFIX`), renamed into the generation here; the function returned waits for
         each one's `durable` before the manifest, which lists them with their hashes."""
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
+        if direct and hash_when_durable:
+            raise ValueError("direct files are hashed as they are written, not when durable")
         existing = self.generations()
         if existing and generation <= existing[-1]:
             raise ValueError(
@@ -560,7 +562,11 @@ def _write_tensors(
 
 
 _DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write, from one page-aligned buffer
-_DIRECT_ALIGN = 4096  # what O_DIRECT asks of a write's offset, length and memory
+# offsets, lengths and memory of O_DIRECT writes: a page, what most devices and file systems
+# ask (one that asks more refuses a write with EINVAL: the file is then written without it)
+_DIRECT_ALIGN = 4096
+_WRITE_AT_MOST = 1 << 30  # bytes per pwrite (some platforms refuse more than 2 GiB in one)
+assert _DIRECT_CHUNK % _DIRECT_ALIGN == 0
 
 
 def _write_direct(path: Path, pieces: list[memoryview], size: int, mode: int, over: bool) -> str:
@@ -568,12 +574,13 @@ def _write_direct(path: Path, pieces: list[memoryview], size: int, mode: int, ov
     return their checksum, computed from that buffer as it goes.
 
     A model-sized write into pages the page cache no longer holds costs a core more than the
-    disk's own time (the 350M step log's 1.4 GB took 1.1 s here, around the cache 0.45-0.59 s),
-    and the fsync then writes it all again; around the cache it is one copy into the buffer
-    and the disk's time, and what the file held leaves nothing cached. (Into pages still
+    disk's own time (the 350M step log's 1.4 GB took 1.1 s here, around the cache 0.45-0.59 s:
+    new pages, each allocated, locked and dirtied); around the cache it is one copy into the
+    buffer and the disk's time, and what the file held leaves nothing cached. (Into pages still
     cached, as an 85M log's are here, the page cache is faster: see DIRECT_STEP_LOG_BYTES in
-    server/state/journal.py.) A file system that refuses O_DIRECT (tmpfs, some network ones)
-    gets the same bytes through the page cache."""
+    server/state/journal.py.) The caller's fsync still makes the file's size and blocks
+    durable. Where the platform or the file system has no O_DIRECT, or refuses a write with it
+    (EINVAL: an alignment it wants larger), the same bytes go through the page cache."""
     digest = digest_hasher()
     fd, direct = _open_direct(path, over, mode)
     try:
@@ -600,14 +607,14 @@ def _write_direct(path: Path, pieces: list[memoryview], size: int, mode: int, ov
                 at += count
                 if filled == _DIRECT_CHUNK:
                     digest.update(view)
-                    _pwrite_all(fd, view, offset)
+                    _pwrite_direct(fd, view, offset)
                     offset += filled
                     filled = 0
         if filled:  # the tail, padded to the alignment, then cut back to `size`
             digest.update(view[:filled])
             padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
             view[filled:padded] = bytes(padded - filled)
-            _pwrite_all(fd, view[:padded], offset)
+            _pwrite_direct(fd, view[:padded], offset)
         os.ftruncate(fd, size)
         return digest.hexdigest()
     finally:
@@ -623,7 +630,7 @@ def _open_direct(path: Path, over: bool, mode: int) -> tuple[int, bool]:
     if not flag:
         return fd, False
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | flag)
+        _set_direct(fd, True)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             os.close(fd)
@@ -632,9 +639,34 @@ def _open_direct(path: Path, over: bool, mode: int) -> tuple[int, bool]:
     return fd, True
 
 
+def _set_direct(fd: int, on: bool) -> None:
+    """Switch `fd`'s O_DIRECT on or off (Linux: fcntl's F_SETFL)."""
+    import fcntl  # (here: where O_DIRECT exists; this module is a Windows worker's too)
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    flag = os.O_DIRECT
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | flag if on else flags & ~flag)
+
+
+def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
+    """`_pwrite_all` on an O_DIRECT descriptor; one the file system refuses (EINVAL: it wants
+    a larger alignment, or a short write left the rest unaligned) is switched off O_DIRECT
+    and written on through the page cache (the same bytes at the same offset)."""
+    try:
+        _pwrite_all(fd, data, offset)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _set_direct(fd, False)
+        _pwrite_all(fd, data, offset)
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` at `offset`, in writes of at most `_WRITE_AT_MOST` bytes."""
     while len(data):
-        written = os.pwrite(fd, data, offset)
+        written = os.pwrite(fd, data[:_WRITE_AT_MOST], offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"a write of {len(data)} bytes at {offset} wrote nothing")
         data, offset = data[written:], offset + written
 
 

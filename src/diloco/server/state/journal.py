@@ -429,9 +429,9 @@ class RoundJournal:
 
         Returns the function that makes the log durable (the sums' files hashed back from the
         page cache beside their fsyncs, or, from `DIRECT_STEP_LOG_BYTES` on, written around it
-        and hashed as they went, so it only flushes them; the bodies' fsyncs waited for): the
-        step may run meanwhile, since the files no longer read the sums, but nothing may be
-        recorded or published before it has returned."""
+        and hashed as they went, so their fsyncs have little to write; the bodies' fsyncs
+        waited for): the step may run meanwhile, since the files no longer read the sums, but
+        nothing may be recorded or published before it has returned."""
         steps = self.state.steps
         assert steps is not None
         faults.crash_point("before_step_log")
@@ -463,7 +463,7 @@ class RoundJournal:
                     for name, copy in zip(adopted, inputs, strict=True)
                 ],
             },
-            # a large log around the page cache, hashed as written (the fsync only flushes);
+            # a large log around the page cache, hashed as written (little left to fsync);
             # a smaller one into it, hashed back from it beside the fsync (off the step's path)
             direct=direct,
             hash_when_durable=not direct,
