@@ -583,20 +583,13 @@ def _write_direct(path: Path, pieces: list[memoryview], size: int, mode: int, ov
     durable. Where the platform or the file system has no O_DIRECT, or refuses a write with it
     (EINVAL: an alignment it wants larger), the same bytes go through the page cache."""
     digest = digest_hasher()
-    fd, direct = _open_direct(path, over, mode)
+    fd = _open_direct(path, over, mode)
     try:
         os.fchmod(fd, mode)  # os.open's mode is filtered by the umask
-        if not direct:
-            offset = 0
-            for piece in pieces:
-                digest.update(piece)
-                _pwrite_all(fd, piece, offset)
-                offset += len(piece)
-            os.ftruncate(fd, size)  # a recycled file's longer tail goes
-            return digest.hexdigest()
-        # page-aligned, as O_DIRECT needs; unmapped once the last view of it goes (never by
-        # hand: an error's traceback may hold one). A second buffer, filled while the disk
-        # takes the first, did not make the write shorter here: the disk is what it waits on.
+        # page-aligned, as O_DIRECT needs (the page cache takes it as well); unmapped once the
+        # last view of it goes (never by hand: an error's traceback may hold one). A second
+        # buffer, filled while the disk takes the first, did not make the write shorter here:
+        # the disk is what it waits on.
         view = memoryview(mmap.mmap(-1, _DIRECT_CHUNK))
         filled = offset = 0
         for piece in pieces:
@@ -611,12 +604,12 @@ def _write_direct(path: Path, pieces: list[memoryview], size: int, mode: int, ov
                     _pwrite_direct(fd, view, offset)
                     offset += filled
                     filled = 0
-        if filled:  # the tail, padded to the alignment, then cut back to `size`
+        if filled:  # the tail, padded to the alignment; the file is cut back to `size`
             digest.update(view[:filled])
             padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
             view[filled:padded] = bytes(padded - filled)
             _pwrite_direct(fd, view[:padded], offset)
-        os.ftruncate(fd, size)
+        os.ftruncate(fd, size)  # (a recycled file's longer tail goes too)
         return digest.hexdigest()
     finally:
         os.close(fd)
@@ -630,22 +623,20 @@ def _copy_bytes(target: memoryview, source: memoryview) -> None:
     numpy.copyto(numpy.frombuffer(target, dtype=numpy.uint8), numpy.frombuffer(source, numpy.uint8))
 
 
-def _open_direct(path: Path, over: bool, mode: int) -> tuple[int, bool]:
-    """A descriptor to write `path` (see `open_over`), switched to O_DIRECT, and whether it
-    is: False where the platform or the file system has none (the switch is refused, so a
-    recycled file is written over all the same)."""
+def _open_direct(path: Path, over: bool, mode: int) -> int:
+    """A descriptor to write `path` (see `open_over`), switched to O_DIRECT where the
+    platform and the file system have it (where the switch is refused the descriptor writes
+    through the page cache, and a recycled file is written over all the same)."""
     fd = open_over(path, over, os.O_WRONLY, mode)
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return fd, False
+    if not getattr(os, "O_DIRECT", 0):
+        return fd
     try:
         _set_direct(fd, True)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             os.close(fd)
             raise
-        return fd, False
-    return fd, True
+    return fd
 
 
 def _set_direct(fd: int, on: bool) -> None:
@@ -658,9 +649,10 @@ def _set_direct(fd: int, on: bool) -> None:
 
 
 def _pwrite_direct(fd: int, data: memoryview, offset: int) -> None:
-    """`_pwrite_all` on an O_DIRECT descriptor; one the file system refuses (EINVAL: it wants
-    a larger alignment, or a short write left the rest unaligned) is switched off O_DIRECT
-    and written on through the page cache (the same bytes at the same offset)."""
+    """`_pwrite_all` on a descriptor `_open_direct` made; a write with O_DIRECT the file
+    system refuses (EINVAL: it wants a larger alignment, or a short write left the rest
+    unaligned) switches it off and is written again through the page cache (the same bytes
+    at the same offset)."""
     try:
         _pwrite_all(fd, data, offset)
     except OSError as exc:

@@ -436,10 +436,7 @@ class RoundJournal:
         assert steps is not None
         faults.crash_point("before_step_log")
         adopted = {f"input-{at:04d}{BODY_SUFFIX}": copy for at, copy in enumerate(inputs)}
-        sums_bytes = (
-            0 if inputs else sum(t.numel() * t.element_size() for t in running.sums.values())
-        )
-        direct = sums_bytes >= DIRECT_STEP_LOG_BYTES
+        direct = not inputs and _bytes_of(running.sums) >= DIRECT_STEP_LOG_BYTES
         durable = steps.stage(  # the steps before the last checkpoint went once it was written
             record.round,
             {} if inputs else _sum_groups(running.sums, min(8, os.cpu_count() or 1)),
@@ -812,14 +809,17 @@ def _logged_step_of(
     )
 
 
+def _bytes_of(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def _sum_groups(
     sums: Mapping[str, torch.Tensor], groups: int
 ) -> dict[str, dict[str, torch.Tensor]]:
     """The sums in up to `groups` files of about equal bytes, in order ("sums-0", ...): each
     file is written by a thread of its own, so a model-sized log is written on up to `groups`
     cores at once."""
-    total = sum(t.numel() * t.element_size() for t in sums.values())
-    share = max(1, -(-total // max(1, groups)))
+    share = max(1, -(-_bytes_of(sums) // max(1, groups)))
     out: dict[str, dict[str, torch.Tensor]] = {}
     filled = 0
     for name, tensor in sums.items():
