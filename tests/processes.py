@@ -79,8 +79,10 @@ def start_worker(
     extra: tuple[str, ...] = (),
     dispatch: str | None = "static",
     env: dict[str, str] | None = None,
+    **popen_options: object,
 ) -> subprocess.Popen:
-    """`diloco worker` on the tiny model; its log and --json land in `out` under its id."""
+    """`diloco worker` on the tiny model; its log and --json land in `out` under its id
+    (`popen_options` go to Popen, and start a fresh interpreter rather than a fork)."""
     process = popen(
         [
             sys.executable,
@@ -111,6 +113,7 @@ def start_worker(
         stdout=subprocess.DEVNULL,
         stderr=(out / f"{worker_id}.log").open("wb"),
         env=None if env is None else {**os.environ, **env},
+        **popen_options,
     )
     STARTED.append(process)
     return process

@@ -4,6 +4,7 @@ and its --json. Real `diloco server` and `diloco worker` processes on 127.0.0.1.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import signal
@@ -94,8 +95,12 @@ def test_a_worker_held_by_min_workers_says_why_and_a_signal_ends_it_with_a_summa
     summary line and its --json (marked interrupted), and it leaves the run."""
     server = server_process("--sync-every", "2", "--min-workers", "2")
     log = tmp_path / "w0.log"
+    # SIGINT at its default in the worker, as from a terminal: a suite run as a shell's
+    # background job ignores SIGINT, and the worker rightly keeps a SIGINT it inherits ignored
     worker = start_worker(server.url, "w0", 0, 1, 1000, corpus_file, tmp_path,
-                          env={"DILOCO_WAIT_REPORT_SECONDS": "1"})  # fmt: skip
+                          env={"DILOCO_WAIT_REPORT_SECONDS": "1"},
+                          preexec_fn=functools.partial(signal.signal, signal.SIGINT,
+                                                       signal.SIG_DFL))  # fmt: skip
     wait_for_line(log, "still open")
     worker.send_signal(stop)
     try:

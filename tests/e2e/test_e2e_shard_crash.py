@@ -388,7 +388,9 @@ def test_a_follower_and_a_decided_worker_both_killed_the_follower_recovers_its_s
     mode = ("--sync-every", str(SYNC_EVERY), "--min-workers", "1", "--upload-codec", "int8",
             "--download-codec", "int8", "--error-feedback-beta", "0.95")  # fmt: skip
     env = {1: {ENV_VAR: "before_checkpoint:3"}}
-    shards = Shards(tmp_path, env=env, mode=mode, heartbeat_timeout=4)
+    # w1's eviction once killed waits out the timeout; at 4 s a loaded machine once let w0's
+    # heartbeats lapse and round 0 commit with w1 alone, costing w0 that round's work
+    shards = Shards(tmp_path, env=env, mode=mode, heartbeat_timeout=10)
     try:
         # no commit before both are live, so neither makes rounds alone for long while the
         # other starts (under load one started late: the round shard 1 died in held no w1)
