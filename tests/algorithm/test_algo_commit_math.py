@@ -19,7 +19,6 @@ from diloco.algorithm import (
     TensorKind,
     apply_mean,
     apply_running_mean,
-    outer_optimizer,
 )
 from diloco.algorithm.tensors import SparsePiece, finite_bound
 
@@ -80,20 +79,9 @@ def running_of(
 @pytest.mark.parametrize("policy", ["default", "all_floating"])
 @pytest.mark.parametrize("weighting", ["uniform", "tokens"])
 @pytest.mark.parametrize("bounded", [True, False])
-@pytest.mark.parametrize("keep_sums", [False, True], ids=["in_place", "keep_sums"])
 def test_apply_running_mean_is_bit_identical_to_apply_mean(
-    kind: str,
-    momentum: float,
-    policy: str,
-    weighting: str,
-    bounded: bool,
-    keep_sums: bool,
-    monkeypatch: pytest.MonkeyPatch,
+    kind: str, momentum: float, policy: str, weighting: str, bounded: bool
 ) -> None:
-    """`keep_sums` (the server's step log reads the sums while they are applied): the sums
-    come out as they went in, the result the same bits, in pieces of 16 elements here (the
-    first round gathers the momentum from them)."""
-    monkeypatch.setattr(outer_optimizer, "DIVIDED_PIECE", 16)
     reference, fast = masters(), masters()
     reference_optimizer = OuterOptimizer(kind, lr=0.7, momentum=momentum)
     fast_optimizer = OuterOptimizer(kind, lr=0.7, momentum=momentum)
@@ -103,15 +91,8 @@ def test_apply_running_mean_is_bit_identical_to_apply_mean(
         apply_mean(reference, mean, reference_optimizer, KINDS, policy=policy)
         running = running_of(items, weighting, bounded, storage=True)
         assert running.certainly_finite is bounded
-        sums = {name: total.clone() for name, total in running.sums.items()}
-        updated = apply_running_mean(
-            fast, running, fast_optimizer, KINDS, policy=policy, keep_sums=keep_sums
-        )
+        updated = apply_running_mean(fast, running, fast_optimizer, KINDS, policy=policy)
         assert updated == list(KINDS)
-        if keep_sums:
-            assert_identical(running.sums, sums)
-        else:  # used up: they hold the mean
-            assert not all(torch.equal(running.sums[n], sums[n]) for n in sums)
         assert_identical(fast, reference)
         assert_identical(fast_optimizer.state_dict(), reference_optimizer.state_dict())
         with pytest.raises(RuntimeError, match="consumed"):
@@ -304,18 +285,8 @@ def test_finite_bound_finds_nan_and_inf_and_bounds_huge_values_exactly() -> None
     assert finite_bound(huge) == pytest.approx(3e38, rel=1e-6)  # the largest magnitude
 
 
-@pytest.mark.parametrize(
-    ("strided", "keep"),
-    [(False, False), (True, False), (False, True), (True, True)],
-    ids=["fused", "strided", "fused_kept", "strided_kept"],
-)
-def test_divisors_divide_the_grads_in_the_step_as_a_division_first_would(
-    strided: bool, keep: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """In place as documented, or with `keep_grads` only read: 50 elements in pieces of 16
-    (the last one ragged, as a tensor's tail is), the first step's momentum gathered from
-    the pieces, the same bits as one whole pass."""
-    monkeypatch.setattr(outer_optimizer, "DIVIDED_PIECE", 16)
+@pytest.mark.parametrize("strided", [False, True], ids=["fused", "strided"])
+def test_divisors_divide_the_grads_in_the_step_as_a_division_first_would(strided: bool) -> None:
     generator = torch.Generator().manual_seed(9)
     start = torch.randn(50, generator=generator)
     sums = [torch.randn(50, generator=generator) * 3 for _ in range(3)]
@@ -330,15 +301,13 @@ def test_divisors_divide_the_grads_in_the_step_as_a_division_first_would(
             grad = holder[::2]
         else:
             grad = total.clone()
-        second.step(stepped, {"w": grad}, divisors={"w": 3.0}, keep_grads=keep)
-        # divided in place, as documented, or only read
-        assert torch.equal(grad, total if keep else total / 3.0)
+        second.step(stepped, {"w": grad}, divisors={"w": 3.0})
+        assert torch.equal(grad, total / 3.0)  # divided in place, as documented
         assert not holder[1::2].any()
     if strided:  # the separate passes round differently from the fused kernel
         torch.testing.assert_close(stepped["w"], divided["w"], rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(stepped["w"], divided["w"])
-        assert torch.equal(second.state_dict()["w"], first.state_dict()["w"])
 
 
 def test_a_strided_momentum_buffer_still_gets_the_divided_gradient() -> None:

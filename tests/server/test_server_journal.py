@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -307,15 +306,7 @@ def test_a_graceful_stop_checkpoints_the_chain_and_empties_the_log(tmp_path: Pat
     assert second.journal.state.audit_log("restarted")[-1]["detail"]["replayed_steps"] == []
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["before_the_step", "beside_the_step"])
-def test_a_failed_step_log_stops_the_server_and_publishes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, beside: bool
-) -> None:
-    """Written before the step (a log through the page cache) nothing moves; written beside
-    it (around the cache: every log here when `beside`) the step moves the memory, which the
-    server then never serves. Either way a restart resumes the last durable round."""
-    if beside:
-        monkeypatch.setattr(journal, "DIRECT_STEP_LOG_BYTES", 0)
+def test_a_failed_step_log_stops_the_server_before_anything_moves(tmp_path: Path) -> None:
     first = coordinator(tmp_path)
     first.register("a", SPECS, 1)
     first.upload_initial("a", START)
@@ -329,8 +320,7 @@ def test_a_failed_step_log_stops_the_server_and_publishes_nothing(
     with pytest.raises(Rejection) as caught:
         first.submit("b", 0, {"w": torch.full((3,), 0.4), "steps": torch.tensor(0.0)})
     assert caught.value.status == 503 and caught.value.kind == "checkpoint_failed"
-    assert "logging the outer step of round 1" in (first.model.broken or "")
-    assert torch.equal(first.masters["w"], START["w"]) is not beside  # stepped beside the log
+    assert torch.equal(first.masters["w"], START["w"])  # nothing stepped
     published = first.model.published
     assert published is None or published.round == 0  # round 0's result never published
     with pytest.raises(Rejection, match="No space left"):
@@ -339,15 +329,10 @@ def test_a_failed_step_log_stops_the_server_and_publishes_nothing(
     assert coordinator(tmp_path).round_number == 0  # a restart resumes the last durable round
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["before_the_step", "beside_the_step"])
-def test_a_step_log_that_cannot_be_made_durable_publishes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, beside: bool
-) -> None:
+def test_a_step_log_that_cannot_be_made_durable_publishes_nothing(tmp_path: Path) -> None:
     """The log's files are written, then their fsyncs (run beside the step) fail: the step
     has moved the masters in memory, so the server refuses everything, publishes nothing,
-    and a restart resumes the last durable round. `beside`: the whole log beside the step."""
-    if beside:
-        monkeypatch.setattr(journal, "DIRECT_STEP_LOG_BYTES", 0)
+    and a restart resumes the last durable round."""
     first = coordinator(tmp_path)
     first.register("a", SPECS, 1)
     first.upload_initial("a", START)
@@ -369,7 +354,6 @@ def test_a_step_log_that_cannot_be_made_durable_publishes_nothing(
         first.submit("b", 0, {"w": torch.full((3,), 0.4), "steps": torch.tensor(0.0)})
     assert caught.value.status == 503 and "Input/output error" in caught.value.error
     assert "logging the outer step of round 1" in (first.model.broken or "")
-    assert not torch.equal(first.masters["w"], START["w"])  # the memory moved, never served
     published = first.model.published
     assert published is None or published.round == 0
     assert first.journal.state.committed_rounds() == []  # nothing recorded
@@ -525,43 +509,3 @@ def test_a_start_that_hangs_dumps_where_it_is(tmp_path: Path) -> None:
     dump = log.read_text()
     assert "Fatal Python error: Aborted" in dump
     assert "in _replay" in dump and "in write_replayed" in dump and "in crash_point" in dump
-
-
-@pytest.mark.parametrize("around_cache", [False, True], ids=["page_cache", "o_direct"])
-def test_a_log_around_the_page_cache_is_written_while_the_step_runs_on_sums_it_only_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, around_cache: bool
-) -> None:
-    """A log written around the page cache mostly waits on the disk, so the commit writes it
-    beside the step: here its write waits (up to 10 s) for the masters to move, and then
-    finds the round's sums as they were folded, by hand 0.2 + 0.4 = 0.6 (uniform weights: the
-    step divides a scratch copy, not them). A log through the cache is written before the
-    step: it sees the masters as they were. The round commits either way: w moves by the
-    outer step's first Nesterov update of the mean 0.3, lr 0.7, mu 0.9: 0.7 * 1.9 * 0.3."""
-    if around_cache:
-        monkeypatch.setattr(journal, "DIRECT_STEP_LOG_BYTES", 0)
-    first = coordinator(tmp_path)
-    first.register("a", SPECS, 1)
-    first.upload_initial("a", START)
-    first.register("b", SPECS, 1)
-    first.submit("a", 0, {"w": torch.full((3,), 0.2), "steps": torch.tensor(0.0)})
-    steps = first.journal.state.steps
-    stage = steps.stage
-    seen: dict[str, object] = {}
-
-    def watched(round_number, groups, *args, **kwargs):
-        deadline = time.monotonic() + (10 if around_cache else 0.5)
-        while torch.equal(first.masters["w"], START["w"]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        seen["moved"] = not torch.equal(first.masters["w"], START["w"])
-        seen["sums"] = {n: t.clone() for group in groups.values() for n, t in group.items()}
-        return stage(round_number, groups, *args, **kwargs)
-
-    steps.stage = watched
-    first.submit("b", 0, {"w": torch.full((3,), 0.4), "steps": torch.tensor(0.0)})
-    assert seen["moved"] is around_cache
-    sums = seen["sums"]
-    assert isinstance(sums, dict)
-    assert torch.allclose(sums["w"], torch.full((3,), 0.6), rtol=0, atol=1e-7)
-    assert first.round_number == 1 and first.model.broken is None
-    expected = START["w"] - 0.7 * 1.9 * torch.tensor(0.2 + 0.4) / 2
-    assert torch.allclose(first.masters["w"], expected, rtol=1e-6, atol=1e-7)

@@ -86,19 +86,17 @@ class DelayedNesterov:
         *,
         divisors: Mapping[str, float] | None = None,
         finite: bool = False,
-        keep_grads: bool = False,
     ) -> None:
         """Apply one arrival's pseudo-gradient to `params` in place (only the names it carries).
 
-        `divisors`, `finite` and `keep_grads` as for `OuterOptimizer.step`: grad[name] is a
-        running sum, to be divided (in place unless `keep_grads`) by divisors[name]; `finite`
-        says the caller proved it finite.
+        `divisors` and `finite` as for `OuterOptimizer.step`: grad[name] is a running sum, to
+        be divided (in place) by divisors[name]; `finite` says the caller proved it finite.
         """
         check_step_inputs(params, grad, "delayed nesterov step", scan_values=not finite)
         self.arrivals += 1
         for name, g in grad.items():
             if divisors is not None and divisors[name] != 1.0:
-                g = g.div(divisors[name]) if keep_grads else g.div_(divisors[name])
+                g = g.div_(divisors[name])
             self._step_one(name, params[name], g)
 
     def _state_for(self, name: str, param: torch.Tensor) -> _NameState:

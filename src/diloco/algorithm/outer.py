@@ -60,7 +60,6 @@ class UpdateRule(Protocol):
         *,
         divisors: Mapping[str, float] | None = None,
         finite: bool = False,
-        keep_grads: bool = False,
     ) -> None: ...
 
 
@@ -255,7 +254,6 @@ def apply_running_mean(
     kinds: Mapping[str, TensorKind],
     *,
     policy: str = "default",
-    keep_sums: bool = False,
 ) -> list[str]:
     """`apply_mean(masters, running.mean(), ...)` with fewer passes over memory, same result.
 
@@ -263,20 +261,12 @@ def apply_running_mean(
     step instead of in a pass of its own, and the NaN/Inf scan is skipped when the running
     mean's bound proves every sum finite (each folded contribution was scanned, and came with
     the magnitude of its largest value). Uses up `running`, as `mean()` does: its sums end up
-    holding the mean, or, with `keep_sums`, are only read (the same bits: a server writes
-    them to its step log while they are applied).
+    holding the mean.
     """
     require_choice("apply policy", policy, APPLY_POLICIES)
     sums, totals = running.consume()
     return _apply_values(
-        masters,
-        sums,
-        optimizer,
-        kinds,
-        policy,
-        divisors=totals,
-        finite=running.certainly_finite,
-        keep=keep_sums,
+        masters, sums, optimizer, kinds, policy, divisors=totals, finite=running.certainly_finite
     )
 
 
@@ -289,11 +279,9 @@ def _apply_values(
     *,
     divisors: Mapping[str, float] | None = None,
     finite: bool = False,
-    keep: bool = False,
 ) -> list[str]:
     """The update both apply functions make: values[name] / divisors[name] (the division in
-    place unless `keep`, inside the optimizer's pass for its names) is the mean for each
-    name."""
+    place, inside the optimizer's pass for its names) is the mean for each name."""
     if not values:
         return []
     _check_contribution(Contribution(values, worker="mean"), "mean", masters, kinds, policy)
@@ -311,13 +299,9 @@ def _apply_values(
         through_optimizer,
         divisors=None if divisors is None else {n: divisors[n] for n in through_optimizer},
         finite=True,  # scanned above, or proven finite by the caller
-        keep_grads=keep,
     )
     for name, value in values.items():
         if name not in through_optimizer:
-            if divisors is None:
-                mean = value
-            else:
-                mean = value / divisors[name] if keep else value.div_(divisors[name])
+            mean = value if divisors is None else value.div_(divisors[name])
             _assign_mean(masters[name], mean, TensorKind(kinds[name]))
     return [name for name in masters if name in values]

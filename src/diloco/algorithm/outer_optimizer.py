@@ -22,10 +22,6 @@ from diloco.algorithm.tensors import TensorDict, all_finite
 
 OUTER_KINDS = ("sgd", "momentum", "nesterov")
 DEFAULT_MOMENTUM = 0.9
-# Elements per piece of a step that keeps its grads (4 MiB of fp32): each piece of a grad is
-# divided in a scratch copy this size, so the grad itself is only read. A multiple of every
-# SIMD width, so the pieces round as one whole pass does.
-DIVIDED_PIECE = 1 << 20
 
 
 def check_step_inputs(
@@ -86,28 +82,20 @@ class OuterOptimizer:
         *,
         divisors: Mapping[str, float] | None = None,
         finite: bool = False,
-        keep_grads: bool = False,
     ) -> None:
         """Update `params` in place for the names in `grads`; other names are untouched.
 
         `divisors`: the gradient of a name is grads[name] / divisors[name] (a running sum and
         its total weight); the division is done in place, on the grads, inside the step's one
-        pass, or with `keep_grads` a piece at a time in a scratch copy, the grads only read
-        (the same bits). `finite=True`: the caller has proven every grad finite, so they are
-        not scanned.
+        pass. `finite=True`: the caller has proven every grad finite, so they are not scanned.
         """
         check_step_inputs(params, grads, "outer step", scan_values=not finite)
         for name, grad in grads.items():
             divisor = 1.0 if divisors is None else divisors[name]
-            self._step_one(name, params[name], grad, divisor, keep_grads)
+            self._step_one(name, params[name], grad, divisor)
 
     def _step_one(
-        self,
-        name: str,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        divisor: float = 1.0,
-        keep: bool = False,
+        self, name: str, param: torch.Tensor, grad: torch.Tensor, divisor: float = 1.0
     ) -> None:
         g = grad.detach().to(device=param.device, dtype=param.dtype)  # grad itself if it can
         buf = self._buffers.get(name)
@@ -119,10 +107,10 @@ class OuterOptimizer:
         fusable = param.is_contiguous() and g.is_contiguous()
         if fusable and (buf is None or buf.is_contiguous()):
             buffers = [buf]
-            self._fused_step(param, g, buffers, divisor, keep)
+            self._fused_step(param, g, buffers, divisor)
         else:
-            if divisor != 1.0:  # in place: on grad itself when no copy was needed, as documented
-                g = g / divisor if keep else g.div_(divisor)
+            if divisor != 1.0:
+                g.div_(divisor)  # in place: on grad itself when no copy was needed, as documented
             buffers = [self._unfused_step(param, g, buf)]
         if self.kind != "sgd":
             self._buffers[name] = buffers[0]
@@ -133,80 +121,30 @@ class OuterOptimizer:
         g: torch.Tensor,
         buffers: list[torch.Tensor | None],
         divisor: float = 1.0,
-        keep: bool = False,
     ) -> None:
         """PyTorch's fused kernel: one pass over param, grad and buffer (buf = mu buf + g, a
         new buffer = g when it is None; p -= lr (g + mu buf) for nesterov, lr buf for
-        momentum, lr g for sgd). About 1.6x a plain in-place pass, against 2.8x in three.
-
-        The kernel divides its grad by `divisor` in place; with `keep` it runs a piece at a
-        time over a copy of the grad's piece in a small scratch (the same elementwise
-        arithmetic, so the same bits), and the grad is only read."""
+        momentum, lr g for sgd). About 1.6x a plain in-place pass, against 2.8x in three."""
         before = buffers[0]
         scale = None if divisor == 1.0 else torch.tensor(divisor, dtype=torch.float32)
-        pieces_done: list[int] = []
         try:
-            if keep and scale is not None:
-                self._fused_pieces(param, g, buffers, scale, pieces_done)
-            else:
-                self._fused_call([param], [g], buffers, scale)
+            torch_sgd(
+                [param],
+                [g],
+                buffers,
+                fused=True,
+                grad_scale=scale,  # the kernel divides g by it, in place
+                weight_decay=0.0,
+                momentum=self.momentum,
+                lr=self.lr,
+                dampening=0.0,
+                nesterov=self.kind == "nesterov",
+                maximize=False,
+            )
         except RuntimeError:  # no fused kernel for this device or dtype (checked before writing)
-            if pieces_done:  # a piece has moved: another pass would apply it twice
-                raise
             if divisor != 1.0:
-                g = g / divisor if keep else g.div_(divisor)
+                g.div_(divisor)
             buffers[0] = self._unfused_step(param, g, before)
-
-    def _fused_pieces(
-        self,
-        param: torch.Tensor,
-        g: torch.Tensor,
-        buffers: list[torch.Tensor | None],
-        scale: torch.Tensor,
-        done: list[int],
-    ) -> None:
-        """`_fused_call` over `DIVIDED_PIECE`s of the flattened tensors, each grad piece
-        divided in a scratch copy. A first step (no buffer yet) makes each piece's buffer in
-        the kernel (buf = g, as PyTorch does), gathered into one buffer of the param's shape."""
-        flat_param, flat_g = param.view(-1), g.view(-1)
-        total = flat_param.numel()
-        scratch = torch.empty(min(total, DIVIDED_PIECE), dtype=g.dtype, device=g.device)
-        first = buffers[0] is None and self.momentum != 0
-        whole = torch.empty_like(param) if first else buffers[0]
-        flat_buf = None if whole is None else whole.view(-1)
-        for start in range(0, total, DIVIDED_PIECE):
-            stop = min(total, start + DIVIDED_PIECE)
-            piece = scratch[: stop - start]
-            piece.copy_(flat_g[start:stop])
-            piece_buffers: list[torch.Tensor | None] = [
-                None if first or flat_buf is None else flat_buf[start:stop]
-            ]
-            self._fused_call([flat_param[start:stop]], [piece], piece_buffers, scale)
-            done.append(start)
-            if first and flat_buf is not None and piece_buffers[0] is not None:
-                flat_buf[start:stop].copy_(piece_buffers[0])
-        buffers[0] = whole
-
-    def _fused_call(
-        self,
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        buffers: list[torch.Tensor | None],
-        scale: torch.Tensor | None,
-    ) -> None:
-        torch_sgd(
-            params,
-            grads,
-            buffers,
-            fused=True,
-            grad_scale=scale,  # the kernel divides the grads by it, in place
-            weight_decay=0.0,
-            momentum=self.momentum,
-            lr=self.lr,
-            dampening=0.0,
-            nesterov=self.kind == "nesterov",
-            maximize=False,
-        )
 
     def _unfused_step(
         self, param: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None

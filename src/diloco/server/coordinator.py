@@ -626,7 +626,6 @@ class Coordinator:
             running.divide_by_senders(name for name, spec in model.specs.items() if spec.trained)
         journal = self.journal
         log_step = None
-        log_beside = False
         if journal.logs_steps:
             # the last step's checkpoint first: the step below moves what it reads
             model.durably("writing the checkpoint of the last round", journal.settle)
@@ -644,7 +643,6 @@ class Coordinator:
                 discard_all(inputs)
                 inputs = None
             logged_inputs = inputs or ()
-            log_beside = journal.logs_around_cache(running, logged_inputs)
 
             def log_step() -> Callable[[], None]:
                 return journal.log_step(
@@ -666,7 +664,6 @@ class Coordinator:
             ),
             names,
             log_step,
-            log_beside,
         )
         for part, seconds in model.step_seconds.items():
             self.metrics.round_part_seconds.labels(part=part).observe(seconds)

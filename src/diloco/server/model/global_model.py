@@ -195,7 +195,6 @@ class GlobalModel:
         write: Callable[[], None],
         names: Sequence[str] | None = None,
         log_step: Callable[[], Callable[[], None]] | None = None,
-        log_beside: bool = False,
     ) -> None:
         """Apply one outer step (its running sums, used up here) to `names` (a streaming
         fragment; None: every tensor), move the published copy by its coded delta, make it
@@ -205,31 +204,16 @@ class GlobalModel:
         `log_step`, when given, writes the step's input (the sums) before anything moves and
         returns what makes it durable: its fsyncs run on a thread beside the step and the
         delta, and `write` (which then only records the step: the journal writes its
-        checkpoint in the background, see state/journal.py) waits for them. With
-        `log_beside` (a log written around the page cache, which mostly waits on the disk)
-        the log is written on that thread too, beside a step that only reads the sums: the
-        memory moves ahead of the disk, so a log that fails leaves the model `broken` (it
-        serves nothing more) until a restart resumes from the disk."""
+        checkpoint in the background, see state/journal.py) waits for them."""
         assert self.frames is not None and self.specs is not None
         self.require_healthy()
         logging_started = time.perf_counter()
         syncing: Future[None] | None = None
-        log_seconds: list[float] = []
-        if log_step is not None and log_beside:
-
-            def write_log() -> None:
-                begun = time.perf_counter()
-                durable = log_step()
-                log_seconds.append(time.perf_counter() - begun)
-                durable()
-
-            syncing = _SYNCS.submit(write_log)
-        elif log_step is not None:
+        if log_step is not None:
             staged: list[Callable[[], None]] = []
             what = f"logging the outer step of round {new_version}"
             self.durably(what, lambda: staged.append(log_step()))
             syncing = _SYNCS.submit(staged[0])
-            log_seconds.append(time.perf_counter() - logging_started)
         started = time.perf_counter()
         try:
             if running.count:  # (writable() copies the masters away from a straggler's download)
@@ -242,7 +226,6 @@ class GlobalModel:
                         self.optimizer,
                         kinds,
                         policy=self.settings.policy,
-                        keep_sums=syncing is not None and log_beside,  # the log reads them
                     )
 
                 if log_step is None:
@@ -285,13 +268,13 @@ class GlobalModel:
         self.step_seconds = {
             "outer_step": stepped - started,
             "delta": coded - stepped,
-            # the step log (written before the step, or beside it with `log_beside`, made
-            # durable beside the step and the delta, then waited for), then its record; or
-            # the checkpoint, written before the result
+            # the step log (written before the step, made durable beside the step and the
+            # delta, then waited for), then its record; or the checkpoint, written before the
+            # result
             **(
                 {
-                    "step_log": sum(log_seconds),  # its files written
-                    "step_log_wait": synced - coded,  # the rest of it, past the delta
+                    "step_log": started - logging_started,  # written, before the step
+                    "step_log_wait": synced - coded,  # its hashes and fsyncs, past the delta
                     "record": time.perf_counter() - synced,
                 }
                 if log_step is not None

@@ -7,9 +7,7 @@ units it completed). With `durability="round"` (the default) no acknowledged out
 lost or applied twice: before a step moves anything, its input (the round's bodies, made
 durable as they came, see state/step_inputs.py, or else its running sums, one model-sized
 fp32 file; the commit record, the optimizer's lr) goes to the step log (D/steps); then the
-step is applied, recorded in SQLite and published. (Sums of at least DIRECT_STEP_LOG_BYTES
-are written around the page cache beside a step that only reads them: nothing is recorded
-or published before they are durable either.) Every
+step is applied, recorded in SQLite and published. Every
 `checkpoint_every`-th step (and at a graceful shutdown) its checkpoint is written in the
 background while the workers train, and the step after it waits for that checkpoint; the
 steps between stay in the log, a chain from the newest checkpoint. A restart applies the
@@ -412,16 +410,6 @@ class RoundJournal:
 
     # ----------------------------------------------------------------- the step log
 
-    @staticmethod
-    def logs_around_cache(running: RunningMean, inputs: Sequence[InputCopy] = ()) -> bool:
-        """Whether `log_step` writes this step's sums around the page cache (O_DIRECT): from
-        `DIRECT_STEP_LOG_BYTES` of sums on, where the cache no longer holds the last log's
-        pages. Such a write mostly waits on the disk, so the commit runs it beside the step
-        (GlobalModel.commit's `log_beside`); a smaller one is a copy into cached pages that
-        shares the memory bus with the step, and measured slower beside it (85M:
-        benchmarks/results/model_scale-log-beside-step/)."""
-        return not inputs and _bytes_of(running.sums) >= DIRECT_STEP_LOG_BYTES
-
     def log_step(
         self,
         record: CommitRecord,
@@ -431,8 +419,7 @@ class RoundJournal:
         lr: float,
         inputs: Sequence[InputCopy] = (),
     ) -> Callable[[], None]:
-        """Write step `record.round`'s input before the step moves anything (or, where
-        `logs_around_cache`, beside a step that only reads the sums): its sums (fp32
+        """Write step `record.round`'s input before the step moves anything: its sums (fp32
         files), totals, count and bound, its record, the fragments' rounds after it and the lr
         it uses. The log keeps the steps since the newest checkpoint.
 
@@ -449,7 +436,7 @@ class RoundJournal:
         assert steps is not None
         faults.crash_point("before_step_log")
         adopted = {f"input-{at:04d}{BODY_SUFFIX}": copy for at, copy in enumerate(inputs)}
-        direct = self.logs_around_cache(running, inputs)
+        direct = not inputs and _bytes_of(running.sums) >= DIRECT_STEP_LOG_BYTES
         durable = steps.stage(  # the steps before the last checkpoint went once it was written
             record.round,
             {} if inputs else _sum_groups(running.sums, min(8, os.cpu_count() or 1)),
