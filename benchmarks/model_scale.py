@@ -20,9 +20,11 @@ gives real batches with --batch-size, --context and --dtype bf16). Per round it 
     its training state: measured after its first optimizer step, before it joined);
 and, measured in the same run on the same machine, the two physical limits of a round: the
 time a plain loopback socket needs to move the round's bytes (K clients each send their upload
-and receive their download through one process) and one memory pass over the fp32 model (a
-copy at the server's thread budget). The headline ratio is a worker's median blocked time
-over (loopback + memory pass). Writes benchmarks/results/model_scale.md and .json.
+and receive their download through one process: the median of 5 rounds after one that
+faults the buffers in) and one memory pass over the fp32 model (a copy at the server's thread
+budget), both once the run's dirty pages are written back (os.sync). The headline ratio is
+a worker's median blocked time over (loopback + memory pass). Writes
+benchmarks/results/model_scale.md and .json.
 
     python benchmarks/model_scale.py                                   # 25M and 85M
     python benchmarks/model_scale.py --sizes 85M --codecs int8 --rounds 3 --out-dir /tmp/ms
@@ -191,10 +193,13 @@ def memory_pass_seconds(parameters: int, threads: int, repeats: int = 3) -> floa
         torch.set_num_threads(before)
 
 
-def loopback_seconds(up: int, down: int, workers: int) -> float:
-    """K clients each push `up` and pull `down` bytes through one process (the median round):
-    the symmetric raw_tcp moves the larger of the two each way, a bound from above."""
-    return raw_tcp(max(up, down, 1), workers, 3)["median_round_seconds"]
+def loopback_seconds(up: int, down: int, workers: int, rounds: int = 5) -> float:
+    """K clients each push `up` and pull `down` bytes through one process: the median of
+    `rounds` rounds after a first one that faults the buffers in (as the server's and the
+    workers' buffers are by the steady rounds measured). The symmetric raw_tcp moves the
+    larger of the two each way, a bound from above."""
+    times = raw_tcp(max(up, down, 1), workers, rounds + 1)["round_seconds"]
+    return statistics.median(times[1:])
 
 
 # ------------------------------------------------------------------ one configuration
@@ -359,6 +364,9 @@ def run_one(
     rounds = [r for report in reports for r in report["rounds"][warmup:]]
     up = int(statistics.median(r["steady"]["up"] for r in reports) / steady_rounds)
     down = int(statistics.median(r["steady"]["down"] for r in reports) / steady_rounds)
+    # the run's dirty pages (step logs, checkpoints, spooled uploads) written back first: the
+    # limits are measured on a machine at rest, not beside the kernel's writeback
+    os.sync()
     loopback = loopback_seconds(up, down, workers)
     memory = memory_pass_seconds(parameters, server_threads)
     blocked = statistics.median(r["steady"]["blocked"] for r in reports) / steady_rounds
@@ -678,11 +686,12 @@ def _markdown(document: dict) -> str:
         "",
         "`python benchmarks/model_scale.py` (settings per row in model_scale.json): a real "
         "`diloco server --state-dir` and K real `DiLoCoWorker` processes of the bundled GPT; "
-        "the limit is measured in the same run: a plain loopback socket moving the round's "
-        "bytes, plus one memory pass over the fp32 model. The ratio is a worker's median "
-        "blocked time per round over that limit; blocked % is the share of a worker's time "
-        "its sync hook took (compute: the training steps of a round, on a GPU up to a "
-        "synchronize). "
+        "the limit is measured in the same run, once its dirty pages are written back: a "
+        "plain loopback socket moving the round's bytes (the median of 5 rounds after a "
+        "first that faults its buffers in), plus one memory pass over the fp32 model. The "
+        "ratio is a worker's median blocked time per round over that limit; blocked % is the "
+        "share of a worker's time its sync hook took (compute: the training steps of a "
+        "round, on a GPU up to a synchronize). "
         f"Machine: {machine['cores']} cores, {machine['platform']}, torch {machine['torch']}"
         + (f", {machine['gpu']}" if machine.get("gpu") else "")
         + ".",
