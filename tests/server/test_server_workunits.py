@@ -408,6 +408,7 @@ class History:
         self.held: dict[str, set[int]] = {worker: set() for worker in WORKERS}
         self.last_commit: dict[str, list[int]] = {worker: [] for worker in WORKERS}
         self.completed: dict[int, int] = {}  # unit_id -> round
+        self.completed_by: dict[int, str] = {}  # unit_id -> the worker whose commit holds it
 
     def run(self, op: tuple) -> None:
         getattr(self, op[0])(*op[1:])
@@ -435,11 +436,14 @@ class History:
         self.round += 1
         assert self.pool.complete(reported, self.round, worker_id=worker) == len(reported)
         self.completed.update(dict.fromkeys(reported, self.round))
+        self.completed_by.update(dict.fromkeys(reported, worker))
         self.held[worker] = set()
         self.last_commit[worker] = reported
 
     def retry(self, worker: str) -> None:
-        reported = [u for u in self.last_commit[worker] if u in self.completed]
+        # what its last commit completed and still holds: a unit a crash gave back and another
+        # worker then completed is that worker's, and refused to this one (unit_not_leased)
+        reported = [u for u in self.last_commit[worker] if self.completed_by.get(u) == worker]
         self.pool.check_reported(worker, reported)
         assert self.pool.complete(reported, self.round, worker_id=worker) == 0
 
@@ -448,6 +452,7 @@ class History:
         freed = {u for u, r in self.completed.items() if r > self.round}
         assert self.pool.rollback_after(self.round) == len(freed)
         self.completed = {u: r for u, r in self.completed.items() if r <= self.round}
+        self.completed_by = {u: w for u, w in self.completed_by.items() if u in self.completed}
 
     def steal(self, thief: str, owner: str) -> None:
         if thief != owner and self.held[owner]:
@@ -492,6 +497,33 @@ def test_random_histories_train_every_sample_exactly_once_per_epoch(
             assert [c["index"] for c in done] == list(range(shape["units_per_epoch"]))
             samples = [i for c in done for i in pool.indices(shape, c["epoch"], c["index"])]
             assert sorted(samples) == list(range(length))
+        conn.close()
+
+
+def test_a_retry_after_a_crash_gave_its_unit_to_another_worker_is_refused_that_unit() -> None:
+    """Found by the random histories: w0 completes a unit in round 1, a crash loses round 1
+    (the unit goes back), w1 leases and completes it; w0 then retries its round reporting
+    that unit, which is w1's now: refused (unit_not_leased, held by w1), counted once."""
+    with tempfile.TemporaryDirectory() as folder:
+        conn, pool = open_pool(Path(folder) / "state.db")
+        pool.register("d", length=4, shuffle_seed=0, unit_size=2)
+        conn.commit()
+        history = History(pool)
+        for op in [("lease", "w0", 1, False), ("commit", "w0"), ("crash", 1),
+                   ("lease", "w1", 1, False), ("commit", "w1")]:  # fmt: skip
+            with immediate(conn):
+                history.run(op)
+        (unit,) = history.last_commit["w0"]
+        assert history.last_commit["w1"] == [unit] and history.completed_by == {unit: "w1"}
+        error = rejected(pool.check_reported, "w0", [unit])
+        assert (error.kind, error.detail["holder"], error.detail["state"]) == (
+            "unit_not_leased",
+            "w1",
+            "completed",
+        )
+        with immediate(conn):
+            history.run(("retry", "w0"))  # it reports nothing of it
+        assert sum(p["completed"] for p in pool.progress()) == 1
         conn.close()
 
 
