@@ -597,6 +597,45 @@ def test_a_direct_write_of_whole_buffers_has_no_tail(
     assert (path / "steps.safetensors").read_bytes() == bytes(encode_tensors(sums))
 
 
+@pytest.mark.parametrize("refused", [False, True], ids=["o_direct", "refused"])
+def test_a_file_copied_around_the_page_cache_is_its_source_byte_for_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool
+) -> None:
+    """`copy_file_direct` (a spooled upload into the state dir): the source's first `size`
+    bytes (here 5 buffers of 8 KiB and a tail, the source longer than that) over a recycled
+    file longer still, read through one aligned buffer and written with O_DIRECT: the target
+    is exactly those bytes, cut to their size, and the returned checksum is the xxhash
+    package's XXH3-128 of them. Refused O_DIRECT: the same bytes through the page cache."""
+    monkeypatch.setattr(checkpoints, "_DIRECT_CHUNK", 8192)
+    switched = _direct_switches(monkeypatch, refuse=refused)
+    data = bytes(range(256)) * 200 + b"tail"  # 51,204 bytes
+    size = len(data) - 4
+    source, target = tmp_path / "spooled", tmp_path / "copy"
+    source.write_bytes(data)
+    target.write_bytes(b"\xff" * 90_000)  # a recycled file's longer old bytes
+    read_fd, write_fd = os.open(source, os.O_RDONLY), os.open(target, os.O_RDWR)
+    try:
+        digest = checkpoints.copy_file_direct(read_fd, write_fd, size)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert target.read_bytes() == data[:size]
+    assert digest == xxhash.xxh3_128(data[:size]).hexdigest()
+    assert switched == [not refused]
+
+
+def test_a_file_copy_from_a_source_shorter_than_told_is_an_error(tmp_path: Path) -> None:
+    source, target = tmp_path / "spooled", tmp_path / "copy"
+    source.write_bytes(b"x" * 1000)
+    read_fd, write_fd = os.open(source, os.O_RDONLY), os.open(target, os.O_CREAT | os.O_RDWR)
+    try:
+        with pytest.raises(OSError, match="the file ended after 1000 of 5000 bytes"):
+            checkpoints.copy_file_direct(read_fd, write_fd, 5000)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
 def test_direct_and_hash_when_durable_are_refused_together(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="hashed as they are written"):
         CheckpointStore(tmp_path).stage(

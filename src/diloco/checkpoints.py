@@ -615,6 +615,38 @@ def _write_direct(path: Path, pieces: list[memoryview], size: int, mode: int, ov
         os.close(fd)
 
 
+def copy_file_direct(source: int, target: int, size: int) -> str:
+    """The first `size` bytes of descriptor `source` into descriptor `target` with O_DIRECT,
+    through one aligned buffer that `source` is read into (from the page cache, where a
+    spooled upload just written lies), and their checksum, computed from that buffer as it
+    goes: `_write_direct` for a file's bytes. `target` is cut to `size`; the caller fsyncs
+    it. Where O_DIRECT is missing or refused (EINVAL) the bytes go through the page cache."""
+    digest = digest_hasher()
+    if getattr(os, "O_DIRECT", 0):
+        try:
+            _set_direct(target, True)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    view = memoryview(mmap.mmap(-1, _DIRECT_CHUNK))  # page-aligned (see _write_direct)
+    offset = 0
+    while offset < size:
+        want = min(_DIRECT_CHUNK, size - offset)
+        filled = 0
+        while filled < want:  # (preadv lets the GIL go)
+            read = os.preadv(source, [view[filled:want]], offset + filled)
+            if read == 0:
+                raise OSError(f"the file ended after {offset + filled} of {size} bytes")
+            filled += read
+        digest.update(view[:filled])
+        padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN  # the tail, padded, cut back
+        view[filled:padded] = bytes(padded - filled)
+        _pwrite_direct(target, view[:padded], offset)
+        offset += filled
+    os.ftruncate(target, size)  # (a recycled file's longer tail goes too)
+    return digest.hexdigest()
+
+
 def _copy_bytes(target: memoryview, source: memoryview) -> None:
     """`source` into `target` (of its length) by numpy, which lets the GIL go meanwhile: a
     slice assignment held it for the whole copy, and the other sums files' threads and the

@@ -17,6 +17,7 @@ from diloco.algorithm.codecs import Codec
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.settings import ServerSettings
+from diloco.server.state import journal, step_inputs
 from diloco.wire import decode_tensors, encode_tensors, specs_of
 from diloco.wire.compressed.body import encode_compressed
 from diloco.wire.format.spool import open_spooled
@@ -408,3 +409,59 @@ def test_fp32_bodies_log_the_sums_with_one_worker_or_two(tmp_path: Path) -> None
         assert c.round_number == 1 and sums_logged(state, 0)
         assert list((state / "inputs").iterdir()) == []
         killed(c)
+
+
+def test_fp32_bodies_of_a_log_written_around_the_page_cache_are_copied_around_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the sums would be written around the page cache (from DIRECT_STEP_LOG_BYTES on:
+    every model here), an fp32 body of one worker, the sums' size, is copied around it too,
+    as it comes (`copy_file_direct`), and its step logs it instead of the sums: the file is
+    the body byte for byte, its checksum the xxhash package's, and a restart folds it again
+    to the same weights bit for bit (one body: w -= 0.7 * (1 + 0.9) * g, by hand). Two
+    workers' bodies hold twice the sums' bytes: their step logs the sums."""
+    monkeypatch.setattr(journal, "DIRECT_STEP_LOG_BYTES", 0)
+    copied_directly = []
+    real_copy = step_inputs.copy_file_direct
+
+    def spied(source: int, target: int, size: int) -> str:
+        copied_directly.append(size)
+        return real_copy(source, target, size)
+
+    monkeypatch.setattr(step_inputs, "copy_file_direct", spied)
+    for workers in (1, 2):
+        fp32 = ServerSettings(sync_every=2, min_workers=workers)
+        state = tmp_path / f"k{workers}"
+        c = coordinator(state, fp32, checkpoint_every=10)
+        c.register("a", SPECS, 1)
+        c.upload_initial("a", START)
+        if workers == 2:
+            c.register("b", SPECS, 1)
+        bodies = Bodies(tmp_path / f"sent{workers}", codec=None)
+        for worker, values in CHAIN[0][:workers]:
+            bodies.submit(c, worker, 0, values)
+        c.journal.settle()
+        assert c.round_number == 1 and list((state / "inputs").iterdir()) == []
+        if workers == 2:
+            assert sums_logged(state, 0)
+            assert copied_directly == [len(bodies.sent[0])]  # only the one worker's
+            killed(c)
+            continue
+        step_0 = state / "steps" / "gen-000000000000"
+        assert sorted(p.name for p in step_0.iterdir()) == ["input-0000.body", "manifest.json"]
+        sent = bodies.sent[0]
+        assert (step_0 / "input-0000.body").read_bytes() == sent
+        manifest = json.loads((step_0 / "manifest.json").read_text())
+        assert manifest["files"]["input-0000.body"] == {
+            "bytes": len(sent),
+            "xxh3_128": xxhash.xxh3_128(sent).hexdigest(),
+        }
+        g = blocks([0.25, 0.5, -0.125])
+        expected = blocks([1.0, 2.0, 3.0]) - 0.7 * 1.9 * g
+        assert torch.allclose(c.masters["w"], expected, rtol=1e-6)
+        weights = c.masters["w"].clone()
+        killed(c)
+        again = coordinator(state, fp32, checkpoint_every=10)
+        assert again.journal.state.audit_log("restarted")[-1]["detail"]["replayed_steps"] == [0]
+        assert torch.equal(again.masters["w"], weights)
+        killed(again)

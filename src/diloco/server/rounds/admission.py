@@ -55,6 +55,7 @@ from diloco.server.rounds.engine import RoundEngine
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.sync_decisions import session_digest
+from diloco.server.state import journal
 from diloco.server.state.held_slices import HeldSlices, PreparedSlice, StoredSlice
 from diloco.server.state.journal import LoggedStep
 from diloco.server.state.step_inputs import InputCopy, StepInputs
@@ -314,16 +315,22 @@ class Intake:
         sums made rounds 10-15 % shorter; fp32 bodies of 1x (one worker) and 2x (two)
         made them 50 % longer, a copy into new pages and its fsync being slower than
         the sums' write into recycled ones; over recycled pages two fp32 bodies still made
-        them 21 % longer (benchmarks/results/model_scale-recycled-copies/)."""
+        them 21 % longer (benchmarks/results/model_scale-recycled-copies/). From
+        `DIRECT_STEP_LOG_BYTES` of sums on (350M), where the log would be written around the
+        page cache, bodies of up to the sums' bytes together (one fp32 worker) are copied
+        around it too: a 350M fp32 round of one worker 2.66-3.04 s -> 2.49-2.69 s in four
+        pairs (benchmarks/results/model_scale-direct-input-copy/)."""
         if self.step_inputs is None or not isinstance(tensors, SpooledTensors):
             return None
         senders = max(len(self.membership.live_ids()), self.settings.min_workers, 1)
         specs, plan = self.model.specs, self.model.plan
         assert specs is not None and plan is not None
         sums = model_bytes([specs[name] for name in plan[fragment]])  # the log's otherwise
-        if 4 * tensors.nbytes * senders > 3 * sums:
-            return None
-        return self.step_inputs.copy(tensors)
+        if 4 * tensors.nbytes * senders <= 3 * sums:
+            return self.step_inputs.copy(tensors)
+        if sums >= journal.DIRECT_STEP_LOG_BYTES and tensors.nbytes * senders <= sums:
+            return self.step_inputs.copy(tensors, direct=True)
+        return None
 
     @staticmethod
     def _let_go(copy: InputCopy | None) -> None:

@@ -13,9 +13,14 @@ in the same order, through the same checks and fold, and replays the step as bef
 sums, bit for bit (`Intake.refold`).
 
 Only bodies that together hold at most 3/4 of the sums' bytes are copied (`Intake._copy`:
-coded uploads with few workers). Copying fp32 bodies, one worker's or two, made rounds at 85M
-parameters 50 % slower on this machine, not faster: a copy into new pages and its fsync cost
-more than the sums' write into recycled ones (benchmarks/results/model_scale-step-inputs/).
+coded uploads with few workers), or, from DIRECT_STEP_LOG_BYTES of sums on (350M, where the
+sums would be logged around the page cache), bodies of up to the sums' bytes (one fp32
+worker's), copied around the page cache too (`checkpoints.copy_file_direct`, hashed as it
+writes): a 350M fp32 round of one worker 2.66-3.04 s -> 2.49-2.69 s
+(benchmarks/results/model_scale-direct-input-copy/). Copying fp32 bodies, one worker's or
+two, through the page cache made rounds at 85M parameters 50 % slower on this machine, not
+faster: a copy into new pages and its fsync cost more than the sums' write into recycled
+ones (benchmarks/results/model_scale-step-inputs/).
 Written over recycled pages, two fp32 bodies still made rounds 21 % slower (their fsyncs
 wait on the disk), where int8 rounds got 8-16 % shorter
 (benchmarks/results/model_scale-recycled-copies/).
@@ -37,7 +42,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from diloco import faults
-from diloco.checkpoints import BODY_SUFFIX, CheckpointStore, descriptor_digest, open_over
+from diloco.checkpoints import (
+    BODY_SUFFIX,
+    CheckpointStore,
+    copy_file_direct,
+    descriptor_digest,
+    open_over,
+)
 from diloco.server.settings import ServerSettings
 from diloco.server.state.held_slices import copy_prefix
 from diloco.wire.format.spool import SpooledTensors
@@ -69,8 +80,9 @@ class InputCopy:
     page cache through the copy's own descriptor, so a rename into the step's generation does
     not disturb either)."""
 
-    def __init__(self, path: Path, body: SpooledTensors, fd: int) -> None:
+    def __init__(self, path: Path, body: SpooledTensors, fd: int, direct: bool = False) -> None:
         self.path = path
+        self.direct = direct  # around the page cache, hashed as it is written
         self.size = body.size
         self.owned = False  # a round folded it: its step adopts the file
         self.sender: tuple[str, int, int] = ("", 0, 0)  # worker, round, tokens (once folded)
@@ -80,15 +92,23 @@ class InputCopy:
         self._written: Future[str] = _WRITES.submit(self._write, body.file.fileno())
 
     def _write(self, source: int) -> str:
-        """The copy, then its fsync beside its hash: the checksum (the fd closes after)."""
+        """The copy, then its fsync beside its hash: the checksum (the fd closes after). A
+        direct copy is hashed as it is written, and its fsync has little left to write."""
         try:
+            written: str | None = None
             try:
-                copy_prefix(source, self._fd, self.size)
-                os.ftruncate(self._fd, self.size)  # a recycled file's longer tail goes
+                if self.direct:
+                    written = copy_file_direct(source, self._fd, self.size)
+                else:
+                    copy_prefix(source, self._fd, self.size)
+                    os.ftruncate(self._fd, self.size)  # a recycled file's longer tail goes
             except BaseException as exc:
                 self.copied.set_exception(exc)
                 raise
             self.copied.set_result(None)
+            if written is not None:
+                _fsync(self._fd)
+                return written
             hashing = _HASHES.submit(descriptor_digest, self._fd, self.size)
             failure: BaseException | None = None
             try:
@@ -162,9 +182,10 @@ class StepInputs:
             return None
         return store
 
-    def copy(self, body: SpooledTensors) -> InputCopy | None:
-        """`body`'s bytes into a new file here, on a thread (in the kernel where it can);
-        None when the file cannot be made (a full disk: its round logs its sums)."""
+    def copy(self, body: SpooledTensors, direct: bool = False) -> InputCopy | None:
+        """`body`'s bytes into a new file here, on a thread (in the kernel where it can, or
+        `direct`: around the page cache); None when the file cannot be made (a full disk:
+        its round logs its sums)."""
         path = self.directory / f"{secrets.token_hex(8)}{BODY_SUFFIX}"
         try:
             recycled = self.steps is not None and self.steps.take_recycled(path)
@@ -176,7 +197,7 @@ class StepInputs:
                 exc.strerror or exc,
             )
             return None
-        return InputCopy(path, body, fd)
+        return InputCopy(path, body, fd, direct)
 
 
 def _fsync(fd: int) -> None:
