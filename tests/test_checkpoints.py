@@ -602,7 +602,7 @@ def test_a_file_copied_around_the_page_cache_is_its_source_byte_for_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool
 ) -> None:
     """`copy_file_direct` (a spooled upload into the state dir): the source's first `size`
-    bytes (here 5 buffers of 8 KiB and a tail, the source longer than that) over a recycled
+    bytes (here 6 buffers of 8 KiB and a tail, the source longer than that) over a recycled
     file longer still, read through one aligned buffer and written with O_DIRECT: the target
     is exactly those bytes, cut to their size, and the returned checksum is the xxhash
     package's XXH3-128 of them. Refused O_DIRECT: the same bytes through the page cache."""
@@ -622,6 +622,39 @@ def test_a_file_copied_around_the_page_cache_is_its_source_byte_for_byte(
     assert target.read_bytes() == data[:size]
     assert digest == xxhash.xxh3_128(data[:size]).hexdigest()
     assert switched == [not refused]
+
+
+def test_a_file_copy_whose_direct_writes_are_refused_goes_on_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The O_DIRECT switch taken, its writes refused (EINVAL): the first buffer is written
+    again through the page cache at its offset, and so is the rest; the copy and its
+    checksum are the source's bytes all the same."""
+    monkeypatch.setattr(checkpoints, "_DIRECT_CHUNK", 8192)
+    switched = _direct_switches(monkeypatch, refuse=False)
+    refused = []
+    real_pwrite = os.pwrite
+
+    def picky_pwrite(fd, data, offset) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(checkpoints.os, "pwrite", picky_pwrite)
+    data = bytes(range(251)) * 100  # 25,100 bytes: 3 buffers and a tail
+    source, target = tmp_path / "spooled", tmp_path / "copy"
+    source.write_bytes(data)
+    read_fd = os.open(source, os.O_RDONLY)
+    write_fd = os.open(target, os.O_CREAT | os.O_RDWR)
+    try:
+        digest = checkpoints.copy_file_direct(read_fd, write_fd, len(data))
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert switched == [True] and refused == [0]
+    assert target.read_bytes() == data
+    assert digest == xxhash.xxh3_128(data).hexdigest()
 
 
 def test_a_file_copy_from_a_source_shorter_than_told_is_an_error(tmp_path: Path) -> None:

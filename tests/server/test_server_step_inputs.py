@@ -419,7 +419,8 @@ def test_fp32_bodies_of_a_log_written_around_the_page_cache_are_copied_around_it
     as it comes (`copy_file_direct`), and its step logs it instead of the sums: the file is
     the body byte for byte, its checksum the xxhash package's, and a restart folds it again
     to the same weights bit for bit (one body: w -= 0.7 * (1 + 0.9) * g, by hand). Two
-    workers' bodies hold twice the sums' bytes: their step logs the sums."""
+    workers' bodies hold twice the sums' bytes: their step logs the sums (a direct copy is
+    for a round of one sender)."""
     monkeypatch.setattr(journal, "DIRECT_STEP_LOG_BYTES", 0)
     copied_directly = []
     real_copy = step_inputs.copy_file_direct
@@ -444,7 +445,7 @@ def test_fp32_bodies_of_a_log_written_around_the_page_cache_are_copied_around_it
         assert c.round_number == 1 and list((state / "inputs").iterdir()) == []
         if workers == 2:
             assert sums_logged(state, 0)
-            assert copied_directly == [len(bodies.sent[0])]  # only the one worker's
+            assert copied_directly == [len(bodies.sent[0])]  # the one-worker run's, no more
             killed(c)
             continue
         step_0 = state / "steps" / "gen-000000000000"

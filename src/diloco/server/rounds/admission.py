@@ -317,9 +317,12 @@ class Intake:
         the sums' write into recycled ones; over recycled pages two fp32 bodies still made
         them 21 % longer (benchmarks/results/model_scale-recycled-copies/). From
         `DIRECT_STEP_LOG_BYTES` of sums on (350M), where the log would be written around the
-        page cache, bodies of up to the sums' bytes together (one fp32 worker) are copied
-        around it too: a 350M fp32 round of one worker 2.66-3.04 s -> 2.49-2.69 s in four
-        pairs (benchmarks/results/model_scale-direct-input-copy/)."""
+        page cache, the body of a round of one sender (an fp32 one: the sums' bytes) is
+        copied around it too: a 350M fp32 round of one worker 2.66-3.04 s -> 2.49-2.69 s in
+        four pairs (benchmarks/results/model_scale-direct-input-copy/). Such a copy is
+        mostly still being written when the round commits: the commit waits for it, and one
+        that fails there stops the server (503 until restarted, as a failed fsync does)
+        instead of leaving the step to log its sums."""
         if self.step_inputs is None or not isinstance(tensors, SpooledTensors):
             return None
         senders = max(len(self.membership.live_ids()), self.settings.min_workers, 1)
@@ -328,7 +331,7 @@ class Intake:
         sums = model_bytes([specs[name] for name in plan[fragment]])  # the log's otherwise
         if 4 * tensors.nbytes * senders <= 3 * sums:
             return self.step_inputs.copy(tensors)
-        if sums >= journal.DIRECT_STEP_LOG_BYTES and tensors.nbytes * senders <= sums:
+        if sums >= journal.DIRECT_STEP_LOG_BYTES and senders == 1 and tensors.nbytes <= sums:
             return self.step_inputs.copy(tensors, direct=True)
         return None
 

@@ -429,9 +429,10 @@ class RoundJournal:
 
         Returns the function that makes the log durable (the sums' files hashed back from the
         page cache beside their fsyncs, or, from `DIRECT_STEP_LOG_BYTES` on, written around it
-        and hashed as they went, so their fsyncs have little to write; the bodies' fsyncs
-        waited for): the step may run meanwhile, since the files no longer read the sums, but
-        nothing may be recorded or published before it has returned."""
+        and hashed as they went, so their fsyncs have little to write; the bodies' fsyncs, or a
+        direct copy's write and fsync, waited for): the step may run meanwhile, since the
+        files no longer read the sums, but nothing may be recorded or published before it has
+        returned."""
         steps = self.state.steps
         assert steps is not None
         faults.crash_point("before_step_log")

@@ -14,16 +14,17 @@ sums, bit for bit (`Intake.refold`).
 
 Only bodies that together hold at most 3/4 of the sums' bytes are copied (`Intake._copy`:
 coded uploads with few workers), or, from DIRECT_STEP_LOG_BYTES of sums on (350M, where the
-sums would be logged around the page cache), bodies of up to the sums' bytes (one fp32
-worker's), copied around the page cache too (`checkpoints.copy_file_direct`, hashed as it
-writes): a 350M fp32 round of one worker 2.66-3.04 s -> 2.49-2.69 s
-(benchmarks/results/model_scale-direct-input-copy/). Copying fp32 bodies, one worker's or
+sums would be logged around the page cache), the body of a round of one sender, up to the
+sums' bytes (one fp32 worker's), copied around the page cache too
+(`checkpoints.copy_file_direct`: hashed from its buffer as it writes, so no checksum pass
+follows; the upload's request waits for the whole write, not only its read of the spool, and
+the commit for what is left of it): a 350M fp32 round of one worker 2.66-3.04 s -> 2.49-2.69
+s (benchmarks/results/model_scale-direct-input-copy/). Copying fp32 bodies, one worker's or
 two, through the page cache made rounds at 85M parameters 50 % slower on this machine, not
 faster: a copy into new pages and its fsync cost more than the sums' write into recycled
-ones (benchmarks/results/model_scale-step-inputs/).
-Written over recycled pages, two fp32 bodies still made rounds 21 % slower (their fsyncs
-wait on the disk), where int8 rounds got 8-16 % shorter
-(benchmarks/results/model_scale-recycled-copies/).
+ones (benchmarks/results/model_scale-step-inputs/). Written over recycled pages, two fp32
+bodies still made rounds 21 % slower (their fsyncs wait on the disk), where int8 rounds got
+8-16 % shorter (benchmarks/results/model_scale-recycled-copies/).
 
 What this store holds between a copy and its step's commit is never needed after a restart
 (the round it belonged to was open: its workers send again), so it is emptied at start.
@@ -78,7 +79,7 @@ class InputCopy:
     """One upload's body being copied into the inputs directory, on a thread: once `copied`
     the upload's own file may go; then its fsync runs beside its checksum (read back from the
     page cache through the copy's own descriptor, so a rename into the step's generation does
-    not disturb either)."""
+    not disturb either), or, `direct`, after a copy around the page cache hashed as it went."""
 
     def __init__(self, path: Path, body: SpooledTensors, fd: int, direct: bool = False) -> None:
         self.path = path
@@ -123,7 +124,8 @@ class InputCopy:
             os.close(self._fd)
 
     def wait_copied(self) -> None:
-        """Until the upload's file has been read (whether or not the copy worked)."""
+        """Until the upload's file has been read (whether or not the copy worked); a direct
+        copy reads and writes a buffer at a time, so this waits for its whole write."""
         with contextlib.suppress(Exception):
             self.copied.result()
 
