@@ -480,6 +480,22 @@ def _direct_switches(monkeypatch: pytest.MonkeyPatch, refuse: bool) -> list[bool
     return switched
 
 
+def _direct_writes_refused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every write on a descriptor in O_DIRECT refused with EINVAL (a file system that wants
+    a larger alignment); the offsets refused, in order."""
+    refused: list[int] = []
+    real_pwrite = os.pwrite
+
+    def picky_pwrite(fd, data, offset) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(checkpoints.os, "pwrite", picky_pwrite)
+    return refused
+
+
 def _open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -556,16 +572,7 @@ def test_a_direct_write_the_file_system_refuses_goes_on_through_the_page_cache(
     still that of the file's bytes."""
     monkeypatch.setattr(checkpoints, "_DIRECT_CHUNK", 8192)
     switched = _direct_switches(monkeypatch, refuse=False)
-    refused = []
-    real_pwrite = os.pwrite
-
-    def picky_pwrite(fd, data, offset) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(offset)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(checkpoints.os, "pwrite", picky_pwrite)
+    refused = _direct_writes_refused(monkeypatch)
     sums = {"s": torch.arange(10_000, dtype=torch.float32)}
     store = CheckpointStore(tmp_path)
     path = store.stage(0, {"steps": sums}, {"round": 0}, direct=True)()
@@ -597,6 +604,17 @@ def test_a_direct_write_of_whole_buffers_has_no_tail(
     assert (path / "steps.safetensors").read_bytes() == bytes(encode_tensors(sums))
 
 
+def copied_directly(source: Path, target: Path, size: int) -> str:
+    """`copy_file_direct` from `source`'s file into `target`'s (made if missing)."""
+    read_fd = os.open(source, os.O_RDONLY)
+    write_fd = os.open(target, os.O_CREAT | os.O_RDWR)
+    try:
+        return checkpoints.copy_file_direct(read_fd, write_fd, size)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
 @pytest.mark.parametrize("refused", [False, True], ids=["o_direct", "refused"])
 def test_a_file_copied_around_the_page_cache_is_its_source_byte_for_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool
@@ -613,12 +631,7 @@ def test_a_file_copied_around_the_page_cache_is_its_source_byte_for_byte(
     source, target = tmp_path / "spooled", tmp_path / "copy"
     source.write_bytes(data)
     target.write_bytes(b"\xff" * 90_000)  # a recycled file's longer old bytes
-    read_fd, write_fd = os.open(source, os.O_RDONLY), os.open(target, os.O_RDWR)
-    try:
-        digest = checkpoints.copy_file_direct(read_fd, write_fd, size)
-    finally:
-        os.close(read_fd)
-        os.close(write_fd)
+    digest = copied_directly(source, target, size)
     assert target.read_bytes() == data[:size]
     assert digest == xxhash.xxh3_128(data[:size]).hexdigest()
     assert switched == [not refused]
@@ -632,26 +645,11 @@ def test_a_file_copy_whose_direct_writes_are_refused_goes_on_through_the_page_ca
     checksum are the source's bytes all the same."""
     monkeypatch.setattr(checkpoints, "_DIRECT_CHUNK", 8192)
     switched = _direct_switches(monkeypatch, refuse=False)
-    refused = []
-    real_pwrite = os.pwrite
-
-    def picky_pwrite(fd, data, offset) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refused.append(offset)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(checkpoints.os, "pwrite", picky_pwrite)
+    refused = _direct_writes_refused(monkeypatch)
     data = bytes(range(251)) * 100  # 25,100 bytes: 3 buffers and a tail
     source, target = tmp_path / "spooled", tmp_path / "copy"
     source.write_bytes(data)
-    read_fd = os.open(source, os.O_RDONLY)
-    write_fd = os.open(target, os.O_CREAT | os.O_RDWR)
-    try:
-        digest = checkpoints.copy_file_direct(read_fd, write_fd, len(data))
-    finally:
-        os.close(read_fd)
-        os.close(write_fd)
+    digest = copied_directly(source, target, len(data))
     assert switched == [True] and refused == [0]
     assert target.read_bytes() == data
     assert digest == xxhash.xxh3_128(data).hexdigest()
@@ -660,13 +658,8 @@ def test_a_file_copy_whose_direct_writes_are_refused_goes_on_through_the_page_ca
 def test_a_file_copy_from_a_source_shorter_than_told_is_an_error(tmp_path: Path) -> None:
     source, target = tmp_path / "spooled", tmp_path / "copy"
     source.write_bytes(b"x" * 1000)
-    read_fd, write_fd = os.open(source, os.O_RDONLY), os.open(target, os.O_CREAT | os.O_RDWR)
-    try:
-        with pytest.raises(OSError, match="the file ended after 1000 of 5000 bytes"):
-            checkpoints.copy_file_direct(read_fd, write_fd, 5000)
-    finally:
-        os.close(read_fd)
-        os.close(write_fd)
+    with pytest.raises(OSError, match="the file ended after 1000 of 5000 bytes"):
+        copied_directly(source, target, 5000)
 
 
 def test_direct_and_hash_when_durable_are_refused_together(tmp_path: Path) -> None:

@@ -582,35 +582,20 @@ def _write_direct(path: Path, pieces: list[memoryview], size: int, mode: int, ov
     server/state/journal.py.) The caller's fsync still makes the file's size and blocks
     durable. Where the platform or the file system has no O_DIRECT, or refuses a write with it
     (EINVAL: an alignment it wants larger), the same bytes go through the page cache."""
-    digest = digest_hasher()
     fd = _open_direct(path, over, mode)
     try:
         os.fchmod(fd, mode)  # os.open's mode is filtered by the umask
-        # page-aligned, as O_DIRECT needs (the page cache takes it as well); unmapped once the
-        # last view of it goes (never by hand: an error's traceback may hold one). A second
-        # buffer, filled while the disk takes the first, did not make the write shorter here:
-        # the disk is what it waits on.
-        view = memoryview(mmap.mmap(-1, _DIRECT_CHUNK))
-        filled = offset = 0
+        writer = _DirectWriter(fd)
         for piece in pieces:
             at = 0
             while at < len(piece):
-                count = min(_DIRECT_CHUNK - filled, len(piece) - at)
-                _copy_bytes(view[filled : filled + count], piece[at : at + count])
-                filled += count
+                count = min(_DIRECT_CHUNK - writer.filled, len(piece) - at)
+                _copy_bytes(writer.free[:count], piece[at : at + count])
+                writer.filled += count
                 at += count
-                if filled == _DIRECT_CHUNK:
-                    digest.update(view)
-                    _pwrite_direct(fd, view, offset)
-                    offset += filled
-                    filled = 0
-        if filled:  # the tail, padded to the alignment; the file is cut back to `size`
-            digest.update(view[:filled])
-            padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
-            view[filled:padded] = bytes(padded - filled)
-            _pwrite_direct(fd, view[:padded], offset)
-        os.ftruncate(fd, size)  # (a recycled file's longer tail goes too)
-        return digest.hexdigest()
+                if writer.filled == _DIRECT_CHUNK:
+                    writer.flush()
+        return writer.finish(size)
     finally:
         os.close(fd)
 
@@ -621,30 +606,57 @@ def copy_file_direct(source: int, target: int, size: int) -> str:
     spooled upload just written lies), and their checksum, computed from that buffer as it
     goes: `_write_direct` for a file's bytes. `target` is cut to `size`; the caller fsyncs
     it. Where O_DIRECT is missing or refused (EINVAL) the bytes go through the page cache."""
-    digest = digest_hasher()
-    if getattr(os, "O_DIRECT", 0):
-        try:
-            _set_direct(target, True)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    view = memoryview(mmap.mmap(-1, _DIRECT_CHUNK))  # page-aligned (see _write_direct)
-    offset = 0
-    while offset < size:
-        want = min(_DIRECT_CHUNK, size - offset)
-        filled = 0
-        while filled < want:  # (preadv lets the GIL go)
-            read = os.preadv(source, [view[filled:want]], offset + filled)
+    _direct_where_possible(target)
+    writer = _DirectWriter(target)
+    while writer.offset < size:
+        want = min(_DIRECT_CHUNK, size - writer.offset)
+        while writer.filled < want:  # (preadv lets the GIL go)
+            at = writer.offset + writer.filled
+            read = os.preadv(source, [writer.free[: want - writer.filled]], at)
             if read == 0:
-                raise OSError(f"the file ended after {offset + filled} of {size} bytes")
-            filled += read
-        digest.update(view[:filled])
-        padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN  # the tail, padded, cut back
-        view[filled:padded] = bytes(padded - filled)
-        _pwrite_direct(target, view[:padded], offset)
-        offset += filled
-    os.ftruncate(target, size)  # (a recycled file's longer tail goes too)
-    return digest.hexdigest()
+                raise OSError(f"the file ended after {at} of {size} bytes")
+            writer.filled += read
+        writer.flush()
+    return writer.finish(size)
+
+
+class _DirectWriter:
+    """One page-aligned buffer of `_DIRECT_CHUNK` bytes written to `fd` at its `offset` once
+    `filled`, hashed as it goes (the page cache takes such writes as well). The buffer is
+    unmapped once the last view of it goes (never by hand: an error's traceback may hold one).
+    A second buffer, filled while the disk takes the first, did not make a write shorter
+    here: the disk is what it waits on."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.view = memoryview(mmap.mmap(-1, _DIRECT_CHUNK))
+        self.filled = self.offset = 0
+        self.digest = digest_hasher()
+
+    @property
+    def free(self) -> memoryview:
+        """The part of the buffer not filled yet."""
+        return self.view[self.filled :]
+
+    def flush(self) -> None:
+        """Hash and write what is filled (a tail padded to the alignment: `finish` cuts the
+        file back), then start the buffer again."""
+        filled = self.filled
+        if not filled:
+            return
+        self.digest.update(self.view[:filled])
+        padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
+        self.view[filled:padded] = bytes(padded - filled)
+        _pwrite_direct(self.fd, self.view[:padded], self.offset)
+        self.offset += filled
+        self.filled = 0
+
+    def finish(self, size: int) -> str:
+        """The last bytes written, the file cut to `size` (a recycled file's longer tail, or
+        the tail's padding, goes): the checksum of what was written."""
+        self.flush()
+        os.ftruncate(self.fd, size)
+        return self.digest.hexdigest()
 
 
 def _copy_bytes(target: memoryview, source: memoryview) -> None:
@@ -660,15 +672,24 @@ def _open_direct(path: Path, over: bool, mode: int) -> int:
     platform and the file system have it (where the switch is refused the descriptor writes
     through the page cache, and a recycled file is written over all the same)."""
     fd = open_over(path, over, os.O_WRONLY, mode)
+    try:
+        _direct_where_possible(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _direct_where_possible(fd: int) -> None:
+    """Switch `fd` to O_DIRECT where the platform has it; a file system that refuses the
+    switch (EINVAL) leaves it writing through the page cache."""
     if not getattr(os, "O_DIRECT", 0):
-        return fd
+        return
     try:
         _set_direct(fd, True)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
-            os.close(fd)
             raise
-    return fd
 
 
 def _set_direct(fd: int, on: bool) -> None:

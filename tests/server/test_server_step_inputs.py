@@ -390,22 +390,29 @@ def test_a_body_whose_fsync_failed_leaves_its_round_logging_its_sums(
     killed(c)
 
 
+def fp32_round(tmp_path: Path, workers: int) -> tuple[Coordinator, Path, Bodies]:
+    """Round 0 of `workers` fp32 workers (CHAIN's first values) on a state dir of its own,
+    committed and its checkpoint settled."""
+    fp32 = ServerSettings(sync_every=2, min_workers=workers)
+    state = tmp_path / f"k{workers}"
+    c = coordinator(state, fp32, checkpoint_every=10)
+    c.register("a", SPECS, 1)
+    c.upload_initial("a", START)
+    if workers == 2:
+        c.register("b", SPECS, 1)
+    bodies = Bodies(tmp_path / f"sent{workers}", codec=None)
+    for worker, values in CHAIN[0][:workers]:
+        bodies.submit(c, worker, 0, values)
+    c.journal.settle()
+    return c, state, bodies
+
+
 def test_fp32_bodies_log_the_sums_with_one_worker_or_two(tmp_path: Path) -> None:
     """An fp32 body is the sums' size: copied, one worker's rounds measured 50 % slower
     (a copy into new pages and its fsync against the sums' write into recycled ones), two
     workers' too (twice the bytes). Both log their sums."""
     for workers in (1, 2):
-        fp32 = ServerSettings(sync_every=2, min_workers=workers)
-        state = tmp_path / f"k{workers}"
-        c = coordinator(state, fp32, checkpoint_every=10)
-        c.register("a", SPECS, 1)
-        c.upload_initial("a", START)
-        if workers == 2:
-            c.register("b", SPECS, 1)
-        bodies = Bodies(tmp_path / f"sent{workers}", codec=None)
-        for worker, values in CHAIN[0][:workers]:
-            bodies.submit(c, worker, 0, values)
-        c.journal.settle()
+        c, state, _ = fp32_round(tmp_path, workers)
         assert c.round_number == 1 and sums_logged(state, 0)
         assert list((state / "inputs").iterdir()) == []
         killed(c)
@@ -431,17 +438,7 @@ def test_fp32_bodies_of_a_log_written_around_the_page_cache_are_copied_around_it
 
     monkeypatch.setattr(step_inputs, "copy_file_direct", spied)
     for workers in (1, 2):
-        fp32 = ServerSettings(sync_every=2, min_workers=workers)
-        state = tmp_path / f"k{workers}"
-        c = coordinator(state, fp32, checkpoint_every=10)
-        c.register("a", SPECS, 1)
-        c.upload_initial("a", START)
-        if workers == 2:
-            c.register("b", SPECS, 1)
-        bodies = Bodies(tmp_path / f"sent{workers}", codec=None)
-        for worker, values in CHAIN[0][:workers]:
-            bodies.submit(c, worker, 0, values)
-        c.journal.settle()
+        c, state, bodies = fp32_round(tmp_path, workers)
         assert c.round_number == 1 and list((state / "inputs").iterdir()) == []
         if workers == 2:
             assert sums_logged(state, 0)
@@ -462,7 +459,7 @@ def test_fp32_bodies_of_a_log_written_around_the_page_cache_are_copied_around_it
         assert torch.allclose(c.masters["w"], expected, rtol=1e-6)
         weights = c.masters["w"].clone()
         killed(c)
-        again = coordinator(state, fp32, checkpoint_every=10)
+        again = coordinator(state, ServerSettings(sync_every=2, min_workers=1), checkpoint_every=10)
         assert again.journal.state.audit_log("restarted")[-1]["detail"]["replayed_steps"] == [0]
         assert torch.equal(again.masters["w"], weights)
         killed(again)

@@ -55,9 +55,8 @@ from diloco.server.rounds.engine import RoundEngine
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.sync_decisions import session_digest
-from diloco.server.state import journal
 from diloco.server.state.held_slices import HeldSlices, PreparedSlice, StoredSlice
-from diloco.server.state.journal import LoggedStep
+from diloco.server.state.journal import LoggedStep, logged_around_page_cache
 from diloco.server.state.step_inputs import InputCopy, StepInputs
 from diloco.wire import (
     MAX_COUNT,
@@ -331,7 +330,7 @@ class Intake:
         sums = model_bytes([specs[name] for name in plan[fragment]])  # the log's otherwise
         if 4 * tensors.nbytes * senders <= 3 * sums:
             return self.step_inputs.copy(tensors)
-        if sums >= journal.DIRECT_STEP_LOG_BYTES and senders == 1 and tensors.nbytes <= sums:
+        if logged_around_page_cache(sums) and senders == 1 and tensors.nbytes <= sums:
             return self.step_inputs.copy(tensors, direct=True)
         return None
 

@@ -61,6 +61,13 @@ log = logging.getLogger("diloco.server")
 # memory and disk; 1 GiB is in the measured gap.
 DIRECT_STEP_LOG_BYTES = 1 << 30
 
+
+def logged_around_page_cache(sums_bytes: int) -> bool:
+    """Whether a step whose sums hold `sums_bytes` is logged around the page cache: its sums
+    (`RoundJournal.log_step`), or a lone sender's body copied as it comes (`Intake._copy`)."""
+    return sums_bytes >= DIRECT_STEP_LOG_BYTES
+
+
 DURABILITY_MODES = ("round", "interval")
 # Rounds between full checkpoints. With "round" the steps between stay in the step log (one
 # model-sized fp32 file each) and are replayed after a crash; with "interval" a crash rolls
@@ -437,7 +444,7 @@ class RoundJournal:
         assert steps is not None
         faults.crash_point("before_step_log")
         adopted = {f"input-{at:04d}{BODY_SUFFIX}": copy for at, copy in enumerate(inputs)}
-        direct = not inputs and _bytes_of(running.sums) >= DIRECT_STEP_LOG_BYTES
+        direct = not inputs and logged_around_page_cache(_bytes_of(running.sums))
         durable = steps.stage(  # the steps before the last checkpoint went once it was written
             record.round,
             {} if inputs else _sum_groups(running.sums, min(8, os.cpu_count() or 1)),
