@@ -23,7 +23,10 @@ time a plain loopback socket needs to move the round's bytes (K clients each sen
 and receive their download through one process: the median of 5 rounds after one that
 faults the buffers in) and one memory pass over the fp32 model (a copy at the server's thread
 budget), both once the run's dirty pages are written back (os.sync). The headline ratio is
-a worker's median blocked time over (loopback + memory pass). Writes
+a worker's median blocked time over (loopback + memory pass); in sync mode, "last in" is the
+same for the worker that began each round's sync last, which excludes the others' wait for
+its training (on this 2-core machine the workers' training times differ by up to a second a
+round, the server's work taking turns with one of them). Writes
 benchmarks/results/model_scale.md and .json.
 
     python benchmarks/model_scale.py                                   # 25M and 85M
@@ -370,6 +373,7 @@ def run_one(
     loopback = loopback_seconds(up, down, workers)
     memory = memory_pass_seconds(parameters, server_threads)
     blocked = statistics.median(r["steady"]["blocked"] for r in reports) / steady_rounds
+    last_in = last_in_blocked(reports, warmup) if mode == "sync" else None
     compute = statistics.median(r["steady"]["compute"] for r in reports) / steady_rounds
     return {
         "size": size,
@@ -401,6 +405,13 @@ def run_one(
         "phases": {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
         if rounds
         else None,
+        # each worker's steady rounds (blocked, compute and the phases, seconds): the
+        # headline is a mean, the phases medians, so a round slowed by the background
+        # checkpoint, or a worker that waits for a slower one, shows here
+        "steady_rounds": [
+            [{k: round(v, 3) for k, v in r.items()} for r in report["rounds"][warmup:]]
+            for report in reports
+        ],
         # the server's commits in all, and those its parts count (after the warm-up ones)
         "server_commits": int(final.get("commit", {}).get("count", 0)),
         "server_commits_counted": int(parts.get("commit", {}).get("count", 0)),
@@ -414,6 +425,11 @@ def run_one(
         "loopback_seconds": loopback,
         "memory_pass_seconds": memory,
         "ratio_to_limit": blocked / (loopback + memory),
+        # per round, the blocked time of the worker that began its sync last (the round's own
+        # time: the others' extra is waiting for that worker's training), averaged over the
+        # steady rounds; sync mode only (a streaming fragment's sync has no round to match)
+        "last_in_blocked_seconds": last_in,
+        "last_in_ratio_to_limit": None if last_in is None else last_in / (loopback + memory),
         "server_peak_mb": server_peak_mb,  # MiB, as model_mb
         # the peak less the process's RSS before any model (torch and the HTTP stack, about
         # 250 MiB): what the round's buffers take, the figure issue 29's 4x/5x targets read
@@ -607,6 +623,21 @@ def main(
     )
 
 
+def last_in_blocked(reports: list[dict], warmup: int) -> float | None:
+    """Per steady round (the n-th of every worker's), the blocked seconds of the worker that
+    waited least for the result, the last to send (slow_link.py's "last in" rule), averaged
+    over the rounds every worker reported; None without such a round or its waits."""
+    rounds = [report["rounds"][warmup:] for report in reports]
+    matched = min((len(r) for r in rounds), default=0)
+    chosen = []
+    for i in range(matched):
+        figures = [r[i] for r in rounds]
+        if not all("wait" in f for f in figures):
+            return None
+        chosen.append(min(figures, key=lambda f: f["wait"])["blocked"])
+    return statistics.mean(chosen) if chosen else None
+
+
 def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
     headers = [
         "model",
@@ -664,7 +695,12 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 f"{r['blocked_seconds']:.2f}",
                 f"{100 * r['blocked_fraction']:.1f}",
                 f"{r['loopback_seconds']:.2f} + {r['memory_pass_seconds']:.3f}",
-                f"{r['ratio_to_limit']:.1f}x",
+                f"{r['ratio_to_limit']:.1f}x"
+                + (
+                    f" (last in {r['last_in_ratio_to_limit']:.1f}x)"
+                    if r.get("last_in_ratio_to_limit") is not None
+                    else ""
+                ),
                 "/".join(f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply"))
                 if p
                 else "-",
@@ -689,7 +725,9 @@ def _markdown(document: dict) -> str:
         "the limit is measured in the same run, once its dirty pages are written back: a "
         "plain loopback socket moving the round's bytes (the median of 5 rounds after a "
         "first that faults its buffers in), plus one memory pass over the fp32 model. The "
-        "ratio is a worker's median blocked time per round over that limit; blocked % is the "
+        "ratio is a worker's median blocked time per round over that limit (in sync mode, "
+        "last in: the blocked time of the worker that began each round's sync last, which "
+        "excludes waiting for its training); blocked % is the "
         "share of a worker's time its sync hook took (compute: the training steps of a "
         "round, on a GPU up to a synchronize). "
         f"Machine: {machine['cores']} cores, {machine['platform']}, torch {machine['torch']}"

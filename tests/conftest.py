@@ -58,8 +58,10 @@ def serve_in_thread(
     settings: ServerSettings | None = None,
     initial: dict[str, torch.Tensor] | None = None,
     token: str | Credentials | None = None,
+    coordinator: Coordinator | None = None,
 ) -> Iterator[RunningServer]:
-    coordinator = Coordinator(settings or ServerSettings(), initial)
+    """`coordinator`: served as it is (e.g. one on a state dir) instead of a new one."""
+    coordinator = coordinator or Coordinator(settings or ServerSettings(), initial)
     server = build_server(coordinator, "127.0.0.1", 0, token, log_level="warning")
     thread = threading.Thread(target=server.run, name="test-server", daemon=True)
     thread.start()

@@ -3,13 +3,15 @@ promises, and the limits it measures; bad options are one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from processes import run_benchmark, run_benchmark_in_process
+from processes import BENCHMARKS, run_benchmark, run_benchmark_in_process
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -49,6 +51,15 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
         assert 1 <= row["server_commits_counted"] <= row["server_commits"] - 1
         assert set(row["phases"]) == {"encode", "upload", "wait", "download", "apply", "other"}
         assert all(seconds >= 0 for seconds in row["phases"].values())
+        # every worker's steady rounds, and the last in: each round's least blocked worker's
+        steady = row["steady_rounds"]
+        assert [len(rounds) for rounds in steady] == [3 - row["warmup_rounds"]] * 2
+        assert (
+            min(map(min, ([r["blocked"] for r in w] for w in steady)))
+            <= row["last_in_blocked_seconds"]
+            <= max(map(max, ([r["blocked"] for r in w] for w in steady)))
+        )
+    assert rows[1]["last_in_blocked_seconds"] is None  # streaming: no rounds to match
     assert rows[1]["phases"] is None and rows[1]["fragments"] == 2  # 2M has 2 blocks
     fp32, int8 = rows[0], rows[2]
     # fp32 moves the model's 4 bytes a parameter each way; int8 about a quarter of that
@@ -131,3 +142,29 @@ def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) 
     result = run_benchmark_in_process("model_scale.py", *args, "--out-dir", str(tmp_path))
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def model_scale():
+    spec = importlib.util.spec_from_file_location("model_scale", BENCHMARKS / "model_scale.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(BENCHMARKS))  # (it imports wire.py beside it)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+def test_last_in_takes_each_rounds_worker_that_waited_least() -> None:
+    """Per steady round, the blocked time of the worker with the shortest wait: the one
+    whose training ended last, so its blocked time holds no wait for another's training."""
+    a = {"rounds": [{"wait": 9, "blocked": 9.5}, {"wait": 0.1, "blocked": 1.0},
+                    {"wait": 0.9, "blocked": 1.8}, {"wait": 0.0, "blocked": 0.5}]}  # fmt: skip
+    b = {"rounds": [{"wait": 8, "blocked": 8.4}, {"wait": 0.6, "blocked": 1.4},
+                    {"wait": 0.2, "blocked": 1.2}]}  # fmt: skip
+    # warm-up round 0 left out; round 1: a (wait 0.1), round 2: b (wait 0.2); a's round 3 alone
+    assert model_scale().last_in_blocked([a, b], warmup=1) == pytest.approx((1.0 + 1.2) / 2)
+    assert model_scale().last_in_blocked([a, b], warmup=3) is None  # no round both reported
+    no_waits = {"rounds": [{"blocked": 1.0}, {"blocked": 1.0}]}
+    assert model_scale().last_in_blocked([no_waits, b], warmup=1) is None

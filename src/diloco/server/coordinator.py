@@ -27,6 +27,7 @@ from diloco.algorithm import RunningMean
 from diloco.server.errors import Rejection, rejection_of
 from diloco.server.members.membership import Membership
 from diloco.server.members.registrar import Registrar
+from diloco.server.model.downloads import ResultDownloads
 from diloco.server.model.global_model import GlobalModel, specs_of
 from diloco.server.model.results import RoundResult, Waiting
 from diloco.server.model.sent_rounds import SentRounds
@@ -91,6 +92,13 @@ class Coordinator:
         self.journal.log_steps = settings.shards == 1
         self.journal.on_checkpoint_written = self._checkpoint_written
         self.journal.on_checkpoint_failed = self._checkpoint_failed
+        # result requests the HTTP layer is answering: in sync mode, where every one under
+        # way at a commit is that round's result, the round's background checkpoint starts
+        # after them (model/downloads.py); streaming and async mode have long polls for
+        # other steps in flight at any commit, and their checkpoints start at once
+        self.result_downloads = ResultDownloads()
+        if settings.mode == "sync":
+            self.journal.downloads = self.result_downloads
         # Before the model: an outer lr an admin set is the optimizer's from the start.
         self.control = RunControl(
             self.journal.state,

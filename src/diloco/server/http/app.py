@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -242,7 +243,8 @@ def create_app(
         finally:
             in_memory["bodies"] -= 1
 
-    def tensor_response(result: RoundResult) -> Response:
+    def tensor_response(result: RoundResult, sent: Callable[[], None] | None = None) -> Response:
+        """`sent`: called once the body is handed to the socket, or sending it failed."""
         headers = {"X-Diloco-Round": str(result.round)}
         if result.fragment is not None:
             headers["X-Diloco-Fragment"] = str(result.fragment)
@@ -250,11 +252,10 @@ def create_app(
             headers["X-Diloco-Fragment-Rounds"] = ",".join(map(str, result.fragment_rounds))
         if result.delta_from is not None:  # a coded delta against that round's weights
             headers["X-Diloco-Delta-From"] = str(result.delta_from)
-        return Response(
-            content=result.body,  # a view of the round's one buffer, never copied per worker
-            media_type=TENSORS,
-            headers=headers,
-        )
+        content = result.body  # a view of the round's one buffer, never copied per worker
+        if sent is None:
+            return Response(content=content, media_type=TENSORS, headers=headers)
+        return _SentReporting(content=content, media_type=TENSORS, headers=headers, sent=sent)
 
     @app.get("/openapi.json", dependencies=authed, include_in_schema=False)
     async def openapi() -> JSONResponse:
@@ -425,11 +426,21 @@ def create_app(
     ) -> Response:
         if worker_id is not None:
             act_as(request, worker_id)
-        outcome = await run_in_threadpool(
-            coordinator.wait_result, round_number, worker_id, wait, fragment, have, version
-        )
-        if isinstance(outcome, RoundResult):
-            return tensor_response(outcome)
+        # in flight from the long poll until the body is out: a background checkpoint waits
+        downloads = coordinator.result_downloads
+        token = downloads.enter()
+        handed_on = False
+        try:
+            outcome = await run_in_threadpool(
+                coordinator.wait_result, round_number, worker_id, wait, fragment, have, version
+            )
+            if isinstance(outcome, RoundResult):
+                response = tensor_response(outcome, sent=lambda: downloads.leave(token))
+                handed_on = True
+                return response
+        finally:
+            if not handed_on:
+                downloads.leave(token)
         return JSONResponse(
             status_code=202,
             content={
@@ -464,3 +475,23 @@ def create_app(
         return Response(content=metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class _SentReporting(Response):
+    """A tensor response that calls `sent` once the socket has taken its body (all but the
+    transport's low-water mark), or sending it failed. uvicorn writes a body into the
+    transport's buffer at once and waits for that buffer to drain only before the next
+    write: an empty last chunk after the body is that wait."""
+
+    def __init__(self, *args: Any, sent: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sent = sent
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            start = {"type": "http.response.start", "status": self.status_code}
+            await send({**start, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._sent()
