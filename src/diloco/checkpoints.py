@@ -600,16 +600,22 @@ def _write_direct(path: Path, pieces: list[memoryview], size: int, mode: int, ov
         os.close(fd)
 
 
-def copy_file_direct(source: int, target: int, size: int) -> str:
+def copy_file_direct(
+    source: int, target: int, size: int, available: Callable[[int], None] | None = None
+) -> str:
     """The first `size` bytes of descriptor `source` into descriptor `target` with O_DIRECT,
     through one aligned buffer that `source` is read into (from the page cache, where a
     spooled upload just written lies), and their checksum, computed from that buffer as it
     goes: `_write_direct` for a file's bytes. `target` is cut to `size`; the caller fsyncs
-    it. Where O_DIRECT is missing or refused (EINVAL) the bytes go through the page cache."""
+    it. Where O_DIRECT is missing or refused (EINVAL) the bytes go through the page cache.
+    `available(n)`: returns once `source` holds its first n bytes (a file still being
+    written: an upload as it arrives), or raises if it never will."""
     _direct_where_possible(target)
     writer = _DirectWriter(target)
     while writer.offset < size:
         want = min(_DIRECT_CHUNK, size - writer.offset)
+        if available is not None:
+            available(writer.offset + want)
         while writer.filled < want:  # (preadv lets the GIL go)
             at = writer.offset + writer.filled
             read = os.preadv(source, [writer.free[: want - writer.filled]], at)

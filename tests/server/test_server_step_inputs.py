@@ -432,9 +432,9 @@ def test_fp32_bodies_of_a_log_written_around_the_page_cache_are_copied_around_it
     copied_directly = []
     real_copy = step_inputs.copy_file_direct
 
-    def spied(source: int, target: int, size: int) -> str:
+    def spied(source: int, target: int, size: int, *waits) -> str:
         copied_directly.append(size)
-        return real_copy(source, target, size)
+        return real_copy(source, target, size, *waits)
 
     monkeypatch.setattr(step_inputs, "copy_file_direct", spied)
     for workers in (1, 2):

@@ -52,6 +52,7 @@ from diloco.server.workunits.leases import DataLeases
 from diloco.wire import (
     PROTOCOL_VERSION,
     SpooledTensors,
+    SpoolFollower,
     TensorSpec,
     WireError,
     check_tensors,
@@ -92,10 +93,9 @@ class Coordinator:
         self.journal.log_steps = settings.shards == 1
         self.journal.on_checkpoint_written = self._checkpoint_written
         self.journal.on_checkpoint_failed = self._checkpoint_failed
-        # result requests the HTTP layer is answering: in sync mode, where every one under
-        # way at a commit is that round's result, the round's background checkpoint starts
-        # after them (model/downloads.py); streaming and async mode have long polls for
-        # other steps in flight at any commit, and their checkpoints start at once
+        # the results the HTTP layer has sent each worker: in sync mode, where a step's
+        # contributors are who fetch its result next, its background checkpoint starts once
+        # they have (model/downloads.py); in streaming and async mode at once
         self.result_downloads = ResultDownloads()
         if settings.mode == "sync":
             self.journal.downloads = self.result_downloads
@@ -602,6 +602,13 @@ class Coordinator:
     ) -> None:
         """A submission's layout from its header alone (see `Intake.check_header`)."""
         self.intake.check_header(fragment, shapes, metadata or {})
+
+    def follow_upload(
+        self, fragment: int, source: int, nbytes: int, size: int
+    ) -> SpoolFollower | None:
+        """A copy of a submission's body for the step log, begun as it is spooled (see
+        `Intake.follow`): the spool's `SpoolFollower`, or None."""
+        return self.intake.follow(fragment, source, nbytes, size)
 
     def _commit_step(
         self,

@@ -28,7 +28,7 @@ from diloco.wire.format.specs import (
     same_dtype_class,
     specs_of,
 )
-from diloco.wire.format.spool import SpooledTensors, SpoolFiles, spool_body
+from diloco.wire.format.spool import SpooledTensors, SpoolFiles, SpoolFollower, spool_body
 from diloco.wire.schemas import (
     MAX_COUNT,
     WORKER_ID_PATTERN,
@@ -96,6 +96,7 @@ __all__ = [
     "ShardPausedRequest",
     "ShardScreeningPart",
     "SpoolFiles",
+    "SpoolFollower",
     "SpooledTensors",
     "StatusResponse",
     "SubmitResponse",

@@ -39,6 +39,7 @@ from diloco.wire import (
     RegisterRequest,
     SpooledTensors,
     SpoolFiles,
+    SpoolFollower,
     WireError,
     check_length,
     check_protocol_header,
@@ -198,7 +199,10 @@ def create_app(
 
     @asynccontextmanager
     async def tensors_from(
-        request: Request, may_spool: bool = True, check_header: HeaderCheck | None = None
+        request: Request,
+        may_spool: bool = True,
+        check_header: HeaderCheck | None = None,
+        follow: Callable[[int, int, int], SpoolFollower | None] | None = None,
     ) -> AsyncIterator[tuple[dict | SpooledTensors, dict[str, str]]]:
         """The request's tensors and its header's `__metadata__` (a compressed body's codec):
         in RAM while few bodies are, else spooled to a file.
@@ -207,7 +211,8 @@ def create_app(
         bodies in memory never exceeds --memory-bodies, however many workers upload at once.
         `check_header` sees the safetensors header (entries and metadata) as soon as it has
         arrived, so a body it refuses is answered before the rest of it is read (the rest is
-        then dropped unread).
+        then dropped unread). `follow(descriptor, data bytes, body bytes)`: a spooled
+        body's follower (spool_body's `follow`).
         """
         length = parse_content_length(request.headers.get("content-length"))
         check_length(length, settings.max_body_bytes)
@@ -222,6 +227,9 @@ def create_app(
                     settings.max_body_bytes,
                     files=spool_files,
                     check_header=check_header,
+                    follow=None
+                    if follow is None
+                    else lambda fd, nbytes: follow(fd, nbytes, length),  # type: ignore[arg-type]
                 )
             except OSError as exc:  # a full or missing spool disk heals; the worker retries
                 raise Rejection(
@@ -244,7 +252,7 @@ def create_app(
             in_memory["bodies"] -= 1
 
     def tensor_response(result: RoundResult, sent: Callable[[], None] | None = None) -> Response:
-        """`sent`: called once the body is handed to the socket, or sending it failed."""
+        """`sent`: called once the body is handed to the socket."""
         headers = {"X-Diloco-Round": str(result.round)}
         if result.fragment is not None:
             headers["X-Diloco-Fragment"] = str(result.fragment)
@@ -388,7 +396,13 @@ def create_app(
         def check_header(shapes, metadata) -> None:
             coordinator.check_header(fragment, shapes, metadata)
 
-        async with tensors_from(request, check_header=check_header) as (tensors, metadata):
+        def follow(source: int, nbytes: int, size: int) -> SpoolFollower | None:
+            return coordinator.follow_upload(fragment, source, nbytes, size)
+
+        async with tensors_from(request, check_header=check_header, follow=follow) as (
+            tensors,
+            metadata,
+        ):
             return await run_in_threadpool(
                 lambda: coordinator.submit(
                     worker_id,
@@ -426,21 +440,15 @@ def create_app(
     ) -> Response:
         if worker_id is not None:
             act_as(request, worker_id)
-        # in flight from the long poll until the body is out: a background checkpoint waits
-        downloads = coordinator.result_downloads
-        token = downloads.enter()
-        handed_on = False
-        try:
-            outcome = await run_in_threadpool(
-                coordinator.wait_result, round_number, worker_id, wait, fragment, have, version
-            )
-            if isinstance(outcome, RoundResult):
-                response = tensor_response(outcome, sent=lambda: downloads.leave(token))
-                handed_on = True
-                return response
-        finally:
-            if not handed_on:
-                downloads.leave(token)
+        outcome = await run_in_threadpool(
+            coordinator.wait_result, round_number, worker_id, wait, fragment, have, version
+        )
+        if isinstance(outcome, RoundResult):
+            if worker_id is None:
+                return tensor_response(outcome)
+            # a background checkpoint waits for the step's workers to have their result
+            downloads, sent = coordinator.result_downloads, (worker_id, outcome.round)
+            return tensor_response(outcome, sent=lambda: downloads.sent(*sent))
         return JSONResponse(
             status_code=202,
             content={
@@ -479,7 +487,7 @@ def create_app(
 
 class _SentReporting(Response):
     """A tensor response that calls `sent` once the socket has taken its body (all but the
-    transport's low-water mark), or sending it failed. uvicorn writes a body into the
+    transport's low-water mark); not if sending it failed. uvicorn writes a body into the
     transport's buffer at once and waits for that buffer to drain only before the next
     write: an empty last chunk after the body is that wait."""
 
@@ -488,10 +496,8 @@ class _SentReporting(Response):
         self._sent = sent
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            start = {"type": "http.response.start", "status": self.status_code}
-            await send({**start, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": self.body, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            self._sent()
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._sent()

@@ -324,14 +324,38 @@ class Intake:
         instead of leaving the step to log its sums."""
         if self.step_inputs is None or not isinstance(tensors, SpooledTensors):
             return None
+        followed = tensors.follower  # a direct copy begun as the body came (`follow`)
+        rule = self._copy_rule(tensors.nbytes, fragment)
+        if isinstance(followed, InputCopy) and rule == "direct":
+            return followed  # (else its body's close lets it go)
+        if rule is None:
+            return None
+        return self.step_inputs.copy(tensors, direct=rule == "direct")
+
+    def follow(self, fragment: int, source: int, nbytes: int, size: int) -> InputCopy | None:
+        """A direct copy of an upload's body (`nbytes` of data, `size` in all, being spooled
+        to descriptor `source`) begun as it arrives, where `_copy` would copy it around the
+        page cache once whole: most of the copy is then written while the body comes,
+        instead of after it (benchmarks/results/model_scale-follow-spool/). None otherwise."""
+        if self.step_inputs is None:
+            return None
+        with self.lock:
+            if self.model.specs is None or self._copy_rule(nbytes, fragment) != "direct":
+                return None
+        return self.step_inputs.follow(source, size)
+
+    def _copy_rule(self, nbytes: int, fragment: int) -> str | None:
+        """How a body of `nbytes` for `fragment` is copied for the step log: "cached"
+        (through the page cache), "direct" (around it), or None (its round logs its sums);
+        see `_copy`."""
         senders = max(len(self.membership.live_ids()), self.settings.min_workers, 1)
         specs, plan = self.model.specs, self.model.plan
         assert specs is not None and plan is not None
         sums = model_bytes([specs[name] for name in plan[fragment]])  # the log's otherwise
-        if 4 * tensors.nbytes * senders <= 3 * sums:
-            return self.step_inputs.copy(tensors)
-        if logged_around_page_cache(sums) and senders == 1 and tensors.nbytes <= sums:
-            return self.step_inputs.copy(tensors, direct=True)
+        if 4 * nbytes * senders <= 3 * sums:
+            return "cached"
+        if logged_around_page_cache(sums) and senders == 1 and nbytes <= sums:
+            return "direct"
         return None
 
     @staticmethod

@@ -19,7 +19,10 @@ sums' bytes (one fp32 worker's), copied around the page cache too
 (`checkpoints.copy_file_direct`: hashed from its buffer as it writes, so no checksum pass
 follows; the upload's request waits for the whole write, not only its read of the spool, and
 the commit for what is left of it): a 350M fp32 round of one worker 2.66-3.04 s -> 2.49-2.69
-s (benchmarks/results/model_scale-direct-input-copy/). Copying fp32 bodies, one worker's or
+s (benchmarks/results/model_scale-direct-input-copy/). Over HTTP such a copy starts as the
+upload's header is checked and follows its spool file as it is written (`StepInputs.follow`,
+the spool's `SpoolFollower`), so the upload's request waits only for the last writes
+(benchmarks/results/model_scale-follow-spool/). Copying fp32 bodies, one worker's or
 two, through the page cache made rounds at 85M parameters 50 % slower on this machine, not
 faster: a copy into new pages and its fsync cost more than the sums' write into recycled
 ones (benchmarks/results/model_scale-step-inputs/). Written over recycled pages, two fp32
@@ -39,6 +42,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,16 +85,53 @@ class InputCopy:
     page cache through the copy's own descriptor, so a rename into the step's generation does
     not disturb either), or, `direct`, after a copy around the page cache hashed as it went."""
 
-    def __init__(self, path: Path, body: SpooledTensors, fd: int, direct: bool = False) -> None:
+    def __init__(
+        self, path: Path, source: int, size: int, fd: int, direct: bool = False, following=False
+    ) -> None:
+        """The first `size` bytes of descriptor `source` (an upload's spool file) into `fd`
+        (at `path`). `following` (direct copies): the file is still being written, and the
+        copy keeps behind what `written` reports (the upload's `SpoolFollower`)."""
         self.path = path
         self.direct = direct  # around the page cache, hashed as it is written
-        self.size = body.size
+        self.size = size
         self.owned = False  # a round folded it: its step adopts the file
         self.sender: tuple[str, int, int] = ("", 0, 0)  # worker, round, tokens (once folded)
         self.checked = False  # folded by a reader that checked its values (not after a scan)
         self.copied: Future[None] = Future()
         self._fd = fd
-        self._written: Future[str] = _WRITES.submit(self._write, body.file.fileno())
+        self._arrived = threading.Condition()
+        self._available = size if not following else 0  # bytes the source holds so far
+        self._complete: bool | None = None if following else True
+        self._written: Future[str] = _WRITES.submit(self._write, source)
+
+    # ------------------------------------------------------------ as the upload's follower
+
+    def written(self, nbytes: int) -> None:
+        with self._arrived:
+            self._available = nbytes
+            self._arrived.notify_all()
+
+    def ended(self, complete: bool) -> None:
+        with self._arrived:
+            self._complete = complete
+            self._arrived.notify_all()
+        if not complete:
+            self.wait_copied()
+
+    def release(self) -> None:
+        """The upload's body is closed: the copy has read its file, and goes unless a round
+        folded it (`Intake._let_go` for a body the intake took it with)."""
+        self.wait_copied()
+        if not self.owned:
+            self.discard()
+
+    def _wait_for(self, nbytes: int) -> None:
+        """Until the source holds `nbytes` bytes; OSError if the upload ended short."""
+        with self._arrived:
+            while self._available < nbytes:
+                if self._complete is not None:
+                    raise OSError(f"the upload ended after {self._available} bytes")
+                self._arrived.wait()
 
     def _write(self, source: int) -> str:
         """The copy, then its fsync beside its hash: the checksum (the fd closes after). A
@@ -99,7 +140,7 @@ class InputCopy:
             written: str | None = None
             try:
                 if self.direct:
-                    written = copy_file_direct(source, self._fd, self.size)
+                    written = copy_file_direct(source, self._fd, self.size, self._wait_for)
                 else:
                     copy_prefix(source, self._fd, self.size)
                     os.ftruncate(self._fd, self.size)  # a recycled file's longer tail goes
@@ -188,18 +229,35 @@ class StepInputs:
         """`body`'s bytes into a new file here, on a thread (in the kernel where it can, or
         `direct`: around the page cache); None when the file cannot be made (a full disk:
         its round logs its sums)."""
+        path, fd = self._new_file()
+        if fd is None:
+            return None
+        return InputCopy(path, body.file.fileno(), body.size, fd, direct)
+
+    def follow(self, source: int, size: int) -> InputCopy | None:
+        """A direct copy of an upload's body of `size` bytes being spooled to descriptor
+        `source`, written as the bytes come (the upload's `SpoolFollower`); None when the
+        file cannot be made."""
+        path, fd = self._new_file()
+        if fd is None:
+            return None
+        return InputCopy(path, source, size, fd, direct=True, following=True)
+
+    def _new_file(self) -> tuple[Path, int | None]:
+        """A new body file here (over a dropped step's where the log holds one) and its
+        descriptor; None for it where it cannot be made (a full disk: the round logs its
+        sums)."""
         path = self.directory / f"{secrets.token_hex(8)}{BODY_SUFFIX}"
         try:
             recycled = self.steps is not None and self.steps.take_recycled(path)
-            fd = open_over(path, recycled, os.O_RDWR, 0o600)
+            return path, open_over(path, recycled, os.O_RDWR, 0o600)
         except OSError as exc:
             log.warning(
                 "an upload could not be copied into the state dir (%s); its round's step logs "
                 "its sums instead",
                 exc.strerror or exc,
             )
-            return None
-        return InputCopy(path, body, fd, direct)
+            return path, None
 
 
 def _fsync(fd: int) -> None:

@@ -16,9 +16,10 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Collection, Iterable, Iterator
-from typing import BinaryIO
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator
+from typing import BinaryIO, Protocol
 
+import anyio.to_thread
 import torch
 
 from diloco.algorithm.tensors import SparsePiece, finite_bound
@@ -30,6 +31,28 @@ from diloco.wire.format.frames import MAX_HEADER_BYTES, _Entry, _malformed, read
 PIECE_BYTES = 2 * 1024 * 1024
 Piece = torch.Tensor | SparsePiece  # a span of a tensor, dense or as its kept values
 SPOOL_FILES_KEPT = 4
+
+
+class SpoolFollower(Protocol):
+    """A reader of a spool file while its body arrives (a server's copy of the body into its
+    state dir, written as the bytes come instead of after the last): told how many bytes the
+    file holds so far, and how the body ended; released with the body."""
+
+    def written(self, nbytes: int) -> None:
+        """The file now holds the body's first `nbytes` bytes."""
+
+    def ended(self, complete: bool) -> None:
+        """The body is whole, or (`complete` False) never will be: then the follower has
+        stopped reading the file when this returns."""
+
+    def release(self) -> None:
+        """The body is done with (its file goes back for the next upload): the follower has
+        stopped reading it when this returns."""
+
+
+# (the spool file's descriptor, the body's data bytes) -> a follower, or None; called once
+# the header is checked, in a worker thread
+FollowSpool = Callable[[int, int], SpoolFollower | None]
 
 
 class SpoolFiles:
@@ -164,6 +187,7 @@ class SpooledTensors(PieceBody):
         self.closed = False
         self.held = False  # see hold()
         self.largest: str | None = None
+        self.follower: SpoolFollower | None = None  # see spool_body's `follow`
 
     @property
     def nbytes(self) -> int:
@@ -226,6 +250,8 @@ class SpooledTensors(PieceBody):
         if self.closed or self.held:
             return
         self.closed = True
+        if self.follower is not None:  # done reading the file before it goes back
+            self.follower.release()
         self._files.give_back(self.file)
 
     def hold(self) -> None:
@@ -317,6 +343,7 @@ async def spool_body(
     directory: str | None = None,
     files: SpoolFiles | None = None,
     check_header: HeaderCheck | None = None,
+    follow: FollowSpool | None = None,
 ) -> SpooledTensors:
     """Write exactly `content_length` bytes to an unlinked temporary file and parse its header.
 
@@ -324,13 +351,16 @@ async def spool_body(
     the result is closed (on a refusal too); without `files` it is a new file in `directory`,
     which disappears when the result is closed or garbage-collected. The header is parsed, and
     `check_header` run on its entries, as soon as it has arrived: a refusal then comes before
-    the rest of the body is read.
+    the rest of the body is read. `follow`: asked once the header is checked for a follower
+    of the file, which then hears of every chunk written (flushed first) and rides on the
+    result as `follower` (released when it is closed).
     """
     check_length(content_length, max_bytes)
     assert content_length is not None
     files = files or SpoolFiles(directory, keep=0)  # keep=0: a file is closed when given back
     file = files.take()
     early = EarlyHeader(content_length, check_header)
+    follower: SpoolFollower | None = None
     try:
         written = 0
         async for chunk in chunks:
@@ -348,6 +378,12 @@ async def spool_body(
             file.write(chunk)
             if not early.done:
                 await early.feed(chunk)
+                if early.done and follow is not None:
+                    data_bytes = content_length - early.header[0]  # type: ignore[index]
+                    follower = await anyio.to_thread.run_sync(follow, file.fileno(), data_bytes)
+            if follower is not None:
+                file.flush()
+                follower.written(written)
         if written < content_length:
             raise WireError(
                 422,
@@ -358,7 +394,14 @@ async def spool_body(
             )
         file.flush()
         data_start, entries, metadata = await early.finish()
-        return SpooledTensors(file, content_length, data_start, entries, files, metadata)
+        spooled = SpooledTensors(file, content_length, data_start, entries, files, metadata)
+        if follower is not None:
+            follower.ended(complete=True)
+            spooled.follower = follower
+        return spooled
     except BaseException:
+        if follower is not None:  # (it stops reading the file before the file goes back)
+            follower.ended(complete=False)
+            follower.release()
         files.give_back(file)
         raise

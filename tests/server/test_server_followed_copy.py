@@ -1,0 +1,237 @@
+"""A lone fp32 body copied around the page cache as it arrives, not after its last byte.
+
+From DIRECT_STEP_LOG_BYTES of sums on (350M), the body of a round of one sender is copied into
+the state dir for the step log around the page cache (state/step_inputs.py). The copy now
+follows the upload's spool file as it is written (`SpoolFollower`): these tests drive the
+follower's parts alone, then a real server over a real socket, with the threshold at 0 so a
+small model takes the path: the step log holds the body byte for byte, and a body cut short
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+import xxhash
+from crashes import on_state_dir
+
+from diloco.server.settings import ServerSettings
+from diloco.server.state import journal
+from diloco.server.state.step_inputs import StepInputs
+from diloco.wire import WireError, encode_tensors, specs_of
+from diloco.wire.format.spool import SpoolFiles, spool_body
+from diloco.worker import DiLoCoClient
+
+SETTINGS = ServerSettings(sync_every=2, min_workers=1, outer_optimizer="sgd", outer_lr=1.0)
+SIZE = 4 * 1024 * 1024  # fp32 values: a 16 MB body, many chunks and two direct writes
+
+
+def follower() -> tuple[object, list[int], list[bool], list[int]]:
+    """A follower recording what it hears: (it, written, ended, released)."""
+    written: list[int] = []
+    ended: list[bool] = []
+    released: list[int] = []
+
+    class Recording:
+        def written(self, nbytes: int) -> None:
+            written.append(nbytes)
+
+        def ended(self, complete: bool) -> None:
+            ended.append(complete)
+
+        def release(self) -> None:
+            released.append(1)
+
+    return Recording(), written, ended, released
+
+
+async def chunks_of(body: bytes, size: int, cut: int | None = None) -> AsyncIterator[bytes]:
+    end = len(body) if cut is None else cut
+    for start in range(0, end, size):
+        yield body[start : min(start + size, end)]
+
+
+def body_of(values: torch.Tensor) -> bytes:
+    return bytes(encode_tensors({"w": values}))
+
+
+def test_a_spooled_body_tells_its_follower_each_chunk_and_its_end(tmp_path: Path) -> None:
+    body = body_of(torch.arange(100_000, dtype=torch.float32))
+    it, written, ended, released = follower()
+    asked: list[tuple[int, int]] = []
+
+    def follow(fd: int, nbytes: int):
+        asked.append((os.fstat(fd).st_size >= 0, nbytes))
+        return it
+
+    files = SpoolFiles(str(tmp_path))
+    spooled = asyncio.run(
+        spool_body(chunks_of(body, 65536), len(body), 1 << 30, files=files, follow=follow)
+    )
+    assert asked == [(True, spooled.nbytes)] and spooled.nbytes == 400_000  # once, the data's
+    # after the header's chunk, every chunk, flushed: the file holds what was said
+    assert written == sorted(written) and written[-1] == len(body) and len(written) >= 6
+    assert ended == [True] and spooled.follower is it and released == []
+    spooled.close()
+    assert released == [1]  # before its file went back
+
+
+def test_a_body_cut_short_ends_its_follower_incomplete_and_releases_it(tmp_path: Path) -> None:
+    body = body_of(torch.arange(100_000, dtype=torch.float32))
+    it, written, ended, released = follower()
+    files = SpoolFiles(str(tmp_path))
+    with pytest.raises(WireError, match="ended after 200000 of"):
+        asyncio.run(
+            spool_body(
+                chunks_of(body, 50_000, cut=200_000),
+                len(body),
+                1 << 30,
+                files=files,
+                follow=lambda fd, nbytes: it,
+            )
+        )
+    assert written[-1] == 200_000 and ended == [False] and released == [1]
+    # no follower is asked for where the header never arrives whole
+    asked = []
+    with pytest.raises(WireError):
+        asyncio.run(
+            spool_body(
+                chunks_of(body, 4, cut=4), len(body), 1 << 30, files=files,
+                follow=lambda fd, nbytes: asked.append(1),
+            )
+        )  # fmt: skip
+    assert asked == []
+
+
+def test_a_following_copy_keeps_behind_what_was_written(tmp_path: Path) -> None:
+    """The copy waits for each 8 MiB it writes to be in the file: fed a 20 MB body a MB at a
+    time from another thread, it ends with the body byte for byte and its xxh3-128."""
+    data = os.urandom(20 * 1024 * 1024 + 12345)
+    inputs = StepInputs(tmp_path / "inputs")
+    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
+    copy = inputs.follow(source, len(data))
+    assert copy is not None
+
+    def arrive() -> None:
+        for start in range(0, len(data), 1 << 20):
+            os.pwrite(source, data[start : start + (1 << 20)], start)
+            copy.written(min(start + (1 << 20), len(data)))
+            time.sleep(0.005)
+        copy.ended(complete=True)
+
+    feeder = threading.Thread(target=arrive)
+    feeder.start()
+    size, digest = copy.durable()
+    feeder.join()
+    assert (size, digest) == (len(data), xxhash.xxh3_128(data).hexdigest())
+    assert copy.path.read_bytes() == data
+    os.close(source)
+
+
+def test_a_following_copy_whose_upload_ends_short_fails_and_goes(tmp_path: Path) -> None:
+    inputs = StepInputs(tmp_path / "inputs")
+    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
+    os.pwrite(source, b"x" * (9 << 20), 0)
+    copy = inputs.follow(source, 20 << 20)
+    assert copy is not None
+    copy.written(9 << 20)
+    copy.ended(complete=False)  # returns once the copy stopped reading
+    assert copy.failed or copy.copied.exception() is not None
+    copy.release()
+    assert list((tmp_path / "inputs").iterdir()) == []
+    with pytest.raises(OSError, match="ended after 9437184 bytes"):
+        copy.durable()
+    os.close(source)
+
+
+@pytest.fixture
+def direct_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every model's step log is written around the page cache (as from 1 GiB of sums), and
+    the sizes of the copies that followed an upload are written down."""
+    monkeypatch.setattr(journal, "DIRECT_STEP_LOG_BYTES", 0)
+    followed: list[int] = []
+    real = StepInputs.follow
+
+    def spied(self: StepInputs, source: int, size: int):
+        followed.append(size)
+        return real(self, source, size)
+
+    monkeypatch.setattr(StepInputs, "follow", spied)
+    return followed
+
+
+def started(state: Path):
+    c = on_state_dir(state, SETTINGS, checkpoint_every=10)
+    initial = {"w": torch.zeros(SIZE)}
+    c.register("a", specs_of(initial, {"w": "trainable"}), 1)
+    c.upload_initial("a", initial)
+    return c
+
+
+def test_a_lone_upload_is_copied_as_it_arrives_and_logged_byte_for_byte(
+    tmp_path: Path, live_server, direct_copies: list[int]
+) -> None:
+    c = started(tmp_path / "state")
+    body = body_of(torch.full((SIZE,), -0.5))
+    with live_server(coordinator=c) as server:  # (a graceful stop checkpoints the step)
+        client = DiLoCoClient(server.url, read_timeout=60)
+        client.submit(0, "a", body)
+        client.close()
+        assert c.round_number == 1 and direct_copies == [len(body)]
+        assert torch.equal(c.masters["w"], torch.full((SIZE,), 0.5))  # 0 - 1.0 * (-0.5)
+        step_0 = tmp_path / "state" / "steps" / "gen-000000000000"
+        assert (step_0 / "input-0000.body").read_bytes() == body
+        manifest = json.loads((step_0 / "manifest.json").read_text())
+        assert manifest["files"]["input-0000.body"] == {
+            "bytes": len(body),
+            "xxh3_128": xxhash.xxh3_128(body).hexdigest(),
+        }
+        assert list((tmp_path / "state" / "inputs").iterdir()) == []
+    c.journal.settle()
+    c.journal.state.close()
+
+
+def test_an_upload_cut_short_leaves_no_copy_and_folds_nothing(
+    tmp_path: Path, live_server, direct_copies: list[int]
+) -> None:
+    c = started(tmp_path / "state")
+    body = body_of(torch.full((SIZE,), -0.5))
+    with live_server(coordinator=c) as server:
+        parts = urlsplit(server.url)
+        raw = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        raw.putrequest("POST", "/v1/rounds/0/submissions?worker_id=a")
+        raw.putheader("Content-Length", str(len(body)))
+        raw.putheader("X-Diloco-Protocol", "1")
+        raw.endheaders()
+        raw.send(body[: len(body) // 2])
+        deadline = time.monotonic() + 10
+        while not direct_copies and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raw.close()  # the worker dies half way
+        inputs = tmp_path / "state" / "inputs"
+        deadline = time.monotonic() + 10
+        while any(inputs.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert direct_copies == [len(body)]  # it was followed, then let go
+        assert list(inputs.iterdir()) == []
+        assert c.round_number == 0
+        # the whole body again: folded, and logged as it came
+        client = DiLoCoClient(server.url, read_timeout=60)
+        client.submit(0, "a", body)
+        client.close()
+        assert c.round_number == 1 and direct_copies == [len(body)] * 2
+        assert torch.equal(c.masters["w"], torch.full((SIZE,), 0.5))  # the whole body once
+        step_0 = tmp_path / "state" / "steps" / "gen-000000000000"
+        assert (step_0 / "input-0000.body").read_bytes() == body
+    c.journal.settle()
+    c.journal.state.close()
