@@ -26,7 +26,7 @@ import xxhash
 from crashes import on_state_dir
 
 from diloco.server.settings import ServerSettings
-from diloco.server.state import journal
+from diloco.server.state import journal, step_inputs
 from diloco.server.state.step_inputs import StepInputs
 from diloco.wire import WireError, encode_tensors, specs_of
 from diloco.wire.format.spool import SpoolFiles, spool_body
@@ -138,6 +138,43 @@ def test_a_following_copy_keeps_behind_what_was_written(tmp_path: Path) -> None:
     os.close(source)
 
 
+def test_a_following_copy_let_go_unfolded_stops_without_the_rest(tmp_path: Path) -> None:
+    """A body that is not folded (a duplicate, a refusal) releases its copy while the copy
+    waits for bytes that will come (the body is whole): it stops at once and its file goes,
+    instead of writing the rest of a body nobody logs."""
+    inputs = StepInputs(tmp_path / "inputs")
+    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
+    os.pwrite(source, b"x" * (9 << 20), 0)
+    copy = inputs.follow(source, 20 << 20)
+    assert copy is not None
+    copy.written(9 << 20)
+    releasing = threading.Thread(target=copy.release)
+    releasing.start()
+    releasing.join(timeout=10)
+    assert not releasing.is_alive()
+    assert list((tmp_path / "inputs").iterdir()) == []
+    with pytest.raises(OSError, match="abandoned"):
+        copy.durable()
+    os.close(source)
+
+
+def test_a_following_copy_gives_up_when_its_upload_goes_quiet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that ended without telling its copy (cancelled at a forced stop): the copy
+    does not wait forever, so its thread and descriptor end."""
+    monkeypatch.setattr(step_inputs, "FOLLOW_STALL_SECONDS", 0.2)
+    inputs = StepInputs(tmp_path / "inputs")
+    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
+    copy = inputs.follow(source, 1 << 20)
+    assert copy is not None
+    with pytest.raises(OSError, match=r"no byte of the upload came for 0\.2 s"):
+        copy.durable()
+    copy.release()
+    assert list((tmp_path / "inputs").iterdir()) == []
+    os.close(source)
+
+
 def test_a_following_copy_whose_upload_ends_short_fails_and_goes(tmp_path: Path) -> None:
     inputs = StepInputs(tmp_path / "inputs")
     source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
@@ -167,6 +204,11 @@ def direct_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(self, source, size)
 
     monkeypatch.setattr(StepInputs, "follow", spied)
+
+    def no_later_copy(self: StepInputs, body, direct: bool = False):
+        raise AssertionError("a followed body was copied again once whole")
+
+    monkeypatch.setattr(StepInputs, "copy", no_later_copy)  # the follower is the copy
     return followed
 
 
@@ -214,11 +256,12 @@ def test_an_upload_cut_short_leaves_no_copy_and_folds_nothing(
         raw.putheader("X-Diloco-Protocol", "1")
         raw.endheaders()
         raw.send(body[: len(body) // 2])
-        deadline = time.monotonic() + 10
-        while not direct_copies and time.monotonic() < deadline:
-            time.sleep(0.01)
-        raw.close()  # the worker dies half way
         inputs = tmp_path / "state" / "inputs"
+        deadline = time.monotonic() + 10
+        while not any(inputs.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(list(inputs.iterdir())) == 1  # the copy under way
+        raw.close()  # the worker dies half way
         deadline = time.monotonic() + 10
         while any(inputs.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -233,5 +276,37 @@ def test_an_upload_cut_short_leaves_no_copy_and_folds_nothing(
         assert torch.equal(c.masters["w"], torch.full((SIZE,), 0.5))  # the whole body once
         step_0 = tmp_path / "state" / "steps" / "gen-000000000000"
         assert (step_0 / "input-0000.body").read_bytes() == body
+    c.journal.settle()
+    c.journal.state.close()
+
+
+def test_a_duplicate_lets_its_copy_go_and_a_fragment_out_of_range_is_refused(
+    tmp_path: Path, live_server, direct_copies: list[int]
+) -> None:
+    c = started(tmp_path / "state")
+    body = body_of(torch.full((SIZE,), -0.5))
+    with live_server(coordinator=c) as server:
+        client = DiLoCoClient(server.url, read_timeout=60)
+        client.submit(0, "a", body)
+        again = client.submit(0, "a", body)  # a retry of a committed round's body
+        assert again["status"] != "accepted" and c.round_number == 1
+        assert direct_copies == [len(body)] * 2  # followed, then let go
+        assert list((tmp_path / "state" / "inputs").iterdir()) == []
+        step_0 = tmp_path / "state" / "steps" / "gen-000000000000"
+        assert sorted(p.name for p in step_0.iterdir()) == ["input-0000.body", "manifest.json"]
+        parts = urlsplit(server.url)
+        raw = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        raw.request(
+            "POST",
+            "/v1/rounds/1/submissions?worker_id=a&fragment=5",
+            body=body,
+            headers={"X-Diloco-Protocol": "1"},
+        )
+        answer = raw.getresponse()
+        refusal = json.loads(answer.read())
+        assert answer.status == 422 and "fragment" in json.dumps(refusal), refusal
+        raw.close()
+        client.close()
+        assert direct_copies == [len(body)] * 2 and c.round_number == 1
     c.journal.settle()
     c.journal.state.close()

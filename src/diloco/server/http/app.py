@@ -487,9 +487,10 @@ def create_app(
 
 class _SentReporting(Response):
     """A tensor response that calls `sent` once the socket has taken its body (all but the
-    transport's low-water mark); not if sending it failed. uvicorn writes a body into the
-    transport's buffer at once and waits for that buffer to drain only before the next
-    write: an empty last chunk after the body is that wait."""
+    transport's low-water mark), or the client went away meanwhile (uvicorn's send then
+    returns as if it had gone: a checkpoint that waits for it starts a little early).
+    uvicorn writes a body into the transport's buffer at once and waits for that buffer to
+    drain only before the next write: an empty last chunk after the body is that wait."""
 
     def __init__(self, *args: Any, sent: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -340,7 +340,10 @@ class Intake:
         if self.step_inputs is None:
             return None
         with self.lock:
-            if self.model.specs is None or self._copy_rule(nbytes, fragment) != "direct":
+            plan = self.model.plan
+            if self.model.specs is None or plan is None or not 0 <= fragment < len(plan):
+                return None  # (the submission is refused by name once it is whole)
+            if self._copy_rule(nbytes, fragment) != "direct":
                 return None
         return self.step_inputs.follow(source, size)
 
@@ -361,12 +364,10 @@ class Intake:
     @staticmethod
     def _let_go(copy: InputCopy | None) -> None:
         """Before the request lets its body's file go: the copy has read it, and goes too if
-        the round did not fold it (refused, a duplicate, a failed scan)."""
-        if copy is None:
-            return
-        copy.wait_copied()
-        if not copy.owned:
-            copy.discard()
+        the round did not fold it (refused, a duplicate, a failed scan: `InputCopy.release`,
+        which stops a direct copy at its next write)."""
+        if copy is not None:
+            copy.release()
 
     def _prepare(
         self,

@@ -63,6 +63,9 @@ log = logging.getLogger("diloco.server")
 # (its fsync), so enough of them run at once that a body's copy, which its request waits for,
 # does not queue behind other bodies' fsyncs; the hashes (a core each) two at a time.
 _WRITES = ThreadPoolExecutor(8, thread_name_prefix="diloco-step-input")
+# A copy that follows an upload gives up when no byte of it came for this long (a request
+# that ended without telling it: e.g. cancelled at a forced shutdown), so its thread ends.
+FOLLOW_STALL_SECONDS = 600.0
 _HASHES = ThreadPoolExecutor(2, thread_name_prefix="diloco-step-input-hash")
 
 
@@ -102,7 +105,26 @@ class InputCopy:
         self._arrived = threading.Condition()
         self._available = size if not following else 0  # bytes the source holds so far
         self._complete: bool | None = None if following else True
-        self._written: Future[str] = _WRITES.submit(self._write, source)
+        self._abandoned = False  # not to be folded: stop at the next write
+        self._written: Future[str]
+        if not following:
+            self._written = _WRITES.submit(self._write, source)
+            return
+        # A thread of its own: it waits on the upload as long as that lasts, and the pool's
+        # writers must stay free for the copies an upload's end waits for.
+        self._written = Future()
+        self._written.set_running_or_notify_cancel()  # (never cancelled: it has begun)
+        threading.Thread(
+            target=self._follow, args=(source,), name="diloco-step-input-follow", daemon=True
+        ).start()
+
+    def _follow(self, source: int) -> None:
+        try:
+            digest = self._write(source)
+        except BaseException as exc:
+            self._written.set_exception(exc)
+        else:
+            self._written.set_result(digest)
 
     # ------------------------------------------------------------ as the upload's follower
 
@@ -119,19 +141,35 @@ class InputCopy:
             self.wait_copied()
 
     def release(self) -> None:
-        """The upload's body is closed: the copy has read its file, and goes unless a round
-        folded it (`Intake._let_go` for a body the intake took it with)."""
+        """The request that brought the body is over: unless a round folded it, a direct
+        copy stops at its next write (every 8 MiB) and its file goes; either way the copy
+        has stopped reading the upload's file when this returns."""
+        if not self.owned:
+            self.abandon()
         self.wait_copied()
         if not self.owned:
             self.discard()
 
-    def _wait_for(self, nbytes: int) -> None:
-        """Until the source holds `nbytes` bytes; OSError if the upload ended short."""
+    def abandon(self) -> None:
+        """Not to be folded (refused, a duplicate, a failed scan): a direct copy stops at
+        its next write instead of writing the rest of a body nobody will log."""
         with self._arrived:
-            while self._available < nbytes:
+            self._abandoned = True
+            self._arrived.notify_all()
+
+    def _wait_for(self, nbytes: int) -> None:
+        """Until the source holds `nbytes` bytes; OSError if the upload ended short, the
+        copy was abandoned, or no byte came for FOLLOW_STALL_SECONDS."""
+        with self._arrived:
+            while True:
+                if self._abandoned:
+                    raise OSError("the copy was abandoned: its body is not folded")
+                if self._available >= nbytes:
+                    return
                 if self._complete is not None:
                     raise OSError(f"the upload ended after {self._available} bytes")
-                self._arrived.wait()
+                if not self._arrived.wait(FOLLOW_STALL_SECONDS):
+                    raise OSError(f"no byte of the upload came for {FOLLOW_STALL_SECONDS:g} s")
 
     def _write(self, source: int) -> str:
         """The copy, then its fsync beside its hash: the checksum (the fd closes after). A
