@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,10 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
     for row in rows:
         assert row["rounds"] == 3 and not row["cut_short"] and row["checkpoint_every"] == 2
         assert row["loopback_seconds"] > 0 and row["memory_pass_seconds"] > 0
+        # two series of a warm-up and 5 rounds: the limit is the lower median of the five
+        series = row["loopback_round_seconds"]
+        assert [len(times) for times in series] == [6, 6]
+        assert row["loopback_seconds"] == min(statistics.median(t[1:]) for t in series)
         limit = row["loopback_seconds"] + row["memory_pass_seconds"]
         assert row["ratio_to_limit"] == pytest.approx(row["blocked_seconds"] / limit)
         spent = row["blocked_seconds"] + row["compute_seconds"]

@@ -16,7 +16,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,7 +28,7 @@ from crashes import on_state_dir
 
 from diloco.server.settings import ServerSettings
 from diloco.server.state import journal, step_inputs
-from diloco.server.state.step_inputs import StepInputs
+from diloco.server.state.step_inputs import InputCopy, StepInputs
 from diloco.wire import WireError, encode_tensors, specs_of
 from diloco.wire.format.spool import SpoolFiles, spool_body
 from diloco.worker import DiLoCoClient
@@ -113,49 +114,55 @@ def test_a_body_cut_short_ends_its_follower_incomplete_and_releases_it(tmp_path:
     assert asked == []
 
 
+@contextmanager
+def followed(tmp_path: Path, size: int, written: bytes = b"") -> Iterator[tuple[InputCopy, int]]:
+    """A copy of `size` bytes following a spool file that holds `written` so far, and the
+    file's descriptor (closed after)."""
+    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(source, written, 0)
+        copy = StepInputs(tmp_path / "inputs").follow(source, size)
+        assert copy is not None
+        if written:
+            copy.written(len(written))
+        yield copy, source
+    finally:
+        os.close(source)
+
+
 def test_a_following_copy_keeps_behind_what_was_written(tmp_path: Path) -> None:
     """The copy waits for each 8 MiB it writes to be in the file: fed a 20 MB body a MB at a
     time from another thread, it ends with the body byte for byte and its xxh3-128."""
     data = os.urandom(20 * 1024 * 1024 + 12345)
-    inputs = StepInputs(tmp_path / "inputs")
-    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
-    copy = inputs.follow(source, len(data))
-    assert copy is not None
+    with followed(tmp_path, len(data)) as (copy, source):
 
-    def arrive() -> None:
-        for start in range(0, len(data), 1 << 20):
-            os.pwrite(source, data[start : start + (1 << 20)], start)
-            copy.written(min(start + (1 << 20), len(data)))
-            time.sleep(0.005)
-        copy.ended(complete=True)
+        def arrive() -> None:
+            for start in range(0, len(data), 1 << 20):
+                os.pwrite(source, data[start : start + (1 << 20)], start)
+                copy.written(min(start + (1 << 20), len(data)))
+                time.sleep(0.005)
+            copy.ended(complete=True)
 
-    feeder = threading.Thread(target=arrive)
-    feeder.start()
-    size, digest = copy.durable()
-    feeder.join()
-    assert (size, digest) == (len(data), xxhash.xxh3_128(data).hexdigest())
-    assert copy.path.read_bytes() == data
-    os.close(source)
+        feeder = threading.Thread(target=arrive)
+        feeder.start()
+        size, digest = copy.durable()
+        feeder.join()
+        assert (size, digest) == (len(data), xxhash.xxh3_128(data).hexdigest())
+        assert copy.path.read_bytes() == data
 
 
 def test_a_following_copy_let_go_unfolded_stops_without_the_rest(tmp_path: Path) -> None:
     """A body that is not folded (a duplicate, a refusal) releases its copy while the copy
     waits for bytes that will come (the body is whole): it stops at once and its file goes,
     instead of writing the rest of a body nobody logs."""
-    inputs = StepInputs(tmp_path / "inputs")
-    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
-    os.pwrite(source, b"x" * (9 << 20), 0)
-    copy = inputs.follow(source, 20 << 20)
-    assert copy is not None
-    copy.written(9 << 20)
-    releasing = threading.Thread(target=copy.release)
-    releasing.start()
-    releasing.join(timeout=10)
-    assert not releasing.is_alive()
-    assert list((tmp_path / "inputs").iterdir()) == []
-    with pytest.raises(OSError, match="abandoned"):
-        copy.durable()
-    os.close(source)
+    with followed(tmp_path, 20 << 20, b"x" * (9 << 20)) as (copy, _):
+        releasing = threading.Thread(target=copy.release)
+        releasing.start()
+        releasing.join(timeout=10)
+        assert not releasing.is_alive()
+        assert list((tmp_path / "inputs").iterdir()) == []
+        with pytest.raises(OSError, match="abandoned"):
+            copy.durable()
 
 
 def test_a_following_copy_gives_up_when_its_upload_goes_quiet(
@@ -164,31 +171,21 @@ def test_a_following_copy_gives_up_when_its_upload_goes_quiet(
     """A request that ended without telling its copy (cancelled at a forced stop): the copy
     does not wait forever, so its thread and descriptor end."""
     monkeypatch.setattr(step_inputs, "FOLLOW_STALL_SECONDS", 0.2)
-    inputs = StepInputs(tmp_path / "inputs")
-    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
-    copy = inputs.follow(source, 1 << 20)
-    assert copy is not None
-    with pytest.raises(OSError, match=r"no byte of the upload came for 0\.2 s"):
-        copy.durable()
-    copy.release()
-    assert list((tmp_path / "inputs").iterdir()) == []
-    os.close(source)
+    with followed(tmp_path, 1 << 20) as (copy, _):
+        with pytest.raises(OSError, match=r"no byte of the upload came for 0\.2 s"):
+            copy.durable()
+        copy.release()
+        assert list((tmp_path / "inputs").iterdir()) == []
 
 
 def test_a_following_copy_whose_upload_ends_short_fails_and_goes(tmp_path: Path) -> None:
-    inputs = StepInputs(tmp_path / "inputs")
-    source = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT, 0o600)
-    os.pwrite(source, b"x" * (9 << 20), 0)
-    copy = inputs.follow(source, 20 << 20)
-    assert copy is not None
-    copy.written(9 << 20)
-    copy.ended(complete=False)  # returns once the copy stopped reading
-    assert copy.failed or copy.copied.exception() is not None
-    copy.release()
-    assert list((tmp_path / "inputs").iterdir()) == []
-    with pytest.raises(OSError, match="ended after 9437184 bytes"):
-        copy.durable()
-    os.close(source)
+    with followed(tmp_path, 20 << 20, b"x" * (9 << 20)) as (copy, _):
+        copy.ended(complete=False)  # returns once the copy stopped reading
+        assert copy.copied.exception() is not None
+        copy.release()
+        assert list((tmp_path / "inputs").iterdir()) == []
+        with pytest.raises(OSError, match="ended after 9437184 bytes"):
+            copy.durable()
 
 
 @pytest.fixture
