@@ -39,7 +39,8 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
         # two series of a warm-up and 5 rounds: the limit is the lower median of the five
         series = row["loopback_round_seconds"]
         assert [len(times) for times in series] == [6, 6]
-        assert row["loopback_seconds"] == min(statistics.median(t[1:]) for t in series)
+        lower = min(statistics.median(t[1:]) for t in series)  # (kept to 0.1 ms)
+        assert row["loopback_seconds"] == pytest.approx(lower, abs=1e-4)
         limit = row["loopback_seconds"] + row["memory_pass_seconds"]
         assert row["ratio_to_limit"] == pytest.approx(row["blocked_seconds"] / limit)
         spent = row["blocked_seconds"] + row["compute_seconds"]
