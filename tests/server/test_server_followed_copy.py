@@ -307,3 +307,17 @@ def test_a_duplicate_lets_its_copy_go_and_a_fragment_out_of_range_is_refused(
         assert direct_copies == [len(body)] * 2 and c.round_number == 1
     c.journal.settle()
     c.journal.state.close()
+
+
+def test_only_a_server_that_logs_uploads_follows_them(tmp_path: Path) -> None:
+    """Without a state dir (or sharded, or in async mode) nothing is copied, and the HTTP
+    layer does not ask (no thread hop per upload)."""
+    from diloco.server.coordinator import Coordinator
+
+    assert not Coordinator(SETTINGS, {"w": torch.zeros(2)}).copies_uploads
+    windows = on_state_dir(tmp_path / "async", ServerSettings(mode="async"), checkpoint_every=10)
+    assert not windows.copies_uploads  # an async window logs its sums
+    windows.journal.state.close()
+    c = started(tmp_path / "state")
+    assert c.copies_uploads
+    c.journal.state.close()

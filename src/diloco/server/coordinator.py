@@ -603,6 +603,12 @@ class Coordinator:
         """A submission's layout from its header alone (see `Intake.check_header`)."""
         self.intake.check_header(fragment, shapes, metadata or {})
 
+    @property
+    def copies_uploads(self) -> bool:
+        """Whether uploads may be copied into the state dir for the step log (one server
+        logging its steps: state/step_inputs.py); `follow_upload` is for those only."""
+        return self.intake.step_inputs is not None
+
     def follow_upload(
         self, fragment: int, source: int, nbytes: int, size: int
     ) -> SpoolFollower | None:

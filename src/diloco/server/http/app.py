@@ -399,7 +399,9 @@ def create_app(
         def follow(source: int, nbytes: int, size: int) -> SpoolFollower | None:
             return coordinator.follow_upload(fragment, source, nbytes, size)
 
-        async with tensors_from(request, check_header=check_header, follow=follow) as (
+        # (a server that logs no uploads is not asked: no thread hop per upload)
+        following = follow if coordinator.copies_uploads else None
+        async with tensors_from(request, check_header=check_header, follow=following) as (
             tensors,
             metadata,
         ):
