@@ -4,6 +4,8 @@ the tests that restart one on the same directory."""
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from diloco.server.coordinator import Coordinator
@@ -38,3 +40,13 @@ def flip_last_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether `condition` came true within `seconds` (a background thread's work)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
-from crashes import on_state_dir
+from crashes import killed, on_state_dir, until
 
 from diloco.server.coordinator import Coordinator
 from diloco.server.model.downloads import ResultDownloads
@@ -69,15 +69,6 @@ def generations(c: Coordinator) -> list[int]:
     store = c.journal.state.checkpoints
     assert store is not None
     return store.generations()
-
-
-def until(condition, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def started(state: Path, initial: dict[str, torch.Tensor]) -> Coordinator:
@@ -138,8 +129,7 @@ def test_a_stalled_result_download_holds_the_checkpoint_until_it_is_read(
         assert until(lambda: generations(c) == [0, 1])
         worker.close()
         client.close()
-    c.journal.settle()
-    c.journal.state.close()
+    killed(c)
 
 
 def test_in_streaming_mode_the_checkpoint_does_not_wait_for_downloads(tmp_path: Path) -> None:
@@ -155,5 +145,4 @@ def test_in_streaming_mode_the_checkpoint_does_not_wait_for_downloads(tmp_path: 
     c.result_downloads.max_wait = 60
     c.submit("a", 0, {"blocks.0.w": torch.full((3,), -1.0)}, fragment=0)  # never fetched
     assert until(lambda: generations(c) == [0, 1])
-    c.journal.settle()
-    c.journal.state.close()
+    killed(c)

@@ -24,8 +24,9 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 import xxhash
-from crashes import on_state_dir
+from crashes import killed, on_state_dir, until
 
+from diloco.server.coordinator import Coordinator
 from diloco.server.settings import ServerSettings
 from diloco.server.state import journal, step_inputs
 from diloco.server.state.step_inputs import InputCopy, StepInputs
@@ -69,17 +70,18 @@ def body_of(values: torch.Tensor) -> bytes:
 def test_a_spooled_body_tells_its_follower_each_chunk_and_its_end(tmp_path: Path) -> None:
     body = body_of(torch.arange(100_000, dtype=torch.float32))
     it, written, ended, released = follower()
-    asked: list[tuple[int, int]] = []
+    asked: list[tuple[int, int, int]] = []
 
-    def follow(fd: int, nbytes: int):
-        asked.append((os.fstat(fd).st_size >= 0, nbytes))
+    def follow(fd: int, nbytes: int, size: int):
+        asked.append((fd, nbytes, size))
         return it
 
     files = SpoolFiles(str(tmp_path))
     spooled = asyncio.run(
         spool_body(chunks_of(body, 65536), len(body), 1 << 30, files=files, follow=follow)
     )
-    assert asked == [(True, spooled.nbytes)] and spooled.nbytes == 400_000  # once, the data's
+    # once, with the spool file and the data's bytes (100,000 fp32 values) and the body's
+    assert asked == [(spooled.file.fileno(), 400_000, len(body))]
     # after the header's chunk, every chunk, flushed: the file holds what was said
     assert written == sorted(written) and written[-1] == len(body) and len(written) >= 6
     assert ended == [True] and spooled.follower is it and released == []
@@ -98,7 +100,7 @@ def test_a_body_cut_short_ends_its_follower_incomplete_and_releases_it(tmp_path:
                 len(body),
                 1 << 30,
                 files=files,
-                follow=lambda fd, nbytes: it,
+                follow=lambda fd, nbytes, size: it,
             )
         )
     assert written[-1] == 200_000 and ended == [False] and released == [1]
@@ -108,7 +110,7 @@ def test_a_body_cut_short_ends_its_follower_incomplete_and_releases_it(tmp_path:
         asyncio.run(
             spool_body(
                 chunks_of(body, 4, cut=4), len(body), 1 << 30, files=files,
-                follow=lambda fd, nbytes: asked.append(1),
+                follow=lambda fd, nbytes, size: asked.append(1),
             )
         )  # fmt: skip
     assert asked == []
@@ -217,86 +219,88 @@ def started(state: Path):
     return c
 
 
+BODY = body_of(torch.full((SIZE,), -0.5))  # its round takes w from 0 to 0 - 1.0 * (-0.5)
+
+
+@contextmanager
+def served(tmp_path: Path, live_server) -> Iterator[tuple[Coordinator, str]]:
+    """A real server over `started`'s coordinator: (it, its URL); checks inside, as a
+    graceful stop checkpoints the step and empties its log."""
+    c = started(tmp_path / "state")
+    try:
+        with live_server(coordinator=c) as server:
+            yield c, server.url
+    finally:
+        killed(c)
+
+
+def logged_input(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "steps" / "gen-000000000000" / "input-0000.body"
+
+
 def test_a_lone_upload_is_copied_as_it_arrives_and_logged_byte_for_byte(
     tmp_path: Path, live_server, direct_copies: list[int]
 ) -> None:
-    c = started(tmp_path / "state")
-    body = body_of(torch.full((SIZE,), -0.5))
-    with live_server(coordinator=c) as server:  # (a graceful stop checkpoints the step)
-        client = DiLoCoClient(server.url, read_timeout=60)
-        client.submit(0, "a", body)
+    with served(tmp_path, live_server) as (c, url):
+        client = DiLoCoClient(url, read_timeout=60)
+        client.submit(0, "a", BODY)
         client.close()
-        assert c.round_number == 1 and direct_copies == [len(body)]
-        assert torch.equal(c.masters["w"], torch.full((SIZE,), 0.5))  # 0 - 1.0 * (-0.5)
-        step_0 = tmp_path / "state" / "steps" / "gen-000000000000"
-        assert (step_0 / "input-0000.body").read_bytes() == body
-        manifest = json.loads((step_0 / "manifest.json").read_text())
+        assert c.round_number == 1 and direct_copies == [len(BODY)]
+        assert torch.equal(c.masters["w"], torch.full((SIZE,), 0.5))
+        assert logged_input(tmp_path).read_bytes() == BODY
+        manifest = json.loads((logged_input(tmp_path).parent / "manifest.json").read_text())
         assert manifest["files"]["input-0000.body"] == {
-            "bytes": len(body),
-            "xxh3_128": xxhash.xxh3_128(body).hexdigest(),
+            "bytes": len(BODY),
+            "xxh3_128": xxhash.xxh3_128(BODY).hexdigest(),
         }
         assert list((tmp_path / "state" / "inputs").iterdir()) == []
-    c.journal.settle()
-    c.journal.state.close()
 
 
 def test_an_upload_cut_short_leaves_no_copy_and_folds_nothing(
     tmp_path: Path, live_server, direct_copies: list[int]
 ) -> None:
-    c = started(tmp_path / "state")
-    body = body_of(torch.full((SIZE,), -0.5))
-    with live_server(coordinator=c) as server:
-        parts = urlsplit(server.url)
+    with served(tmp_path, live_server) as (c, url):
+        parts = urlsplit(url)
         raw = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
         raw.putrequest("POST", "/v1/rounds/0/submissions?worker_id=a")
-        raw.putheader("Content-Length", str(len(body)))
+        raw.putheader("Content-Length", str(len(BODY)))
         raw.putheader("X-Diloco-Protocol", "1")
         raw.endheaders()
-        raw.send(body[: len(body) // 2])
+        raw.send(BODY[: len(BODY) // 2])
         inputs = tmp_path / "state" / "inputs"
-        deadline = time.monotonic() + 10
-        while not any(inputs.iterdir()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(list(inputs.iterdir())) == 1  # the copy under way
+        assert until(lambda: any(inputs.iterdir()))  # the copy under way
+        assert len(list(inputs.iterdir())) == 1
         raw.close()  # the worker dies half way
-        deadline = time.monotonic() + 10
-        while any(inputs.iterdir()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert direct_copies == [len(body)]  # it was followed, then let go
-        assert list(inputs.iterdir()) == []
+        assert until(lambda: not any(inputs.iterdir()))
+        assert direct_copies == [len(BODY)]  # it was followed, then let go
         assert c.round_number == 0
         # the whole body again: folded, and logged as it came
-        client = DiLoCoClient(server.url, read_timeout=60)
-        client.submit(0, "a", body)
+        client = DiLoCoClient(url, read_timeout=60)
+        client.submit(0, "a", BODY)
         client.close()
-        assert c.round_number == 1 and direct_copies == [len(body)] * 2
+        assert c.round_number == 1 and direct_copies == [len(BODY)] * 2
         assert torch.equal(c.masters["w"], torch.full((SIZE,), 0.5))  # the whole body once
-        step_0 = tmp_path / "state" / "steps" / "gen-000000000000"
-        assert (step_0 / "input-0000.body").read_bytes() == body
-    c.journal.settle()
-    c.journal.state.close()
+        assert logged_input(tmp_path).read_bytes() == BODY
 
 
 def test_a_duplicate_lets_its_copy_go_and_a_fragment_out_of_range_is_refused(
     tmp_path: Path, live_server, direct_copies: list[int]
 ) -> None:
-    c = started(tmp_path / "state")
-    body = body_of(torch.full((SIZE,), -0.5))
-    with live_server(coordinator=c) as server:
-        client = DiLoCoClient(server.url, read_timeout=60)
-        client.submit(0, "a", body)
-        again = client.submit(0, "a", body)  # a retry of a committed round's body
+    with served(tmp_path, live_server) as (c, url):
+        client = DiLoCoClient(url, read_timeout=60)
+        client.submit(0, "a", BODY)
+        again = client.submit(0, "a", BODY)  # a retry of a committed round's body
         assert again["status"] != "accepted" and c.round_number == 1
-        assert direct_copies == [len(body)] * 2  # followed, then let go
+        assert direct_copies == [len(BODY)] * 2  # followed, then let go
         assert list((tmp_path / "state" / "inputs").iterdir()) == []
-        step_0 = tmp_path / "state" / "steps" / "gen-000000000000"
+        step_0 = logged_input(tmp_path).parent
         assert sorted(p.name for p in step_0.iterdir()) == ["input-0000.body", "manifest.json"]
-        parts = urlsplit(server.url)
+        parts = urlsplit(url)
         raw = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
         raw.request(
             "POST",
             "/v1/rounds/1/submissions?worker_id=a&fragment=5",
-            body=body,
+            body=BODY,
             headers={"X-Diloco-Protocol": "1"},
         )
         answer = raw.getresponse()
@@ -304,20 +308,16 @@ def test_a_duplicate_lets_its_copy_go_and_a_fragment_out_of_range_is_refused(
         assert answer.status == 422 and "fragment" in json.dumps(refusal), refusal
         raw.close()
         client.close()
-        assert direct_copies == [len(body)] * 2 and c.round_number == 1
-    c.journal.settle()
-    c.journal.state.close()
+        assert direct_copies == [len(BODY)] * 2 and c.round_number == 1
 
 
 def test_only_a_server_that_logs_uploads_follows_them(tmp_path: Path) -> None:
     """Without a state dir (or sharded, or in async mode) nothing is copied, and the HTTP
     layer does not ask (no thread hop per upload)."""
-    from diloco.server.coordinator import Coordinator
-
     assert not Coordinator(SETTINGS, {"w": torch.zeros(2)}).copies_uploads
     windows = on_state_dir(tmp_path / "async", ServerSettings(mode="async"), checkpoint_every=10)
     assert not windows.copies_uploads  # an async window logs its sums
-    windows.journal.state.close()
+    killed(windows)
     c = started(tmp_path / "state")
     assert c.copies_uploads
-    c.journal.state.close()
+    killed(c)

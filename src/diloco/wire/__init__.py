@@ -28,7 +28,13 @@ from diloco.wire.format.specs import (
     same_dtype_class,
     specs_of,
 )
-from diloco.wire.format.spool import SpooledTensors, SpoolFiles, SpoolFollower, spool_body
+from diloco.wire.format.spool import (
+    FollowSpool,
+    SpooledTensors,
+    SpoolFiles,
+    SpoolFollower,
+    spool_body,
+)
 from diloco.wire.schemas import (
     MAX_COUNT,
     WORKER_ID_PATTERN,
@@ -82,6 +88,7 @@ __all__ = [
     "EarlyHeader",
     "ErrorBody",
     "EvictRequest",
+    "FollowSpool",
     "HeaderCheck",
     "HealthResponse",
     "HeartbeatRequest",

@@ -33,6 +33,7 @@ from diloco.wire import (
     PROTOCOL_HEADER,
     DatasetRequest,
     EarlyHeader,
+    FollowSpool,
     HeaderCheck,
     HeartbeatRequest,
     LeaseRequest,
@@ -202,7 +203,7 @@ def create_app(
         request: Request,
         may_spool: bool = True,
         check_header: HeaderCheck | None = None,
-        follow: Callable[[int, int, int], SpoolFollower | None] | None = None,
+        follow: FollowSpool | None = None,
     ) -> AsyncIterator[tuple[dict | SpooledTensors, dict[str, str]]]:
         """The request's tensors and its header's `__metadata__` (a compressed body's codec):
         in RAM while few bodies are, else spooled to a file.
@@ -211,8 +212,7 @@ def create_app(
         bodies in memory never exceeds --memory-bodies, however many workers upload at once.
         `check_header` sees the safetensors header (entries and metadata) as soon as it has
         arrived, so a body it refuses is answered before the rest of it is read (the rest is
-        then dropped unread). `follow(descriptor, data bytes, body bytes)`: a spooled
-        body's follower (spool_body's `follow`).
+        then dropped unread). `follow`: a spooled body's follower (spool_body's).
         """
         length = parse_content_length(request.headers.get("content-length"))
         check_length(length, settings.max_body_bytes)
@@ -227,9 +227,7 @@ def create_app(
                     settings.max_body_bytes,
                     files=spool_files,
                     check_header=check_header,
-                    follow=None
-                    if follow is None
-                    else lambda fd, nbytes: follow(fd, nbytes, length),  # type: ignore[arg-type]
+                    follow=follow,
                 )
             except OSError as exc:  # a full or missing spool disk heals; the worker retries
                 raise Rejection(
@@ -399,7 +397,7 @@ def create_app(
         def follow(source: int, nbytes: int, size: int) -> SpoolFollower | None:
             return coordinator.follow_upload(fragment, source, nbytes, size)
 
-        # (a server that logs no uploads is not asked: no thread hop per upload)
+        # (a server that copies no uploads is not asked: no thread hop per upload)
         following = follow if coordinator.copies_uploads else None
         async with tensors_from(request, check_header=check_header, follow=following) as (
             tensors,

@@ -302,7 +302,8 @@ class RoundJournal:
         self.log_steps = True
         self._writer: threading.Thread | None = None  # the checkpoint being written
         self._go = threading.Event()  # set: the writer starts now, downloads or not
-        # the result requests a background checkpoint waits for (None: it starts at once)
+        # the results sent to each worker, which a background checkpoint waits for its
+        # step's contributors to have (None: it starts at once; model/downloads.py)
         self.downloads: ResultDownloads | None = None
         self._write_error: BaseException | None = None
         self.on_checkpoint_written: Callable[[float], None] | None = None  # its seconds

@@ -89,7 +89,13 @@ class InputCopy:
     not disturb either), or, `direct`, after a copy around the page cache hashed as it went."""
 
     def __init__(
-        self, path: Path, source: int, size: int, fd: int, direct: bool = False, following=False
+        self,
+        path: Path,
+        source: int,
+        size: int,
+        fd: int,
+        direct: bool = False,
+        following: bool = False,
     ) -> None:
         """The first `size` bytes of descriptor `source` (an upload's spool file) into `fd`
         (at `path`). `following` (direct copies): the file is still being written, and the

@@ -50,9 +50,9 @@ class SpoolFollower(Protocol):
         stopped reading it when this returns."""
 
 
-# (the spool file's descriptor, the body's data bytes) -> a follower, or None; called once
-# the header is checked, in a worker thread
-FollowSpool = Callable[[int, int], SpoolFollower | None]
+# (the spool file's descriptor, the body's data bytes, its bytes in all) -> a follower, or
+# None; called once the header is checked, in a worker thread
+FollowSpool = Callable[[int, int, int], SpoolFollower | None]
 
 
 class SpoolFiles:
@@ -378,9 +378,11 @@ async def spool_body(
             file.write(chunk)
             if not early.done:
                 await early.feed(chunk)
-                if early.done and follow is not None:
-                    data_bytes = content_length - early.header[0]  # type: ignore[index]
-                    follower = await anyio.to_thread.run_sync(follow, file.fileno(), data_bytes)
+                if early.header is not None and follow is not None:
+                    data_bytes = content_length - early.header[0]
+                    follower = await anyio.to_thread.run_sync(
+                        follow, file.fileno(), data_bytes, content_length
+                    )
             if follower is not None:
                 file.flush()
                 follower.written(written)
