@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -193,6 +194,92 @@ def memory_pass_seconds(parameters: int, threads: int, repeats: int = 3) -> floa
             target.copy_(source)
             samples.append(time.perf_counter() - started)
         return statistics.median(samples)
+    finally:
+        torch.set_num_threads(before)
+
+
+# the stages of a round's arithmetic (`arithmetic_seconds`), in the order a round runs them
+ARITHMETIC_STAGES = ("encode", "fold", "outer_step", "delta", "apply")
+
+
+def arithmetic_seconds(
+    parameters: int, codec: str, threads: int, elements: int = 1 << 25, repeats: int = 3
+) -> dict[str, float]:
+    """What the arithmetic on a round's critical path costs alone, with this code's own
+    functions, back to back in one process at `threads` threads (no HTTP, no disk, no other
+    process): the last worker's upload coding (anchor - local, coded), the server's check and
+    fold of that body into the sums, the outer step (Nesterov, of the mean of 2), the download
+    delta's coding (int8: masters - P coded, P moved by it), and the worker's apply (int8: the
+    delta checked and added to its anchor, then loaded into the model; fp32: the weights
+    loaded into anchor and model). Timed on one tensor of `elements` values (the median of
+    `repeats`, after one that faults the buffers in) and scaled to `parameters`: the floor a
+    round of sequential stages cannot go under on this CPU unless they overlap. Seconds per
+    stage."""
+    from diloco.algorithm.codecs import parse_codec
+    from diloco.algorithm.outer_optimizer import OuterOptimizer
+    from diloco.server.model.published_copy import PublishedCopy
+    from diloco.wire import decode_tensors, specs_of
+    from diloco.wire.compressed.body import apply_delta
+    from diloco.worker.upload_coder import UploadCoder
+
+    count = min(parameters, elements)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        anchor = torch.randn(count, generator=generator)
+        local = anchor + 1e-3 * torch.randn(count, generator=generator)
+        sums, masters = torch.randn(count, generator=generator), anchor.clone()
+        coding = parse_codec(codec)
+        uploads = UploadCoder(coding, 0.0, specs_of({"w": anchor}, {"w": "trainable"}))
+        optimizer = OuterOptimizer("nesterov", 0.7)
+        published = PublishedCopy({"w": anchor.clone()}, {"w": torch.float32}, coding, {"w"})
+        delta: list[bytearray] = []
+
+        body = uploads.body_from({"w": anchor}, {"w": local}, reuse=False)
+        mean = torch.empty_like(sums)
+
+        def encode() -> None:
+            uploads.body_from({"w": anchor}, {"w": local}, reuse=True)
+
+        def fold() -> None:
+            if coding.is_identity:
+                sums.add_(decode_tensors(body)["w"])
+            else:
+                apply_delta(body, {"w": sums}, coding)
+
+        def outer_step() -> None:  # (divides the mean in place, as the server's does the sums)
+            optimizer.step({"w": masters}, {"w": mean}, divisors={"w": 2.0}, finite=True)
+
+        def code_delta() -> None:
+            reuse = delta[0] if delta else None
+            delta[:] = [published.advance({"w": masters}, ["w"], reuse)]
+
+        def apply() -> None:
+            if coding.is_identity:
+                anchor.copy_(masters)
+            else:
+                apply_delta(delta[0], {"w": anchor}, coding)
+            local.copy_(anchor)
+
+        def timed(stage: Callable[[], None], prepare: Callable[[], object] = lambda: None) -> float:
+            samples = []
+            for at in range(repeats + 1):
+                prepare()
+                started = time.perf_counter()
+                stage()
+                if at:  # the first faults the buffers in
+                    samples.append(time.perf_counter() - started)
+            return statistics.median(samples) * parameters / count
+
+        stages = {
+            "encode": timed(encode),
+            "fold": timed(fold),
+            "outer_step": timed(outer_step, lambda: mean.copy_(sums)),
+            "delta": 0.0 if coding.is_identity else timed(code_delta),  # fp32: the masters
+            "apply": timed(apply),
+        }
+        return {stage: stages[stage] for stage in ARITHMETIC_STAGES}
     finally:
         torch.set_num_threads(before)
 
@@ -380,6 +467,8 @@ def run_one(
     os.sync()
     loopback, loopback_rounds = loopback_seconds(up, down, workers)
     memory = memory_pass_seconds(parameters, server_threads)
+    # (a GPU worker codes on its device: the CPU's arithmetic is no floor for it)
+    arithmetic = arithmetic_seconds(parameters, codec, server_threads) if device == "cpu" else None
     blocked = statistics.median(r["steady"]["blocked"] for r in reports) / steady_rounds
     last_in = last_in_blocked(reports, warmup) if mode == "sync" else None
     compute = statistics.median(r["steady"]["compute"] for r in reports) / steady_rounds
@@ -439,6 +528,13 @@ def run_one(
         # steady rounds; sync mode only (a streaming fragment's sync has no round to match)
         "last_in_blocked_seconds": last_in,
         "last_in_ratio_to_limit": None if last_in is None else last_in / (loopback + memory),
+        # the critical path's arithmetic alone (CPU runs), per stage, and the blocked time
+        # over loopback plus that sum: what the HTTP, disk and processes add to a round of
+        # sequential stages (the limit above counts one memory pass of arithmetic)
+        "arithmetic_seconds": arithmetic,
+        "ratio_to_loopback_and_arithmetic": None
+        if arithmetic is None
+        else blocked / (loopback + sum(arithmetic.values())),
         "server_peak_mb": server_peak_mb,  # MiB, as model_mb
         # the peak less the process's RSS before any model (torch and the HTTP stack, about
         # 250 MiB): what the round's buffers take, the figure issue 29's 4x/5x targets read
@@ -658,6 +754,7 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
         "blocked %",
         "limit s (loopback + pass)",
         "ratio",
+        "arithmetic alone s (ratio to loopback + it)",
         "encode/upload/wait/download/apply s",
         "server fold/wait/log/log wait/step/delta/commit s (background checkpoint)",
         "MB up/down",
@@ -710,6 +807,10 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                     if r.get("last_in_ratio_to_limit") is not None
                     else ""
                 ),
+                f"{sum(r['arithmetic_seconds'].values()):.2f} "
+                f"({r['ratio_to_loopback_and_arithmetic']:.1f}x)"
+                if r.get("arithmetic_seconds")
+                else "-",
                 "/".join(f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply"))
                 if p
                 else "-",

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from processes import BENCHMARKS, run_benchmark, run_benchmark_in_process
 
@@ -46,6 +47,15 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
         spent = row["blocked_seconds"] + row["compute_seconds"]
         assert row["blocked_fraction"] == pytest.approx(row["blocked_seconds"] / spent)
         assert row["server_parts"]["fold"] > 0 and row["server_parts"]["checkpoint"] > 0
+        # the critical path's arithmetic alone, and the blocked time over loopback plus it
+        arithmetic = row["arithmetic_seconds"]
+        assert list(arithmetic) == ["encode", "fold", "outer_step", "delta", "apply"]
+        assert all(seconds >= 0 for seconds in arithmetic.values())
+        assert (arithmetic["delta"] > 0) == (row["codec"] == "int8")  # fp32 codes no delta
+        alone = row["loopback_seconds"] + sum(arithmetic.values())
+        assert row["ratio_to_loopback_and_arithmetic"] == pytest.approx(
+            row["blocked_seconds"] / alone
+        )
         assert row["server_peak_mb"] > row["model_mb"] > 0
         # the idle server holds torch and the HTTP stack (over 100 MiB), then the model's
         # buffers come on top: masters, sums and momentum, at least 3x the 2M model
@@ -174,3 +184,23 @@ def test_last_in_takes_each_rounds_worker_that_waited_least() -> None:
     assert model_scale().last_in_blocked([a, b], warmup=3) is None  # no round both reported
     no_waits = {"rounds": [{"blocked": 1.0}, {"blocked": 1.0}]}
     assert model_scale().last_in_blocked([no_waits, b], warmup=1) is None
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_the_arithmetic_alone_times_each_stage_and_scales_to_the_model(codec: str) -> None:
+    """Each stage of a round's arithmetic runs this code's functions on a slice and is scaled
+    to the model: a model 64x the slice takes 64x the slice's seconds, within timing noise
+    (each stage is a median); fp32 downloads code no delta; torch's threads come back."""
+    module = model_scale()
+    threads = torch.get_num_threads()
+    slice_only = module.arithmetic_seconds(1 << 16, codec, 1, elements=1 << 16, repeats=5)
+    scaled = module.arithmetic_seconds(1 << 22, codec, 1, elements=1 << 16, repeats=5)
+    assert torch.get_num_threads() == threads
+    assert tuple(slice_only) == tuple(scaled) == module.ARITHMETIC_STAGES
+    assert (scaled["delta"] == 0) == (codec == "fp32")
+    for stage in module.ARITHMETIC_STAGES:
+        if stage == "delta" and codec == "fp32":
+            continue
+        assert slice_only[stage] > 0
+        # the same slice timed twice: the scaled figure is 64 times one within 4x either way
+        assert 64 * slice_only[stage] / 4 < scaled[stage] < 64 * slice_only[stage] * 4
