@@ -840,7 +840,11 @@ def _markdown(document: dict) -> str:
         "last in: the blocked time of the worker that began each round's sync last, which "
         "excludes waiting for its training); blocked % is the "
         "share of a worker's time its sync hook took (compute: the training steps of a "
-        "round, on a GPU up to a synchronize). "
+        "round, on a GPU up to a synchronize). Arithmetic alone (CPU runs): the round's "
+        "critical path of sequential stages (upload coding, the last body's fold, the outer "
+        "step, the delta's coding, the apply), timed with this code's own functions in one "
+        "process in the same run, and the blocked time over loopback plus it: what HTTP, "
+        "disk and the processes add. "
         f"Machine: {machine['cores']} cores, {machine['platform']}, torch {machine['torch']}"
         + (f", {machine['gpu']}" if machine.get("gpu") else "")
         + ".",
