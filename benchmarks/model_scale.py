@@ -50,7 +50,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -198,90 +197,28 @@ def memory_pass_seconds(parameters: int, threads: int, repeats: int = 3) -> floa
         torch.set_num_threads(before)
 
 
-# the stages of a round's arithmetic (`arithmetic_seconds`), in the order a round runs them
-ARITHMETIC_STAGES = ("encode", "fold", "outer_step", "delta", "apply")
+# The parts of a sync round's critical path that compute, in the order the round runs them:
+# the last worker's upload coding, the server's scan and fold of its body, the outer step,
+# the download delta's coding, the worker's apply (worker phases, then server parts)
+CRITICAL_COMPUTE = (
+    ("phases", "encode"),
+    ("server_parts", "scan"),
+    ("server_parts", "fold"),
+    ("server_parts", "outer_step"),
+    ("server_parts", "delta"),
+    ("phases", "apply"),
+)
 
 
-def arithmetic_seconds(
-    parameters: int, codec: str, threads: int, elements: int = 1 << 25, repeats: int = 3
-) -> dict[str, float]:
-    """What the arithmetic on a round's critical path costs alone, with this code's own
-    functions, back to back in one process at `threads` threads (no HTTP, no disk, no other
-    process): the last worker's upload coding (anchor - local, coded), the server's check and
-    fold of that body into the sums, the outer step (Nesterov, of the mean of 2), the download
-    delta's coding (int8: masters - P coded, P moved by it), and the worker's apply (int8: the
-    delta checked and added to its anchor, then loaded into the model; fp32: the weights
-    loaded into anchor and model). Timed on one tensor of `elements` values (the median of
-    `repeats`, after one that faults the buffers in) and scaled to `parameters`: the floor a
-    round of sequential stages cannot go under on this CPU unless they overlap. Seconds per
-    stage."""
-    from diloco.algorithm.codecs import parse_codec
-    from diloco.algorithm.outer_optimizer import OuterOptimizer
-    from diloco.server.model.published_copy import PublishedCopy
-    from diloco.wire import decode_tensors, specs_of
-    from diloco.wire.compressed.body import apply_delta
-    from diloco.worker.upload_coder import UploadCoder
-
-    count = min(parameters, elements)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        generator = torch.Generator().manual_seed(0)
-        anchor = torch.randn(count, generator=generator)
-        local = anchor + 1e-3 * torch.randn(count, generator=generator)
-        sums, masters = torch.randn(count, generator=generator), anchor.clone()
-        coding = parse_codec(codec)
-        uploads = UploadCoder(coding, 0.0, specs_of({"w": anchor}, {"w": "trainable"}))
-        optimizer = OuterOptimizer("nesterov", 0.7)
-        published = PublishedCopy({"w": anchor.clone()}, {"w": torch.float32}, coding, {"w"})
-        delta: list[bytearray] = []
-
-        body = uploads.body_from({"w": anchor}, {"w": local}, reuse=False)
-        mean = torch.empty_like(sums)
-
-        def encode() -> None:
-            uploads.body_from({"w": anchor}, {"w": local}, reuse=True)
-
-        def fold() -> None:
-            if coding.is_identity:
-                sums.add_(decode_tensors(body)["w"])
-            else:
-                apply_delta(body, {"w": sums}, coding)
-
-        def outer_step() -> None:  # (divides the mean in place, as the server's does the sums)
-            optimizer.step({"w": masters}, {"w": mean}, divisors={"w": 2.0}, finite=True)
-
-        def code_delta() -> None:
-            reuse = delta[0] if delta else None
-            delta[:] = [published.advance({"w": masters}, ["w"], reuse)]
-
-        def apply() -> None:
-            if coding.is_identity:
-                anchor.copy_(masters)
-            else:
-                apply_delta(delta[0], {"w": anchor}, coding)
-            local.copy_(anchor)
-
-        def timed(stage: Callable[[], None], prepare: Callable[[], object] = lambda: None) -> float:
-            samples = []
-            for at in range(repeats + 1):
-                prepare()
-                started = time.perf_counter()
-                stage()
-                if at:  # the first faults the buffers in
-                    samples.append(time.perf_counter() - started)
-            return statistics.median(samples) * parameters / count
-
-        stages = {
-            "encode": timed(encode),
-            "fold": timed(fold),
-            "outer_step": timed(outer_step, lambda: mean.copy_(sums)),
-            "delta": 0.0 if coding.is_identity else timed(code_delta),  # fp32: the masters
-            "apply": timed(apply),
-        }
-        return {stage: stages[stage] for stage in ARITHMETIC_STAGES}
-    finally:
-        torch.set_num_threads(before)
+def critical_compute(row: dict) -> dict[str, float] | None:
+    """What a sync round's critical path spends computing, as the run measured it: each
+    part's median (worker) or mean (server, per body for scan and fold: the last body's is on
+    the path), by name; None for streaming, whose syncs overlap training and have no round
+    to split. With the loopback time of the round's bytes it is what a round of sequential
+    stages costs before HTTP, the disk and the processes' hand-offs add theirs."""
+    if row["mode"] != "sync" or not row.get("phases"):
+        return None
+    return {part: row[where][part] for where, part in CRITICAL_COMPUTE}
 
 
 def loopback_seconds(
@@ -467,12 +404,10 @@ def run_one(
     os.sync()
     loopback, loopback_rounds = loopback_seconds(up, down, workers)
     memory = memory_pass_seconds(parameters, server_threads)
-    # (a GPU worker codes on its device: the CPU's arithmetic is no floor for it)
-    arithmetic = arithmetic_seconds(parameters, codec, server_threads) if device == "cpu" else None
     blocked = statistics.median(r["steady"]["blocked"] for r in reports) / steady_rounds
     last_in = last_in_blocked(reports, warmup) if mode == "sync" else None
     compute = statistics.median(r["steady"]["compute"] for r in reports) / steady_rounds
-    return {
+    row = {
         "size": size,
         "parameters": parameters,
         "codec": codec,
@@ -528,13 +463,6 @@ def run_one(
         # steady rounds; sync mode only (a streaming fragment's sync has no round to match)
         "last_in_blocked_seconds": last_in,
         "last_in_ratio_to_limit": None if last_in is None else last_in / (loopback + memory),
-        # the critical path's arithmetic alone (CPU runs), per stage, and the blocked time
-        # over loopback plus that sum: what the HTTP, disk and processes add to a round of
-        # sequential stages (the limit above counts one memory pass of arithmetic)
-        "arithmetic_seconds": arithmetic,
-        "ratio_to_loopback_and_arithmetic": None
-        if arithmetic is None
-        else blocked / (loopback + sum(arithmetic.values())),
         "server_peak_mb": server_peak_mb,  # MiB, as model_mb
         # the peak less the process's RSS before any model (torch and the HTTP stack, about
         # 250 MiB): what the round's buffers take, the figure issue 29's 4x/5x targets read
@@ -545,6 +473,25 @@ def run_one(
         "worker_beyond_training_mb": max(
             r["peak_rss_mb"] - r["training_state_mb"] for r in reports
         ),
+    }
+    return with_critical_compute(row)
+
+
+def with_critical_compute(row: dict) -> dict:
+    """`row` with its critical path's compute (`critical_compute`), their sum and the
+    blocked time, and last in, over loopback plus that sum (sync rows; None otherwise)."""
+    parts = critical_compute(row)
+    total = None if parts is None else sum(parts.values())
+    floor = None if total is None else row["loopback_seconds"] + total
+    last_in = row.get("last_in_blocked_seconds")
+    return {
+        **row,
+        "critical_compute_seconds": parts,
+        "critical_compute_total_seconds": total,
+        "ratio_to_loopback_and_compute": None if floor is None else row["blocked_seconds"] / floor,
+        "last_in_ratio_to_loopback_and_compute": None
+        if floor is None or last_in is None
+        else last_in / floor,
     }
 
 
@@ -754,7 +701,7 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
         "blocked %",
         "limit s (loopback + pass)",
         "ratio",
-        "arithmetic alone s (ratio to loopback + it)",
+        "critical-path compute s (ratio to loopback + it)",
         "encode/upload/wait/download/apply s",
         "server fold/wait/log/log wait/step/delta/commit s (background checkpoint)",
         "MB up/down",
@@ -807,9 +754,10 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                     if r.get("last_in_ratio_to_limit") is not None
                     else ""
                 ),
-                f"{sum(r['arithmetic_seconds'].values()):.2f} "
-                f"({r['ratio_to_loopback_and_arithmetic']:.1f}x)"
-                if r.get("arithmetic_seconds")
+                f"{r['critical_compute_total_seconds']:.2f} "
+                f"({r['ratio_to_loopback_and_compute']:.1f}x, "
+                f"last in {r['last_in_ratio_to_loopback_and_compute']:.1f}x)"
+                if r.get("critical_compute_total_seconds") is not None
                 else "-",
                 "/".join(f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply"))
                 if p
@@ -840,11 +788,11 @@ def _markdown(document: dict) -> str:
         "last in: the blocked time of the worker that began each round's sync last, which "
         "excludes waiting for its training); blocked % is the "
         "share of a worker's time its sync hook took (compute: the training steps of a "
-        "round, on a GPU up to a synchronize). Arithmetic alone (CPU runs): the round's "
-        "critical path of sequential stages (upload coding, the last body's fold, the outer "
-        "step, the delta's coding, the apply), timed with this code's own functions in one "
-        "process in the same run, and the blocked time over loopback plus it: what HTTP, "
-        "disk and the processes add. "
+        "round, on a GPU up to a synchronize). Critical-path compute (sync rows): what the "
+        "round's own measurements give for its chain of sequential computing stages (the "
+        "last worker's encode, the server's scan and fold of a body, the outer step, the "
+        "delta's coding, the worker's apply), and the blocked time over loopback plus it: "
+        "what HTTP, the disk and the hand-offs between processes add. "
         f"Machine: {machine['cores']} cores, {machine['platform']}, torch {machine['torch']}"
         + (f", {machine['gpu']}" if machine.get("gpu") else "")
         + ".",

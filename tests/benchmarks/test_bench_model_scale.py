@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from processes import BENCHMARKS, run_benchmark, run_benchmark_in_process
 
@@ -47,15 +46,23 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
         spent = row["blocked_seconds"] + row["compute_seconds"]
         assert row["blocked_fraction"] == pytest.approx(row["blocked_seconds"] / spent)
         assert row["server_parts"]["fold"] > 0 and row["server_parts"]["checkpoint"] > 0
-        # the critical path's arithmetic alone, and the blocked time over loopback plus it
-        arithmetic = row["arithmetic_seconds"]
-        assert list(arithmetic) == ["encode", "fold", "outer_step", "delta", "apply"]
-        assert all(seconds >= 0 for seconds in arithmetic.values())
-        assert (arithmetic["delta"] > 0) == (row["codec"] == "int8")  # fp32 codes no delta
-        alone = row["loopback_seconds"] + sum(arithmetic.values())
-        assert row["ratio_to_loopback_and_arithmetic"] == pytest.approx(
-            row["blocked_seconds"] / alone
-        )
+        # sync: the critical path's compute, from the row's own parts; streaming: none
+        parts = row["critical_compute_seconds"]
+        if row["mode"] == "streaming":
+            assert parts is None and row["ratio_to_loopback_and_compute"] is None
+        else:
+            assert parts == {
+                "encode": row["phases"]["encode"],
+                "scan": row["server_parts"]["scan"],
+                "fold": row["server_parts"]["fold"],
+                "outer_step": row["server_parts"]["outer_step"],
+                "delta": row["server_parts"]["delta"],
+                "apply": row["phases"]["apply"],
+            }
+            floor = row["loopback_seconds"] + sum(parts.values())
+            assert row["ratio_to_loopback_and_compute"] == pytest.approx(
+                row["blocked_seconds"] / floor
+            )
         assert row["server_peak_mb"] > row["model_mb"] > 0
         # the idle server holds torch and the HTTP stack (over 100 MiB), then the model's
         # buffers come on top: masters, sums and momentum, at least 3x the 2M model
@@ -186,21 +193,29 @@ def test_last_in_takes_each_rounds_worker_that_waited_least() -> None:
     assert model_scale().last_in_blocked([no_waits, b], warmup=1) is None
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int8"])
-def test_the_arithmetic_alone_times_each_stage_and_scales_to_the_model(codec: str) -> None:
-    """Each stage of a round's arithmetic runs this code's functions on a slice and is scaled
-    to the model: a model 64x the slice takes 64x the slice's seconds, within timing noise
-    (each stage is a median); fp32 downloads code no delta; torch's threads come back."""
-    module = model_scale()
-    threads = torch.get_num_threads()
-    slice_only = module.arithmetic_seconds(1 << 16, codec, 1, elements=1 << 16, repeats=5)
-    scaled = module.arithmetic_seconds(1 << 22, codec, 1, elements=1 << 16, repeats=5)
-    assert torch.get_num_threads() == threads
-    assert tuple(slice_only) == tuple(scaled) == module.ARITHMETIC_STAGES
-    assert (scaled["delta"] == 0) == (codec == "fp32")
-    for stage in module.ARITHMETIC_STAGES:
-        if stage == "delta" and codec == "fp32":
-            continue
-        assert slice_only[stage] > 0
-        # the same slice timed twice: the scaled figure is 64 times one within 4x either way
-        assert 64 * slice_only[stage] / 4 < scaled[stage] < 64 * slice_only[stage] * 4
+def test_the_critical_path_compute_sums_the_rounds_own_parts() -> None:
+    """A sync row's chain of computing stages: the worker's encode and apply (medians), the
+    server's scan, fold, outer step and delta (means); its sum, and the blocked time and
+    last in over loopback plus it. A streaming row has none."""
+    row = {
+        "mode": "sync",
+        "phases": {"encode": 0.10, "upload": 0.5, "wait": 0.2, "download": 0.05,
+                   "apply": 0.15, "other": 0.0},
+        "server_parts": {"scan": 0.02, "fold": 0.08, "step_log": 0.3, "outer_step": 0.05,
+                         "delta": 0.10, "commit": 0.2},
+        "loopback_seconds": 0.5,
+        "blocked_seconds": 2.0,
+        "last_in_blocked_seconds": 1.5,
+    }  # fmt: skip
+    got = model_scale().with_critical_compute(row)
+    assert got["critical_compute_seconds"] == {
+        "encode": 0.10, "scan": 0.02, "fold": 0.08, "outer_step": 0.05, "delta": 0.10,
+        "apply": 0.15,
+    }  # fmt: skip
+    # 0.10 + 0.02 + 0.08 + 0.05 + 0.10 + 0.15 = 0.50; loopback 0.5: 2.0 / 1.0 and 1.5 / 1.0
+    assert got["critical_compute_total_seconds"] == pytest.approx(0.50)
+    assert got["ratio_to_loopback_and_compute"] == pytest.approx(2.0)
+    assert got["last_in_ratio_to_loopback_and_compute"] == pytest.approx(1.5)
+    streaming = model_scale().with_critical_compute({**row, "mode": "streaming", "phases": None})
+    assert streaming["critical_compute_seconds"] is None
+    assert streaming["ratio_to_loopback_and_compute"] is None
