@@ -755,8 +755,12 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                     else ""
                 ),
                 f"{r['critical_compute_total_seconds']:.2f} "
-                f"({r['ratio_to_loopback_and_compute']:.1f}x, "
-                f"last in {r['last_in_ratio_to_loopback_and_compute']:.1f}x)"
+                f"({r['ratio_to_loopback_and_compute']:.1f}x"
+                + (
+                    f", last in {r['last_in_ratio_to_loopback_and_compute']:.1f}x)"
+                    if r.get("last_in_ratio_to_loopback_and_compute") is not None
+                    else ")"
+                )
                 if r.get("critical_compute_total_seconds") is not None
                 else "-",
                 "/".join(f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply"))

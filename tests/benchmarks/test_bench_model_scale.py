@@ -219,3 +219,24 @@ def test_the_critical_path_compute_sums_the_rounds_own_parts() -> None:
     streaming = model_scale().with_critical_compute({**row, "mode": "streaming", "phases": None})
     assert streaming["critical_compute_seconds"] is None
     assert streaming["ratio_to_loopback_and_compute"] is None
+
+
+def test_a_sync_row_without_a_last_in_still_makes_its_table_row() -> None:
+    """A sync run whose workers share no steady round (cut short) has no last in: its
+    compute cell gives the mean's ratio alone, 0.90 / (0.12 + 0.55) = 1.34x, by hand."""
+    module = model_scale()
+    rows = json.loads((BENCHMARKS / "results" / "model_scale.json").read_text())["results"]
+    row = next(r for r in rows if r["mode"] == "sync")
+    parts = {"encode": 0.1, "scan": 0.05, "fold": 0.1, "outer_step": 0.05, "delta": 0.1}
+    row = {
+        **row,
+        "blocked_seconds": 0.90,
+        "loopback_seconds": 0.12,
+        "last_in_blocked_seconds": None,
+        "last_in_ratio_to_limit": None,
+        "phases": {**row["phases"], "encode": parts["encode"], "apply": 0.15},
+        "server_parts": {**row["server_parts"], **{k: parts[k] for k in list(parts)[1:]}},
+    }
+    headers, (cells,) = module._table([module.with_critical_compute(row)])
+    cell = cells[headers.index("critical-path compute s (ratio to loopback + it)")]
+    assert cell == "0.55 (1.3x)"

@@ -234,6 +234,15 @@ def served(tmp_path: Path, live_server) -> Iterator[tuple[Coordinator, str]]:
         killed(c)
 
 
+def submit_whole(url: str) -> dict:
+    """BODY sent for round 0 as worker a, by a client of its own; the server's answer."""
+    client = DiLoCoClient(url, read_timeout=60)
+    try:
+        return client.submit(0, "a", BODY)
+    finally:
+        client.close()
+
+
 def logged_input(tmp_path: Path) -> Path:
     return tmp_path / "state" / "steps" / "gen-000000000000" / "input-0000.body"
 
@@ -242,9 +251,7 @@ def test_a_lone_upload_is_copied_as_it_arrives_and_logged_byte_for_byte(
     tmp_path: Path, live_server, direct_copies: list[int]
 ) -> None:
     with served(tmp_path, live_server) as (c, url):
-        client = DiLoCoClient(url, read_timeout=60)
-        client.submit(0, "a", BODY)
-        client.close()
+        submit_whole(url)
         assert c.round_number == 1 and direct_copies == [len(BODY)]
         assert torch.equal(c.masters["w"], torch.full((SIZE,), 0.5))
         assert logged_input(tmp_path).read_bytes() == BODY
@@ -275,9 +282,7 @@ def test_an_upload_cut_short_leaves_no_copy_and_folds_nothing(
         assert direct_copies == [len(BODY)]  # it was followed, then let go
         assert c.round_number == 0
         # the whole body again: folded, and logged as it came
-        client = DiLoCoClient(url, read_timeout=60)
-        client.submit(0, "a", BODY)
-        client.close()
+        submit_whole(url)
         assert c.round_number == 1 and direct_copies == [len(BODY)] * 2
         assert torch.equal(c.masters["w"], torch.full((SIZE,), 0.5))  # the whole body once
         assert logged_input(tmp_path).read_bytes() == BODY
