@@ -20,6 +20,8 @@
 # GPU_CHECK_BATCH=1 GPU_CHECK_CONTEXT=16 GPU_CHECK_H=8 GPU_CHECK_SECONDS=20.
 # GPU_CHECK_MODES (default "sync streaming") and GPU_CHECK_ANCHORS (where the workers keep
 # their anchor, default auto: beside the model; "cpu,auto" measures both, one after the other).
+# GPU_CHECK_DELAYS (streaming: the inner steps a fragment's sync overlaps, default 1; "1 20"
+# runs both, the second into streaming-delay20/: about PER_MODE + 35 s more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-benchmarks/results/gpu_check}
@@ -33,6 +35,7 @@ CONTEXT=${GPU_CHECK_CONTEXT:-256}
 H=${GPU_CHECK_H:-100}
 MODES=${GPU_CHECK_MODES:-sync streaming}
 ANCHORS=${GPU_CHECK_ANCHORS:-auto}
+DELAYS=${GPU_CHECK_DELAYS:-1}
 RUNS=$(( $(tr -cd , <<<"$ANCHORS" | wc -c) + 1 ))  # model_scale runs per mode
 mkdir -p "$RESULTS" || exit 2
 export PYTHONUNBUFFERED=1 PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
@@ -62,12 +65,19 @@ echo "== 1. codecs: CPU against $DEVICE"
 timeout 180 "$PYTHON" benchmarks/codec_devices.py --device "$DEVICE" \
   --out-dir "$RESULTS" || status=1
 for mode in $MODES; do
-  echo "== 2. two $DEVICE workers of a $SIZE GPT, $mode mode, about $PER_MODE s"
-  mkdir -p "$RESULTS/$mode"
-  timeout $(((PER_MODE + 150) * RUNS)) "$PYTHON" benchmarks/model_scale.py --device "$DEVICE" \
-    --sizes "$SIZE" --codecs int8 --modes "$mode" --dtype bf16 --batch-size "$BATCH" \
-    --context "$CONTEXT" --sync-every "$H" --rounds 1000 --max-seconds "$PER_MODE" \
-    --anchor-devices "$ANCHORS" --out-dir "$RESULTS/$mode" || status=1
+  delays=1
+  [ "$mode" = streaming ] && delays=$DELAYS
+  for delay in $delays; do
+    out="$RESULTS/$mode"
+    [ "$delay" != 1 ] && out="$RESULTS/$mode-delay$delay"
+    echo "== 2. two $DEVICE workers of a $SIZE GPT, $mode mode" \
+      "$([ "$mode" = streaming ] && echo "(delay $delay) ")about $PER_MODE s"
+    mkdir -p "$out"
+    timeout $(((PER_MODE + 150) * RUNS)) "$PYTHON" benchmarks/model_scale.py --device "$DEVICE" \
+      --sizes "$SIZE" --codecs int8 --modes "$mode" --delay "$delay" --dtype bf16 \
+      --batch-size "$BATCH" --context "$CONTEXT" --sync-every "$H" --rounds 1000 \
+      --max-seconds "$PER_MODE" --anchor-devices "$ANCHORS" --out-dir "$out" || status=1
+  done
 done
 echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - started)) s;" \
   "results in $RESULTS"

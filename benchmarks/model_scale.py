@@ -8,9 +8,10 @@ worker processes that train through the public `DiLoCoWorker` API (AdamW; by def
 context 16, so the training itself is short and the round is what is measured; a GPU run
 gives real batches with --batch-size, --context and --dtype bf16). Per round it reports:
   - each worker's compute and blocked time (the share of its time its sync hook took: a sync
-    round, or a streaming fragment's send and merge), and in sync mode the blocked time split
-    into encode, upload, wait (until the result is ready), download and apply
-    (`DiLoCoWorker.last_round_phases`);
+    round, or a streaming fragment's send and merge) and their sum, the round's wall time; in
+    sync mode the blocked time split into encode, upload, wait (until the result is ready),
+    download and apply (`DiLoCoWorker.last_round_phases`), in streaming mode into the
+    fragments' sends, their merges' waits for the syncs in flight, and the rest of the merges;
   - the server's parts (its /metrics `diloco_round_part_seconds`): scan and fold per body,
     the wait for the last round's checkpoint (written in the background), the step log (the
     step's input made durable), outer step, delta coding, the whole commit (the result is out
@@ -78,6 +79,7 @@ CODECS = {
     "int8": ["--upload-codec", "int8", "--download-codec", "int8"],
 }
 PHASES = ("encode", "upload", "wait", "download", "apply", "other")
+STREAMING_PHASES = ("send", "wait", "mix")
 SERVER_PARTS = (
     "scan",
     "fold",
@@ -92,6 +94,36 @@ SERVER_PARTS = (
 
 
 # ------------------------------------------------------------------ one worker process
+
+
+def _empty_window(streaming: bool) -> dict[str, float]:
+    """One window's sums (H steps): compute and blocked; streaming also splits blocked into
+    send (coding a fragment's body and starting its sync), merge (its hook at the merge) and,
+    within merge, wait (the merge waiting for the sync in flight)."""
+    extra = {"send": 0.0, "merge": 0.0, "wait": 0.0} if streaming else {}
+    return {"compute": 0.0, "blocked": 0.0, **extra}
+
+
+def _streamed(worker: object) -> tuple[int, object]:
+    """A streaming worker's merges so far (failed ones too) and its sync in flight."""
+    streamer = getattr(worker, "streamer", None)
+    if streamer is None:
+        return (0, None)
+    return (streamer.syncs + streamer.failures, streamer.in_flight)
+
+
+def _split_streaming(
+    window: dict[str, float],
+    blocked: float,
+    before: tuple[int, object],
+    after: tuple[int, object],
+) -> None:
+    """Count one step's hook time as a merge (a fragment merged in it) or a send (a new sync
+    went in flight). With delay 0 a step does both; it counts as a merge."""
+    if after[0] != before[0]:
+        window["merge"] += blocked
+    elif after[1] is not None and after[1] is not before[1]:
+        window["send"] += blocked
 
 
 def _rss_kb() -> int:
@@ -151,16 +183,23 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
     assert worker.client is not None
     report: dict = {"rounds": [], "windows": 0, "training_state_mb": training_state_kb / 1024}
     steady = {"compute": 0.0, "blocked": 0.0, "up": 0, "down": 0}
-    window = {"compute": 0.0, "blocked": 0.0}
+    window = _empty_window(worker.streamer is not None)
     for number in range(1, job["rounds"] * sync_every + 1):
-        rounds_before = worker.rounds
+        rounds_before, streamed_before = worker.rounds, _streamed(worker)
+        waited_before = worker.blocked_seconds
         compute, blocked = step()
         window["compute"] += compute
         window["blocked"] += blocked
         if worker.rounds != rounds_before:  # a sync round ended in this step's hook
             report["rounds"].append({**(worker.last_round_phases or {}), **window})
+        elif worker.streamer is not None:  # a fragment sent or merged in this step's hook
+            _split_streaming(window, blocked, streamed_before, _streamed(worker))
+            window["wait"] += worker.blocked_seconds - waited_before
         if number % sync_every:
             continue
+        if worker.streamer is not None:  # a streaming window: every fragment sent and merged
+            window["mix"] = max(0.0, window.pop("merge") - window["wait"])
+            report["rounds"].append(dict(window))
         stats = worker.client.stats
         if number <= job["warmup_rounds"] * sync_every:  # the start, then the warm-up
             sent, received = stats.bytes_sent, stats.bytes_received
@@ -168,7 +207,7 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
             steady["compute"] += window["compute"]
             steady["blocked"] += window["blocked"]
             steady["up"], steady["down"] = stats.bytes_sent - sent, stats.bytes_received - received
-        window = {"compute": 0.0, "blocked": 0.0}
+        window = _empty_window(worker.streamer is not None)
         report.update(windows=number // sync_every, steady=steady, peak_rss_mb=_rss_kb() / 1024)
         # whole or not at all: a deadline may stop this process while the report is written
         Path(f"{path}.tmp").write_text(json.dumps(report))
@@ -433,9 +472,19 @@ def run_one(
         "blocked_seconds": blocked,
         "compute_seconds": compute,
         "blocked_fraction": blocked / (blocked + compute) if blocked + compute else 0.0,
-        # sync mode: where a round's blocked time went (streaming has no rounds to split)
+        # a worker's wall time per round: what streaming's overlap must shorten (a sync
+        # hidden behind training that slows the training steps hides nothing)
+        "round_seconds": compute + blocked,
+        # sync mode: where a round's blocked time went
         "phases": {p: statistics.median(r.get(p, 0.0) for r in rounds) for p in PHASES}
-        if rounds
+        if rounds and mode == "sync"
+        else None,
+        # streaming: a window's blocked time split into its sends, its merges' waits for the
+        # syncs in flight, and the rest of its merges (mixing, adopting the anchor)
+        "streaming_phases": {
+            p: statistics.median(r.get(p, 0.0) for r in rounds) for p in STREAMING_PHASES
+        }
+        if rounds and mode == "streaming"
         else None,
         # each worker's steady rounds (blocked, compute and the phases, seconds): the
         # headline is a mean, the phases medians, so a round slowed by the background
@@ -699,10 +748,11 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
         "compute s",
         "blocked s",
         "blocked %",
+        "round s (compute + blocked)",
         "limit s (loopback + pass)",
         "ratio",
         "critical-path compute s (ratio to loopback + it)",
-        "encode/upload/wait/download/apply s",
+        "encode/upload/wait/download/apply s (streaming: send/wait/mix s)",
         "server fold/wait/log/log wait/step/delta/commit s (background checkpoint)",
         "MB up/down",
         "server peak MiB (x model; beyond the idle process)",
@@ -710,7 +760,7 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
     ]
     rows = []
     for r in results:
-        p, s = r["phases"], r["server_parts"]
+        s = r["server_parts"]
         rows.append(
             [
                 f"{r['size']} ({r['parameters'] / 1e6:.1f}M)",
@@ -747,6 +797,7 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 f"{r['compute_seconds']:.2f}",
                 f"{r['blocked_seconds']:.2f}",
                 f"{100 * r['blocked_fraction']:.1f}",
+                f"{r['compute_seconds'] + r['blocked_seconds']:.2f}",
                 f"{r['loopback_seconds']:.2f} + {r['memory_pass_seconds']:.3f}",
                 f"{r['ratio_to_limit']:.1f}x"
                 + (
@@ -763,9 +814,7 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 )
                 if r.get("critical_compute_total_seconds") is not None
                 else "-",
-                "/".join(f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply"))
-                if p
-                else "-",
+                _phases_cell(r),
                 "/".join(f"{s[k]:.2f}" for k in SERVER_PARTS[1:-1]) + f" ({s['checkpoint']:.2f})",
                 f"{r['bytes_up_per_round'] / 1e6:.0f}/{r['bytes_down_per_round'] / 1e6:.0f}",
                 f"{r['server_peak_mb']:.0f} ({r['server_peak_mb'] / r['model_mb']:.1f}x; "
@@ -774,6 +823,17 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
             ]
         )
     return headers, rows
+
+
+def _phases_cell(row: dict) -> str:
+    """Sync: encode/upload/wait/download/apply; streaming: send/wait/mix (older results that
+    have neither: -)."""
+    sync, streaming = row.get("phases"), row.get("streaming_phases")
+    if sync:
+        return "/".join(f"{sync[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply"))
+    if streaming:
+        return "/".join(f"{streaming[k]:.2f}" for k in STREAMING_PHASES)
+    return "-"
 
 
 def _markdown(document: dict) -> str:
@@ -792,7 +852,11 @@ def _markdown(document: dict) -> str:
         "last in: the blocked time of the worker that began each round's sync last, which "
         "excludes waiting for its training); blocked % is the "
         "share of a worker's time its sync hook took (compute: the training steps of a "
-        "round, on a GPU up to a synchronize). Critical-path compute (sync rows): what the "
+        "round, on a GPU up to a synchronize; round: compute plus blocked, a worker's wall "
+        "time per round, which a sync overlapped with training shortens only if it does not "
+        "slow the training steps). A streaming row splits its blocked time into the "
+        "fragments' sends (coding a body), their merges' waits for the syncs in flight, and "
+        "the rest of the merges (mix). Critical-path compute (sync rows): what the "
         "round's own measurements give for its chain of sequential computing stages (the "
         "last worker's encode, the server's scan and fold of a body, the outer step, the "
         "delta's coding, the worker's apply), and the blocked time over loopback plus it: "

@@ -117,8 +117,9 @@ def test_the_codec_comparison_refuses_bad_options_in_one_line(
     assert needle in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow  # a server and two workers per mode, about a minute
+@pytest.mark.slow  # a server and two workers per run (three runs), about 90 s
 def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> None:
+    """Sync, then streaming at delay 1 and at delay 2 (GPU_CHECK_DELAYS: its own folder)."""
     env = {
         **os.environ,
         "PYTHON": sys.executable,
@@ -127,8 +128,9 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
         "GPU_CHECK_SIZE": "2M",
         "GPU_CHECK_BATCH": "1",
         "GPU_CHECK_CONTEXT": "16",
-        "GPU_CHECK_H": "4",
+        "GPU_CHECK_H": "8",  # 2 fragments of 4 steps: a delay of 2 fits
         "GPU_CHECK_SECONDS": "15",
+        "GPU_CHECK_DELAYS": "1 2",
     }
     result = subprocess.run(
         [str(BENCHMARKS / "gpu_check.sh"), str(tmp_path)],
@@ -136,9 +138,11 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "gpu_check: passed" in result.stdout
-    for mode in ("sync", "streaming"):
-        row = json.loads((tmp_path / mode / "model_scale.json").read_text())["results"][0]
+    for folder, mode, delay in [("sync", "sync", 0), ("streaming", "streaming", 1),
+                                ("streaming-delay2", "streaming", 2)]:  # fmt: skip
+        row = json.loads((tmp_path / folder / "model_scale.json").read_text())["results"][0]
         assert row["mode"] == mode and row["device"] == "cpu" and row["rounds"] >= 2
+        assert row["delay"] == delay and row["sync_every"] == 8
         assert 0 < row["blocked_fraction"] < 1 and row["compute_seconds"] > 0
     assert (tmp_path / "codec_devices.json").exists()
 

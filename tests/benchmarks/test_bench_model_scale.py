@@ -84,6 +84,21 @@ def test_a_reduced_run_reports_every_phase_beside_the_limits(tmp_path: Path) -> 
         )
     assert rows[1]["last_in_blocked_seconds"] is None  # streaming: no rounds to match
     assert rows[1]["phases"] is None and rows[1]["fragments"] == 2  # 2M has 2 blocks
+    for row in rows:  # a round's wall time; streaming splits its blocked time its own way
+        assert row["round_seconds"] == pytest.approx(
+            row["compute_seconds"] + row["blocked_seconds"]
+        )
+        if row["mode"] == "sync":
+            assert row["streaming_phases"] is None
+            continue
+        split = row["streaming_phases"]
+        assert set(split) == {"send", "wait", "mix"} and all(v >= 0 for v in split.values())
+        assert split["send"] > 0  # every window codes and sends both fragments
+        # medians of windows whose parts sum to at most their blocked time (a step that
+        # neither sends nor merges blocks for nothing named), with 10 % for the medians
+        assert sum(split.values()) <= 1.1 * max(
+            r["blocked"] for worker in row["steady_rounds"] for r in worker
+        )
     fp32, int8 = rows[0], rows[2]
     # fp32 moves the model's 4 bytes a parameter each way; int8 about a quarter of that
     assert fp32["bytes_up_per_round"] >= 4 * fp32["parameters"]
@@ -240,3 +255,33 @@ def test_a_sync_row_without_a_last_in_still_makes_its_table_row() -> None:
     headers, (cells,) = module._table([module.with_critical_compute(row)])
     cell = cells[headers.index("critical-path compute s (ratio to loopback + it)")]
     assert cell == "0.55 (1.3x)"
+
+
+def test_a_streaming_window_splits_its_blocked_time_into_sends_waits_and_mixes() -> None:
+    """A step whose hook merged a fragment counts as a merge, one that put a new sync in
+    flight as a send, one with neither as neither; the table shows send/wait/mix for a
+    streaming row and encode/upload/wait/download/apply for a sync one."""
+    module = model_scale()
+    window = module._empty_window(True)
+    flight_a, flight_b = object(), object()
+    module._split_streaming(window, 0.10, (0, None), (0, flight_a))  # fragment 0 sent
+    module._split_streaming(window, 0.00, (0, flight_a), (0, flight_a))  # training on
+    module._split_streaming(window, 0.30, (0, flight_a), (1, None))  # fragment 0 merged
+    module._split_streaming(window, 0.20, (1, None), (1, flight_b))  # fragment 1 sent
+    module._split_streaming(window, 0.05, (1, flight_b), (1, flight_b))  # unnamed: neither
+    assert (window["send"], window["merge"]) == pytest.approx((0.30, 0.30))
+    assert module._empty_window(False) == {"compute": 0.0, "blocked": 0.0}
+    rows = json.loads((BENCHMARKS / "results" / "model_scale.json").read_text())["results"]
+    sync = next(r for r in rows if r["mode"] == "sync")
+    streaming = {**sync, "mode": "streaming", "fragments": 4, "delay": 1, "phases": None,
+                 "streaming_phases": {"send": 0.12, "wait": 0.5, "mix": 0.04},
+                 "critical_compute_total_seconds": None}  # fmt: skip
+    headers, cells = module._table([sync, streaming])
+    column = headers.index("encode/upload/wait/download/apply s (streaming: send/wait/mix s)")
+    p = sync["phases"]
+    assert cells[0][column] == "/".join(
+        f"{p[k]:.2f}" for k in ("encode", "upload", "wait", "download", "apply")
+    )
+    assert cells[1][column] == "0.12/0.50/0.04"
+    round_column = headers.index("round s (compute + blocked)")
+    assert cells[0][round_column] == f"{sync['compute_seconds'] + sync['blocked_seconds']:.2f}"
