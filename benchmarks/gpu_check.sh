@@ -22,6 +22,8 @@
 # their anchor, default auto: beside the model; "cpu,auto" measures both, one after the other).
 # GPU_CHECK_DELAYS (streaming: the inner steps a fragment's sync overlaps, default 1; "1 20"
 # runs both, the second into streaming-delay20/: about PER_MODE + 35 s more).
+# GPU_CHECK_SERVER_THREADS (the server's torch threads, default auto: up to 4 beside GPU
+# workers; "1,4,8" compares them, one run each per mode).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-benchmarks/results/gpu_check}
@@ -36,7 +38,9 @@ H=${GPU_CHECK_H:-100}
 MODES=${GPU_CHECK_MODES:-sync streaming}
 ANCHORS=${GPU_CHECK_ANCHORS:-auto}
 DELAYS=${GPU_CHECK_DELAYS:-1}
-RUNS=$(( $(tr -cd , <<<"$ANCHORS" | wc -c) + 1 ))  # model_scale runs per mode
+SERVER_THREADS=${GPU_CHECK_SERVER_THREADS:-auto}
+# model_scale runs per mode and delay: one per anchor device and server thread count
+RUNS=$(( ($(tr -cd , <<<"$ANCHORS" | wc -c) + 1) * ($(tr -cd , <<<"$SERVER_THREADS" | wc -c) + 1) ))
 mkdir -p "$RESULTS" || exit 2
 export PYTHONUNBUFFERED=1 PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 started=$(date +%s)
@@ -76,7 +80,8 @@ for mode in $MODES; do
     timeout $(((PER_MODE + 150) * RUNS)) "$PYTHON" benchmarks/model_scale.py --device "$DEVICE" \
       --sizes "$SIZE" --codecs int8 --modes "$mode" --delay "$delay" --dtype bf16 \
       --batch-size "$BATCH" --context "$CONTEXT" --sync-every "$H" --rounds 1000 \
-      --max-seconds "$PER_MODE" --anchor-devices "$ANCHORS" --out-dir "$out" || status=1
+      --max-seconds "$PER_MODE" --anchor-devices "$ANCHORS" --server-threads "$SERVER_THREADS" \
+      --out-dir "$out" || status=1
   done
 done
 echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - started)) s;" \

@@ -329,9 +329,11 @@ def run_one(
     checkpoint_every: int | None = None,
     shards: int = 1,
     durability: str = "round",
+    server_threads: int | None = None,
 ) -> dict:
     """One server (or `shards` sharded servers) and `workers` worker processes; the row of
-    the results table."""
+    the results table. `server_threads`: the server's torch threads (None: 1 beside CPU
+    workers, which take the other cores; up to 4 beside GPU workers)."""
     width, depth = SIZES[size]
     from diloco.models.gpt import GPTConfig
 
@@ -339,7 +341,9 @@ def run_one(
         model = GPTConfig(context=settings["context"], width=width, depth=depth).build()
     parameters = sum(p.numel() for p in model.parameters())
     workers, device, sync_every = settings["workers"], settings["device"], settings["sync_every"]
-    server_threads = 1 if device == "cpu" else min(4, machine_cores())
+    chosen_threads = server_threads
+    if server_threads is None:
+        server_threads = 1 if device == "cpu" else min(4, machine_cores())
     fragments = min(settings["fragments"], depth)
     mode_args = ["--mode", mode] + (
         ["--fragments", str(fragments), "--delay", str(settings["delay"])]
@@ -468,6 +472,7 @@ def run_one(
         "warmup_rounds": warmup,
         "cut_short": cut_short,
         "server_threads": server_threads,
+        "server_threads_chosen": chosen_threads,  # None: the benchmark's default
         "worker_threads": job["threads"],
         "blocked_seconds": blocked,
         "compute_seconds": compute,
@@ -594,6 +599,11 @@ def main(
         help="Sharded servers (diloco server --shard) instead of one: S, or several to compare "
         "(e.g. 1,2,4); sync mode with the server's default checkpoints.",
     ),
+    server_threads: str = typer.Option(
+        "auto",
+        help="The server's torch threads: auto (1 beside CPU workers, up to 4 beside GPU "
+        "workers) or N; comma-separated to compare in one run.",
+    ),
     out_dir: Path = typer.Option(RESULTS, help="Where model_scale.md and .json go."),
 ) -> None:
     """Measure rounds at real model sizes against loopback and a memory pass."""
@@ -651,6 +661,14 @@ def main(
         or durability_list != ["round"]
     ):
         raise fail("--shards above 1 runs sync mode with default checkpoints and durability")
+    thread_list: list[int | None] = []
+    for threads in (t.strip() for t in server_threads.split(",")):
+        if threads == "auto":
+            thread_list.append(None)
+        elif threads.isdigit() and int(threads) >= 1:
+            thread_list.append(int(threads))
+        else:
+            raise fail(f"--server-threads must be 'auto' or integers >= 1, got {threads!r}")
     if dtype not in ("fp32", "bf16"):
         raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
     if context < 1 or batch_size < 1 or not max_seconds > 0:
@@ -676,13 +694,14 @@ def main(
     with tempfile.TemporaryDirectory(prefix="diloco-model-scale-") as scratch:
         for size in chosen:
             for codec in codec_list:
-                for mode, anchor, every, count, durable in itertools.product(
-                    mode_list, anchor_list, every_list, shard_counts, durability_list
+                for mode, anchor, every, count, durable, threads in itertools.product(
+                    mode_list, anchor_list, every_list, shard_counts, durability_list, thread_list
                 ):
                     err.print(
                         f"{size} {codec} {mode} (anchor {anchor}, checkpoint every "
                         f"{every or 'server default'}, {count} server(s), durability "
-                        f"{durable}): {workers} workers x {rounds} rounds ..."
+                        f"{durable}, server threads {threads or 'auto'}): {workers} workers x "
+                        f"{rounds} rounds ..."
                     )
                     started = time.perf_counter()
                     try:
@@ -696,6 +715,7 @@ def main(
                             every,
                             count,
                             durable,
+                            threads,
                         )
                     except RuntimeError as exc:
                         raise fail(str(exc), code=1) from None
@@ -785,6 +805,11 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                 + (
                     f", durability {r['durability']}"
                     if r.get("durability", "round") != "round"
+                    else ""
+                )
+                + (
+                    f", server {r['server_threads']} threads"
+                    if r.get("server_threads_chosen") is not None
                     else ""
                 )
                 + (

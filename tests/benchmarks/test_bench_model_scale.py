@@ -157,6 +157,19 @@ def test_durability_interval_takes_the_step_log_off_the_commit(tmp_path: Path) -
     assert "durability interval" in (tmp_path / "model_scale.md").read_text()
 
 
+@pytest.mark.slow
+def test_server_threads_are_compared_in_one_run(tmp_path: Path) -> None:
+    """--server-threads auto,2: two rows, the server at the default 1 thread beside CPU
+    workers, then at 2, which the table names (the default is not named)."""
+    _, rows = rows_of(tmp_path, "--codecs", "int8", "--rounds", "2", "--server-threads", "auto,2")
+    assert [(r["server_threads"], r["server_threads_chosen"]) for r in rows] == [
+        (1, None),
+        (2, 2),
+    ]
+    table = (tmp_path / "model_scale.md").read_text()
+    assert table.count("server 2 threads") == 1 and "server 1 threads" not in table
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -174,6 +187,8 @@ def test_durability_interval_takes_the_step_log_off_the_commit(tmp_path: Path) -
         (["--warmup-rounds", "0"], "--warmup-rounds must be >= 1"),
         (["--durability", "round,sometimes"], "--durability must be from round, interval"),
         (["--shards", "2", "--durability", "interval"], "default checkpoints and durability"),
+        (["--server-threads", "0"], "--server-threads must be 'auto' or integers >= 1"),
+        (["--server-threads", "auto,many"], "got 'many'"),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) -> None:
