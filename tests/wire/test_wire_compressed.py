@@ -809,3 +809,27 @@ def test_a_codec_mismatch_repeats_only_a_little_of_the_sender_s_metadata() -> No
     assert len(got) == 8  # of 300 keys
     assert all(len(k) <= 64 and len(v) == 64 for k, v in got.items())
     assert len(json.dumps(refused.value.to_body())) < 4000
+
+
+def test_a_staged_body_is_the_body_and_a_wrong_staging_buffer_is_refused():
+    """`encode_compressed(staging=...)` codes into the given buffer and copies its data
+    section: the same bytes as without it, whatever the buffer held; a buffer of the wrong
+    size or dtype is a ValueError naming the size it needs."""
+    generator = torch.Generator().manual_seed(2)
+    tensors = {
+        "w": torch.randn(1000, generator=generator),
+        "b": torch.randn(7, generator=generator),
+        "steps": torch.tensor(3, dtype=torch.int64),
+    }
+    for text in ("int8", "int2", "topk:0.1+int8", "bf16"):
+        codec = parse_codec(text)
+        plain = encode_compressed(tensors, codec, exact={"b"})
+        junk = torch.full((len(plain),), 0x5A, dtype=torch.uint8)
+        staged = encode_compressed(tensors, codec, exact={"b"}, staging=lambda n, j=junk: j[:n])
+        assert staged == plain, text
+    codec = parse_codec("int8")
+    size = len(encode_compressed(tensors, codec))
+    with pytest.raises(ValueError, match=f"1-D uint8 tensor of {size} bytes"):
+        encode_compressed(tensors, codec, staging=lambda n: torch.zeros(n + 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=f"1-D uint8 tensor of {size} bytes"):
+        encode_compressed(tensors, codec, staging=lambda n: torch.zeros(n, dtype=torch.int8))

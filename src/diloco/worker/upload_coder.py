@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
@@ -32,6 +33,11 @@ from diloco.wire.format.layout import FrameLayout
 
 log = logging.getLogger("diloco.worker")
 
+# An experiment awaiting a GPU's measurement (benchmarks/results/gpu_check/README.md): "1"
+# codes a GPU worker's compressed upload into a body-sized buffer on the GPU and copies it to
+# the host once, instead of copying each piece's codes and scales as it is coded.
+STAGE_ON_DEVICE = "DILOCO_STAGE_ON_DEVICE"
+
 
 class UploadCoder:
     """Turns pseudo-gradients into upload bodies for one codec; owns the residuals."""
@@ -43,9 +49,14 @@ class UploadCoder:
         specs: Sequence[TensorSpec],
         plan: Sequence[Sequence[str]] | None = None,
         device: torch.device | str = "cpu",
+        stage_on_device: bool | None = None,
     ) -> None:
         self.codec = codec
         self.device = torch.device(device)  # the residuals', beside the anchor
+        # code a compressed body where the residuals live, then copy it once (see
+        # STAGE_ON_DEVICE; None: as that variable says, and only off the CPU; True: always)
+        self.stage_on_device = stage_on_device
+        self._stage: torch.Tensor | None = None
         self.beta = float(beta)
         self.coded_names = {s.name for s in specs if s.kind == TensorKind.TRAINABLE.value}
         self._residual: dict[str, torch.Tensor] = {}  # settled: what the server has missed
@@ -209,10 +220,23 @@ class UploadCoder:
             weight=-1.0,
             less=less,
             reuse=self._coded_buffer if reuse else None,
+            staging=self._staging if self._stages() else None,
         )
         if reuse:
             self._coded_buffer = body
         return body
+
+    def _stages(self) -> bool:
+        if self.stage_on_device is not None:
+            return self.stage_on_device
+        return self.device.type != "cpu" and os.environ.get(STAGE_ON_DEVICE) == "1"
+
+    def _staging(self, size: int) -> torch.Tensor:
+        """A body-sized buffer beside the residuals, kept for the next body of that size."""
+        kept = self._stage
+        if kept is None or kept.numel() != size or kept.device != self.device:
+            kept = self._stage = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        return kept
 
     def body(self, gradient: Mapping[str, torch.Tensor], reuse: bool = False) -> bytearray:
         """The body that uploads `gradient` (anchor - local); updates the residuals.
@@ -294,6 +318,7 @@ class UploadCoder:
         if self._pending is not None:
             self._pending = {name: t.to(self.device) for name, t in self._pending.items()}
         self._spare = {}
+        self._stage = None
 
     # ----------------------------------------------------------------- checkpoints
 

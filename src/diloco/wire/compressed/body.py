@@ -101,6 +101,7 @@ def encode_compressed(
     weight: float = 1.0,
     less: Mapping[str, torch.Tensor] | None = None,
     reuse: bytearray | None = None,
+    staging: Callable[[int], torch.Tensor] | None = None,
 ) -> bytearray:
     """A safetensors body of `tensors`: floating ones not in `exact` coded by `codec` as parts,
     the others as plain entries (their own dtype). The codec is in the header's metadata.
@@ -108,12 +109,25 @@ def encode_compressed(
     `write_parts` does (error feedback: the residual loses what was sent). `less` (name ->
     tensor of its shape): that coded entry is tensor - less, taken piece by piece as
     `write_parts` does (a worker's anchor - local). `reuse`: an earlier body that nobody
-    reads any more (see `compressed_frame`)."""
+    reads any more (see `compressed_frame`).
+
+    `staging(size)`: a 1-D uint8 tensor of `size` bytes, on the tensors' device, that nobody
+    reads (its bytes between uses may be anything). The parts are coded into it, where the
+    tensors live, and its data section is then copied to the body in one transfer: a GPU's
+    pieces are coded without a blocking copy of each piece's codes and scales to the host.
+    The body is byte for byte the one coded without it."""
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
     buffer, views = compressed_frame(shapes, codec, exact, reuse=reuse)
+    staged = None
+    if staging is not None and buffer:
+        layout = _compressed_layout(shapes, codec, exact)
+        staged = staging(layout.size)
+        if staged.dtype != torch.uint8 or staged.dim() != 1 or staged.numel() != layout.size:
+            raise ValueError(f"staging must give a 1-D uint8 tensor of {layout.size} bytes")
+        views = layout.views(staged)
     folds, lesses = fold_into or {}, less or {}
     for name, tensor in tensors.items():
         write_entry(
@@ -126,7 +140,27 @@ def encode_compressed(
             weight=weight,
             less=lesses.get(name),
         )
+    if staged is not None:  # the data section (every byte of it is some entry's), at once
+        start = len(layout.header)
+        torch.frombuffer(buffer, dtype=torch.uint8)[start:].copy_(staged[start:])
     return buffer
+
+
+def _compressed_layout(
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    codec: Codec,
+    exact: Collection[str],
+) -> FrameLayout:
+    """The layout of a compressed body of `shapes`: each coded tensor's parts, the others
+    plain, the codec in the metadata."""
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, dtype) in shapes.items():
+        if is_compressed(name, dtype, exact):
+            for part, spec in part_specs(math.prod(shape), codec).items():
+                entries[f"{name}{SEPARATOR}{part}"] = spec
+        else:
+            entries[name] = (tuple(shape), dtype)
+    return FrameLayout.plan(entries, metadata=codec_metadata(codec))
 
 
 def compressed_frame(
@@ -145,14 +179,7 @@ def compressed_frame(
     and page-faulting a new one (about 0.07 s a round at 85M parameters). Once every entry is
     written the bytes are a new body's: the header and every part are written again, and the
     alignment padding between them was left zero by the first write."""
-    entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for name, (shape, dtype) in shapes.items():
-        if is_compressed(name, dtype, exact):
-            for part, spec in part_specs(math.prod(shape), codec).items():
-                entries[f"{name}{SEPARATOR}{part}"] = spec
-        else:
-            entries[name] = (tuple(shape), dtype)
-    layout = FrameLayout.plan(entries, metadata=codec_metadata(codec))
+    layout = _compressed_layout(shapes, codec, exact)
     buffer = reuse if reuse is not None and len(reuse) == layout.size else bytearray(layout.size)
     body = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
     layout.write_header(body)
