@@ -13,8 +13,10 @@ divides, all zeros, ties, magnitudes near fp32's largest and smallest) are coded
 both devices: a plain body, a body with error feedback folded into a residual on the device,
 and a delta applied to weights on the device. A fourth check runs three rounds of a worker
 (`Anchor` and `UploadCoder` with the anchor and residual on each device: anchor - local, error
-feedback, the body, a coded delta's apply into the anchor). Prints one row per codec; exits 1
-if any byte or bit differs.
+feedback, the body, a coded delta's apply into the anchor), and a fifth the same rounds on the
+device with the body coded in a staging buffer there (`UploadCoder(stage_on_device=True)`, the
+DILOCO_STAGE_ON_DEVICE experiment). Prints one row per codec; exits 1 if any byte or bit
+differs.
 
     python benchmarks/codec_devices.py                      # cpu against cuda
     python benchmarks/codec_devices.py --device cpu --out-dir /tmp   # the script, no GPU
@@ -109,18 +111,19 @@ class _Weights(torch.nn.Module):
 
 
 def worker_rounds(codec_text: str, device: torch.device, seed: int) -> dict:
-    """Three rounds of a worker with its anchor and residual on the CPU and on `device`: the
-    bodies it uploads, the residual it keeps and the anchor a coded delta leaves."""
+    """Three rounds of a worker with its anchor and residual on the CPU, on `device`, and on
+    `device` coding each body in a staging buffer there: the bodies it uploads, the residual
+    it keeps and the anchor a coded delta leaves."""
     codec = parse_codec(codec_text)
     start = awkward_tensors(seed)
     specs = specs_of(start, dict.fromkeys(start, TensorKind.TRAINABLE))
     coded_delta = codec.is_quantized or codec.is_sparse
     sides = []
-    for where in (torch.device("cpu"), device):
+    for where, staged in ((torch.device("cpu"), None), (device, None), (device, True)):
         model = _Weights(start, where)
         anchor = Anchor(model, leader=True, download_dtype=torch.float32, device=where)
         anchor.adopt(start, 0)
-        coder = UploadCoder(codec, 0.9, specs, device=where)
+        coder = UploadCoder(codec, 0.9, specs, device=where, stage_on_device=staged)
         bodies = []
         for round_number in range(1, 4):
             step = awkward_tensors(seed + round_number)
@@ -145,12 +148,20 @@ def worker_rounds(codec_text: str, device: torch.device, seed: int) -> dict:
                 {name: t.cpu() for name, t in anchor.tensors.items()},
             )
         )
-    (bodies_cpu, residual_cpu, anchor_cpu), (bodies_dev, residual_dev, anchor_dev) = sides
+    (bodies_cpu, residual_cpu, anchor_cpu), (bodies_dev, residual_dev, anchor_dev), staged = sides
+
+    def same_residual(other: dict[str, torch.Tensor]) -> bool:
+        return residual_cpu.keys() == other.keys() and all(
+            torch.equal(residual_cpu[n], other[n]) for n in residual_cpu
+        )
+
     return {
         "worker_bodies_identical": bodies_cpu == bodies_dev,
-        "worker_residual_identical": residual_cpu.keys() == residual_dev.keys()
-        and all(torch.equal(residual_cpu[n], residual_dev[n]) for n in residual_cpu),
+        "worker_residual_identical": same_residual(residual_dev),
         "worker_anchor_identical": all(torch.equal(anchor_cpu[n], anchor_dev[n]) for n in start),
+        "worker_staged_identical": staged[0] == bodies_cpu
+        and same_residual(staged[1])
+        and all(torch.equal(anchor_cpu[n], staged[2][n]) for n in start),
     }
 
 
@@ -190,6 +201,7 @@ def main(
         "error_feedback_identical",
         "delta_apply_identical",
         "worker_rounds_identical",
+        "worker_staged_identical",
     )
     ok = all(row[check] for row in rows for check in checks)
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else str(target)
@@ -205,6 +217,7 @@ def main(
         "error feedback",
         "delta apply",
         "worker rounds",
+        "staged worker rounds",
         "differ",
     ]
     table = [

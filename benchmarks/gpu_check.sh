@@ -20,8 +20,10 @@
 # GPU_CHECK_BATCH=1 GPU_CHECK_CONTEXT=16 GPU_CHECK_H=8 GPU_CHECK_SECONDS=20.
 # GPU_CHECK_MODES (default "sync streaming") and GPU_CHECK_ANCHORS (where the workers keep
 # their anchor, default auto: beside the model; "cpu,auto" measures both, one after the other).
-# GPU_CHECK_DELAYS (streaming: the inner steps a fragment's sync overlaps, default 1; "1 20"
-# runs both, the second into streaming-delay20/: about PER_MODE + 35 s more).
+# GPU_CHECK_DELAYS (streaming: the inner steps a fragment's sync overlaps, default 1; "1,20"
+# runs both, the second into streaming-delay20/: about PER_MODE + 35 s more; each must be
+# below GPU_CHECK_H / fragments, the steps of a fragment's window: 4 fragments, or the
+# model's blocks where fewer).
 # GPU_CHECK_SERVER_THREADS (the server's torch threads, default auto: up to 4 beside GPU
 # workers; "1,4,8" compares them, one run each per mode).
 set -uo pipefail
@@ -70,7 +72,7 @@ timeout 180 "$PYTHON" benchmarks/codec_devices.py --device "$DEVICE" \
   --out-dir "$RESULTS" || status=1
 for mode in $MODES; do
   delays=1
-  [ "$mode" = streaming ] && delays=$DELAYS
+  [ "$mode" = streaming ] && delays=${DELAYS//,/ }  # (commas too, as the other lists)
   for delay in $delays; do
     out="$RESULTS/$mode"
     [ "$delay" != 1 ] && out="$RESULTS/$mode-delay$delay"

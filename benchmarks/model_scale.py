@@ -104,25 +104,21 @@ def _empty_window(streaming: bool) -> dict[str, float]:
     return {"compute": 0.0, "blocked": 0.0, **extra}
 
 
-def _streamed(worker: object) -> tuple[int, object]:
-    """A streaming worker's merges so far (failed ones too) and its sync in flight."""
+def _streamed(worker: object) -> object:
+    """A streaming worker's sync in flight (None: none, or not streaming)."""
     streamer = getattr(worker, "streamer", None)
-    if streamer is None:
-        return (0, None)
-    return (streamer.syncs + streamer.failures, streamer.in_flight)
+    return None if streamer is None else streamer.in_flight
 
 
 def _split_streaming(
-    window: dict[str, float],
-    blocked: float,
-    before: tuple[int, object],
-    after: tuple[int, object],
+    window: dict[str, float], blocked: float, before: object, after: object
 ) -> None:
-    """Count one step's hook time as a merge (a fragment merged in it) or a send (a new sync
-    went in flight). With delay 0 a step does both; it counts as a merge."""
-    if after[0] != before[0]:
+    """Count one step's hook time by what its sync in flight did: gone or replaced, a merge
+    (merged, failed or a rebase: every merge ends the flight); new, a send. With delay 0 a
+    step does both; it counts as a merge (its mix then holds the send's coding)."""
+    if before is not None and after is not before:
         window["merge"] += blocked
-    elif after[1] is not None and after[1] is not before[1]:
+    elif after is not None and after is not before:
         window["send"] += blocked
 
 
@@ -185,7 +181,7 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
     steady = {"compute": 0.0, "blocked": 0.0, "up": 0, "down": 0}
     window = _empty_window(worker.streamer is not None)
     for number in range(1, job["rounds"] * sync_every + 1):
-        rounds_before, streamed_before = worker.rounds, _streamed(worker)
+        rounds_before, flight_before = worker.rounds, _streamed(worker)
         waited_before = worker.blocked_seconds
         compute, blocked = step()
         window["compute"] += compute
@@ -193,12 +189,12 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
         if worker.rounds != rounds_before:  # a sync round ended in this step's hook
             report["rounds"].append({**(worker.last_round_phases or {}), **window})
         elif worker.streamer is not None:  # a fragment sent or merged in this step's hook
-            _split_streaming(window, blocked, streamed_before, _streamed(worker))
+            _split_streaming(window, blocked, flight_before, _streamed(worker))
             window["wait"] += worker.blocked_seconds - waited_before
         if number % sync_every:
             continue
         if worker.streamer is not None:  # a streaming window: every fragment sent and merged
-            window["mix"] = max(0.0, window.pop("merge") - window["wait"])
+            window["mix"] = window.pop("merge") - window["wait"]  # (the wait is the merge's)
             report["rounds"].append(dict(window))
         stats = worker.client.stats
         if number <= job["warmup_rounds"] * sync_every:  # the start, then the warm-up
@@ -779,6 +775,8 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
         "worker beyond training MB",
     ]
     rows = []
+    # name the server's threads when a row chose them (then every row, auto ones too)
+    compared_threads = any(r.get("server_threads_chosen") is not None for r in results)
     for r in results:
         s = r["server_parts"]
         rows.append(
@@ -808,8 +806,9 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
                     else ""
                 )
                 + (
-                    f", server {r['server_threads']} threads"
-                    if r.get("server_threads_chosen") is not None
+                    f", server {_threads(r['server_threads'])}"
+                    + (" (auto)" if r.get("server_threads_chosen") is None else "")
+                    if compared_threads
                     else ""
                 )
                 + (
@@ -848,6 +847,10 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[object]]]:
             ]
         )
     return headers, rows
+
+
+def _threads(count: int) -> str:
+    return f"{count} thread" + ("" if count == 1 else "s")
 
 
 def _phases_cell(row: dict) -> str:

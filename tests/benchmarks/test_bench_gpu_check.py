@@ -29,6 +29,7 @@ def test_the_codec_comparison_reports_every_codec_and_check(tmp_path: Path) -> N
         assert row["delta_apply_identical"] and row["differing_tensors"] == []
         assert row["worker_bodies_identical"] and row["worker_residual_identical"]
         assert row["worker_anchor_identical"] and row["worker_rounds_identical"]
+        assert row["worker_staged_identical"]
     # int4 packs two values a byte: well under an eighth of fp32's 4 bytes a value
     assert 0 < rows[0]["body_bytes"] < 4 * (1 << 24) / 4
     assert "| int4 |" in (tmp_path / "codec_devices.md").read_text()
@@ -57,11 +58,13 @@ def test_the_codec_comparison_names_what_differs(monkeypatch: pytest.MonkeyPatch
     assert row["differing_tensors"] == list(module.awkward_tensors(0))
 
 
+@pytest.mark.parametrize("drifting", [1, 2])
 def test_the_worker_rounds_comparison_catches_a_residual_kept_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, drifting: int
 ) -> None:
-    """The second worker (the device's) keeps twice the residual it should after each body:
-    its later bodies, its residual and the anchor its deltas leave are reported as differing."""
+    """One worker keeps twice the residual it should after each body: the second (the
+    device's) or the third (the device's, its bodies staged). Its later bodies, its residual
+    and the anchor its deltas leave are reported as differing; the other agrees."""
     spec = importlib.util.spec_from_file_location("codec_devices", BENCHMARKS / "codec_devices.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -71,7 +74,7 @@ def test_the_worker_rounds_comparison_catches_a_residual_kept_otherwise(
     class Drifting(module.UploadCoder):
         def settle(self, folded: bool) -> None:
             super().settle(folded)
-            if made.index(self) == 1:
+            if made.index(self) == drifting:
                 self._residual["matrix"].mul_(2)
 
     def coder(*args, **kwargs):
@@ -80,8 +83,14 @@ def test_the_worker_rounds_comparison_catches_a_residual_kept_otherwise(
 
     monkeypatch.setattr(module, "UploadCoder", coder)
     row = module.worker_rounds("int8", __import__("torch").device("cpu"), seed=0)
-    assert not row["worker_bodies_identical"] and not row["worker_residual_identical"]
-    assert not row["worker_anchor_identical"]
+    unstaged = (
+        row["worker_bodies_identical"],
+        row["worker_residual_identical"],
+        row["worker_anchor_identical"],
+    )
+    assert unstaged == ((True,) * 3 if drifting == 2 else (False,) * 3)
+    assert row["worker_staged_identical"] == (drifting == 1)
+    assert len(made) == 3 and made[2].stage_on_device and not made[1].stage_on_device
 
 
 def test_the_gpu_check_without_its_dependencies_or_wheels_says_how_to_get_them(
@@ -130,7 +139,7 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
         "GPU_CHECK_CONTEXT": "16",
         "GPU_CHECK_H": "8",  # 2 fragments of 4 steps: a delay of 2 fits
         "GPU_CHECK_SECONDS": "15",
-        "GPU_CHECK_DELAYS": "1 2",
+        "GPU_CHECK_DELAYS": "1,2",
     }
     result = subprocess.run(
         [str(BENCHMARKS / "gpu_check.sh"), str(tmp_path)],

@@ -313,26 +313,39 @@ def test_a_body_coded_in_a_staging_buffer_is_byte_for_byte_the_same(monkeypatch)
 
     generator = torch.Generator().manual_seed(11)
     numel = piece_elements(torch.device("cpu")) + 300  # two pieces, a short last block
-    specs = [TensorSpec("w", (numel,), torch.float32, "trainable"), *SPECS[1:]]
+    specs = [
+        TensorSpec("w", (numel,), torch.float32, "trainable"),
+        TensorSpec("empty", (0, 3), torch.float32, "trainable"),
+        *SPECS[1:],
+    ]
     anchor = {
         "w": torch.randn(numel, generator=generator),
+        "empty": torch.zeros(0, 3),
         "norm.running_mean": torch.tensor([0.5, 0.25]),
         "steps": torch.tensor(7, dtype=torch.int64),
     }
-    cases = (("int8", 0.9), ("int8", 0.0), ("int4", 0.95), ("topk:0.03+int2", 0.95))
+    cases = (
+        ("int8", 0.9),
+        ("int8", 0.0),
+        ("int4", 0.95),
+        ("topk:0.03+int2", 0.95),
+        ("topk:0.03", 0.95),  # fp32 values
+    )
     for text, beta in cases:
         codec = parse_codec(text)
         staged = UploadCoder(codec, beta, specs, stage_on_device=True)
         plain = UploadCoder(codec, beta, specs)
-        for answer in (True, False, True):
+        for answer, reuse in ((True, False), (False, True), (True, True)):
             local = {
                 "w": anchor["w"] - torch.randn(numel, generator=generator),
+                "empty": torch.zeros(0, 3),
                 "norm.running_mean": torch.tensor([0.125, 0.75]),
                 "steps": torch.tensor(9, dtype=torch.int64),
             }
             if staged._stage is not None:  # whatever the last body left there
                 staged._stage.fill_(0xAB)
-            assert staged.body_from(anchor, local) == plain.body_from(anchor, local), text
+            got = staged.body_from(anchor, local, reuse=reuse)
+            assert got == plain.body_from(anchor, local, reuse=reuse), (text, reuse)
             staged.settle(answer)
             plain.settle(answer)
             assert staged.residual.keys() == plain.residual.keys()
@@ -342,3 +355,10 @@ def test_a_body_coded_in_a_staging_buffer_is_byte_for_byte_the_same(monkeypatch)
     default = UploadCoder(parse_codec("int8"), 0.0, specs)
     default.body_from(anchor, anchor)
     assert default._stage is None  # the variable stages a GPU's bodies, not the CPU's
+    # (asked, not run: this machine may have no GPU) a coder whose residuals live on a GPU
+    # stages with the variable, and not without it or when told not to
+    default.device = torch.device("cuda")
+    assert default._stages()
+    assert not UploadCoder(parse_codec("int8"), 0.0, specs, stage_on_device=False)._stages()
+    monkeypatch.delenv("DILOCO_STAGE_ON_DEVICE")
+    assert not default._stages()

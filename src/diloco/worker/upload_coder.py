@@ -232,11 +232,13 @@ class UploadCoder:
         return self.device.type != "cpu" and os.environ.get(STAGE_ON_DEVICE) == "1"
 
     def _staging(self, size: int) -> torch.Tensor:
-        """A body-sized buffer beside the residuals, kept for the next body of that size."""
+        """`size` bytes beside the residuals, in a buffer kept for the next bodies and grown
+        to the largest (streaming fragments' bodies differ in size). Never cleared: every
+        byte of a body's data section is written by one of its entries."""
         kept = self._stage
-        if kept is None or kept.numel() != size or kept.device != self.device:
-            kept = self._stage = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        return kept
+        if kept is None or kept.numel() < size or kept.device != self.device:
+            kept = self._stage = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return kept[:size]
 
     def body(self, gradient: Mapping[str, torch.Tensor], reuse: bool = False) -> bytearray:
         """The body that uploads `gradient` (anchor - local); updates the residuals.
