@@ -182,6 +182,7 @@ DEFAULT_COSTS: tuple[DefaultCost, ...] = (
     DefaultCost("4.9M", 15, 200, 128, -1.9),
     DefaultCost("137k", 50, 100, 4096, 2.8),
     DefaultCost("137k", 50, 200, 4096, 2.4),
+    DefaultCost("503k", 50, 200, 4096, 1.6),
     DefaultCost("4.9M", 15, 200, 4096, -1.6),
 )
 DEFAULTS_RESULTS = "benchmarks/results/compression-defaults/README.md"
