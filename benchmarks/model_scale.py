@@ -548,6 +548,20 @@ def with_critical_compute(row: dict) -> dict:
 # ------------------------------------------------------------------ the command
 
 
+def _keyword_or_counts(text: str, keyword: str, option: str) -> list[int | None]:
+    """A comma-separated list of `keyword` (None: the default) and integers >= 1; anything
+    else is one line and exit 2 naming `option`."""
+    values: list[int | None] = []
+    for item in (part.strip() for part in text.split(",")):
+        if item == keyword:
+            values.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            values.append(int(item))
+        else:
+            raise fail(f"{option} must be '{keyword}' or integers >= 1, got {item!r}")
+    return values
+
+
 def main(
     sizes: str = typer.Option("25M,85M", help=f"Model sizes, from {', '.join(SIZES)}."),
     codecs: str = typer.Option("fp32,int8", help="Codecs both ways: fp32, int8."),
@@ -636,14 +650,7 @@ def main(
     anchor_list = [a.strip() for a in anchor_devices.split(",") if a.strip()]
     if not anchor_list or any(a not in ("auto", "cpu") for a in anchor_list):
         raise fail(f"--anchor-devices must be from auto, cpu, got {anchor_devices!r}")
-    every_list: list[int | None] = []
-    for every in (e.strip() for e in checkpoint_every.split(",")):
-        if every == "server":
-            every_list.append(None)
-        elif every.isdigit() and int(every) >= 1:
-            every_list.append(int(every))
-        else:
-            raise fail(f"--checkpoint-every must be 'server' or integers >= 1, got {every!r}")
+    every_list = _keyword_or_counts(checkpoint_every, "server", "--checkpoint-every")
     durability_list = [d.strip() for d in durability.split(",") if d.strip()]
     if not durability_list or any(d not in ("round", "interval") for d in durability_list):
         raise fail(f"--durability must be from round, interval, got {durability!r}")
@@ -657,14 +664,7 @@ def main(
         or durability_list != ["round"]
     ):
         raise fail("--shards above 1 runs sync mode with default checkpoints and durability")
-    thread_list: list[int | None] = []
-    for threads in (t.strip() for t in server_threads.split(",")):
-        if threads == "auto":
-            thread_list.append(None)
-        elif threads.isdigit() and int(threads) >= 1:
-            thread_list.append(int(threads))
-        else:
-            raise fail(f"--server-threads must be 'auto' or integers >= 1, got {threads!r}")
+    thread_list = _keyword_or_counts(server_threads, "auto", "--server-threads")
     if dtype not in ("fp32", "bf16"):
         raise fail(f"--dtype must be fp32 or bf16, got {dtype!r}")
     if context < 1 or batch_size < 1 or not max_seconds > 0:
