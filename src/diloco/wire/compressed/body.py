@@ -120,10 +120,10 @@ def encode_compressed(
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"entry {name!r} is a {type(tensor).__name__}, not a tensor")
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
-    buffer, views = compressed_frame(shapes, codec, exact, reuse=reuse)
+    layout = _compressed_layout(shapes, codec, exact)
+    buffer, views = _frame(layout, reuse)
     staged = None
     if staging is not None and buffer:
-        layout = _compressed_layout(shapes, codec, exact)
         staged = staging(layout.size)
         if staged.dtype != torch.uint8 or staged.dim() != 1 or staged.numel() != layout.size:
             raise ValueError(f"staging must give a 1-D uint8 tensor of {layout.size} bytes")
@@ -179,7 +179,14 @@ def compressed_frame(
     and page-faulting a new one (about 0.07 s a round at 85M parameters). Once every entry is
     written the bytes are a new body's: the header and every part are written again, and the
     alignment padding between them was left zero by the first write."""
-    layout = _compressed_layout(shapes, codec, exact)
+    return _frame(_compressed_layout(shapes, codec, exact), reuse)
+
+
+def _frame(
+    layout: FrameLayout, reuse: bytearray | None
+) -> tuple[bytearray, dict[str, torch.Tensor]]:
+    """`compressed_frame` for a planned layout: the body (`reuse` when its size fits), its
+    header written, and its entries' views."""
     buffer = reuse if reuse is not None and len(reuse) == layout.size else bytearray(layout.size)
     body = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0)
     layout.write_header(body)
