@@ -74,7 +74,7 @@ def test_top_k_with_outer_momentum_warns_of_the_27_to_39_percent() -> None:
 
 def test_top_k_at_its_companion_settings_warns_of_the_11_percent_and_says_sparse_mean() -> None:
     (line,) = outer_warnings("topk:0.03+int2", "sgd", 0.0)
-    assert "+11.3 % to +12.2 % above fp32 DiLoCo at H = 50 (+6.8 % at H = 10)" in line
+    assert "+11.3 % to +12.2 % above the best fp32 DiLoCo run at H = 50 (+6.8 % at H = 10)" in line
     assert "137k-parameter" in line and "--aggregation sparse_mean" in line
     assert line.endswith("+4.3 % at H = 50 and -0.8 % at H = 10")
     assert len(outer_warnings("topk:0.03+int2", "sgd", 0.0, "sparse_mean")) == 1  # (below)
@@ -128,7 +128,8 @@ def test_top_k_at_every_default_warns_of_the_small_models_cost_by_its_chunk() ->
     assert line == (
         "upload codec topk:0.03+int2 at its companion settings (outer sgd lr 1, sparse_mean, "
         "chunks of 128) ended +5.2 % at 137k parameters (H = 50, 100 outer steps) and +5.4 % "
-        "at 137k parameters (H = 50, 200 outer steps) above fp32 DiLoCo in our runs of "
+        "at 137k parameters (H = 50, 200 outer steps) above fp32 DiLoCo at its defaults (outer "
+        "nesterov lr 0.7) in our runs of "
         "topk:0.03+int2; larger models did better: +1.8 % at 503k parameters (H = 50, 200 "
         "outer steps), -1.9 % at 4.9M parameters (H = 15, 200 outer steps) "
         "(benchmarks/results/compression-topk/README.md, "

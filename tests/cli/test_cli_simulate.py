@@ -133,7 +133,8 @@ def test_simulate_warns_of_measured_costs_and_records_what_the_codec_chose(
     (warning,) = [line for line in mean.stderr.splitlines() if line.startswith("WARNING:")]
     assert warning.startswith(
         "WARNING: upload codec topk:0.03+int2 at its companion settings (outer sgd, no "
-        "momentum) still ended +11.3 % to +12.2 % above fp32 DiLoCo at H = 50 (+6.8 % at H = 10)"
+        "momentum) still ended +11.3 % to +12.2 % above the best fp32 DiLoCo run at H = 50 "
+        "(+6.8 % at H = 10)"
     )
     assert "benchmarks/results/compression-topk/README.md" in warning
 
