@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, in one run of under 8 minutes on one H100 and with no network:
 #   1. every codec codes the same bytes from CUDA tensors as from CPU ones, and a delta moves
-#      CUDA weights bit for bit as CPU ones (benchmarks/codec_devices.py);
+#      CUDA weights bit for bit as CPU ones (benchmarks/codec_devices.py); then the server's
+#      int8 round work (fold, outer step, delta) on this host's CPU at several thread budgets
+#      (benchmarks/server_threads.py, about a minute at 125M);
 #   2. two CUDA workers of a 125M GPT (bf16 autocast, batch 16 x 256 tokens, H = 100, int8
 #      both ways) train against a real server for about two minutes in sync mode, then in
 #      streaming mode (4 fragments, delay 1), and print the share of their time blocked in
@@ -26,6 +28,8 @@
 # model's blocks where fewer).
 # GPU_CHECK_SERVER_THREADS (the server's torch threads, default auto: up to 4 beside GPU
 # workers; "1,4,8" compares them, one run each per mode).
+# GPU_CHECK_SERVER_WORK (the torch thread counts server_threads.py times, default "1,4,8";
+# empty skips it) and GPU_CHECK_SERVER_POOL (its Python-thread pools for the delta, "4,8").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-benchmarks/results/gpu_check}
@@ -41,6 +45,8 @@ MODES=${GPU_CHECK_MODES:-sync streaming}
 ANCHORS=${GPU_CHECK_ANCHORS:-auto}
 DELAYS=${GPU_CHECK_DELAYS:-1}
 SERVER_THREADS=${GPU_CHECK_SERVER_THREADS:-auto}
+SERVER_WORK=${GPU_CHECK_SERVER_WORK-1,4,8}
+SERVER_POOL=${GPU_CHECK_SERVER_POOL-4,8}
 # model_scale runs per mode and delay: one per anchor device and server thread count
 RUNS=$(( ($(tr -cd , <<<"$ANCHORS" | wc -c) + 1) * ($(tr -cd , <<<"$SERVER_THREADS" | wc -c) + 1) ))
 mkdir -p "$RESULTS" || exit 2
@@ -70,6 +76,11 @@ status=0
 echo "== 1. codecs: CPU against $DEVICE"
 timeout 180 "$PYTHON" benchmarks/codec_devices.py --device "$DEVICE" \
   --out-dir "$RESULTS" || status=1
+if [ -n "$SERVER_WORK" ]; then
+  echo "== 1b. the server's int8 round work at $SERVER_WORK torch threads, $SIZE GPT"
+  timeout 300 "$PYTHON" benchmarks/server_threads.py --size "$SIZE" --threads "$SERVER_WORK" \
+    --pool "$SERVER_POOL" --out-dir "$RESULTS" || status=1
+fi
 for mode in $MODES; do
   delays=1
   [ "$mode" = streaming ] && delays=${DELAYS//,/ }  # (commas too, as the other lists)

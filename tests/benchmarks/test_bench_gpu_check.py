@@ -140,6 +140,8 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
         "GPU_CHECK_H": "8",  # 2 fragments of 4 steps: a delay of 2 fits
         "GPU_CHECK_SECONDS": "15",
         "GPU_CHECK_DELAYS": "1,2",
+        "GPU_CHECK_SERVER_WORK": "1",
+        "GPU_CHECK_SERVER_POOL": "2",
     }
     result = subprocess.run(
         [str(BENCHMARKS / "gpu_check.sh"), str(tmp_path)],
@@ -154,6 +156,10 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
         assert row["delay"] == delay and row["sync_every"] == 8
         assert 0 < row["blocked_fraction"] < 1 and row["compute_seconds"] > 0
     assert (tmp_path / "codec_devices.json").exists()
+    rows = json.loads((tmp_path / "server_threads.json").read_text())["rows"]
+    assert [(r["torch_threads"], r["python_threads"], r["identical"]) for r in rows] == [
+        (1, 1, True), (1, 2, True)
+    ]  # fmt: skip
 
 
 def test_a_workers_coding_is_timed_beside_its_copy_limits(tmp_path: Path) -> None:

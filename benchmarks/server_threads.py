@@ -1,0 +1,299 @@
+"""The server's CPU work of one int8 round, at several thread budgets: do more cores pay?
+
+The GPU check on an H200 (results/gpu_check/h200-2026-11-29/) found the server's fold, outer
+step and delta coding the largest part of a 125M round's sequential compute (0.43 s of
+0.80 s), with the server at 4 torch threads on a 16-core host, and a 350M delta 5.9x slower
+than a 125M one for 2.8x the values. On 2 cores a second torch thread made every part slower
+(results/model_scale-server-threads/). This times the three parts alone, in one process, for
+the bundled GPT's tensors at one size, so that a machine with more cores says which budget
+the server should run with, and whether the 350M delta is slow outside the server too:
+
+  - fold: one worker's int8 body taken in as a round's later upload, its values scanned from
+    its spool file, then added into sums that hold a body already (worker_coding.py's
+    `_server_fold`, the server's intake);
+  - outer step: `apply_running_mean` (Nesterov, torch's fused kernel), as the commit runs it;
+  - delta: masters - P coded int8 and P moved by it (`PublishedCopy.advance`, the server's).
+
+Each part at each torch thread count of `--threads`; then, for each count of `--pool`, the
+delta with its tensors spread over that many Python threads, torch at one thread each (a
+candidate, not what the server does). Every variant's delta body and P must equal one
+thread's, byte for byte. One memory pass (a copy of the fp32 model) at each count is the
+yardstick. Medians of `--repeats`.
+
+    python benchmarks/server_threads.py --size 125M --threads 1,4,8 --pool 4,8
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import typer
+
+from diloco.algorithm import RunningMean, TensorKind
+from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.contributions import Contribution
+from diloco.algorithm.outer import apply_running_mean
+from diloco.algorithm.outer_optimizer import OuterOptimizer
+from diloco.console import check_output_path, fail, out, summary_table, write_json
+from diloco.models.gpt import GPTConfig
+from diloco.server.model.published_copy import PublishedCopy
+from diloco.wire.compressed.body import compressed_frame, encode_compressed, write_entry
+from model_scale import SIZES  # benchmarks/ is sys.path[0]
+from worker_coding import _server_fold
+
+RESULTS = Path(__file__).parent / "results"
+CODEC = parse_codec("int8")
+
+
+def gpt_state(size: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors of the bundled GPT's shapes at `size` (built on the meta device:
+    nothing of the model itself is allocated)."""
+    width, depth = SIZES[size]
+    config = GPTConfig(context=16, width=width, depth=depth, heads=max(1, width // 64))
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in config.build().state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
+def median_seconds(
+    work: Callable[[], object], repeats: int, setup: Callable[[], object] = lambda: None
+) -> float:
+    """The median time of `work` over `repeats` runs, `setup` run before each, untimed."""
+    samples = []
+    for _ in range(repeats):
+        setup()
+        started = time.perf_counter()
+        work()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def balanced_groups(sizes: dict[str, int], groups: int) -> list[list[str]]:
+    """`sizes`' names in `groups` lists of about equal total size (largest first, each to the
+    lightest list so far); empty lists dropped."""
+    lists: list[list[str]] = [[] for _ in range(groups)]
+    totals = [0] * groups
+    for name in sorted(sizes, key=lambda n: -sizes[n]):
+        lightest = totals.index(min(totals))
+        lists[lightest].append(name)
+        totals[lightest] += sizes[name]
+    return [names for names in lists if names]
+
+
+class Round:
+    """One round's state on the server: masters, P, sums and one body to fold."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.masters = {n: t.clone() for n, t in state.items()}
+        self.p0 = {n: t - 1e-3 * torch.sign(t) for n, t in state.items()}  # P, a step behind
+        self.copy = PublishedCopy(self.p0, {n: torch.float32 for n in state}, CODEC, set(state))
+        # a worker's pseudo-gradient, coded as it uploads it
+        self.body = encode_compressed({n: t * 1e-3 for n, t in state.items()}, CODEC)
+        first, self._fold = _server_fold(self.body, state, CODEC, set())
+        self.held = first()  # the round's first body, in sums of their own
+        self.sums = {n: torch.zeros_like(t) for n, t in state.items()}
+        self.running = RunningMean(storage=self.sums)
+        self.last: bytearray | None = None  # the last delta body, written over as the server does
+        self.optimizer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+        self.kinds = dict.fromkeys(state, TensorKind.TRAINABLE)
+        self.gradient = {n: t * 1e-3 for n, t in state.items()}
+        self.pass_source = torch.ones(sum(t.numel() for t in state.values()))
+        self.pass_target = torch.empty_like(self.pass_source)
+
+    def reset_p(self) -> None:
+        self.copy.current.fill(self.p0)
+
+    def fold(self) -> None:
+        self._fold(self.held)
+
+    def fold_for_step(self) -> None:
+        """The round's sums, as the folds leave them (the step's setup, untimed)."""
+        self.running = RunningMean(storage=self.sums)
+        self.running.add(Contribution(self.gradient))
+
+    def outer_step(self) -> None:
+        apply_running_mean(self.masters, self.running, self.optimizer, self.kinds)
+
+    def delta(self) -> bytearray:
+        """P moves by the body; `reset_p` first for the same body each time (untimed)."""
+        self.last = self.copy.advance(self.masters, list(self.masters), self.last)
+        return self.last
+
+    def pooled_delta(self, threads: int) -> bytearray:
+        """The same body and P as `delta`, its tensors coded by `threads` Python threads."""
+        published = self.copy.tensors
+        shapes = {n: (tuple(t.shape), t.dtype) for n, t in published.items()}
+        body, views = compressed_frame(shapes, CODEC, reuse=self.last)
+        self.last = body
+        groups = balanced_groups({n: t.numel() for n, t in published.items()}, threads)
+        errors: list[BaseException] = []
+
+        def code(names: list[str]) -> None:
+            try:
+                for name in names:
+                    target = published[name]
+                    write_entry(
+                        views, name, self.masters[name], CODEC, fold_into=target, less=target
+                    )
+            except BaseException as exc:  # reported on the caller's thread
+                errors.append(exc)
+
+        workers = [threading.Thread(target=code, args=(names,)) for names in groups]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        if errors:
+            raise errors[0]
+        return body
+
+    def memory_pass(self) -> None:
+        self.pass_target.copy_(self.pass_source)
+
+
+def _counts(text: str, option: str, allow_empty: bool = False) -> list[int]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items and not allow_empty:
+        raise fail(f"{option} must list integers >= 1, got {text!r}")
+    if any(not item.isdigit() or int(item) < 1 for item in items):
+        raise fail(f"{option} must list integers >= 1, got {text!r}")
+    return [int(item) for item in items]
+
+
+def main(
+    size: str = typer.Option("85M", help=f"The bundled GPT's size, from {', '.join(SIZES)}."),
+    threads: str = typer.Option("1,2", help="Torch thread counts, comma-separated."),
+    pool: str = typer.Option("2", help="Python thread counts for the pooled delta ('' none)."),
+    repeats: int = typer.Option(3, help="Runs per part (the median is reported)."),
+    out_dir: Path = typer.Option(RESULTS, help="Where server_threads.md and .json go."),
+) -> None:
+    check_output_path(out_dir / "server_threads.json", "--out-dir")
+    if size not in SIZES:
+        raise fail(f"--size must be one of {', '.join(SIZES)}, got {size!r}")
+    thread_counts = _counts(threads, "--threads")
+    pool_counts = _counts(pool, "--pool", allow_empty=True)
+    if repeats < 1:
+        raise fail(f"--repeats must be >= 1, got {repeats}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    state = gpt_state(size)
+    parameters = sum(t.numel() for t in state.values())
+    work = Round(state)
+    work.fold_for_step()
+    work.outer_step()  # the momentum exists from the first step on, as after a server's first
+    masters = {n: t.clone() for n, t in work.masters.items()}  # the outer steps move them
+    work.reset_p()
+    reference_body = bytes(work.delta())
+    reference_p = {n: t.clone() for n, t in work.copy.tensors.items()}
+
+    def same(code: Callable[[], bytearray]) -> bool:
+        for name, tensor in work.masters.items():
+            tensor.copy_(masters[name])
+        work.reset_p()
+        body = code()
+        tensors = work.copy.tensors
+        return bytes(body) == reference_body and all(
+            torch.equal(tensors[n], reference_p[n]) for n in reference_p
+        )
+
+    rows: list[dict] = []
+    try:
+        for count in thread_counts:
+            torch.set_num_threads(count)
+            work.fold()  # first touches
+            row = {
+                "variant": f"torch {count} thread{'s' if count > 1 else ''}",
+                "torch_threads": count,
+                "python_threads": 1,
+                "fold_seconds": median_seconds(work.fold, repeats),
+                "outer_step_seconds": median_seconds(work.outer_step, repeats, work.fold_for_step),
+                "delta_seconds": median_seconds(work.delta, repeats, work.reset_p),
+                "memory_pass_seconds": median_seconds(work.memory_pass, repeats),
+            }
+            row["identical"] = same(work.delta)
+            rows.append(row)
+        torch.set_num_threads(1)
+        one_pass = median_seconds(work.memory_pass, repeats)
+        for count in pool_counts:
+            row = {
+                "variant": f"delta over {count} Python threads (torch 1 each)",
+                "torch_threads": 1,
+                "python_threads": count,
+                "fold_seconds": None,
+                "outer_step_seconds": None,
+                "delta_seconds": median_seconds(
+                    lambda c=count: work.pooled_delta(c), repeats, work.reset_p
+                ),
+                "memory_pass_seconds": one_pass,
+            }
+            row["identical"] = same(lambda c=count: work.pooled_delta(c))
+            rows.append(row)
+    finally:
+        torch.set_num_threads(before)
+
+    def cell(seconds: float | None, passes: float) -> str:
+        return "-" if seconds is None else f"{seconds:.3f} ({seconds / passes:.1f})"
+
+    headers = [
+        "variant",
+        "fold s (passes)",
+        "outer step s (passes)",
+        "delta s (passes)",
+        "memory pass s",
+        "same",
+    ]
+    table = [
+        [
+            row["variant"],
+            cell(row["fold_seconds"], row["memory_pass_seconds"]),
+            cell(row["outer_step_seconds"], row["memory_pass_seconds"]),
+            cell(row["delta_seconds"], row["memory_pass_seconds"]),
+            f"{row['memory_pass_seconds']:.3f}",
+            "yes" if row["identical"] else "NO",
+        ]
+        for row in rows
+    ]
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    title = f"the server's int8 round work, {size} GPT ({parameters:,} parameters)"
+    out.print(summary_table(title, headers, table))
+    document = {
+        "size": size,
+        "parameters": parameters,
+        "repeats": repeats,
+        "machine": machine,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    write_json(out_dir / "server_threads.json", document)
+    command = (
+        f"python benchmarks/server_threads.py --size {size} --threads {threads} "
+        f"--pool '{pool}' --repeats {repeats}"
+    )
+    lines = [
+        "# The server's int8 round work at thread budgets",
+        "",
+        f"Command: `{command}` ({parameters:,} parameters; median of {repeats}; {machine}, "
+        f"torch {torch.__version__}). Seconds, and in brackets the same in memory passes (a "
+        "copy of the fp32 model at the row's thread count). same: the delta's body and P equal "
+        "one thread's, byte for byte.",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "|" + "---|" * len(headers),
+        *["| " + " | ".join(row) + " |" for row in table],
+        "",
+    ]
+    (out_dir / "server_threads.md").write_text("\n".join(lines))
+    if not all(row["identical"] for row in rows):
+        raise fail("a variant's delta differs from one thread's: see the table")
+
+
+if __name__ == "__main__":
+    typer.run(main)
