@@ -45,8 +45,8 @@ MODES=${GPU_CHECK_MODES:-sync streaming}
 ANCHORS=${GPU_CHECK_ANCHORS:-auto}
 DELAYS=${GPU_CHECK_DELAYS:-1}
 SERVER_THREADS=${GPU_CHECK_SERVER_THREADS:-auto}
-SERVER_WORK=${GPU_CHECK_SERVER_WORK-1,4,8}
-SERVER_POOL=${GPU_CHECK_SERVER_POOL-4,8}
+SERVER_WORK=$(tr -d ' ' <<<"${GPU_CHECK_SERVER_WORK-1,4,8}")  # (blank: skipped)
+SERVER_POOL=$(tr -d ' ' <<<"${GPU_CHECK_SERVER_POOL-4,8}")
 # model_scale runs per mode and delay: one per anchor device and server thread count
 RUNS=$(( ($(tr -cd , <<<"$ANCHORS" | wc -c) + 1) * ($(tr -cd , <<<"$SERVER_THREADS" | wc -c) + 1) ))
 mkdir -p "$RESULTS" || exit 2

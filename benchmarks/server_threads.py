@@ -3,22 +3,24 @@
 The GPU check on an H200 (results/gpu_check/h200-2026-11-29/) found the server's fold, outer
 step and delta coding the largest part of a 125M round's sequential compute (0.43 s of
 0.80 s), with the server at 4 torch threads on a 16-core host, and a 350M delta 5.9x slower
-than a 125M one for 2.8x the values. On 2 cores a second torch thread made every part slower
-(results/model_scale-server-threads/). This times the three parts alone, in one process, for
+than a 125M one for 2.8x the values. On 2 cores a second torch thread made every coded part
+slower (results/model_scale-server-threads/). This times the three parts alone, in one process, for
 the bundled GPT's tensors at one size, so that a machine with more cores says which budget
 the server should run with, and whether the 350M delta is slow outside the server too:
 
-  - fold: one worker's int8 body taken in as a round's later upload, its values scanned from
-    its spool file, then added into sums that hold a body already (worker_coding.py's
-    `_server_fold`, the server's intake);
-  - outer step: `apply_running_mean` (Nesterov, torch's fused kernel), as the commit runs it;
+  - scan + fold: one worker's int8 body taken in as a round's later upload, its values scanned
+    from its spool file, then added into sums that hold a body already (worker_coding.py's
+    `_server_fold`, the server's intake; the server reports the two parts apart);
+  - outer step: `apply_running_mean` (Nesterov, torch's fused kernel) on the sums of two
+    bodies whose folds bounded every value, as the commit of a K = 2 round runs it;
   - delta: masters - P coded int8 and P moved by it (`PublishedCopy.advance`, the server's).
 
 Each part at each torch thread count of `--threads`; then, for each count of `--pool`, the
 delta with its tensors spread over that many Python threads, torch at one thread each (a
 candidate, not what the server does). Every variant's delta body and P must equal one
-thread's, byte for byte. One memory pass (a copy of the fp32 model) at each count is the
-yardstick. Medians of `--repeats`.
+thread's, byte for byte. One memory pass (a copy of the fp32 model) on one thread is the
+yardstick every row's passes are counted in; each row also times the pass at its own count.
+Medians of `--repeats`.
 
     python benchmarks/server_threads.py --size 125M --threads 1,4,8 --pool 4,8
 """
@@ -105,6 +107,7 @@ class Round:
         self.optimizer = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
         self.kinds = dict.fromkeys(state, TensorKind.TRAINABLE)
         self.gradient = {n: t * 1e-3 for n, t in state.items()}
+        self.bound = max(float(t.abs().max()) for t in self.gradient.values())
         self.pass_source = torch.ones(sum(t.numel() for t in state.values()))
         self.pass_target = torch.empty_like(self.pass_source)
 
@@ -115,9 +118,12 @@ class Round:
         self._fold(self.held)
 
     def fold_for_step(self) -> None:
-        """The round's sums, as the folds leave them (the step's setup, untimed)."""
+        """A K = 2 round's sums as its folds leave them, every value bounded (so the step skips
+        its NaN scan and divides by 2 in its fused kernel, as a server's commit does): the
+        step's setup, untimed."""
         self.running = RunningMean(storage=self.sums)
-        self.running.add(Contribution(self.gradient))
+        for _ in range(2):
+            self.running.add(Contribution(self.gradient), max_abs=self.bound)
 
     def outer_step(self) -> None:
         apply_running_mean(self.masters, self.running, self.optimizer, self.kinds)
@@ -187,6 +193,7 @@ def main(
     state = gpt_state(size)
     parameters = sum(t.numel() for t in state.values())
     work = Round(state)
+    del state  # (Round holds its own copies)
     work.fold_for_step()
     work.outer_step()  # the momentum exists from the first step on, as after a server's first
     masters = {n: t.clone() for n, t in work.masters.items()}  # the outer steps move them
@@ -198,6 +205,7 @@ def main(
         for name, tensor in work.masters.items():
             tensor.copy_(masters[name])
         work.reset_p()
+        work.last = None  # a fresh body: an entry left unwritten cannot pass for a written one
         body = code()
         tensors = work.copy.tensors
         return bytes(body) == reference_body and all(
@@ -206,6 +214,8 @@ def main(
 
     rows: list[dict] = []
     try:
+        torch.set_num_threads(1)
+        one_pass = median_seconds(work.memory_pass, repeats)  # every row's yardstick
         for count in thread_counts:
             torch.set_num_threads(count)
             work.fold()  # first touches
@@ -221,7 +231,6 @@ def main(
             row["identical"] = same(work.delta)
             rows.append(row)
         torch.set_num_threads(1)
-        one_pass = median_seconds(work.memory_pass, repeats)
         for count in pool_counts:
             row = {
                 "variant": f"delta over {count} Python threads (torch 1 each)",
@@ -239,23 +248,23 @@ def main(
     finally:
         torch.set_num_threads(before)
 
-    def cell(seconds: float | None, passes: float) -> str:
-        return "-" if seconds is None else f"{seconds:.3f} ({seconds / passes:.1f})"
+    def cell(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds:.3f} ({seconds / one_pass:.1f})"
 
     headers = [
         "variant",
-        "fold s (passes)",
+        "scan + fold s (passes)",
         "outer step s (passes)",
         "delta s (passes)",
-        "memory pass s",
+        "memory pass s, its threads",
         "same",
     ]
     table = [
         [
             row["variant"],
-            cell(row["fold_seconds"], row["memory_pass_seconds"]),
-            cell(row["outer_step_seconds"], row["memory_pass_seconds"]),
-            cell(row["delta_seconds"], row["memory_pass_seconds"]),
+            cell(row["fold_seconds"]),
+            cell(row["outer_step_seconds"]),
+            cell(row["delta_seconds"]),
             f"{row['memory_pass_seconds']:.3f}",
             "yes" if row["identical"] else "NO",
         ]
@@ -270,6 +279,7 @@ def main(
         "repeats": repeats,
         "machine": machine,
         "torch": torch.__version__,
+        "one_thread_pass_seconds": one_pass,
         "rows": rows,
     }
     write_json(out_dir / "server_threads.json", document)
@@ -281,8 +291,9 @@ def main(
         "# The server's int8 round work at thread budgets",
         "",
         f"Command: `{command}` ({parameters:,} parameters; median of {repeats}; {machine}, "
-        f"torch {torch.__version__}). Seconds, and in brackets the same in memory passes (a "
-        "copy of the fp32 model at the row's thread count). same: the delta's body and P equal "
+        f"torch {torch.__version__}). Seconds, and in brackets the same in memory passes: "
+        f"copies of the fp32 model on one thread ({one_pass:.3f} s), for every row alike; the "
+        "pass at the row's own thread count beside them. same: the delta's body and P equal "
         "one thread's, byte for byte.",
         "",
         "| " + " | ".join(headers) + " |",

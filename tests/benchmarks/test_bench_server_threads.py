@@ -71,6 +71,49 @@ def test_a_delta_that_differs_from_one_threads_is_reported_and_fails(
     assert "| NO |" in (tmp_path / "server_threads.md").read_text()
 
 
+def test_a_torch_rows_delta_that_changes_after_the_reference_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first delta (the reference) is right, every later one a byte off: the torch row
+    says NO (its check compares, it does not assume)."""
+    module = load_module()
+    delta, calls = module.Round.delta, []
+
+    def later_ones_off(self) -> bytearray:
+        body = delta(self)
+        calls.append(None)
+        if len(calls) > 1:
+            body[-1] ^= 1
+        return body
+
+    monkeypatch.setattr(module.Round, "delta", later_ones_off)
+    with pytest.raises(typer.Exit):
+        module.main(size="2M", threads="1", pool="", repeats=1, out_dir=tmp_path)
+    rows = json.loads((tmp_path / "server_threads.json").read_text())["rows"]
+    assert [row["identical"] for row in rows] == [False]
+
+
+def test_a_pool_that_skips_a_tensor_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool leaves one tensor's entry unwritten (and its P unmoved): NO, though the body
+    it writes into held the right bytes before (`same` codes into a fresh body)."""
+    module = load_module()
+    write_entry, skipped = module.write_entry, []
+
+    def skip_the_first(views, name, *args, **kwargs) -> None:
+        if not skipped:
+            skipped.append(name)  # the first tensor it is given, every time
+        if name != skipped[0]:
+            write_entry(views, name, *args, **kwargs)
+
+    monkeypatch.setattr(module, "write_entry", skip_the_first)  # (the pool's alone)
+    with pytest.raises(typer.Exit):
+        module.main(size="2M", threads="1", pool="2", repeats=1, out_dir=tmp_path)
+    rows = json.loads((tmp_path / "server_threads.json").read_text())["rows"]
+    assert [row["identical"] for row in rows] == [True, False]
+
+
 def test_the_pool_splits_tensors_into_groups_of_about_equal_size() -> None:
     module = load_module()
     sizes = {"a": 10, "b": 7, "c": 5, "d": 3, "e": 1}
