@@ -28,6 +28,7 @@ def test_every_benchmark_is_listed() -> None:
         "round_parts.py",
         "round_path.py",
         "scale.py",
+        "server_threads.py",
         "simulated_modes.py",
         "slow_link.py",
         "utilization.py",
