@@ -70,3 +70,40 @@ def test_the_check_sees_the_metadata_of_a_compressed_body():
         "a#scales": (2,),
     }
     assert early.header is not None and early.header[2] == codec_metadata(codec)
+
+
+def test_a_header_longer_than_the_limit_is_refused_from_its_first_8_bytes():
+    """Only the length is read: what follows is not even JSON, and the refusal names both
+    figures. A header of exactly the limit is read and parsed as ever."""
+    body = bytes(encode_tensors(TENSORS))
+    header_len = int.from_bytes(body[:8], "little")
+    too_long = EarlyHeader(10**9, max_header=header_len - 1)  # (a body that could hold it)
+    with pytest.raises(WireError) as refused:
+        anyio.run(too_long.feed, body[:8] + b"\xff" * 100)
+    assert refused.value.status == 413 and refused.value.kind == "header_too_large"
+    assert refused.value.detail == {"header_bytes": header_len, "limit": header_len - 1}
+    assert f"is {header_len} bytes, over the {header_len - 1} bytes" in refused.value.error
+    exact = EarlyHeader(len(body), max_header=header_len)
+    anyio.run(exact.feed, body)
+    assert exact.done and set(exact.header[1]) == {"a", "b"}
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int2", "topk:0.03+int2", "topk:0.0001"])
+def test_every_body_of_a_model_has_under_half_its_header_limit(codec):
+    """The limit is room to spare: the bundled GPT's bodies (53 tensors, names of up to 27
+    characters) plain and in every kind of codec (offsets of up to 7 digits), and top-k with
+    k = 1 a chunk (the most index entries), stay under half of it; so does one tensor with a
+    name of 200 characters."""
+    from diloco.algorithm.codecs import parse_codec
+    from diloco.models.gpt import GPTConfig
+    from diloco.wire import header_limit
+
+    state = GPTConfig(context=16, width=256, depth=4, heads=4).build().state_dict()
+    state["x" * 200] = torch.zeros(3)
+    floats = {n: t.float() for n, t in state.items()}
+    if codec == "fp32":
+        body = encode_tensors(state)
+    else:
+        body = encode_compressed(floats, parse_codec(codec))
+    header_len = int.from_bytes(body[:8], "little")
+    assert header_len < header_limit(state) / 2, (header_len, header_limit(state))

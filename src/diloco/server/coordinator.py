@@ -56,6 +56,7 @@ from diloco.wire import (
     TensorSpec,
     WireError,
     check_tensors,
+    header_limit,
 )
 
 __all__ = ["Coordinator", "RoundResult", "Waiting"]
@@ -602,6 +603,19 @@ class Coordinator:
     ) -> None:
         """A submission's layout from its header alone (see `Intake.check_header`)."""
         self.intake.check_header(fragment, shapes, metadata or {})
+
+    def max_header_bytes(self, fragment: int | None) -> int | None:
+        """The longest safetensors header a body of `fragment`'s tensors (None: every tensor,
+        the initial weights) may have; None before the model's specs are known, or for a
+        fragment outside the plan (the body's own checks then give the reason)."""
+        specs, plan = self.model.specs, self.model.plan
+        if specs is None:
+            return None
+        if fragment is None:
+            return header_limit(specs)
+        if plan is None or not 0 <= fragment < len(plan):
+            return None
+        return header_limit(plan[fragment])
 
     @property
     def copies_uploads(self) -> bool:

@@ -18,7 +18,7 @@ from diloco.wire.format.dtypes import (
     safetensors_code,
     torch_dtype,
 )
-from diloco.wire.format.early_header import EarlyHeader, HeaderCheck
+from diloco.wire.format.early_header import EarlyHeader, HeaderCheck, header_limit
 from diloco.wire.format.frames import MAX_HEADER_BYTES, decode_tensors, encode_tensors
 from diloco.wire.format.specs import (
     TENSOR_KINDS,
@@ -123,6 +123,7 @@ __all__ = [
     "encode_tensors",
     "fingerprint",
     "first_difference",
+    "header_limit",
     "is_worker_id",
     "parse_content_length",
     "parse_request",

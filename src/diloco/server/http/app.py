@@ -204,6 +204,7 @@ def create_app(
         may_spool: bool = True,
         check_header: HeaderCheck | None = None,
         follow: FollowSpool | None = None,
+        max_header: int | None = None,
     ) -> AsyncIterator[tuple[dict | SpooledTensors, dict[str, str]]]:
         """The request's tensors and its header's `__metadata__` (a compressed body's codec):
         in RAM while few bodies are, else spooled to a file.
@@ -212,7 +213,8 @@ def create_app(
         bodies in memory never exceeds --memory-bodies, however many workers upload at once.
         `check_header` sees the safetensors header (entries and metadata) as soon as it has
         arrived, so a body it refuses is answered before the rest of it is read (the rest is
-        then dropped unread). `follow`: a spooled body's follower (spool_body's).
+        then dropped unread). `follow`: a spooled body's follower (spool_body's). `max_header`:
+        a longer header is 413 header_too_large, from its first 8 bytes (early_header.py).
         """
         length = parse_content_length(request.headers.get("content-length"))
         check_length(length, settings.max_body_bytes)
@@ -228,6 +230,7 @@ def create_app(
                     files=spool_files,
                     check_header=check_header,
                     follow=follow,
+                    max_header=max_header,
                 )
             except OSError as exc:  # a full or missing spool disk heals; the worker retries
                 raise Rejection(
@@ -243,7 +246,7 @@ def create_app(
         in_memory["bodies"] += 1
         try:
             assert length is not None
-            early = EarlyHeader(length, check_header)
+            early = EarlyHeader(length, check_header, max_header)
             body = await read_body(request.stream(), length, settings.max_body_bytes, early)
             yield await run_in_threadpool(decode_frame, body)  # a large header takes seconds
         finally:
@@ -358,7 +361,8 @@ def create_app(
     @app.put("/v1/weights/initial", dependencies=authed)
     async def upload_initial(request: Request, worker_id: str = Query(...)) -> dict:
         act_as(request, worker_id)
-        async with tensors_from(request, may_spool=False) as (tensors, _):
+        limit = coordinator.max_header_bytes(None)
+        async with tensors_from(request, may_spool=False, max_header=limit) as (tensors, _):
             round_number = await run_in_threadpool(coordinator.upload_initial, worker_id, tensors)
         return {"status": "stored", "round": round_number}
 
@@ -399,10 +403,12 @@ def create_app(
 
         # (a server that copies no uploads is not asked: no thread hop per upload)
         following = follow if coordinator.copies_uploads else None
-        async with tensors_from(request, check_header=check_header, follow=following) as (
-            tensors,
-            metadata,
-        ):
+        async with tensors_from(
+            request,
+            check_header=check_header,
+            follow=following,
+            max_header=coordinator.max_header_bytes(fragment),
+        ) as (tensors, metadata):
             return await run_in_threadpool(
                 lambda: coordinator.submit(
                     worker_id,

@@ -344,6 +344,7 @@ async def spool_body(
     files: SpoolFiles | None = None,
     check_header: HeaderCheck | None = None,
     follow: FollowSpool | None = None,
+    max_header: int | None = None,
 ) -> SpooledTensors:
     """Write exactly `content_length` bytes to an unlinked temporary file and parse its header.
 
@@ -353,13 +354,14 @@ async def spool_body(
     `check_header` run on its entries, as soon as it has arrived: a refusal then comes before
     the rest of the body is read. `follow`: asked once the header is checked for a follower
     of the file, which then hears of every chunk written (flushed first) and rides on the
-    result as `follower` (released when it is closed).
+    result as `follower` (released when it is closed). `max_header`: a header longer is 413
+    header_too_large, from its length alone (early_header.py).
     """
     check_length(content_length, max_bytes)
     assert content_length is not None
     files = files or SpoolFiles(directory, keep=0)  # keep=0: a file is closed when given back
     file = files.take()
-    early = EarlyHeader(content_length, check_header)
+    early = EarlyHeader(content_length, check_header, max_header)
     follower: SpoolFollower | None = None
     try:
         written = 0
