@@ -321,12 +321,15 @@ def many_entries_header(entries: int) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def test_a_header_far_longer_than_the_models_is_refused_from_its_length(server_process, tmp_path):
+@pytest.mark.parametrize("memory_bodies", ["0", "1"], ids=["spooled", "in-memory"])
+def test_a_header_far_longer_than_the_models_is_refused_from_its_length(
+    server_process, tmp_path, memory_bodies
+):
     """A 16.8 MiB header (280,000 entries) for a one-tensor model: refused 413 from its first 8
     bytes, before any of it is read or parsed (parsing it held the GIL about a second here,
     and its Python objects would take about ten times its bytes), the model unchanged; the
     server answers health checks as ever."""
-    server, port = start(server_process, tmp_path)
+    server, port = start(server_process, tmp_path, "--memory-bodies", memory_bodies)
     register(port, "w0")
     peak_before = peak_rss_mb(server.process.pid)
     body = many_entries_header(280_000)

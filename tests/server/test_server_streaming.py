@@ -239,3 +239,19 @@ def test_a_model_with_fewer_blocks_than_fragments_is_refused_at_registration() -
     )
     assert "fragments must be in [1, 1]" in error.error
     assert c.model.specs is None and not c.membership.workers
+
+
+def test_each_fragment_s_header_limit_counts_its_own_tensors() -> None:
+    """By hand: 64 KiB + 4 x (name bytes + 160) per tensor of the fragment; every tensor for
+    the initial weights; none before the model is known, for a fragment outside the plan, or
+    for one without tensors here (another shard's: its 409 wrong_shard comes from the body's
+    own check, not a 413 from its header's length)."""
+    bare = Coordinator(ServerSettings(**STREAMING), None, clock=FakeClock())
+    assert bare.max_header_bytes(0) is None and bare.max_header_bytes(None) is None
+    c, _ = streaming()
+    assert c.max_header_bytes(0) == 65536 + 4 * (10 + 160) + 4 * (6 + 160)  # blocks.0.w, head.w
+    assert c.max_header_bytes(1) == 65536 + 4 * (10 + 160)
+    assert c.max_header_bytes(None) == 65536 + 4 * (10 + 160) * 2 + 4 * (6 + 160)
+    assert c.max_header_bytes(2) is None and c.max_header_bytes(-1) is None
+    c.model.plan = [F0, []]  # as a streaming shard holds another shard's fragment
+    assert c.max_header_bytes(1) is None and c.max_header_bytes(0) == 65536 + 4 * 170 + 4 * 166

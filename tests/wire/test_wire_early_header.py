@@ -88,6 +88,29 @@ def test_a_header_longer_than_the_limit_is_refused_from_its_first_8_bytes():
     assert exact.done and set(exact.header[1]) == {"a", "b"}
 
 
+def test_a_length_the_body_cannot_hold_is_malformed_before_it_is_too_large():
+    """A 100-byte header in a 20-byte body is 422 malformed_safetensors, whatever the limit."""
+    with pytest.raises(WireError) as malformed:
+        anyio.run(EarlyHeader(20, max_header=1).feed, (100).to_bytes(8, "little"))
+    assert malformed.value.status == 422 and malformed.value.kind == "malformed_safetensors"
+
+
+def test_long_non_ascii_names_stay_within_the_limit():
+    """JSON escapes each non-ASCII character to 6 bytes, and the limit counts names so: 400
+    tensors named with 130 CJK characters each, coded top-k (three entries a tensor, the
+    most), take at most 3/4 of it; counted as UTF-8 bytes (3 a character) they would not
+    fit (by hand: 4 x (390 + 160) = 2200 a tensor against the header's 3 x (780 + ~70))."""
+    from diloco.algorithm.codecs import parse_codec
+    from diloco.wire import header_limit
+
+    state = {f"{i:03d}" + "层" * 130: torch.zeros(300) for i in range(400)}
+    body = encode_compressed(state, parse_codec("topk:0.03+int2"))
+    header_len = int.from_bytes(body[:8], "little")
+    assert header_len < 0.75 * header_limit(state), (header_len, header_limit(state))
+    as_utf8 = 65536 + sum(4 * (len(name.encode()) + 160) for name in state)
+    assert header_len > as_utf8  # what the first version of the limit would have refused
+
+
 @pytest.mark.parametrize("codec", ["fp32", "int8", "int2", "topk:0.03+int2", "topk:0.0001"])
 def test_every_body_of_a_model_has_under_half_its_header_limit(codec):
     """The limit is room to spare: the bundled GPT's bodies (53 tensors, names of up to 27

@@ -116,6 +116,8 @@ class Coordinator:
         self.pool = self.journal.pool
         self.data_leases = DataLeases(self.pool, self.journal.state)
         self.last_commit: CommitRecord | None = None
+        # (specs, plan, fragment -> the longest header its bodies may have): max_header_bytes
+        self._header_limits: tuple[object, object, dict[int | None, int | None]] = (None, None, {})
         self.screen = RobustScreen(settings.robust, settings.fragments)
         # one server, shard 0 or another shard: given to whoever behaves differently by role
         self.role = ShardRole(settings, peers)
@@ -605,17 +607,25 @@ class Coordinator:
         self.intake.check_header(fragment, shapes, metadata or {})
 
     def max_header_bytes(self, fragment: int | None) -> int | None:
-        """The longest safetensors header a body of `fragment`'s tensors (None: every tensor,
-        the initial weights) may have; None before the model's specs are known, or for a
-        fragment outside the plan (the body's own checks then give the reason)."""
+        """The longest safetensors header a body of `fragment`'s tensors (None: every tensor
+        this server holds, the initial weights) may have; None before the model's specs are
+        known, or for a fragment outside the plan or without tensors here (another shard's:
+        the body's own checks then give the reason, 409 wrong_shard). Computed once per
+        fragment: the specs and the plan never change once set."""
         specs, plan = self.model.specs, self.model.plan
         if specs is None:
             return None
-        if fragment is None:
-            return header_limit(specs)
-        if plan is None or not 0 <= fragment < len(plan):
-            return None
-        return header_limit(plan[fragment])
+        if self._header_limits[0] is not specs or self._header_limits[1] is not plan:
+            self._header_limits = (specs, plan, {})
+        limits = self._header_limits[2]
+        if fragment not in limits:
+            if fragment is None:
+                limits[fragment] = header_limit(specs)
+            elif plan is None or not 0 <= fragment < len(plan) or not plan[fragment]:
+                limits[fragment] = None
+            else:
+                limits[fragment] = header_limit(plan[fragment])
+        return limits[fragment]
 
     @property
     def copies_uploads(self) -> bool:
