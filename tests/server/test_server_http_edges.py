@@ -347,3 +347,13 @@ def test_a_header_far_longer_than_the_models_is_refused_from_its_length(
     assert grown < 64, f"the server's peak memory grew {grown:.0f} MB for a refused header"
     status, health = json_answer(port, request("GET", "/healthz"))
     assert status == 200, health
+    # the initial weights' route takes the same bound (every tensor: here the one "w"), and
+    # answers it before anything else it would say of the body (409 weights_exist here)
+    head = (
+        b"PUT /v1/weights/initial?worker_id=w0 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + PROTOCOL
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+    status, refusal = json_answer(port, head + body, 60)
+    assert status == 413 and refusal["kind"] == "header_too_large", refusal
+    assert refusal["detail"]["limit"] == 65536 + 4 * 161
