@@ -13,6 +13,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -196,6 +197,25 @@ def process_group(args: list[str], ranks: int, timeout: float = 180) -> subproce
     return subprocess.CompletedProcess(
         args, failed[0] if failed else 0, "".join(out for out, _ in outputs), stderr
     )
+
+
+def load_benchmark(script: str) -> ModuleType:
+    """benchmarks/`script` imported as a fresh module of its own name (registered in
+    sys.modules, which dataclasses look their module up in), its neighbours importable
+    while it loads: for tests that call or patch a benchmark's functions."""
+    import importlib.util
+
+    name = Path(script).stem
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
 
 
 def run_benchmark_in_process(script: str, *args: str) -> subprocess.CompletedProcess:

@@ -3,7 +3,6 @@ itself, and the whole script on the CPU at a tiny size (what an offline H100 run
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import BENCHMARKS, run_benchmark, run_benchmark_in_process
+from processes import BENCHMARKS, load_benchmark, run_benchmark, run_benchmark_in_process
 
 
 @pytest.mark.slow  # the default suite runs its checks in process (below)
@@ -38,10 +37,7 @@ def test_the_codec_comparison_reports_every_codec_and_check(tmp_path: Path) -> N
 def test_the_codec_comparison_names_what_differs(monkeypatch: pytest.MonkeyPatch) -> None:
     """A device that coded otherwise is caught: every second body (the device's, in each
     pair the comparison makes) comes back with its last byte changed."""
-    spec = importlib.util.spec_from_file_location("codec_devices", BENCHMARKS / "codec_devices.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("codec_devices.py")
     calls = []
     encode = module.encode_compressed
 
@@ -65,10 +61,7 @@ def test_the_worker_rounds_comparison_catches_a_residual_kept_otherwise(
     """One worker keeps twice the residual it should after each body: the second (the
     device's) or the third (the device's, its bodies staged). Its later bodies, its residual
     and the anchor its deltas leave are reported as differing; the other agrees."""
-    spec = importlib.util.spec_from_file_location("codec_devices", BENCHMARKS / "codec_devices.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("codec_devices.py")
     made = []
 
     class Drifting(module.UploadCoder):

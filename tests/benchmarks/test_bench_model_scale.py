@@ -3,16 +3,14 @@ promises, and the limits it measures; bad options are one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from processes import BENCHMARKS, run_benchmark, run_benchmark_in_process
+from processes import BENCHMARKS, load_benchmark, run_benchmark, run_benchmark_in_process
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -198,15 +196,7 @@ def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) 
 
 
 def model_scale():
-    spec = importlib.util.spec_from_file_location("model_scale", BENCHMARKS / "model_scale.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(BENCHMARKS))  # (it imports wire.py beside it)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+    return load_benchmark("model_scale.py")
 
 
 def test_last_in_takes_each_rounds_worker_that_waited_least() -> None:

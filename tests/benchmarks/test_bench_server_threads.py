@@ -3,29 +3,13 @@ its byte-for-byte check of every variant's delta can fail."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import typer
 
-from processes import BENCHMARKS, run_benchmark_in_process
-
-
-def load_module():
-    sys.path.insert(0, str(BENCHMARKS))  # it imports its neighbours
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "server_threads", BENCHMARKS / "server_threads.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+from processes import load_benchmark, run_benchmark_in_process
 
 
 def test_every_part_is_timed_at_every_budget_and_every_delta_is_the_same(tmp_path: Path) -> None:
@@ -54,7 +38,7 @@ def test_a_delta_that_differs_from_one_threads_is_reported_and_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pooled delta comes back with one byte changed: its row says NO and the run exits 2."""
-    module = load_module()
+    module = load_benchmark("server_threads.py")
     pooled = module.Round.pooled_delta
 
     def one_byte_off(self, threads: int) -> bytearray:
@@ -76,7 +60,7 @@ def test_a_torch_rows_delta_that_changes_after_the_reference_is_reported(
 ) -> None:
     """The first delta (the reference) is right, every later one a byte off: the torch row
     says NO (its check compares, it does not assume)."""
-    module = load_module()
+    module = load_benchmark("server_threads.py")
     delta, calls = module.Round.delta, []
 
     def later_ones_off(self) -> bytearray:
@@ -98,7 +82,7 @@ def test_a_pool_that_skips_a_tensor_is_reported(
 ) -> None:
     """The pool leaves one tensor's entry unwritten (and its P unmoved): NO, though the body
     it writes into held the right bytes before (`same` codes into a fresh body)."""
-    module = load_module()
+    module = load_benchmark("server_threads.py")
     write_entry, skipped = module.write_entry, []
 
     def skip_the_first(views, name, *args, **kwargs) -> None:
@@ -115,7 +99,7 @@ def test_a_pool_that_skips_a_tensor_is_reported(
 
 
 def test_the_pool_splits_tensors_into_groups_of_about_equal_size() -> None:
-    module = load_module()
+    module = load_benchmark("server_threads.py")
     sizes = {"a": 10, "b": 7, "c": 5, "d": 3, "e": 1}
     # largest first, each to the lightest group: a | b | c, then d to c (5), e to b (7)
     assert module.balanced_groups(sizes, 3) == [["a"], ["b", "e"], ["c", "d"]]

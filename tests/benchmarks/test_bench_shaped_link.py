@@ -3,11 +3,9 @@ never sooner than its delay; bad shapes are refused in one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import socketserver
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,16 +15,11 @@ from types import ModuleType
 
 import pytest
 
-from processes import BENCHMARKS, run_benchmark, run_benchmark_in_process
+from processes import load_benchmark, run_benchmark, run_benchmark_in_process
 
 
 def shaped_link() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("shaped_link", BENCHMARKS / "shaped_link.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["shaped_link"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("shaped_link.py")
 
 
 class Echo(socketserver.BaseRequestHandler):
@@ -169,11 +162,7 @@ def test_the_slow_link_benchmark_measures_rounds_through_the_links(tmp_path: Pat
 
 def slow_link() -> ModuleType:
     shaped_link()  # slow_link imports it from benchmarks/
-    spec = importlib.util.spec_from_file_location("slow_link", BENCHMARKS / "slow_link.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("slow_link.py")
 
 
 def figures(step: int, blocked: float, wait: float) -> dict:
