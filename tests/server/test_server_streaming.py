@@ -253,5 +253,7 @@ def test_each_fragment_s_header_limit_counts_its_own_tensors() -> None:
     assert c.max_header_bytes(1) == 65536 + 4 * (10 + 160)
     assert c.max_header_bytes(None) == 65536 + 4 * (10 + 160) * 2 + 4 * (6 + 160)
     assert c.max_header_bytes(2) is None and c.max_header_bytes(-1) is None
-    c.model.plan = [F0, []]  # as a streaming shard holds another shard's fragment
+    c.model.fixed_plan = [F0, []]  # as a streaming shard holds another shard's fragment
+    assert c.model.specs is not None
+    c.model.set_specs(c.model.specs, kinds_known=True)
     assert c.max_header_bytes(1) is None and c.max_header_bytes(0) == 65536 + 4 * 170 + 4 * 166

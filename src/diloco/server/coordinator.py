@@ -56,7 +56,6 @@ from diloco.wire import (
     TensorSpec,
     WireError,
     check_tensors,
-    header_limit,
 )
 
 __all__ = ["Coordinator", "RoundResult", "Waiting"]
@@ -116,8 +115,6 @@ class Coordinator:
         self.pool = self.journal.pool
         self.data_leases = DataLeases(self.pool, self.journal.state)
         self.last_commit: CommitRecord | None = None
-        # (specs, plan, fragment -> the longest header its bodies may have): max_header_bytes
-        self._header_limits: tuple[object, object, dict[int | None, int | None]] = (None, None, {})
         self.screen = RobustScreen(settings.robust, settings.fragments)
         # one server, shard 0 or another shard: given to whoever behaves differently by role
         self.role = ShardRole(settings, peers)
@@ -610,22 +607,12 @@ class Coordinator:
         """The longest safetensors header a body of `fragment`'s tensors (None: every tensor
         this server holds, the initial weights) may have; None before the model's specs are
         known, or for a fragment outside the plan or without tensors here (another shard's:
-        the body's own checks then give the reason, 409 wrong_shard). Computed once per
-        fragment: the specs and the plan never change once set."""
-        specs, plan = self.model.specs, self.model.plan
-        if specs is None:
-            return None
-        if self._header_limits[0] is not specs or self._header_limits[1] is not plan:
-            self._header_limits = (specs, plan, {})
-        limits = self._header_limits[2]
-        if fragment not in limits:
-            if fragment is None:
-                limits[fragment] = header_limit(specs)
-            elif plan is None or not 0 <= fragment < len(plan) or not plan[fragment]:
-                limits[fragment] = None
-            else:
-                limits[fragment] = header_limit(plan[fragment])
-        return limits[fragment]
+        the body's own checks then give the reason, 409 wrong_shard)."""
+        model = self.model
+        if fragment is None:
+            return model.header_limit
+        limits = model.fragment_header_limits
+        return limits[fragment] if 0 <= fragment < len(limits) else None
 
     @property
     def copies_uploads(self) -> bool:

@@ -34,7 +34,7 @@ from diloco.server.model.master_frames import MasterFrames
 from diloco.server.model.published_copy import PublishedCopy
 from diloco.server.model.results import Published
 from diloco.server.settings import ServerSettings
-from diloco.wire import TensorSpec, encode_tensors, fingerprint
+from diloco.wire import TensorSpec, encode_tensors, fingerprint, header_limit
 from diloco.wire.format.layout import LentBytes
 
 log = logging.getLogger("diloco.server")
@@ -86,6 +86,10 @@ class GlobalModel:
         # a streaming shard: the whole model's plan, other shards' fragments empty
         self.fixed_plan: list[list[str]] | None = None
         self.owner: dict[str, int] = {}  # name -> its fragment (from the plan)
+        # the longest safetensors header a body may have (wire.header_limit): of every tensor
+        # (the initial weights), and of each fragment's (None: none of its tensors are here)
+        self.header_limit: int | None = None
+        self.fragment_header_limits: list[int | None] = []
         self.kinds_known = False
         self.version = 0  # outer steps committed: the round in sync mode
         self.published: Published | None = None  # the current full weights, encoded once
@@ -122,6 +126,8 @@ class GlobalModel:
         plan = self.fixed_plan or fragment_plan(list(specs.values()), self.settings.fragments)
         self.specs, self.plan, self.kinds_known = specs, plan, kinds_known
         self.owner = {name: f for f, members in enumerate(plan) for name in members}
+        self.header_limit = header_limit(specs)
+        self.fragment_header_limits = [header_limit(names) if names else None for names in plan]
 
     def adopt(
         self,
