@@ -30,6 +30,9 @@
 # workers; "1,4,8" compares them, one run each per mode).
 # GPU_CHECK_SERVER_WORK (the torch thread counts server_threads.py times, default "1,4,8";
 # empty skips it) and GPU_CHECK_SERVER_POOL (its Python-thread pools for the delta, "4,8").
+# GPU_CHECK_FUSED_THREADS (default "4"; empty skips): server_threads.py again with the fused
+# int8 kernels (DILOCO_FUSED_INT8=1, a compiled experiment: algorithm/fused_int8.py), one
+# process per thread count (a kernel keeps the count it was compiled at), into fused-int8-tN/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-benchmarks/results/gpu_check}
@@ -47,6 +50,7 @@ DELAYS=${GPU_CHECK_DELAYS:-1}
 SERVER_THREADS=${GPU_CHECK_SERVER_THREADS:-auto}
 SERVER_WORK=$(tr -d ' ' <<<"${GPU_CHECK_SERVER_WORK-1,4,8}")  # (blank: skipped)
 SERVER_POOL=$(tr -d ' ' <<<"${GPU_CHECK_SERVER_POOL-4,8}")
+FUSED_THREADS=$(tr -d ' ' <<<"${GPU_CHECK_FUSED_THREADS-4}")
 # model_scale runs per mode and delay: one per anchor device and server thread count
 RUNS=$(( ($(tr -cd , <<<"$ANCHORS" | wc -c) + 1) * ($(tr -cd , <<<"$SERVER_THREADS" | wc -c) + 1) ))
 mkdir -p "$RESULTS" || exit 2
@@ -81,6 +85,12 @@ if [ -n "$SERVER_WORK" ]; then
   timeout 300 "$PYTHON" benchmarks/server_threads.py --size "$SIZE" --threads "$SERVER_WORK" \
     --pool "$SERVER_POOL" --out-dir "$RESULTS" || status=1
 fi
+for threads in ${FUSED_THREADS//,/ }; do
+  echo "== 1c. the same with the fused int8 kernels at $threads torch threads"
+  mkdir -p "$RESULTS/fused-int8-t$threads"
+  DILOCO_FUSED_INT8=1 timeout 180 "$PYTHON" benchmarks/server_threads.py --size "$SIZE" \
+    --threads "$threads" --pool "" --out-dir "$RESULTS/fused-int8-t$threads" || status=1
+done
 for mode in $MODES; do
   delays=1
   [ "$mode" = streaming ] && delays=${DELAYS//,/ }  # (commas too, as the other lists)

@@ -18,7 +18,10 @@ the server should run with, and whether the 350M delta is slow outside the serve
 Each part at each torch thread count of `--threads`; then, for each count of `--pool`, the
 delta with its tensors spread over that many Python threads, torch at one thread each (a
 candidate, not what the server does). Every variant's delta body and P must equal one
-thread's, byte for byte. One memory pass (a copy of the fp32 model) on one thread is the
+thread's, byte for byte, coded by the eager code. With DILOCO_FUSED_INT8=1 (the compiled
+kernels of algorithm/fused_int8.py, an experiment) the variants code through them: each
+kernel keeps the thread count of its first use, so run one `--threads` count a process.
+One memory pass (a copy of the fp32 model) on one thread is the
 yardstick every row's passes are counted in; each row also times the pass at its own count.
 Medians of `--repeats`.
 
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 import typer
 
-from diloco.algorithm import RunningMean, TensorKind
+from diloco.algorithm import RunningMean, TensorKind, fused_int8
 from diloco.algorithm.codecs import parse_codec
 from diloco.algorithm.contributions import Contribution
 from diloco.algorithm.outer import apply_running_mean
@@ -198,8 +201,12 @@ def main(
     work.outer_step()  # the momentum exists from the first step on, as after a server's first
     masters = {n: t.clone() for n, t in work.masters.items()}  # the outer steps move them
     work.reset_p()
+    fused = fused_int8.requested()
+    os.environ[fused_int8.ENABLE] = "0"  # the reference is the eager code's
     reference_body = bytes(work.delta())
     reference_p = {n: t.clone() for n, t in work.copy.tensors.items()}
+    if fused:
+        os.environ[fused_int8.ENABLE] = "1"
 
     def same(code: Callable[[], bytearray]) -> bool:
         for name, tensor in work.masters.items():
@@ -271,7 +278,8 @@ def main(
         for row in rows
     ]
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    title = f"the server's int8 round work, {size} GPT ({parameters:,} parameters)"
+    kernels = " (fused int8 kernels)" if fused else ""
+    title = f"the server's int8 round work{kernels}, {size} GPT ({parameters:,} parameters)"
     out.print(summary_table(title, headers, table))
     document = {
         "size": size,
@@ -280,11 +288,13 @@ def main(
         "machine": machine,
         "torch": torch.__version__,
         "one_thread_pass_seconds": one_pass,
+        "fused_int8": fused,
         "rows": rows,
     }
     write_json(out_dir / "server_threads.json", document)
     command = (
-        f"python benchmarks/server_threads.py --size {size} --threads {threads} "
+        ("DILOCO_FUSED_INT8=1 " if fused else "")
+        + f"python benchmarks/server_threads.py --size {size} --threads {threads} "
         f"--pool '{pool}' --repeats {repeats}"
     )
     lines = [
@@ -294,7 +304,7 @@ def main(
         f"torch {torch.__version__}). Seconds, and in brackets the same in memory passes: "
         f"copies of the fp32 model on one thread ({one_pass:.3f} s), for every row alike; the "
         "pass at the row's own thread count beside them. same: the delta's body and P equal "
-        "one thread's, byte for byte.",
+        "one thread's eager code, byte for byte.",
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "---|" * len(headers),

@@ -163,7 +163,7 @@ def documented_modules(text: str) -> set[str]:
     block = text.split("## Layers", 1)[1].split("```", 2)[1]
     named: set[str] = set()
     folders: dict[int, str] = {}
-    entry = re.compile(r"((?:[a-z_]+(?:\.py|/))(?:, [a-z_]+(?:\.py|/))*)(\s|$)")
+    entry = re.compile(r"((?:[a-z_][a-z0-9_]*(?:\.py|/))(?:, [a-z_][a-z0-9_]*(?:\.py|/))*)(\s|$)")
     for line in block.splitlines()[1:]:
         indent = len(line) - len(line.lstrip(" "))
         found = entry.match(line.lstrip(" "))
@@ -215,7 +215,7 @@ def test_every_function_architecture_md_points_to_exists() -> None:
     per step): the module exists and defines each name of the dotted path."""
     root = SOURCE / "diloco"
     text = ARCHITECTURE.read_text()
-    pointers = set(re.findall(r"([a-z_/]+\.py)::([A-Za-z_][A-Za-z0-9_.]*)", text))
+    pointers = set(re.findall(r"([a-z0-9_/]+\.py)::([A-Za-z_][A-Za-z0-9_.]*)", text))
     assert len(pointers) > 20
     missing = []
     for path, dotted in sorted(pointers):

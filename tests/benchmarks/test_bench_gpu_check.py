@@ -135,6 +135,7 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
         "GPU_CHECK_DELAYS": "1,2",
         "GPU_CHECK_SERVER_WORK": "1",
         "GPU_CHECK_SERVER_POOL": "2",
+        "GPU_CHECK_FUSED_THREADS": "1",
     }
     result = subprocess.run(
         [str(BENCHMARKS / "gpu_check.sh"), str(tmp_path)],
@@ -153,6 +154,8 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
     assert [(r["torch_threads"], r["python_threads"], r["identical"]) for r in rows] == [
         (1, 1, True), (1, 2, True)
     ]  # fmt: skip
+    fused = json.loads((tmp_path / "fused-int8-t1" / "server_threads.json").read_text())["rows"]
+    assert [(r["torch_threads"], r["identical"]) for r in fused] == [(1, True)]
 
 
 def test_a_workers_coding_is_timed_beside_its_copy_limits(tmp_path: Path) -> None:

@@ -80,12 +80,13 @@ def test_compressed_uploads_through_the_real_server_match_the_simulator(
 
 
 @pytest.mark.parametrize(
-    ("codec", "mode_options"),
+    ("codec", "mode_options", "fused"),
     [
-        ("int8", ()),
-        pytest.param("topk:0.03+int2", STREAMING, marks=pytest.mark.slow),
+        ("int8", (), False),
+        pytest.param("int8", (), True, marks=pytest.mark.slow),
+        pytest.param("topk:0.03+int2", STREAMING, False, marks=pytest.mark.slow),
     ],
-    ids=["int8-sync", "topk-int2-streaming"],
+    ids=["int8-sync", "int8-sync-fused-kernels", "topk-int2-streaming"],
 )
 def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weights(
     server_process,
@@ -94,13 +95,16 @@ def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weight
     tmp_path: Path,
     codec: str,
     mode_options: tuple,
+    fused: bool,
 ) -> None:
     """--download-codec: each result is a coded delta against the weights every worker holds;
     at the end each worker's anchor (in its checkpoint) equals the server's published weights
     bit for bit, those equal what `diloco simulate --download-codec` ends on, and the
-    downloads were a fraction of full fp32 weights."""
+    downloads were a fraction of full fp32 weights. `fused`: the server and the workers code
+    int8 with the compiled kernels (DILOCO_FUSED_INT8=1), and the anchors still match."""
+    env = {"DILOCO_FUSED_INT8": "1"} if fused else None
     options = ("--upload-codec", codec, "--download-codec", codec, "--sync-every", "4")
-    server = server_process(*options, *mode_options, "--min-workers", "2")
+    server = server_process(*options, *mode_options, "--min-workers", "2", env=env)
     workers = [
         start_worker(
             server.url,
@@ -111,12 +115,15 @@ def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weight
             corpus_file,
             tmp_path,
             extra=("--checkpoint-dir", str(tmp_path / f"ckpt{i}")),
+            env=env,
         )
         for i in range(2)
     ]
     wait_all(workers)
     for i, worker in enumerate(workers):
         assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
+    logs = [server.log, *(tmp_path / f"w{i}.log" for i in range(2))]
+    assert not any("coding eagerly" in log.read_text() for log in logs)  # no kernel refused
     published, _ = global_weights(server.url)
     full = sum(t.numel() * t.element_size() for t in published.values())
     for i in range(2):

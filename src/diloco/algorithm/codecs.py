@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.algorithm.fused_int8 import add_decoded
 from diloco.algorithm.tensors import SparsePiece
 
 VALUE_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")
@@ -683,10 +684,17 @@ def decode_into(
     for span in Layout(encoded.numel, codec).spans(piece_elements(flat.device)):
         piece, part = flat[span.start : span.stop], encoded.select(span)
         if codec.is_quantized:
+            if weight == 1.0 and codec.bits == 8 and add_decoded(*_parts(part), piece, codec.block):
+                continue  # the fused kernel's bytes are these (see fused_int8)
             piece.add_(_dequantize(part, codec), alpha=weight)
         else:  # fp32 or bf16: a bf16 operand is converted piece by piece
             piece.add_(part.codes.float(), alpha=weight)
     return target
+
+
+def _parts(encoded: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
+    assert encoded.scales is not None
+    return encoded.codes, encoded.scales
 
 
 def _dequantize(encoded: Encoded, codec: Codec, into: torch.Tensor | None = None) -> torch.Tensor:

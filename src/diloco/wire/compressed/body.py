@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
+from diloco.algorithm import fused_int8
 from diloco.algorithm.codecs import (
     Codec,
     Encoded,
@@ -273,6 +274,16 @@ def write_parts(
         if direct:
             assert scales is not None
             slots = Encoded(span.numel, codes[slice(*span.code_bytes)], scales[slice(*span.blocks)])
+            fused = less_flat is not None and (target is None or weight == 1.0)
+            if fused and fused_int8.code(
+                flat[span.start : span.stop],
+                less_flat[span.start : span.stop],
+                slots.codes,
+                slots.scales,
+                codec.block,
+                fold_into=target,
+            ):
+                continue  # the fused kernel's bytes are these (see fused_int8)
         piece = encode(
             values(span.start, span.stop), codec, out=slots, fold_into=target, weight=weight
         )
