@@ -278,7 +278,10 @@ def main(
         for row in rows
     ]
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    kernels = " (fused int8 kernels)" if fused else ""
+    kernels = ""
+    if fused:
+        states = fused_int8.status()
+        kernels = " (fused int8 kernels: " + ", ".join(f"{k} {v}" for k, v in states.items()) + ")"
     title = f"the server's int8 round work{kernels}, {size} GPT ({parameters:,} parameters)"
     out.print(summary_table(title, headers, table))
     document = {
@@ -288,7 +291,7 @@ def main(
         "machine": machine,
         "torch": torch.__version__,
         "one_thread_pass_seconds": one_pass,
-        "fused_int8": fused,
+        "fused_int8": fused_int8.status() if fused else None,  # each kernel: used or refused
         "rows": rows,
     }
     write_json(out_dir / "server_threads.json", document)

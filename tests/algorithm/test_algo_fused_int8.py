@@ -7,6 +7,7 @@ differs on its probe is not used, and nothing changes without the variable."""
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 
 import pytest
@@ -18,19 +19,35 @@ from diloco.wire.compressed.body import write_parts
 from diloco.wire.compressed.header import part_specs
 
 INT8 = parse_codec("int8")
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # torch.compile's own
+    pytest.mark.skipif(
+        not any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")),
+        reason="inductor compiles C++: no compiler here (the kernels then stay off)",
+    ),
+]
 
 
 @pytest.fixture
 def fused(monkeypatch):
-    """DILOCO_FUSED_INT8=1 with this test's own kernel table (compiled kernels are kept across
-    tests: inductor compiles each once a process)."""
+    """DILOCO_FUSED_INT8=1 (the kernels compiled by one test are kept for the next)."""
     monkeypatch.setenv(fused_int8.ENABLE, "1")
     return fused_int8
 
 
-def parts(numel: int) -> dict[str, torch.Tensor]:
-    return {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in part_specs(numel, INT8).items()}
+@pytest.fixture
+def fresh(monkeypatch):
+    """No kernel compiled or probed yet in this process."""
+    monkeypatch.setattr(fused_int8, "_kernels", {})
+    monkeypatch.setattr(fused_int8, "_probed", set())
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def parts(numel: int, codec=INT8) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in part_specs(numel, codec).items()}
 
 
 def test_a_hand_worked_block_through_the_fused_delta(fused) -> None:
@@ -66,39 +83,50 @@ def test_a_hand_worked_zero_block_gives_zero_scale_and_middle_codes(fused) -> No
     assert not torch.signbit(p[:128]).any()
 
 
+@pytest.mark.parametrize("block", [128, 32])
 @pytest.mark.parametrize("numel", [3 * piece_elements(torch.device("cpu")) + 300, 128 * 5])
-def test_the_fused_delta_encode_and_decode_write_the_eager_bytes(fused, monkeypatch, numel) -> None:
+def test_the_fused_delta_encode_and_decode_write_the_eager_bytes(
+    fused, monkeypatch, numel, block
+) -> None:
+    codec = parse_codec("int8", block=block)
     gen = torch.Generator().manual_seed(numel)
     masters = torch.randn(numel, generator=gen) * 0.02
     p0 = masters + torch.randn(numel, generator=gen) * 1e-3
-    p0[:128] = masters[:128]  # a zero block
+    p0[:block] = masters[:block]  # a zero block
+    p0[block : 2 * block] = -0.0  # -0 + a zero level's +0 is +0
+    masters[block : 2 * block] = 0.0
     local = masters - torch.randn(numel, generator=gen) * 1e-3
 
     def run() -> tuple[torch.Tensor, dict, dict, torch.Tensor]:
-        p, delta, upload = p0.clone(), parts(numel), parts(numel)
-        write_parts(masters, INT8, delta, fold_into=p, less=p)  # a server's delta to P
-        write_parts(masters, INT8, upload, less=local)  # a worker's anchor - local
+        p, delta, upload = p0.clone(), parts(numel, codec), parts(numel, codec)
+        write_parts(masters, codec, delta, fold_into=p, less=p)  # a server's delta to P
+        write_parts(masters, codec, upload, less=local)  # a worker's anchor - local
         anchor = p0.clone()
-        decode_into(Encoded(numel, delta["codes"], delta["scales"]), INT8, anchor)
+        decode_into(Encoded(numel, delta["codes"], delta["scales"]), codec, anchor)
         return p, delta, upload, anchor
 
-    calls = []
-    real = fused.code
+    ran = []
+    real = fused_int8._run
 
-    def counted(*args, **kwargs):
-        calls.append(real(*args, **kwargs))
-        return calls[-1]
+    def counted(name, *args):
+        used = real(name, *args)
+        ran.append((name, used))
+        return used
 
-    monkeypatch.setattr(fused_int8, "code", counted)
+    monkeypatch.setattr(fused_int8, "_run", counted)
     got = run()
-    assert any(calls)  # the fused kernels ran
+    assert {name for name, used in ran if used} == set(fused_int8.NAMES)  # each kernel ran
+    assert all(used for _, used in ran)
     monkeypatch.setenv(fused_int8.ENABLE, "0")
+    ran.clear()
     want = run()
-    assert torch.equal(got[0], want[0])
+    assert not ran
+    assert torch.equal(bits(got[0]), bits(want[0]))
     for mine, theirs in zip(got[1:3], want[1:3], strict=True):
-        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert torch.equal(got[3], want[3])
-    assert torch.equal(got[3], got[0])  # a receiver's anchor moved as the server's P did
+        assert all(torch.equal(bits(mine[k]), bits(theirs[k])) for k in mine)
+    assert torch.equal(bits(got[3]), bits(want[3]))
+    assert torch.equal(bits(got[3]), bits(got[0]))  # a receiver's anchor moved as P did
+    assert not torch.signbit(got[0][block : 2 * block]).any()
 
 
 def test_what_the_kernels_do_not_cover_stays_eager(fused) -> None:
@@ -114,17 +142,15 @@ def test_what_the_kernels_do_not_cover_stays_eager(fused) -> None:
     assert torch.equal(out["codes"], torch.zeros(256, dtype=torch.uint8))
 
 
-def test_without_the_variable_nothing_is_compiled(monkeypatch) -> None:
+def test_without_the_variable_nothing_is_compiled(fresh, monkeypatch) -> None:
     monkeypatch.delenv(fused_int8.ENABLE, raising=False)
-    monkeypatch.setattr(fused_int8, "_kernels", {})
     out = parts(128)
     assert not fused_int8.code(torch.randn(128), torch.randn(128), out["codes"], out["scales"], 128)
     assert not fused_int8.add_decoded(out["codes"], out["scales"], torch.zeros(128), 128)
     assert fused_int8._kernels == {}
 
 
-def test_a_kernel_that_differs_on_its_probe_is_not_used(fused, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(fused_int8, "_kernels", {})
+def test_a_kernel_that_differs_on_its_probe_is_not_used(fused, fresh, monkeypatch, caplog) -> None:
     monkeypatch.setattr(fused_int8, "_probe", lambda name, kernel: False)
     out = parts(256)
     with caplog.at_level(logging.WARNING, logger="diloco.algorithm.fused_int8"):
@@ -135,8 +161,9 @@ def test_a_kernel_that_differs_on_its_probe_is_not_used(fused, monkeypatch, capl
     assert torch.equal(out["codes"], torch.zeros(256, dtype=torch.uint8))
 
 
-def test_a_kernel_that_cannot_compile_leaves_eager_coding(fused, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(fused_int8, "_kernels", {})
+def test_a_kernel_that_cannot_compile_leaves_eager_coding(
+    fused, fresh, monkeypatch, caplog
+) -> None:
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
@@ -155,8 +182,7 @@ def test_a_kernel_that_cannot_compile_leaves_eager_coding(fused, monkeypatch, ca
     assert torch.equal(p_got, p_want)
 
 
-def test_threads_compile_each_kernel_once(fused, monkeypatch) -> None:
-    monkeypatch.setattr(fused_int8, "_kernels", {})
+def test_threads_compile_each_kernel_once(fused, fresh, monkeypatch) -> None:
     compiled = []
     real = fused_int8._compiled
 
@@ -178,3 +204,23 @@ def test_threads_compile_each_kernel_once(fused, monkeypatch) -> None:
         thread.join(timeout=120)
     assert compiled == ["code_less"]
     assert results == [True] * 4
+
+
+def test_prepare_compiles_and_probes_every_kernel(fused, fresh) -> None:
+    assert fused.status() == dict.fromkeys(fused.NAMES, "not compiled")
+    assert fused.prepare() == dict.fromkeys(fused.NAMES, "used")
+
+
+def test_a_second_graph_is_refused_before_it_writes_anything(fused, fresh, caplog) -> None:
+    """Inputs that would make dynamo compile another graph (here fp64 operands, which the
+    eligibility checks keep out of the public calls) run nothing unprobed: the compile is
+    refused, nothing is written, and the kernel is off from then on."""
+    fused.prepare()
+    codes = torch.full((256,), 130, dtype=torch.uint8)
+    scales = torch.ones(2, dtype=torch.float64)
+    target = torch.zeros(2, 128, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.fused_int8"):
+        assert not fused._run("add_decoded", codes.view(2, 128), scales, target)
+    assert "a graph its probe did not check" in caplog.text
+    assert torch.equal(target, torch.zeros(2, 128, dtype=torch.float64))
+    assert fused.status()["add_decoded"] == "refused"

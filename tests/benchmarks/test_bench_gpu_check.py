@@ -154,8 +154,9 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
     assert [(r["torch_threads"], r["python_threads"], r["identical"]) for r in rows] == [
         (1, 1, True), (1, 2, True)
     ]  # fmt: skip
-    fused = json.loads((tmp_path / "fused-int8-t1" / "server_threads.json").read_text())["rows"]
-    assert [(r["torch_threads"], r["identical"]) for r in fused] == [(1, True)]
+    fused = json.loads((tmp_path / "fused-int8-t1" / "server_threads.json").read_text())
+    assert [(r["torch_threads"], r["identical"]) for r in fused["rows"]] == [(1, True)]
+    assert fused["fused_int8"]["delta"] == "used"  # (the one the server's delta runs)
 
 
 def test_a_workers_coding_is_timed_beside_its_copy_limits(tmp_path: Path) -> None:

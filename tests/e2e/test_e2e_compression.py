@@ -80,13 +80,12 @@ def test_compressed_uploads_through_the_real_server_match_the_simulator(
 
 
 @pytest.mark.parametrize(
-    ("codec", "mode_options", "fused"),
+    ("codec", "mode_options"),
     [
-        ("int8", (), False),
-        pytest.param("int8", (), True, marks=pytest.mark.slow),
-        pytest.param("topk:0.03+int2", STREAMING, False, marks=pytest.mark.slow),
+        ("int8", ()),
+        pytest.param("topk:0.03+int2", STREAMING, marks=pytest.mark.slow),
     ],
-    ids=["int8-sync", "int8-sync-fused-kernels", "topk-int2-streaming"],
+    ids=["int8-sync", "topk-int2-streaming"],
 )
 def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weights(
     server_process,
@@ -95,16 +94,13 @@ def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weight
     tmp_path: Path,
     codec: str,
     mode_options: tuple,
-    fused: bool,
 ) -> None:
     """--download-codec: each result is a coded delta against the weights every worker holds;
     at the end each worker's anchor (in its checkpoint) equals the server's published weights
     bit for bit, those equal what `diloco simulate --download-codec` ends on, and the
-    downloads were a fraction of full fp32 weights. `fused`: the server and the workers code
-    int8 with the compiled kernels (DILOCO_FUSED_INT8=1), and the anchors still match."""
-    env = {"DILOCO_FUSED_INT8": "1"} if fused else None
+    downloads were a fraction of full fp32 weights."""
     options = ("--upload-codec", codec, "--download-codec", codec, "--sync-every", "4")
-    server = server_process(*options, *mode_options, "--min-workers", "2", env=env)
+    server = server_process(*options, *mode_options, "--min-workers", "2")
     workers = [
         start_worker(
             server.url,
@@ -115,15 +111,12 @@ def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weight
             corpus_file,
             tmp_path,
             extra=("--checkpoint-dir", str(tmp_path / f"ckpt{i}")),
-            env=env,
         )
         for i in range(2)
     ]
     wait_all(workers)
     for i, worker in enumerate(workers):
         assert worker.returncode == 0, (tmp_path / f"w{i}.log").read_text()
-    logs = [server.log, *(tmp_path / f"w{i}.log" for i in range(2))]
-    assert not any("coding eagerly" in log.read_text() for log in logs)  # no kernel refused
     published, _ = global_weights(server.url)
     full = sum(t.numel() * t.element_size() for t in published.values())
     for i in range(2):
@@ -144,6 +137,48 @@ def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weight
     )
     for name, tensor in simulated.final_state.items():
         torch.testing.assert_close(published[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_the_fused_int8_kernels_end_bit_for_bit_where_the_eager_code_does(
+    server_process, corpus_file: Path, tmp_path: Path
+) -> None:
+    """DILOCO_FUSED_INT8=1 (algorithm/fused_int8.py) in a real server and two real workers,
+    int8 both ways: each process compiled and probed the kernels it runs, and the published
+    weights and both workers' anchors are bit for bit those of the same run coded eagerly."""
+    options = ("--upload-codec", "int8", "--download-codec", "int8", "--sync-every", "4")
+    published = {}
+    for fused in ("0", "1"):
+        out = tmp_path / f"fused{fused}"
+        out.mkdir()
+        env = {"DILOCO_FUSED_INT8": fused}
+        server = server_process(*options, "--min-workers", "2", "--log-level", "info", env=env)
+        workers = [
+            start_worker(
+                server.url, f"w{i}", i, 2, 12, corpus_file, out,
+                extra=("--checkpoint-dir", str(out / f"ckpt{i}")), env=env,
+            )
+            for i in range(2)
+        ]  # fmt: skip
+        wait_all(workers)
+        for i, worker in enumerate(workers):
+            assert worker.returncode == 0, (out / f"w{i}.log").read_text()
+        published[fused], _ = global_weights(server.url)
+        for i in range(2):
+            saved = CheckpointStore(out / f"ckpt{i}").load_latest()
+            assert saved is not None
+            for name, tensor in published[fused].items():
+                assert torch.equal(saved.tensors["anchor"][name].view(torch.int32),
+                                   tensor.view(torch.int32)), name  # fmt: skip
+        logs = {"server": server.log.read_text(), "w0": (out / "w0.log").read_text()}
+        for process, kernels in (("server", ("delta", "add_decoded")), ("w0", ("code_less",))):
+            for kernel in kernels:
+                compiled = f"fused int8 kernel {kernel} compiled and probed"
+                assert (compiled in logs[process]) == (fused == "1"), (process, kernel)
+            assert "coding eagerly" not in logs[process]
+    assert published["1"].keys() == published["0"].keys()
+    for name, tensor in published["1"].items():
+        assert torch.equal(tensor.view(torch.int32), published["0"][name].view(torch.int32)), name
 
 
 @pytest.mark.slow

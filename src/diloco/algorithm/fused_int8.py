@@ -4,20 +4,27 @@ with DILOCO_FUSED_INT8=1.
 Eager torch codes a 2 MiB piece in about a dozen passes over it (a difference, abs, amax,
 two divisions, round, clamp, casts, the decoded levels, the fold); one fused loop reads the
 operands once and writes the codes, the scales and the fold in the same sweep (a server's
-85M delta on one thread: 0.098 s against 0.154 s, benchmarks/server_threads.py). The
-kernels compute the codec's documented formulas (algorithm/codecs.py) in the same order and
-fp32 rounding (a division by the scale, round half to even, the decode a separate multiply
-then an add), so their bytes are the eager code's (the tests compare them); each compiled
-kernel is probed against its own function run eagerly on a small piece at its first use
-(zero and underflowing blocks, half-way levels, -0 targets), and one that cannot be
-compiled here (no C++ compiler) or differs by one bit is not used: the eager code runs,
-with one warning. Finite inputs only: a NaN or Inf makes its
-block's scale non-finite (every receiver refuses it) and its codes unspecified, as eager.
+85M delta on one thread: 0.098 s against 0.154 s, benchmarks/server_threads.py).
 
-The first use of each kernel in a process compiles it (seconds; inductor caches the result
-on disk for later processes), under a lock, so a server's threads never compile at once.
-Only whole blocks of int8 on CPU with weights of +1 go through here: everything else
-(int4, int2, top-k, a short last block, error feedback's -1, accelerators) stays eager.
+Same bytes: the kernels' Python functions compute the codec's documented formulas
+(algorithm/codecs.py) in the same order and fp32 rounding (a division by the scale, 127 a
+tensor so that it is not turned into a reciprocal, round half to even, the decode a separate
+multiply then an add), and the tests compare their bytes with codecs.py's own path. Each
+compiled kernel is then probed against its own function run eagerly, bit for bit (the sign
+of zero too), on 64 rows of random values and rows of zero and underflowing scales, exact
+ties and -0 targets; one that cannot be compiled here (no C++ compiler) or differs is not
+used: the eager code runs, with one warning. Only the probed graph ever runs: inputs that
+would make dynamo compile another are refused before anything is written (the kernel is
+then off for good). Finite inputs only: a NaN or Inf makes its block's scale non-finite
+(every receiver refuses it) and its codes unspecified, as eager.
+
+`prepare()` compiles and probes all three (`diloco server` and `diloco worker` call it at
+start; 3-5 s each here with inductor's disk cache warm, about 17 s cold); otherwise each
+compiles at its first use, under a lock, so a server's threads never compile at once. A
+kernel keeps the torch thread count of its compile. Only spans of whole blocks, at least
+two, of int8 on CPU with weights of +1 go through here; everything else (int4, int2, top-k,
+a tensor's last span when its last block is short, error feedback's -1, accelerators) stays
+eager.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ from collections.abc import Callable
 import torch
 
 ENABLE = "DILOCO_FUSED_INT8"
+NAMES = ("code_less", "delta", "add_decoded")
 _QMAX = 127.0
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _kernels: dict[str, Callable[..., None] | None] = {}  # name -> the kernel, None: not usable
+_probed: set[str] = set()  # kernels whose one graph was probed: no other may be compiled
 
 
 def requested() -> bool:
@@ -43,10 +52,14 @@ def requested() -> bool:
     return os.environ.get(ENABLE) == "1"
 
 
-def _levels(d: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _levels(
+    d: torch.Tensor, scales: torch.Tensor, qmax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each (rows, block) row's scale (absmax / 127) and levels clamp(round(d / s)), a zero
-    scale giving zero levels (d / inf), as codecs._code_values computes them."""
-    s = d.abs().amax(dim=1) / _QMAX
+    scale giving zero levels (d / inf), as codecs._code_values computes them. 127 comes in
+    as a tensor, `qmax`: inductor would multiply by the reciprocal of a number (as CUDA does;
+    on CPU torch 2.13 no longer does), off by an ulp in about 5 % of scales."""
+    s = d.abs().amax(dim=1) / qmax
     scales.copy_(s)
     safe = torch.where(s == 0, math.inf, s).unsqueeze(1)
     return s, (d / safe).round().clamp(-_QMAX, _QMAX)
@@ -58,18 +71,24 @@ def _decoded(codes: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def _code_less(
-    x: torch.Tensor, less: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+    x: torch.Tensor,
+    less: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    qmax: torch.Tensor,
 ) -> None:
     """codes, scales <- int8(x - less): a worker's anchor - local."""
-    _, levels = _levels(x - less, scales)
+    _, levels = _levels(x - less, scales, qmax)
     codes.copy_((levels + _QMAX).to(torch.uint8))
 
 
-def _delta(x: torch.Tensor, p: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+def _delta(
+    x: torch.Tensor, p: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qmax: torch.Tensor
+) -> None:
     """codes, scales <- int8(x - p), p += what they decode to: a server's delta to its
     published copy P (one tensor both subtracted and moved: aliased inputs of two views are
     not compiled)."""
-    s, levels = _levels(x - p, scales)
+    s, levels = _levels(x - p, scales, qmax)
     coded = (levels + _QMAX).to(torch.uint8)
     codes.copy_(coded)
     p.add_(_decoded(coded, s))
@@ -81,6 +100,24 @@ def _add_decoded(codes: torch.Tensor, scales: torch.Tensor, target: torch.Tensor
 
 
 _EAGER = {"code_less": _code_less, "delta": _delta, "add_decoded": _add_decoded}
+_QMAX_TENSOR = torch.tensor(_QMAX)
+
+
+def prepare() -> dict[str, str]:
+    """Compile and probe every kernel now (a process's start), not in its first round."""
+    for name in NAMES:
+        _kernel(name)
+    return status()
+
+
+def status() -> dict[str, str]:
+    """Each kernel's state in this process: used, refused (eager instead) or not compiled."""
+    return {
+        name: "not compiled"
+        if name not in _kernels
+        else ("used" if _kernels[name] is not None else "refused")
+        for name in NAMES
+    }
 
 
 def code(
@@ -97,11 +134,14 @@ def code(
     to be used here: the caller codes eagerly."""
     if fold_into is not None and not _same(fold_into, less):
         return False
+    if fold_into is None and x.data_ptr() == less.data_ptr():
+        return False  # (aliased inputs: another graph)
     if not _eligible(block, x, less, codes, scales):
         return False
     rows = x.numel() // block
     name = "code_less" if fold_into is None else "delta"
-    return _run(name, x.view(rows, block), less.view(rows, block), codes.view(rows, block), scales)
+    views = (x.view(rows, block), less.view(rows, block), codes.view(rows, block))
+    return _run(name, *views, scales, _QMAX_TENSOR)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -120,13 +160,20 @@ def add_decoded(
 
 
 def _run(name: str, *args: torch.Tensor) -> bool:
-    """Run kernel `name`; False when it is not usable here (it then never runs again)."""
+    """Run kernel `name`; False when it is not usable here (it then never runs again): its
+    compile failed, or it would compile a second graph, which the probe never saw (refused
+    by `_backend` before it runs, so nothing was written)."""
     kernel = _kernel(name)
     if kernel is None:
         return False
     try:
-        kernel(*args)
-    except Exception as exc:  # a recompile for inputs the probe did not show, failing
+        with torch.no_grad():
+            kernel(*args)
+    except Exception as exc:
+        from torch._dynamo.exc import TorchDynamoException
+
+        if not isinstance(exc, TorchDynamoException):
+            raise  # the kernel ran and failed: what it wrote may be half done
         _kernels[name] = None
         _log.warning("the fused int8 kernel %s failed (%s); coding eagerly from now on", name, exc)
         return False
@@ -142,12 +189,22 @@ def _eligible(
 ) -> bool:
     if not requested() or x.device.type != "cpu" or not x.numel() or x.numel() % block:
         return False
+    if torch.is_inference_mode_enabled():  # inference tensors: guards the probe never met
+        return False
     floats = (x, less, scales)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in floats):
         return False
     if x.numel() < 2 * block:  # one row: a shape the compiled graph specializes, unprobed
         return False
+    if (
+        less.numel() != x.numel()
+        or codes.numel() != x.numel()
+        or scales.numel() * block != x.numel()
+    ):
+        return False
     every = (*floats, codes)
+    if any(t.requires_grad or t.is_inference() for t in every):
+        return False
     return codes.dtype == torch.uint8 and all(t.is_contiguous() for t in every)
 
 
@@ -164,8 +221,9 @@ def _kernel(name: str) -> Callable[..., None] | None:
 def _compiled(name: str) -> Callable[..., None] | None:
     began = time.monotonic()
     try:
-        kernel = torch.compile(_EAGER[name], dynamic=True, fullgraph=True)
-        same = _probe(name, kernel)
+        kernel = torch.compile(_EAGER[name], dynamic=True, fullgraph=True, backend=_backend(name))
+        with torch.no_grad():
+            same = _probe(name, kernel)
     except Exception as exc:  # no compiler, an inductor without this backend, ...
         _log.warning(
             "%s=1 but the fused int8 kernel %s cannot run here (%s); coding eagerly",
@@ -176,36 +234,61 @@ def _compiled(name: str) -> Callable[..., None] | None:
         return None
     if not same:
         _log.warning(
-            "%s=1 but the fused int8 kernel %s differs from the eager code on its "
-            "probe; coding eagerly",
+            "%s=1 but the fused int8 kernel %s differs from the eager code on its probe; "
+            "coding eagerly",
             ENABLE,
             name,
         )
         return None
+    _probed.add(name)
     _log.info("fused int8 kernel %s compiled and probed in %.1f s", name, time.monotonic() - began)
     return kernel
 
 
+def _backend(name: str) -> Callable[..., Callable[..., object]]:
+    """Inductor, for the probe's one graph of kernel `name` only: a second graph (inputs the
+    probe never showed it) would run unprobed, so its compile is refused, before it runs."""
+
+    def compile_once(graph: torch.fx.GraphModule, inputs: list) -> Callable[..., object]:
+        if name in _probed:
+            raise RuntimeError(f"kernel {name} would compile a graph its probe did not check")
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(graph, inputs)
+
+    return compile_once
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp32 as its bit patterns (-0 is not +0), anything else as it is."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
 def _probe(name: str, kernel: Callable[..., None]) -> bool:
-    """Whether compiled `kernel` writes the bytes its own Python function writes eagerly, on a
-    piece that holds the edge cases (that function's bytes are the codec's: the tests compare
-    them with codecs.py's)."""
+    """Whether compiled `kernel` writes, bit for bit, what its own Python function writes
+    eagerly (whose bytes are the codec's: the tests compare them with codecs.py's), on 64
+    rows of random values and rows that hold the edge cases."""
     gen = torch.Generator().manual_seed(8)
-    rows, block = 8, 128
+    rows, block = 64, 128
     p = torch.randn(rows, block, generator=gen) * 0.01  # less (and a server's target): P
     x = p + torch.randn(rows, block, generator=gen) * 0.01
     x[1] = p[1]  # a zero block: scale 0, codes 127
     p[2:5] = 0.0
     x[2] = 1e-44  # absmax / 127 underflows to 0
-    x[3] = torch.arange(block) - 63.5  # levels at exact halves of a step
+    x[3] = torch.arange(block) - 63.5  # ties: s = 127 / 127 = 1, every other value k + 0.5
+    x[3, 0] = 127.0
     p[4] = -0.0  # -0 + a zero level's +0 is +0
-    x[4, 0] = 1e-30
+    x[4] = torch.randn(block, generator=gen) * 1e-3
+    x[4, :8] = 0.0
     codes = torch.zeros(rows, block, dtype=torch.uint8)
     scales = torch.zeros(rows)
-    _EAGER["code_less"](x, p, codes, scales)  # (a receiver's operands: real codes and scales)
-    decoding = name == "add_decoded"
-    args = [codes, scales, p] if decoding else [x, p, codes.zero_(), scales.zero_()]
+    qmax = _QMAX_TENSOR
+    _EAGER["code_less"](x, p, codes, scales, qmax)  # a receiver's operands: real codes
+    if name == "add_decoded":
+        args = [codes, scales, p]
+    else:
+        args = [x, p, codes.zero_(), scales.zero_(), qmax]
     want = [t.clone() for t in args]
     _EAGER[name](*want)
     kernel(*args)
-    return all(torch.equal(got, expected) for got, expected in zip(args, want, strict=True))
+    return all(torch.equal(_bits(a), _bits(b)) for a, b in zip(args, want, strict=True))

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import typer
 
+from diloco.algorithm import fused_int8
 from diloco.commands.options import (
     CORPUS_HELP,
     DATA_PANEL,
@@ -336,7 +337,10 @@ def worker_command(
     secret = read_token(token, token_file)
     sent = secret is not None
     check_ca_file(ca_file)
-    log_to_stderr(info_from=["diloco.worker"])  # joined, each round, waits, retries
+    log_to_stderr(info_from=["diloco.worker", "diloco.algorithm.fused_int8"])  # joined, each
+    # round, waits, retries; the experiment's kernels, compiled before the first round
+    if fused_int8.requested():
+        fused_int8.prepare()
     try:
         config = _model_spec(model_config, seq_len, width, depth, heads)
         corpus_bytes = load_named_corpus(corpus)

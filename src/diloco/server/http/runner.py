@@ -19,6 +19,7 @@ import uvicorn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from diloco.algorithm import fused_int8
 from diloco.server.coordinator import Coordinator
 from diloco.server.http.app import create_app
 from diloco.server.http.uvicorn_protocol import DilocoHttpProtocol, PlainHttpNoticed
@@ -285,6 +286,8 @@ def serve(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return_large_frees_to_the_os()
+    if fused_int8.requested():  # compiled now, at its thread budget, not in a first round
+        fused_int8.prepare()
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     initial = load_initial_weights(init) if init is not None else None
     sharding = None
