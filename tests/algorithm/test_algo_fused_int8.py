@@ -17,6 +17,7 @@ from diloco.algorithm import fused_int8
 from diloco.algorithm.codecs import Encoded, decode_into, parse_codec, piece_elements
 from diloco.wire.compressed.body import write_parts
 from diloco.wire.compressed.header import part_specs
+from processes import run_cli_in_process
 
 INT8 = parse_codec("int8")
 pytestmark = [
@@ -224,3 +225,28 @@ def test_a_second_graph_is_refused_before_it_writes_anything(fused, fresh, caplo
     assert "a graph its probe did not check" in caplog.text
     assert torch.equal(target, torch.zeros(2, 128, dtype=torch.float64))
     assert fused.status()["add_decoded"] == "refused"
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2"])
+def test_a_bad_setting_is_refused_at_start_by_the_server_and_the_worker(monkeypatch, value):
+    monkeypatch.setenv(fused_int8.ENABLE, value)
+    want = f"DILOCO_FUSED_INT8 must be 1 (on) or 0 (off), got '{value}'"
+    for command in (["server", "--port", "0"], ["worker", "--server", "http://127.0.0.1:9"]):
+        done = run_cli_in_process(*command)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert want in done.stdout + done.stderr
+        assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_only_a_run_that_codes_dense_int8_compiles_at_start(fused, fresh) -> None:
+    fused.prepare_for(parse_codec("fp32"), parse_codec("topk:0.03+int8"), parse_codec("int2"))
+    assert fused.status() == dict.fromkeys(fused.NAMES, "not compiled")
+    fused.prepare_for(parse_codec("fp32"), INT8)
+    assert fused.status() == dict.fromkeys(fused.NAMES, "used")
+
+
+def test_without_the_variable_a_run_of_int8_compiles_nothing(fresh, monkeypatch) -> None:
+    monkeypatch.setenv(fused_int8.ENABLE, "0")
+    fused_int8.check_setting()
+    fused_int8.prepare_for(INT8)
+    assert fused_int8.status() == dict.fromkeys(fused_int8.NAMES, "not compiled")

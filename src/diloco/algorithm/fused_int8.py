@@ -18,13 +18,13 @@ would make dynamo compile another are refused before anything is written (the ke
 then off for good). Finite inputs only: a NaN or Inf makes its block's scale non-finite
 (every receiver refuses it) and its codes unspecified, as eager.
 
-`prepare()` compiles and probes all three (`diloco server` and `diloco worker` call it at
-start; 3-5 s each here with inductor's disk cache warm, about 17 s cold); otherwise each
-compiles at its first use, under a lock, so a server's threads never compile at once. A
-kernel keeps the torch thread count of its compile. Only spans of whole blocks, at least
-two, of int8 on CPU with weights of +1 go through here; everything else (int4, int2, top-k,
-a tensor's last span when its last block is short, error feedback's -1, accelerators) stays
-eager.
+`prepare()` compiles and probes all three (a server and a DiLoCoWorker call it at start
+when their run codes int8: `prepare_for`; 3-5 s each here with inductor's disk cache warm,
+about 17 s cold); otherwise each compiles at its first use, under a lock, so a server's
+threads never compile at once. A kernel keeps the torch thread count of its compile. Only
+spans of whole blocks, at least two, of int8 on CPU with weights of +1 go through here;
+everything else (int4, int2, top-k, a tensor's last span when its last block is short,
+error feedback's -1, accelerators) stays eager.
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ _probed: set[str] = set()  # kernels whose one graph was probed: no other may be
 def requested() -> bool:
     """Whether this process asked for the fused kernels (DILOCO_FUSED_INT8=1)."""
     return os.environ.get(ENABLE) == "1"
+
+
+def check_setting() -> None:
+    """ValueError unless DILOCO_FUSED_INT8 is unset, empty, 0 or 1 (a command checks it at
+    start: `yes` or `true` must not quietly mean off)."""
+    value = os.environ.get(ENABLE, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENABLE} must be 1 (on) or 0 (off), got {value!r}")
 
 
 def _levels(
@@ -108,6 +116,15 @@ def prepare() -> dict[str, str]:
     for name in NAMES:
         _kernel(name)
     return status()
+
+
+def prepare_for(*codecs: object) -> None:
+    """`prepare()` when the kernels are asked for and one of `codecs` (algorithm.codecs.Codec)
+    is dense int8, the one they code: a run without it pays no compile."""
+    if requested() and any(
+        getattr(c, "values", None) == "int8" and not getattr(c, "is_sparse", True) for c in codecs
+    ):
+        prepare()
 
 
 def status() -> dict[str, str]:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from diloco.algorithm import fused_int8
 from diloco.algorithm.recipes import error_feedback_note
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO
 from diloco.commands.options import (
@@ -336,6 +337,7 @@ def server_command(
         raise fail(f"--max-body-mib must be > 0, got {max_body_mib}")
     try:
         apply_thread_budget(server_threads(threads))
+        fused_int8.check_setting()
     except ValueError as exc:
         raise fail(str(exc)) from None
     try:

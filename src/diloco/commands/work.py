@@ -332,15 +332,14 @@ def worker_command(
         train_device = training_device(device)
         autocast_dtype = autocast_dtype_of(dtype)
         apply_thread_budget(threads)
+        fused_int8.check_setting()
     except ValueError as exc:
         raise fail(str(exc)) from None
     secret = read_token(token, token_file)
     sent = secret is not None
     check_ca_file(ca_file)
-    log_to_stderr(info_from=["diloco.worker", "diloco.algorithm.fused_int8"])  # joined, each
-    # round, waits, retries; the experiment's kernels, compiled before the first round
-    if fused_int8.requested():
-        fused_int8.prepare()
+    # joined, each round, waits, retries; the experiment's kernels, compiled as it joins
+    log_to_stderr(info_from=["diloco.worker", "diloco.algorithm.fused_int8"])
     try:
         config = _model_spec(model_config, seq_len, width, depth, heads)
         corpus_bytes = load_named_corpus(corpus)

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from diloco.algorithm import classify_tensors
+from diloco.algorithm import classify_tensors, fused_int8
 from diloco.wire import WireError, decode_tensors, encode_tensors, specs_of
 from diloco.worker.anchor import (
     Anchor,
@@ -244,6 +244,8 @@ class DiLoCoWorker:
         info = distributed.lead(self._server_info, distributed.broadcast_json)
         self.settings = WorkerSettings.from_info(info, server_url)
         self.settings.check_supported()
+        fused_int8.check_setting()
+        fused_int8.prepare_for(self.settings.upload_codec, self.settings.download_codec)
         if self.sharded:
             check_sharded_settings(self.settings)
         if self.settings.mode == "streaming":

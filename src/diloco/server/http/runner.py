@@ -286,8 +286,7 @@ def serve(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return_large_frees_to_the_os()
-    if fused_int8.requested():  # compiled now, at its thread budget, not in a first round
-        fused_int8.prepare()
+    fused_int8.prepare_for(settings.upload, settings.download)  # (at its thread budget)
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.
     initial = load_initial_weights(init) if init is not None else None
     sharding = None
