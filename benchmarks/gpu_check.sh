@@ -32,7 +32,8 @@
 # empty skips it) and GPU_CHECK_SERVER_POOL (its Python-thread pools for the delta, "4,8").
 # GPU_CHECK_FUSED_THREADS (default "4"; empty skips): server_threads.py again with the fused
 # int8 kernels (DILOCO_FUSED_INT8=1, a compiled experiment: algorithm/fused_int8.py), one
-# process per thread count (a kernel keeps the count it was compiled at), into fused-int8-tN/.
+# process per thread count (a kernel runs only at the count it was compiled at), into
+# fused-int8-tN/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${1:-benchmarks/results/gpu_check}

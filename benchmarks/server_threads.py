@@ -19,8 +19,8 @@ Each part at each torch thread count of `--threads`; then, for each count of `--
 delta with its tensors spread over that many Python threads, torch at one thread each (a
 candidate, not what the server does). Every variant's delta body and P must equal one
 thread's, byte for byte, coded by the eager code. With DILOCO_FUSED_INT8=1 (the compiled
-kernels of algorithm/fused_int8.py, an experiment) the variants code through them: each
-kernel keeps the thread count of its first use, so run one `--threads` count a process.
+kernels of algorithm/fused_int8.py, an experiment) the delta codes through them; a kernel
+runs only at the thread count it was compiled at, so give one `--threads` count a process.
 One memory pass (a copy of the fp32 model) on one thread is the
 yardstick every row's passes are counted in; each row also times the pass at its own count.
 Medians of `--repeats`.
@@ -191,6 +191,15 @@ def main(
     pool_counts = _counts(pool, "--pool", allow_empty=True)
     if repeats < 1:
         raise fail(f"--repeats must be >= 1, got {repeats}")
+    try:
+        fused_int8.check_setting()
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if fused_int8.requested() and (len(thread_counts) > 1 or pool_counts):
+        raise fail(
+            "with DILOCO_FUSED_INT8=1 give one --threads count and --pool '' (a kernel runs "
+            "at the thread count it was compiled at: one process a count)"
+        )
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     state = gpt_state(size)
@@ -292,6 +301,7 @@ def main(
         "torch": torch.__version__,
         "one_thread_pass_seconds": one_pass,
         "fused_int8": fused_int8.status() if fused else None,  # each kernel: used or refused
+        "fused_int8_calls": fused_int8.calls() if fused else None,  # pieces each coded
         "rows": rows,
     }
     write_json(out_dir / "server_threads.json", document)

@@ -39,7 +39,8 @@ def fused(monkeypatch):
 @pytest.fixture
 def fresh(monkeypatch):
     """No kernel compiled or probed yet in this process."""
-    monkeypatch.setattr(fused_int8, "_kernels", {})
+    for table in ("_kernels", "_compiles", "_threads", "_calls"):
+        monkeypatch.setattr(fused_int8, table, {})
     monkeypatch.setattr(fused_int8, "_probed", set())
 
 
@@ -84,11 +85,9 @@ def test_a_hand_worked_zero_block_gives_zero_scale_and_middle_codes(fused) -> No
     assert not torch.signbit(p[:128]).any()
 
 
-@pytest.mark.parametrize("block", [128, 32])
 @pytest.mark.parametrize("numel", [3 * piece_elements(torch.device("cpu")) + 300, 128 * 5])
-def test_the_fused_delta_encode_and_decode_write_the_eager_bytes(
-    fused, monkeypatch, numel, block
-) -> None:
+def test_the_fused_delta_encode_and_decode_write_the_eager_bytes(fused, monkeypatch, numel) -> None:
+    block = 128
     codec = parse_codec("int8", block=block)
     gen = torch.Generator().manual_seed(numel)
     masters = torch.randn(numel, generator=gen) * 0.02
@@ -115,9 +114,12 @@ def test_the_fused_delta_encode_and_decode_write_the_eager_bytes(
         return used
 
     monkeypatch.setattr(fused_int8, "_run", counted)
+    before = fused_int8.calls()
     got = run()
     assert {name for name, used in ran if used} == set(fused_int8.NAMES)  # each kernel ran
     assert all(used for _, used in ran)
+    after = fused_int8.calls()
+    assert all(after[name] > before[name] for name in fused_int8.NAMES)
     monkeypatch.setenv(fused_int8.ENABLE, "0")
     ran.clear()
     want = run()
@@ -250,3 +252,49 @@ def test_without_the_variable_a_run_of_int8_compiles_nothing(fresh, monkeypatch)
     fused_int8.check_setting()
     fused_int8.prepare_for(INT8)
     assert fused_int8.status() == dict.fromkeys(fused_int8.NAMES, "not compiled")
+
+
+def test_other_blocks_and_other_thread_counts_stay_eager(fused, monkeypatch) -> None:
+    """The probe checks blocks of 128 at the compile's thread count: a body in blocks of 32,
+    or a call at another thread count, is coded eagerly, and the kernels stay in use."""
+    fused.prepare()
+    ran = []
+    real = fused_int8._run
+    monkeypatch.setattr(fused_int8, "_run", lambda *a: ran.append(a[0]) or real(*a))
+    codec = parse_codec("int8", block=32)
+    masters, p = torch.randn(4096), torch.randn(4096)
+    write_parts(masters, codec, parts(4096, codec), fold_into=p, less=p)
+    assert ran == []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        out = parts(4096)
+        assert not fused.code(masters, p, out["codes"], out["scales"], 128, fold_into=p)
+    finally:
+        torch.set_num_threads(threads)
+    assert fused.status() == dict.fromkeys(fused.NAMES, "used")
+    assert fused.code(masters, p, out["codes"], out["scales"], 128, fold_into=p)
+
+
+def test_inputs_the_probe_never_saw_stay_eager(fused) -> None:
+    fused.prepare()
+    x, p = torch.randn(512), torch.randn(512)
+    out = parts(512)
+    grad = torch.randn(512, requires_grad=True)
+    assert not fused.code(grad, p, out["codes"], out["scales"], 128)  # needs grad
+    assert not fused.code(x, x, out["codes"], out["scales"], 128)  # x is less: aliased
+    assert not fused.code(x, p[:384], out["codes"][:384], out["scales"][:3], 128)  # sizes
+    assert not fused.add_decoded(out["codes"], out["scales"][:3], p, 128)  # scales short
+    with torch.inference_mode():
+        assert not fused.code(x, p, out["codes"], out["scales"], 128)
+    assert torch.equal(out["codes"], torch.zeros(512, dtype=torch.uint8))
+    assert fused.status() == dict.fromkeys(fused.NAMES, "used")  # none was switched off
+
+
+def test_a_kernel_dynamo_did_not_compile_is_not_used(fused, fresh, monkeypatch, caplog) -> None:
+    """With dynamo off (TORCHDYNAMO_DISABLE=1) torch.compile runs the function as it is, and
+    the probe would compare eager with eager: such a kernel is refused."""
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)
+    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.fused_int8"):
+        assert fused.prepare() == dict.fromkeys(fused.NAMES, "refused")
+    assert "was not compiled (0 graphs)" in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -156,7 +157,9 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
     ]  # fmt: skip
     fused = json.loads((tmp_path / "fused-int8-t1" / "server_threads.json").read_text())
     assert [(r["torch_threads"], r["identical"]) for r in fused["rows"]] == [(1, True)]
-    assert fused["fused_int8"]["delta"] == "used"  # (the one the server's delta runs)
+    if any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):  # else refused, eager
+        assert fused["fused_int8"]["delta"] == "used"  # (the one the server's delta runs)
+        assert fused["fused_int8_calls"]["delta"] > 0
 
 
 def test_a_workers_coding_is_timed_beside_its_copy_limits(tmp_path: Path) -> None:

@@ -120,3 +120,20 @@ def test_bad_options_are_one_line(tmp_path: Path, args: list[str], needle: str) 
     result = run_benchmark_in_process("server_threads.py", *args, "--out-dir", str(tmp_path))
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "args", "needle"),
+    [
+        ("1", ["--threads", "1,2", "--pool", ""], "give one --threads count and --pool ''"),
+        ("1", ["--threads", "1", "--pool", "2"], "give one --threads count and --pool ''"),
+        ("on", ["--threads", "1"], "DILOCO_FUSED_INT8 must be 1 (on) or 0 (off), got 'on'"),
+    ],
+)
+def test_the_fused_kernels_take_one_thread_count_a_run(
+    tmp_path: Path, monkeypatch, value: str, args: list[str], needle: str
+) -> None:
+    monkeypatch.setenv("DILOCO_FUSED_INT8", value)
+    result = run_benchmark_in_process("server_threads.py", *args, "--out-dir", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr

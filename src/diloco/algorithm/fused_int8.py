@@ -11,20 +11,23 @@ Same bytes: the kernels' Python functions compute the codec's documented formula
 tensor so that it is not turned into a reciprocal, round half to even, the decode a separate
 multiply then an add), and the tests compare their bytes with codecs.py's own path. Each
 compiled kernel is then probed against its own function run eagerly, bit for bit (the sign
-of zero too), on 64 rows of random values and rows of zero and underflowing scales, exact
-ties and -0 targets; one that cannot be compiled here (no C++ compiler) or differs is not
-used: the eager code runs, with one warning. Only the probed graph ever runs: inputs that
-would make dynamo compile another are refused before anything is written (the kernel is
-then off for good). Finite inputs only: a NaN or Inf makes its block's scale non-finite
-(every receiver refuses it) and its codes unspecified, as eager.
+of zero too), on 512 rows of random values and rows of zero and underflowing scales, exact
+ties, near ties at scales that are not powers of two and -0 targets; one that cannot be
+compiled here (no C++ compiler), that dynamo did not compile (TORCHDYNAMO_DISABLE) or that
+differs is not used: the eager code runs, with one warning. Only the probed graph ever
+runs: inputs that would make dynamo compile another are refused before anything is written
+(the kernel is then off for good). Finite inputs only: a NaN or Inf makes its block's
+scale non-finite (every receiver refuses it) and its codes unspecified, as eager.
 
 `prepare()` compiles and probes all three (a server and a DiLoCoWorker call it at start
 when their run codes int8: `prepare_for`; 3-5 s each here with inductor's disk cache warm,
 about 17 s cold); otherwise each compiles at its first use, under a lock, so a server's
-threads never compile at once. A kernel keeps the torch thread count of its compile. Only
-spans of whole blocks, at least two, of int8 on CPU with weights of +1 go through here;
-everything else (int4, int2, top-k, a tensor's last span when its last block is short,
-error feedback's -1, accelerators) stays eager.
+threads never compile at once. A kernel runs only at the torch thread count it was compiled
+at (at another, that call is eager). Only spans of whole blocks of 128 (the codec's default,
+the block the probe checks), at least two, of int8 on CPU with weights of +1 go through
+here; everything else (other blocks, int4, int2, top-k, a tensor's last span when its last
+block is short, error feedback's -1, accelerators) stays eager. `calls()` counts the pieces
+each kernel coded; each logs its first.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _kernels: dict[str, Callable[..., None] | None] = {}  # name -> the kernel, None: not usable
 _probed: set[str] = set()  # kernels whose one graph was probed: no other may be compiled
+_compiles: dict[str, int] = {}  # graphs inductor compiled for each kernel (the probe needs 1)
+_threads: dict[str, int] = {}  # the torch thread count each kernel was compiled at
+_calls: dict[str, int] = {}  # pieces each kernel coded in this process
+BLOCK = 128  # the block size the kernels are probed at, and run for (the codec's default)
 
 
 def requested() -> bool:
@@ -108,7 +115,7 @@ def _add_decoded(codes: torch.Tensor, scales: torch.Tensor, target: torch.Tensor
 
 
 _EAGER = {"code_less": _code_less, "delta": _delta, "add_decoded": _add_decoded}
-_QMAX_TENSOR = torch.tensor(_QMAX)
+_QMAX_TENSOR = torch.tensor(_QMAX, dtype=torch.float32)
 
 
 def prepare() -> dict[str, str]:
@@ -128,13 +135,19 @@ def prepare_for(*codecs: object) -> None:
 
 
 def status() -> dict[str, str]:
-    """Each kernel's state in this process: used, refused (eager instead) or not compiled."""
+    """Each kernel's state in this process: used (compiled and probed), refused (eager
+    instead) or not compiled."""
     return {
         name: "not compiled"
         if name not in _kernels
         else ("used" if _kernels[name] is not None else "refused")
         for name in NAMES
     }
+
+
+def calls() -> dict[str, int]:
+    """Pieces each kernel has coded in this process (what shows it ran on real bodies)."""
+    return {name: _calls.get(name, 0) for name in NAMES}
 
 
 def code(
@@ -177,23 +190,27 @@ def add_decoded(
 
 
 def _run(name: str, *args: torch.Tensor) -> bool:
-    """Run kernel `name`; False when it is not usable here (it then never runs again): its
-    compile failed, or it would compile a second graph, which the probe never saw (refused
-    by `_backend` before it runs, so nothing was written)."""
+    """Run kernel `name`; False when it is not usable here: not at the thread count it was
+    compiled at (dynamo would compile another graph for this one: eager this time), or (it
+    then never runs again) its compile failed, or it would compile a second graph, which
+    the probe never saw (refused by `_backend` before it runs, so nothing was written)."""
     kernel = _kernel(name)
-    if kernel is None:
+    if kernel is None or torch.get_num_threads() != _threads[name]:
         return False
     try:
         with torch.no_grad():
             kernel(*args)
     except Exception as exc:
-        from torch._dynamo.exc import TorchDynamoException
+        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
-        if not isinstance(exc, TorchDynamoException):
+        if not isinstance(exc, (TorchDynamoException, FailOnRecompileLimitHit)):
             raise  # the kernel ran and failed: what it wrote may be half done
         _kernels[name] = None
         _log.warning("the fused int8 kernel %s failed (%s); coding eagerly from now on", name, exc)
         return False
+    _calls[name] = _calls.get(name, 0) + 1
+    if _calls[name] == 1:
+        _log.info("fused int8 kernel %s coded its first piece", name)
     return True
 
 
@@ -204,12 +221,14 @@ def _eligible(
     codes: torch.Tensor,
     scales: torch.Tensor,
 ) -> bool:
-    if not requested() or x.device.type != "cpu" or not x.numel() or x.numel() % block:
+    if not requested() or block != BLOCK or not x.numel() or x.numel() % block:
         return False
     if torch.is_inference_mode_enabled():  # inference tensors: guards the probe never met
         return False
     floats = (x, less, scales)
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in floats):
+    if any(t.device.type != "cpu" for t in (*floats, codes)):
+        return False
+    if any(t.dtype != torch.float32 for t in floats):
         return False
     if x.numel() < 2 * block:  # one row: a shape the compiled graph specializes, unprobed
         return False
@@ -237,6 +256,7 @@ def _kernel(name: str) -> Callable[..., None] | None:
 
 def _compiled(name: str) -> Callable[..., None] | None:
     began = time.monotonic()
+    _threads[name] = torch.get_num_threads()
     try:
         kernel = torch.compile(_EAGER[name], dynamic=True, fullgraph=True, backend=_backend(name))
         with torch.no_grad():
@@ -247,6 +267,14 @@ def _compiled(name: str) -> Callable[..., None] | None:
             ENABLE,
             name,
             exc,
+        )
+        return None
+    if same and _compiles.get(name) != 1:  # dynamo off (TORCHDYNAMO_DISABLE): eager vs eager
+        _log.warning(
+            "%s=1 but the fused int8 kernel %s was not compiled (%s graphs); coding eagerly",
+            ENABLE,
+            name,
+            _compiles.get(name, 0),
         )
         return None
     if not same:
@@ -271,6 +299,8 @@ def _backend(name: str) -> Callable[..., Callable[..., object]]:
             raise RuntimeError(f"kernel {name} would compile a graph its probe did not check")
         from torch._inductor.compile_fx import compile_fx
 
+        _compiles[name] = _compiles.get(name, 0) + 1
+
         return compile_fx(graph, inputs)
 
     return compile_once
@@ -283,20 +313,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _probe(name: str, kernel: Callable[..., None]) -> bool:
     """Whether compiled `kernel` writes, bit for bit, what its own Python function writes
-    eagerly (whose bytes are the codec's: the tests compare them with codecs.py's), on 64
+    eagerly (whose bytes are the codec's: the tests compare them with codecs.py's), on 512
     rows of random values and rows that hold the edge cases."""
     gen = torch.Generator().manual_seed(8)
-    rows, block = 64, 128
+    rows, block = 512, BLOCK
     p = torch.randn(rows, block, generator=gen) * 0.01  # less (and a server's target): P
     x = p + torch.randn(rows, block, generator=gen) * 0.01
     x[1] = p[1]  # a zero block: scale 0, codes 127
-    p[2:5] = 0.0
+    p[2:8] = 0.0
     x[2] = 1e-44  # absmax / 127 underflows to 0
     x[3] = torch.arange(block) - 63.5  # ties: s = 127 / 127 = 1, every other value k + 0.5
     x[3, 0] = 127.0
     p[4] = -0.0  # -0 + a zero level's +0 is +0
     x[4] = torch.randn(block, generator=gen) * 1e-3
     x[4, :8] = 0.0
+    for row, absmax in ((5, 0.37), (6, 3.1e-5), (7, 911.0)):  # near ties at scales that are
+        s = torch.tensor(absmax) / torch.tensor(_QMAX)  # not powers of two: (k + 0.5) * s
+        x[row] = (torch.arange(block) - 63.5) * s  # in fp32, a division off by an ulp
+        x[row, 0] = absmax  # rounds the other way
     codes = torch.zeros(rows, block, dtype=torch.uint8)
     scales = torch.zeros(rows)
     qmax = _QMAX_TENSOR
