@@ -31,7 +31,7 @@ import torch
 import typer
 
 from diloco.algorithm import TensorKind
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.compression.codecs import parse_codec
 from diloco.console import check_output_path, fail, out, summary_table, write_json
 from diloco.wire import specs_of
 from diloco.wire.compressed.body import apply_delta, encode_compressed

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import typer
 
-from diloco.algorithm.codecs import Layout, decode, encode, parse_codec
+from diloco.algorithm.compression.codecs import Layout, decode, encode, parse_codec
 from diloco.console import (
     check_output_path,
     err,

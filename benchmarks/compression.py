@@ -488,8 +488,8 @@ def _markdown(
         f"{setup['batch_size']} x {setup['seq_len']} bytes ({setup['tokens_per_worker']:,} "
         f"tokens per worker); seed {setup['seed']}; inner lr {setup['inner_lr']}",
         f"- outer optimizer: {setup['outer']}",
-        f"- codecs (algorithm/codecs.py): blocks of {setup['codec_block']} values per fp32 "
-        f"scale, top-k chunks of {setup['topk_chunk']}; error feedback per worker "
+        f"- codecs (algorithm/compression/codecs.py): blocks of {setup['codec_block']} values "
+        f"per fp32 scale, top-k chunks of {setup['topk_chunk']}; error feedback per worker "
         "e <- beta e + g, send C(e), e <- e - D(C(e)); beta 0 is none",
         "- bytes: upload bytes per worker over the whole run, the tensor data of the real "
         "bodies (codes, scales, packed indices; headers left out); downloads are fp32 weights "

@@ -31,7 +31,7 @@
 # GPU_CHECK_SERVER_WORK (the torch thread counts server_threads.py times, default "1,4,8";
 # empty skips it) and GPU_CHECK_SERVER_POOL (its Python-thread pools for the delta, "4,8").
 # GPU_CHECK_FUSED_THREADS (default "4"; empty skips): server_threads.py again with the fused
-# int8 kernels (DILOCO_FUSED_INT8=1, a compiled experiment: algorithm/fused_int8.py), one
+# int8 kernels (DILOCO_FUSED_INT8=1, a compiled experiment: algorithm/compression/fused_int8.py), one
 # process per thread count (a kernel runs only at the count it was compiled at), into
 # fused-int8-tN/.
 set -uo pipefail

@@ -15,15 +15,14 @@ the server should run with, and whether the 350M delta is slow outside the serve
     bodies whose folds bounded every value, as the commit of a K = 2 round runs it;
   - delta: masters - P coded int8 and P moved by it (`PublishedCopy.advance`, the server's).
 
-Each part at each torch thread count of `--threads`; then, for each count of `--pool`, the
-delta with its tensors spread over that many Python threads, torch at one thread each (a
-candidate, not what the server does). Every variant's delta body and P must equal one
-thread's, byte for byte, coded by the eager code. With DILOCO_FUSED_INT8=1 (the compiled
-kernels of algorithm/fused_int8.py, an experiment) the delta codes through them; a kernel
-runs only at the thread count it was compiled at, so give one `--threads` count a process.
-One memory pass (a copy of the fp32 model) on one thread is the
-yardstick every row's passes are counted in; each row also times the pass at its own count.
-Medians of `--repeats`.
+Each part at each torch thread count of `--threads`; then, for each count of `--pool`, the delta
+with its tensors spread over that many Python threads, torch at one thread each (a candidate,
+not what the server does). Every variant's delta body and P must equal one thread's, byte for
+byte, coded by the eager code. With DILOCO_FUSED_INT8=1 (the compiled kernels of
+algorithm/compression/fused_int8.py, an experiment) the delta codes through them; a kernel runs
+only at the thread count it was compiled at, so give one `--threads` count a process. One memory
+pass (a copy of the fp32 model) on one thread is the yardstick every row's passes are counted
+in; each row also times the pass at its own count. Medians of `--repeats`.
 
     python benchmarks/server_threads.py --size 125M --threads 1,4,8 --pool 4,8
 """
@@ -41,8 +40,9 @@ from pathlib import Path
 import torch
 import typer
 
-from diloco.algorithm import RunningMean, TensorKind, fused_int8
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm import RunningMean, TensorKind
+from diloco.algorithm.compression import fused_int8
+from diloco.algorithm.compression.codecs import parse_codec
 from diloco.algorithm.contributions import Contribution
 from diloco.algorithm.outer import apply_running_mean
 from diloco.algorithm.outer_optimizer import OuterOptimizer

@@ -10,7 +10,7 @@ import urllib.request
 
 import torch
 
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.compression.codecs import parse_codec
 from diloco.console import fail
 from diloco.wire import decode_tensors, specs_of
 from diloco.wire.compressed.body import apply_delta

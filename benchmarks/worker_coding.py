@@ -36,7 +36,7 @@ import torch
 import typer
 
 from diloco.algorithm import RunningMean, classify_tensors
-from diloco.algorithm.codecs import Codec, parse_codec
+from diloco.algorithm.compression.codecs import Codec, parse_codec
 from diloco.console import check_output_path, fail, out, summary_table, write_json
 from diloco.server.model.published_copy import PublishedCopy
 from diloco.server.rounds.admission import scan_values

@@ -1,5 +1,5 @@
-"""Codecs (algorithm/codecs.py): every expected value below is worked out by hand in the test,
-never obtained from the code under test."""
+"""Codecs (algorithm/compression/codecs.py): every expected value below is worked out by
+hand in the test, never obtained from the code under test."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from diloco.algorithm.codecs import (
+from diloco.algorithm.compression.codecs import (
     Codec,
     Encoded,
     Layout,

@@ -1,8 +1,8 @@
-"""The opt-in fused int8 kernels (algorithm/fused_int8.py, DILOCO_FUSED_INT8=1): the bytes a
-worker's encode, a server's delta and a receiver's decode write are the eager code's, checked
-on a hand-worked block and against the eager path (itself checked against hand-worked values in
-test_algo_codecs.py) on several pieces of random values; a kernel that cannot compile or that
-differs on its probe is not used, and nothing changes without the variable."""
+"""The opt-in fused int8 kernels (algorithm/compression/fused_int8.py, DILOCO_FUSED_INT8=1): the
+bytes a worker's encode, a server's delta and a receiver's decode write are the eager code's,
+checked on a hand-worked block and against the eager path (itself checked against hand-worked
+values in test_algo_codecs.py) on several pieces of random values; a kernel that cannot compile
+or that differs on its probe is not used, and nothing changes without the variable."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-from diloco.algorithm import fused_int8
-from diloco.algorithm.codecs import Encoded, decode_into, parse_codec, piece_elements
+from diloco.algorithm.compression import fused_int8
+from diloco.algorithm.compression.codecs import Encoded, decode_into, parse_codec, piece_elements
 from diloco.wire.compressed.body import write_parts
 from diloco.wire.compressed.header import part_specs
 from processes import run_cli_in_process
@@ -156,7 +156,7 @@ def test_without_the_variable_nothing_is_compiled(fresh, monkeypatch) -> None:
 def test_a_kernel_that_differs_on_its_probe_is_not_used(fused, fresh, monkeypatch, caplog) -> None:
     monkeypatch.setattr(fused_int8, "_probe", lambda name, kernel: False)
     out = parts(256)
-    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.fused_int8"):
+    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.compression.fused_int8"):
         assert not fused.code(torch.randn(256), torch.randn(256), out["codes"], out["scales"], 128)
         assert not fused.code(torch.randn(256), torch.randn(256), out["codes"], out["scales"], 128)
     warned = [r.getMessage() for r in caplog.records]
@@ -175,7 +175,7 @@ def test_a_kernel_that_cannot_compile_leaves_eager_coding(
     numel = 512
     masters, p = torch.randn(numel), torch.randn(numel)
     got, p_got = parts(numel), p.clone()
-    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.fused_int8"):
+    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.compression.fused_int8"):
         write_parts(masters, INT8, got, fold_into=p_got, less=p_got)
     assert "cannot run here (no C++ compiler found)" in caplog.text
     monkeypatch.setenv(fused_int8.ENABLE, "0")
@@ -222,7 +222,7 @@ def test_a_second_graph_is_refused_before_it_writes_anything(fused, fresh, caplo
     codes = torch.full((256,), 130, dtype=torch.uint8)
     scales = torch.ones(2, dtype=torch.float64)
     target = torch.zeros(2, 128, dtype=torch.float64)
-    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.fused_int8"):
+    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.compression.fused_int8"):
         assert not fused._run("add_decoded", codes.view(2, 128), scales, target)
     assert "a graph its probe did not check" in caplog.text
     assert torch.equal(target, torch.zeros(2, 128, dtype=torch.float64))
@@ -295,6 +295,6 @@ def test_a_kernel_dynamo_did_not_compile_is_not_used(fused, fresh, monkeypatch, 
     """With dynamo off (TORCHDYNAMO_DISABLE=1) torch.compile runs the function as it is, and
     the probe would compare eager with eager: such a kernel is refused."""
     monkeypatch.setattr(torch, "compile", lambda function, **options: function)
-    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.fused_int8"):
+    with caplog.at_level(logging.WARNING, logger="diloco.algorithm.compression.fused_int8"):
         assert fused.prepare() == dict.fromkeys(fused.NAMES, "refused")
     assert "was not compiled (0 graphs)" in caplog.text

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.compression.codecs import parse_codec
 from diloco.algorithm.recipes import (
     MEASURED_COSTS,
     WARN_ABOVE_PERCENT,

@@ -148,9 +148,10 @@ def test_delta_downloads_keep_every_anchor_bit_identical_to_the_published_weight
 def test_the_fused_int8_kernels_end_bit_for_bit_where_the_eager_code_does(
     server_process, corpus_file: Path, tmp_path: Path
 ) -> None:
-    """DILOCO_FUSED_INT8=1 (algorithm/fused_int8.py) in a real server and two real workers,
-    int8 both ways: each process compiled and probed the kernels it runs, and the published
-    weights and both workers' anchors are bit for bit those of the same run coded eagerly."""
+    """DILOCO_FUSED_INT8=1 (algorithm/compression/fused_int8.py) in a real server and two real
+    workers, int8 both ways: each process compiled and probed the kernels it runs, and the
+    published weights and both workers' anchors are bit for bit those of the same run coded
+    eagerly."""
     options = ("--upload-codec", "int8", "--download-codec", "int8", "--sync-every", "4")
     published = {}
     for fused in ("0", "1"):

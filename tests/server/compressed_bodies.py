@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from test_server_http import Api
 
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.wire import decode_tensors, encode_tensors
 from diloco.wire.compressed.body import encode_compressed
 from diloco.wire.format.frames import decode_frame

@@ -29,7 +29,7 @@ from compressed_bodies import (
 )
 from test_server_http import raw_request
 
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.wire.compressed.bitpack import pack, unpack
 from diloco.wire.format.frames import read_frame_header
 

@@ -22,7 +22,7 @@ from compressed_bodies import (
 from safetensors.torch import save_file
 from test_server_http import Api
 
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.wire.compressed.body import encode_compressed
 
 INT8_ARGS, INT8_CODEC = CODECS["int8"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.compression.codecs import parse_codec
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.model.published_copy import PublishedCopy

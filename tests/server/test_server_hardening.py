@@ -391,7 +391,7 @@ def test_the_codecs_piece_temporaries_stay_under_the_servers_mmap_threshold() ->
     """Above the threshold every allocation is an mmap whose pages fault in anew: a piece's
     temporaries (fp32 values, int64 top-k keys) must come from the heap and be reused,
     while a model-sized buffer (a real model's sums: hundreds of MiB) is returned when freed."""
-    from diloco.algorithm.codecs import piece_elements
+    from diloco.algorithm.compression.codecs import piece_elements
     from diloco.server.http.runner import MMAP_THRESHOLD_BYTES
 
     largest_temporary = piece_elements(torch.device("cpu")) * torch.int64.itemsize

@@ -616,7 +616,7 @@ def test_async_shards_take_int8_both_ways_as_one_server_would(start) -> None:
     step: theta -= 1.5 g: a [1 - 190.5, 2, 3 + 1.5, 4 - 3], b [10 - 190.5, -10 - 3],
     c [0.5 - 190.5]. The delta -1.5 g has largest |value| 190.5 per tensor: scale 1.5, and
     its values are 1.5 times integers, so it codes exactly too."""
-    from diloco.algorithm.codecs import Codec
+    from diloco.algorithm.compression.codecs import Codec
     from diloco.wire.compressed.body import apply_delta, encode_compressed, join_bodies, split_body
 
     shards = start(upload_codec="int8", download_codec="int8", codec_block=8)

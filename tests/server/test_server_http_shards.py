@@ -437,7 +437,7 @@ def test_sync_shards_take_int8_both_ways_as_one_server_would(two_int8_shards) ->
     tensor's largest |value| is 127, so its scale is 1 and every value decodes exactly:
     mean g: a [65, 63.5, 0, 1], b [63.5, -62.5], c [0]; nesterov lr 0.5, mu 0.9, first
     step: G - 0.95 g."""
-    from diloco.algorithm.codecs import Codec
+    from diloco.algorithm.compression.codecs import Codec
     from diloco.wire.compressed.body import encode_compressed, split_body
 
     (url0, leader), (url1, follower) = two_int8_shards

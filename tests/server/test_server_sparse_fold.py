@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diloco.algorithm import RunningMean
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.algorithm.tensors import SparsePiece
 from diloco.server.coordinator import Coordinator
 from diloco.server.settings import ServerSettings

@@ -13,7 +13,7 @@ import torch
 import xxhash
 from crashes import flip_last_byte, killed, on_state_dir
 
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.server.coordinator import Coordinator
 from diloco.server.errors import Rejection
 from diloco.server.settings import ServerSettings

@@ -15,7 +15,7 @@ from test_sim_modes import tiny
 
 import diloco.sim.runner as runner
 from diloco.algorithm import TensorKind
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.compression.codecs import parse_codec
 from diloco.algorithm.fragments import plan_fragments
 from diloco.models import GPT, block_prefixes
 from diloco.server.settings import ServerSettings

@@ -17,7 +17,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco.algorithm.codecs import Codec, Layout, decode, encode, parse_codec, piece_elements
+from diloco.algorithm.compression.codecs import (
+    Codec,
+    Layout,
+    decode,
+    encode,
+    parse_codec,
+    piece_elements,
+)
 from diloco.wire import WireError, decode_tensors, encode_tensors
 from diloco.wire.compressed.bitpack import pack, padding_is_zero, unpack
 from diloco.wire.compressed.body import (

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diloco.algorithm import RunningMean
-from diloco.algorithm.codecs import Codec, parse_codec, piece_elements
+from diloco.algorithm.compression.codecs import Codec, parse_codec, piece_elements
 from diloco.algorithm.tensors import SparsePiece
 from diloco.wire import WireError
 from diloco.wire.compressed.bitpack import pack, unpack
@@ -128,7 +128,7 @@ def test_sparse_pieces_of_many_spans_cover_a_tensor_once_and_check_each(
     bytes): 512. 'big' (300k) comes in 586 sparse pieces from first = 0 on, each its slice of
     the whole decode (the last of 3 chunks); an index that repeats in a later span is refused
     naming its chunk."""
-    import diloco.algorithm.codecs as codecs
+    import diloco.algorithm.compression.codecs as codecs
 
     monkeypatch.setattr(codecs, "_CPU_PIECE", 64)
     codec, _, data, expected, whole = coded("topk:0.1")

@@ -6,7 +6,7 @@ import anyio
 import pytest
 import torch
 
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.wire import EarlyHeader, WireError, encode_tensors
 from diloco.wire.compressed.body import codec_metadata, encode_compressed
 from diloco.wire.format.frames import parse_frame_header
@@ -100,7 +100,7 @@ def test_long_non_ascii_names_stay_within_the_limit():
     tensors named with 130 CJK characters each, coded top-k (three entries a tensor, the
     most), take at most 3/4 of it; counted as UTF-8 bytes (3 a character) they would not
     fit (by hand: 4 x (390 + 160) = 2200 a tensor against the header's 3 x (780 + ~70))."""
-    from diloco.algorithm.codecs import parse_codec
+    from diloco.algorithm.compression.codecs import parse_codec
     from diloco.wire import header_limit
 
     state = {f"{i:03d}" + "层" * 130: torch.zeros(300) for i in range(400)}
@@ -117,7 +117,7 @@ def test_every_body_of_a_model_has_under_half_its_header_limit(codec):
     characters) plain and in every kind of codec (offsets of up to 7 digits), and top-k with
     k = 1 a chunk (the most index entries), stay under half of it; so does one tensor with a
     name of 200 characters."""
-    from diloco.algorithm.codecs import parse_codec
+    from diloco.algorithm.compression.codecs import parse_codec
     from diloco.models.gpt import GPTConfig
     from diloco.wire import header_limit
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.wire import decode_tensors, encode_tensors
 from diloco.wire.compressed.body import encode_compressed, join_bodies
 from diloco.wire.format.frames import decode_frame

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.compression.codecs import parse_codec
 from diloco.wire.compressed.body import encode_compressed
 from diloco.worker.anchor import Anchor, anchor_copies
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from diloco.algorithm.codecs import parse_codec
+from diloco.algorithm.compression.codecs import parse_codec
 from diloco.wire import TensorSpec, decode_tensors
 from diloco.wire.compressed.body import decode_compressed
 from diloco.worker.state.checkpoint import load_worker_checkpoint, save_worker_checkpoint
@@ -257,7 +257,7 @@ def test_without_a_residual_the_body_codes_anchor_minus_local_piece_by_piece():
     """No residual kept: `body_from` codes anchor - local as each piece is coded. Its bytes
     are those of coding the whole pseudo-gradient, over several pieces and a short last
     block, and with a bf16 local model or a strided view (converted or flattened)."""
-    from diloco.algorithm.codecs import piece_elements
+    from diloco.algorithm.compression.codecs import piece_elements
     from diloco.algorithm.outer import pseudo_gradient
 
     generator = torch.Generator().manual_seed(5)
@@ -309,7 +309,7 @@ def test_a_body_coded_in_a_staging_buffer_is_byte_for_byte_the_same(monkeypatch)
     without a residual, over rounds folded and not, uploads the same bytes and keeps the same
     residual as coding straight into the body, even with the buffer scribbled over between
     bodies. Off the experiment's variable, and on the CPU by default, nothing is staged."""
-    from diloco.algorithm.codecs import piece_elements
+    from diloco.algorithm.compression.codecs import piece_elements
 
     generator = torch.Generator().manual_seed(11)
     numel = piece_elements(torch.device("cpu")) + 300  # two pieces, a short last block

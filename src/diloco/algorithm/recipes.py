@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from diloco.algorithm.codecs import Codec, parse_codec
+from diloco.algorithm.compression.codecs import Codec, parse_codec
 
 TOPK_RESULTS = "benchmarks/results/compression-topk/README.md"
 COMPRESSION_RESULTS = "benchmarks/results/compression.md"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from diloco.algorithm import fused_int8
+from diloco.algorithm.compression import fused_int8
 from diloco.algorithm.recipes import error_feedback_note
 from diloco.algorithm.robust import DEFAULT_CLIP_MULTIPLE, DEFAULT_OUTLIER_RATIO
 from diloco.commands.options import (

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import typer
 
-from diloco.algorithm import fused_int8
+from diloco.algorithm.compression import fused_int8
 from diloco.commands.options import (
     CORPUS_HELP,
     DATA_PANEL,
@@ -339,7 +339,7 @@ def worker_command(
     sent = secret is not None
     check_ca_file(ca_file)
     # joined, each round, waits, retries; the experiment's kernels, compiled as it joins
-    log_to_stderr(info_from=["diloco.worker", "diloco.algorithm.fused_int8"])
+    log_to_stderr(info_from=["diloco.worker", "diloco.algorithm.compression.fused_int8"])
     try:
         config = _model_spec(model_config, seq_len, width, depth, heads)
         corpus_bytes = load_named_corpus(corpus)

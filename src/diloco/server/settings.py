@@ -16,7 +16,7 @@ from diloco.algorithm import (
     OuterOptimizer,
 )
 from diloco.algorithm._checks import require_fraction, require_positive
-from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
+from diloco.algorithm.compression.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.fragments import StreamingSchedule
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
@@ -64,10 +64,11 @@ class ServerSettings:
     policy: str = "default"
     upload_dtype: torch.dtype = torch.float32
     download_dtype: torch.dtype = torch.float32
-    # Pseudo-gradient compression (algorithm/codecs.py): the codec, its quantization block and
-    # top-k chunk, and the workers' error-feedback decay (None: the upload codec's,
-    # `error_feedback_default`: off for bf16 and int8, else 0.95). fp32 and bf16 go as plain
-    # tensors (upload_codec bf16 is upload_dtype bf16); the others as compressed bodies.
+    # Pseudo-gradient compression (algorithm/compression/codecs.py): the codec, its
+    # quantization block and top-k chunk, and the workers' error-feedback decay (None: the
+    # upload codec's, `error_feedback_default`: off for bf16 and int8, else 0.95). fp32 and
+    # bf16 go as plain tensors (upload_codec bf16 is upload_dtype bf16); the others as
+    # compressed bodies.
     upload_codec: str = "fp32"
     # Downloads as coded deltas against the published weights every worker holds (fp32: full
     # weights every round, as download_dtype says); server/model/published_copy.py.

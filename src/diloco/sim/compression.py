@@ -3,9 +3,9 @@ error feedback kept by each simulated worker, delta downloads of the published w
 the exact bytes of every transfer.
 
 For each *trainable* floating tensor of its pseudo-gradient g a worker keeps a residual e and
-sends C(e) after e <- beta e + g, then keeps e <- e - D(C(e)), what the server did not get;
-beta = 0 keeps nothing and sends C(g). The server folds D(C(e)). Buffers, frozen tensors and
-integer tensors are not coded. The coding is algorithm/codecs.py's `error_feedback_step` /
+sends C(e) after e <- beta e + g, then keeps e <- e - D(C(e)), what the server did not get; beta
+= 0 keeps nothing and sends C(g). The server folds D(C(e)). Buffers, frozen tensors and integer
+tensors are not coded. The coding is algorithm/compression/codecs.py's `error_feedback_step` /
 `encode` and the server's `decode`, the functions the real worker and server call, so the
 simulator stays comparable bit for bit. As on the wire:
 
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from diloco.algorithm import TensorKind
-from diloco.algorithm.codecs import (
+from diloco.algorithm.compression.codecs import (
     Codec,
     decode,
     encode,

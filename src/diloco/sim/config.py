@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from diloco.algorithm import STALENESS_WEIGHTINGS
-from diloco.algorithm.codecs import Codec, parse_codec, require_kept_values
+from diloco.algorithm.compression.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
 from diloco.algorithm.recipes import (
     DENSE_DEFAULTS,

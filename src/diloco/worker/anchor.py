@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from diloco.algorithm import pseudo_gradient, to_fp32_masters
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.wire.compressed.body import apply_delta
 from diloco.worker.parallel import distributed
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from diloco.algorithm.codecs import Codec, parse_codec
+from diloco.algorithm.compression.codecs import Codec, parse_codec
 from diloco.wire import torch_dtype
 
 REQUIRED = (

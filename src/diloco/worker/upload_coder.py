@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import torch
 
 from diloco.algorithm import TensorKind
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.algorithm.outer import pseudo_gradient, pseudo_gradient_into
 from diloco.wire import TensorSpec, encode_tensors, fingerprint
 from diloco.wire.compressed.body import encode_compressed

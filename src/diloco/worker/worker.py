@@ -33,7 +33,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from diloco.algorithm import classify_tensors, fused_int8
+from diloco.algorithm import classify_tensors
+from diloco.algorithm.compression import fused_int8
 from diloco.wire import WireError, decode_tensors, encode_tensors, specs_of
 from diloco.worker.anchor import (
     Anchor,

@@ -19,7 +19,7 @@ import uvicorn
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diloco.algorithm import fused_int8
+from diloco.algorithm.compression import fused_int8
 from diloco.server.coordinator import Coordinator
 from diloco.server.http.app import create_app
 from diloco.server.http.uvicorn_protocol import DilocoHttpProtocol, PlainHttpNoticed

@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Mapping
 
 import torch
 
-from diloco.algorithm.codecs import Codec
+from diloco.algorithm.compression.codecs import Codec
 from diloco.wire.compressed.body import compressed_frame, write_entry
 from diloco.wire.format.layout import FrameBuffer, FrameLayout
 

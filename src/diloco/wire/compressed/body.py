@@ -25,8 +25,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
-from diloco.algorithm import fused_int8
-from diloco.algorithm.codecs import (
+from diloco.algorithm.compression import fused_int8
+from diloco.algorithm.compression.codecs import (
     Codec,
     Encoded,
     Layout,

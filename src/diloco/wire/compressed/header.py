@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from diloco.algorithm.codecs import Codec, Layout, Span
+from diloco.algorithm.compression.codecs import Codec, Layout, Span
 from diloco.wire.errors import WireError
 from diloco.wire.format.dtypes import safetensors_code
 from diloco.wire.format.specs import TensorSpec

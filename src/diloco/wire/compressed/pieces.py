@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from diloco.algorithm.codecs import (
+from diloco.algorithm.compression.codecs import (
     Span,
     decode,
     decode_sparse,

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import torch
 
-from diloco.algorithm.codecs import QMAX, Codec, Encoded, Layout, Span
+from diloco.algorithm.compression.codecs import QMAX, Codec, Encoded, Layout, Span
 from diloco.algorithm.tensors import all_finite
 from diloco.wire.compressed.bitpack import padding_is_zero, unpack
 from diloco.wire.compressed.header import (
@@ -58,7 +58,7 @@ def read_span(
 ) -> Encoded:
     """Check and unpack one span of a compressed tensor from its slices of the parts (the
     bytes of `entry.part_ranges(span)` of each). Returns the span's `Encoded` (decode it with
-    algorithm.codecs.decode / decode_into); WireError 422 malformed_compressed names the
+    algorithm.compression.codecs.decode / decode_into); WireError 422 malformed_compressed names the
     tensor, the part and the block, value or chunk that is wrong."""
     layout, name = entry.layout, entry.name
     codec = layout.codec

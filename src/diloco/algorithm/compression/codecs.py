@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco.algorithm.fused_int8 import add_decoded
+from diloco.algorithm.compression.fused_int8 import add_decoded
 from diloco.algorithm.tensors import SparsePiece
 
 VALUE_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "int2")

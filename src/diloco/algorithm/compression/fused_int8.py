@@ -7,16 +7,16 @@ operands once and writes the codes, the scales and the fold in the same sweep (a
 85M delta on one thread: 0.098 s against 0.154 s, benchmarks/server_threads.py).
 
 Same bytes: the kernels' Python functions compute the codec's documented formulas
-(algorithm/codecs.py) in the same order and fp32 rounding (a division by the scale, 127 a
-tensor so that it is not turned into a reciprocal, round half to even, the decode a separate
-multiply then an add), and the tests compare their bytes with codecs.py's own path. Each
-compiled kernel is then probed against its own function run eagerly, bit for bit (the sign
-of zero too), on 512 rows of random values and rows of zero and underflowing scales, exact
-ties, near ties at scales that are not powers of two and -0 targets; one that cannot be
-compiled here (no C++ compiler), that dynamo did not compile (TORCHDYNAMO_DISABLE) or that
-differs is not used: the eager code runs, with one warning. Only the probed graph ever
-runs: inputs that would make dynamo compile another are refused before anything is written
-(the kernel is then off for good). Finite inputs only: a NaN or Inf makes its block's
+(algorithm/compression/codecs.py) in the same order and fp32 rounding (a division by the scale,
+127 a tensor so that it is not turned into a reciprocal, round half to even, the decode a
+separate multiply then an add), and the tests compare their bytes with codecs.py's own path.
+Each compiled kernel is then probed against its own function run eagerly, bit for bit (the sign
+of zero too), on 512 rows of random values and rows of zero and underflowing scales, exact ties,
+near ties at scales that are not powers of two and -0 targets; one that cannot be compiled here
+(no C++ compiler), that dynamo did not compile (TORCHDYNAMO_DISABLE) or that differs is not
+used: the eager code runs, with one warning. Only the probed graph ever runs: inputs that would
+make dynamo compile another are refused before anything is written (the kernel is then off for
+good). Finite inputs only: a NaN or Inf makes its block's
 scale non-finite (every receiver refuses it) and its codes unspecified, as eager.
 
 `prepare()` compiles and probes all three (a server and a DiLoCoWorker call it at start
