@@ -4,6 +4,10 @@ model_scale.py times whole rounds through a server; this times the two phases a 
 by itself, with nothing else on the machine, for the bundled GPT on one device:
   - encode: `UploadCoder.body_from` (anchor - local, error feedback, the coded body on the
     host), what a worker with its anchor beside the model runs before it uploads;
+  - send now: the part of a streaming fragment's send that stays on the training thread,
+    `UploadCoder.coding_from` (anchor - local into e' = beta e + g), timed for the whole
+    model; the rest of the coding runs on the fragment's thread beside the next steps
+    (with a CPU anchor and error feedback; otherwise all of it is the send's);
   - apply: `Anchor.values_after` of a coded delta the server made (`PublishedCopy.advance`),
     then `Anchor.adopt` (the new weights into the model), what it runs after the download;
   - and the server's side on its CPU: the intake of that body as a round's later one
@@ -164,6 +168,19 @@ def main(
         values = anchor.values_after(delta, names, coding, coder.coded_names)
         anchor.adopt(values, 1)
 
+    sends = []
+    for _ in range(repeats):  # what the training thread runs of a send; the rest untimed
+        code = None
+
+        def send_now() -> None:
+            nonlocal code
+            code = coder.coding_from(anchor.tensors, model.state_dict())
+
+        sends.append(_timed(send_now, where, 1)[0])
+        assert code is not None
+        code()
+        coder.settle(folded=True)
+
     reset = _timed(lambda: [t.copy_(before[n]) for n, t in anchor.tensors.items()], where, repeats)
     cpu = torch.device("cpu")
     exact = set(names) - coder.coded_names
@@ -175,6 +192,7 @@ def main(
         folds.append(_timed(lambda sums=sums: take_in(sums), cpu, 1)[0])
     figures = {
         "encode": statistics.median(_timed(encode, where, repeats)),
+        "send_now": statistics.median(sends),
         "apply": statistics.median(_timed(apply, where, repeats)) - statistics.median(reset),
         # the server's side of the delta, on its CPU: code masters - P and move P by it
         "server_delta": statistics.median(
@@ -209,6 +227,7 @@ def main(
     # a body lives), or for the server's delta one pass over the fp32 model on its CPU
     floors = {
         "encode": ("to_host_pageable", upload),
+        "send_now": ("memory_pass", upload),
         "apply": ("to_device_pageable", download),
         "server_delta": ("cpu_memory_pass", download),
         "server_fold": ("cpu_memory_pass", upload),

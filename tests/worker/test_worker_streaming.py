@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -286,6 +287,58 @@ def test_a_gpu_out_of_memory_coding_a_fragment_moves_the_anchor_to_the_cpu_and_g
     assert residual.keys() == residual_2.keys() and residual
     assert all(torch.equal(residual[n], residual_2[n]) for n in residual)
     assert any("ran out of memory in a sync" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fragment_s_body_is_coded_beside_the_next_steps_from_the_values_at_its_send(
+    live_server, monkeypatch
+) -> None:
+    """With error feedback on a CPU anchor a send takes the fragment's e' = beta e + g on the
+    training thread and codes the body on the fragment's thread, while training goes on. A
+    coding held back until the next step has run (so the model's values have moved) ends
+    the cycle exactly where a prompt one does: weights, residual and fragment rounds."""
+    from diloco.worker.upload_coder import UploadCoder
+
+    settings = ServerSettings(
+        **{**STREAMING, "alpha": 0.0}, upload_codec="int8", error_feedback_beta=0.9
+    )
+    real = UploadCoder._compressed
+    ended, overlapped = [], []
+    for hold in (False, True):
+        with live_server(settings) as server:
+            model = make_model()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+
+            holding = [hold]  # (not in the flush: its merge follows its send at once)
+
+            def held(self, *args, holding=holding, worker=worker, **kwargs):
+                if holding[0] and threading.current_thread().name.startswith("diloco-fragment"):
+                    at, deadline = worker.local_step, time.monotonic() + 10
+                    while worker.local_step == at and time.monotonic() < deadline:
+                        time.sleep(0.01)  # the next step moves the model's values first
+                    overlapped.append(worker.local_step > at)
+                return real(self, *args, **kwargs)
+
+            monkeypatch.setattr(UploadCoder, "_compressed", held)
+            train(model, optimizer, steps=8)  # two cycles of H = 4: each fragment twice
+            holding[0] = False
+            worker.streamer.flush()
+            stats = worker.stats()
+            ended.append(
+                (
+                    snapshot(model.state_dict()),
+                    snapshot(worker._uploads.residual),
+                    list(worker.streamer.fragment_rounds),
+                )
+            )
+            assert stats["background_coding_seconds"] > 0
+            worker.close(final_sync=False)
+    (weights, residual, rounds), (weights_2, residual_2, rounds_2) = ended
+    assert rounds == rounds_2 and rounds[0] >= 2
+    assert all(torch.equal(weights[n], weights_2[n]) for n in weights)
+    assert residual.keys() == residual_2.keys() and residual
+    assert all(torch.equal(residual[n], residual_2[n]) for n in residual)
+    assert overlapped == [True] * 4  # each body of the two cycles coded after a step ran
 
 
 def test_a_streaming_worker_keeps_no_copy_of_the_join_s_weights(live_server) -> None:

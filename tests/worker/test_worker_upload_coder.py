@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from diloco.algorithm.compression.codecs import parse_codec
@@ -251,6 +252,69 @@ def test_a_body_from_anchor_and_local_is_the_body_of_their_pseudo_gradient():
             assert ours.residual.keys() == theirs.residual.keys(), text
             assert all(torch.equal(ours.residual[n], theirs.residual[n]) for n in ours.residual)
         assert (beta > 0) == bool(ours.residual), text  # a residual, and only where kept
+
+
+def test_coding_from_reads_local_now_and_codes_the_same_body_later():
+    """A streaming fragment's send (`coding_from`): what reads `local` runs at once, so the
+    model may train on before the returned function codes the body (on another thread); the
+    body and the residual are `body_from`'s for the values at the call, whatever `local`
+    holds by the time it codes. Without a residual all of it is coded at the call."""
+    generator = torch.Generator().manual_seed(5)
+    anchor = {
+        "w": torch.randn(64, generator=generator),
+        "norm.running_mean": torch.tensor([0.5, 0.25]),
+        "steps": torch.tensor(7, dtype=torch.int64),
+    }
+    for text, beta in (("topk:0.25+int2", 0.95), ("int8", 0.9), ("int8", 0.0)):
+        codec = parse_codec(text, chunk=8, block=8)
+        later, now = UploadCoder(codec, beta, SPECS), UploadCoder(codec, beta, SPECS)
+        for answer in (True, False, True):
+            local = {
+                "w": anchor["w"] - torch.randn(64, generator=generator),
+                "norm.running_mean": torch.tensor([0.125, 0.75]),
+                "steps": torch.tensor(9, dtype=torch.int64),
+            }
+            expected = now.body_from(anchor, {n: t.clone() for n, t in local.items()})
+            code = later.coding_from(anchor, local)
+            for tensor in local.values():  # training goes on before the body is coded
+                tensor.add_(3)
+            assert code() == expected, text
+            if beta > 0:  # coded once, on the fragment's thread
+                with pytest.raises(RuntimeError, match="once"):
+                    code()
+            later.settle(answer)
+            now.settle(answer)
+            assert later.residual.keys() == now.residual.keys(), text
+            assert all(torch.equal(later.residual[n], now.residual[n]) for n in now.residual)
+        assert (beta > 0) == bool(later.residual), text
+
+
+def test_what_reads_the_residuals_waits_for_a_coding_under_way():
+    """The coding, on another thread, takes e - D(C(e)) off the pending residuals: a
+    checkpoint (`state`) or the answer (`settle`) read or replace them only once it ends."""
+    import threading
+
+    codec = parse_codec("int8", block=8)
+    coder = UploadCoder(codec, 0.5, SPECS)
+    anchor = gradient([1.0, -2.0, 0.5, 4.0])
+    local = gradient([0.0, 0.0, 0.0, 0.0])
+    code = coder.coding_from(anchor, local)
+    read: list[dict[str, torch.Tensor]] = []
+    reader = threading.Thread(target=lambda: read.append(coder.state()[0]))
+    reader.start()
+    reader.join(timeout=0.3)
+    assert reader.is_alive() and not read  # waits: the body is not coded yet
+    code()
+    reader.join(timeout=10)
+    assert not reader.is_alive()
+    # e = g = [1, -2, 0.5, 4]: one block of 8 (4 values), scale 4 / 127; levels
+    # round(127 g / 4) = [32, -64, 16, 127], decoded [32, -64, 16, 127] * 4 / 127
+    scale = torch.tensor(4.0) / 127
+    decoded = torch.tensor([32.0, -64.0, 16.0, 127.0]) * scale
+    expected = torch.tensor([1.0, -2.0, 0.5, 4.0]) - decoded
+    torch.testing.assert_close(read[0]["w"], expected, rtol=0, atol=1e-6)
+    coder.settle(True)
+    torch.testing.assert_close(coder.residual["w"], expected, rtol=0, atol=1e-6)
 
 
 def test_without_a_residual_the_body_codes_anchor_minus_local_piece_by_piece():

@@ -3,7 +3,10 @@
 Within every cycle of H inner steps, fragment f owns the window of S = H / P steps ending at
 (f + 1) S (`schedule.FragmentWindows`). At step S - tau of its window the worker computes the
 fragment's pseudo-gradient (anchor_f - local_f) and hands it to a background thread, which
-submits it and long-polls the fragment round's result while training goes on. At the
+submits it and long-polls the fragment round's result while training goes on. With error
+feedback and the anchor on the CPU the send only takes e' = beta e + g (a pass); the thread
+codes the body from it (`UploadCoder.coding_from`: a top-k body's coding is most of a
+send's time). At the
 window's end the worker waits for that thread (the only time it blocks) and merges:
 theta_f = (1 - alpha) G'_f + alpha L_f, with L_f the local values at merge time, and G'_f
 becomes the fragment's anchor. At most one fragment is in flight: the next send comes after
@@ -63,6 +66,7 @@ class FragmentOutcome:
     rebase_rounds: list[int] | None = None  # the server was behind: its full state and rounds
     folded: bool = False  # the server folded our body in (its error feedback stands)
     error: BaseException | None = None
+    coding_seconds: float = 0.0  # the body's coding on the fragment's thread (CPU anchors)
 
 
 @dataclass
@@ -95,7 +99,9 @@ class FragmentStreamer:
         on_merged: Callable[[int], None],
         uploads: UploadCoder,
         before_send: Callable[[], None] = lambda: None,
-        coding: Callable[[Callable[[], bytearray]], bytearray] = lambda code: code(),
+        coding: Callable[
+            [Callable[[], Callable[[], bytearray]]], Callable[[], bytearray]
+        ] = lambda code: code(),
     ) -> None:
         if len(plan) != settings.fragments or len(fragment_rounds) != settings.fragments:
             raise ValueError(
@@ -121,6 +127,7 @@ class FragmentStreamer:
         self.in_flight: InFlight | None = None
         self.syncs = 0
         self.failures = 0
+        self.coding_seconds = 0.0  # bodies coded on the fragments' threads, beside training
         # A work unit is in the global model once every fragment has synced since it finished:
         # it is reported with the submission that completes that set.
         self.covered: dict[int, set[int]] = {}
@@ -160,13 +167,17 @@ class FragmentStreamer:
             return
         names = self.plan[fragment]
 
-        def code() -> bytearray:
-            local = self.anchor.model.state_dict()
-            return self.uploads.body_from(
-                {n: self.anchor.tensors[n] for n in names}, {n: local[n] for n in names}
-            )
+        def code() -> Callable[[], bytearray]:
+            state = self.anchor.model.state_dict()
+            anchor = {n: self.anchor.tensors[n] for n in names}
+            local = {n: state[n] for n in names}
+            if self.anchor.device.type == "cpu":  # what needs `local` now, the rest later
+                return self.uploads.coding_from(anchor, local)
+            # on a GPU all of it here, where running out of memory moves it to the host
+            body = self.uploads.body_from(anchor, local)
+            return lambda: body
 
-        body = self.coding(code)
+        body = self.coding(code)  # the body's coding: on the fragment's thread, first
         outcome.finished = self.units.finished()
         everything = set(range(len(self.plan)))
         outcome.units = [
@@ -183,19 +194,26 @@ class FragmentStreamer:
             daemon=True,
         )
         self.in_flight = InFlight(outcome, merge_at, thread, cancel)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            body()  # (what waits for the coding to end must not wait for ever)
+            raise
 
     @staticmethod
     def _run(
         session: ServerSession,
         outcome: FragmentOutcome,
-        body: bytearray,
+        body: Callable[[], bytearray],
         units: list[int],
         cancelled: Callable[[], bool],
     ) -> None:
         try:
+            coding = time.monotonic()
+            coded = body()
+            outcome.coding_seconds = time.monotonic() - coding
             got = session.exchange(
-                body,
+                coded,
                 units,
                 outcome.round,
                 fragment=outcome.fragment,
@@ -218,6 +236,7 @@ class FragmentStreamer:
         started = time.monotonic()
         header = distributed.lead(lambda: self._wait(flight), distributed.broadcast_json)
         self.pace.blocked_seconds += time.monotonic() - started
+        self.coding_seconds += flight.outcome.coding_seconds
         if self.session is not None:  # the leader's error feedback: was the body folded in?
             self.uploads.settle(header["status"] == "merged" and flight.outcome.folded)
         if header["status"] == "failed":

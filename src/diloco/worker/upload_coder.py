@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
@@ -68,6 +69,10 @@ class UploadCoder:
         # body's buffer (`_spare`), so no round allocates or copies a model-sized residual.
         self._pending: dict[str, torch.Tensor] | None = None
         self._spare: dict[str, torch.Tensor] = {}
+        # Set unless a body's coding handed to another thread (`coding_from`) is yet to end:
+        # until then it writes the pending residuals, so whatever reads or replaces them waits.
+        self._coding_done = threading.Event()
+        self._coding_done.set()
         identity = {
             "codec": str(codec),
             "block": codec.block,
@@ -82,7 +87,9 @@ class UploadCoder:
     @property
     def residual(self) -> dict[str, torch.Tensor]:
         """Each coded tensor's residual, the body under way's counted as folded (what a
-        checkpoint keeps: a restarted worker treats a body it sent as folded)."""
+        checkpoint keeps: a restarted worker treats a body it sent as folded). Waits for a
+        coding under way on another thread, which writes the pending ones."""
+        self._coding_done.wait()
         return {**self._residual, **(self._pending or {})}
 
     @property
@@ -164,6 +171,52 @@ class UploadCoder:
         coded = self._coded(anchor)
         if not self.keeps_residual:
             return self._coded_difference(anchor, local, coded, reuse)
+        source, exact, pending = self._accumulated_from(anchor, local, coded)
+        return self._compressed(source, exact, pending, reuse)
+
+    def coding_from(
+        self, anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
+    ) -> Callable[[], bytearray]:
+        """`body_from(anchor, local)` in two parts, for a streaming fragment's send: what reads
+        `anchor` and `local` runs now, on the caller's thread (e' = beta e + g into the pending
+        residuals, one pass; the exact tensors' differences); the function returned codes the
+        body from those buffers alone, so it may run on another thread while training moves
+        `local` on (Streaming DiLoCo overlaps a fragment's communication with the next inner
+        steps; a top-k body's coding is most of a send's time on a CPU). Call it once; until it
+        has returned, whatever reads or replaces the pending residuals (`residual`, `state`,
+        `settle`, the next body) waits for it. The body is byte for byte `body_from`'s.
+
+        Where the coding reads `local` itself (nothing is kept: anchor - local is taken a
+        piece at a time as it is coded) or nothing is coded, all of it runs now."""
+        if not self.keeps_residual or not (self.codec.is_quantized or self.codec.is_sparse):
+            body = self.body_from(anchor, local)
+            return lambda: body
+        source, exact, pending = self._accumulated_from(anchor, local, self._coded(anchor))
+        self._coding_done.clear()
+        started = False
+
+        def code() -> bytearray:
+            nonlocal started
+            if started:
+                raise RuntimeError("coding_from's function codes its body once")
+            started = True
+            try:
+                return self._compressed(source, exact, pending, reuse=False)
+            finally:
+                self._coding_done.set()
+
+        return code
+
+    def _accumulated_from(
+        self,
+        anchor: Mapping[str, torch.Tensor],
+        local: Mapping[str, torch.Tensor],
+        coded: Sequence[str],
+    ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, torch.Tensor]]:
+        """What a residual-keeping body codes, in buffers that no longer read `local`: each
+        coded tensor's anchor - local goes through one scratch buffer into its pending
+        e' = beta e + g; the others' differences (small) are exact. Returns (the body's
+        tensors, the exact names, the pending residuals)."""
         others = [n for n in anchor if n not in set(coded)]
         exact = pseudo_gradient({n: anchor[n] for n in others}, {n: local[n] for n in others})
         largest = max((anchor[n].numel() for n in coded), default=0)
@@ -176,7 +229,7 @@ class UploadCoder:
 
         pending = self._accumulated(coded, difference)
         source = {n: pending[n] if n in pending else exact[n] for n in anchor}
-        return self._compressed(source, set(exact), pending, reuse)
+        return source, set(exact), pending
 
     def _coded_difference(
         self,
@@ -277,6 +330,7 @@ class UploadCoder:
     ) -> dict[str, torch.Tensor]:
         """e' = beta e + g for each coded name, pending until `settle`; a last body that got
         no answer counts as folded first."""
+        self._coding_done.wait()
         if self._pending is not None:
             self.settle(folded=True)
         self._pending = {name: self._accumulate(name, gradient_of(name)) for name in coded}
@@ -287,6 +341,7 @@ class UploadCoder:
         residuals replace the old ones; not folded (the round committed without it, a rebase
         dropped it, a streaming sync failed and its fragment goes again later), the old ones
         stand, so that no part of a pseudo-gradient is lost or sent twice."""
+        self._coding_done.wait()  # (a body coded on another thread writes the pending ones)
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -315,6 +370,7 @@ class UploadCoder:
 
     def move_to(self, device: torch.device | str) -> None:
         """Keep the residuals (and a body under way's) on `device` from now on."""
+        self._coding_done.wait()
         self.device = torch.device(device)
         self._residual = {name: t.to(self.device) for name, t in self._residual.items()}
         if self._pending is not None:
@@ -327,7 +383,7 @@ class UploadCoder:
     def state(self) -> tuple[dict[str, torch.Tensor], str | None]:
         """The residuals and the key they belong to (nothing when none is kept); a body under
         way counts as folded, as a restarted worker treats it."""
-        residual = self.residual
+        residual = self.residual  # (after a coding under way on another thread)
         if not self.keeps_residual or not residual:
             return {}, None
         return residual, self.key

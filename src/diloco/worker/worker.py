@@ -782,6 +782,8 @@ class DiLoCoWorker:
             "round": self.round,
             "fragment_rounds": None if streamer is None else list(streamer.fragment_rounds),
             "fragment_failures": 0 if streamer is None else streamer.failures,
+            # streaming: seconds its fragments' bodies took to code on their own threads
+            "background_coding_seconds": 0.0 if streamer is None else streamer.coding_seconds,
             "local_steps": self.local_step,
             "bytes_sent": client.bytes_sent if client else 0,
             "bytes_received": client.bytes_received if client else 0,
