@@ -98,8 +98,10 @@ SERVER_PARTS = (
 
 def _empty_window(streaming: bool) -> dict[str, float]:
     """One window's sums (H steps): compute and blocked; streaming also splits blocked into
-    send (coding a fragment's body and starting its sync), merge (its hook at the merge) and,
-    within merge, wait (the merge waiting for the sync in flight)."""
+    send (coding a fragment's body on the training thread and starting its sync: a body
+    coded on its sync's thread, error feedback on a CPU anchor, is e' = beta e + g here and
+    the rest shows in wait if unfinished), merge (its hook at the merge) and, within merge,
+    wait (the merge waiting for the sync in flight)."""
     extra = {"send": 0.0, "merge": 0.0, "wait": 0.0} if streaming else {}
     return {"compute": 0.0, "blocked": 0.0, **extra}
 
@@ -115,7 +117,8 @@ def _split_streaming(
 ) -> None:
     """Count one step's hook time by what its sync in flight did: gone or replaced, a merge
     (merged, failed or a rebase: every merge ends the flight); new, a send. With delay 0 a
-    step does both; it counts as a merge (its mix then holds the send's coding)."""
+    step does both; it counts as a merge (its mix then holds the send's coding on the
+    training thread, and its wait a coding on the sync's thread)."""
     if before is not None and after is not before:
         window["merge"] += blocked
     elif after is not None and after is not before:
@@ -883,7 +886,8 @@ def _markdown(document: dict) -> str:
         "round, on a GPU up to a synchronize; round: compute plus blocked, a worker's wall "
         "time per round, which a sync overlapped with training shortens only if it does not "
         "slow the training steps). A streaming row splits its blocked time into the "
-        "fragments' sends (coding a body), their merges' waits for the syncs in flight, and "
+        "fragments' sends (coding a body on the training thread), their merges' waits for "
+        "the syncs in flight, and "
         "the rest of the merges (mix). Critical-path compute (sync rows): what the "
         "round's own measurements give for its chain of sequential computing stages (the "
         "last worker's encode, the server's scan and fold of a body, the outer step, the "

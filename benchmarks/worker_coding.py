@@ -7,7 +7,8 @@ by itself, with nothing else on the machine, for the bundled GPT on one device:
   - send now: the part of a streaming fragment's send that stays on the training thread,
     `UploadCoder.coding_from` (anchor - local into e' = beta e + g), timed for the whole
     model; the rest of the coding runs on the fragment's thread beside the next steps
-    (with a CPU anchor and error feedback; otherwise all of it is the send's);
+    (with a CPU anchor and error feedback; otherwise all of it is the send's). CPU runs
+    only: a GPU anchor's send codes all of it on the training thread;
   - apply: `Anchor.values_after` of a coded delta the server made (`PublishedCopy.advance`),
     then `Anchor.adopt` (the new weights into the model), what it runs after the download;
   - and the server's side on its CPU: the intake of that body as a round's later one
@@ -169,7 +170,8 @@ def main(
         anchor.adopt(values, 1)
 
     sends = []
-    for _ in range(repeats):  # what the training thread runs of a send; the rest untimed
+    # what the training thread runs of a send (CPU only); the rest of the coding untimed
+    for _ in range(repeats if where.type == "cpu" else 0):
         code = None
 
         def send_now() -> None:
@@ -192,7 +194,6 @@ def main(
         folds.append(_timed(lambda sums=sums: take_in(sums), cpu, 1)[0])
     figures = {
         "encode": statistics.median(_timed(encode, where, repeats)),
-        "send_now": statistics.median(sends),
         "apply": statistics.median(_timed(apply, where, repeats)) - statistics.median(reset),
         # the server's side of the delta, on its CPU: code masters - P and move P by it
         "server_delta": statistics.median(
@@ -201,6 +202,8 @@ def main(
         # the server's intake of the body as a round's later upload: its scan, then its fold
         "server_fold": statistics.median(folds),
     }
+    if sends:  # (a GPU anchor's send codes on the training thread: encode is its time)
+        figures["send_now"] = statistics.median(sends)
     upload, download = len(body), len(delta)
     pageable = torch.empty(max(upload, download), dtype=torch.uint8)
     pinned = pageable.pin_memory() if where.type == "cuda" else pageable
@@ -227,11 +230,12 @@ def main(
     # a body lives), or for the server's delta one pass over the fp32 model on its CPU
     floors = {
         "encode": ("to_host_pageable", upload),
-        "send_now": ("memory_pass", upload),
         "apply": ("to_device_pageable", download),
         "server_delta": ("cpu_memory_pass", download),
         "server_fold": ("cpu_memory_pass", upload),
     }
+    if sends:
+        floors["send_now"] = ("memory_pass", upload)
     ratios = {phase: figures[phase] / limits[floor] for phase, (floor, _) in floors.items()}
     name = torch.cuda.get_device_name(where) if where.type == "cuda" else "CPU"
     document = {

@@ -341,6 +341,49 @@ def test_a_fragment_s_body_is_coded_beside_the_next_steps_from_the_values_at_its
     assert overlapped == [True] * 4  # each body of the two cycles coded after a step ran
 
 
+def test_a_merge_that_gives_up_on_a_body_still_coding_never_sends_it(
+    live_server, monkeypatch
+) -> None:
+    """The fragment's timeout ends a merge while its body is still being coded on the sync's
+    thread: the merge waits for the coding, then the body is never submitted, the residual
+    is as it was (nothing sent), and the fragment goes again at its next window."""
+    from diloco.worker.net.client import DiLoCoClient
+    from diloco.worker.upload_coder import UploadCoder
+
+    settings = ServerSettings(**STREAMING, upload_codec="int8", error_feedback_beta=0.9)
+    real_code, real_submit = UploadCoder._compressed, DiLoCoClient.submit
+    submitted, slowed = [], []
+
+    def slow(self, *args, **kwargs):
+        if not slowed and threading.current_thread().name.startswith("diloco-fragment"):
+            slowed.append(True)
+            time.sleep(1.0)  # past the merge's 0.3 s
+        return real_code(self, *args, **kwargs)
+
+    def submit(self, round, worker_id, body, **kwargs):
+        submitted.append((kwargs.get("fragment", 0), round))
+        return real_submit(self, round, worker_id, body, **kwargs)
+
+    monkeypatch.setattr(UploadCoder, "_compressed", slow)
+    monkeypatch.setattr(DiLoCoClient, "submit", submit)
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+        worker.streamer.fragment_timeout = 0.3
+        started = time.monotonic()
+        train(model, optimizer, steps=2)  # fragment 0 sent at step 1, given up at step 2
+        assert time.monotonic() - started >= 1.0  # the merge waited for the coding
+        time.sleep(0.5)  # (the sync's thread ends: it must not submit)
+        assert (worker.streamer.failures, worker.streamer.syncs) == (1, 0)
+        assert submitted == [] and worker._uploads.residual == {}
+        assert server.coordinator.info()["fragment_rounds"] == [0, 0]
+        train(model, optimizer, steps=4, seed=2)  # fragment 0 goes again, then 1
+        assert worker.streamer.fragment_rounds == [1, 1]
+        assert submitted == [(1, 0), (0, 0)]  # fragment 1's window, then 0's again
+        worker.close(final_sync=False)
+
+
 def test_a_streaming_worker_keeps_no_copy_of_the_join_s_weights(live_server) -> None:
     """Streaming reads every fragment's result into a buffer of its own, so the whole-model
     buffer the join's weights came in is let go (it was kept for good: 1x the model), and

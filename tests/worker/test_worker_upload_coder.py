@@ -289,9 +289,11 @@ def test_coding_from_reads_local_now_and_codes_the_same_body_later():
         assert (beta > 0) == bool(later.residual), text
 
 
-def test_what_reads_the_residuals_waits_for_a_coding_under_way():
+@pytest.mark.parametrize("reader", ["state", "settle", "next body", "move_to"])
+def test_what_reads_the_residuals_waits_for_a_coding_under_way(reader: str) -> None:
     """The coding, on another thread, takes e - D(C(e)) off the pending residuals: a
-    checkpoint (`state`) or the answer (`settle`) read or replace them only once it ends."""
+    checkpoint (`state`), the answer (`settle`), the next body and `move_to` read or replace
+    them only once it ends."""
     import threading
 
     codec = parse_codec("int8", block=8)
@@ -300,21 +302,55 @@ def test_what_reads_the_residuals_waits_for_a_coding_under_way():
     local = gradient([0.0, 0.0, 0.0, 0.0])
     code = coder.coding_from(anchor, local)
     read: list[dict[str, torch.Tensor]] = []
-    reader = threading.Thread(target=lambda: read.append(coder.state()[0]))
-    reader.start()
-    reader.join(timeout=0.3)
-    assert reader.is_alive() and not read  # waits: the body is not coded yet
+    work = {
+        "state": lambda: read.append(coder.state()[0]),
+        "settle": lambda: coder.settle(True),
+        "next body": lambda: coder.body_from(anchor, anchor),  # (counts the last as folded)
+        "move_to": lambda: coder.move_to("cpu"),
+    }[reader]
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join(timeout=0.3)
+    assert worker.is_alive()  # waits: the body is not coded yet
     code()
-    reader.join(timeout=10)
-    assert not reader.is_alive()
+    worker.join(timeout=10)
+    assert not worker.is_alive()
     # e = g = [1, -2, 0.5, 4]: one block of 8 (4 values), scale 4 / 127; levels
     # round(127 g / 4) = [32, -64, 16, 127], decoded [32, -64, 16, 127] * 4 / 127
     scale = torch.tensor(4.0) / 127
     decoded = torch.tensor([32.0, -64.0, 16.0, 127.0]) * scale
     expected = torch.tensor([1.0, -2.0, 0.5, 4.0]) - decoded
-    torch.testing.assert_close(read[0]["w"], expected, rtol=0, atol=1e-6)
+    if reader == "next body":  # e <- 0.5 e + 0 for the next body, coded already
+        expected = 0.5 * expected
+        expected -= torch.round(127 * expected / expected.abs().max()) * (
+            expected.abs().max() / 127
+        )
+    if read:
+        torch.testing.assert_close(read[0]["w"], expected, rtol=0, atol=1e-6)
     coder.settle(True)
     torch.testing.assert_close(coder.residual["w"], expected, rtol=0, atol=1e-6)
+
+
+def test_an_abandoned_body_leaves_the_residuals_as_they_were() -> None:
+    """A send that fails before its thread takes the body abandons it: nothing was coded or
+    sent, so the residual stays what the last folded body left, and nothing waits."""
+    codec = parse_codec("int8", block=8)
+    coder = UploadCoder(codec, 0.5, SPECS)
+    anchor, local = gradient([1.0, -2.0, 0.5, 4.0]), gradient([0.0, 0.0, 0.0, 0.0])
+    coder.coding_from(anchor, local)()
+    coder.settle(True)
+    kept = coder.residual["w"].clone()
+    body = coder.coding_from(anchor, gradient([3.0, 3.0, 3.0, 3.0]))
+    body.abandon()
+    assert torch.equal(coder.residual["w"], kept)  # (returns at once: nothing under way)
+    body.abandon()  # twice: nothing more
+    with pytest.raises(RuntimeError, match="once"):
+        body()
+    coded = coder.coding_from(anchor, local)
+    coded()
+    coded.abandon()  # once its thread took it, abandoning does nothing
+    coder.settle(False)
+    assert torch.equal(coder.residual["w"], kept)
 
 
 def test_without_a_residual_the_body_codes_anchor_minus_local_piece_by_piece():

@@ -3,11 +3,12 @@
 Within every cycle of H inner steps, fragment f owns the window of S = H / P steps ending at
 (f + 1) S (`schedule.FragmentWindows`). At step S - tau of its window the worker computes the
 fragment's pseudo-gradient (anchor_f - local_f) and hands it to a background thread, which
-submits it and long-polls the fragment round's result while training goes on. With error
-feedback and the anchor on the CPU the send only takes e' = beta e + g (a pass); the thread
-codes the body from it (`UploadCoder.coding_from`: a top-k body's coding is most of a
-send's time). At the
-window's end the worker waits for that thread (the only time it blocks) and merges:
+submits it and long-polls the fragment round's result while training goes on. With a
+quantized or sparse codec that keeps an error-feedback residual and the anchor on the CPU,
+the send only takes e' = beta e + g (a pass) and the thread codes the body from it
+(`UploadCoder.coding_from`: a top-k body's coding is most of a send's time); a checkpoint
+taken meanwhile waits for that coding. At the
+window's end the worker waits for that thread (its one wait in the schedule) and merges:
 theta_f = (1 - alpha) G'_f + alpha L_f, with L_f the local values at merge time, and G'_f
 becomes the fragment's anchor. At most one fragment is in flight: the next send comes after
 this merge.
@@ -45,7 +46,7 @@ from diloco.worker.parallel import distributed
 from diloco.worker.schedule import FragmentWindows
 from diloco.worker.session import ServerSession
 from diloco.worker.settings import WorkerSettings
-from diloco.worker.upload_coder import UploadCoder
+from diloco.worker.upload_coder import DeferredBody, UploadCoder
 
 __all__ = ["FragmentOutcome", "FragmentStreamer", "InFlight"]
 
@@ -66,7 +67,9 @@ class FragmentOutcome:
     rebase_rounds: list[int] | None = None  # the server was behind: its full state and rounds
     folded: bool = False  # the server folded our body in (its error feedback stands)
     error: BaseException | None = None
-    coding_seconds: float = 0.0  # the body's coding on the fragment's thread (CPU anchors)
+    # the body's coding on the fragment's thread (~0 where it was coded at the send; not yet
+    # written when a merge gave up on its flight)
+    coding_seconds: float = 0.0
 
 
 @dataclass
@@ -99,9 +102,7 @@ class FragmentStreamer:
         on_merged: Callable[[int], None],
         uploads: UploadCoder,
         before_send: Callable[[], None] = lambda: None,
-        coding: Callable[
-            [Callable[[], Callable[[], bytearray]]], Callable[[], bytearray]
-        ] = lambda code: code(),
+        coding: Callable[[Callable[[], DeferredBody]], DeferredBody] = lambda code: code(),
     ) -> None:
         if len(plan) != settings.fragments or len(fragment_rounds) != settings.fragments:
             raise ValueError(
@@ -167,44 +168,43 @@ class FragmentStreamer:
             return
         names = self.plan[fragment]
 
-        def code() -> Callable[[], bytearray]:
+        def code() -> DeferredBody:
             state = self.anchor.model.state_dict()
             anchor = {n: self.anchor.tensors[n] for n in names}
             local = {n: state[n] for n in names}
             if self.anchor.device.type == "cpu":  # what needs `local` now, the rest later
                 return self.uploads.coding_from(anchor, local)
             # on a GPU all of it here, where running out of memory moves it to the host
-            body = self.uploads.body_from(anchor, local)
-            return lambda: body
+            return DeferredBody.ready(self.uploads.body_from(anchor, local))
 
-        body = self.coding(code)  # the body's coding: on the fragment's thread, first
-        outcome.finished = self.units.finished()
-        everything = set(range(len(self.plan)))
-        outcome.units = [
-            unit
-            for unit in outcome.finished
-            if self.covered.get(unit, set()) | {fragment} == everything
-        ][:MAX_UNITS_PER_SUBMISSION]
-        outcome.tokens = self.tokens.total - self.tokens_at_send[fragment]
-        cancel = threading.Event()
-        thread = threading.Thread(
-            target=self._run,
-            args=(session, outcome, body, outcome.units, cancel.is_set),
-            name=f"diloco-fragment-{fragment}",
-            daemon=True,
-        )
-        self.in_flight = InFlight(outcome, merge_at, thread, cancel)
+        body = self.coding(code)  # the rest of its coding: on the fragment's thread, first
         try:
+            outcome.finished = self.units.finished()
+            everything = set(range(len(self.plan)))
+            outcome.units = [
+                unit
+                for unit in outcome.finished
+                if self.covered.get(unit, set()) | {fragment} == everything
+            ][:MAX_UNITS_PER_SUBMISSION]
+            outcome.tokens = self.tokens.total - self.tokens_at_send[fragment]
+            cancel = threading.Event()
+            thread = threading.Thread(
+                target=self._run,
+                args=(session, outcome, body, outcome.units, cancel.is_set),
+                name=f"diloco-fragment-{fragment}",
+                daemon=True,
+            )
             thread.start()
         except BaseException:
-            body()  # (what waits for the coding to end must not wait for ever)
+            body.abandon()  # (unless its thread took it: what waits for it must not hang)
             raise
+        self.in_flight = InFlight(outcome, merge_at, thread, cancel)
 
     @staticmethod
     def _run(
         session: ServerSession,
         outcome: FragmentOutcome,
-        body: Callable[[], bytearray],
+        body: DeferredBody,
         units: list[int],
         cancelled: Callable[[], bool],
     ) -> None:
@@ -212,6 +212,8 @@ class FragmentStreamer:
             coding = time.monotonic()
             coded = body()
             outcome.coding_seconds = time.monotonic() - coding
+            if cancelled():  # the merge gave up on it while it coded: nothing goes out
+                raise ClientClosed(f"the sync of round {outcome.round} was given up")
             got = session.exchange(
                 coded,
                 units,

@@ -40,6 +40,39 @@ log = logging.getLogger("diloco.worker")
 STAGE_ON_DEVICE = "DILOCO_STAGE_ON_DEVICE"
 
 
+class DeferredBody:
+    """An upload body to code once, possibly on another thread (`UploadCoder.coding_from`),
+    or to abandon if it will never be sent (its residuals then stand as they were)."""
+
+    def __init__(self, code: Callable[[], bytearray], abandon: Callable[[], None]) -> None:
+        self._code = code
+        self._abandon = abandon
+        self._lock = threading.Lock()
+        self._claimed = False
+
+    @classmethod
+    def ready(cls, body: bytearray) -> DeferredBody:
+        """A body coded already."""
+        return cls(lambda: body, lambda: None)
+
+    def _claim(self) -> bool:
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+        return not claimed
+
+    def __call__(self) -> bytearray:
+        """The body; a second call (or one after `abandon`) is an error."""
+        if not self._claim():
+            raise RuntimeError("a deferred upload body is coded once")
+        return self._code()
+
+    def abandon(self) -> None:
+        """It will not be coded or sent (its send failed before its thread ran); nothing if
+        it was claimed already."""
+        if self._claim():
+            self._abandon()
+
+
 class UploadCoder:
     """Turns pseudo-gradients into upload bodies for one codec; owns the residuals."""
 
@@ -176,36 +209,36 @@ class UploadCoder:
 
     def coding_from(
         self, anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
-    ) -> Callable[[], bytearray]:
+    ) -> DeferredBody:
         """`body_from(anchor, local)` in two parts, for a streaming fragment's send: what reads
         `anchor` and `local` runs now, on the caller's thread (e' = beta e + g into the pending
-        residuals, one pass; the exact tensors' differences); the function returned codes the
-        body from those buffers alone, so it may run on another thread while training moves
-        `local` on (Streaming DiLoCo overlaps a fragment's communication with the next inner
-        steps; a top-k body's coding is most of a send's time on a CPU). Call it once; until it
-        has returned, whatever reads or replaces the pending residuals (`residual`, `state`,
-        `settle`, the next body) waits for it. The body is byte for byte `body_from`'s.
+        residuals, one pass; the exact tensors' differences); the DeferredBody returned codes
+        the body from those buffers alone, so it may run on another thread while training
+        moves `local` on (Streaming DiLoCo overlaps a fragment's communication with the next
+        inner steps; a top-k body's coding is most of a send's time on a CPU). Until it has
+        coded (or been abandoned), whatever reads or replaces the pending residuals
+        (`residual`, `state`, `settle`, the next body, `move_to`) waits for it. The body is
+        byte for byte `body_from`'s.
 
-        Where the coding reads `local` itself (nothing is kept: anchor - local is taken a
-        piece at a time as it is coded) or nothing is coded, all of it runs now."""
+        Only a quantized or sparse codec that keeps a residual defers its coding. The others
+        read `local` while they code (int8 without error feedback takes anchor - local a piece
+        at a time) or code a dense body whole (fp32, bf16): all of it runs now."""
         if not self.keeps_residual or not (self.codec.is_quantized or self.codec.is_sparse):
-            body = self.body_from(anchor, local)
-            return lambda: body
+            return DeferredBody.ready(self.body_from(anchor, local))
         source, exact, pending = self._accumulated_from(anchor, local, self._coded(anchor))
         self._coding_done.clear()
-        started = False
 
         def code() -> bytearray:
-            nonlocal started
-            if started:
-                raise RuntimeError("coding_from's function codes its body once")
-            started = True
             try:
                 return self._compressed(source, exact, pending, reuse=False)
             finally:
                 self._coding_done.set()
 
-        return code
+        def abandon() -> None:  # never coded nor sent: the old residuals stand
+            self._coding_done.set()
+            self.settle(folded=False)
+
+        return DeferredBody(code, abandon)
 
     def _accumulated_from(
         self,

@@ -128,8 +128,9 @@ class DiLoCoWorker:
         model, optimizer and RNG are their trainer's to restore.
 
         `fragment_timeout` (streaming): the longest a merge waits for its fragment's sync
-        before it gives up on it for this window (keeping the old anchor); None waits as long
-        as the retry policy keeps trying. `max_upload_mbps` caps the upload bandwidth (a
+        before it gives up on it for this window (keeping the old anchor; a body still being
+        coded on the sync's thread is waited for, then never sent); None waits as long as
+        the retry policy keeps trying. `max_upload_mbps` caps the upload bandwidth (a
         shared link); None sends as fast as the network allows.
 
         `token` is the enrollment token (None: $DILOCO_TOKEN); registering with it gets this
@@ -782,7 +783,8 @@ class DiLoCoWorker:
             "round": self.round,
             "fragment_rounds": None if streamer is None else list(streamer.fragment_rounds),
             "fragment_failures": 0 if streamer is None else streamer.failures,
-            # streaming: seconds its fragments' bodies took to code on their own threads
+            # streaming: seconds its fragments' bodies took to code on their own threads (a
+            # CPU anchor, a quantized or sparse codec and error feedback; else about 0)
             "background_coding_seconds": 0.0 if streamer is None else streamer.coding_seconds,
             "local_steps": self.local_step,
             "bytes_sent": client.bytes_sent if client else 0,
