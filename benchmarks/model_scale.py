@@ -112,6 +112,12 @@ def _streamed(worker: object) -> object:
     return None if streamer is None else streamer.in_flight
 
 
+def _merge_waits(worker: object) -> float:
+    """A streaming worker's seconds so far in its merges' waits for the syncs in flight."""
+    streamer = getattr(worker, "streamer", None)
+    return 0.0 if streamer is None else streamer.merge_wait_seconds
+
+
 def _split_streaming(
     window: dict[str, float], blocked: float, before: object, after: object
 ) -> None:
@@ -185,7 +191,7 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
     window = _empty_window(worker.streamer is not None)
     for number in range(1, job["rounds"] * sync_every + 1):
         rounds_before, flight_before = worker.rounds, _streamed(worker)
-        waited_before = worker.blocked_seconds
+        waited_before = _merge_waits(worker)
         compute, blocked = step()
         window["compute"] += compute
         window["blocked"] += blocked
@@ -193,7 +199,7 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
             report["rounds"].append({**(worker.last_round_phases or {}), **window})
         elif worker.streamer is not None:  # a fragment sent or merged in this step's hook
             _split_streaming(window, blocked, flight_before, _streamed(worker))
-            window["wait"] += worker.blocked_seconds - waited_before
+            window["wait"] += _merge_waits(worker) - waited_before
         if number % sync_every:
             continue
         if worker.streamer is not None:  # a streaming window: every fragment sent and merged

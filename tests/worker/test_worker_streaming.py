@@ -384,6 +384,35 @@ def test_a_merge_that_gives_up_on_a_body_still_coding_never_sends_it(
         worker.close(final_sync=False)
 
 
+def test_a_streaming_worker_s_blocked_time_counts_its_sends_as_a_sync_counts_its_encode(
+    live_server, monkeypatch
+) -> None:
+    """A send's coding on the training thread is time the training waits for its sync, as a
+    sync round's encode is: it counts as blocked (and so not as compute in the pace), apart
+    from the merges' waits."""
+    from diloco.worker.upload_coder import UploadCoder
+
+    real = UploadCoder.body_from
+
+    def slow(self, *args, **kwargs):  # int8 without error feedback codes at the send
+        time.sleep(0.25)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(UploadCoder, "body_from", slow)
+    settings = ServerSettings(**STREAMING, upload_codec="int8")
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+        train(model, optimizer, steps=4)  # one cycle: two sends, two merges
+        streamer = worker.streamer
+        assert streamer.syncs == 2
+        sends = worker.blocked_seconds - streamer.merge_wait_seconds
+        assert 0.5 <= sends < 0.5 + 1.0  # the two slowed sends, and little else
+        assert streamer.coding_seconds < 0.1  # nothing was coded on the syncs' threads
+        worker.close(final_sync=False)
+
+
 def test_a_streaming_worker_keeps_no_copy_of_the_join_s_weights(live_server) -> None:
     """Streaming reads every fragment's result into a buffer of its own, so the whole-model
     buffer the join's weights came in is let go (it was kept for good: 1x the model), and

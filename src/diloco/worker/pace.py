@@ -19,7 +19,9 @@ class Pace:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.started = clock()
-        self.blocked_seconds = 0.0  # training-thread time spent waiting on the server
+        # training-thread time spent on syncs: waiting on the server, and coding what is sent
+        # (a sync round's encode, a streaming fragment's send)
+        self.blocked_seconds = 0.0
         self.windows = 0  # sync windows finished (rounds, async arrivals, fragment merges)
         self.last_window_speed: float | None = None  # steps/s of compute in the last window
         self._window_mark = (self.started, 0, 0.0)  # (when, local step, blocked) at its start

@@ -129,6 +129,7 @@ class FragmentStreamer:
         self.syncs = 0
         self.failures = 0
         self.coding_seconds = 0.0  # bodies coded on the fragments' threads, beside training
+        self.merge_wait_seconds = 0.0  # of the blocked time, the merges' waits for their syncs
         # A work unit is in the global model once every fragment has synced since it finished:
         # it is reported with the submission that completes that set.
         self.covered: dict[int, set[int]] = {}
@@ -156,10 +157,19 @@ class FragmentStreamer:
             self.merge(fragment)
 
     def send(self, fragment: int) -> None:
-        """Start the fragment's sync in the background (rank 0 talks; others wait for merge)."""
+        """Start the fragment's sync in the background (rank 0 talks; others wait for merge).
+        Its time on the training thread (coding the body, or what of it is not deferred to
+        the sync's thread) counts as blocked, as a sync round's encode does."""
         self.before_send()
         if self.in_flight is not None:  # cannot happen with tau < S; never two at once
             self.merge(self.in_flight.outcome.fragment)
+        started = time.monotonic()
+        try:
+            self._start(fragment)
+        finally:
+            self.pace.blocked_seconds += time.monotonic() - started
+
+    def _start(self, fragment: int) -> None:
         outcome = FragmentOutcome(fragment, self.fragment_rounds[fragment])
         merge_at = self.windows.step + self.windows.delay
         session = self.session
@@ -237,7 +247,9 @@ class FragmentStreamer:
         self.in_flight = None
         started = time.monotonic()
         header = distributed.lead(lambda: self._wait(flight), distributed.broadcast_json)
-        self.pace.blocked_seconds += time.monotonic() - started
+        waited = time.monotonic() - started
+        self.pace.blocked_seconds += waited
+        self.merge_wait_seconds += waited
         self.coding_seconds += flight.outcome.coding_seconds
         if self.session is not None:  # the leader's error feedback: was the body folded in?
             self.uploads.settle(header["status"] == "merged" and flight.outcome.folded)
