@@ -260,8 +260,9 @@ def markdown(document: dict, columns: list[str], rows: list[list[str]]) -> str:
             f"{document['torch']}; one server and {document['workers']} `diloco worker` "
             "process(es) on 127.0.0.1, one core per worker).",
             "",
-            "- blocked, steady state: the share of wall time the workers spent waiting on the "
-            "server between the end of their first sync window and the end of training (this "
+            "- blocked, steady state: the share of wall time the workers' training threads gave "
+            "their syncs (coding, waiting on the server, taking results in) between the end "
+            "of their first sync window and the end of training (this "
             "leaves out the start-up skew between processes and the final flush), mean over the "
             "workers; whole run: the same over the whole training loop, final sync included;",
             "- upload link: `--max-upload-mbps` on each worker (downloads are not capped);",

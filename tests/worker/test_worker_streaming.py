@@ -384,21 +384,27 @@ def test_a_merge_that_gives_up_on_a_body_still_coding_never_sends_it(
         worker.close(final_sync=False)
 
 
-def test_a_streaming_worker_s_blocked_time_counts_its_sends_as_a_sync_counts_its_encode(
+def test_a_streaming_worker_s_blocked_time_counts_its_sends_and_merges_as_a_sync_does(
     live_server, monkeypatch
 ) -> None:
-    """A send's coding on the training thread is time the training waits for its sync, as a
-    sync round's encode is: it counts as blocked (and so not as compute in the pace), apart
-    from the merges' waits."""
+    """A send's coding on the training thread and a merge (its wait for the sync, then the
+    mix) are time the training gives its syncs, as a sync round's encode, wait and apply
+    are: both count as blocked, each once, and `merge_wait_seconds` is the merges' waits."""
+    from diloco.worker.session import ServerSession
     from diloco.worker.upload_coder import UploadCoder
 
-    real = UploadCoder.body_from
+    real_body, real_exchange = UploadCoder.body_from, ServerSession.exchange
 
-    def slow(self, *args, **kwargs):  # int8 without error feedback codes at the send
+    def slow_body(self, *args, **kwargs):  # int8 without error feedback codes at the send
         time.sleep(0.25)
-        return real(self, *args, **kwargs)
+        return real_body(self, *args, **kwargs)
 
-    monkeypatch.setattr(UploadCoder, "body_from", slow)
+    def slow_exchange(self, *args, **kwargs):  # on the sync's thread: the merge waits
+        time.sleep(0.4)
+        return real_exchange(self, *args, **kwargs)
+
+    monkeypatch.setattr(UploadCoder, "body_from", slow_body)
+    monkeypatch.setattr(ServerSession, "exchange", slow_exchange)
     settings = ServerSettings(**STREAMING, upload_codec="int8")
     with live_server(settings) as server:
         model = make_model()
@@ -407,8 +413,9 @@ def test_a_streaming_worker_s_blocked_time_counts_its_sends_as_a_sync_counts_its
         train(model, optimizer, steps=4)  # one cycle: two sends, two merges
         streamer = worker.streamer
         assert streamer.syncs == 2
-        sends = worker.blocked_seconds - streamer.merge_wait_seconds
-        assert 0.5 <= sends < 0.5 + 1.0  # the two slowed sends, and little else
+        assert 0.8 - 0.1 <= streamer.merge_wait_seconds < 0.8 + 0.5  # 0.4 s each, nearly
+        rest = worker.blocked_seconds - streamer.merge_wait_seconds
+        assert 0.5 <= rest < 0.5 + 0.2  # the two slowed sends, once, and two small mixes
         assert streamer.coding_seconds < 0.1  # nothing was coded on the syncs' threads
         worker.close(final_sync=False)
 

@@ -1,10 +1,10 @@
-"""How fast a worker computes, apart from the time it waits on the server.
+"""How fast a worker computes, apart from the time its syncs take on the training thread.
 
-DyLU gives slow workers fewer local steps, so it needs each worker's compute speed: the steps
-of a sync window divided by the window's wall time less the time the training thread was
-blocked on the server. The heartbeat reports the last window's speed; `diloco worker --json`
-reports the blocked share of the steady state (from the end of the first window to close,
-leaving out start-up skew between workers and the final flush).
+DyLU gives slow workers fewer local steps, so it needs each worker's compute speed: the steps of a
+sync window divided by the window's wall time less the time the training thread was blocked on its
+syncs (coding, waiting on the server, taking the result in). The heartbeat reports the last window's
+speed; `diloco worker --json` reports the blocked share of the steady state (from the end of the
+first window to close, leaving out start-up skew between workers and the final flush).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ class Pace:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.started = clock()
-        # training-thread time spent on syncs: waiting on the server, and coding what is sent
-        # (a sync round's encode, a streaming fragment's send)
+        # training-thread time spent on syncs: coding what is sent (a sync round's encode, a
+        # streaming send), waiting on the server, and taking the result in (apply, a mix)
         self.blocked_seconds = 0.0
         self.windows = 0  # sync windows finished (rounds, async arrivals, fragment merges)
         self.last_window_speed: float | None = None  # steps/s of compute in the last window

@@ -51,10 +51,10 @@ class RoundFigures:
 
 
 class RoundLines:
-    """One line per round: the round, the step, the last reported loss, the megabytes this
-    worker's client sent and received since the last line, and the seconds training was
-    blocked on the server since then. Every round's figures are kept (`rounds`) for the
-    worker's --json, whether or not the lines are shown."""
+    """One line per round: the round, the step, the last reported loss, the megabytes this worker's
+    client sent and received since the last line, and the seconds training was blocked on its syncs
+    since then (coding, waiting on the server, taking results in). Every round's figures are kept
+    (`rounds`) for the worker's --json, whether or not the lines are shown."""
 
     def __init__(self) -> None:
         self._sent = self._received = 0

@@ -240,16 +240,28 @@ class FragmentStreamer:
             outcome.error = exc
 
     def merge(self, fragment: int) -> None:
-        """Wait for the fragment's sync and mix its result in (every rank takes part)."""
+        """Wait for the fragment's sync and mix its result in (every rank takes part). All of
+        it but the checkpoint that may follow counts as blocked, as a sync round's wait,
+        download and apply do; `merge_wait_seconds` keeps the waiting part apart."""
         flight = self.in_flight
         if flight is None or flight.outcome.fragment != fragment:
             return  # nothing was sent for it (a worker joining mid-cycle)
         self.in_flight = None
         started = time.monotonic()
-        header = distributed.lead(lambda: self._wait(flight), distributed.broadcast_json)
-        waited = time.monotonic() - started
-        self.pace.blocked_seconds += waited
-        self.merge_wait_seconds += waited
+        try:
+            merged = self._merge(flight, fragment)
+        finally:
+            self.pace.blocked_seconds += time.monotonic() - started
+        if merged:
+            self.on_merged(fragment)  # (a checkpoint once a cycle: not blocked time)
+
+    def _merge(self, flight: InFlight, fragment: int) -> bool:
+        """`merge`'s work; True when the fragment's result was mixed in."""
+        started = time.monotonic()
+        try:
+            header = distributed.lead(lambda: self._wait(flight), distributed.broadcast_json)
+        finally:
+            self.merge_wait_seconds += time.monotonic() - started
         self.coding_seconds += flight.outcome.coding_seconds
         if self.session is not None:  # the leader's error feedback: was the body folded in?
             self.uploads.settle(header["status"] == "merged" and flight.outcome.folded)
@@ -262,12 +274,12 @@ class FragmentStreamer:
                 header["round"],
                 header["error"],
             )
-            return
+            return False
         tensors = flight.outcome.tensors or {}
         if header["status"] == "rebase":
             self.anchor.adopt_everywhere(tensors, header["version"])
             self.reposition(header["fragment_rounds"])
-            return
+            return False
         names = self.plan[fragment]
         tensors = self.anchor.broadcast_fragment(tensors, names)
         self._mix(fragment, tensors)
@@ -277,7 +289,7 @@ class FragmentStreamer:
         if self.session is not None:
             self._covered(fragment, flight.outcome)
             self.tokens_at_send[fragment] += flight.outcome.tokens
-        self.on_merged(fragment)
+        return True
 
     @property
     def last_fragment(self) -> int:

@@ -399,7 +399,8 @@ class DiLoCoWorker:
 
     @property
     def blocked_seconds(self) -> float:
-        """Training-thread time spent waiting on the server."""
+        """Training-thread time given to syncs: coding what is sent, waiting on the server,
+        taking the result in (a streaming merge's mix too); a checkpoint is not counted."""
         return self._pace.blocked_seconds
 
     @property
