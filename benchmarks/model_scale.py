@@ -98,37 +98,26 @@ SERVER_PARTS = (
 
 def _empty_window(streaming: bool) -> dict[str, float]:
     """One window's sums (H steps): compute and blocked; streaming also splits blocked into
-    send (coding a fragment's body on the training thread and starting its sync: a body
-    coded on its sync's thread, error feedback on a CPU anchor, is e' = beta e + g here and
-    the rest shows in wait if unfinished), merge (its hook at the merge) and, within merge,
-    wait (the merge waiting for the sync in flight)."""
-    extra = {"send": 0.0, "merge": 0.0, "wait": 0.0} if streaming else {}
+    send (a fragment's send on the training thread: coding its body, or with error feedback
+    on a CPU anchor only e' = beta e + g, the rest coded on its sync's thread and shown in
+    wait if unfinished), wait (the merges waiting for their syncs) and mix (the rest of the
+    merges), from the streamer's own counters: a step that both merges and sends (delay 0)
+    has each part counted where it belongs."""
+    extra = {"send": 0.0, "wait": 0.0, "mix": 0.0} if streaming else {}
     return {"compute": 0.0, "blocked": 0.0, **extra}
 
 
-def _streamed(worker: object) -> object:
-    """A streaming worker's sync in flight (None: none, or not streaming)."""
+def _blocked_split(worker: object) -> dict[str, float]:
+    """A streaming worker's blocked seconds so far by part (send, wait, mix:
+    `FragmentStreamer.blocked_split`); empty for a sync worker."""
     streamer = getattr(worker, "streamer", None)
-    return None if streamer is None else streamer.in_flight
+    return {} if streamer is None else streamer.blocked_split()
 
 
-def _merge_waits(worker: object) -> float:
-    """A streaming worker's seconds so far in its merges' waits for the syncs in flight."""
-    streamer = getattr(worker, "streamer", None)
-    return 0.0 if streamer is None else streamer.merge_wait_seconds
-
-
-def _split_streaming(
-    window: dict[str, float], blocked: float, before: object, after: object
-) -> None:
-    """Count one step's hook time by what its sync in flight did: gone or replaced, a merge
-    (merged, failed or a rebase: every merge ends the flight); new, a send. With delay 0 a
-    step does both; it counts as a merge (its mix then holds the send's coding on the
-    training thread, and its wait a coding on the sync's thread)."""
-    if before is not None and after is not before:
-        window["merge"] += blocked
-    elif after is not None and after is not before:
-        window["send"] += blocked
+def _add_split(window: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
+    """Add what each part of a streaming worker's blocked time grew by in one step."""
+    for part, seconds in after.items():
+        window[part] += seconds - before[part]
 
 
 def _rss_kb() -> int:
@@ -190,20 +179,17 @@ def _worker(url: str, index: int, job: dict, path: str) -> None:
     steady = {"compute": 0.0, "blocked": 0.0, "up": 0, "down": 0}
     window = _empty_window(worker.streamer is not None)
     for number in range(1, job["rounds"] * sync_every + 1):
-        rounds_before, flight_before = worker.rounds, _streamed(worker)
-        waited_before = _merge_waits(worker)
+        rounds_before, split_before = worker.rounds, _blocked_split(worker)
         compute, blocked = step()
         window["compute"] += compute
         window["blocked"] += blocked
         if worker.rounds != rounds_before:  # a sync round ended in this step's hook
             report["rounds"].append({**(worker.last_round_phases or {}), **window})
         elif worker.streamer is not None:  # a fragment sent or merged in this step's hook
-            _split_streaming(window, blocked, flight_before, _streamed(worker))
-            window["wait"] += _merge_waits(worker) - waited_before
+            _add_split(window, split_before, _blocked_split(worker))
         if number % sync_every:
             continue
         if worker.streamer is not None:  # a streaming window: every fragment sent and merged
-            window["mix"] = window.pop("merge") - window["wait"]  # (the wait is the merge's)
             report["rounds"].append(dict(window))
         stats = worker.client.stats
         if number <= job["warmup_rounds"] * sync_every:  # the start, then the warm-up

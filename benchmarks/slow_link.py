@@ -24,7 +24,8 @@ Worker 0 starts first and the others once the server holds its initial weights: 
 that registers before then uploads the whole model as well (the server keeps one), which on
 a slow link costs each of them a model's transfer before training.
 - hidden (streaming): the share of the same codec's sync-mode blocked time that streaming
-  hides behind compute;
+  hides behind compute; and last in against last in (a streaming cycle's last in: the worker
+  whose merges waited least for their syncs in that cycle, its sends and mixes counted);
 - final eval loss and the run's wall time (time to that loss).
 
 Writes benchmarks/results/slow_link.md and .json.
@@ -176,22 +177,47 @@ def wait_for_weights(url: str, first: subprocess.Popen, timeout: float = 600.0) 
     raise RuntimeError(f"no global weights after {timeout:g} s")
 
 
-def per_round(report: dict, key: str) -> float:
-    """The median over a worker's rounds of one figure, its first round left out when there
-    are others (it waits for the late joiners); in streaming mode a round is a cycle of every
-    fragment, and the last line (close(): every fragment synced at once) is left out too."""
+def cycles(report: dict) -> list[dict]:
+    """A worker's round figures; in streaming mode (a round is a cycle of every fragment)
+    without the last line when there are others (close(): every fragment synced at once)."""
     figures = report["round_figures"]
-    if report["mode"] == "streaming" and len(figures) > 2:
+    if report.get("mode") == "streaming" and len(figures) > 2:
         figures = figures[:-1]
-    return statistics.median(f[key] for f in (figures[1:] or figures))
+    return figures
+
+
+def per_round(report: dict, key: str, phase: str | None = None) -> float:
+    """The median over a worker's rounds (`cycles`) of one figure (`phase`: of that part of
+    its "phases" split), its first round left out when there are others (it waits for the
+    late joiners)."""
+    figures = cycles(report)
+    chosen = figures[1:] or figures
+    if phase is not None:
+        return statistics.median(f[key].get(phase, 0.0) for f in chosen)
+    return statistics.median(f[key] for f in chosen)
+
+
+STREAMING_PHASES = ("send", "wait", "mix")
+
+
+def streaming_split(reports: list[dict]) -> dict[str, float] | None:
+    """A streaming round's blocked time by part (send: the sends on the training thread;
+    wait: the merges waiting for their syncs; mix: the rest of the merges), each the mean
+    over the workers of its median over their cycles; None for a sync run."""
+    if any(r["mode"] != "streaming" for r in reports):
+        return None
+    return {
+        p: statistics.mean(per_round(r, "phases", p) for r in reports) for p in STREAMING_PHASES
+    }
 
 
 def last_in(reports: list[dict]) -> tuple[float, dict[str, float]] | None:
     """The round's sync on its critical path: per round every worker ended (matched by the
     step it ended at; the first left out), the figures of the worker whose wait for the
-    result was shortest, its blocked seconds and their split,
-    averaged over the rounds. None without every round's split (a streaming run)."""
-    by_step = [{f["step"]: f for f in r["round_figures"]} for r in reports]
+    result was shortest (in streaming mode, per cycle, whose merges waited least for their
+    syncs), its blocked seconds and their split, averaged over the rounds. None without
+    every round's split."""
+    by_step = [{f["step"]: f for f in cycles(r)} for r in reports]
     shared = sorted(set.intersection(*(set(steps) for steps in by_step)))  # the same rounds
     chosen = []
     for step in shared[1:] or shared:
@@ -201,7 +227,8 @@ def last_in(reports: list[dict]) -> tuple[float, dict[str, float]] | None:
         chosen.append(min(figures, key=lambda f: f["phases"]["wait"]))
     if not chosen:
         return None
-    split = {p: statistics.mean(f["phases"][p] for f in chosen) for p in LAST_IN_PHASES}
+    phases = STREAMING_PHASES if "send" in chosen[0]["phases"] else LAST_IN_PHASES
+    split = {p: statistics.mean(f["phases"][p] for f in chosen) for p in phases}
     return statistics.mean(f["blocked_seconds"] for f in chosen), split
 
 
@@ -217,7 +244,7 @@ def summarize(job: dict, run: dict) -> dict:
     windows = max(1.0, job["steps"] / job["sync_every"])  # rounds of H steps (cycles)
     compute = statistics.mean(r["train_seconds"] - r["blocked_seconds"] for r in reports) / windows
     exchanges = 2 if job["mode"] == "sync" else 2 * job["fragments"]  # per round of H steps
-    last = last_in(reports) if job["mode"] == "sync" else None
+    last = last_in(reports)
     return {
         **{k: job[k] for k in ("codec", "mode")},
         "rounds": [r["rounds"] for r in reports],
@@ -225,6 +252,7 @@ def summarize(job: dict, run: dict) -> dict:
         "wall_per_round": compute + blocked,
         "last_in_per_round": None if last is None else last[0],
         "last_in_phases": None if last is None else last[1],
+        "streaming_phases": streaming_split(reports),
         "up_bytes_per_round": up,
         "down_bytes_per_round": down,
         "projected_per_round": shape.transfer_seconds(up + down, exchanges),
@@ -310,6 +338,14 @@ def main(
             if r["mode"] == "streaming" and synced
             else None
         )
+        r["hidden_last_in"] = (  # the same, last in against last in
+            1 - r["last_in_per_round"] / synced["last_in_per_round"]
+            if r["mode"] == "streaming"
+            and synced
+            and r["last_in_per_round"] is not None
+            and synced["last_in_per_round"]
+            else None
+        )
     document = {
         "setup": {**jobs[0], "codecs": chosen, "modes": chosen_modes, "parameters": params},
         "results": results,
@@ -330,7 +366,8 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         "blocked s / round",
         "x fp32",
         "last in s / round (x fp32)",
-        "last in encode/upload/wait/download/apply s",
+        "last in split s (sync: encode/upload/wait/download/apply; streaming: send/wait/mix)",
+        "streaming send/wait/mix s (mean)",
         "projected s / round",
         "wall s / round",
         "x fp32 (wall)",
@@ -351,17 +388,27 @@ def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
                 last_in_cell(r),
                 "-"
                 if r["last_in_phases"] is None
-                else "/".join(f"{r['last_in_phases'][p]:.2f}" for p in LAST_IN_PHASES),
+                else "/".join(f"{seconds:.2f}" for seconds in r["last_in_phases"].values()),
+                "-"
+                if not r.get("streaming_phases")
+                else "/".join(f"{r['streaming_phases'][p]:.2f}" for p in STREAMING_PHASES),
                 f"{r['projected_per_round']:.2f}",
                 f"{r['wall_per_round']:.2f}",
                 "-" if r["wall_vs_fp32"] is None else f"{r['wall_vs_fp32']:.2f}x",
-                "-" if r["hidden"] is None else f"{100 * r['hidden']:.0f} %",
+                hidden_cell(r),
                 f"{r['up_bytes_per_round'] / 1e6:.2f} / {r['down_bytes_per_round'] / 1e6:.2f}",
                 f"{r['final_eval_loss']:.4f}",
                 f"{r['run_seconds']:.0f}",
             ]
         )
     return columns, rows
+
+
+def hidden_cell(r: dict) -> str:
+    if r["hidden"] is None:
+        return "-"
+    last = r.get("hidden_last_in")
+    return f"{100 * r['hidden']:.0f} %" + ("" if last is None else f" (last in {100 * last:.0f} %)")
 
 
 def last_in_cell(r: dict) -> str:
@@ -390,14 +437,17 @@ def markdown(document: dict, columns: list[str], rows: list[list[str]]) -> str:
             f"{s['rtt_ms']:g} ms link (benchmarks/shaped_link.py), one `diloco server`; "
             f"H = {s['sync_every']}, {s['steps']} steps, streaming P = {s['fragments']}, "
             f"tau = {s['delay']}; one core each.",
-            "- blocked: the workers' time in their sync hook per round (mean); last in (sync): "
-            "per round, the blocked time of the worker that waited least for the result (the "
-            "last to send), the round's sync cost when workers train at the same speed, and its "
-            "split; the mean also counts the seconds that workers sharing this host's cores "
-            "wait for the slowest at the barrier; projected: the "
+            "- blocked: the workers' time in their sync hook per round (mean); last in: "
+            "per round, the blocked time of the worker that waited least for the result (sync: "
+            "the last to send; streaming: per cycle, the one whose merges waited least), the "
+            "round's sync cost when workers train at the same speed, and its split; the mean "
+            "also counts the seconds that workers sharing this host's cores wait for the "
+            "slowest at the barrier; streaming send/wait/mix: a cycle's sends on the training "
+            "thread, its merges' waits for their syncs and the rest of its merges, each the "
+            "mean over the workers of its median; projected: the "
             "round's bytes over the link's rate plus two round trips per exchange, the paper "
             "arithmetic; hidden: the share of the same codec's sync-mode blocked time that "
-            "streaming hides.",
+            "streaming hides (mean against mean, and last in against last in).",
             "",
             "| " + " | ".join(columns) + " |",
             "|" + "---|" * len(columns),

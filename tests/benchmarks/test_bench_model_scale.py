@@ -3,6 +3,7 @@ promises, and the limits it measures; bad options are one line."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -263,23 +264,23 @@ def test_a_sync_row_without_a_last_in_still_makes_its_table_row() -> None:
 
 
 def test_a_streaming_window_splits_its_blocked_time_into_sends_waits_and_mixes() -> None:
-    """A step whose hook ended the sync in flight (merged, failed or rebased: the flight is
-    gone, or replaced at delay 0) counts as a merge, one that put a new sync in flight as a
-    send, one with neither as neither; the table shows send/wait/mix for a streaming row and
-    encode/upload/wait/download/apply for a sync one."""
+    """A streaming window sums what each part of the worker's blocked time (the streamer's
+    own send, wait and mix counters) grew by in each step, so a step that merges one fragment
+    and sends the next (delay 0) has each part where it belongs; the table shows send/wait/mix
+    for a streaming row and encode/upload/wait/download/apply for a sync one."""
     module = model_scale()
     window = module._empty_window(True)
-    a, b, c, d = object(), object(), object(), object()
-    module._split_streaming(window, 0.10, None, a)  # fragment 0 sent
-    module._split_streaming(window, 0.00, a, a)  # training on
-    module._split_streaming(window, 0.40, a, None)  # fragment 0 merged (or failed, rebased)
-    module._split_streaming(window, 0.20, None, b)  # fragment 1 sent
-    module._split_streaming(window, 0.05, b, b)  # unnamed: neither
-    module._split_streaming(window, 0.70, b, c)  # delay 0: 1 merged and 2 sent in one step
-    module._split_streaming(window, 0.00, None, None)  # nothing in flight, nothing sent
-    assert (window["send"], window["merge"]) == pytest.approx((0.30, 1.10))
-    module._split_streaming(window, 0.01, c, d)  # (a send after a merge, again a merge)
-    assert window["merge"] == pytest.approx(1.11)
+    counters = [
+        {"send": 0.0, "wait": 0.0, "mix": 0.0},
+        {"send": 0.10, "wait": 0.0, "mix": 0.0},  # fragment 0 sent
+        {"send": 0.10, "wait": 0.0, "mix": 0.0},  # training on
+        {"send": 0.10, "wait": 0.30, "mix": 0.02},  # fragment 0 merged
+        {"send": 0.35, "wait": 0.90, "mix": 0.05},  # delay 0: 1 merged and 2 sent in one step
+    ]
+    for before, after in itertools.pairwise(counters):
+        module._add_split(window, before, after)
+    assert (window["send"], window["wait"], window["mix"]) == pytest.approx((0.35, 0.90, 0.05))
+    assert module._blocked_split(object()) == {}  # a worker without a streamer
     assert module._empty_window(False) == {"compute": 0.0, "blocked": 0.0}
     rows = json.loads((BENCHMARKS / "results" / "model_scale.json").read_text())["results"]
     sync = {

@@ -183,6 +183,51 @@ def test_last_in_takes_each_rounds_worker_that_waited_least() -> None:
     assert slow_link().last_in([{"round_figures": no_split}, {"round_figures": a}]) is None
 
 
+def test_a_streaming_run_splits_its_rounds_blocked_time_into_sends_waits_and_mixes() -> None:
+    """Per worker the median over its cycles of each part (the first cycle, which waits for
+    the late joiners, and the last, close()'s flush, left out), then the mean over workers;
+    a sync run has no such split."""
+
+    def cycle(send: float, wait: float, mix: float) -> dict:
+        return {
+            "blocked_seconds": send + wait + mix,
+            "phases": {"send": send, "wait": wait, "mix": mix},
+        }
+
+    a = [
+        cycle(9, 9, 9),
+        cycle(0.1, 0.2, 0.03),
+        cycle(0.3, 0.4, 0.01),
+        cycle(0.2, 0.6, 0.02),
+        cycle(5, 5, 5),
+    ]
+    b = [cycle(9, 9, 9), cycle(0.5, 0.0, 0.05), cycle(9, 9, 9)]
+    reports = [{"mode": "streaming", "round_figures": figures} for figures in (a, b)]
+    split = slow_link().streaming_split(reports)
+    assert split == pytest.approx(
+        {"send": (0.2 + 0.5) / 2, "wait": (0.4 + 0.0) / 2, "mix": (0.02 + 0.05) / 2}
+    )
+    assert slow_link().streaming_split([{"mode": "sync", "round_figures": a}]) is None
+
+
+def test_a_streaming_cycle_s_last_in_is_the_worker_whose_merges_waited_least() -> None:
+    """Cycles matched by step (the first and close()'s flush, at the same step as the last
+    cycle, left out): per cycle the worker with the shortest merge waits, its blocked time
+    and its send/wait/mix."""
+
+    def cycle(step: int, send: float, wait: float) -> dict:
+        phases = {"send": send, "wait": wait, "mix": 0.05}
+        return {"step": step, "blocked_seconds": send + wait + 0.05, "phases": phases}
+
+    a = [cycle(40, 9, 9), cycle(80, 0.1, 3.0), cycle(120, 0.2, 0.0), cycle(120, 7, 7)]
+    b = [cycle(40, 9, 9), cycle(80, 0.3, 0.0), cycle(120, 0.1, 0.5), cycle(120, 8, 8)]
+    reports = [{"mode": "streaming", "round_figures": figures} for figures in (a, b)]
+    blocked, split = slow_link().last_in(reports)
+    # step 80: b (wait 0, blocked 0.35); step 120: a (wait 0, blocked 0.25)
+    assert blocked == pytest.approx((0.35 + 0.25) / 2)
+    assert split == pytest.approx({"send": 0.25, "wait": 0.0, "mix": 0.05})
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

@@ -81,10 +81,12 @@ def test_a_failed_fragment_sync_keeps_its_anchor_and_is_sent_again(live_server) 
         b.close(final_sync=False)
 
 
-def test_a_merge_mixes_the_global_fragment_with_the_local_values(live_server) -> None:
-    """tau = 1, alpha = 0.5, one worker: at the merge step theta_f = (G'_f + L_f) / 2, with
-    L_f the local values one step after the send; the other fragment is left local."""
-    with live_server(ServerSettings(**STREAMING)) as server:
+@pytest.mark.parametrize("alpha", [0.5, 0.0])
+def test_a_merge_mixes_the_global_fragment_with_the_local_values(live_server, alpha) -> None:
+    """tau = 1, one worker: at the merge step theta_f = (1 - alpha) G'_f + alpha L_f (alpha
+    0.5: their mean; 0: G'_f exactly, copied), with L_f the local values one step after the
+    send; the other fragment is left local."""
+    with live_server(ServerSettings(**{**STREAMING, "alpha": alpha})) as server:
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
@@ -104,10 +106,12 @@ def test_a_merge_mixes_the_global_fragment_with_the_local_values(live_server) ->
         local = snapshot(model.state_dict())
         worker._hook.remove()
         worker._after_step()  # the post-step hook of step 2: the merge
-        expected = alpha_merge(global_fragment, local, 0.5)
+        expected = alpha_merge(global_fragment, local, alpha)
         state = model.state_dict()
         for name in fragment_0:
             torch.testing.assert_close(state[name], expected[name])
+            if alpha == 0.0:  # the global values, bit for bit
+                assert torch.equal(state[name], global_fragment[name].to(state[name].dtype))
             torch.testing.assert_close(worker.anchor[name], global_fragment[name])
         for name in worker.streamer.plan[1]:
             torch.testing.assert_close(state[name], local[name], rtol=0, atol=0)
@@ -301,7 +305,7 @@ def test_a_fragment_s_body_is_coded_beside_the_next_steps_from_the_values_at_its
     settings = ServerSettings(
         **{**STREAMING, "alpha": 0.0}, upload_codec="int8", error_feedback_beta=0.9
     )
-    real = UploadCoder._compressed
+    real = UploadCoder._accumulate_snapshots  # the coding thread's first work
     ended, overlapped = [], []
     for hold in (False, True):
         with live_server(settings) as server:
@@ -319,7 +323,7 @@ def test_a_fragment_s_body_is_coded_beside_the_next_steps_from_the_values_at_its
                     overlapped.append(worker.local_step > at)
                 return real(self, *args, **kwargs)
 
-            monkeypatch.setattr(UploadCoder, "_compressed", held)
+            monkeypatch.setattr(UploadCoder, "_accumulate_snapshots", held)
             train(model, optimizer, steps=8)  # two cycles of H = 4: each fragment twice
             holding[0] = False
             worker.streamer.flush()
@@ -417,6 +421,14 @@ def test_a_streaming_worker_s_blocked_time_counts_its_sends_and_merges_as_a_sync
         rest = worker.blocked_seconds - streamer.merge_wait_seconds
         assert 0.5 <= rest < 0.5 + 0.2  # the two slowed sends, once, and two small mixes
         assert streamer.coding_seconds < 0.1  # nothing was coded on the syncs' threads
+        split = streamer.blocked_split()  # each part on its own, adding up to the whole
+        assert 0.5 <= split["send"] < 0.5 + 0.1  # the two slowed sends
+        assert split["wait"] == streamer.merge_wait_seconds
+        assert 0.0 <= split["mix"] < 0.1
+        assert sum(split.values()) == pytest.approx(worker.blocked_seconds, abs=1e-3)
+        (cycle,) = worker.stats()["round_figures"]  # the cycle's line carries its split
+        assert cycle["phases"] == pytest.approx(split)
+        assert cycle["blocked_seconds"] == pytest.approx(worker.blocked_seconds)
         worker.close(final_sync=False)
 
 

@@ -265,12 +265,16 @@ def test_coding_from_reads_local_now_and_codes_the_same_body_later():
         "norm.running_mean": torch.tensor([0.5, 0.25]),
         "steps": torch.tensor(7, dtype=torch.int64),
     }
-    for text, beta in (("topk:0.25+int2", 0.95), ("int8", 0.9), ("int8", 0.0)):
+    cases = [("topk:0.25+int2", 0.95), ("int8", 0.9), ("int8", 0.0)]
+    for (text, beta), dtype in [
+        *((case, torch.float32) for case in cases),
+        (cases[0], torch.bfloat16),
+    ]:
         codec = parse_codec(text, chunk=8, block=8)
         later, now = UploadCoder(codec, beta, SPECS), UploadCoder(codec, beta, SPECS)
         for answer in (True, False, True):
-            local = {
-                "w": anchor["w"] - torch.randn(64, generator=generator),
+            local = {  # (a bf16 model's values: copied now in fp32, as anchor - local takes them)
+                "w": (anchor["w"] - torch.randn(64, generator=generator)).to(dtype),
                 "norm.running_mean": torch.tensor([0.125, 0.75]),
                 "steps": torch.tensor(9, dtype=torch.int64),
             }

@@ -40,7 +40,10 @@ class RoundFigures:
     rounds) where those seconds went: `DiLoCoWorker.last_round_phases`, whose encode, upload,
     wait, download, apply and other add up to its "blocked" (the total), and whose "save" (the
     worker's checkpoint after the exchange) is not blocked time. A benchmark tells the round's
-    own cost (encode, upload, download, apply) from the wait at its barrier by them."""
+    own cost (encode, upload, download, apply) from the wait at its barrier by them. A
+    streaming cycle's phases are its sends' time on the training thread (send), its merges'
+    waits for their syncs (wait) and the rest of its merges (mix):
+    `FragmentStreamer.blocked_split`."""
 
     step: int
     loss: float | None

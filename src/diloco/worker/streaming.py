@@ -129,7 +129,11 @@ class FragmentStreamer:
         self.syncs = 0
         self.failures = 0
         self.coding_seconds = 0.0  # bodies coded on the fragments' threads, beside training
-        self.merge_wait_seconds = 0.0  # of the blocked time, the merges' waits for their syncs
+        # The blocked time of sends and merges, split: what sends took on the training thread,
+        # what merges spent waiting for their syncs, and the rest of the merges (the mix).
+        self.send_seconds = 0.0
+        self.merge_wait_seconds = 0.0
+        self.merge_seconds = 0.0  # whole merges: their waits and mixes
         # A work unit is in the global model once every fragment has synced since it finished:
         # it is reported with the submission that completes that set.
         self.covered: dict[int, set[int]] = {}
@@ -167,7 +171,9 @@ class FragmentStreamer:
         try:
             self._start(fragment)
         finally:
-            self.pace.blocked_seconds += time.monotonic() - started
+            took = time.monotonic() - started
+            self.pace.blocked_seconds += took
+            self.send_seconds += took
 
     def _start(self, fragment: int) -> None:
         outcome = FragmentOutcome(fragment, self.fragment_rounds[fragment])
@@ -251,7 +257,9 @@ class FragmentStreamer:
         try:
             merged = self._merge(flight, fragment)
         finally:
-            self.pace.blocked_seconds += time.monotonic() - started
+            took = time.monotonic() - started
+            self.pace.blocked_seconds += took
+            self.merge_seconds += took
         if merged:
             self.on_merged(fragment)  # (a checkpoint once a cycle: not blocked time)
 
@@ -295,6 +303,16 @@ class FragmentStreamer:
     def last_fragment(self) -> int:
         return len(self.plan) - 1
 
+    def blocked_split(self) -> dict[str, float]:
+        """Seconds so far of the blocked time of sends and merges, by part: send (a send's
+        time on the training thread), wait (merges waiting for their syncs), mix (the rest of
+        the merges: settling the residual, the alpha mix, adopting the anchor)."""
+        return {
+            "send": self.send_seconds,
+            "wait": self.merge_wait_seconds,
+            "mix": self.merge_seconds - self.merge_wait_seconds,
+        }
+
     def _covered(self, fragment: int, outcome: FragmentOutcome) -> None:
         reported = set(outcome.units)
         for unit in outcome.finished:
@@ -330,10 +348,15 @@ class FragmentStreamer:
     def _mix(self, fragment: int, global_values: dict[str, torch.Tensor]) -> None:
         """theta = (1 - alpha) G' + alpha L on this rank; G' is the fragment's new anchor.
         Tensor by tensor: the mix of one tensor is made and copied in before the next, so
-        the merge holds one tensor's temporary, not the whole fragment's."""
+        the merge holds one tensor's temporary, not the whole fragment's. With alpha 0 (the
+        default) theta is G' itself, copied in (alpha_merge's (1 - 0) G' + 0 L is G' too,
+        but for the sign of a zero and a non-finite local value, and costs three passes)."""
         state = self.anchor.model.state_dict()
         with torch.no_grad():
             for name in self.plan[fragment]:
+                if self.alpha == 0.0:  # theta = G': one copy, no temporary (the default)
+                    state[name].copy_(global_values[name])
+                    continue
                 merged = alpha_merge({name: global_values[name]}, {name: state[name]}, self.alpha)
                 state[name].copy_(merged[name])
         self.anchor.adopt_fragment(global_values)

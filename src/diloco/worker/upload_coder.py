@@ -225,11 +225,24 @@ class UploadCoder:
         at a time) or code a dense body whole (fp32, bf16): all of it runs now."""
         if not self.keeps_residual or not (self.codec.is_quantized or self.codec.is_sparse):
             return DeferredBody.ready(self.body_from(anchor, local))
-        source, exact, pending = self._accumulated_from(anchor, local, self._coded(anchor))
+        coded = self._coded(anchor)
+        # An fp32 anchor's tensors are only copied now (local, in fp32, into its pending
+        # residual's buffer: one pass); g and e' are taken from that copy on the coding's
+        # thread, element for element as `_accumulated_from` takes them from `local`.
+        later = [n for n in coded if anchor[n].dtype == torch.float32 and anchor[n].is_cpu]
+        snapshots = self._snapshots(later, local)
+        source, exact, pending = self._accumulated_from(
+            {n: anchor[n] for n in anchor if n not in snapshots},
+            {n: local[n] for n in anchor if n not in snapshots},
+            [n for n in coded if n not in snapshots],
+            keep=snapshots,
+        )
+        source = {n: pending[n] if n in pending else source[n] for n in anchor}  # body order
         self._coding_done.clear()
 
         def code() -> bytearray:
             try:
+                self._accumulate_snapshots(anchor, snapshots)
                 return self._compressed(source, exact, pending, reuse=False)
             finally:
                 self._coding_done.set()
@@ -245,11 +258,13 @@ class UploadCoder:
         anchor: Mapping[str, torch.Tensor],
         local: Mapping[str, torch.Tensor],
         coded: Sequence[str],
+        keep: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, torch.Tensor]]:
         """What a residual-keeping body codes, in buffers that no longer read `local`: each
         coded tensor's anchor - local goes through one scratch buffer into its pending
         e' = beta e + g; the others' differences (small) are exact. Returns (the body's
-        tensors, the exact names, the pending residuals)."""
+        tensors, the exact names, the pending residuals). `keep`: more pending residuals'
+        buffers, filled by the caller (`coding_from`'s snapshots)."""
         others = [n for n in anchor if n not in set(coded)]
         exact = pseudo_gradient({n: anchor[n] for n in others}, {n: local[n] for n in others})
         largest = max((anchor[n].numel() for n in coded), default=0)
@@ -260,9 +275,40 @@ class UploadCoder:
             pseudo_gradient_into({name: anchor[name]}, {name: local[name]}, {name: into})
             return into
 
-        pending = self._accumulated(coded, difference)
+        pending = self._accumulated(coded, difference, keep)
         source = {n: pending[n] if n in pending else exact[n] for n in anchor}
         return source, set(exact), pending
+
+    def _snapshots(
+        self, names: Sequence[str], local: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """`local` of `names` copied, in fp32 on the residuals' device, into the buffers their
+        pending residuals will be (spares where they fit): the only pass over the model a
+        deferred coding takes on the training thread. Settles a body left unanswered first,
+        as `_accumulated` does, so the spares are free."""
+        self._coding_done.wait()
+        if self._pending is not None:
+            self.settle(folded=True)
+        out = {}
+        for name in names:
+            value = local[name].detach()
+            target = self._spare.pop(name, None)
+            if target is None or target.shape != value.shape:
+                target = torch.empty(value.shape, dtype=torch.float32, device=self.device)
+            out[name] = target.copy_(value)
+        return out
+
+    def _accumulate_snapshots(
+        self, anchor: Mapping[str, torch.Tensor], snapshots: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Each snapshot of local becomes e' = beta e + (anchor - local) in place: g through
+        one scratch, then `_accumulate`'s operations in its order (its bytes exactly)."""
+        largest = max((t.numel() for t in snapshots.values()), default=0)
+        scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
+        for name, target in snapshots.items():
+            g = scratch[: target.numel()].view(target.shape)
+            torch.sub(anchor[name].detach(), target, out=g)
+            self._accumulate(name, g, into=target)
 
     def _coded_difference(
         self,
@@ -359,14 +405,18 @@ class UploadCoder:
         return [n for n, t in tensors.items() if n in self.coded_names and t.is_floating_point()]
 
     def _accumulated(
-        self, coded: Sequence[str], gradient_of: Callable[[str], torch.Tensor]
+        self,
+        coded: Sequence[str],
+        gradient_of: Callable[[str], torch.Tensor],
+        keep: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """e' = beta e + g for each coded name, pending until `settle`; a last body that got
-        no answer counts as folded first."""
+        """e' = beta e + g for each coded name, pending until `settle` (with `keep`'s, whose
+        buffers the caller fills); a last body that got no answer counts as folded first."""
         self._coding_done.wait()
         if self._pending is not None:
             self.settle(folded=True)
-        self._pending = {name: self._accumulate(name, gradient_of(name)) for name in coded}
+        pending = {name: self._accumulate(name, gradient_of(name)) for name in coded}
+        self._pending = {**pending, **(keep or {})}
         return self._pending
 
     def settle(self, folded: bool) -> None:
@@ -387,11 +437,13 @@ class UploadCoder:
             else:
                 self._spare[name] = new
 
-    def _accumulate(self, name: str, gradient: torch.Tensor) -> torch.Tensor:
+    def _accumulate(
+        self, name: str, gradient: torch.Tensor, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """e' = beta e + g (as beta * e, then + g: the simulator's two roundings), written
-        into a spare fp32 buffer; e itself stays as it is until `settle`."""
+        into a spare fp32 buffer (or `into`); e itself stays as it is until `settle`."""
         g = gradient.detach().to(device=self.device, dtype=torch.float32)
-        target = self._spare.pop(name, None)
+        target = self._spare.pop(name, None) if into is None else into
         if target is None or target.shape != g.shape:
             target = torch.empty(g.shape, dtype=torch.float32, device=self.device)
         residual = self._residual.get(name)

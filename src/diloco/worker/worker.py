@@ -193,6 +193,7 @@ class DiLoCoWorker:
         self.last_loss: float | None = None
         self._pace = Pace()
         self._round_lines = RoundLines()
+        self._split_at: dict[str, float] = {}  # streaming: blocked_split at the last cycle
         self._tokens = TokenTally()
         self._units = UnitReports(data)
         self.sample_trace = SampleTrace.from_env()  # DILOCO_TRACE_SAMPLES: audits only
@@ -760,7 +761,18 @@ class DiLoCoWorker:
             rounds = self.streamer.fragment_rounds
             shown = ", ".join(str(r) for r in rounds)
             plural = "s" if len(rounds) > 1 else ""
-            self._log_round(f"a cycle of {len(rounds)} fragment{plural} (rounds now {shown})")
+            self._log_round(
+                f"a cycle of {len(rounds)} fragment{plural} (rounds now {shown})",
+                self._cycle_split(),
+            )
+
+    def _cycle_split(self) -> dict[str, float]:
+        """A streaming cycle's blocked time by part since the last cycle's line (the
+        streamer's `blocked_split`): send, wait and mix, which add up to its blocked time."""
+        assert self.streamer is not None
+        now = self.streamer.blocked_split()
+        before, self._split_at = self._split_at, now
+        return {part: seconds - before.get(part, 0.0) for part, seconds in now.items()}
 
     # ----------------------------------------------------------------- reporting and exit
 
