@@ -99,10 +99,10 @@ SERVER_PARTS = (
 def _empty_window(streaming: bool) -> dict[str, float]:
     """One window's sums (H steps): compute and blocked; streaming also splits blocked into
     send (a fragment's send on the training thread: coding its body, or with error feedback
-    on a CPU anchor only e' = beta e + g, the rest coded on its sync's thread and shown in
-    wait if unfinished), wait (the merges waiting for their syncs) and mix (the rest of the
-    merges), from the streamer's own counters: a step that both merges and sends (delay 0)
-    has each part counted where it belongs."""
+    on an fp32 CPU anchor only a copy of its values, e' and the coding on its sync's thread
+    and shown in wait if unfinished), wait (the merges waiting for their syncs) and mix
+    (the rest of the merges), from the streamer's own counters: a step that both merges and
+    sends (delay 0) has each part counted where it belongs."""
     extra = {"send": 0.0, "wait": 0.0, "mix": 0.0} if streaming else {}
     return {"compute": 0.0, "blocked": 0.0, **extra}
 

@@ -123,11 +123,12 @@ def test_the_anchor_device_counts_only_the_model_sized_copies_a_round_makes() ->
     assert anchor_copies(bf16, 0.95, int8, streaming=True) == 5
 
 
-def test_a_fragment_s_new_values_become_its_anchor_and_the_old_memory_the_next_copy() -> None:
-    """A streaming merge takes the tensors `values_after` made as the fragment's anchor (no
-    copy), and the next `values_after` of that fragment writes over the anchor they replaced;
-    values by hand (int8 with a block whose largest magnitude is 127: scale 1, each value
-    rounded half to even); other tensors, and values from elsewhere, are copied in."""
+def test_a_fragment_s_new_values_become_its_anchor_without_a_copy() -> None:
+    """A streaming merge takes the tensors `values_after` made as the fragment's anchor (the
+    very objects, no copy); values by hand (int8 with a block whose largest magnitude is
+    127: scale 1, each value rounded half to even). Values from elsewhere (a plain download,
+    a GPU model's copies) are copied in, and a copy `values_after` made that was not merged
+    is never taken later."""
     codec = parse_codec("int8")
     anchor = _anchor()
     delta = {"weight": torch.arange(-3.0, 5.0).view(2, 4) * (127 / 4)}
@@ -141,7 +142,6 @@ def test_a_fragment_s_new_values_become_its_anchor_and_the_old_memory_the_next_c
     assert anchor.tensors["weight"] is first["weight"]  # taken, not copied
     assert torch.equal(anchor.tensors["weight"], torch.arange(8.0).view(2, 4) + step)
     second = anchor.values_after(body, ["weight"], codec, coded=["weight"])
-    assert second["weight"] is old  # the replaced anchor's memory, written over
     assert torch.equal(second["weight"], torch.arange(8.0).view(2, 4) + 2 * step)
     assert torch.equal(anchor.tensors["weight"], torch.arange(8.0).view(2, 4) + step)
     bias = anchor.tensors["bias"]
@@ -151,3 +151,5 @@ def test_a_fragment_s_new_values_become_its_anchor_and_the_old_memory_the_next_c
     anchor.adopt_fragment({"weight": second["weight"].clone()})  # not values_after's own
     assert anchor.tensors["weight"] is first["weight"]
     assert torch.equal(first["weight"], torch.arange(8.0).view(2, 4) + 2 * step)
+    anchor.adopt_fragment(second)  # (no longer lent: that merge copied instead)
+    assert anchor.tensors["weight"] is first["weight"]

@@ -110,8 +110,9 @@ def test_a_merge_mixes_the_global_fragment_with_the_local_values(live_server, al
         state = model.state_dict()
         for name in fragment_0:
             torch.testing.assert_close(state[name], expected[name])
-            if alpha == 0.0:  # the global values, bit for bit
-                assert torch.equal(state[name], global_fragment[name].to(state[name].dtype))
+            if alpha == 0.0:  # the global values, bit for bit (the signs of zeros too)
+                sent = global_fragment[name].to(state[name].dtype)
+                assert torch.equal(state[name].view(torch.int32), sent.view(torch.int32))
             torch.testing.assert_close(worker.anchor[name], global_fragment[name])
         for name in worker.streamer.plan[1]:
             torch.testing.assert_close(state[name], local[name], rtol=0, atol=0)
@@ -444,4 +445,39 @@ def test_a_streaming_worker_keeps_no_copy_of_the_join_s_weights(live_server) -> 
         train(model, optimizer, steps=8)  # two cycles: every fragment merged twice
         assert worker.streamer is not None and worker.streamer.syncs >= 3
         assert worker._download is None
+        worker.close(final_sync=False)
+
+
+def test_a_merge_takes_a_coded_download_s_values_as_the_fragment_s_anchor(
+    live_server, monkeypatch
+) -> None:
+    """With an int8 delta download the sync's thread computes G'_f in copies of the anchor
+    (`Anchor.values_after`); the merge makes those very tensors the anchor instead of
+    copying them in, and the anchor is then the server's published weights bit for bit."""
+    from diloco.worker.anchor import Anchor
+
+    made: list[dict[str, torch.Tensor]] = []
+    real = Anchor.values_after
+
+    def recorded(self, *args, **kwargs):
+        values = real(self, *args, **kwargs)
+        made.append(dict(values))
+        return values
+
+    monkeypatch.setattr(Anchor, "values_after", recorded)
+    settings = ServerSettings(
+        **{**STREAMING, "alpha": 0.0}, upload_codec="int8", download_codec="int8"
+    )
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+        train(model, optimizer, steps=4)  # one cycle: both fragments sent and merged
+        assert worker.streamer.syncs == 2 and len(made) == 2
+        anchor = worker._anchor.tensors
+        for values in made:  # each fragment's values, taken as they were made
+            assert values and all(anchor[name] is tensor for name, tensor in values.items())
+        published = server_weights(server.url)
+        for name, tensor in anchor.items():
+            assert torch.equal(tensor.view(torch.int32), published[name].view(torch.int32))
         worker.close(final_sync=False)

@@ -466,3 +466,32 @@ def test_a_body_coded_in_a_staging_buffer_is_byte_for_byte_the_same(monkeypatch)
     assert not UploadCoder(parse_codec("int8"), 0.0, specs, stage_on_device=False)._stages()
     monkeypatch.delenv("DILOCO_STAGE_ON_DEVICE")
     assert not default._stages()
+
+
+def test_a_deferred_coding_that_fails_before_its_residual_is_taken_leaves_the_old_one(
+    monkeypatch,
+) -> None:
+    """A send's copies of the model are not a residual: if the coding's thread fails while
+    turning them into e' = beta e + g, the residual the last folded body left stands (and a
+    checkpoint then saves it), as when a body is never folded in."""
+    codec = parse_codec("int8", block=8)
+    coder = UploadCoder(codec, 0.5, SPECS)
+    anchor = gradient([1.0, -2.0, 0.5, 4.0])
+    coder.coding_from(anchor, gradient([0.0, 0.0, 0.0, 0.0]))()
+    coder.settle(True)
+    # e = g = [1, -2, 0.5, 4], scale 4 / 127, levels [32, -64, 16, 127]: e - D(C(e))
+    scale = torch.tensor(4.0) / 127
+    left = torch.tensor([1.0, -2.0, 0.5, 4.0]) - torch.tensor([32.0, -64.0, 16.0, 127.0]) * scale
+    assert torch.equal(coder.residual["w"], left)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the coding failed")
+
+    code = coder.coding_from(anchor, gradient([9.0, 9.0, 9.0, 9.0]))
+    monkeypatch.setattr(coder, "_accumulate", broken)
+    with pytest.raises(RuntimeError, match="coding failed"):
+        code()
+    residual, _ = coder.state()  # does not wait: the coding is over
+    assert torch.equal(residual["w"], left)
+    coder.settle(False)  # (what the failed send's merge then says: nothing pending)
+    assert torch.equal(coder.residual["w"], left)

@@ -73,18 +73,17 @@ class Anchor:
         # A coded delta moves the whole anchor in place (`values_after`): no copy of it is kept.
         # One that fails part way leaves it torn until whole weights are adopted again.
         self.torn = False
-        # A streaming fragment's new values are computed in buffers of their own (`lent`:
-        # handed out by `values_after`, by name), which its merge then takes as the anchor
-        # instead of copying them in; the anchor they replace is the next such buffer
-        # (`spares`), so no merge copies or allocates a fragment-sized tensor.
+        # A streaming fragment's new values are computed in copies of their own (`lent`: the
+        # tensors `values_after` handed out, by name), which its merge then takes as the
+        # anchor instead of copying them in; the anchor they replace is let go, so the anchor
+        # and a fragment in flight take the memory they took when merges copied.
         self._lent: dict[str, torch.Tensor] = {}
-        self._spares: dict[str, torch.Tensor] = {}
 
     def move_to(self, device: torch.device | str) -> None:
         """Keep the anchor on `device` from now on (a GPU that ran out of memory: the CPU)."""
         self.device = torch.device(device)
         self.tensors = {name: t.to(self.device) for name, t in self.tensors.items()}
-        self._lent, self._spares = {}, {}
+        self._lent = {}
 
     def pseudo_gradient(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """anchor - local (fp32) for `names`, or for every tensor; rank 0 only."""
@@ -108,12 +107,12 @@ class Anchor:
         The whole anchor moves in place, each span checked as it is applied (no model-sized
         copy, no pass of its own to check the body first); `adopt` then takes these very
         tensors. A failure part way leaves the anchor `torn`: the caller adopts the server's
-        whole weights instead (AnchorTorn). A streaming fragment moves copies (written over
-        the anchor its last merge replaced), so a refused one leaves the anchor as it was,
-        and its merge takes them as the anchor (`adopt_fragment`)."""
+        whole weights instead (AnchorTorn). A streaming fragment moves copies, so a refused
+        one leaves the anchor as it was, and its merge takes them as the anchor
+        (`adopt_fragment`)."""
         exact = {n for n in names if n not in coded}
         if list(names) != list(self.tensors):
-            targets = {name: self._copy_of(name) for name in names}
+            targets = {name: self.tensors[name].clone() for name in names}
             apply_delta(delta, targets, codec, exact=exact, scratch=True)
             self._lent.update(targets)  # (a merge takes them as they are: `adopt_fragment`)
             return targets
@@ -145,30 +144,18 @@ class Anchor:
             self.adopt(tensors, round_number)
         self.share()
 
-    def _copy_of(self, name: str) -> torch.Tensor:
-        """The anchor's `name` copied into its spare buffer (a new one if none fits)."""
-        current = self.tensors[name]
-        spare = self._spares.pop(name, None)
-        if (
-            spare is None
-            or spare.shape != current.shape
-            or spare.dtype != current.dtype
-            or spare.device != current.device
-        ):
-            return current.clone()
-        return spare.copy_(current)
-
     def adopt_fragment(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """A fragment's new anchor (rank 0 keeps the anchor; elsewhere this does nothing).
         Tensors that `values_after` computed (the very objects) become the anchor as they
-        are, and the ones they replace are kept for its next call; others are copied in."""
+        are, and the ones they replace are let go; others are copied in (and a copy
+        `values_after` made for them is let go too)."""
         if not self.leader:
             return
         copied = {}
         for name, tensor in tensors.items():
-            if name in self.tensors and self._lent.get(name) is tensor:
-                del self._lent[name]
-                self._spares[name], self.tensors[name] = self.tensors[name], tensor
+            lent = self._lent.pop(name, None)
+            if name in self.tensors and lent is tensor:
+                self.tensors[name] = tensor
             else:
                 copied[name] = tensor
         part = {name: self.tensors[name] for name in copied if name in self.tensors}

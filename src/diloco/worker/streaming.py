@@ -4,10 +4,11 @@ Within every cycle of H inner steps, fragment f owns the window of S = H / P ste
 (f + 1) S (`schedule.FragmentWindows`). At step S - tau of its window the worker computes the
 fragment's pseudo-gradient (anchor_f - local_f) and hands it to a background thread, which
 submits it and long-polls the fragment round's result while training goes on. With a
-quantized or sparse codec that keeps an error-feedback residual and the anchor on the CPU,
-the send only takes e' = beta e + g (a pass) and the thread codes the body from it
-(`UploadCoder.coding_from`: a top-k body's coding is most of a send's time); a checkpoint
-taken meanwhile waits for that coding. At the
+quantized or sparse codec that keeps an error-feedback residual and an fp32 anchor on the
+CPU, the send only copies the fragment's values (a pass) and the thread takes
+e' = beta e + g from that copy and codes the body (`UploadCoder.coding_from`: a top-k body's
+coding is most of a send's time); a checkpoint taken meanwhile waits for that coding, and
+the fragment's anchor stays as it is until its merge. At the
 window's end the worker waits for that thread (its one wait in the schedule) and merges:
 theta_f = (1 - alpha) G'_f + alpha L_f, with L_f the local values at merge time, and G'_f
 becomes the fragment's anchor. At most one fragment is in flight: the next send comes after
@@ -289,8 +290,10 @@ class FragmentStreamer:
             self.reposition(header["fragment_rounds"])
             return False
         names = self.plan[fragment]
-        tensors = self.anchor.broadcast_fragment(tensors, names)
-        self._mix(fragment, tensors)
+        on_model = self.anchor.broadcast_fragment(tensors, names)
+        # (rank 0's anchor takes the values as they came, on its own device: the ones a coded
+        # delta was applied to become the anchor without a copy)
+        self._mix(fragment, on_model, {n: tensors[n] for n in names if n in tensors})
         self.fragment_rounds[fragment] = header["next_round"]
         self.windows.merged(fragment)
         self.syncs += 1
@@ -345,12 +348,18 @@ class FragmentStreamer:
     def _failed(outcome: FragmentOutcome, why: str) -> dict:
         return {"status": "failed", "round": outcome.round, "error": why}
 
-    def _mix(self, fragment: int, global_values: dict[str, torch.Tensor]) -> None:
+    def _mix(
+        self,
+        fragment: int,
+        global_values: dict[str, torch.Tensor],
+        received: dict[str, torch.Tensor],
+    ) -> None:
         """theta = (1 - alpha) G' + alpha L on this rank; G' is the fragment's new anchor.
         Tensor by tensor: the mix of one tensor is made and copied in before the next, so
         the merge holds one tensor's temporary, not the whole fragment's. With alpha 0 (the
         default) theta is G' itself, copied in (alpha_merge's (1 - 0) G' + 0 L is G' too,
-        but for the sign of a zero and a non-finite local value, and costs three passes)."""
+        but for the sign of a zero and a non-finite local value, and costs three passes).
+        `received`: G' as the sync's thread got it (rank 0; empty elsewhere), for the anchor."""
         state = self.anchor.model.state_dict()
         with torch.no_grad():
             for name in self.plan[fragment]:
@@ -359,7 +368,7 @@ class FragmentStreamer:
                     continue
                 merged = alpha_merge({name: global_values[name]}, {name: state[name]}, self.alpha)
                 state[name].copy_(merged[name])
-        self.anchor.adopt_fragment(global_values)
+        self.anchor.adopt_fragment(received)
 
     # ----------------------------------------------------------------- the end
 

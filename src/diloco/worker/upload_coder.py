@@ -211,14 +211,17 @@ class UploadCoder:
         self, anchor: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor]
     ) -> DeferredBody:
         """`body_from(anchor, local)` in two parts, for a streaming fragment's send: what reads
-        `anchor` and `local` runs now, on the caller's thread (e' = beta e + g into the pending
-        residuals, one pass; the exact tensors' differences); the DeferredBody returned codes
-        the body from those buffers alone, so it may run on another thread while training
-        moves `local` on (Streaming DiLoCo overlaps a fragment's communication with the next
-        inner steps; a top-k body's coding is most of a send's time on a CPU). Until it has
-        coded (or been abandoned), whatever reads or replaces the pending residuals
-        (`residual`, `state`, `settle`, the next body, `move_to`) waits for it. The body is
-        byte for byte `body_from`'s.
+        `local` runs now, on the caller's thread (an fp32 CPU anchor's coded tensors: `local`
+        copied into the pending residuals' buffers, one pass; the rest: e' = beta e + g, and
+        the exact tensors' differences); the DeferredBody returned takes e' from those copies
+        and codes the body, so it may run on another thread while training moves `local` on
+        (Streaming DiLoCo overlaps a fragment's communication with the next inner steps; a
+        top-k body's coding is most of a send's time on a CPU). It reads `anchor` then: the
+        caller leaves the anchor's tensors as they are until it has coded (a streaming
+        fragment's anchor changes only at its merge, after its sync). Until it has coded (or
+        been abandoned), whatever reads or replaces the pending residuals (`residual`,
+        `state`, `settle`, the next body, `move_to`) waits for it. The body is byte for byte
+        `body_from`'s.
 
         Only a quantized or sparse codec that keeps a residual defers its coding. The others
         read `local` while they code (int8 without error feedback takes anchor - local a piece
@@ -242,7 +245,11 @@ class UploadCoder:
 
         def code() -> bytearray:
             try:
-                self._accumulate_snapshots(anchor, snapshots)
+                try:
+                    self._accumulate_snapshots(anchor, snapshots)
+                except BaseException:  # copies of local are no residual: the old ones stand
+                    self._drop_pending()
+                    raise
                 return self._compressed(source, exact, pending, reuse=False)
             finally:
                 self._coding_done.set()
@@ -297,6 +304,13 @@ class UploadCoder:
                 target = torch.empty(value.shape, dtype=torch.float32, device=self.device)
             out[name] = target.copy_(value)
         return out
+
+    def _drop_pending(self) -> None:
+        """`settle(folded=False)` from the coding's own thread (which must not wait for
+        itself): the pending buffers become spares, the residuals stand."""
+        pending, self._pending = self._pending, None
+        for name, buffer in (pending or {}).items():
+            self._spare[name] = buffer
 
     def _accumulate_snapshots(
         self, anchor: Mapping[str, torch.Tensor], snapshots: Mapping[str, torch.Tensor]
