@@ -208,6 +208,17 @@ def test_alpha_merge_extremes_and_dtype() -> None:
     assert set(keep_local) == {"w"}
 
 
+def test_alpha_merge_at_alpha_0_is_the_global_value_bit_for_bit() -> None:
+    """(1 - 0) G' + 0 L in arithmetic would turn G' = -0.0 into +0.0 and a non-finite local
+    value into NaN; alpha 0 takes G' as it is: -0.0 stays -0.0, 2.5 stays 2.5 beside a local
+    inf or NaN."""
+    global_state = {"w": torch.tensor([-0.0, 2.5, 2.5])}
+    local = {"w": torch.tensor([1.0, float("inf"), float("nan")])}
+    merged = alpha_merge(global_state, local, 0.0)["w"]
+    assert merged.tolist() == [0.0, 2.5, 2.5]
+    assert torch.signbit(merged).tolist() == [True, False, False]
+
+
 def test_alpha_merge_rounds_int_buffers_half_to_even_and_thresholds_bools() -> None:
     """The buffer policy, applied to the mix: (1 - a) G' + a L, by hand. Ints: 0.5 * 10 +
     0.5 * 13 = 11.5 -> 12 (truncation gave 11), 0.5 * 10 + 0.5 * 11 = 10.5 -> 10 (even),

@@ -217,6 +217,9 @@ def alpha_merge(
     float64, exact for any int32 and for int64 up to 2**53), a bool buffer is True when its
     mix is >= 0.5. `local` may hold more names (the whole model while G' is one fragment);
     extra names are ignored. alpha 0 takes the global values, alpha 1 keeps the local ones.
+    A floating tensor at alpha 0 is G' itself in the local dtype (no arithmetic: the signs
+    of its zeros stand, a non-finite local value does not leak in as 0 * L, and no temporary
+    is made when the dtype and device already match).
     """
     alpha = require_fraction("alpha", alpha, include_one=True)
     merged: TensorDict = {}
@@ -230,6 +233,11 @@ def alpha_merge(
                 f"and {tuple(local_tensor.shape)} locally"
             )
         exact = not local_tensor.is_floating_point()
+        if alpha == 0.0 and not exact:
+            merged[name] = global_tensor.detach().to(
+                device=local_tensor.device, dtype=local_tensor.dtype
+            )
+            continue
         work = torch.float64 if exact else torch.float32
         mixed = global_tensor.detach().to(device=local_tensor.device, dtype=work)
         mixed = mixed.mul(1 - alpha).add_(local_tensor.detach().to(work), alpha=alpha)

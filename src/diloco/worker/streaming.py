@@ -356,16 +356,12 @@ class FragmentStreamer:
     ) -> None:
         """theta = (1 - alpha) G' + alpha L on this rank; G' is the fragment's new anchor.
         Tensor by tensor: the mix of one tensor is made and copied in before the next, so
-        the merge holds one tensor's temporary, not the whole fragment's. With alpha 0 (the
-        default) theta is G' itself, copied in (alpha_merge's (1 - 0) G' + 0 L is G' too,
-        but for the sign of a zero and a non-finite local value, and costs three passes).
+        the merge holds one tensor's temporary, not the whole fragment's (with alpha 0, the
+        default, none: alpha_merge hands back G' itself, copied in once).
         `received`: G' as the sync's thread got it (rank 0; empty elsewhere), for the anchor."""
         state = self.anchor.model.state_dict()
         with torch.no_grad():
             for name in self.plan[fragment]:
-                if self.alpha == 0.0:  # theta = G': one copy, no temporary (the default)
-                    state[name].copy_(global_values[name])
-                    continue
                 merged = alpha_merge({name: global_values[name]}, {name: state[name]}, self.alpha)
                 state[name].copy_(merged[name])
         self.anchor.adopt_fragment(received)

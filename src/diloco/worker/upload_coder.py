@@ -248,7 +248,7 @@ class UploadCoder:
                 try:
                     self._accumulate_snapshots(anchor, snapshots)
                 except BaseException:  # copies of local are no residual: the old ones stand
-                    self._drop_pending()
+                    self._settled(folded=False)
                     raise
                 return self._compressed(source, exact, pending, reuse=False)
             finally:
@@ -293,24 +293,8 @@ class UploadCoder:
         pending residuals will be (spares where they fit): the only pass over the model a
         deferred coding takes on the training thread. Settles a body left unanswered first,
         as `_accumulated` does, so the spares are free."""
-        self._coding_done.wait()
-        if self._pending is not None:
-            self.settle(folded=True)
-        out = {}
-        for name in names:
-            value = local[name].detach()
-            target = self._spare.pop(name, None)
-            if target is None or target.shape != value.shape:
-                target = torch.empty(value.shape, dtype=torch.float32, device=self.device)
-            out[name] = target.copy_(value)
-        return out
-
-    def _drop_pending(self) -> None:
-        """`settle(folded=False)` from the coding's own thread (which must not wait for
-        itself): the pending buffers become spares, the residuals stand."""
-        pending, self._pending = self._pending, None
-        for name, buffer in (pending or {}).items():
-            self._spare[name] = buffer
+        self._settle_unanswered()
+        return {n: self._buffer(n, local[n].shape).copy_(local[n].detach()) for n in names}
 
     def _accumulate_snapshots(
         self, anchor: Mapping[str, torch.Tensor], snapshots: Mapping[str, torch.Tensor]
@@ -426,9 +410,7 @@ class UploadCoder:
     ) -> dict[str, torch.Tensor]:
         """e' = beta e + g for each coded name, pending until `settle` (with `keep`'s, whose
         buffers the caller fills); a last body that got no answer counts as folded first."""
-        self._coding_done.wait()
-        if self._pending is not None:
-            self.settle(folded=True)
+        self._settle_unanswered()
         pending = {name: self._accumulate(name, gradient_of(name)) for name in coded}
         self._pending = {**pending, **(keep or {})}
         return self._pending
@@ -439,10 +421,13 @@ class UploadCoder:
         dropped it, a streaming sync failed and its fragment goes again later), the old ones
         stand, so that no part of a pseudo-gradient is lost or sent twice."""
         self._coding_done.wait()  # (a body coded on another thread writes the pending ones)
+        self._settled(folded)
+
+    def _settled(self, folded: bool) -> None:
+        """`settle`'s bookkeeping, without waiting for a coding under way (the coding's own
+        thread, giving up on its copies, must not wait for itself)."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        for name, new in pending.items():
+        for name, new in (pending or {}).items():
             if folded:
                 old = self._residual.get(name)
                 self._residual[name] = new
@@ -451,15 +436,27 @@ class UploadCoder:
             else:
                 self._spare[name] = new
 
+    def _settle_unanswered(self) -> None:
+        """Before a new body: a last body that got no answer counts as folded (after a
+        coding under way ends), so its old residuals' buffers are spare."""
+        self._coding_done.wait()
+        if self._pending is not None:
+            self.settle(folded=True)
+
+    def _buffer(self, name: str, shape: torch.Size) -> torch.Tensor:
+        """An fp32 buffer of `shape` for `name`'s pending residual: its spare where it fits."""
+        target = self._spare.pop(name, None)
+        if target is None or target.shape != shape:
+            target = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return target
+
     def _accumulate(
         self, name: str, gradient: torch.Tensor, into: torch.Tensor | None = None
     ) -> torch.Tensor:
         """e' = beta e + g (as beta * e, then + g: the simulator's two roundings), written
         into a spare fp32 buffer (or `into`); e itself stays as it is until `settle`."""
         g = gradient.detach().to(device=self.device, dtype=torch.float32)
-        target = self._spare.pop(name, None) if into is None else into
-        if target is None or target.shape != g.shape:
-            target = torch.empty(g.shape, dtype=torch.float32, device=self.device)
+        target = self._buffer(name, g.shape) if into is None else into
         residual = self._residual.get(name)
         if residual is None or residual.shape != g.shape:
             target.zero_().add_(g)  # beta * 0 + g, with the signs of zeros it gives
