@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.commands.work import autocast_dtype_of, training_device
 from diloco.data import BatchSampler, encode
 from diloco.models.gpt import GPTConfig
-from diloco.training import Replica
+from diloco.training import Replica, autocast_dtype_of, training_device
 
 
 def test_auto_is_the_gpu_when_torch_sees_one_and_cpu_names_itself() -> None:

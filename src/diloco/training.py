@@ -24,6 +24,39 @@ def inner_lr(step: int, base_lr: float, warmup: int, total: int) -> float:
     return base_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def training_device(name: str) -> torch.device:
+    """--device: cpu, cuda, cuda:N, or auto (the first GPU when torch sees one); ValueError
+    naming the option for a device this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {name}: torch sees no CUDA device on this machine (a CPU build of "
+                "torch, or no GPU); use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
+def autocast_dtype_of(name: str) -> torch.dtype | None:
+    """--dtype: fp32 (no autocast) or bf16 (autocast); ValueError for anything else."""
+    if name == "fp32":
+        return None
+    if name == "bf16":
+        return torch.bfloat16
+    raise ValueError(f"--dtype must be fp32 or bf16, got {name!r}")
+
+
 def make_inner_optimizer(model: torch.nn.Module, lr: float, weight_decay: float):
     return torch.optim.AdamW(
         model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay

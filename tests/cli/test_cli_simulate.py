@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from diloco.models import GPTConfig
 from diloco.sim import SimConfig, simulate
@@ -218,7 +219,12 @@ BAD_INPUTS = [
     (["--sweep", "outer-lr=0.5,-1", "--json", "{tmp}/no.json"], "lr must be > 0"),
     (["--sweep", "mode=diloco,bogus"], "unknown mode 'bogus'"),
     (["--sweep", "outer-lr=0.5,1", "--jobs", "0"], "--jobs must be a positive integer, got 0"),
+    (["--device", "tpu"], "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
+    (["--dtype", "fp16"], "--dtype must be fp32 or bf16, got 'fp16'"),
+    (["--sweep", "dtype=fp32,half"], "--dtype must be fp32 or bf16, got 'half'"),
 ]
+if not torch.cuda.is_available():  # where torch sees no GPU, one is not pretended
+    BAD_INPUTS.append((["--device", "cuda"], "--device cuda: torch sees no CUDA device"))
 
 
 @pytest.mark.parametrize(
@@ -320,11 +326,49 @@ def test_demo_runs_a_real_server_and_workers(tmp_path: Path, corpus_file: Path) 
         )  # fmt: skip
         assert document[f"{mode}_final_eval_loss"] == pytest.approx(alone.final_eval_loss, rel=1e-4)
     assert document["rounds"] == 2
+    assert (document["device"], document["dtype"]) == ("cpu", "fp32")  # the defaults
     reports = document["worker_reports"]
     assert [r["worker_id"] for r in reports] == ["w0", "w1"]
+    assert {(r["device"], r["dtype"]) for r in reports} == {("cpu", "fp32")}
     # Both workers end on the same global weights, so their eval losses agree exactly.
     assert reports[0]["final_eval_loss"] == reports[1]["final_eval_loss"]
     assert document["ddp_bytes_per_worker"] > document["bytes_sent_per_worker"] > 0
+
+
+@pytest.mark.slow  # in `make test-slow`; the default suite runs the fp32 demo above
+def test_demo_with_bf16_trains_workers_and_baselines_under_autocast(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    path = tmp_path / "demo.json"
+    result = run_cli(
+        "demo", "--steps", "6", "--sync-every", "3", "--dtype", "bf16",
+        "--corpus", str(corpus_file), "--json", str(path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "bf16 autocast" in result.stdout  # the table's title says so
+    document = json.loads(path.read_text())
+    assert (document["device"], document["dtype"]) == ("cpu", "bf16")
+    assert {(r["device"], r["dtype"]) for r in document["worker_reports"]} == {("cpu", "bf16")}
+    # The baselines are the simulator's bf16 runs, which differ from its fp32 ones
+    model = GPTConfig(context=64, width=64, depth=2, heads=4)
+    for mode in ("single", "ddp"):
+        common = dict(mode=mode, workers=2, steps=6, model=model, batch_size=8, seq_len=64,
+                      corpus=str(corpus_file))  # fmt: skip
+        bf16 = simulate(SimConfig(**common, dtype="bf16")).final_eval_loss
+        fp32 = simulate(SimConfig(**common)).final_eval_loss
+        assert document[f"{mode}_final_eval_loss"] == pytest.approx(bf16, rel=1e-4)
+        assert bf16 != fp32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_demo_on_cuda_without_a_gpu_is_one_line_and_starts_nothing() -> None:
+    result = run_cli_in_process("demo", "--device", "cuda")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        "error: --device cuda: torch sees no CUDA device on this machine (a CPU build of "
+        "torch, or no GPU); use --device cpu"
+    )
+    assert "server on" not in result.stderr  # refused before a server started
 
 
 def test_demo_with_no_workers_is_one_line() -> None:
@@ -362,6 +406,8 @@ def test_demo_in_streaming_mode_syncs_fragments(tmp_path: Path, corpus_file: Pat
     ("args", "message"),
     [
         (["--mode", "bogus"], "error: --mode must be one of sync, streaming, async, got 'bogus'"),
+        (["--device", "tpu"], "error: --device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
+        (["--dtype", "fp16"], "error: --dtype must be fp32 or bf16, got 'fp16'"),
         (
             ["--mode", "streaming", "--sync-every", "7"],
             "error: sync_every H must be divisible by fragments P, got H = 7, P = 2",

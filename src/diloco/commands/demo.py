@@ -11,6 +11,7 @@ import json
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -34,9 +35,26 @@ from diloco.server.ops.launch import diloco_command, start_server, stop_process
 from diloco.server.settings import ServerSettings
 from diloco.sim import SimConfig, total_inner_steps
 from diloco.sim.jobs import run_configs
+from diloco.training import autocast_dtype_of, training_device
 from diloco.worker import DiLoCoClient, RetryPolicy, ServerError, ServerUnavailable
 
 FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the demo's workers and baselines train: a resolved device, and fp32 or bf16."""
+
+    device: str
+    dtype: str
+
+    def label(self) -> str:
+        """For the table's title: nothing on the CPU in fp32, else e.g. "on cuda, bf16 "."""
+        parts = [] if self.device == "cpu" else [f"on {self.device}"]
+        parts += ["bf16 autocast"] if self.dtype == "bf16" else []
+        return f"{', '.join(parts)} " if parts else ""
+
+
 DEMO_MODES = ("sync", "streaming", "async")
 # The demo's model and batch: small enough that 2 workers, one worker alone and data-parallel
 # all train in about 2 minutes on 2 cores, and that DiLoCo gets enough outer steps to show its
@@ -60,6 +78,14 @@ def demo_command(
     ),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP),
     seed: int = typer.Option(0, help="Seed of weights and batches."),
+    device: str = typer.Option(
+        "cpu",
+        help="Where the workers and the baselines train: cpu, cuda, cuda:N, or auto (cuda if "
+        "present). The demo's model is small: a few CPU cores train it as fast.",
+    ),
+    dtype: str = typer.Option(
+        "fp32", help="fp32, or bf16: forward passes under autocast (weights stay fp32)."
+    ),
     json_path: Path = typer.Option(None, "--json", help="Write the demo's figures here."),
 ) -> None:
     """Train with a real server and K workers on 127.0.0.1; compare with one worker and DDP."""
@@ -69,6 +95,11 @@ def demo_command(
     if sync_every is None:
         sync_every = DEMO_H
     require_positive(workers=workers, steps=steps, sync_every=sync_every)
+    try:
+        where = Where(str(training_device(device)), dtype)  # before anything starts
+        autocast_dtype_of(dtype)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     try:
         mode_args = _mode_args(mode, workers, sync_every)
     except ValueError as exc:
@@ -119,6 +150,10 @@ def demo_command(
                             *_model_args(),
                             "--threads",
                             str(split_cores(workers)),
+                            "--device",
+                            where.device,
+                            "--dtype",
+                            where.dtype,
                             "--json",
                             str(Path(scratch) / f"w{w}.json"),
                         ),
@@ -144,7 +179,7 @@ def demo_command(
             for process in processes:
                 stop_process(process)
             stop_process(server)
-    _report(reports, data, workers, steps, sync_every, corpus, seed, json_path, mode)
+    _report(reports, data, workers, steps, sync_every, corpus, seed, json_path, mode, where)
 
 
 def _model_args() -> list[str]:
@@ -194,13 +229,17 @@ def _follow(url: str, processes: list[subprocess.Popen], total_steps: int) -> No
         advance(max(0, total_steps - done))
 
 
-def _baselines(data: bytes, workers: int, steps: int, corpus: str, seed: int) -> tuple[dict, dict]:
+def _baselines(
+    data: bytes, workers: int, steps: int, corpus: str, seed: int, where: Where
+) -> tuple[dict, dict]:
     """One worker alone and data-parallel over the same workers, trained side by side in the
-    simulator on the demo's model (the same recipe as `diloco worker`)."""
+    simulator on the demo's model (the same recipe as `diloco worker`), where the workers
+    trained."""
     model = GPTConfig(context=DEMO_MODEL["seq_len"], width=DEMO_MODEL["width"],
                       depth=DEMO_MODEL["depth"], heads=DEMO_MODEL["heads"])  # fmt: skip
     common = dict(workers=workers, steps=steps, corpus=corpus, seed=seed, model=model,
-                  seq_len=DEMO_MODEL["seq_len"], batch_size=DEMO_MODEL["batch_size"])  # fmt: skip
+                  seq_len=DEMO_MODEL["seq_len"], batch_size=DEMO_MODEL["batch_size"],
+                  device=where.device, dtype=where.dtype)  # fmt: skip
     configs = [SimConfig(mode="single", **common), SimConfig(mode="ddp", **common)]
     total = sum(total_inner_steps(c) for c in configs)
     jobs = 2 if total >= 1000 else 1  # a child process pays ~2 s of imports: only for real runs
@@ -209,12 +248,13 @@ def _baselines(data: bytes, workers: int, steps: int, corpus: str, seed: int) ->
     return single, ddp
 
 
-def demo_table(steps: int, parameters: int, rows: list[list]) -> Table:
+def demo_table(steps: int, parameters: int, rows: list[list], where: Where | None = None) -> Table:
     """The demo's table (README.md, "Quick start", shows one: a test holds its columns to
-    these); 84 columns wide with the default demo's rows, where longer titles made it 117."""
+    these); 84 columns wide with the default demo's rows, where longer titles made it 117.
+    The title names the device and autocast when they are not the CPU and fp32."""
     return summary_table(
         f"diloco demo: {steps} inner steps per worker, {parameters:,}-parameter GPT "
-        "(MB: per worker)",
+        f"{'' if where is None else where.label()}(MB: per worker)",
         ["run", "final eval loss", "syncs", "MB sent", "MB received"],
         rows,
     )
@@ -230,8 +270,10 @@ def _report(
     seed: int,
     json_path: Path | None,
     mode: str = "sync",
+    where: Where | None = None,
 ) -> None:
-    single, ddp = _baselines(data, workers, steps, corpus, seed)
+    where = where or Where("cpu", "fp32")
+    single, ddp = _baselines(data, workers, steps, corpus, seed, where)
     model_bytes = single["parameters"] * FP32_BYTES
     ddp_bytes = 2 * (workers - 1) / workers * model_bytes * steps
     diloco_loss = reports[0]["final_eval_loss"]
@@ -254,7 +296,7 @@ def _report(
             megabytes(ddp_bytes),
         ],
     ]
-    out.print(demo_table(steps, single["parameters"], rows))
+    out.print(demo_table(steps, single["parameters"], rows, where))
     gain = single["final_eval_loss"] - diloco_loss
     out.print(
         f"DiLoCo's {workers} workers ended {abs(gain):.3f} nats "
@@ -271,6 +313,8 @@ def _report(
                 "workers": workers,
                 "steps": steps,
                 "sync_every": sync_every,
+                "device": where.device,
+                "dtype": where.dtype,
                 "diloco_final_eval_loss": diloco_loss,
                 "single_final_eval_loss": single["final_eval_loss"],
                 "ddp_final_eval_loss": ddp["final_eval_loss"],

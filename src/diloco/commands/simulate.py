@@ -87,7 +87,9 @@ def _report_sweep(
         for i, (overrides, c, d) in enumerate(zip(grid, configs, documents, strict=True))
     ]
     columns = [k.replace("_", "-") for k in keys] + ROW_COLUMNS + [""]
-    out.print(summary_table(f"diloco simulate: sweep of {len(rows)} runs", columns, rows))
+    where = {_where(c) for c in configs}
+    title = f"diloco simulate: sweep of {len(rows)} runs{where.pop() if len(where) == 1 else ''}"
+    out.print(summary_table(title, columns, rows))
     described = ", ".join(f"{k.replace('_', '-')}={v}" for k, v in grid[best].items())
     out.print(f"lowest eval loss: {documents[best]['final_eval_loss']:.4f} with {described}")
     runs = [{"overrides": o, **d} for o, d in zip(grid, documents, strict=True)]
@@ -125,6 +127,13 @@ def _upload_label(config: SimConfig) -> str:
     if config.error_feedback_beta == 0:
         return f"{codec}, no EF{down}"
     return f"{codec}, EF {config.error_feedback_beta:g}{down}"
+
+
+def _where(config: SimConfig) -> str:
+    """Where the replicas trained, for a table's title: nothing on the CPU in fp32."""
+    parts = [] if config.device == "cpu" else [config.device]
+    parts += ["bf16 autocast"] if config.dtype == "bf16" else []
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 ROW_COLUMNS = [
@@ -257,6 +266,17 @@ def simulate_command(
         "GPT (as `diloco worker --model-config`); --width, --depth and --heads are then unused.",
         rich_help_panel=MODEL_PANEL,
     ),
+    device: str = typer.Option(
+        "cpu",
+        help="Where the replicas train: cpu, cuda, cuda:N, or auto (cuda if present). The "
+        "global weights, outer step and evals stay on the CPU.",
+        rich_help_panel=MODEL_PANEL,
+    ),
+    dtype: str = typer.Option(
+        "fp32",
+        help="fp32, or bf16: forward passes under autocast (weights stay fp32).",
+        rich_help_panel=MODEL_PANEL,
+    ),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP, rich_help_panel=DATA_PANEL),
     seed: int = typer.Option(0, help="Seed for weights, shards and batches."),
     eval_every: int = typer.Option(0, help="Inner steps between evals (0 = every round)."),
@@ -322,7 +342,7 @@ def simulate_command(
         documents = _report_sweep(grid, configs, documents, json_path)
     else:
         row = _result_row(configs[0], documents[0])
-        out.print(summary_table("diloco simulate", ROW_COLUMNS, [row]))
+        out.print(summary_table(f"diloco simulate{_where(configs[0])}", ROW_COLUMNS, [row]))
         if json_path is not None:
             write_json(json_path, documents[0])
             err.print(f"wrote {json_path}")

@@ -24,6 +24,7 @@ from diloco.algorithm.robust import Aggregation
 from diloco.models import GPTConfig, ModelSpec
 from diloco.models.causal_lm import CausalLMConfig
 from diloco.sim.hostile import check_hostile
+from diloco.training import autocast_dtype_of, training_device
 
 MODES = ("single", "ddp", "diloco", "streaming", "async")
 
@@ -80,6 +81,11 @@ class SimConfig:
     # Robust aggregation (algorithm/robust.py) and a bad last worker (sim/hostile.py)
     aggregation: str | None = None  # None: follows the upload codec, as the server's
     hostile: str = "none"
+    # Where the replicas train (cpu, cuda, cuda:N; auto is stored as what it resolved to) and
+    # whether their forward passes run under bf16 autocast, as `diloco worker --device/--dtype`
+    # (training.py); the global weights, the outer step and the evals stay fp32 on the CPU.
+    device: str = "cpu"
+    dtype: str = "fp32"
     outer_defaults_from_codec: tuple[str, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +101,10 @@ class SimConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not isinstance(self.device, str) or not isinstance(self.dtype, str):
+            raise ValueError(f"device and dtype are names, got {self.device!r}, {self.dtype!r}")
+        object.__setattr__(self, "device", str(training_device(self.device)))
+        autocast_dtype_of(self.dtype)  # fp32 or bf16
         context = self.model.context if self.model_config is None else self.spec.context
         if context is not None and self.seq_len > context:
             raise ValueError(f"seq_len ({self.seq_len}) must be <= the model context ({context})")

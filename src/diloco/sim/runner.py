@@ -38,7 +38,7 @@ from diloco.models import block_prefixes
 from diloco.sim.aggregation import SyncAggregation
 from diloco.sim.compression import Downlink, UploadCodec, WorkerUplink
 from diloco.sim.config import SimConfig
-from diloco.training import Replica
+from diloco.training import Replica, autocast_dtype_of
 
 FP32_BYTES = 4
 Progress = Callable[[int], None]
@@ -139,6 +139,8 @@ class SimSetup:
             c.warmup,
             total_steps or c.steps,
             c.weight_decay,
+            device=c.device,
+            autocast_dtype=autocast_dtype_of(c.dtype),
         )
 
     def downlink(self, masters: dict[str, torch.Tensor]) -> Downlink:
@@ -168,6 +170,11 @@ class ModeOutcome:
     refused: int = 0
 
 
+def _on_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A replica's final weights where every mode's are: on the CPU (as they are, there)."""
+    return {name: tensor.cpu() for name, tensor in state.items()}
+
+
 def _eval_due(step: int, interval: int, total: int) -> bool:
     return step % interval == 0 or step == total
 
@@ -182,7 +189,7 @@ def run_single(setup: SimSetup, progress: Progress) -> ModeOutcome:
         progress(1)
         if _eval_due(step, c.eval_interval, c.steps):
             curve.append((step, setup.evaluator.loss(replica.state())))
-    return ModeOutcome(replica.state(), curve, local_steps=[c.steps])
+    return ModeOutcome(_on_cpu(replica.state()), curve, local_steps=[c.steps])
 
 
 def run_ddp(setup: SimSetup, progress: Progress) -> ModeOutcome:
@@ -207,7 +214,7 @@ def run_ddp(setup: SimSetup, progress: Progress) -> ModeOutcome:
     # Ring all-reduce: each worker sends and receives 2 (K - 1) / K of the fp32 gradient.
     per_step = 2 * (k - 1) / k * setup.model_bytes
     return ModeOutcome(
-        replica.state(),
+        _on_cpu(replica.state()),
         curve,
         bytes_sent=per_step * c.steps,
         bytes_received=per_step * c.steps,
