@@ -779,7 +779,8 @@ class Coordinator:
     def shutdown(self) -> bool:
         """After the HTTP server has drained: flush what the disk lacks, then close the store.
 
-        Returns whether a checkpoint had to be written now (durability "interval").
+        Returns whether a checkpoint had to be written now: the newest one was older than
+        the current round (either durability mode; RoundJournal.flush).
         """
         with self._lock:
             self.closing = True
