@@ -7,7 +7,10 @@
 #   2. two CUDA workers of a 125M GPT (bf16 autocast, batch 16 x 256 tokens, H = 100, int8
 #      both ways) train against a real server for about two minutes in sync mode, then in
 #      streaming mode (4 fragments, delay 1), and print the share of their time blocked in
-#      syncs beside the round's physical limit (benchmarks/model_scale.py).
+#      syncs beside the round's physical limit (benchmarks/model_scale.py);
+#   3. `diloco demo --device $GPU_CHECK_DEVICE --dtype bf16` on a generated corpus: the CLI's
+#      GPU path end to end, a real server, two workers and the simulator's baselines on the
+#      GPU (GPU_CHECK_DEMO_STEPS inner steps per worker, default 200; 0 skips it).
 #
 #   benchmarks/gpu_check.sh [RESULTS_DIR]          # default: benchmarks/results/gpu_check
 #
@@ -52,6 +55,7 @@ SERVER_THREADS=${GPU_CHECK_SERVER_THREADS:-auto}
 SERVER_WORK=$(tr -d ' ' <<<"${GPU_CHECK_SERVER_WORK-1,4,8}")  # (blank: skipped)
 SERVER_POOL=$(tr -d ' ' <<<"${GPU_CHECK_SERVER_POOL-4,8}")
 FUSED_THREADS=$(tr -d ' ' <<<"${GPU_CHECK_FUSED_THREADS-4}")
+DEMO_STEPS=${GPU_CHECK_DEMO_STEPS:-200}
 # model_scale runs per mode and delay: one per anchor device and server thread count
 RUNS=$(( ($(tr -cd , <<<"$ANCHORS" | wc -c) + 1) * ($(tr -cd , <<<"$SERVER_THREADS" | wc -c) + 1) ))
 mkdir -p "$RESULTS" || exit 2
@@ -108,6 +112,11 @@ for mode in $MODES; do
       --out-dir "$out" || status=1
   done
 done
+if [ "$DEMO_STEPS" != 0 ]; then
+  echo "== 3. diloco demo on $DEVICE, bf16 autocast, $DEMO_STEPS steps per worker"
+  timeout 300 "$PYTHON" -m diloco.cli demo --device "$DEVICE" --dtype bf16 \
+    --steps "$DEMO_STEPS" --corpus generated --json "$RESULTS/demo.json" || status=1
+fi
 echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - started)) s;" \
   "results in $RESULTS"
 exit $status
