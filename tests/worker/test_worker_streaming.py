@@ -448,12 +448,13 @@ def test_a_streaming_worker_keeps_no_copy_of_the_join_s_weights(live_server) -> 
         worker.close(final_sync=False)
 
 
-def test_a_merge_takes_a_coded_download_s_values_as_the_fragment_s_anchor(
+def test_a_merge_copies_a_coded_download_s_values_into_the_fragment_s_anchor(
     live_server, monkeypatch
 ) -> None:
     """With an int8 delta download the sync's thread computes G'_f in copies of the anchor
-    (`Anchor.values_after`); the merge makes those very tensors the anchor instead of
-    copying them in, and the anchor is then the server's published weights bit for bit."""
+    (`Anchor.values_after`); the merge copies them into the anchor's own tensors (which
+    stay the same objects), and the anchor is then the server's published weights bit for
+    bit."""
     from diloco.worker.anchor import Anchor
 
     made: list[dict[str, torch.Tensor]] = []
@@ -472,11 +473,15 @@ def test_a_merge_takes_a_coded_download_s_values_as_the_fragment_s_anchor(
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+        own = dict(worker._anchor.tensors)
         train(model, optimizer, steps=4)  # one cycle: both fragments sent and merged
         assert worker.streamer.syncs == 2 and len(made) == 2
         anchor = worker._anchor.tensors
-        for values in made:  # each fragment's values, taken as they were made
-            assert values and all(anchor[name] is tensor for name, tensor in values.items())
+        assert all(anchor[name] is tensor for name, tensor in own.items())  # its own memory
+        for values in made:  # each fragment's values, copied in as they were made
+            assert values
+            for name, tensor in values.items():
+                assert anchor[name] is not tensor and torch.equal(anchor[name], tensor)
         published = server_weights(server.url)
         for name, tensor in anchor.items():
             assert torch.equal(tensor.view(torch.int32), published[name].view(torch.int32))

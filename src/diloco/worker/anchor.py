@@ -73,17 +73,11 @@ class Anchor:
         # A coded delta moves the whole anchor in place (`values_after`): no copy of it is kept.
         # One that fails part way leaves it torn until whole weights are adopted again.
         self.torn = False
-        # A streaming fragment's new values are computed in copies of their own (`lent`: the
-        # tensors `values_after` handed out, by name), which its merge then takes as the
-        # anchor instead of copying them in; the anchor they replace is let go, so the anchor
-        # and a fragment in flight take the memory they took when merges copied.
-        self._lent: dict[str, torch.Tensor] = {}
 
     def move_to(self, device: torch.device | str) -> None:
         """Keep the anchor on `device` from now on (a GPU that ran out of memory: the CPU)."""
         self.device = torch.device(device)
         self.tensors = {name: t.to(self.device) for name, t in self.tensors.items()}
-        self._lent = {}
 
     def pseudo_gradient(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """anchor - local (fp32) for `names`, or for every tensor; rank 0 only."""
@@ -108,13 +102,12 @@ class Anchor:
         copy, no pass of its own to check the body first); `adopt` then takes these very
         tensors. A failure part way leaves the anchor `torn`: the caller adopts the server's
         whole weights instead (AnchorTorn). A streaming fragment moves copies, so a refused
-        one leaves the anchor as it was, and its merge takes them as the anchor
-        (`adopt_fragment`)."""
+        one leaves the anchor as it was; its merge copies them into the anchor's own
+        tensors (`adopt_fragment`)."""
         exact = {n for n in names if n not in coded}
         if list(names) != list(self.tensors):
             targets = {name: self.tensors[name].clone() for name in names}
             apply_delta(delta, targets, codec, exact=exact, scratch=True)
-            self._lent.update(targets)  # (a merge takes them as they are: `adopt_fragment`)
             return targets
         self.torn = True  # until the last span is in
         apply_delta(delta, self.tensors, codec, exact=exact, scratch=True)
@@ -129,7 +122,6 @@ class Anchor:
                 target.copy_(tensors[name])
         if tensors is not self.tensors:  # (the anchor itself: a delta moved it in place)
             self.tensors = updated_anchor(self.tensors, tensors, self.device)
-        self._lent = {}  # (a fragment's values not merged: a rebase took whole weights)
         self.torn = False
         self.round = round_number
 
@@ -145,21 +137,16 @@ class Anchor:
         self.share()
 
     def adopt_fragment(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """A fragment's new anchor (rank 0 keeps the anchor; elsewhere this does nothing).
-        Tensors that `values_after` computed (the very objects) become the anchor as they
-        are, and the ones they replace are let go; others are copied in (and a copy
-        `values_after` made for them is let go too)."""
+        """A fragment's new anchor (rank 0 keeps the anchor; elsewhere this does nothing),
+        copied into the anchor's own tensors. Taking a coded delta's values (`values_after`'s
+        copies) as the anchor instead, and letting the old tensors go, cost a CPU worker
+        memory and time: at 85M int8 streaming its peak beyond training grew from 629 MB to
+        739-913 MB and a round's blocked time from 0.34-0.46 s to 0.51-0.55 s, its syncs
+        slowed by the new allocations (benchmarks/results/model_scale-fragment-adopt/)."""
         if not self.leader:
             return
-        copied = {}
-        for name, tensor in tensors.items():
-            lent = self._lent.pop(name, None)
-            if name in self.tensors and lent is tensor:
-                self.tensors[name] = tensor
-            else:
-                copied[name] = tensor
-        part = {name: self.tensors[name] for name in copied if name in self.tensors}
-        self.tensors.update(updated_anchor(part, copied, self.device))  # in place where it fits
+        part = {name: self.tensors[name] for name in tensors if name in self.tensors}
+        self.tensors.update(updated_anchor(part, tensors, self.device))  # in place where it fits
 
     def broadcast_fragment(
         self, tensors: Mapping[str, torch.Tensor], names: list[str]

@@ -291,8 +291,8 @@ class FragmentStreamer:
             return False
         names = self.plan[fragment]
         on_model = self.anchor.broadcast_fragment(tensors, names)
-        # (rank 0's anchor takes the values as they came, on its own device: the ones a coded
-        # delta was applied to become the anchor without a copy)
+        # (rank 0's anchor takes the values as they came, on its own device: no copy back
+        # from a GPU model's)
         self._mix(fragment, on_model, {n: tensors[n] for n in names if n in tensors})
         self.fragment_rounds[fragment] = header["next_round"]
         self.windows.merged(fragment)
