@@ -322,6 +322,24 @@ def main(
                 run = run_once({**job, "corpus": corpus}, Path(scratch) / str(index))
                 results.append(summarize(job, run))
                 advance(1)
+    compare(results)
+    document = {
+        "setup": {**jobs[0], "codecs": chosen, "modes": chosen_modes, "parameters": params},
+        "results": results,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "torch": torch.__version__,
+    }
+    columns, rows = table(results)
+    out.print(summary_table(f"Through {mbps:g} Mbit/s, {rtt_ms:g} ms", columns, rows))
+    write_json(out_dir / "slow_link.json", document)
+    (out_dir / "slow_link.md").write_text(markdown(document, columns, rows))
+    err.print(f"wrote {out_dir}/slow_link.md and slow_link.json")
+
+
+def compare(results: list[dict]) -> None:
+    """Each result's figures against fp32's in its mode and against its own codec's sync
+    run (the share streaming hides), written into it; runs absent from `results` give None.
+    Also for a table merged from several runs' documents (a rerun's rows beside older ones)."""
     by = {(r["mode"], r["codec"]): r for r in results}
     for r in results:
         fp32 = by.get((r["mode"], "fp32"))
@@ -346,17 +364,6 @@ def main(
             and synced["last_in_per_round"]
             else None
         )
-    document = {
-        "setup": {**jobs[0], "codecs": chosen, "modes": chosen_modes, "parameters": params},
-        "results": results,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "torch": torch.__version__,
-    }
-    columns, rows = table(results)
-    out.print(summary_table(f"Through {mbps:g} Mbit/s, {rtt_ms:g} ms", columns, rows))
-    write_json(out_dir / "slow_link.json", document)
-    (out_dir / "slow_link.md").write_text(markdown(document, columns, rows))
-    err.print(f"wrote {out_dir}/slow_link.md and slow_link.json")
 
 
 def table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
