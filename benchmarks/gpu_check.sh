@@ -10,7 +10,8 @@
 #      syncs beside the round's physical limit (benchmarks/model_scale.py);
 #   3. `diloco demo --device $GPU_CHECK_DEVICE --dtype bf16` on a generated corpus: the CLI's
 #      GPU path end to end, a real server, two workers and the simulator's baselines on the
-#      GPU (GPU_CHECK_DEMO_STEPS inner steps per worker, default 200; 0 skips it).
+#      GPU (GPU_CHECK_DEMO_STEPS inner steps per worker, default 200; 0 skips it), then
+#      `diloco simulate` in streaming mode on the GPU for as many steps.
 #
 #   benchmarks/gpu_check.sh [RESULTS_DIR]          # default: benchmarks/results/gpu_check
 #
@@ -116,6 +117,9 @@ if [ "$DEMO_STEPS" != 0 ]; then
   echo "== 3. diloco demo on $DEVICE, bf16 autocast, $DEMO_STEPS steps per worker"
   timeout 300 "$PYTHON" -m diloco.cli demo --device "$DEVICE" --dtype bf16 \
     --steps "$DEMO_STEPS" --corpus generated --json "$RESULTS/demo.json" || status=1
+  timeout 120 "$PYTHON" -m diloco.cli simulate --device "$DEVICE" --dtype bf16 \
+    --mode streaming --fragments 2 --sync-every 20 --steps "$DEMO_STEPS" --corpus generated \
+    --json "$RESULTS/simulate-streaming.json" || status=1
 fi
 echo "gpu_check: $([ $status = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - started)) s;" \
   "results in $RESULTS"

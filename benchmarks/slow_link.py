@@ -339,8 +339,11 @@ def main(
 def compare(results: list[dict]) -> None:
     """Each result's figures against fp32's in its mode and against its own codec's sync
     run (the share streaming hides), written into it; runs absent from `results` give None.
-    Also for a table merged from several runs' documents (a rerun's rows beside older ones)."""
+    Also for a table merged from several runs' documents (a rerun's rows in place of older
+    ones): ValueError for a mode and codec given twice, which would compare the wrong rows."""
     by = {(r["mode"], r["codec"]): r for r in results}
+    if len(by) != len(results):
+        raise ValueError("each mode and codec must come once in a table's results")
     for r in results:
         fp32 = by.get((r["mode"], "fp32"))
         r["blocked_vs_fp32"] = r["blocked_per_round"] / fp32["blocked_per_round"] if fp32 else None

@@ -31,7 +31,7 @@ def training_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
+    except (RuntimeError, ValueError, TypeError):
         raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")

@@ -183,6 +183,31 @@ def test_last_in_takes_each_rounds_worker_that_waited_least() -> None:
     assert slow_link().last_in([{"round_figures": no_split}, {"round_figures": a}]) is None
 
 
+def test_compare_sets_each_row_against_fp32_and_its_own_sync_run() -> None:
+    """Ratios by hand: fp32's sync blocks 10 s (last in 8), int8's 4 (2), int8 streaming
+    0.5 (0.4): int8 sync is 0.4x fp32's, and streaming hides 1 - 0.5 / 4 = 87.5 % of int8's
+    sync time (last in 1 - 0.4 / 2 = 80 %); a row given twice is refused."""
+
+    def row(mode: str, codec: str, blocked: float, last: float) -> dict:
+        wall = blocked + 10.0
+        return {"mode": mode, "codec": codec, "blocked_per_round": blocked,
+                "wall_per_round": wall, "last_in_per_round": last}  # fmt: skip
+
+    results = [row("sync", "fp32", 10.0, 8.0), row("sync", "int8", 4.0, 2.0)]
+    results.append(row("streaming", "int8", 0.5, 0.4))
+    slow_link().compare(results)
+    sync8, streaming8 = results[1], results[2]
+    assert sync8["blocked_vs_fp32"] == pytest.approx(0.4)
+    assert sync8["last_in_vs_fp32"] == pytest.approx(0.25)
+    assert sync8["wall_vs_fp32"] == pytest.approx(14.0 / 20.0)
+    assert sync8["hidden"] is None and results[0]["hidden"] is None
+    assert streaming8["hidden"] == pytest.approx(0.875)
+    assert streaming8["hidden_last_in"] == pytest.approx(0.8)
+    assert streaming8["blocked_vs_fp32"] is None  # no fp32 streaming row to compare with
+    with pytest.raises(ValueError, match="each mode and codec must come once"):
+        slow_link().compare([*results, row("sync", "int8", 3.0, 1.0)])
+
+
 def test_a_streaming_run_splits_its_rounds_blocked_time_into_sends_waits_and_mixes() -> None:
     """Per worker the median over its cycles of each part (the first cycle, which waits for
     the late joiners, and the last, close()'s flush, left out), then the mean over workers;

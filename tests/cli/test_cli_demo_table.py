@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from diloco.commands.demo import demo_table
+from diloco.commands.demo import Where, demo_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -40,3 +40,16 @@ def test_the_demo_table_fits_100_columns_in_a_file():
     console = Console(width=140, file=io.StringIO(), record=True)  # as `out` writes to a file
     console.print(demo_table(1000, 136_960, wide))
     assert max(len(line) for line in console.export_text().splitlines()) <= 100
+
+
+def test_the_demo_table_names_a_device_and_dtype_that_are_not_the_defaults_and_fits():
+    assert Where("cpu", "fp32").label() == ""  # the README's table: no label
+    assert Where("cpu", "bf16").label() == "bf16 "
+    assert Where("cuda:1", "fp32").label() == "on cuda:1 "
+    assert Where("cuda", "bf16").label() == "on cuda, bf16 "
+    _header, rows = readme_demo_table()
+    console = Console(width=140, file=io.StringIO(), record=True)
+    console.print(demo_table(1000, 136_960, rows, Where("cuda:1", "bf16")))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "on cuda:1, bf16" in " ".join(text.split())  # (the title may wrap)

@@ -181,6 +181,28 @@ def test_plot_is_written(tmp_path: Path, corpus_file: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_simulate_names_a_shared_dtype_in_its_title_and_its_json(
+    tmp_path: Path, corpus_file: Path
+) -> None:
+    base = ["--workers", "2", "--steps", "4", "--sync-every", "2", "--corpus", str(corpus_file)]
+    path = tmp_path / "run.json"
+    result = run_cli_in_process("simulate", *base, *TINY, "--dtype", "bf16", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "diloco simulate (bf16 autocast)" in result.stdout
+    config = json.loads(path.read_text())["config"]
+    assert (config["device"], config["dtype"]) == ("cpu", "bf16")
+    swept = tmp_path / "sweep.json"
+    result = run_cli_in_process(
+        "simulate", *base, *TINY, "--sweep", "dtype=fp32,bf16", "--json", str(swept)
+    )
+    assert result.returncode == 0, result.stderr
+    title = next(line for line in result.stdout.splitlines() if "sweep of 2 runs" in line)
+    assert "autocast" not in title  # the dtype differs between the runs: it has a column
+    runs = json.loads(swept.read_text())["runs"]
+    assert [r["config"]["dtype"] for r in runs] == ["fp32", "bf16"]
+    assert runs[0]["final_eval_loss"] != runs[1]["final_eval_loss"]
+
+
 BAD_INPUTS = [
     (["--mode", "bogus"], "unknown mode"),
     (["--workers", "0"], "workers must be a positive integer"),
@@ -345,7 +367,7 @@ def test_demo_with_bf16_trains_workers_and_baselines_under_autocast(
         "--corpus", str(corpus_file), "--json", str(path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "bf16 autocast" in result.stdout  # the table's title says so
+    assert "GPT bf16 (MB" in " ".join(result.stdout.split())  # the title says so
     document = json.loads(path.read_text())
     assert (document["device"], document["dtype"]) == ("cpu", "bf16")
     assert {(r["device"], r["dtype"]) for r in document["worker_reports"]} == {("cpu", "bf16")}

@@ -60,3 +60,18 @@ def test_bf16_autocast_changes_every_mode_repeatably_and_keeps_fp32_weights(
     for tensor in bf16.final_state.values():
         assert tensor.device.type == "cpu"
         assert tensor.dtype == torch.float32 or not tensor.is_floating_point()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["single", "ddp", "diloco", "streaming", "async"])
+def test_on_a_gpu_every_mode_trains_there_and_ends_with_fp32_weights_on_the_cpu(
+    mode: str, small_corpus: bytes
+) -> None:
+    extra = dict(fragments=2) if mode == "streaming" else {}
+    cpu = simulate(tiny(mode=mode, **extra), corpus=small_corpus)
+    gpu = simulate(tiny(mode=mode, device="cuda", dtype="bf16", **extra), corpus=small_corpus)
+    assert gpu.config.device == "cuda"
+    assert gpu.final_eval_loss == pytest.approx(cpu.final_eval_loss, abs=0.1)
+    for tensor in gpu.final_state.values():
+        assert tensor.device.type == "cpu"
+        assert tensor.dtype == torch.float32 or not tensor.is_floating_point()

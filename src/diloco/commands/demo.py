@@ -49,11 +49,11 @@ class Where:
     dtype: str
 
     def label(self) -> str:
-        """For the table's title: nothing on the CPU in fp32, else e.g. "on cuda with bf16
-        autocast " (its trailing space before the title's next words)."""
+        """For the table's title: nothing on the CPU in fp32, else e.g. "on cuda, bf16 " (its
+        trailing space before the title's next words)."""
         parts = [] if self.device == "cpu" else [f"on {self.device}"]
-        parts += ["with bf16 autocast"] if self.dtype == "bf16" else []
-        return f"{' '.join(parts)} " if parts else ""
+        parts += ["bf16"] if self.dtype == "bf16" else []
+        return f"{', '.join(parts)} " if parts else ""
 
 
 DEMO_MODES = ("sync", "streaming", "async")

@@ -87,8 +87,7 @@ def _report_sweep(
         for i, (overrides, c, d) in enumerate(zip(grid, configs, documents, strict=True))
     ]
     columns = [k.replace("_", "-") for k in keys] + ROW_COLUMNS + [""]
-    where = {_where(c) for c in configs}
-    title = f"diloco simulate: sweep of {len(rows)} runs{where.pop() if len(where) == 1 else ''}"
+    title = f"diloco simulate: sweep of {len(rows)} runs{_where(configs)}"
     out.print(summary_table(title, columns, rows))
     described = ", ".join(f"{k.replace('_', '-')}={v}" for k, v in grid[best].items())
     out.print(f"lowest eval loss: {documents[best]['final_eval_loss']:.4f} with {described}")
@@ -129,10 +128,13 @@ def _upload_label(config: SimConfig) -> str:
     return f"{codec}, EF {config.error_feedback_beta:g}{down}"
 
 
-def _where(config: SimConfig) -> str:
-    """Where the replicas trained, for a table's title: nothing on the CPU in fp32."""
-    parts = [] if config.device == "cpu" else [config.device]
-    parts += ["bf16 autocast"] if config.dtype == "bf16" else []
+def _where(configs: list[SimConfig]) -> str:
+    """Where the runs' replicas trained, for a table's title: the device and the dtype that
+    all of them share (a swept one has its column), nothing for the CPU and fp32."""
+    devices = {c.device for c in configs}
+    dtypes = {c.dtype for c in configs}
+    parts = [devices.pop()] if len(devices) == 1 and "cpu" not in devices else []
+    parts += ["bf16 autocast"] if dtypes == {"bf16"} else []
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -342,7 +344,7 @@ def simulate_command(
         documents = _report_sweep(grid, configs, documents, json_path)
     else:
         row = _result_row(configs[0], documents[0])
-        out.print(summary_table(f"diloco simulate{_where(configs[0])}", ROW_COLUMNS, [row]))
+        out.print(summary_table(f"diloco simulate{_where(configs)}", ROW_COLUMNS, [row]))
         if json_path is not None:
             write_json(json_path, documents[0])
             err.print(f"wrote {json_path}")

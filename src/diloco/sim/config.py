@@ -6,6 +6,8 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from diloco.algorithm import STALENESS_WEIGHTINGS
 from diloco.algorithm.compression.codecs import Codec, parse_codec, require_kept_values
 from diloco.algorithm.outer_optimizer import DEFAULT_MOMENTUM
@@ -101,6 +103,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
         if not isinstance(self.device, str) or not isinstance(self.dtype, str):
             raise ValueError(f"device and dtype are names, got {self.device!r}, {self.dtype!r}")
         object.__setattr__(self, "device", str(training_device(self.device)))
