@@ -122,7 +122,8 @@ def test_the_codec_comparison_refuses_bad_options_in_one_line(
 
 @pytest.mark.slow  # a server and two workers per run (three runs), about 90 s
 def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> None:
-    """Sync, then streaming at delay 1 and at delay 2 (GPU_CHECK_DELAYS: its own folder)."""
+    """Sync, then streaming at delay 1 and at delay 2 (GPU_CHECK_DELAYS: its own folder),
+    then the demo and a streaming simulate under bf16 autocast (step 3)."""
     env = {
         **os.environ,
         "PYTHON": sys.executable,
@@ -137,6 +138,7 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
         "GPU_CHECK_SERVER_WORK": "1",
         "GPU_CHECK_SERVER_POOL": "2",
         "GPU_CHECK_FUSED_THREADS": "1",
+        "GPU_CHECK_DEMO_STEPS": "40",
     }
     result = subprocess.run(
         [str(BENCHMARKS / "gpu_check.sh"), str(tmp_path)],
@@ -155,6 +157,11 @@ def test_the_gpu_check_runs_whole_on_the_cpu_at_a_tiny_size(tmp_path: Path) -> N
     assert [(r["torch_threads"], r["python_threads"], r["identical"]) for r in rows] == [
         (1, 1, True), (1, 2, True)
     ]  # fmt: skip
+    demo = json.loads((tmp_path / "demo.json").read_text())
+    assert (demo["device"], demo["dtype"], demo["steps"], demo["rounds"]) == ("cpu", "bf16", 40, 2)
+    simulated = json.loads((tmp_path / "simulate-streaming.json").read_text())
+    assert simulated["config"]["mode"] == "streaming" and simulated["config"]["dtype"] == "bf16"
+    assert simulated["config"]["steps"] == 40 and simulated["outer_steps"] > 0
     fused = json.loads((tmp_path / "fused-int8-t1" / "server_threads.json").read_text())
     assert [(r["torch_threads"], r["identical"]) for r in fused["rows"]] == [(1, True)]
     if any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++")):  # else refused, eager
