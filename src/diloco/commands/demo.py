@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from diloco.commands.options import CORPUS_HELP, require_positive
+from diloco.commands.options import CORPUS_HELP, DTYPE_HELP, require_positive
 from diloco.commands.threads import split_cores
 from diloco.console import (
     check_output_path,
@@ -84,9 +84,7 @@ def demo_command(
         help="Where the workers and the baselines train: cpu, cuda, cuda:N, or auto (cuda if "
         "present). The demo's model is small: a few CPU cores train it as fast.",
     ),
-    dtype: str = typer.Option(
-        "fp32", help="fp32, or bf16: forward passes under autocast (weights stay fp32)."
-    ),
+    dtype: str = typer.Option("fp32", help=DTYPE_HELP),
     json_path: Path = typer.Option(None, "--json", help="Write the demo's figures here."),
 ) -> None:
     """Train with a real server and K workers on 127.0.0.1; compare with one worker and DDP."""

@@ -26,6 +26,8 @@ from diloco.worker.net.transport import split_base_url
 Client = TypeVar("Client", bound=DiLoCoClient)
 
 CORPUS_HELP = "'shakespeare' (default, fetched once into a cache), 'generated[:SEED]', or a path"
+# --dtype of the commands that train (training.py::autocast_dtype_of)
+DTYPE_HELP = "fp32, or bf16: forward passes under autocast (weights stay fp32)."
 # The outer settings follow the upload codec when not given (algorithm/recipes.py).
 OUTER_OPTIMIZER_HELP = (
     "sgd, momentum or nesterov. Default: follows --upload-codec: sgd for a top-k codec "

@@ -12,6 +12,7 @@ from diloco.commands.options import (
     CODEC_PANEL,
     CORPUS_HELP,
     DATA_PANEL,
+    DTYPE_HELP,
     ERROR_FEEDBACK_HELP,
     MODEL_PANEL,
     OUTER_LR_HELP,
@@ -276,7 +277,7 @@ def simulate_command(
     ),
     dtype: str = typer.Option(
         "fp32",
-        help="fp32, or bf16: forward passes under autocast (weights stay fp32).",
+        help=DTYPE_HELP,
         rich_help_panel=MODEL_PANEL,
     ),
     corpus: str = typer.Option("shakespeare", help=CORPUS_HELP, rich_help_panel=DATA_PANEL),

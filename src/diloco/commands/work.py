@@ -17,6 +17,7 @@ from diloco.algorithm.compression import fused_int8
 from diloco.commands.options import (
     CORPUS_HELP,
     DATA_PANEL,
+    DTYPE_HELP,
     DURABILITY_PANEL,
     MODEL_PANEL,
     NETWORK_PANEL,
@@ -263,9 +264,7 @@ def worker_command(
     device: str = typer.Option(
         "auto", help="Where the model trains: cpu, cuda, cuda:N, or auto (cuda if present)."
     ),
-    dtype: str = typer.Option(
-        "fp32", help="fp32, or bf16: forward passes under autocast (weights stay fp32)."
-    ),
+    dtype: str = typer.Option("fp32", help=DTYPE_HELP),
     anchor_device: str = typer.Option(
         "auto",
         help="Where the fp32 anchor and error-feedback residual live: auto (beside a GPU "
