@@ -20,6 +20,7 @@ def tiny(**overrides) -> SimConfig:
 def test_the_cpu_in_fp32_by_default_and_auto_is_kept_as_what_it_resolved_to() -> None:
     assert (tiny().device, tiny().dtype) == ("cpu", "fp32")
     assert tiny(device="auto").device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert tiny(device=torch.device("cpu")).device == "cpu"  # a torch.device, by its name
     # a sweep's child process gets its run through to_dict / from_dict
     again = SimConfig.from_dict(tiny(dtype="bf16", device="auto").to_dict())
     assert (again.device, again.dtype) == (tiny(device="auto").device, "bf16")

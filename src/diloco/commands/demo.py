@@ -268,10 +268,9 @@ def _report(
     corpus: str,
     seed: int,
     json_path: Path | None,
-    mode: str = "sync",
-    where: Where | None = None,
+    mode: str,
+    where: Where,
 ) -> None:
-    where = where or Where("cpu", "fp32")
     single, ddp = _baselines(data, workers, steps, corpus, seed, where)
     model_bytes = single["parameters"] * FP32_BYTES
     ddp_bytes = 2 * (workers - 1) / workers * model_bytes * steps

@@ -140,9 +140,11 @@ class Anchor:
         """A fragment's new anchor (rank 0 keeps the anchor; elsewhere this does nothing),
         copied into the anchor's own tensors. Taking a coded delta's values (`values_after`'s
         copies) as the anchor instead, and letting the old tensors go, cost a CPU worker
-        memory and time: at 85M int8 streaming its peak beyond training grew from 629 MB to
-        739-913 MB and a round's blocked time from 0.34-0.46 s to 0.51-0.55 s, its syncs
-        slowed by the new allocations (benchmarks/results/model_scale-fragment-adopt/)."""
+        memory and time: at 85M int8 streaming its peak beyond training grew from 1.9x the
+        fp32 model to 2.3-2.8x, and a round's blocked time from 3.1-4.2x the round's limit
+        (its bytes over loopback plus a pass over the model, measured in the same run) to
+        4.7-5.0x, its syncs slowed by the new allocations
+        (benchmarks/results/model_scale-fragment-adopt/)."""
         if not self.leader:
             return
         part = {name: self.tensors[name] for name in tensors if name in self.tensors}

@@ -440,8 +440,7 @@ class UploadCoder:
         """Before a new body: a last body that got no answer counts as folded (after a
         coding under way ends), so its old residuals' buffers are spare."""
         self._coding_done.wait()
-        if self._pending is not None:
-            self.settle(folded=True)
+        self._settled(folded=True)
 
     def _buffer(self, name: str, shape: torch.Size) -> torch.Tensor:
         """An fp32 buffer of `shape` for `name`'s pending residual: its spare where it fits."""
