@@ -30,14 +30,14 @@ def test_a_delta_moves_the_anchor_in_place_and_adopting_it_keeps_its_memory() ->
     delta["weight"].view(-1)[0] = -127.0  # the block's largest magnitude: scale 1, exact
     body = encode_compressed(delta, codec)
     pointer = anchor.tensors["weight"].data_ptr()
-    moved = anchor.values_after(body, names, codec, coded=names)
+    moved = anchor.values_after(body, names, codec, coded=names, in_place=True)
     expected = torch.arange(8.0).view(2, 4) + torch.round(delta["weight"])
     assert moved is anchor.tensors and moved["weight"].data_ptr() == pointer  # no copy
     assert torch.equal(moved["weight"], expected) and not anchor.torn
     anchor.adopt(moved, 1)
     assert anchor.tensors is moved and anchor.round == 1
     assert torch.equal(anchor.model.weight.detach(), expected)
-    again = anchor.values_after(body, names, codec, coded=names)
+    again = anchor.values_after(body, names, codec, coded=names, in_place=True)
     assert again["weight"].data_ptr() == pointer
     assert torch.equal(again["weight"], expected + torch.round(delta["weight"]))
 
@@ -78,7 +78,7 @@ def test_a_delta_refused_part_way_leaves_the_anchor_torn_until_whole_weights_com
     names = list(anchor.tensors)
     good, bad = _nan_in_the_last_block(codec, {"weight": torch.ones(2, 4), "bias": torch.ones(2)})
     with pytest.raises(WireError) as refused:
-        anchor.values_after(bad, names, codec, coded=names)
+        anchor.values_after(bad, names, codec, coded=names, in_place=True)
     assert refused.value.status == 422 and "bias" in str(refused.value)
     assert anchor.torn and anchor.round == 0
     with pytest.raises(AssertionError, match="torn anchor"):
@@ -86,7 +86,7 @@ def test_a_delta_refused_part_way_leaves_the_anchor_torn_until_whole_weights_com
     whole = {"weight": torch.arange(8.0).view(2, 4), "bias": torch.tensor([1.0, -1.0])}
     anchor.adopt(whole, 1)
     assert not anchor.torn and anchor.round == 1
-    moved = anchor.values_after(good, names, codec, coded=names)
+    moved = anchor.values_after(good, names, codec, coded=names, in_place=True)
     assert torch.equal(moved["weight"], whole["weight"] + 1)
     assert torch.equal(moved["bias"], whole["bias"] + 1)
 

@@ -47,8 +47,17 @@ def test_a_body_the_round_committed_without_leaves_nothing_in_the_residual(live_
         assert not first.is_alive() and a.rounds == 1
         assert server.coordinator.status()["round"] == 1
         assert a._uploads.residual["weight"].count_nonzero() == 6  # 2 of 8 values went
+        answers: list[str] = []
+        submit = b._session.client.submit
+
+        def recorded(*args, **kwargs):
+            reply = submit(*args, **kwargs)
+            answers.append(reply.get("status"))
+            return reply
+
+        b._session.client.submit = recorded
         _step(b, model_b, 2.0)  # b's body for round 0 arrives after the round committed
-        assert b._session._last_submit_status == "committed"
+        assert answers == ["committed"]
         assert b.round == 1  # b took the round's result: a's weights
         torch.testing.assert_close(model_b.weight, model_a.weight, rtol=0, atol=0)
         assert b._uploads.residual == {}  # nothing of the unused body is kept
@@ -161,3 +170,125 @@ def test_a_delta_that_fails_part_way_gives_the_servers_whole_weights(
     taken = [r for r in caplog.records if "taking the server's whole weights" in r.getMessage()]
     assert len(taken) == 1 and taken[0].levelname == "WARNING"
     assert "refused part way" in taken[0].getMessage()
+
+
+def _topk_round_worker(server_url: str, fail_wait: bool) -> tuple[DiLoCoWorker, torch.nn.Linear]:
+    worker, model = _worker(server_url, "a")
+    if fail_wait:
+        from diloco.worker.errors import ServerUnavailable
+
+        client, real = worker._session.client, worker._session.client.wait_result
+        failed: list[bool] = []
+
+        def fails_once(*args, **kwargs):
+            if not failed:
+                failed.append(True)
+                raise ServerUnavailable(server_url, None, attempts=3, reason="injected")
+            return real(*args, **kwargs)
+
+        client.wait_result = fails_once
+    return worker, model
+
+
+def test_a_sync_that_fails_after_the_server_took_its_body_keeps_that_body_s_residual(
+    live_server,
+) -> None:
+    """topk:0.25 of 8 values (2 sent) with error feedback, H = 1, one worker. The server
+    takes the body ("accepted") and commits; then the worker's wait fails. The body is in
+    the round, so its residual must stand, equal to a clean round's (6 of 8 values left);
+    before, it was dropped as if the server had never used the body. The next sync of the
+    same round sends another body, answered "duplicate": that is the first body's, so the
+    second's residual is not taken either, and the worker ends on the server's weights."""
+    from diloco.worker.errors import ServerUnavailable
+
+    settings = ServerSettings(
+        sync_every=1, upload_codec="topk:0.25", topk_chunk=8, error_feedback_beta=0.9,
+        outer_optimizer="sgd", outer_lr=1.0, heartbeat_interval=0.2, heartbeat_timeout=30.0,
+    )  # fmt: skip
+    with live_server(settings) as server:
+        clean, model = _topk_round_worker(server.url, fail_wait=False)
+        _step(clean, model, 1.0)
+        expected = clean._uploads.residual["weight"].clone()
+        clean.close(final_sync=False)
+    assert expected.count_nonzero() == 6
+    with live_server(settings) as server:
+        worker, model = _topk_round_worker(server.url, fail_wait=True)
+        try:
+            _step(worker, model, 1.0)
+        except ServerUnavailable:
+            pass
+        else:
+            raise AssertionError("the injected failure did not reach the sync")
+        assert server.coordinator.status()["round"] == 1  # the body went into round 0
+        assert worker.round == 0
+        assert torch.equal(worker._uploads.residual["weight"], expected)
+        answers: list[str] = []
+        submit = worker._session.client.submit
+
+        def recorded(*args, **kwargs):
+            reply = submit(*args, **kwargs)
+            answers.append(reply.get("status"))
+            return reply
+
+        worker._session.client.submit = recorded
+        _step(worker, model, 2.0)  # another body for round 0
+        assert answers == ["duplicate"]
+        assert worker.round == 1
+        assert torch.equal(worker._uploads.residual["weight"], expected)
+        masters = server.coordinator.model.masters
+        torch.testing.assert_close(model.weight, masters["weight"], rtol=0, atol=0)
+        worker.close(final_sync=False)
+
+
+def test_an_anchor_left_torn_is_repaired_from_the_server_before_any_body_is_coded(
+    live_server, caplog, monkeypatch
+) -> None:
+    """A delta refused half way leaves the anchor torn, and the whole weights that repair it
+    fail to come too (the server unreachable then): the sync raises. The next sync must not
+    code a body from the half-moved anchor (nor send one: round 0 has this worker's body
+    already); it takes the server's current weights, and the worker ends on them."""
+    import diloco.worker.anchor as anchors
+    from diloco.wire import WireError, decode_tensors
+    from diloco.worker.errors import ServerUnavailable
+
+    real = anchors.apply_delta
+
+    def half_then_refused(delta, targets, codec, **kwargs):
+        first = next(iter(targets))
+        targets[first].add_(1.0)  # (a part of the anchor moved)
+        raise WireError(422, "invalid_tensor", f"tensor {first!r}: refused (injected)")
+
+    monkeypatch.setattr(anchors, "apply_delta", half_then_refused)
+    settings = ServerSettings(
+        sync_every=1, upload_codec="int8", download_codec="int8", error_feedback_beta=0.9,
+        heartbeat_interval=0.2, heartbeat_timeout=30.0,
+    )  # fmt: skip
+    with live_server(settings) as server:
+        worker, model = _worker(server.url, "a")
+        session = worker._session
+        real_fetch = session.fetch_weights
+
+        def unreachable():
+            raise ServerUnavailable(server.url, None, attempts=3, reason="injected")
+
+        session.fetch_weights = unreachable
+        try:
+            _step(worker, model, 1.0)
+        except ServerUnavailable:
+            pass
+        else:
+            raise AssertionError("the injected failure did not reach the sync")
+        assert worker._anchor.torn and worker.round == 0
+        session.fetch_weights = real_fetch
+        monkeypatch.setattr(anchors, "apply_delta", real)
+        sent: list[object] = []
+        submit = session.client.submit
+        session.client.submit = lambda *a, **k: sent.append(a) or submit(*a, **k)
+        with caplog.at_level("WARNING", logger="diloco.worker"):
+            worker.sync()  # (a step's sync would train first: sync now, as close does)
+        assert sent == [] and not worker._anchor.torn and worker.round == 1
+        published = decode_tensors(server.coordinator.weights().body)
+        assert torch.equal(model.weight.detach(), published["weight"])
+        assert torch.equal(worker._anchor.tensors["weight"], published["weight"])
+        assert any("left torn" in r.getMessage() for r in caplog.records)
+        worker.close(final_sync=False)

@@ -486,3 +486,138 @@ def test_a_merge_copies_a_coded_download_s_values_into_the_fragment_s_anchor(
         for name, tensor in anchor.items():
             assert torch.equal(tensor.view(torch.int32), published[name].view(torch.int32))
         worker.close(final_sync=False)
+
+
+def test_one_fragment_s_coded_delta_moves_copies_never_the_anchor_beside_training(
+    live_server, monkeypatch
+) -> None:
+    """With one fragment (every tensor) the sync's thread still computes G' in copies: it
+    runs beside training and a merge may give up on it, so it must never write into the
+    anchor (it once moved the anchor in place there, as a sync round does on the training
+    thread). The merge copies the values in: the anchor keeps its tensors and ends equal to
+    the server's published weights bit for bit."""
+    from diloco.worker.anchor import Anchor
+
+    made: list[dict[str, torch.Tensor]] = []
+    real = Anchor.values_after
+
+    def recorded(self, *args, **kwargs):
+        values = real(self, *args, **kwargs)
+        made.append(dict(values))
+        return values
+
+    monkeypatch.setattr(Anchor, "values_after", recorded)
+    settings = ServerSettings(
+        **{**STREAMING, "fragments": 1, "alpha": 0.0}, upload_codec="int8", download_codec="int8"
+    )
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+        own = dict(worker._anchor.tensors)
+        train(model, optimizer, steps=8)  # two cycles of the one fragment
+        assert worker.streamer.syncs == 2 and len(made) == 2
+        anchor = worker._anchor.tensors
+        for values in made:
+            assert set(values) == set(own)
+            for name, tensor in values.items():
+                assert tensor is not own[name] and tensor.data_ptr() != own[name].data_ptr()
+        assert all(anchor[name] is tensor for name, tensor in own.items())
+        published = server_weights(server.url)
+        for name, tensor in anchor.items():
+            assert torch.equal(tensor.view(torch.int32), published[name].view(torch.int32))
+        worker.close(final_sync=False)
+
+
+def test_a_refused_fragment_delta_takes_the_server_s_weights_and_training_goes_on(
+    live_server, monkeypatch, caplog
+) -> None:
+    """A fragment's coded delta that the worker refuses (a block it cannot decode) is not the
+    end of the run: the fragment's values come from the server's whole weights instead, the
+    merge counts, and the anchor ends equal to the server's published weights."""
+    import diloco.worker.anchor as anchor_module
+    from diloco.wire import WireError
+
+    real = anchor_module.apply_delta
+    calls = {"n": 0}
+
+    def refuses_the_first(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise WireError(422, "invalid_body", "tensor 'weight': a block's scale is NaN")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(anchor_module, "apply_delta", refuses_the_first)
+    settings = ServerSettings(
+        **{**STREAMING, "alpha": 0.0}, upload_codec="int8", download_codec="int8"
+    )
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
+        with caplog.at_level("WARNING", logger="diloco.worker"):
+            train(model, optimizer, steps=4)  # one cycle: both fragments merged
+        assert calls["n"] == 2
+        assert worker.streamer.syncs == 2 and worker.streamer.failures == 0
+        assert any(
+            "for fragment 0 was refused" in r.getMessage() and "whole weights" in r.getMessage()
+            for r in caplog.records
+        )
+        published = server_weights(server.url)
+        for name, tensor in worker._anchor.tensors.items():
+            assert torch.equal(tensor.view(torch.int32), published[name].view(torch.int32))
+        worker.close(final_sync=False)
+
+
+def test_a_merge_that_gives_up_after_the_server_took_the_body_keeps_its_residual(
+    live_server,
+) -> None:
+    """Top-k with error feedback, a second worker missing: each fragment's body is taken
+    ("accepted") but its round cannot commit, so the merges give up. The bodies are in their
+    rounds, so their residuals stand (before, they were dropped as if never used). Once the
+    peer is there the same rounds are sent again with other bodies, answered "duplicate":
+    those are the first bodies, so the new bodies' residuals are not taken either."""
+    settings = ServerSettings(
+        **STREAMING, min_workers=2, upload_codec="topk:0.25", topk_chunk=4,
+        error_feedback_beta=0.9,
+    )  # fmt: skip
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        a = DiLoCoWorker(
+            model, optimizer, server.url, worker_id="a", fragment_timeout=1.0, result_wait=0.2
+        )
+        # sends at 1 and 3, both answered at once; both merges give up a second later
+        train(model, optimizer, steps=4)
+        assert (a.streamer.failures, a.streamer.syncs) == (2, 0)
+        assert a.streamer.folded_rounds == {0: 0, 1: 0}
+        trained = {name for name, p in model.named_parameters()}
+        taken = snapshot(a._uploads.residual)
+        assert set(taken) == trained and all(t.count_nonzero() > 0 for t in taken.values())
+
+        answers: list[str] = []
+        submit = a._session.client.submit
+
+        def recorded(*args, **kwargs):
+            reply = submit(*args, **kwargs)
+            answers.append(reply.get("status"))
+            return reply
+
+        a._session.client.submit = recorded
+        a.streamer.fragment_timeout = 60
+        peer_model = make_model()
+        peer_optimizer = torch.optim.SGD(peer_model.parameters(), lr=0.05)
+        b = DiLoCoWorker(peer_model, peer_optimizer, server.url, worker_id="b")
+        peer = threading.Thread(target=train, args=(peer_model, peer_optimizer, 4, 1, 7))
+        peer.start()
+        train(model, optimizer, steps=4, seed=3)
+        peer.join(timeout=60)
+        assert answers == ["duplicate", "duplicate"]
+        assert a.streamer.fragment_rounds == [1, 1] and a.streamer.syncs == 2
+        assert a.streamer.folded_rounds == {}
+        residual = a._uploads.residual
+        assert set(residual) == trained
+        for name, tensor in taken.items():
+            assert torch.equal(residual[name], tensor), name
+        a.close(final_sync=False)
+        b.close(final_sync=False)

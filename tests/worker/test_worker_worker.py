@@ -259,6 +259,29 @@ def test_heartbeats_reach_the_server(live_server) -> None:
         assert not server.coordinator.membership.is_live("beating")  # close deregisters
 
 
+def test_close_gives_up_deregistering_from_a_server_gone_for_good(
+    live_server, monkeypatch, caplog
+) -> None:
+    """The run's retry policy retries forever once the server has answered (to ride out a
+    restart); `close` must not: its deregistration is best effort (the server evicts a
+    silent worker anyway), so it retries for LEAVE_SECONDS at most and says so in the log."""
+    import diloco.worker.session as session_module
+
+    monkeypatch.setattr(session_module, "LEAVE_SECONDS", 1.0)
+    settings = ServerSettings(sync_every=50, heartbeat_interval=0.2, heartbeat_timeout=5)
+    with live_server(settings) as server:
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="left")
+    assert worker.client.retry.deadline is None  # the run's policy: no bound
+    closing = threading.Thread(target=worker.close, kwargs={"final_sync": False}, daemon=True)
+    with caplog.at_level("WARNING", logger="diloco.worker"):
+        closing.start()
+        closing.join(timeout=60)
+    assert not closing.is_alive()
+    assert any("deregister failed" in r.getMessage() for r in caplog.records)
+
+
 @contextmanager
 def info_server(settings: dict) -> Iterator[str]:
     """A misconfigured server whose /v1/info states only `settings`."""

@@ -70,8 +70,9 @@ class Anchor:
         self.download_dtype = download_dtype  # what a follower's broadcast buffers hold
         self.tensors: dict[str, torch.Tensor] = {}
         self.round = 0
-        # A coded delta moves the whole anchor in place (`values_after`): no copy of it is kept.
-        # One that fails part way leaves it torn until whole weights are adopted again.
+        # A sync round's coded delta moves the whole anchor in place (`values_after`): no
+        # copy of it is kept. One that fails part way leaves it torn until whole weights are
+        # adopted again.
         self.torn = False
 
     def move_to(self, device: torch.device | str) -> None:
@@ -93,19 +94,23 @@ class Anchor:
         names: Sequence[str],
         codec: Codec,
         coded: Collection[str],
+        *,
+        in_place: bool = False,
     ) -> dict[str, torch.Tensor]:
         """The new global values of `names` when the server sent a coded delta against our
         anchor: anchor + D(body) for coded tensors, the sent value for the others, computed
         with the server's own function so that they equal its published copy bit for bit.
 
-        The whole anchor moves in place, each span checked as it is applied (no model-sized
-        copy, no pass of its own to check the body first); `adopt` then takes these very
-        tensors. A failure part way leaves the anchor `torn`: the caller adopts the server's
-        whole weights instead (AnchorTorn). A streaming fragment moves copies, so a refused
-        one leaves the anchor as it was; its merge copies them into the anchor's own
-        tensors (`adopt_fragment`)."""
+        `in_place` (a sync round, on the training thread, for the whole anchor): the anchor
+        moves in place, each span checked as it is applied (no model-sized copy, no pass of
+        its own to check the body first); `adopt` then takes these very tensors. A failure
+        part way leaves the anchor `torn`: the caller adopts the server's whole weights
+        instead (AnchorTorn). Otherwise (a streaming sync, on its own thread while training
+        goes on, even with one fragment that holds every tensor) copies move, so a refused
+        delta, or one whose merge gave up on it, leaves the anchor as it was; the merge
+        copies them into the anchor's own tensors (`adopt_fragment`)."""
         exact = {n for n in names if n not in coded}
-        if list(names) != list(self.tensors):
+        if not in_place or list(names) != list(self.tensors):
             targets = {name: self.tensors[name].clone() for name in names}
             apply_delta(delta, targets, codec, exact=exact, scratch=True)
             return targets

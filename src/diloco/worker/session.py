@@ -37,6 +37,8 @@ log = logging.getLogger("diloco.worker")
 WAIT_REPORT_SECONDS = 30.0
 WAIT_REPEAT_SECONDS = 60.0
 WAIT_REPORT_ENV_VAR = "DILOCO_WAIT_REPORT_SECONDS"
+# The longest a leaving worker retries its deregistration (the server evicts it anyway).
+LEAVE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,27 @@ class Exchanged:
     # Whether the server folded our pseudo-gradient in ("accepted" or "duplicate"): not when
     # the round had committed without it ("committed") or on a rebase
     folded: bool = True
+
+
+@dataclass
+class SubmitAnswer:
+    """The server's answer to one exchange's submission ("" until it came), kept by the
+    caller: an exchange that fails after it (a wait given up, the server gone) still knows
+    whether the body is in its round's sums, which is how its error feedback settles."""
+
+    status: str = ""
+    # An earlier body of ours for the same round is in its sums already (a streaming merge
+    # gave up on its sync after the server had taken it): a "duplicate" then means that
+    # earlier body, not this one.
+    earlier_folded: bool = False
+
+    @property
+    def folded(self) -> bool:
+        """Whether this body is in its round's sums: "accepted", or a "duplicate" retry of
+        it; not "committed" (the round went on without it), nor before any answer."""
+        if self.status == "duplicate":
+            return not self.earlier_folded
+        return self.status == "accepted"
 
 
 def wait_report_seconds(seconds: float | None = None) -> float:
@@ -147,7 +170,6 @@ class ServerSession:
         # tensors, computed from our anchor (the worker's Anchor.values_after).
         self.apply_delta: Callable[[bytearray, int], dict[str, torch.Tensor]] | None = None
         self.rebases = 0
-        self._last_submit_status = ""  # of the exchange under way (one at a time)
         self._register_lock = threading.Lock()
         self._download: bytearray | None = None  # the last weights' buffer, loaded already
 
@@ -278,6 +300,7 @@ class ServerSession:
         cancelled: Callable[[], bool] | None = None,
         progress: dict[int, int] | None = None,
         rebuild: Callable[[], bytearray] | None = None,
+        answer: SubmitAnswer | None = None,
     ) -> Exchanged:
         """Submit one pseudo-gradient (of a fragment) and wait for its result, riding through
         evictions, restarts and lost answers; a server behind us is a rebase. `tokens` were
@@ -286,16 +309,18 @@ class ServerSession:
         `rebuild` makes `body` again, byte for byte (a sync fp32 upload: anchor - local, which
         stay put while the round is out). With it, the result is read into the body's own
         buffer once the body is in (weights of the same layout: one model-sized buffer a
-        round instead of two), and a resend makes the body again first."""
+        round instead of two), and a resend makes the body again first. `answer`: the
+        caller's record of the submission's answer, filled in as it comes (each exchange
+        its own: a streaming sync given up on may still be answered beside the next)."""
         progress = dict(progress or {})
+        answer = SubmitAnswer() if answer is None else answer
         try:
-            self._submit(body, units, round_number, fragment, tokens, progress)
+            self._submit(body, units, round_number, fragment, tokens, progress, answer)
             got = self._await_result(
-                body, units, round_number, fragment, cancelled, tokens, progress, rebuild
-            )
-            if self._last_submit_status == "committed":
-                return replace(got, folded=False)
-            return got
+                body, units, round_number, fragment, cancelled, tokens, progress, rebuild,
+                answer,
+            )  # fmt: skip
+            return got if answer.folded else replace(got, folded=False)
         except ServerError as exc:
             if exc.kind != "future_round":
                 raise
@@ -309,11 +334,12 @@ class ServerSession:
         fragment: int,
         tokens: int,
         progress: dict[int, int],
+        answer: SubmitAnswer,
     ) -> None:
         assert self.worker_id is not None
         while True:
             try:
-                answer = self.client.submit(
+                reply = self.client.submit(
                     round_number,
                     self.worker_id,
                     body,
@@ -322,7 +348,7 @@ class ServerSession:
                     units=units,
                     progress=progress,
                 )
-                self._last_submit_status = str(answer.get("status"))
+                answer.status = str(reply.get("status"))
                 return
             except ServerError as exc:
                 detail = exc.detail if isinstance(exc.detail, dict) else {}
@@ -351,7 +377,8 @@ class ServerSession:
         cancelled: Callable[[], bool] | None,
         tokens: int,
         progress: dict[int, int],
-        rebuild: Callable[[], bytearray] | None = None,
+        rebuild: Callable[[], bytearray] | None,
+        answer: SubmitAnswer,
     ) -> Exchanged:
         assert self.worker_id is not None
         # (a download into the body's buffer overwrites the body, even one that fails part
@@ -392,7 +419,7 @@ class ServerSession:
                     if shared:
                         assert rebuild is not None
                         body = into = rebuild()
-                    self._submit(body, units, round_number, fragment, tokens, progress)
+                    self._submit(body, units, round_number, fragment, tokens, progress, answer)
                     continue
                 if exc.kind == "result_expired":
                     return self._from_current_weights(fragment)
@@ -440,6 +467,12 @@ class ServerSession:
         """The buffer the last weights came in (the next download overwrites it)."""
         return self._download
 
+    def current_weights(self, fragment: int = 0) -> Exchanged:
+        """The server's current values of `fragment` (every tensor without a plan) and the
+        round they start: what a round whose result is gone, or an anchor a delta left torn,
+        takes instead."""
+        return self._from_current_weights(fragment)
+
     def _from_current_weights(self, fragment: int) -> Exchanged:
         """The round's result is gone (newer ones exist): take the current weights instead."""
         weights = self.fetch_weights()
@@ -475,7 +508,12 @@ class ServerSession:
     # ----------------------------------------------------------------- leaving
 
     def leave(self) -> None:
-        """Deregister (best effort: eviction would follow) and close the connections."""
+        """Deregister (best effort: eviction would follow) and close the connections. The
+        deregistration retries for LEAVE_SECONDS at most, whatever the run's retry policy
+        (which may retry forever): a server gone for good must not hang `close`."""
+        policy = self.client.retry
+        if policy.deadline is None or policy.deadline > LEAVE_SECONDS:
+            self.client.retry = replace(policy, deadline=LEAVE_SECONDS)
         try:
             self.client.deregister(self.worker_id)  # type: ignore[arg-type]
         except Exception as exc:

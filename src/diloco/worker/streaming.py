@@ -45,7 +45,7 @@ from diloco.worker.errors import ClientClosed, ServerUnavailable
 from diloco.worker.pace import Pace
 from diloco.worker.parallel import distributed
 from diloco.worker.schedule import FragmentWindows
-from diloco.worker.session import ServerSession
+from diloco.worker.session import ServerSession, SubmitAnswer
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.upload_coder import DeferredBody, UploadCoder
 
@@ -67,6 +67,8 @@ class FragmentOutcome:
     next_round: int | None = None
     rebase_rounds: list[int] | None = None  # the server was behind: its full state and rounds
     folded: bool = False  # the server folded our body in (its error feedback stands)
+    # the submission's answer as it came: a merge that gives up on the sync settles by it
+    answer: SubmitAnswer = field(default_factory=SubmitAnswer)
     error: BaseException | None = None
     # the body's coding on the fragment's thread (~0 where it was coded at the send; not yet
     # written when a merge gave up on its flight)
@@ -139,6 +141,8 @@ class FragmentStreamer:
         # it is reported with the submission that completes that set.
         self.covered: dict[int, set[int]] = {}
         self.tokens_at_send = [tokens.total] * len(plan)
+        # fragment -> the round of it whose body the server took in a sync that then failed
+        self.folded_rounds: dict[int, int] = {}
 
     @property
     def step(self) -> int:
@@ -178,6 +182,7 @@ class FragmentStreamer:
 
     def _start(self, fragment: int) -> None:
         outcome = FragmentOutcome(fragment, self.fragment_rounds[fragment])
+        outcome.answer.earlier_folded = self.folded_rounds.get(fragment) == outcome.round
         merge_at = self.windows.step + self.windows.delay
         session = self.session
         if session is None:
@@ -238,6 +243,7 @@ class FragmentStreamer:
                 fragment=outcome.fragment,
                 cancelled=cancelled,
                 tokens=outcome.tokens,
+                answer=outcome.answer,
             )
             if got.rebase_rounds is not None:
                 outcome.rebase_rounds = got.rebase_rounds
@@ -272,8 +278,19 @@ class FragmentStreamer:
         finally:
             self.merge_wait_seconds += time.monotonic() - started
         self.coding_seconds += flight.outcome.coding_seconds
+        outcome = flight.outcome
         if self.session is not None:  # the leader's error feedback: was the body folded in?
-            self.uploads.settle(header["status"] == "merged" and flight.outcome.folded)
+            if header["status"] == "failed":
+                # The server may have taken the body before the sync failed or was given up
+                # on: then its residual stands, and the fragment's next body for this round
+                # (answered "duplicate") is not the one folded.
+                folded = outcome.answer.folded
+                if folded:
+                    self.folded_rounds[fragment] = outcome.round
+            else:
+                folded = header["status"] == "merged" and outcome.folded
+                self.folded_rounds.pop(fragment, None)
+            self.uploads.settle(folded)
         if header["status"] == "failed":
             self.failures += 1
             log.warning(

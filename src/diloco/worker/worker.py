@@ -56,7 +56,7 @@ from diloco.worker.parallel import distributed
 from diloco.worker.parallel.fsdp import ShardedAnchor, check_sharded_settings, is_sharded
 from diloco.worker.round_log import RoundLines, joined_line, log_recovered
 from diloco.worker.schedule import DyLU, EveryH
-from diloco.worker.session import Exchanged, ServerSession, wait_report_seconds
+from diloco.worker.session import Exchanged, ServerSession, SubmitAnswer, wait_report_seconds
 from diloco.worker.settings import WorkerSettings
 from diloco.worker.state.checkpoint import WorkerCheckpoint
 from diloco.worker.state.resumption import Progress, Rejoined, Resumption
@@ -204,6 +204,8 @@ class DiLoCoWorker:
         # where the last round's blocked time went (see _phases); None before the first
         self.last_round_phases: dict[str, float] | None = None
         self._encode_seconds = self._apply_seconds = self._delta_seconds = 0.0
+        # the round whose body the server took in a sync that then failed (None: none)
+        self._folded_round: int | None = None
         self.dropped_round = False  # a resume inside a round the server had gone past
         distributed.check_same_choice("checkpoint_dir", checkpoint_dir is not None)
         if checkpoint_dir is not None and (
@@ -625,6 +627,15 @@ class DiLoCoWorker:
     def _exchange_round(self, body: bytearray | None = None) -> Exchanged:
         """Send this round's pseudo-gradient (`body` when a sharded group gathered it)."""
         session = self._leader_session()
+        if self._anchor.torn:
+            # A delta failed part way and the whole weights that repair it never came (the
+            # sync raised): this round's body is in already, so take the server's weights
+            # now instead of coding a body from a half-moved anchor.
+            log.warning(
+                "the anchor was left torn by a delta that failed part way: taking the "
+                "server's current weights (the steps trained since are dropped)"
+            )
+            return session.current_weights()
         encoding = time.monotonic()
         self._delta_seconds = 0.0  # (set again if this round's result comes as a delta)
         # fp32 both ways: the weights come back into the upload's buffer, which anchor - local
@@ -641,6 +652,7 @@ class DiLoCoWorker:
             samples = self._units.drain_trace()
             if samples is not None:
                 self.sample_trace.record(self.worker_id, self.round, samples)
+        answer = SubmitAnswer(earlier_folded=self._folded_round == self.round)
         try:
             result = session.exchange(
                 body,
@@ -649,10 +661,17 @@ class DiLoCoWorker:
                 tokens=self._tokens.in_round,
                 progress=progress,
                 rebuild=rebuild,
+                answer=answer,
             )
         except BaseException:
-            self._uploads.settle(folded=False)
+            # The body's error feedback stands if the server took it before the failure (a
+            # wait given up, the server gone after it answered); a later sync of this round
+            # then sends another body, whose "duplicate" is that one's, not its own.
+            self._uploads.settle(folded=answer.folded)
+            if answer.folded:
+                self._folded_round = self.round
             raise
+        self._folded_round = None
         self._uploads.settle(result.folded)
         if result.rebase_rounds is None:
             self._units.reported(units)
@@ -708,24 +727,33 @@ class DiLoCoWorker:
     def _values_after_delta(self, body: bytearray, fragment: int) -> dict[str, torch.Tensor]:
         """A result sent as a coded delta (--download-codec): the new values from our anchor.
 
-        The whole anchor moves in place: a delta refused or out of GPU memory part way
-        raises AnchorTorn, and the session takes the server's whole weights instead (after
-        an OOM the anchor lives on the CPU from then on). A fragment's copies are moved, so
-        there an OOM just runs the apply again on the CPU."""
-        names = (
-            list(self._anchor.tensors) if self.streamer is None else self.fragment_plan[fragment]
-        )
+        In sync mode the whole anchor moves in place: a delta refused or out of GPU memory
+        part way raises AnchorTorn, and the session takes the server's whole weights instead
+        (after an OOM the anchor lives on the CPU from then on). In streaming mode copies
+        move (`Anchor.values_after`: the sync runs beside training, and a merge may give up
+        on it), even for one fragment of every tensor: an OOM runs the apply again on the
+        CPU, and a refused delta takes the fragment's values from the server's whole weights
+        (AnchorTorn, the anchor untouched) instead of ending the run at the merge."""
+        streaming = self.streamer is not None
+        names = self.fragment_plan[fragment] if streaming else list(self._anchor.tensors)
         coded = self._uploads.coded_names  # trainable tensors: coded both ways
 
         def values() -> dict[str, torch.Tensor]:
             started = time.monotonic()
             try:
-                return self._anchor.values_after(body, names, self.settings.download_codec, coded)
+                return self._anchor.values_after(
+                    body, names, self.settings.download_codec, coded, in_place=not streaming
+                )
             finally:
                 self._delta_seconds = time.monotonic() - started
 
-        if self.streamer is not None:
-            return self._on_host_after_oom(values)
+        if streaming:
+            try:
+                return self._on_host_after_oom(values)
+            except WireError as exc:
+                raise AnchorTorn(
+                    f"the server's delta for fragment {fragment} was refused: {exc}"
+                ) from exc
         try:
             return values()
         except torch.OutOfMemoryError as exc:

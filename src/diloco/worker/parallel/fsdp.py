@@ -149,6 +149,7 @@ class ShardedAnchor:
         self.layout = ShardLayout(model)
         self.tensors: dict[str, torch.Tensor] = {}  # own rows, and (rank 0) replicated ones
         self.round = 0
+        self.torn = False  # (Anchor's flag; never set here: no delta moves these in place)
         self._incoming: Mapping[str, torch.Tensor] | None = None
 
     # ----------------------------------------------------------------- upload
