@@ -190,6 +190,64 @@ def test_after_a_failed_checkpoint_nothing_stepped_is_served_and_a_restart_resum
     assert round_number == 2 and torch.all(weights["layer.weight"] == 14.0)
 
 
+def test_a_body_that_fails_part_way_into_shared_sums_stops_the_server_not_folds_twice(
+    in_thread, monkeypatch
+):
+    """Round 0 holds a's body; b's fails part way into the same sums (an injected EIO reading
+    its spooled pieces after the first). Its part cannot be taken out again, and a resend
+    folded it twice (a 500, then 200 for the retry). Now b is answered 503 naming the fold,
+    and so is everything after (the retry, the weights) until a restart."""
+    from diloco.server.rounds.round import Round
+
+    real = Round.add_pieces
+    failed: list[str] = []
+
+    def cut_after_one_piece(self, worker_id, fragment, shapes, pieces, *rest, **kwargs):
+        if worker_id == "b" and not failed:
+            failed.append(worker_id)
+
+            def one_then_eio():
+                iterator = iter(pieces)
+                yield next(iterator)
+                raise OSError(5, "Input/output error (injected)")
+
+            return real(self, worker_id, fragment, shapes, one_then_eio(), *rest, **kwargs)
+        return real(self, worker_id, fragment, shapes, pieces, *rest, **kwargs)
+
+    monkeypatch.setattr(Round, "add_pieces", cut_after_one_piece)
+    api = in_thread(0.0, outer_optimizer="sgd", outer_lr=1.0, min_workers=2)
+    api.register("a")
+    api.register("b")
+    assert api.submit("a", gradient(1.0), round_number=0).status == 200
+    error = api.rejects(api.submit("b", gradient(1.0), round_number=0), 503, "checkpoint_failed")
+    assert "failed part way" in error["error"]
+    assert "b's pseudo-gradient into round 0" in error["error"] and failed == ["b"]
+    api.rejects(api.submit("b", gradient(1.0), round_number=0), 503, "checkpoint_failed")
+    api.rejects(api.call("GET", "/v1/weights"), 503, "checkpoint_failed")
+    assert "Input/output error" in api.ok("GET", "/v1/status")["broken"]
+
+
+def test_an_outer_step_that_fails_without_a_step_log_serves_nothing_half_moved(
+    in_thread, monkeypatch
+):
+    """No state dir: an outer step that fails part way (an injected error after it moved the
+    masters) left them served under the old round, and the round's sums used up. Now the
+    server answers 503 naming the step until a restart, as it does with a step log."""
+    import diloco.server.model.global_model as global_model
+
+    def half_then_fails(masters, *args, **kwargs):
+        next(iter(masters.values())).add_(100.0)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(global_model, "apply_running_mean", half_then_fails)
+    api = in_thread(0.0, outer_optimizer="sgd", outer_lr=1.0)
+    api.register("a")
+    error = api.rejects(api.submit("a", gradient(1.0), round_number=0), 503, "checkpoint_failed")
+    assert "the outer step of round 1 failed: injected failure" in error["error"]
+    api.rejects(api.call("GET", "/v1/weights"), 503, "checkpoint_failed")
+    api.rejects(api.result("a", round_number=0), 503, "checkpoint_failed")
+
+
 def test_the_eviction_loop_survives_a_failing_tick() -> None:
     """An exception in one tick (once an AssertionError after a failed commit) ended the
     thread for good: no eviction for the rest of the run. It is logged and the loop goes on."""

@@ -234,10 +234,9 @@ class GlobalModel:
                         policy=self.settings.policy,
                     )
 
-                if log_step is None:
-                    step()
-                else:  # logged: the step log is the commit point, so a failure must stop serving
-                    self.durably(f"the outer step of round {new_version}", step)
+                # Half-moved masters must not be served, logged or not (without a step log
+                # they were, under the old round, and the round's used-up sums stalled it).
+                self.durably(f"the outer step of round {new_version}", step)
             stepped = time.perf_counter()
             if self.copy is not None:
                 copy, masters = self.copy, self.frames.masters

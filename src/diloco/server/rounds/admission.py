@@ -52,7 +52,7 @@ from diloco.server.model.footprint import model_bytes
 from diloco.server.model.global_model import GlobalModel
 from diloco.server.ops.metrics import Traffic
 from diloco.server.rounds.engine import RoundEngine
-from diloco.server.rounds.round import Round, Submission, ValueScan, fold
+from diloco.server.rounds.round import FoldTorn, Round, Submission, ValueScan, fold
 from diloco.server.settings import ServerSettings
 from diloco.server.shards.sync_decisions import session_digest
 from diloco.server.state.held_slices import HeldSlices, PreparedSlice, StoredSlice
@@ -623,6 +623,10 @@ class Intake:
             return self.engine.accept(submission, checked)
         except WireError as error:  # found by a checking reader: nothing was folded
             raise rejection_of(error) from None
+        except FoldTorn as torn:  # the round's sums hold part of a body: serve nothing more
+            self.model.broken = str(torn)
+            log.error("%s; refusing requests until restarted", torn)
+            raise Rejection(503, "checkpoint_failed", self.model.broken) from None
 
 
 @contextlib.contextmanager

@@ -238,6 +238,12 @@ class Round:
         return self.first_submission_at is not None and now - self.first_submission_at > timeout
 
 
+class FoldTorn(RuntimeError):
+    """A body failed part way into sums that held other bodies already (a read error of its
+    spool file, memory): they cannot be trusted or rolled back, so the server stops serving
+    until a restart, which replays the durable steps and takes the round's bodies again."""
+
+
 @dataclass(frozen=True)
 class ValueScan:
     """What a scan of a body's values found: a bound of every magnitude (inf when unknown)
@@ -309,7 +315,18 @@ def fold(
         if opened:
             target.running = None
         raise
-    except BaseException:  # part of the body may be in the sums: only they can be logged now
+    except BaseException as exc:
+        if opened:  # the sums held only this body: dropped, the round is as it was
+            target.running = None
+            raise
+        # Part of the body may be in sums that hold others' too: only they can be logged
+        # now, and they are not the round's any more (a resend would fold that part twice).
         target.drop_inputs()
+        if isinstance(exc, Exception):
+            raise FoldTorn(
+                f"folding {submission.worker_id}'s pseudo-gradient into round "
+                f"{target.number} failed part way ({type(exc).__name__}: {exc}): the round's "
+                "sums may hold part of it"
+            ) from exc
         raise
     target.keep_input(submission, isinstance(checked, CheckedPieces))
