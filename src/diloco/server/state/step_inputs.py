@@ -32,7 +32,10 @@ bodies still made rounds 21 % slower (their fsyncs wait on the disk), where int8
 What this store holds between a copy and its step's commit is never needed after a restart
 (the round it belonged to was open: its workers send again), so it is emptied at start.
 Rounds that fold a body without a working copy (one not copied, kept in memory, or whose copy
-failed; robust aggregation, sparse means, async windows) log their sums as before.
+had failed by the commit; robust aggregation, sparse means, async windows) log their sums as
+before. A copy that fails after the commit began (most often the last body's, still being
+written or fsynced beside the step) fails the step's log instead: the server answers 503
+until restarted, as for a failed fsync of the sums (the sums are used up by then).
 """
 
 from __future__ import annotations
