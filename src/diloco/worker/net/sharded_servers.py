@@ -22,6 +22,7 @@ from diloco.wire.compressed.body import join_bodies, split_body
 from diloco.wire.format.shard_layout import shard_layout
 from diloco.worker.errors import ServerError
 from diloco.worker.net.client import DiLoCoClient, Weights
+from diloco.worker.net.retry import RetryPolicy
 from diloco.worker.net.transport import Body, ClientStats
 
 log = logging.getLogger("diloco.worker")
@@ -498,6 +499,16 @@ class ShardedClient:
     def deregister(self, worker_id: str) -> dict[str, Any]:
         answers = self._each(lambda _s, client: client.deregister(worker_id))
         return answers[0]
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The policy the shards' calls retry under (the same for each)."""
+        return self.leader.retry
+
+    @retry.setter
+    def retry(self, policy: RetryPolicy) -> None:
+        for client in self.clients:
+            client.retry = policy
 
     def close(self) -> None:
         for client in self.clients:
