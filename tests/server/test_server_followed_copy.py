@@ -167,6 +167,37 @@ def test_a_following_copy_let_go_unfolded_stops_without_the_rest(tmp_path: Path)
             copy.durable()
 
 
+def test_a_page_cache_copy_let_go_unfolded_skips_its_fsync_and_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round's first body is copied (through the page cache) before its values are checked;
+    refused while it copied, it went on to fsync and hash a file already unlinked, holding a
+    copy thread and a hash thread for nothing. Now it stops after the copy's read."""
+    from types import SimpleNamespace
+
+    gate = threading.Event()
+    real_copy = step_inputs.copy_prefix
+
+    def held(source: int, target: int, size: int) -> None:
+        assert gate.wait(10)
+        real_copy(source, target, size)
+
+    synced: list[int] = []
+    monkeypatch.setattr(step_inputs, "copy_prefix", held)
+    monkeypatch.setattr(step_inputs, "_fsync", synced.append)
+    source = tmp_path / "body"
+    source.write_bytes(b"y" * (1 << 20))
+    with source.open("rb") as body:
+        copy = StepInputs(tmp_path / "inputs").copy(SimpleNamespace(file=body, size=1 << 20))
+        assert copy is not None
+        copy.abandon()  # refused while its copy runs
+        gate.set()
+        copy.release()
+    with pytest.raises(OSError, match="abandoned"):
+        copy.durable()
+    assert synced == [] and list((tmp_path / "inputs").iterdir()) == []
+
+
 def test_a_following_copy_gives_up_when_its_upload_goes_quiet(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

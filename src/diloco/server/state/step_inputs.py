@@ -195,6 +195,10 @@ class InputCopy:
                 self.copied.set_exception(exc)
                 raise
             self.copied.set_result(None)
+            with self._arrived:
+                abandoned = self._abandoned
+            if abandoned:  # refused while it copied: no fsync or hash for a file that goes
+                raise OSError("the copy was abandoned: its body is not folded")
             if written is not None:
                 _fsync(self._fd)
                 return written
