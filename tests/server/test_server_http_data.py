@@ -281,6 +281,28 @@ def test_a_submission_with_units_it_does_not_hold_is_not_folded(served) -> None:
     assert server.coordinator.round.units == {"w1": [3]}
 
 
+def test_a_duplicate_s_units_still_held_complete_with_the_round(served) -> None:
+    """w0's first body reports unit 1; its sync then fails on its side, it trains on and sends
+    round 0 again, reporting units 1 and 2: "duplicate" (the round folded its first body), and
+    the worker counts both as reported. Unit 2 went nowhere and stayed leased to w0 for good,
+    never trained again; now it goes with the round and completes when it commits (unit 1
+    once), as a late submission's units do."""
+    api, server = served
+    assert api.submit("w0", gradient(-2.0), 0, "&units=1").json()["status"] == "accepted"
+    again = api.submit("w0", gradient(-4.0), 0, "&units=1,2").json()
+    assert again["status"] == "duplicate"
+    assert server.coordinator.round.units == {"w0": [1, 2]}
+    assert api.submit("w1", gradient(-8.0), 0, "&units=3").json()["current_round"] == 1
+    (dataset,) = api.ok("GET", "/v1/datasets")["datasets"]
+    assert (dataset["completed"], dataset["leased"], dataset["free"]) == (3, 0, 7)
+    completions = server.coordinator.data_leases.pool.completions("ds")
+    assert sorted(c["unit_id"] for c in completions) == [1, 2, 3]
+    # the duplicate's body was not used: 10 - mean(-2, -8) with SGD at lr 1, by hand (its
+    # -4 would have made 10 - mean(-4, -8) = 16)
+    weights = decode_tensors(api.call("GET", "/v1/weights").data)
+    assert all(torch.all(t == 15.0) for t in weights.values())
+
+
 # -- progress ---------------------------------------------------------------------------------
 
 

@@ -321,25 +321,37 @@ class BarrierRounds:
             # trained: they go with the open round, and complete when it commits (a unit the
             # committed round already completed, a lost answer's retry, is not counted twice).
             c.check_units(submission)
-            worker_id = submission.worker_id
-            finished, partial = c.data_leases.still_leased(
-                worker_id, submission.units, submission.progress
-            )
-            if finished:
-                current.add_units(worker_id, finished)
-            if partial:
-                current.add_progress(worker_id, partial)
+            self._carry_reports(current, submission)
             submission.record.last_seen = c.clock()
             # "duplicate" when the committed round used this pseudo-gradient (a retry whose
             # first send was folded before a crash ate the answer): the worker then keeps the
             # error-feedback residual it coded the body with, as the server folded that body
-            used = c.applied_version(worker_id, round_number, fragment) is not None
+            used = c.applied_version(submission.worker_id, round_number, fragment) is not None
             return self._answer("duplicate" if used else "committed", round_number, fragment)
         if current.has(submission.worker_id, fragment):
+            # A retry, or another body of a round that holds this worker's (a resend after a
+            # sync that failed once the server had the first): not used, but the units it
+            # reports were trained and the worker counts them as reported, so those it still
+            # holds go with the round, as a late submission's do (else a unit finished since
+            # the first body stayed leased to the worker, never completed).
+            self._carry_reports(current, submission)
             submission.record.last_seen = c.clock()
             return self._answer("duplicate", round_number, fragment)
         c.check_units(submission)
         return None
+
+    def _carry_reports(self, current: Round, submission: Submission) -> None:
+        """A body the round does not fold (late, or a duplicate): the units it reports that
+        the worker still holds go with `current` and complete when it commits (a unit a
+        committed round already completed, a lost answer's retry, is not counted twice)."""
+        worker_id = submission.worker_id
+        finished, partial = self.c.data_leases.still_leased(
+            worker_id, submission.units, submission.progress
+        )
+        if finished:
+            current.add_units(worker_id, finished)
+        if partial:
+            current.add_progress(worker_id, partial)
 
     def folds_first(self, fragment: int) -> bool:
         """A round's first submission may be checked while it is folded, unless the round
