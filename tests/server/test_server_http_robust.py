@@ -73,3 +73,33 @@ def test_a_median_server_reads_each_held_body_tensor_by_tensor(
     for worker, value in (("a", 1.0), ("b", 2.0), ("c", 9.0)):
         assert api.submit(worker, gradient(value)).status == 200
     assert weights_value(api) == pytest.approx(10 - 2.0, abs=1e-6)  # the median, 2
+
+
+@pytest.mark.parametrize("codec", ["int8", "int2"])
+def test_a_clipped_mean_round_of_three_coded_uploads_commits(live_server, codec: str) -> None:
+    """Three workers' coded uploads held by a clipped-mean round: its opposed-sign check reads
+    each held body a tensor at a time, and a compressed body was not readable there (an
+    assertion: 500 to the last worker, then the round held everything and never committed).
+    Every tensor is filled with one value v (coded as the top level times v / that level:
+    v within an ulp), so by hand: norms 1, 1.2, 0.9 (x sqrt(15)), median
+    1, none over 2x: kept as they are, and the weights move from 10 by their mean."""
+    from test_server_http import SHAPES, state
+
+    from diloco.algorithm.compression.codecs import parse_codec
+    from diloco.server.settings import ServerSettings
+    from diloco.wire.compressed.body import encode_compressed
+
+    settings = ServerSettings(
+        outer_optimizer="sgd", outer_lr=1.0, aggregation="clipped_mean", upload_codec=codec
+    )
+    coded = parse_codec(codec, block=settings.codec_block)
+    with live_server(settings, state(10.0)) as server:
+        api = Api(server.url)
+        for worker in ("a", "b", "c"):
+            api.register(worker)
+        for worker, value in (("a", 1.0), ("b", 1.2), ("c", 0.9)):
+            tensors = {name: torch.full(shape, value) for name, shape in SHAPES.items()}
+            answer = api.submit(worker, bytes(encode_compressed(tensors, coded)))
+            assert answer.status == 200, answer.data
+        assert server.coordinator.round_number == 1
+        assert weights_value(api) == pytest.approx(10 - (1.0 + 1.2 + 0.9) / 3, abs=1e-6)

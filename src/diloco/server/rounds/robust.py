@@ -29,6 +29,7 @@ from diloco.algorithm.tensors import TensorKind
 from diloco.server.errors import Rejection
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.wire import TensorSpec, WireError
+from diloco.wire.compressed.pieces import CompressedPieces
 from diloco.wire.format.spool import PieceBody, SpooledTensors
 
 log = logging.getLogger("diloco.server")
@@ -213,7 +214,10 @@ def _fold_combined(
 
 
 def _tensor(body: object, name: str, spec: TensorSpec) -> torch.Tensor:
-    """One tensor of a held body as fp32 (read from its spool file when it is one)."""
+    """One tensor of a held body as fp32 (read from its spool file when it is one, decoded
+    from its coded spans when it is a compressed upload)."""
+    if isinstance(body, CompressedPieces):
+        return body.tensor(name).view(spec.shape)
     if isinstance(body, SpooledTensors):
         out = torch.empty(int(torch.Size(spec.shape).numel()), dtype=torch.float32)
         for _, first, piece in body.pieces(names=[name]):

@@ -19,7 +19,7 @@ Tensors sent exact (buffers, frozen tensors) are plain entries, read like a plai
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 
@@ -99,21 +99,36 @@ class CompressedPieces(PieceBody):
         value cost as much as the fold itself)."""
         return self._bounded(decoded=False, sparse=False)
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, decoded whole into a new fp32 tensor of its shape: robust aggregation
+        reads a tensor of every held body at a time, never a whole body."""
+        shape = self.meta[name].shape
+        out = torch.empty(shape.numel(), dtype=torch.float32)
+        for _, first, piece, _ in self._bounded(decoded=True, sparse=False, names={name}):
+            assert isinstance(piece, torch.Tensor)
+            out[first : first + piece.numel()].copy_(piece)
+        return out.view(shape)
+
     def _bounded(
-        self, decoded: bool, sparse: bool
+        self, decoded: bool, sparse: bool, names: Collection[str] | None = None
     ) -> Iterator[tuple[str, int, Piece, float | None]]:
-        """`bounded_pieces`; with `decoded` False a coded span comes as an empty tensor."""
+        """`bounded_pieces`; with `decoded` False a coded span comes as an empty tensor.
+        `names`: only these tensors' pieces."""
+        plain = [n for n in self.header.plain if names is None or n in names]
         if self.source is not None:
             if self.source.closed:
                 raise ValueError("the spooled body was closed")
-            for name, first, piece in self.source.pieces(names=list(self.header.plain)):
-                yield name, first, piece, finite_bound(piece)
+            if plain:
+                for name, first, piece in self.source.pieces(names=plain):
+                    yield name, first, piece, finite_bound(piece)
         else:
-            for name, tensor in self.header.plain.items():
-                flat = tensor.reshape(-1)
+            for name in plain:
+                flat = self.header.plain[name].reshape(-1)
                 yield name, 0, flat, finite_bound(flat)
         cpu = torch.device("cpu")
         for name, entry in self.header.compressed.items():
+            if names is not None and name not in names:
+                continue
             codec = entry.layout.codec
             # a top-k span's checks, or its kept values, cost per span (read_elements), where
             # a span decoded whole is a span of fp32
