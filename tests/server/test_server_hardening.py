@@ -248,6 +248,26 @@ def test_an_outer_step_that_fails_without_a_step_log_serves_nothing_half_moved(
     api.rejects(api.result("a", round_number=0), 503, "checkpoint_failed")
 
 
+def test_a_result_that_fails_to_encode_after_a_durable_step_stops_the_server(
+    in_thread, monkeypatch
+):
+    """The step is durable, then encoding its result fails (out of memory, injected): the
+    round stayed full with its sums used up, so every later submission was 409 future_round
+    and every poll waited for ever. Now the server answers 503 naming it until a restart."""
+    from diloco.server.rounds.barrier import BarrierRounds
+
+    def out_of_memory(self, fragment, round_number):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(BarrierRounds, "_encode_result", out_of_memory)
+    api = in_thread(0.0, outer_optimizer="sgd", outer_lr=1.0)
+    api.register("a")
+    error = api.rejects(api.submit("a", gradient(1.0), round_number=0), 503, "checkpoint_failed")
+    assert "publishing round 0 after its durable step failed" in error["error"]
+    api.rejects(api.submit("a", gradient(1.0), round_number=1), 503, "checkpoint_failed")
+    api.rejects(api.result("a", round_number=0), 503, "checkpoint_failed")
+
+
 def test_the_eviction_loop_survives_a_failing_tick() -> None:
     """An exception in one tick (once an AssertionError after a failed commit) ended the
     thread for good: no eviction for the rest of the run. It is logged and the loop goes on."""

@@ -14,6 +14,7 @@ server's role, `OneServer`, changes nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -35,6 +36,8 @@ from diloco.server.rounds.robust import (
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.state.journal import CommitRecord
 from diloco.wire.format.spool import CheckedPieces
+
+log = logging.getLogger("diloco.server")
 
 
 class RoundsRole(Protocol):
@@ -461,15 +464,23 @@ class BarrierRounds:
         c.screen.restore(record.norm_history or ())  # what the step made durable
         current.running = None  # used up by the step
         # 6. publish: the fragment's result, then the next round with today's live workers
-        self._fragment_rounds[fragment] = current.number + 1
-        self.results[fragment] = None  # free the old body before encoding the new one
-        self.results[fragment] = self._encode_result(fragment, current.number + 1)
+        what = f"round {current.number}{self._of(fragment)}"
+        try:
+            self._fragment_rounds[fragment] = current.number + 1
+            self.results[fragment] = None  # free the old body before encoding the new one
+            self.results[fragment] = self._encode_result(fragment, current.number + 1)
+            self.rounds[fragment] = self._new_round(
+                current.number + 1, set(c.membership.live_ids()), now
+            )
+        except Exception as exc:
+            # The step is durable but its result or next round is not in place (out of
+            # memory encoding it): serving on would answer future_round and wait for ever;
+            # a restart serves the durable step.
+            c.model.broken = f"publishing {what} after its durable step failed: {exc!r}"
+            log.exception("%s; refusing requests until restarted", c.model.broken)
+            raise Rejection(503, "checkpoint_failed", c.model.broken) from None
         for when in current.submitted.values():
             c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
-        self.rounds[fragment] = self._new_round(
-            current.number + 1, set(c.membership.live_ids()), now
-        )
-        what = f"round {current.number}{self._of(fragment)}"
         c.publish(
             f"{what}: {len(current.submitted)} contribution(s) from "
             f"{', '.join(sorted(current.submitters))}",
