@@ -487,3 +487,71 @@ def test_a_unit_whose_last_sample_was_fetched_but_not_trained_comes_back_whole(
     assert leased.finished_units() == [1] and leased.progress() == {}
     deferred.trained(2)
     assert leased.progress() == {2: 2}
+
+
+def _one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()  # (the worker's hook counts the step of its round)
+    optimizer.zero_grad()
+
+
+def test_a_round_that_trained_units_an_eviction_took_is_dropped_not_sent(
+    live_server, caplog
+) -> None:
+    """Evicted mid-round, after training all of unit 1: the server gave unit 1 back to the
+    pool, and the next lease gets it again and trains it again, so the round's
+    pseudo-gradient holds its samples twice (or, leased to another worker, once more on that
+    worker). The round is dropped, never folded: the worker takes the server's weights and
+    reports nothing, and unit 1 is trained once more and reported by a later round."""
+    with live_server(ServerSettings(sync_every=100)) as server:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
+        leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        stream = iter(leased)
+        take(stream, UNIT)  # all of unit 1
+        _one_step(model, optimizer)
+        server.coordinator.deregister("pausy")  # what an eviction does
+        take(stream, UNIT)  # the lease finds the eviction: registers again, unit 1 again
+        _one_step(model, optimizer)
+        with caplog.at_level("WARNING", logger="diloco.worker"):
+            worker.sync()
+        assert server.coordinator.round_number == 0  # nothing folded
+        assert worker._session.dropped_rounds == 1
+        assert any("dropping its pseudo-gradient" in r.getMessage() for r in caplog.records)
+        weights = decode_tensors(server.coordinator.weights().body)
+        assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())
+        # the unit trained again since is still this worker's to report, with a later round
+        assert leased.finished_units() == [1]
+        assert [u["unit_id"] for u in server.coordinator.pool.leases_of("pausy")] == [1]
+        worker.close(final_sync=False)
+
+
+def test_a_round_reporting_a_unit_leased_to_another_worker_since_is_dropped(
+    live_server, caplog
+) -> None:
+    """Evicted after training unit 1, and back through its heartbeat (not a lease): the
+    server gave unit 1 to w1 meanwhile. The round's report of unit 1 is refused
+    (unit_not_leased); its pseudo-gradient, which holds unit 1's samples that w1 trains
+    too, was sent again without it and folded. Now it is dropped, and unit 1 forgotten."""
+    with live_server(ServerSettings(sync_every=100)) as server:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
+        leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        take(iter(leased), UNIT)  # all of unit 1
+        _one_step(model, optimizer)
+        server.coordinator.deregister("pausy")  # evicted: unit 1 back to the pool
+        kinds = {name: "trainable" for name in model.state_dict()}
+        specs = [s.to_json() for s in specs_of(model.state_dict(), kinds)]
+        with DiLoCoClient(server.url) as other:
+            other.register("w1", specs)
+            assert [u["unit_id"] for u in other.lease("w1", "ds", 1)["units"]] == [1]
+        worker._session.rejoin()  # what its heartbeat does on unknown_worker
+        with caplog.at_level("WARNING", logger="diloco.worker"):
+            worker.sync()
+        assert server.coordinator.round_number == 0  # nothing folded
+        assert worker._session.dropped_rounds == 1
+        assert any("work unit 1, no longer ours" in r.getMessage() for r in caplog.records)
+        assert leased.finished_units() == []
+        worker.close(final_sync=False)

@@ -53,6 +53,14 @@ class Exchanged:
     folded: bool = True
 
 
+class _LostUnit(Exception):
+    """A unit reported with this round is no longer leased to us (an eviction)."""
+
+    def __init__(self, unit: object) -> None:
+        super().__init__(f"work unit {unit} is no longer leased to us")
+        self.unit = unit
+
+
 @dataclass
 class SubmitAnswer:
     """The server's answer to one exchange's submission ("" until it came), kept by the
@@ -170,6 +178,7 @@ class ServerSession:
         # tensors, computed from our anchor (the worker's Anchor.values_after).
         self.apply_delta: Callable[[bytearray, int], dict[str, torch.Tensor]] | None = None
         self.rebases = 0
+        self.dropped_rounds = 0  # rounds that trained units an eviction took (`_drop_round`)
         self._register_lock = threading.Lock()
         self._download: bytearray | None = None  # the last weights' buffer, loaded already
 
@@ -314,6 +323,8 @@ class ServerSession:
         its own: a streaming sync given up on may still be answered beside the next)."""
         progress = dict(progress or {})
         answer = SubmitAnswer() if answer is None else answer
+        if self.units.take_lost_training():
+            return self._drop_round(round_number, "units an eviction gave back to the pool")
         try:
             self._submit(body, units, round_number, fragment, tokens, progress, answer)
             got = self._await_result(
@@ -321,6 +332,8 @@ class ServerSession:
                 answer,
             )  # fmt: skip
             return got if answer.folded else replace(got, folded=False)
+        except _LostUnit as lost:
+            return self._drop_round(round_number, f"work unit {lost.unit}, no longer ours")
         except ServerError as exc:
             if exc.kind != "future_round":
                 raise
@@ -355,15 +368,11 @@ class ServerSession:
                 lost_unit = detail.get("unit_id")
                 lost = lost_unit in units or lost_unit in progress
                 if exc.kind in ("unit_not_leased", "unknown_unit") and lost:
-                    # We were evicted and our leases went to others: not ours to report.
-                    log.warning(
-                        "work unit %s is no longer leased to us; not reporting it", lost_unit
-                    )
-                    if lost_unit in units:
-                        units.remove(lost_unit)
-                    progress.pop(lost_unit, None)
+                    # We were evicted and our leases went back to the pool: the unit is not
+                    # ours to report, nor to train on, and this body holds samples of it
+                    # that another worker may train too: it is not sent (`_drop_round`).
                     self.units.forget([lost_unit])
-                    continue
+                    raise _LostUnit(lost_unit) from None
                 if exc.kind != "unknown_worker":
                     raise
                 self.rejoin()
@@ -482,6 +491,27 @@ class ServerSession:
         names = self.plan[fragment]
         rounds = weights.fragment_rounds or [weights.round]
         return Exchanged({n: tensors[n] for n in names}, rounds[fragment])
+
+    def _drop_round(self, round_number: int, why: str) -> Exchanged:
+        """This round trained samples of `why` (units an eviction took from us and gave
+        back to the pool, for any worker to lease and train): its pseudo-gradient is
+        dropped, not sent, so that no sample counts twice, and the worker adopts the
+        server's weights and rounds as a rebase does (its other units stay leased to it)."""
+        weights = self.fetch_weights()
+        log.warning(
+            "round %d trained samples of %s: dropping its pseudo-gradient so that no sample "
+            "counts twice, adopting the server's weights (round %d)",
+            round_number,
+            why,
+            weights.round,
+        )
+        self.dropped_rounds += 1
+        return Exchanged(
+            decode_tensors(weights.body),
+            weights.round,
+            rebase_rounds=weights.fragment_rounds or [weights.round],
+            folded=False,
+        )
 
     def _rebase(self, round_number: int) -> Exchanged:
         """The server is behind us: it restarted from an older checkpoint (durability interval).

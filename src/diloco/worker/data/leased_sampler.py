@@ -114,6 +114,9 @@ class LeasedSampler(Sampler[int]):
         self._queue: list[dict] = []  # leased units not yet finished, the current one first
         self._offset = 0  # indices of the current unit already handed out
         self._finished: list[int] = []  # finished, not yet reported
+        # samples of units an eviction gave back to the pool were trained (see
+        # take_lost_training): the round's pseudo-gradient holds them
+        self._lost_training = False
         self._open_next_epoch = False
         self.rejoin: Callable[[], None] | None = None  # re-register after an eviction
         self.trace: list[tuple[int, int]] | None = None  # (epoch, index) handed out, if traced
@@ -234,6 +237,8 @@ class LeasedSampler(Sampler[int]):
         log.warning("evicted while leasing work units; registering again")
         self.rejoin()
         with self._lock:  # queued, in flight or finished and unreported: none is ours now
+            trained = bool(self._finished or self._in_flight or self._offset)
+            self._lost_training = self._lost_training or trained
             self._queue.clear()
             self._offset = 0
             self._in_flight.clear()
@@ -298,6 +303,15 @@ class LeasedSampler(Sampler[int]):
                     recorded = int(first.get("start", 0)) - int(current.get("start", 0))
                     self._offset = max(0, min(offset - recorded, len(first["indices"]) - 1))
             self._in_flight.clear()
+
+    def take_lost_training(self) -> bool:
+        """Whether samples of units an eviction gave back to the pool (to be leased again,
+        maybe to another worker) were trained since the last call: the round's
+        pseudo-gradient holds them, so the worker drops it instead of sending it (else those
+        samples would count twice). Cleared by the call."""
+        with self._lock:
+            lost, self._lost_training = self._lost_training, False
+        return lost
 
     def reported(self, units: Sequence[int]) -> None:
         """The round that carried `units` committed: they are completed on the server."""

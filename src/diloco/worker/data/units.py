@@ -55,6 +55,12 @@ class UnitReports:
         if self.source is not None:
             self.source.forget(units)
 
+    def take_lost_training(self) -> bool:
+        """Whether the source trained samples of units that are no longer ours (an eviction
+        gave them back to the pool) since the last call (see LeasedSampler's)."""
+        take = getattr(self.source, "take_lost_training", None)
+        return bool(take()) if callable(take) else False
+
     def round_started(self) -> None:
         """A round begins: a source that keeps its position at round starts takes it."""
         started = getattr(self.source, "round_started", None)
