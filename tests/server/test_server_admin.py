@@ -207,6 +207,28 @@ def test_evicting_a_member_lets_its_round_commit_and_a_ban_keeps_it_out(tmp_path
     killed(again)
 
 
+def test_a_round_an_eviction_completes_commits_after_the_eviction_is_committed(
+    tmp_path: Path,
+) -> None:
+    """The eviction (and ban) commit in one transaction; the step of the round it completes
+    commits in its own, after: inside the admin's, a failure later in it (its COMMIT on a
+    full disk) rolled back the step's rows while the new weights were already served."""
+    c, _ = make(tmp_path)
+    submit(c, "a", 0, 2.0)
+    conn = c.journal.state.conn
+    seen: list[bool] = []
+    commit = c.journal.commit
+
+    def recorded(*args, **kwargs):
+        seen.append(conn.in_transaction)
+        return commit(*args, **kwargs)
+
+    c.journal.commit = recorded
+    c.admin.evict("b", "admin", ban=True, reason="sends noise")
+    assert seen == [False] and (c.round_number, w(c)) == (1, 12.0)
+    killed(c)
+
+
 def test_evicting_a_worker_that_is_not_live_is_404_unless_it_is_a_ban() -> None:
     c, _ = make()
     with pytest.raises(Rejection) as caught:

@@ -336,10 +336,19 @@ class Registrar:
             self.metrics.evictions.inc()
         return stale + overdue
 
-    def remove(self, worker_id: str, event: str, **detail: object) -> None:
-        """Membership ends (audited as `event`, with `detail`); the open rounds go on."""
+    def remove(
+        self, worker_id: str, event: str, *, rounds_go_on: bool = True, **detail: object
+    ) -> None:
+        """Membership ends (audited as `event`, with `detail`); the open rounds go on
+        (`rounds_go_on` False: the caller calls `rounds_go_on_without` once its own
+        transaction has committed, so that a round this completes commits in one of its own)."""
         self.membership.depart(worker_id)
         keep = self.engine.units_of(worker_id)
         self.journal.worker_left(worker_id, self.model.version, event, keep_units=keep, **detail)
         self.metrics.live_workers.set(len(self.membership.live_ids()))
+        if rounds_go_on:
+            self.rounds_go_on_without(worker_id)
+
+    def rounds_go_on_without(self, worker_id: str) -> None:
+        """The open rounds stop waiting for a departed worker (one may commit now)."""
         self.engine.on_leave(worker_id, self.clock())

@@ -166,8 +166,14 @@ class AdminActions:
                     # Its pseudo-gradient still held for a barrier is not applied.
                     dropped = self.engine.drop_pending(worker_id, "worker banned by an admin")
                 if live:
-                    self.registrar.remove(worker_id, "admin_evicted", by=by, reason=reason)
+                    self.registrar.remove(
+                        worker_id, "admin_evicted", rounds_go_on=False, by=by, reason=reason
+                    )
             if live:
+                # Once the ban and the departure are committed: a round this completes commits
+                # its step in a transaction of its own (inside this one, a failure after it
+                # rolled the step's rows back while its weights were served).
+                self.registrar.rounds_go_on_without(worker_id)
                 self.metrics.evictions.inc()
                 self._lock.notify_all()  # a barrier that waited on it may have committed
             return {
