@@ -8,6 +8,8 @@ own permutation (`Permutation(length, seed, epoch)`) and its work-unit records.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -555,3 +557,61 @@ def test_a_round_reporting_a_unit_leased_to_another_worker_since_is_dropped(
         assert any("work unit 1, no longer ours" in r.getMessage() for r in caplog.records)
         assert leased.finished_units() == []
         worker.close(final_sync=False)
+
+
+def test_units_of_a_body_answered_committed_go_again_with_the_next_round(live_server) -> None:
+    """Round 0's members are a and c; b joins after a's submission (not a member) and finishes
+    unit 1. Round 0 commits with a and c, so b's body is answered "committed" and its unit
+    goes with the open round 1, in the server's memory only (a restart before round 1
+    commits loses it). b keeps it and reports it again with its round 1, which completes it,
+    once."""
+
+    def joined(name: str) -> tuple[DiLoCoWorker, torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return DiLoCoWorker(model, optimizer, server.url, worker_id=name), model, optimizer
+
+    def in_background(worker: DiLoCoWorker) -> threading.Thread:
+        thread = threading.Thread(target=worker.sync, daemon=True)
+        thread.start()
+        return thread
+
+    with live_server(ServerSettings(sync_every=100)) as server:
+        a, c = joined("a"), joined("c")
+        for _, model, optimizer in (a, c):
+            _one_step(model, optimizer)
+        waiting = in_background(a[0])  # round 0's first submission: it waits for c
+        deadline = time.monotonic() + 30
+        while server.coordinator.round.first_submission_at is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        b, model_b, optimizer_b = joined("b")
+        leased = LeasedSampler.for_worker(b, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        take(iter(leased), UNIT)  # all of unit 1
+        _one_step(model_b, optimizer_b)
+        sent: list[str] = []
+        submit = b._session.client.submit
+
+        def recorded(*args, **kwargs):
+            reply = submit(*args, **kwargs)
+            sent.append(f"{','.join(map(str, kwargs.get('units') or []))} {reply['status']}")
+            return reply
+
+        b._session.client.submit = recorded
+        c[0].sync()
+        waiting.join(timeout=30)
+        assert server.coordinator.round_number == 1
+        b.sync()  # round 0, committed without it
+        assert sent == ["1 committed"] and leased.finished_units() == [1]
+        for _, model, optimizer in (a, c, (b, model_b, optimizer_b)):
+            _one_step(model, optimizer)
+        others = [in_background(a[0]), in_background(c[0])]
+        b.sync()  # round 1, with a and c: unit 1 again
+        for thread in others:
+            thread.join(timeout=30)
+        assert server.coordinator.round_number == 2
+        assert sent == ["1 committed", "1 accepted"] and leased.finished_units() == []
+        completions = server.coordinator.data_leases.pool.completions("ds")
+        assert [(c["unit_id"], c["round"], c["worker_id"]) for c in completions] == [(1, 1, "b")]
+        for worker in (a[0], b, c[0]):
+            worker.close(final_sync=False)

@@ -673,8 +673,12 @@ class DiLoCoWorker:
             raise
         self._folded_round = None
         self._uploads.settle(result.folded)
-        if result.rebase_rounds is None:
+        if result.folded:
             self._units.reported(units)
+        # (else they go again with the next round: a round that committed without this body
+        # took its units into the open round, in memory only until that round commits, and a
+        # server restarted before then has lost them; a report of a unit completed since is
+        # accepted and not counted twice)
         return result
 
     def _upload_body(self) -> bytearray:
