@@ -195,3 +195,25 @@ def test_a_sharded_worker_refuses_a_checkpoint_dir_even_on_one_rank(
     with live_server(ServerSettings(sync_every=2)) as server:
         (line,) = run_group(server.url, "checkpoint", tmp_path, ranks=1)
     assert "checkpoint_dir is for unsharded workers" in line["error"]
+
+
+def test_an_fsdp1_model_is_refused_before_anything_reaches_the_server(tmp_path: Path) -> None:
+    """FullyShardedDataParallel (FSDP1, the Trainer's and Lightning's FSDP v1): its
+    state_dict() is a collective returning copies, so rank 0 reading it alone hung the group
+    (or weights went into copies). Refused with one sentence, before any request (the URL
+    has no server: a request would fail otherwise). A one-rank gloo group on the CPU."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from diloco.worker import DiLoCoWorker
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        model = FullyShardedDataParallel(torch.nn.Linear(4, 2), device_id=torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"FullyShardedDataParallel \(FSDP1\)"):
+            DiLoCoWorker(model, optimizer, "http://127.0.0.1:9", worker_id="w")
+    finally:
+        dist.destroy_process_group()

@@ -53,7 +53,12 @@ from diloco.worker.net.sharded_servers import ShardedClient, clients_of_shards
 from diloco.worker.net.transport import ClientStats
 from diloco.worker.pace import Pace
 from diloco.worker.parallel import distributed
-from diloco.worker.parallel.fsdp import ShardedAnchor, check_sharded_settings, is_sharded
+from diloco.worker.parallel.fsdp import (
+    ShardedAnchor,
+    check_sharded_settings,
+    is_sharded,
+    refuse_fsdp1,
+)
 from diloco.worker.round_log import RoundLines, joined_line, log_recovered
 from diloco.worker.schedule import DyLU, EveryH
 from diloco.worker.session import Exchanged, ServerSession, SubmitAnswer, wait_report_seconds
@@ -162,6 +167,7 @@ class DiLoCoWorker:
             raise ValueError(f"fragment_timeout must be > 0 seconds, got {fragment_timeout!r}")
         requested_anchor_device = parse_anchor_device(anchor_device)
         report_after = wait_report_seconds(wait_report_after)
+        refuse_fsdp1(model)  # (before its state_dict(), a collective, is read on one rank)
         self.model = _unwrap(model)
         self.optimizer = optimizer
         self.server_url = server_url

@@ -55,6 +55,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
+def refuse_fsdp1(model: nn.Module) -> None:
+    """ValueError for a model wrapped anywhere by FSDP1's FullyShardedDataParallel (the
+    Trainer's or Lightning's FSDP v1): its state_dict() is a collective that returns copies,
+    so rank 0 reading it alone hangs the group, and weights copied into it never reach the
+    model. FSDP2 (`fully_shard`) is what a sharded worker takes."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch without torch.distributed
+        return
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        raise ValueError(
+            "the model is wrapped in FullyShardedDataParallel (FSDP1), which DiLoCoWorker "
+            "does not support: its state_dict() gathers copies on every rank; shard it with "
+            "FSDP2 (torch.distributed.fsdp.fully_shard) instead, or train without FSDP"
+        )
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether any state-dict entry of `model` is a DTensor (FSDP2 or another DTensor plan)."""
     return any(_is_dtensor(t) for t in model.state_dict().values())
