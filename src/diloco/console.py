@@ -83,10 +83,17 @@ def log_to_stderr(info_from: Sequence[str] = ()) -> None:
 
 def check_output_path(path: Path | None, option: str) -> None:
     """A results file must be writable before hours of work go into it."""
-    if path is not None and not path.parent.exists():
+    if path is None:
+        return
+    if not path.parent.exists():
         raise fail(f"{option} directory does not exist: {path.parent}")
-    if path is not None and path.is_dir():
+    if not path.parent.is_dir():
+        raise fail(f"{option} is inside a file, not a directory: {path.parent}")
+    if path.is_dir():
         raise fail(f"{option} is a directory, expected a file path: {path}")
+    writable = os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
+    if not writable:
+        raise fail(f"{option} cannot be written: {path}")
 
 
 def number_list(text: str, option: str, kind: type = int) -> list:

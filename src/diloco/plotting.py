@@ -6,12 +6,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def require_matplotlib() -> None:
-    """Fail early, before a long run, when plotting was asked for but cannot be done."""
+def require_matplotlib(path: Path | None = None) -> None:
+    """Fail early, before a long run, when plotting was asked for but cannot be done: no
+    matplotlib, or a file name whose suffix it cannot write (`path`)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ValueError("--plot needs matplotlib: pip install 'diloco[plot]'") from exc
+    if path is None:
+        return
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = path.suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(
+            f"--plot {path}: matplotlib cannot write {suffix or 'a file without a suffix'!r}; "
+            f"name it .{' .'.join(sorted(formats))}"
+        )
 
 
 def _label(run: dict) -> str:

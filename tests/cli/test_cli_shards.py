@@ -84,6 +84,7 @@ CLUSTER_CASES = [
     (("--shards", "65"), "--shards must be in [2, 64]"),
     (("--shards", "2", "--port", "9000"), "--port is set by `diloco cluster`"),
     (("--shards", "2", "--shard-url", "http://x:1"), "--shard-url is set by"),
+    (("--shards", "2", "--host=0.0.0.0"), "--host is set by"),  # (an = form got through)
     (("--shards", "2", "--mode", "streaming"), "a shard did not start"),
 ]
 

@@ -215,6 +215,8 @@ BAD_INPUTS = [
     (["--corpus", "{tmp}/tiny.txt"], "fewer than one training sequence"),
     (["--json", "{tmp}/no/such/dir.json"], "--json directory does not exist"),
     (["--plot", "{tmp}/no/such/dir.png"], "--plot directory does not exist"),
+    (["--plot", "{tmp}/runs.xyz"], "matplotlib cannot write 'xyz'"),  # (was after training)
+    (["--json", "{tmp}/tiny.txt/out.json"], "--json is inside a file, not a directory"),
     (["--mode", "streaming", "--fragments", "3", "--sync-every", "10"], "fragments"),
     (["--mode", "streaming", "--fragments", "2", "--sync-every", "10", "--delay", "5"], "tau"),
     (["--outer-lr", "-1"], "lr must be > 0"),

@@ -85,11 +85,11 @@ WORKER_BAD_INPUTS = [
     (["--shard", "1", "--num-shards", "2"], 2, "are for --data-dispatch static"),
     (["--data-dispatch", "round-robin"], 2, "--data-dispatch must be server or static"),
     (["--unit-size", "0"], 2, "unit_size must be a positive integer"),
-    (["--max-retry-delay", "0"], 2, "--max-retry-delay must be > 0"),
+    (["--max-retry-delay", "0"], 2, "--max-retry-delay must be a finite number > 0"),
     (["--corpus", "/nonexistent/corpus.txt"], 2, "does not exist"),
     (["--token-file", "/nonexistent/token"], 2, "--token-file"),
     (["--json", "/nonexistent/dir/w.json"], 2, "--json directory does not exist"),
-    (["--give-up-after", "-1"], 2, "--give-up-after must be >= 0"),
+    (["--give-up-after", "-1"], 2, "--give-up-after must be a finite number >= 0"),
     (["--max-upload-mbps", "0"], 2, "upload rate must be > 0 megabits per second"),
     (["--fragment-timeout", "-1"], 2, "fragment_timeout must be > 0 seconds, got -1.0"),
     (["--threads", "0"], 2, "--threads must be a positive integer, got 0"),
@@ -98,6 +98,16 @@ WORKER_BAD_INPUTS = [
     (["--dtype", "fp16"], 2, "--dtype must be fp32 or bf16, got 'fp16'"),
     (["--anchor-device", "gpu"], 2, "--anchor-device must be 'auto', 'cpu' or a device name"),
     ([], 2, "no diloco server answered at"),  # nobody listens on the port
+    # from an outside review: each was a traceback (exit 1), or an error after a round
+    (["--lr", "nan"], 2, "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-1"], 2, "--lr must be a finite number > 0, got -1.0"),
+    (["--warmup", "-5"], 2, "--warmup must be >= 0 steps, got -5"),
+    (["--give-up-after", "nan"], 2, "--give-up-after must be a finite number >= 0"),
+    (["--max-retry-delay", "inf"], 2, "--max-retry-delay must be a finite number > 0"),
+    (["--seed", "100000000000000000"], 2, "--seed must be in [0, "),
+    (["--eval-batches", "0"], 2, "--eval-batches must be >= 1, got 0"),
+    (["--checkpoint-dir", "README.md"], 2, "--checkpoint-dir is not a directory: README.md"),
+    (["--json", "README.md/w.json"], 2, "--json is inside a file, not a directory"),
 ]
 
 WORKER_BAD_INPUT_IDS = [
@@ -119,6 +129,15 @@ WORKER_BAD_INPUT_IDS = [
     "dtype",
     "anchor-device",
     "unreachable",
+    "lr-nan",
+    "lr-negative",
+    "warmup",
+    "give-up-nan",
+    "retry-delay-inf",
+    "seed",
+    "eval-batches",
+    "checkpoint-dir-file",
+    "json-in-file",
 ]
 
 

@@ -104,6 +104,7 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
         db.execute("UPDATE meta SET value = '99' WHERE key = 'format'")
     cases = {
         "missing --init": (["--init", str(tmp_path / "missing.safetensors")], "--init"),
+        "--init a directory": (["--init", str(tmp_path)], "--init is a directory"),
         "non-safetensors --init": (["--init", str(not_safetensors)], "safetensors"),
         "interval >= timeout": (
             ["--heartbeat-interval", "30", "--heartbeat-timeout", "30"],
@@ -209,15 +210,32 @@ def test_bad_options_exit_2_with_one_error_line(tmp_path: Path, part: str):
             "is a file, not a directory",
         ),
         "zero threads": (["--threads", "0"], "--threads must be a positive integer, got 0"),
+        # from an outside review: each was a traceback, or an error after the state dir
+        "port file a directory": (["--port-file", str(tmp_path)], "--port-file is a directory"),
+        "port file inside a file": (
+            ["--port-file", str(token_file / "port")],
+            "--port-file is inside a file",
+        ),
+        "infinite body limit": (["--max-body-mib", "inf"], "--max-body-mib must be a finite"),
+        "body limit under a byte": (["--max-body-mib", "1e-9"], "--max-body-mib must be a finite"),
+        "tensorboard on a file before the state dir": (
+            ["--tensorboard", str(token_file), "--state-dir", str(tmp_path / "not-made")],
+            "is a file, not a directory",
+        ),
+        "unknown log level": (["--log-level", "bogus"], "--log-level must be one of"),
+        "host nobody has": (["--host", "999.1.1.1"], "--host '999.1.1.1' is not an address"),
     }
     if part == "one-process":
         cases = dict(list(cases.items())[:1])
     commands = {
         label: ["server", "--host", "127.0.0.1", "--port", "0", *args]  # binds nothing fixed
+        if "--host" not in args
+        else ["server", "--port", "0", *args]
         for label, (args, _) in cases.items()
     }
     in_process = part == "in-process"  # run_all: at once, as each pays the interpreter's start
     outcomes = (run_each_in_process if in_process else run_all)(commands)
+    assert not (tmp_path / "not-made").exists()  # nothing written before the refusal
     for label, (code, stdout, stderr) in outcomes.items():
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2, (label, code, stderr)

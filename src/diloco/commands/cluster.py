@@ -32,7 +32,7 @@ def cluster_command(
     if not 2 <= shards <= 64:
         raise fail(f"--shards must be in [2, 64], got {shards}")
     for option in ("--shard", "--shard-url", "--port", "--port-file", "--host", "--state-dir"):
-        if option in ctx.args:
+        if any(arg == option or arg.startswith(f"{option}=") for arg in ctx.args):
             raise fail(f"{option} is set by `diloco cluster` for each shard; leave it out")
     logs = log_dir or state_dir
     for directory, option in ((state_dir, "--state-dir"), (logs, "--log-dir")):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import socket
 from pathlib import Path
 
 import typer
@@ -30,7 +32,7 @@ from diloco.commands.threads import (
     apply_thread_budget,
     server_threads,
 )
-from diloco.console import err, fail, warn
+from diloco.console import check_output_path, err, fail, warn
 from diloco.server.http.runner import TlsFiles, serve
 from diloco.server.members.credentials import TokensFileError, load_tokens_file
 from diloco.server.settings import ServerSettings
@@ -59,6 +61,19 @@ MODE_DEFAULTS = {
         "dylu": False,
     },
 }
+
+
+# uvicorn's log levels (--log-level), checked before anything starts
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def check_host(host: str) -> None:
+    """--host must name an address this machine can resolve (a typo was uvicorn's error,
+    exit 3, after the state dir was written); whether it can bind there is the bind's."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as exc:
+        raise fail(f"--host {host!r} is not an address here ({exc})") from None
 
 
 def _mode_options(mode: str, **given: object) -> dict:
@@ -318,8 +333,12 @@ def server_command(
             tls.check()
     except (TokensFileError, ValueError) as exc:
         raise fail(str(exc)) from None
-    if port_file is not None and not port_file.parent.exists():
-        raise fail(f"--port-file directory does not exist: {port_file.parent}")
+    check_output_path(port_file, "--port-file")
+    if tensorboard is not None and tensorboard.exists() and not tensorboard.is_dir():
+        raise fail(f"--tensorboard {tensorboard} is a file, not a directory")
+    if log_level.lower() not in LOG_LEVELS:
+        raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    check_host(host)
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
     if spool_dir is not None and not spool_dir.is_dir():
@@ -333,8 +352,8 @@ def server_command(
         raise fail("give --max-body-mib or its old name --max-body-mb, not both")
     if max_body_mib is None:
         max_body_mib = 4096.0 if max_body_mb is None else max_body_mb
-    if not max_body_mib > 0:
-        raise fail(f"--max-body-mib must be > 0, got {max_body_mib}")
+    if not (math.isfinite(max_body_mib) and max_body_mib * 1024 * 1024 >= 1):
+        raise fail(f"--max-body-mib must be a finite size of at least one byte, got {max_body_mib}")
     try:
         apply_thread_budget(server_threads(threads))
         fused_int8.check_setting()

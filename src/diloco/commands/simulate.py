@@ -321,7 +321,7 @@ def simulate_command(
         if plot is not None:
             from diloco.plotting import require_matplotlib
 
-            require_matplotlib()
+            require_matplotlib(plot)
         grid = parse_sweeps(sweep or [], options)
         configs = [_config({**options, **overrides}) for overrides in grid]
         for line in _warnings(configs, grid, beta_given):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 import signal
 import threading
 import time
@@ -96,6 +98,18 @@ def retry_policy(
 def _dataset_id(corpus: bytes, seq_len: int) -> str:
     """Workers on the same bytes and window length share one dataset; any other is another."""
     return f"corpus-{hashlib.sha256(corpus).hexdigest()[:16]}-w{seq_len}"
+
+
+def check_checkpoint_dir(path: Path | None) -> None:
+    """--checkpoint-dir must be a directory this process can write, or not exist yet (it is
+    made at the first save): found out at start, not after a round of training."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
+        raise fail(f"--checkpoint-dir is not a directory: {path}")
+    existing = path if path.exists() else next((p for p in path.parents if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise fail(f"--checkpoint-dir cannot be written here: {path}")
 
 
 def _sampler_seed(seed: int, shard: int) -> int:
@@ -294,6 +308,19 @@ def worker_command(
         raise fail(f"shard must be in [0, {num_shards}), got {shard}")
     if not 0 <= data_seed < 2**63:
         raise fail(f"--data-seed must be in [0, 2**63), got {data_seed}")
+    if not 0 <= seed < 2**63 // 1000 - 1000:  # (the shards' batch seeds: seed x 1000 + shard)
+        raise fail(f"--seed must be in [0, {2**63 // 1000 - 1000}), got {seed}")
+    if not (math.isfinite(lr) and lr > 0):
+        raise fail(f"--lr must be a finite number > 0, got {lr}")
+    if warmup < 0:
+        raise fail(f"--warmup must be >= 0 steps, got {warmup}")
+    if eval_batches < 1:
+        raise fail(f"--eval-batches must be >= 1, got {eval_batches}")
+    if not (math.isfinite(give_up_after) and give_up_after >= 0):
+        raise fail(f"--give-up-after must be a finite number >= 0 seconds, got {give_up_after}")
+    if not (math.isfinite(max_retry_delay) and max_retry_delay > 0):
+        raise fail(f"--max-retry-delay must be a finite number > 0 seconds, got {max_retry_delay}")
+    check_checkpoint_dir(checkpoint_dir)
     try:
         train_device = training_device(device)
         autocast_dtype = autocast_dtype_of(dtype)
@@ -332,10 +359,6 @@ def worker_command(
         device=train_device,
         autocast_dtype=autocast_dtype,
     )
-    if give_up_after < 0:
-        raise fail(f"--give-up-after must be >= 0 seconds, got {give_up_after}")
-    if not max_retry_delay > 0:
-        raise fail(f"--max-retry-delay must be > 0 seconds, got {max_retry_delay}")
     retry = retry_policy(give_up_after, max_retry_delay, checkpoint_dir)
     try:
         with stop_signals():

@@ -40,6 +40,8 @@ log = logging.getLogger("diloco.server")
 
 def load_initial_weights(path: Path) -> dict[str, torch.Tensor]:
     """`--init FILE.safetensors`: the global weights before any worker arrives."""
+    if path.is_dir():
+        raise ValueError(f"--init is a directory, expected a safetensors file: {path}")
     if not path.is_file():
         raise ValueError(f"--init file does not exist: {path}")
     try:
@@ -282,9 +284,8 @@ def serve(
     the enrollment token, `tokens` the tokens file's {token: scope}; sharded servers with
     any secret call each other with its `shard` one, trusting `ca_file` for https:// URLs.
     """
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    level = "DEBUG" if log_level.lower() == "trace" else log_level.upper()  # (uvicorn's own)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return_large_frees_to_the_os()
     fused_int8.prepare_for(settings.upload, settings.download)  # (at its thread budget)
     # No local name keeps the loaded file alive: the coordinator's fp32 masters are the copy.

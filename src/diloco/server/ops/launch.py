@@ -128,7 +128,8 @@ def start_shards(
     `per_shard(i)` options (a --state-dir); returns (process, URL) of each, in shard order
     (https:// URLs when `args` give --tls-cert: the shards then call each other over TLS)."""
     ports = free_ports(count)
-    scheme = "https" if "--tls-cert" in args else "http"
+    tls = any(arg == "--tls-cert" or arg.startswith("--tls-cert=") for arg in args)
+    scheme = "https" if tls else "http"
     urls = [f"{scheme}://127.0.0.1:{port}" for port in ports]
     shared = [option for url in urls for option in ("--shard-url", url)]
     started: list[tuple[subprocess.Popen, str]] = []
