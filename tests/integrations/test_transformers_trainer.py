@@ -171,6 +171,25 @@ def test_an_optimizer_that_cannot_be_hooked_is_named() -> None:
     assert torch_optimizer(inner) is inner
 
 
+def test_a_deepspeed_optimizer_is_refused_before_anything_is_hooked() -> None:
+    """accelerate's DeepSpeedOptimizerWrapper (a torch Optimizer whose __init__ never ran)
+    over ZeRO's optimizer (not one): the check let it through and hooking it failed with an
+    AttributeError once the worker had registered; and under Lightning the unwrap reached
+    ZeRO's inner torch optimizer, whose step ZeRO follows by copying its own weights back
+    over the global ones. The real wrapper class, made as DeepSpeed leaves it (no
+    Accelerator in this process)."""
+    from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
+
+    class DeepSpeedZeroOptimizer:  # DeepSpeed's ZeRO stage optimizer: not a torch Optimizer
+        optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+    wrapper = object.__new__(DeepSpeedOptimizerWrapper)
+    wrapper.optimizer = DeepSpeedZeroOptimizer()
+    for given in (wrapper, DeepSpeedZeroOptimizer()):
+        with pytest.raises(DiLoCoCallbackError, match=r"DeepSpeed \(ZeRO\) optimizers"):
+            torch_optimizer(given)
+
+
 def test_options_the_callback_owns_are_refused() -> None:
     with pytest.raises(DiLoCoCallbackError, match="checkpoint_dir is the callback's to set"):
         DiLoCoCallback("http://127.0.0.1:9", checkpoint_dir="/tmp/x")

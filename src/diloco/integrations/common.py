@@ -35,17 +35,35 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside a framework's wrappers (accelerate's AcceleratedOptimizer and
     Lightning's LightningOptimizer keep it in `.optimizer`): its step hook fires once per real
     optimizer step, whatever the gradient accumulation."""
+    chain, wrapped = [optimizer], optimizer
+    while (wrapped := getattr(wrapped, "optimizer", None)) is not None and len(chain) < 16:
+        chain.append(wrapped)
+    if any(_deepspeed(part) for part in chain):
+        # (accelerate's DeepSpeedOptimizerWrapper is a torch Optimizer that never ran its
+        # __init__, over ZeRO's, which copies its own fp32 partitions back into the model
+        # after the step a hook would sync in: the global weights would be overwritten)
+        raise DiLoCoCallbackError(
+            f"cannot hook the trainer's optimizer ({type(optimizer).__name__}): DeepSpeed "
+            "(ZeRO) optimizers are not supported; train without DeepSpeed, or shard with FSDP2"
+        )
     inner = optimizer
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer) or not hasattr(
-        inner, "register_step_post_hook"
+        inner,
+        "_optimizer_step_post_hooks",  # (an Optimizer whose __init__ ran)
     ):
         raise DiLoCoCallbackError(
             f"cannot hook the trainer's optimizer ({type(optimizer).__name__}): DiLoCo needs a "
             "torch.optim.Optimizer (its step hook counts H); DeepSpeed's own optimizers are not"
         )
     return inner
+
+
+def _deepspeed(part: object) -> bool:
+    """An optimizer object of DeepSpeed's, or a framework's wrapper named for it."""
+    kind = type(part)
+    return kind.__module__.split(".")[0] == "deepspeed" or "DeepSpeed" in kind.__name__
 
 
 def refuse_owned_options(worker_options: dict[str, Any], framework: str) -> None:
