@@ -459,3 +459,30 @@ def test_a_trainer_that_shuffles_like_every_other_worker_is_warned(live_server, 
             callback.on_train_end(args, _State(), None)
             shown = [r.getMessage() for r in caplog.records if "shuffles" in r.getMessage()]
             assert shown == ([same_data_warning(args, "w0")] if warned else [])
+
+
+def test_a_train_after_one_that_failed_joins_with_a_worker_of_its_own(live_server, caplog) -> None:
+    """trainer.train() raised (no on_train_end), and the same callback goes into a second
+    train() (a retry in a notebook, from the last checkpoint): it kept the first worker,
+    whose anchor, round and scheduler belong to the model before the restore, so its next
+    pseudo-gradient folded the outer update back in. Now that worker leaves without a last
+    sync, and the second train() joins with its own, at the server's current round."""
+    from diloco.server.settings import ServerSettings
+
+    with live_server(ServerSettings(sync_every=100)) as server:
+        callback = DiLoCoCallback(server.url, "w0")
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        callback.on_train_begin(_Args(), _State(), None, model=model, optimizer=optimizer)
+        first = callback.worker
+        assert first is not None
+        with caplog.at_level("WARNING", logger="diloco.integrations.transformers"):
+            callback.on_train_begin(_Args(), _State(), None, model=model, optimizer=optimizer)
+        second = callback.worker
+        assert second is not None and second is not first
+        assert first.client is not None and first.client.closed  # it left
+        assert len(optimizer._optimizer_step_post_hooks) == 1  # its step hook went with it
+        assert server.coordinator.membership.is_live("w0")  # the second is w0 now
+        assert any("the last train() did not end" in r.getMessage() for r in caplog.records)
+        callback.on_train_end(_Args(), _State(), None)
+        assert second.client is not None and second.client.closed

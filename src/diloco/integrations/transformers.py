@@ -153,7 +153,18 @@ class DiLoCoCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None,
                        lr_scheduler=None, **kwargs):  # fmt: skip
         if self.worker is not None:
-            return
+            # The last train() ended in an exception (no on_train_end): its worker holds the
+            # anchor and round of a model this train() has since restored from a checkpoint,
+            # so it leaves without a last sync, and this train() joins with a worker of its own.
+            log.warning(
+                "the last train() did not end; its worker leaves without a last sync, and "
+                "this train() joins anew from the weights the Trainer restored"
+            )
+            stale, self.worker = self.worker, None
+            if self._sample_counter is not None:
+                self._sample_counter.remove()
+                self._sample_counter = None
+            stale.close(final_sync=False)
         if optimizer is None or model is None:
             raise DiLoCoCallbackError(
                 "the Trainer has no optimizer yet: DiLoCoCallback attaches in on_train_begin, "
