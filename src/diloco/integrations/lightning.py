@@ -9,7 +9,9 @@ the optimizer, and hooks that torch optimizer, so H counts optimizer steps whate
 state, where the worker's state of that very step was saved (`state_dir`/step-N: anchor,
 steps into the round, error-feedback residual, identity, as safetensors and JSON; Lightning's
 own file holds only that path and the run's settings); `fit(ckpt_path=...)` restores it. The
-end of the fit syncs a last partial round, so the module ends on the global weights.
+end of the fit syncs a last partial round, so the module ends on the global weights (a
+`ModelCheckpoint` saved in the fit's last batch comes before that sync and holds local ones:
+save with `trainer.save_checkpoint(...)` after `fit` for the global model).
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ gradient accumulation. Every checkpoint the Trainer writes gets the worker's sta
 (`checkpoint-N/diloco/`: anchor, steps into the round, error-feedback residual, identity, in
 safetensors and JSON), taken at that very step; `resume_from_checkpoint` restores it with the
 Trainer's own, so a resumed run continues the same DiLoCo run. The Trainer's end syncs a last
-partial round, so the model it saves is the global one. Under torchrun the process group is
+partial round, so the model in memory after `train()` is the global one; a checkpoint or an
+eval the Trainer makes at its last step (save and eval strategies "steps" at max_steps) comes
+before that sync and holds the local weights: call `trainer.save_model()` after `train()` for
+the global ones. Under torchrun the process group is
 one worker: rank 0 talks to the server and saves the worker state with the checkpoints; a
 resumed group continues from it (the Trainer restores every rank's model, optimizer and RNG).
 """
