@@ -133,3 +133,35 @@ def test_a_resume_whose_worker_state_is_gone_is_named(tmp_path: Path) -> None:
     callback.load_state_dict({"dir": str(tmp_path), "step": 2, "accumulate_grad_batches": 1})
     with pytest.raises(DiLoCoCallbackError, match="saved at step 2, Lightning resumed at step 3"):
         callback._resume_dir(Trainer())
+
+
+def test_a_resume_under_a_gradient_accumulation_schedule_is_not_refused(tmp_path: Path) -> None:
+    """GradientAccumulationScheduler({0: 1, 2: 4}) sets accumulate_grad_batches at each
+    epoch's start, after on_train_start, where a resume is checked: a checkpoint saved at
+    epoch 2 recorded 4 and the check saw 1, so every such resume was refused. The schedule
+    is what is kept now; another schedule is still refused."""
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def trainer(schedule: dict[int, int]) -> L.Trainer:
+        return L.Trainer(
+            callbacks=[GradientAccumulationScheduler(schedule)], logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",
+            default_root_dir=str(tmp_path),
+        )  # fmt: skip
+
+    saving = trainer({0: 1, 2: 4})
+    saving.accumulate_grad_batches = 4  # epoch 2, where the checkpoint was saved
+    callback = DiLoCoCallback("http://127.0.0.1:9")
+    callback.load_state_dict({"dir": str(tmp_path), "step": 0, **callback_settings(saving)})
+    resuming = trainer({0: 1, 2: 4})  # on_train_start: accumulate_grad_batches is 1 again
+    assert resuming.accumulate_grad_batches == 1 and resuming.global_step == 0
+    assert callback._resume_dir(resuming) == tmp_path
+    with pytest.raises(DiLoCoCallbackError, match="other Trainer settings"):
+        callback._resume_dir(trainer({0: 1, 2: 8}))
+
+
+def callback_settings(trainer: object) -> dict:
+    from diloco.integrations.lightning import _run_settings
+
+    return json.loads(json.dumps(_run_settings(trainer)))  # as Lightning's file keeps them

@@ -45,6 +45,17 @@ log = logging.getLogger("diloco.integrations.lightning")
 
 
 def _run_settings(trainer: Any) -> dict:
+    """What a resume must keep. A GradientAccumulationScheduler changes
+    `accumulate_grad_batches` at epoch starts (after `on_train_start`, where a resume is
+    checked): its schedule is the setting then, not the value of the moment, which refused
+    every resume saved past its first change."""
+    for callback in getattr(trainer, "callbacks", ()):
+        scheduling = getattr(callback, "scheduling", None)
+        if type(callback).__name__ == "GradientAccumulationScheduler" and isinstance(
+            scheduling, dict
+        ):
+            schedule = {str(epoch): int(n) for epoch, n in sorted(scheduling.items())}
+            return {"accumulate_grad_batches": schedule}
     return {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)}
 
 
