@@ -84,3 +84,15 @@ def test_ranks_that_train_apart_are_stopped_on_every_rank_at_the_first_sync(live
     stopped = [line for line in result.stderr.splitlines() if "ReplicasDiffer:" in line]
     assert sorted(line[:7] for line in stopped) == ["[rank0]", "[rank1]"], result.stderr[-3000:]
     assert all("different weights after local step 2 (first: 'bias')" in s for s in stopped)
+
+
+def test_a_ddp_group_under_token_weighting_reports_every_rank_s_tokens(live_server) -> None:
+    """--weighting tokens and no report(tokens=...): each rank counts its own training
+    forwards (the script's batches are 8 float rows: 8 each), and rank 0 sent only its own,
+    half the group's. By hand: 2 ranks x 2 steps x 8 = 32 tokens for the round of H = 2."""
+    settings = ServerSettings(sync_every=2, weighting="tokens", outer_optimizer="sgd", outer_lr=1.0)
+    with live_server(settings, token="s3cret") as server:
+        result = torchrun(server.url, "s3cret", steps=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert server.coordinator.round_number == 1
+        assert server.coordinator.last_commit.tokens == 2 * 2 * 8

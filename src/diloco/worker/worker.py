@@ -526,8 +526,10 @@ class DiLoCoWorker:
         submitted = self.round
         calls = self.client.stats if self.client is not None else None
         body = self._gathered(self._sharded_upload) if self.sharded else None
+        # every rank's counted forwards (a DDP or FSDP group's batches are split over ranks)
+        tokens = self._tokens.in_round_over(distributed.sum_over_group)
         try:
-            distributed.lead(lambda: self._exchange_round(body), self._share_result)
+            distributed.lead(lambda: self._exchange_round(body, tokens), self._share_result)
         except distributed.LeaderFailed:
             self._uploads.settle(folded=False)  # rank 0 settled its own rows already
             self._pace.blocked_seconds += time.monotonic() - started
@@ -630,8 +632,11 @@ class DiLoCoWorker:
             residual_key=residual_key,
         )
 
-    def _exchange_round(self, body: bytearray | None = None) -> Exchanged:
-        """Send this round's pseudo-gradient (`body` when a sharded group gathered it)."""
+    def _exchange_round(
+        self, body: bytearray | None = None, tokens: int | None = None
+    ) -> Exchanged:
+        """Send this round's pseudo-gradient (`body` when a sharded group gathered it; `tokens`
+        the group's, else this process's)."""
         session = self._leader_session()
         if self._anchor.torn:
             # A delta failed part way and the whole weights that repair it never came (the
@@ -664,7 +669,7 @@ class DiLoCoWorker:
                 body,
                 units,
                 self.round,
-                tokens=self._tokens.in_round,
+                tokens=self._tokens.in_round if tokens is None else tokens,
                 progress=progress,
                 rebuild=rebuild,
                 answer=answer,

@@ -105,6 +105,13 @@ class TokenTally:
         self.in_round += tokens
         self.total += tokens
 
+    def in_round_over(self, total: Callable[[int], int]) -> int:
+        """This round's tokens for a group of processes training one replica (`total` sums
+        over its ranks, each calling this): what the loop reported, plus what every rank's
+        forwards counted (each rank counts its own batches; the loop reports for the worker)."""
+        counted = self._counted_in_round
+        return self.in_round - counted + total(counted)
+
     def round_done(self) -> None:
         self.in_round = 0
         self._counted_in_round = 0

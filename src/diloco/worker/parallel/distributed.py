@@ -43,6 +43,15 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
+def sum_over_group(value: int) -> int:
+    """`value` summed over every rank of the group (each rank calls it); itself without one."""
+    if group_size() == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(total)
+    return int(total.item())
+
+
 def _broadcast_bytes(payload: bytes | None) -> bytes:
     device = comm_device()
     size = torch.tensor(
