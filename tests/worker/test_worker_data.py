@@ -504,17 +504,18 @@ def test_a_round_that_trained_units_an_eviction_took_is_dropped_not_sent(
     pool, and the next lease gets it again and trains it again, so the round's
     pseudo-gradient holds its samples twice (or, leased to another worker, once more on that
     worker). The round is dropped, never folded: the worker takes the server's weights and
-    reports nothing, and unit 1 is trained once more and reported by a later round."""
+    reports nothing, and unit 1, whose training went with the round, is trained once more
+    from its first sample and reported by a later round."""
     with live_server(ServerSettings(sync_every=100)) as server:
         model = torch.nn.Linear(2, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
         leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
         stream = iter(leased)
-        take(stream, UNIT)  # all of unit 1
+        first = take(stream, UNIT)  # all of unit 1
         _one_step(model, optimizer)
         server.coordinator.deregister("pausy")  # what an eviction does
-        take(stream, UNIT)  # the lease finds the eviction: registers again, unit 1 again
+        assert take(stream, UNIT) == first  # the lease finds the eviction: unit 1 again
         _one_step(model, optimizer)
         with caplog.at_level("WARNING", logger="diloco.worker"):
             worker.sync()
@@ -523,9 +524,11 @@ def test_a_round_that_trained_units_an_eviction_took_is_dropped_not_sent(
         assert any("dropping its pseudo-gradient" in r.getMessage() for r in caplog.records)
         weights = decode_tensors(server.coordinator.weights().body)
         assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())
-        # the unit trained again since is still this worker's to report, with a later round
-        assert leased.finished_units() == [1]
+        # unit 1 is still leased to it, but its training went with the round: it is not
+        # reported as trained, and is trained again, from its first sample
+        assert leased.finished_units() == []
         assert [u["unit_id"] for u in server.coordinator.pool.leases_of("pausy")] == [1]
+        assert take(stream, UNIT) == first and leased.finished_units() == [1]
         worker.close(final_sync=False)
 
 

@@ -686,6 +686,8 @@ class DiLoCoWorker:
         self._uploads.settle(result.folded)
         if result.folded:
             self._units.reported(units)
+        elif result.rebase_rounds is not None:  # dropped: its samples are in no model
+            self._units.round_dropped()
         # (else they go again with the next round: a round that committed without this body
         # took its units into the open round, in memory only until that round commits, and a
         # server restarted before then has lost them; a report of a unit completed since is

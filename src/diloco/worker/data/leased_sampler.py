@@ -313,6 +313,19 @@ class LeasedSampler(Sampler[int]):
             lost, self._lost_training = self._lost_training, False
         return lost
 
+    def round_dropped(self) -> None:
+        """The round's pseudo-gradient was dropped, not folded (a rebase onto an older
+        server, or a round that trained units an eviction took): the samples it trained are
+        in no model now. Every unit still ours starts again where the server's records have
+        it (its `start`), finished ones included, so none is reported as trained."""
+        leased = self.client.leases(self._worker_id(), self.dataset_id)["units"]
+        with self._lock:
+            self._finished.clear()
+            self._in_flight.clear()
+        self.reconcile(leased)
+        with self._lock:
+            self._offset = 0  # (reconcile keeps what a resumed model holds; this one holds none)
+
     def reported(self, units: Sequence[int]) -> None:
         """The round that carried `units` committed: they are completed on the server."""
         done = set(units)

@@ -61,6 +61,13 @@ class UnitReports:
         take = getattr(self.source, "take_lost_training", None)
         return bool(take()) if callable(take) else False
 
+    def round_dropped(self) -> None:
+        """The round's pseudo-gradient was dropped: the source trains its units again from
+        where the server has them (LeasedSampler's)."""
+        dropped = getattr(self.source, "round_dropped", None)
+        if callable(dropped):
+            dropped()
+
     def round_started(self) -> None:
         """A round begins: a source that keeps its position at round starts takes it."""
         started = getattr(self.source, "round_started", None)
