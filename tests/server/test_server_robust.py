@@ -266,6 +266,38 @@ def test_a_read_that_fails_while_a_round_decides_leaves_it_holding_everything(
     assert w(c) == pytest.approx([10 - 1.4 * 0.6, 10 - 1.4 * 0.8], abs=1e-6)  # mean 1, 1.2, 2
 
 
+def test_a_read_that_fails_inside_a_held_body_s_fold_does_not_stop_the_server(
+    monkeypatch,
+) -> None:
+    """The same failure raised inside the fold of the second held body (its sums opened by
+    the screened fold, so the fold itself took it for a body torn into others' sums): it
+    stopped the server (503 until restarted), though the round had gone back to holding
+    everything with no sums. The error is the read's, the server serves on, and the next
+    tick decides the round."""
+    from diloco.server.rounds.round import Round
+
+    c = make()
+    send(c, "a", 0, 1.0)
+    send(c, "b", 0, 1.2)
+    real_add = Round.add
+    calls = []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("spool file ended early")
+        return real_add(self, *args, **kwargs)
+
+    monkeypatch.setattr(Round, "add", failing)
+    with pytest.raises(OSError, match="spool file ended early"):
+        send(c, "c", 0, 2.0)
+    assert c.model.broken is None
+    assert c.round_number == 0 and c.round.running is None and len(c.round.held) == 3
+    monkeypatch.setattr(Round, "add", real_add)
+    c.evict_stale()  # the server's next tick decides the round again
+    assert w(c) == pytest.approx([10 - 1.4 * 0.6, 10 - 1.4 * 0.8], abs=1e-6)  # mean 1, 1.2, 2
+
+
 def test_a_sign_flipped_pseudo_gradient_of_honest_norm_is_refused() -> None:
     c = make(workers=("a", "b", "c", "d"))
     for worker, k in (("a", 1.0), ("b", 1.2), ("c", 0.9), ("d", -1.1)):

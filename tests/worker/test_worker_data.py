@@ -535,10 +535,11 @@ def test_a_round_that_trained_units_an_eviction_took_is_dropped_not_sent(
 def test_a_round_reporting_a_unit_leased_to_another_worker_since_is_dropped(
     live_server, caplog
 ) -> None:
-    """Evicted after training unit 1, and back through its heartbeat (not a lease): the
-    server gave unit 1 to w1 meanwhile. The round's report of unit 1 is refused
-    (unit_not_leased); its pseudo-gradient, which holds unit 1's samples that w1 trains
-    too, was sent again without it and folded. Now it is dropped, and unit 1 forgotten."""
+    """Evicted after training unit 1, found out only by its submission (unknown_worker,
+    then it registers again); the server gave unit 1 to w1 meanwhile. The round's report of
+    unit 1 is refused (unit_not_leased); its pseudo-gradient, which holds unit 1's samples
+    that w1 trains too, was sent again without it and folded. Now it is dropped, and unit 1
+    forgotten."""
     with live_server(ServerSettings(sync_every=100)) as server:
         model = torch.nn.Linear(2, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -552,7 +553,6 @@ def test_a_round_reporting_a_unit_leased_to_another_worker_since_is_dropped(
         with DiLoCoClient(server.url) as other:
             other.register("w1", specs)
             assert [u["unit_id"] for u in other.lease("w1", "ds", 1)["units"]] == [1]
-        worker._session.rejoin()  # what its heartbeat does on unknown_worker
         with caplog.at_level("WARNING", logger="diloco.worker"):
             worker.sync()
         assert server.coordinator.round_number == 0  # nothing folded
@@ -618,3 +618,33 @@ def test_units_of_a_body_answered_committed_go_again_with_the_next_round(live_se
         assert [(c["unit_id"], c["round"], c["worker_id"]) for c in completions] == [(1, 1, "b")]
         for worker in (a[0], b, c[0]):
             worker.close(final_sync=False)
+
+
+def test_an_eviction_the_heartbeat_finds_drops_the_round_that_trains_its_units_again(
+    live_server, caplog
+) -> None:
+    """Evicted after training unit 1, found out by its heartbeat (which registers again and
+    says nothing to the data): the sampler went on with its stale queue, the next lease
+    gave back unit 1 itself (released units are leased first), its report was accepted and
+    the round folded with unit 1's samples in it twice. Now the heartbeat's rejoin tells
+    the sampler, which lets its units go at its next sample, and the round is dropped."""
+    with live_server(ServerSettings(sync_every=100)) as server:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
+        leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        stream = iter(leased)
+        first = take(stream, UNIT)  # all of unit 1
+        _one_step(model, optimizer)
+        server.coordinator.deregister("pausy")  # evicted: unit 1 back to the pool
+        worker._session.rejoin()  # what its heartbeat does on unknown_worker
+        assert take(stream, UNIT) == first  # leased again, trained again
+        _one_step(model, optimizer)
+        with caplog.at_level("WARNING", logger="diloco.worker"):
+            worker.sync()
+        assert server.coordinator.round_number == 0  # nothing folded
+        assert worker._session.dropped_rounds == 1
+        assert any("an eviction gave back" in r.getMessage() for r in caplog.records)
+        assert leased.finished_units() == []  # trained again from its first sample, later
+        assert take(stream, UNIT) == first and leased.finished_units() == [1]
+        worker.close(final_sync=False)

@@ -207,7 +207,10 @@ class ServerSession:
         return reply
 
     def rejoin(self) -> None:
-        """Come back under the same id after an eviction or a server restart."""
+        """Come back under the same id after an eviction (the server lost us: its
+        `unknown_worker`), which gave our leases back to the pool: the data source lets them
+        go too."""
+        self.units.evicted()
         with self._register_lock:
             try:
                 self.register()
@@ -324,7 +327,11 @@ class ServerSession:
         progress = dict(progress or {})
         answer = SubmitAnswer() if answer is None else answer
         if self.units.take_lost_training():
-            return self._drop_round(round_number, "units an eviction gave back to the pool")
+            try:
+                return self._drop_round(round_number, "units an eviction gave back to the pool")
+            except BaseException:
+                self.units.keep_lost_training()  # (the next sync drops it)
+                raise
         try:
             self._submit(body, units, round_number, fragment, tokens, progress, answer)
             got = self._await_result(

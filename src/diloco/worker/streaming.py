@@ -40,7 +40,7 @@ from diloco.algorithm import alpha_merge
 from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
 from diloco.worker.anchor import Anchor
 from diloco.worker.data.tokens import TokenTally
-from diloco.worker.data.units import UnitReports
+from diloco.worker.data.units import UnitReports, dropped_round
 from diloco.worker.errors import ClientClosed, ServerUnavailable
 from diloco.worker.pace import Pace
 from diloco.worker.parallel import distributed
@@ -285,7 +285,9 @@ class FragmentStreamer:
                 # on: then its residual stands, and the fragment's next body for this round
                 # (answered "duplicate") is not the one folded.
                 folded = outcome.answer.folded
-                if folded:
+                # (a sync given up on while it still runs may yet have its body taken: its
+                # round's next body, answered "duplicate", is then not the one folded)
+                if folded or flight.thread.is_alive():
                     self.folded_rounds[fragment] = outcome.round
             else:
                 folded = header["status"] == "merged" and outcome.folded
@@ -305,6 +307,9 @@ class FragmentStreamer:
         if header["status"] == "rebase":
             self.anchor.adopt_everywhere(tensors, header["version"])
             self.reposition(header["fragment_rounds"])
+            if self.session is not None:  # the training since is in no model now
+                self.covered.clear()
+                dropped_round(self.units)
             return False
         names = self.plan[fragment]
         on_model = self.anchor.broadcast_fragment(tensors, names)
@@ -334,13 +339,15 @@ class FragmentStreamer:
         }
 
     def _covered(self, fragment: int, outcome: FragmentOutcome) -> None:
-        reported = set(outcome.units)
+        # Units of a body the server did not fold ("committed": it took them into its open
+        # round, in memory until that round commits) go again with a later report.
+        reported = set(outcome.units) if outcome.folded else set()
         for unit in outcome.finished:
             if unit not in reported:
                 self.covered.setdefault(unit, set()).add(fragment)
         for unit in reported:
             self.covered.pop(unit, None)
-        self.units.reported(outcome.units)
+        self.units.reported(sorted(reported))
 
     def _wait(self, flight: InFlight) -> dict:
         """On rank 0: join the thread (bounded by fragment_timeout); say how it ended."""

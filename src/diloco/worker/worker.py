@@ -44,7 +44,7 @@ from diloco.worker.anchor import (
 )
 from diloco.worker.data.tokens import TokenTally
 from diloco.worker.data.trace import SampleTrace
-from diloco.worker.data.units import ReportsUnits, UnitReports
+from diloco.worker.data.units import ReportsUnits, UnitReports, dropped_round
 from diloco.worker.errors import AnchorTorn
 from diloco.worker.heartbeat import Heartbeat
 from diloco.worker.net.client import MAX_RESULT_WAIT, DiLoCoClient
@@ -646,7 +646,10 @@ class DiLoCoWorker:
                 "the anchor was left torn by a delta that failed part way: taking the "
                 "server's current weights (the steps trained since are dropped)"
             )
-            return session.current_weights()
+            self._folded_round = None
+            weights = session.current_weights()
+            dropped_round(self._units)  # the units those steps finished go again
+            return weights
         encoding = time.monotonic()
         self._delta_seconds = 0.0  # (set again if this round's result comes as a delta)
         # fp32 both ways: the weights come back into the upload's buffer, which anchor - local
@@ -687,7 +690,7 @@ class DiLoCoWorker:
         if result.folded:
             self._units.reported(units)
         elif result.rebase_rounds is not None:  # dropped: its samples are in no model
-            self._units.round_dropped()
+            dropped_round(self._units)
         # (else they go again with the next round: a round that committed without this body
         # took its units into the open round, in memory only until that round commits, and a
         # server restarted before then has lost them; a report of a unit completed since is

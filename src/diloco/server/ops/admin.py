@@ -170,12 +170,15 @@ class AdminActions:
                         worker_id, "admin_evicted", rounds_go_on=False, by=by, reason=reason
                     )
             if live:
-                # Once the ban and the departure are committed: a round this completes commits
-                # its step in a transaction of its own (inside this one, a failure after it
-                # rolled the step's rows back while its weights were served).
-                self.registrar.rounds_go_on_without(worker_id)
-                self.metrics.evictions.inc()
-                self._lock.notify_all()  # a barrier that waited on it may have committed
+                self.metrics.evictions.inc()  # (committed above, whatever follows)
+                try:
+                    # Once the ban and the departure are committed: a round this completes
+                    # commits its step in a transaction of its own (inside this one, a
+                    # failure after it rolled the step's rows back while its weights were
+                    # served).
+                    self.registrar.rounds_go_on_without(worker_id)
+                finally:
+                    self._lock.notify_all()  # a barrier that waited on it may have committed
             return {
                 "worker_id": worker_id,
                 "evicted": live,

@@ -27,7 +27,7 @@ import torch
 from diloco.algorithm.robust import Aggregation, NormHistory, OpposedCheck, Screened, aggregate
 from diloco.algorithm.tensors import TensorKind
 from diloco.server.errors import Rejection
-from diloco.server.rounds.round import Round, Submission, ValueScan, fold
+from diloco.server.rounds.round import FoldTorn, Round, Submission, ValueScan, fold
 from diloco.wire import TensorSpec, WireError
 from diloco.wire.compressed.pieces import CompressedPieces
 from diloco.wire.format.spool import PieceBody, SpooledTensors
@@ -151,7 +151,7 @@ def fold_screened(
                 current.norms[submission.worker_id] = float(norms[index])
                 if scales[index] < 1.0:
                     current.clipped[submission.worker_id] = scales[index]
-    except BaseException:
+    except BaseException as exc:
         # A read that failed half way (a spool file cut short, an I/O error): the round goes
         # back to holding everything, with no sums, so that no later event commits a part.
         if opened:
@@ -159,6 +159,8 @@ def fold_screened(
         current.norms.clear()
         current.clipped.clear()
         current.refused = refused_before
+        if opened and isinstance(exc, FoldTorn) and exc.__cause__ is not None:
+            raise exc.__cause__ from None  # (the sums it tore are gone: no reason to stop)
         raise
     for worker_id, reason in current.refused.items():
         log.warning("round %d: %s's pseudo-gradient refused: %s", current.number, worker_id, reason)

@@ -117,6 +117,11 @@ class LeasedSampler(Sampler[int]):
         # samples of units an eviction gave back to the pool were trained (see
         # take_lost_training): the round's pseudo-gradient holds them
         self._lost_training = False
+        self._evicted = False  # the server evicted us: let our leases go (_let_go_if_evicted)
+        # (unit, samples of it trained) as the last report asked (`progress`), and as the
+        # last submission the server folded carried it (`reported`)
+        self._progress_asked: tuple[int, int] | None = None
+        self._progress_reported: tuple[int, int] | None = None
         self._open_next_epoch = False
         self.rejoin: Callable[[], None] | None = None  # re-register after an eviction
         self.trace: list[tuple[int, int]] | None = None  # (epoch, index) handed out, if traced
@@ -157,6 +162,8 @@ class LeasedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         next_epoch, self._open_next_epoch = self._open_next_epoch, False
         while True:
+            with self._lock:
+                self._let_go_if_evicted()
             if not self._queue:
                 reply = self._lease(next_epoch)
                 next_epoch = False
@@ -236,13 +243,9 @@ class LeasedSampler(Sampler[int]):
         # the units queued here are no longer ours. Come back under the same id and lease anew.
         log.warning("evicted while leasing work units; registering again")
         self.rejoin()
-        with self._lock:  # queued, in flight or finished and unreported: none is ours now
-            trained = bool(self._finished or self._in_flight or self._offset)
-            self._lost_training = self._lost_training or trained
-            self._queue.clear()
-            self._offset = 0
-            self._in_flight.clear()
-            self._finished.clear()
+        with self._lock:
+            self._evicted = True
+            self._let_go_if_evicted()
         return self.client.lease(
             self._worker_id(), self.dataset_id, self.lease_count, next_epoch=next_epoch
         )
@@ -266,8 +269,10 @@ class LeasedSampler(Sampler[int]):
         with self._lock:
             queue, offset = self._trained_position()
             if not queue or offset == 0:
+                self._progress_asked = None
                 return {}
             unit = queue[0]
+            self._progress_asked = (int(unit["unit_id"]), offset)
             return {int(unit["unit_id"]): int(unit.get("start", 0)) + offset}
 
     def _trained_position(self) -> tuple[list[dict], int]:
@@ -304,40 +309,79 @@ class LeasedSampler(Sampler[int]):
                     self._offset = max(0, min(offset - recorded, len(first["indices"]) - 1))
             self._in_flight.clear()
 
+    def evicted(self) -> None:
+        """The server evicted us (the heartbeat's thread, or a call, found out and registered
+        again): the leases we held went back to the pool. The training thread lets them go
+        at its next sample or sync, not this thread under its feet."""
+        with self._lock:
+            self._evicted = True
+
+    def _let_go_if_evicted(self) -> None:
+        """(lock held) After an eviction: queued, in flight, or finished and unreported, none
+        of our units is ours now; if any of it was trained, this round's pseudo-gradient holds
+        samples of units anyone may lease again (`take_lost_training`)."""
+        if not self._evicted:
+            return
+        self._evicted = False
+        current = int(self._queue[0]["unit_id"]) if self._queue else None
+        reported = self._progress_reported
+        folded = reported[1] if reported is not None and reported[0] == current else 0
+        trained = bool(self._finished or self._in_flight or self._offset > folded)
+        self._lost_training = self._lost_training or trained
+        self._progress_asked = self._progress_reported = None
+        self._queue.clear()
+        self._offset = 0
+        self._in_flight.clear()
+        self._finished.clear()
+
     def take_lost_training(self) -> bool:
         """Whether samples of units an eviction gave back to the pool (to be leased again,
         maybe to another worker) were trained since the last call: the round's
         pseudo-gradient holds them, so the worker drops it instead of sending it (else those
         samples would count twice). Cleared by the call."""
         with self._lock:
+            self._let_go_if_evicted()
             lost, self._lost_training = self._lost_training, False
         return lost
 
+    def keep_lost_training(self) -> None:
+        """A drop that `take_lost_training` called for did not happen (its fetch of the
+        server's weights failed): the next sync asks again."""
+        with self._lock:
+            self._lost_training = True
+
     def round_dropped(self) -> None:
         """The round's pseudo-gradient was dropped, not folded (a rebase onto an older
-        server, or a round that trained units an eviction took): the samples it trained are
-        in no model now. Every unit still ours starts again where the server's records have
-        it (its `start`), finished ones included, so none is reported as trained."""
+        server, a round that trained units an eviction took, an anchor a delta left torn):
+        the units it finished are in no model now. Those still leased to us are not
+        reported but trained again, from where the server's records start them, after the
+        unit under way; units no longer ours are let go. The unit under way keeps its
+        position (its samples handed out may sit in a loader's read-ahead: rewinding it
+        could train them twice; those trained in the dropped round are lost instead)."""
         leased = self.client.leases(self._worker_id(), self.dataset_id)["units"]
+        held = {int(unit["unit_id"]): dict(unit) for unit in leased}
         with self._lock:
+            again = [held[u] for u in self._finished if u in held and held[u]["indices"]]
             self._finished.clear()
-            self._in_flight.clear()
-        self.reconcile(leased)
-        with self._lock:
-            self._offset = 0  # (reconcile keeps what a resumed model holds; this one holds none)
+            current = self._queue[:1]
+            if current and int(current[0]["unit_id"]) not in held:
+                current, self._offset = [], 0
+            later = [u for u in self._queue[1:] if int(u["unit_id"]) in held]
+            self._queue = current + again + later
 
     def reported(self, units: Sequence[int]) -> None:
         """The round that carried `units` committed: they are completed on the server."""
         done = set(units)
         with self._lock:
             self._finished = [u for u in self._finished if u not in done]
+            self._progress_reported = self._progress_asked
 
     def forget(self, units: Sequence[int]) -> None:
         """Units the server no longer leases to us (we were evicted): not ours to report, nor
         to train on."""
-        self.reported(units)
         gone = set(units)
         with self._lock:
+            self._finished = [u for u in self._finished if u not in gone]
             if self._queue and int(self._queue[0]["unit_id"]) in gone:
                 self._offset = 0
             self._queue = [u for u in self._queue if int(u["unit_id"]) not in gone]

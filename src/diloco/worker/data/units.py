@@ -7,9 +7,12 @@ prefix (`ID:COUNT`). Without a server-dispatched source there is nothing to repo
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
+
+log = logging.getLogger("diloco.worker")
 
 
 class ReportsUnits(Protocol):
@@ -61,6 +64,18 @@ class UnitReports:
         take = getattr(self.source, "take_lost_training", None)
         return bool(take()) if callable(take) else False
 
+    def evicted(self) -> None:
+        """The server evicted us: the source lets its leases go (LeasedSampler's)."""
+        evicted = getattr(self.source, "evicted", None)
+        if callable(evicted):
+            evicted()
+
+    def keep_lost_training(self) -> None:
+        """The drop `take_lost_training` asked for did not happen: ask again next time."""
+        keep = getattr(self.source, "keep_lost_training", None)
+        if callable(keep):
+            keep()
+
     def round_dropped(self) -> None:
         """The round's pseudo-gradient was dropped: the source trains its units again from
         where the server has them (LeasedSampler's)."""
@@ -83,3 +98,17 @@ class UnitReports:
         """The source's position, for the worker's checkpoint (None if it has none)."""
         state_dict = getattr(self.source, "state_dict", None)
         return state_dict() if callable(state_dict) else None
+
+
+def dropped_round(units: UnitReports) -> None:
+    """`units.round_dropped()`, which asks the server for our leases: if it cannot, the units
+    stay as they are (reported later as trained, their samples in no model), with a warning,
+    instead of losing the round's result to the failure."""
+    try:
+        units.round_dropped()
+    except Exception as exc:
+        log.warning(
+            "could not ask the server for our work units after a dropped round (%s): the "
+            "units finished in it will be reported as trained",
+            exc,
+        )
