@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from test_worker_worker import record_submits
 from torch.utils.data import DataLoader
 
 from diloco.algorithm.permutation import Permutation
@@ -592,15 +593,7 @@ def test_units_of_a_body_answered_committed_go_again_with_the_next_round(live_se
         leased = LeasedSampler.for_worker(b, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
         take(iter(leased), UNIT)  # all of unit 1
         _one_step(model_b, optimizer_b)
-        sent: list[str] = []
-        submit = b._session.client.submit
-
-        def recorded(*args, **kwargs):
-            reply = submit(*args, **kwargs)
-            sent.append(f"{','.join(map(str, kwargs.get('units') or []))} {reply['status']}")
-            return reply
-
-        b._session.client.submit = recorded
+        sent = record_submits(b)
         c[0].sync()
         waiting.join(timeout=30)
         assert server.coordinator.round_number == 1

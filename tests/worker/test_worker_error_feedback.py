@@ -6,6 +6,7 @@ import threading
 import time
 
 import torch
+from test_worker_worker import record_submits
 
 from diloco.server.settings import ServerSettings
 from diloco.worker import DiLoCoWorker
@@ -47,17 +48,9 @@ def test_a_body_the_round_committed_without_leaves_nothing_in_the_residual(live_
         assert not first.is_alive() and a.rounds == 1
         assert server.coordinator.status()["round"] == 1
         assert a._uploads.residual["weight"].count_nonzero() == 6  # 2 of 8 values went
-        answers: list[str] = []
-        submit = b._session.client.submit
-
-        def recorded(*args, **kwargs):
-            reply = submit(*args, **kwargs)
-            answers.append(reply.get("status"))
-            return reply
-
-        b._session.client.submit = recorded
+        answers = record_submits(b)
         _step(b, model_b, 2.0)  # b's body for round 0 arrives after the round committed
-        assert answers == ["committed"]
+        assert answers == [" committed"]
         assert b.round == 1  # b took the round's result: a's weights
         torch.testing.assert_close(model_b.weight, model_a.weight, rtol=0, atol=0)
         assert b._uploads.residual == {}  # nothing of the unused body is kept
@@ -222,17 +215,9 @@ def test_a_sync_that_fails_after_the_server_took_its_body_keeps_that_body_s_resi
         assert server.coordinator.status()["round"] == 1  # the body went into round 0
         assert worker.round == 0
         assert torch.equal(worker._uploads.residual["weight"], expected)
-        answers: list[str] = []
-        submit = worker._session.client.submit
-
-        def recorded(*args, **kwargs):
-            reply = submit(*args, **kwargs)
-            answers.append(reply.get("status"))
-            return reply
-
-        worker._session.client.submit = recorded
+        answers = record_submits(worker)
         _step(worker, model, 2.0)  # another body for round 0
-        assert answers == ["duplicate"]
+        assert answers == [" duplicate"]
         assert worker.round == 1
         assert torch.equal(worker._uploads.residual["weight"], expected)
         masters = server.coordinator.model.masters
@@ -281,9 +266,7 @@ def test_an_anchor_left_torn_is_repaired_from_the_server_before_any_body_is_code
         assert worker._anchor.torn and worker.round == 0
         session.fetch_weights = real_fetch
         monkeypatch.setattr(anchors, "apply_delta", real)
-        sent: list[object] = []
-        submit = session.client.submit
-        session.client.submit = lambda *a, **k: sent.append(a) or submit(*a, **k)
+        sent = record_submits(worker)
         with caplog.at_level("WARNING", logger="diloco.worker"):
             worker.sync()  # (a step's sync would train first: sync now, as close does)
         assert sent == [] and not worker._anchor.torn and worker.round == 1

@@ -25,6 +25,21 @@ from diloco.wire import decode_tensors, encode_tensors
 from diloco.worker import DiLoCoClient, DiLoCoWorker, ServerSettingsError, WorkerSettings
 
 
+def record_submits(worker: DiLoCoWorker) -> list[str]:
+    """The server's answer to each of `worker`'s submissions from now on, as "UNITS STATUS"
+    ("" for no units: " accepted"), in order."""
+    client = worker._session.client
+    submit, answers = client.submit, []
+
+    def recorded(*args, **kwargs):
+        reply = submit(*args, **kwargs)
+        answers.append(f"{','.join(map(str, kwargs.get('units') or []))} {reply.get('status')}")
+        return reply
+
+    client.submit = recorded
+    return answers
+
+
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))

@@ -82,6 +82,17 @@ class SubmitAnswer:
         return self.status == "accepted"
 
 
+def _adopting(weights: Weights) -> Exchanged:
+    """The server's whole weights and rounds to adopt, our pseudo-gradient dropped (a rebase:
+    nothing of it was folded)."""
+    return Exchanged(
+        decode_tensors(weights.body),
+        weights.round,
+        rebase_rounds=weights.fragment_rounds or [weights.round],
+        folded=False,
+    )
+
+
 def wait_report_seconds(seconds: float | None = None) -> float:
     """When a sync that is still waiting is first logged: `seconds`, else
     $DILOCO_WAIT_REPORT_SECONDS, else WAIT_REPORT_SECONDS; ValueError for a bad value."""
@@ -513,12 +524,7 @@ class ServerSession:
             weights.round,
         )
         self.dropped_rounds += 1
-        return Exchanged(
-            decode_tensors(weights.body),
-            weights.round,
-            rebase_rounds=weights.fragment_rounds or [weights.round],
-            folded=False,
-        )
+        return _adopting(weights)
 
     def _rebase(self, round_number: int) -> Exchanged:
         """The server is behind us: it restarted from an older checkpoint (durability interval).
@@ -535,12 +541,7 @@ class ServerSession:
             round_number,
         )
         self.rebases += 1
-        return Exchanged(
-            decode_tensors(weights.body),
-            weights.round,
-            rebase_rounds=weights.fragment_rounds or [weights.round],
-            folded=False,
-        )
+        return _adopting(weights)
 
     # ----------------------------------------------------------------- leaving
 
