@@ -197,6 +197,7 @@ def test_a_sharded_worker_refuses_a_checkpoint_dir_even_on_one_rank(
     assert "checkpoint_dir is for unsharded workers" in line["error"]
 
 
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # (one rank)
 def test_an_fsdp1_model_is_refused_before_anything_reaches_the_server(tmp_path: Path) -> None:
     """FullyShardedDataParallel (FSDP1, the Trainer's and Lightning's FSDP v1): its
     state_dict() is a collective returning copies, so rank 0 reading it alone hung the group
