@@ -296,14 +296,21 @@ def test_a_round_reports_at_most_what_one_submission_may_carry(live_server) -> N
         worker.close(final_sync=False)
 
 
+def _pausy(url: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, DiLoCoWorker, LeasedSampler]:
+    """A worker "pausy" without a heartbeat (a test evicts it and says when it finds out),
+    on leased units of `ds`: its model, optimizer, worker and sampler."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    worker = DiLoCoWorker(model, optimizer, url, worker_id="pausy", heartbeat=False)
+    leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+    return model, optimizer, worker, leased
+
+
 def test_an_evicted_worker_registers_again_and_leases_anew(live_server) -> None:
     """Evicted between two leases: the units it queued went back to the pool, so it drops
     them, registers again under its id, and goes on with units that are its own."""
     with live_server(ServerSettings(sync_every=100)) as server:
-        model = torch.nn.Linear(2, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
-        leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        _, _, worker, leased = _pausy(server.url)
         stream = iter(leased)
         first = take(stream, UNIT)  # the whole of unit 1; unit 2 not leased yet
         server.coordinator.deregister("pausy")  # what an eviction does to its membership
@@ -508,10 +515,7 @@ def test_a_round_that_trained_units_an_eviction_took_is_dropped_not_sent(
     reports nothing, and unit 1, whose training went with the round, is trained once more
     from its first sample and reported by a later round."""
     with live_server(ServerSettings(sync_every=100)) as server:
-        model = torch.nn.Linear(2, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
-        leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        model, optimizer, worker, leased = _pausy(server.url)
         stream = iter(leased)
         first = take(stream, UNIT)  # all of unit 1
         _one_step(model, optimizer)
@@ -542,10 +546,7 @@ def test_a_round_reporting_a_unit_leased_to_another_worker_since_is_dropped(
     that w1 trains too, was sent again without it and folded. Now it is dropped, and unit 1
     forgotten."""
     with live_server(ServerSettings(sync_every=100)) as server:
-        model = torch.nn.Linear(2, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
-        leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        model, optimizer, worker, leased = _pausy(server.url)
         take(iter(leased), UNIT)  # all of unit 1
         _one_step(model, optimizer)
         server.coordinator.deregister("pausy")  # evicted: unit 1 back to the pool
@@ -622,10 +623,7 @@ def test_an_eviction_the_heartbeat_finds_drops_the_round_that_trains_its_units_a
     the round folded with unit 1's samples in it twice. Now the heartbeat's rejoin tells
     the sampler, which lets its units go at its next sample, and the round is dropped."""
     with live_server(ServerSettings(sync_every=100)) as server:
-        model = torch.nn.Linear(2, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="pausy", heartbeat=False)
-        leased = LeasedSampler.for_worker(worker, "ds", LENGTH, shuffle_seed=SEED, unit_size=UNIT)
+        model, optimizer, worker, leased = _pausy(server.url)
         stream = iter(leased)
         first = take(stream, UNIT)  # all of unit 1
         _one_step(model, optimizer)

@@ -59,6 +59,33 @@ def test_a_body_the_round_committed_without_leaves_nothing_in_the_residual(live_
         b.close(final_sync=False)
 
 
+INT8_BOTH_WAYS = ServerSettings(
+    sync_every=1, upload_codec="int8", download_codec="int8", error_feedback_beta=0.9,
+    heartbeat_interval=0.2, heartbeat_timeout=30.0,
+)  # fmt: skip
+
+
+def _first_delta_refused_half_way(monkeypatch) -> list[str]:
+    """The first coded delta a worker applies moves part of its anchor, then is refused (as
+    a body with a bad block would be); later ones apply. The tensors refused, as they come."""
+    import diloco.worker.anchor as anchors
+    from diloco.wire import WireError
+
+    real = anchors.apply_delta
+    failures: list[str] = []
+
+    def half_then_refused(delta, targets, codec, **kwargs):
+        if failures:
+            return real(delta, targets, codec, **kwargs)
+        first = next(iter(targets))
+        targets[first].add_(1.0)  # (a part of the anchor moved)
+        failures.append(first)
+        raise WireError(422, "invalid_tensor", f"tensor {first!r}: refused (injected)")
+
+    monkeypatch.setattr(anchors, "apply_delta", half_then_refused)
+    return failures
+
+
 def _one_round(url: str, fail_in: str | None) -> tuple[DiLoCoWorker, torch.nn.Linear]:
     """One int8 round (both ways, error feedback) of a worker whose anchor is said to be on
     a GPU, and whose first `fail_in` ("body" or "values_after") runs out of GPU memory after
@@ -130,26 +157,10 @@ def test_a_delta_that_fails_part_way_gives_the_servers_whole_weights(
     anchor, the worker takes the server's whole current weights instead, with a warning,
     and ends the round exactly where a clean one ends (model and anchor equal to the
     server's published weights), then goes on with deltas."""
-    import diloco.worker.anchor as anchors
-    from diloco.wire import WireError, decode_tensors
+    from diloco.wire import decode_tensors
 
-    real = anchors.apply_delta
-    failures = []
-
-    def half_then_refused(delta, targets, codec, **kwargs):
-        if failures:
-            return real(delta, targets, codec, **kwargs)
-        first = next(iter(targets))
-        targets[first].add_(1.0)  # (a part of the anchor moved)
-        failures.append(first)
-        raise WireError(422, "invalid_tensor", f"tensor {first!r}: refused (injected)")
-
-    monkeypatch.setattr(anchors, "apply_delta", half_then_refused)
-    settings = ServerSettings(
-        sync_every=1, upload_codec="int8", download_codec="int8", error_feedback_beta=0.9,
-        heartbeat_interval=0.2, heartbeat_timeout=30.0,
-    )  # fmt: skip
-    with live_server(settings) as server:
+    failures = _first_delta_refused_half_way(monkeypatch)
+    with live_server(INT8_BOTH_WAYS) as server:
         worker, model = _worker(server.url, "a")
         _step(worker, model, 1.0)
         assert failures and worker.round == 1 and not worker._anchor.torn
@@ -232,23 +243,11 @@ def test_an_anchor_left_torn_is_repaired_from_the_server_before_any_body_is_code
     fail to come too (the server unreachable then): the sync raises. The next sync must not
     code a body from the half-moved anchor (nor send one: round 0 has this worker's body
     already); it takes the server's current weights, and the worker ends on them."""
-    import diloco.worker.anchor as anchors
-    from diloco.wire import WireError, decode_tensors
+    from diloco.wire import decode_tensors
     from diloco.worker.errors import ServerUnavailable
 
-    real = anchors.apply_delta
-
-    def half_then_refused(delta, targets, codec, **kwargs):
-        first = next(iter(targets))
-        targets[first].add_(1.0)  # (a part of the anchor moved)
-        raise WireError(422, "invalid_tensor", f"tensor {first!r}: refused (injected)")
-
-    monkeypatch.setattr(anchors, "apply_delta", half_then_refused)
-    settings = ServerSettings(
-        sync_every=1, upload_codec="int8", download_codec="int8", error_feedback_beta=0.9,
-        heartbeat_interval=0.2, heartbeat_timeout=30.0,
-    )  # fmt: skip
-    with live_server(settings) as server:
+    failures = _first_delta_refused_half_way(monkeypatch)
+    with live_server(INT8_BOTH_WAYS) as server:
         worker, model = _worker(server.url, "a")
         session = worker._session
         real_fetch = session.fetch_weights
@@ -263,9 +262,8 @@ def test_an_anchor_left_torn_is_repaired_from_the_server_before_any_body_is_code
             pass
         else:
             raise AssertionError("the injected failure did not reach the sync")
-        assert worker._anchor.torn and worker.round == 0
+        assert failures and worker._anchor.torn and worker.round == 0
         session.fetch_weights = real_fetch
-        monkeypatch.setattr(anchors, "apply_delta", real)
         sent = record_submits(worker)
         with caplog.at_level("WARNING", logger="diloco.worker"):
             worker.sync()  # (a step's sync would train first: sync now, as close does)

@@ -448,13 +448,16 @@ def test_a_streaming_worker_keeps_no_copy_of_the_join_s_weights(live_server) -> 
         worker.close(final_sync=False)
 
 
+@pytest.mark.parametrize("fragments", [2, 1])
 def test_a_merge_copies_a_coded_download_s_values_into_the_fragment_s_anchor(
-    live_server, monkeypatch
+    live_server, monkeypatch, fragments: int
 ) -> None:
     """With an int8 delta download the sync's thread computes G'_f in copies of the anchor
-    (`Anchor.values_after`); the merge copies them into the anchor's own tensors (which
-    stay the same objects), and the anchor is then the server's published weights bit for
-    bit."""
+    (`Anchor.values_after`), never in the anchor itself: it runs beside training and a merge
+    may give up on it. With one fragment of every tensor it once moved the anchor in place,
+    as a sync round does on the training thread. The merge copies the values into the
+    anchor's own tensors (which stay the same objects), and the anchor is then the server's
+    published weights bit for bit."""
     from diloco.worker.anchor import Anchor
 
     made: list[dict[str, torch.Tensor]] = []
@@ -467,62 +470,26 @@ def test_a_merge_copies_a_coded_download_s_values_into_the_fragment_s_anchor(
 
     monkeypatch.setattr(Anchor, "values_after", recorded)
     settings = ServerSettings(
-        **{**STREAMING, "alpha": 0.0}, upload_codec="int8", download_codec="int8"
+        **{**STREAMING, "fragments": fragments, "alpha": 0.0},
+        upload_codec="int8",
+        download_codec="int8",
     )
     with live_server(settings) as server:
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
         own = dict(worker._anchor.tensors)
-        train(model, optimizer, steps=4)  # one cycle: both fragments sent and merged
+        train(model, optimizer, steps=4 * (3 - fragments))  # two merges
         assert worker.streamer.syncs == 2 and len(made) == 2
+        assert set().union(*made) == set(own)  # every tensor's values came as copies
         anchor = worker._anchor.tensors
         assert all(anchor[name] is tensor for name, tensor in own.items())  # its own memory
-        for values in made:  # each fragment's values, copied in as they were made
-            assert values
-            for name, tensor in values.items():
-                assert anchor[name] is not tensor and torch.equal(anchor[name], tensor)
-        published = server_weights(server.url)
-        for name, tensor in anchor.items():
-            assert torch.equal(tensor.view(torch.int32), published[name].view(torch.int32))
-        worker.close(final_sync=False)
-
-
-def test_one_fragment_s_coded_delta_moves_copies_never_the_anchor_beside_training(
-    live_server, monkeypatch
-) -> None:
-    """With one fragment (every tensor) the sync's thread still computes G' in copies: it
-    runs beside training and a merge may give up on it, so it must never write into the
-    anchor (it once moved the anchor in place there, as a sync round does on the training
-    thread). The merge copies the values in: the anchor keeps its tensors and ends equal to
-    the server's published weights bit for bit."""
-    from diloco.worker.anchor import Anchor
-
-    made: list[dict[str, torch.Tensor]] = []
-    real = Anchor.values_after
-
-    def recorded(self, *args, **kwargs):
-        values = real(self, *args, **kwargs)
-        made.append(dict(values))
-        return values
-
-    monkeypatch.setattr(Anchor, "values_after", recorded)
-    settings = ServerSettings(
-        **{**STREAMING, "fragments": 1, "alpha": 0.0}, upload_codec="int8", download_codec="int8"
-    )
-    with live_server(settings) as server:
-        model = make_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        worker = DiLoCoWorker(model, optimizer, server.url, worker_id="solo")
-        own = dict(worker._anchor.tensors)
-        train(model, optimizer, steps=8)  # two cycles of the one fragment
-        assert worker.streamer.syncs == 2 and len(made) == 2
-        anchor = worker._anchor.tensors
+        latest: dict[str, torch.Tensor] = {}
         for values in made:
-            assert set(values) == set(own)
-            for name, tensor in values.items():
-                assert tensor is not own[name] and tensor.data_ptr() != own[name].data_ptr()
-        assert all(anchor[name] is tensor for name, tensor in own.items())
+            assert all(t.data_ptr() != own[n].data_ptr() for n, t in values.items())
+            latest.update(values)
+        # each tensor's last values, copied in as they were made
+        assert all(torch.equal(anchor[name], tensor) for name, tensor in latest.items())
         published = server_weights(server.url)
         for name, tensor in anchor.items():
             assert torch.equal(tensor.view(torch.int32), published[name].view(torch.int32))

@@ -110,7 +110,7 @@ class Anchor:
         delta, or one whose merge gave up on it, leaves the anchor as it was; the merge
         copies them into the anchor's own tensors (`adopt_fragment`)."""
         exact = {n for n in names if n not in coded}
-        if not in_place or list(names) != list(self.tensors):
+        if not in_place:
             targets = {name: self.tensors[name].clone() for name in names}
             apply_delta(delta, targets, codec, exact=exact, scratch=True)
             return targets

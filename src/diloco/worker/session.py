@@ -449,7 +449,7 @@ class ServerSession:
                     self._submit(body, units, round_number, fragment, tokens, progress, answer)
                     continue
                 if exc.kind == "result_expired":
-                    return self._from_current_weights(fragment)
+                    return self.current_weights(fragment)
                 raise
             if got is not None:
                 self._downloaded(got.body)
@@ -466,7 +466,7 @@ class ServerSession:
                         return Exchanged(self.apply_delta(got.body, fragment), got.round)
                     except AnchorTorn as exc:
                         log.warning("%s; taking the server's whole weights instead", exc)
-                        return self._from_current_weights(fragment)
+                        return self.current_weights(fragment)
                 return Exchanged(decode_tensors(got.body), got.round)
 
     # ----------------------------------------------------------------- whole weights
@@ -496,12 +496,8 @@ class ServerSession:
 
     def current_weights(self, fragment: int = 0) -> Exchanged:
         """The server's current values of `fragment` (every tensor without a plan) and the
-        round they start: what a round whose result is gone, or an anchor a delta left torn,
-        takes instead."""
-        return self._from_current_weights(fragment)
-
-    def _from_current_weights(self, fragment: int) -> Exchanged:
-        """The round's result is gone (newer ones exist): take the current weights instead."""
+        round they start: what a round whose result is gone (newer ones exist), or an anchor
+        a delta left torn, takes instead."""
         weights = self.fetch_weights()
         tensors = decode_tensors(weights.body)
         if self.plan is None:

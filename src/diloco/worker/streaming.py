@@ -40,7 +40,7 @@ from diloco.algorithm import alpha_merge
 from diloco.wire.validation import MAX_UNITS_PER_SUBMISSION
 from diloco.worker.anchor import Anchor
 from diloco.worker.data.tokens import TokenTally
-from diloco.worker.data.units import UnitReports, dropped_round
+from diloco.worker.data.units import UnitReports
 from diloco.worker.errors import ClientClosed, ServerUnavailable
 from diloco.worker.pace import Pace
 from diloco.worker.parallel import distributed
@@ -281,12 +281,11 @@ class FragmentStreamer:
         outcome = flight.outcome
         if self.session is not None:  # the leader's error feedback: was the body folded in?
             if header["status"] == "failed":
-                # The server may have taken the body before the sync failed or was given up
-                # on: then its residual stands, and the fragment's next body for this round
-                # (answered "duplicate") is not the one folded.
+                # The server may have taken the body before the sync failed (its residual
+                # stands), or may yet take it (a sync given up on while it runs): either way
+                # the fragment's next body for this round, answered "duplicate", is not the
+                # one folded.
                 folded = outcome.answer.folded
-                # (a sync given up on while it still runs may yet have its body taken: its
-                # round's next body, answered "duplicate", is then not the one folded)
                 if folded or flight.thread.is_alive():
                     self.folded_rounds[fragment] = outcome.round
             else:
@@ -309,7 +308,7 @@ class FragmentStreamer:
             self.reposition(header["fragment_rounds"])
             if self.session is not None:  # the training since is in no model now
                 self.covered.clear()
-                dropped_round(self.units)
+                self.units.round_dropped()
             return False
         names = self.plan[fragment]
         on_model = self.anchor.broadcast_fragment(tensors, names)

@@ -44,7 +44,7 @@ from diloco.worker.anchor import (
 )
 from diloco.worker.data.tokens import TokenTally
 from diloco.worker.data.trace import SampleTrace
-from diloco.worker.data.units import ReportsUnits, UnitReports, dropped_round
+from diloco.worker.data.units import ReportsUnits, UnitReports
 from diloco.worker.errors import AnchorTorn
 from diloco.worker.heartbeat import Heartbeat
 from diloco.worker.net.client import MAX_RESULT_WAIT, DiLoCoClient
@@ -632,11 +632,9 @@ class DiLoCoWorker:
             residual_key=residual_key,
         )
 
-    def _exchange_round(
-        self, body: bytearray | None = None, tokens: int | None = None
-    ) -> Exchanged:
-        """Send this round's pseudo-gradient (`body` when a sharded group gathered it; `tokens`
-        the group's, else this process's)."""
+    def _exchange_round(self, body: bytearray | None, tokens: int) -> Exchanged:
+        """Send this round's pseudo-gradient (`body` when a sharded group gathered it) and
+        the tokens the worker (every rank of a group) trained for it."""
         session = self._leader_session()
         if self._anchor.torn:
             # A delta failed part way and the whole weights that repair it never came (the
@@ -648,7 +646,7 @@ class DiLoCoWorker:
             )
             self._folded_round = None
             weights = session.current_weights()
-            dropped_round(self._units)  # the units those steps finished go again
+            self._units.round_dropped()  # the units those steps finished go again
             return weights
         encoding = time.monotonic()
         self._delta_seconds = 0.0  # (set again if this round's result comes as a delta)
@@ -672,7 +670,7 @@ class DiLoCoWorker:
                 body,
                 units,
                 self.round,
-                tokens=self._tokens.in_round if tokens is None else tokens,
+                tokens=tokens,
                 progress=progress,
                 rebuild=rebuild,
                 answer=answer,
@@ -690,7 +688,7 @@ class DiLoCoWorker:
         if result.folded:
             self._units.reported(units)
         elif result.rebase_rounds is not None:  # dropped: its samples are in no model
-            dropped_round(self._units)
+            self._units.round_dropped()
         # (else they go again with the next round: a round that committed without this body
         # took its units into the open round, in memory only until that round commits, and a
         # server restarted before then has lost them; a report of a unit completed since is

@@ -160,6 +160,13 @@ class GlobalModel:
         if self.broken is not None:
             raise Rejection(503, "checkpoint_failed", self.broken)
 
+    def stop_serving(self, why: str, exc_info: bool = False) -> Rejection:
+        """From now on every request is refused until a restart (memory that can no longer
+        be trusted, or that the disk may contradict); the 503 to raise for this one."""
+        self.broken = why
+        log.error("%s; refusing requests until restarted", why, exc_info=exc_info)
+        return Rejection(503, "checkpoint_failed", why)
+
     def durably(self, what: str, write: Callable[[], None]) -> None:
         """Run a state write; a failure stops the model being served until restarted.
 
@@ -169,9 +176,7 @@ class GlobalModel:
         try:
             write()
         except Exception as exc:
-            self.broken = f"{what} failed: {exc}"
-            log.exception("%s failed; refusing requests until restarted", what)
-            raise Rejection(503, "checkpoint_failed", self.broken) from None
+            raise self.stop_serving(f"{what} failed: {exc}", exc_info=True) from None
 
     # ----------------------------------------------------------------- the outer step
 

@@ -624,9 +624,7 @@ class Intake:
         except WireError as error:  # found by a checking reader: nothing was folded
             raise rejection_of(error) from None
         except FoldTorn as torn:  # the round's sums hold part of a body: serve nothing more
-            self.model.broken = str(torn)
-            log.error("%s; refusing requests until restarted", torn)
-            raise Rejection(503, "checkpoint_failed", self.model.broken) from None
+            raise self.model.stop_serving(str(torn)) from None
 
 
 @contextlib.contextmanager

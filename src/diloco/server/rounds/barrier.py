@@ -14,7 +14,6 @@ server's role, `OneServer`, changes nothing.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -36,8 +35,6 @@ from diloco.server.rounds.robust import (
 from diloco.server.rounds.round import Round, Submission, ValueScan, fold
 from diloco.server.state.journal import CommitRecord
 from diloco.wire.format.spool import CheckedPieces
-
-log = logging.getLogger("diloco.server")
 
 
 class RoundsRole(Protocol):
@@ -476,9 +473,8 @@ class BarrierRounds:
             # The step is durable but its result or next round is not in place (out of
             # memory encoding it): serving on would answer future_round and wait for ever;
             # a restart serves the durable step.
-            c.model.broken = f"publishing {what} after its durable step failed: {exc!r}"
-            log.exception("%s; refusing requests until restarted", c.model.broken)
-            raise Rejection(503, "checkpoint_failed", c.model.broken) from None
+            why = f"publishing {what} after its durable step failed: {exc!r}"
+            raise c.model.stop_serving(why, exc_info=True) from None
         for when in current.submitted.values():
             c.metrics.barrier_wait_seconds.observe(max(0.0, now - when))
         c.publish(

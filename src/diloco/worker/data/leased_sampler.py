@@ -162,8 +162,9 @@ class LeasedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         next_epoch, self._open_next_epoch = self._open_next_epoch, False
         while True:
-            with self._lock:
-                self._let_go_if_evicted()
+            if self._evicted:  # (a flag's read: no lock per sample on the training thread)
+                with self._lock:
+                    self._let_go_if_evicted()
             if not self._queue:
                 reply = self._lease(next_epoch)
                 next_epoch = False

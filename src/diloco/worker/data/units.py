@@ -45,8 +45,7 @@ class UnitReports:
 
     def progress(self) -> dict[int, int]:
         """The unit under way and the samples of it trained (a source that tracks them)."""
-        progress = getattr(self.source, "progress", None)
-        return progress() if callable(progress) else {}
+        return self._ask("progress", {})
 
     def reported(self, units: list[int]) -> None:
         """`units` went with a submission the server took: the source drops them."""
@@ -61,54 +60,43 @@ class UnitReports:
     def take_lost_training(self) -> bool:
         """Whether the source trained samples of units that are no longer ours (an eviction
         gave them back to the pool) since the last call (see LeasedSampler's)."""
-        take = getattr(self.source, "take_lost_training", None)
-        return bool(take()) if callable(take) else False
+        return bool(self._ask("take_lost_training", False))
 
     def evicted(self) -> None:
         """The server evicted us: the source lets its leases go (LeasedSampler's)."""
-        evicted = getattr(self.source, "evicted", None)
-        if callable(evicted):
-            evicted()
+        self._ask("evicted")
 
     def keep_lost_training(self) -> None:
         """The drop `take_lost_training` asked for did not happen: ask again next time."""
-        keep = getattr(self.source, "keep_lost_training", None)
-        if callable(keep):
-            keep()
+        self._ask("keep_lost_training")
 
     def round_dropped(self) -> None:
         """The round's pseudo-gradient was dropped: the source trains its units again from
-        where the server has them (LeasedSampler's)."""
-        dropped = getattr(self.source, "round_dropped", None)
-        if callable(dropped):
-            dropped()
+        where the server has them (LeasedSampler's, which asks the server for our leases: if
+        it cannot, the units stay as they are, reported later as trained though their
+        samples are in no model, with a warning, rather than the round's result lost too)."""
+        try:
+            self._ask("round_dropped")
+        except Exception as exc:
+            log.warning(
+                "could not ask the server for our work units after a dropped round (%s): the "
+                "units finished in it will be reported as trained",
+                exc,
+            )
 
     def round_started(self) -> None:
         """A round begins: a source that keeps its position at round starts takes it."""
-        started = getattr(self.source, "round_started", None)
-        if callable(started):
-            started()
+        self._ask("round_started")
 
     def drain_trace(self) -> list[tuple[int, int]] | None:
         """The samples handed out since the last call, from a traced source; else None."""
-        drain = getattr(self.source, "drain_trace", None)
-        return drain() if callable(drain) else None
+        return self._ask("drain_trace")
 
     def state(self) -> dict[str, Any] | None:
         """The source's position, for the worker's checkpoint (None if it has none)."""
-        state_dict = getattr(self.source, "state_dict", None)
-        return state_dict() if callable(state_dict) else None
+        return self._ask("state_dict")
 
-
-def dropped_round(units: UnitReports) -> None:
-    """`units.round_dropped()`, which asks the server for our leases: if it cannot, the units
-    stay as they are (reported later as trained, their samples in no model), with a warning,
-    instead of losing the round's result to the failure."""
-    try:
-        units.round_dropped()
-    except Exception as exc:
-        log.warning(
-            "could not ask the server for our work units after a dropped round (%s): the "
-            "units finished in it will be reported as trained",
-            exc,
-        )
+    def _ask(self, method: str, default: Any = None) -> Any:
+        """`source.method()` where the source has it (LeasedSampler does), else `default`."""
+        call = getattr(self.source, method, None)
+        return call() if callable(call) else default
